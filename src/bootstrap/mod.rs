@@ -1,0 +1,19 @@
+//! Bootstrap: job secret, authenticated connections, the rendezvous store.
+
+pub mod auth;
+pub mod tcp_store;
+
+use std::time::Duration;
+
+use crate::error::Result;
+
+/// A small key-value store every rank can reach, used once at start-up (and when process sets
+/// are added) to exchange addresses. Every blocking call takes a timeout.
+pub trait Store: Send + Sync {
+    /// Sets `key` to `value` (overwrites).
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// Waits until `key` exists, then returns its value; `Error::Timeout` after `timeout`.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Atomically adds `delta` to the integer at `key` (missing = 0) and returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+}

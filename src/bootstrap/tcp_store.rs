@@ -1,0 +1,1 @@
+//! Rendezvous store over TCP. (Stub: being implemented.)

@@ -1,0 +1,91 @@
+//! The crate's error type. Everything a peer, the network or a user can cause is an `Error`;
+//! internal invariants are `debug_assert!`s.
+
+use std::time::Duration;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong. The Python layer maps each variant to a `FerrovodError` subclass.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// An operating-system level I/O failure that is not attributable to a known peer.
+    #[error("I/O error: {0}")]
+    Io(String),
+    /// A peer closed its connection, reset it, or was reported dead by the coordinator.
+    #[error("rank {rank} failed or disconnected: {detail}")]
+    PeerLost {
+        /// Global rank of the lost peer.
+        rank: usize,
+        /// What was observed (EOF, reset, timeout...).
+        detail: String,
+    },
+    /// A blocking step exceeded its deadline.
+    #[error("timed out after {:.1} s while {what}", .after.as_secs_f64())]
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// The limit that expired.
+        after: Duration,
+    },
+    /// Ranks disagreed about a collective (shape, dtype, op, root, process set...).
+    #[error("{message}")]
+    Mismatch {
+        /// Name of the tensor the ranks disagreed about.
+        name: String,
+        /// The full, human-readable explanation naming the ranks.
+        message: String,
+    },
+    /// The caller asked for something invalid (bad root, unsupported dtype for an op...).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Bytes from the network did not decode.
+    #[error("malformed message: {0}")]
+    Decode(String),
+    /// A connection did not prove knowledge of the job secret.
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    /// The engine is not running (never started, shut down, or used after fork).
+    #[error("{0}")]
+    NotInitialized(String),
+    /// The engine has shut down, or the job was shut down because of an error elsewhere.
+    #[error("{0}")]
+    Shutdown(String),
+}
+
+impl Error {
+    /// Wraps an I/O error seen while talking to `rank`: connection loss becomes `PeerLost`.
+    pub fn from_peer_io(rank: usize, e: &std::io::Error) -> Error {
+        use std::io::ErrorKind::*;
+        match e.kind() {
+            UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | NotConnected => {
+                Error::PeerLost {
+                    rank,
+                    detail: format!("connection lost ({e})"),
+                }
+            }
+            _ => Error::Io(format!("with rank {rank}: {e}")),
+        }
+    }
+
+    /// Short machine-readable kind, used for the wire and for Python exception mapping.
+    pub fn kind_code(&self) -> u8 {
+        match self {
+            Error::Io(_) => 0,
+            Error::PeerLost { .. } => 1,
+            Error::Timeout { .. } => 2,
+            Error::Mismatch { .. } => 3,
+            Error::InvalidArgument(_) => 4,
+            Error::Decode(_) => 5,
+            Error::Auth(_) => 6,
+            Error::NotInitialized(_) => 7,
+            Error::Shutdown(_) => 8,
+        }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io(e.to_string())
+    }
+}

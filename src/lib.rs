@@ -1,0 +1,26 @@
+//! ferrovod's engine: collective communication for data-parallel training.
+//!
+//! Where things live (a tensor's path, top to bottom):
+//! - `python/` — the PyO3 boundary, the only code that knows Python (feature `python`);
+//! - [`engine`] — one background thread per process: queue → negotiate → fuse → execute;
+//! - [`collective`] — algorithms (one file per collective), written against [`comm::Communicator`];
+//! - [`transport`] — point-to-point links ([`transport::tcp`]); algorithms never see which;
+//! - [`bootstrap`] — job secret, authenticated connections, rendezvous store;
+//! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`].
+#![deny(missing_docs)]
+
+pub mod bootstrap;
+pub mod collective;
+pub mod comm;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod transport;
+pub mod types;
+pub mod wire;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};
+pub use types::{DType, OpKind, ReduceOp};

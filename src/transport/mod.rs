@@ -1,0 +1,69 @@
+//! Point-to-point transports. A collective algorithm talks to peers only through
+//! [`Transport::exchange`]; it never knows whether bytes travel over TCP or (later) shared memory.
+//!
+//! Peers are identified by **global** rank here; [`crate::comm::Communicator`] maps process-set
+//! ranks onto them.
+
+pub mod tcp;
+
+use std::time::Duration;
+
+use crate::error::Result;
+
+/// One side of a transfer inside an [`Transport::exchange`] call.
+#[derive(Debug)]
+pub enum Xfer<'a> {
+    /// Send all of `buf` to `peer`.
+    Send {
+        /// Destination rank.
+        peer: usize,
+        /// Bytes to send.
+        buf: &'a [u8],
+    },
+    /// Receive exactly `buf.len()` bytes from `peer`.
+    Recv {
+        /// Source rank.
+        peer: usize,
+        /// Where the bytes go.
+        buf: &'a mut [u8],
+    },
+}
+
+impl Xfer<'_> {
+    /// The peer this transfer talks to.
+    pub fn peer(&self) -> usize {
+        match self {
+            Xfer::Send { peer, .. } | Xfer::Recv { peer, .. } => *peer,
+        }
+    }
+
+    /// Mutable access to the peer, so a communicator can translate set ranks to global ranks.
+    pub fn peer_mut(&mut self) -> &mut usize {
+        match self {
+            Xfer::Send { peer, .. } | Xfer::Recv { peer, .. } => peer,
+        }
+    }
+}
+
+/// A set of links from this rank to every other rank of the job.
+///
+/// Contract (every implementation):
+/// - bytes between a pair of ranks arrive in the order they were sent (messages are not framed:
+///   the algorithms know every size in advance);
+/// - `exchange` progresses all its transfers concurrently, so a ring step that sends to the next
+///   rank while receiving from the previous one never deadlocks, whatever the sizes;
+/// - at most one `Send` and one `Recv` per peer in a single `exchange`;
+/// - `exchange` returns `Error::PeerLost{rank}` as soon as a link to `rank` is closed, and
+///   `Error::Timeout` when no byte moved on any of its transfers for `idle_timeout`;
+/// - transfers with an empty buffer complete immediately and touch no link.
+pub trait Transport: Send {
+    /// This process's global rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the job.
+    fn size(&self) -> usize;
+    /// Runs all `xfers` to completion (or the first error).
+    fn exchange(&mut self, xfers: &mut [Xfer<'_>], idle_timeout: Duration) -> Result<()>;
+    /// Closes every link at once, so that peers blocked on this rank fail fast instead of
+    /// waiting for a timeout. Used when the job is being torn down after a failure.
+    fn abort(&mut self);
+}
