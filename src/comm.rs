@@ -92,13 +92,7 @@ impl<'a> Communicator<'a> {
     }
 
     /// Sends to one peer while receiving from another (or the same), concurrently.
-    pub fn sendrecv(
-        &mut self,
-        to: usize,
-        send: &[u8],
-        from: usize,
-        recv: &mut [u8],
-    ) -> Result<()> {
+    pub fn sendrecv(&mut self, to: usize, send: &[u8], from: usize, recv: &mut [u8]) -> Result<()> {
         self.exchange(&mut [
             Xfer::Send {
                 peer: to,

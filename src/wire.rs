@@ -163,7 +163,9 @@ impl<'a> Reader<'a> {
         // Each element needs 8 bytes: refuse counts the remaining input cannot hold before
         // allocating, so garbage cannot make us reserve gigabytes.
         if n > (self.data.len() - self.pos) / 8 {
-            return Err(Error::Decode(format!("list of {n} u64s exceeds the message")));
+            return Err(Error::Decode(format!(
+                "list of {n} u64s exceeds the message"
+            )));
         }
         (0..n).map(|_| self.usize()).collect()
     }

@@ -1,7 +1,12 @@
 //! Bootstrap: job secret, authenticated connections, the rendezvous store.
 
 pub mod auth;
+pub mod net;
 pub mod tcp_store;
+
+pub use auth::{authenticate, random_secret, secret_from_hex, secret_to_hex};
+pub use net::{read_frame, read_frame_until, write_frame};
+pub use tcp_store::{TcpStore, TcpStoreServer};
 
 use std::time::Duration;
 

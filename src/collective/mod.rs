@@ -1,48 +1,279 @@
 //! Collective algorithms over a [`Communicator`]. Buffers are raw bytes of whole elements;
-//! ranks and roots are *set* ranks. (Stubs: being implemented.)
+//! ranks and roots are *set* ranks.
+//!
+//! One file per collective; the functions here are the entry points the engine calls, and they
+//! pick the algorithm (latency-optimal for small payloads, bandwidth-optimal for large ones, as
+//! set by [`crate::comm::Tuning`]). Every algorithm moves bytes only through
+//! [`Communicator::exchange`] and its `send`/`recv`/`sendrecv` shorthands, and is written so that
+//! all ranks run the same sequence of exchanges with matching partners ("lockstep"): with a
+//! transport that progresses the sends and receives of one exchange concurrently, no size or
+//! rank count can deadlock.
+//!
+//! | collective | algorithm | bytes sent per rank (payload `B`, `n` ranks) |
+//! |---|---|---|
+//! | allreduce, small | direct (n ≤ 3) / recursive doubling | `(n-1)·B` / `log2(n)·B` (+`B` fold) |
+//! | allreduce, large | ring reduce-scatter + ring allgather | `2·(n-1)/n·B` |
+//! | allgatherv | direct (small) / ring | own block `·(n-1)` / everyone else's blocks |
+//! | broadcast | pipelined binomial tree | `B` per child |
+//! | alltoallv | direct (small) / pairwise exchange | what this rank sends |
+//! | reducescatter | ring | `B - B_r` |
+//! | barrier | dissemination | `ceil(log2 n)` bytes |
 
+pub mod allgather;
+pub mod allreduce;
+pub mod alltoall;
+pub mod barrier;
+pub mod broadcast;
 pub mod reduce;
+pub mod reducescatter;
+
+use std::ops::Range;
 
 use crate::comm::Communicator;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
 
 /// In-place allreduce of `buf`. `op` is Sum/Min/Max/Product (`Average` reduces as Sum; the
 /// engine applies scale factors). Every rank ends with bitwise-identical results.
-pub fn allreduce(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let _ = (comm, buf, dtype, op);
-    todo!()
+///
+/// Payloads up to `comm.tuning.small_allreduce_bytes` use [`allreduce::small`] (direct exchange
+/// or recursive doubling); larger ones [`allreduce::ring`].
+pub fn allreduce(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    allreduce::allreduce(comm, buf, dtype, op)
 }
 
 /// Gathers every rank's `input` into `output`, concatenated in rank order; `byte_counts[r]` is
 /// rank r's input length (`byte_counts[comm.rank()] == input.len()`, `output.len()` = sum).
-pub fn allgatherv(comm: &mut Communicator<'_>, input: &[u8], output: &mut [u8], byte_counts: &[usize]) -> Result<()> {
-    let _ = (comm, input, output, byte_counts);
-    todo!()
+///
+/// See [`allgather::allgatherv`] for the algorithm.
+pub fn allgatherv(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    byte_counts: &[usize],
+) -> Result<()> {
+    allgather::allgatherv(comm, input, output, byte_counts)
 }
 
 /// Copies `root`'s `buf` into every rank's `buf` (same length everywhere).
+///
+/// See [`broadcast::broadcast`] for the algorithm.
 pub fn broadcast(comm: &mut Communicator<'_>, buf: &mut [u8], root: usize) -> Result<()> {
-    let _ = (comm, buf, root);
-    todo!()
+    broadcast::broadcast(comm, buf, root)
 }
 
 /// Sends `input[displ(send_counts, r)..][..send_counts[r]]` to rank r and receives rank r's
 /// part into `output` at offset `displ(recv_counts, r)` (displacements are prefix sums).
-pub fn alltoallv(comm: &mut Communicator<'_>, input: &[u8], send_counts: &[usize], output: &mut [u8], recv_counts: &[usize]) -> Result<()> {
-    let _ = (comm, input, send_counts, output, recv_counts);
-    todo!()
+///
+/// See [`alltoall::alltoallv`] for the algorithm.
+pub fn alltoallv(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    send_counts: &[usize],
+    output: &mut [u8],
+    recv_counts: &[usize],
+) -> Result<()> {
+    alltoall::alltoallv(comm, input, send_counts, output, recv_counts)
 }
 
 /// Reduces `buf` (the full tensor, used as scratch) across ranks and writes this rank's segment
 /// into `output`. Segment r has `byte_counts[r]` bytes, segments laid out in rank order.
-pub fn reducescatter(comm: &mut Communicator<'_>, buf: &mut [u8], byte_counts: &[usize], dtype: DType, op: ReduceOp, output: &mut [u8]) -> Result<()> {
-    let _ = (comm, buf, byte_counts, dtype, op, output);
-    todo!()
+///
+/// See [`reducescatter::reducescatter`] for the algorithm.
+pub fn reducescatter(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    byte_counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+    output: &mut [u8],
+) -> Result<()> {
+    reducescatter::reducescatter(comm, buf, byte_counts, dtype, op, output)
 }
 
 /// Returns once every rank of the set has entered.
+///
+/// See [`barrier::barrier`] for the algorithm.
 pub fn barrier(comm: &mut Communicator<'_>) -> Result<()> {
-    let _ = comm;
-    todo!()
+    barrier::barrier(comm)
+}
+
+// ---- helpers shared by the algorithm files ----
+
+/// Byte ranges of `n` consecutive blocks with the given sizes (prefix sums), checking that one
+/// entry per rank was given and that the total equals `total`.
+pub(crate) fn blocks(
+    counts: &[usize],
+    n: usize,
+    total: usize,
+    what: &str,
+) -> Result<Vec<Range<usize>>> {
+    if counts.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {} counts given for {n} ranks",
+            counts.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0usize;
+    for &c in counts {
+        let end = at
+            .checked_add(c)
+            .ok_or_else(|| Error::InvalidArgument(format!("{what}: counts overflow")))?;
+        out.push(at..end);
+        at = end;
+    }
+    if at != total {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: counts add up to {at} bytes but the buffer holds {total}"
+        )));
+    }
+    Ok(out)
+}
+
+/// Byte ranges of `n` segments splitting `count` elements of `esize` bytes as evenly as
+/// possible; the lowest `count % n` segments get one extra element (Horovod's reducescatter
+/// rule). With `count < n` the last segments are empty.
+pub(crate) fn even_segments(count: usize, n: usize, esize: usize) -> Vec<Range<usize>> {
+    let (base, extra) = (count / n, count % n);
+    let mut at = 0;
+    (0..n)
+        .map(|r| {
+            let len = (base + usize::from(r < extra)) * esize;
+            let range = at..at + len;
+            at += len;
+            range
+        })
+        .collect()
+}
+
+/// The `c`-th piece of `chunk` bytes of `seg` (empty past its end).
+pub(crate) fn chunk_of(seg: &Range<usize>, c: usize, chunk: usize) -> Range<usize> {
+    let start = seg
+        .start
+        .saturating_add(c.saturating_mul(chunk))
+        .min(seg.end);
+    start..start.saturating_add(chunk).min(seg.end)
+}
+
+/// Number of `chunk`-byte pieces the longest of `segs` needs; every rank computes the same
+/// value, so all ranks run the same number of exchanges per step.
+pub(crate) fn chunk_count(segs: &[Range<usize>], chunk: usize) -> usize {
+    segs.iter()
+        .map(|s| s.len().div_ceil(chunk))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Borrows two disjoint ranges of `buf`: one to send from, one to receive into.
+pub(crate) fn split_pair(
+    buf: &mut [u8],
+    send: Range<usize>,
+    recv: Range<usize>,
+) -> (&[u8], &mut [u8]) {
+    if send.is_empty() {
+        return (&[], &mut buf[recv]);
+    }
+    if recv.is_empty() {
+        return (&buf[send], &mut []);
+    }
+    debug_assert!(
+        send.end <= recv.start || recv.end <= send.start,
+        "overlapping ranges"
+    );
+    if send.start < recv.start {
+        let (lo, hi) = buf.split_at_mut(recv.start);
+        (&lo[send], &mut hi[..recv.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(send.start);
+        (&hi[..send.len()], &mut lo[recv])
+    }
+}
+
+/// Splits `buf` into one mutable slice per range (ranges consecutive from 0, as from [`blocks`]).
+pub(crate) fn split_blocks<'b>(
+    mut buf: &'b mut [u8],
+    ranges: &[Range<usize>],
+) -> Vec<&'b mut [u8]> {
+    let mut out = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let (head, tail) = std::mem::take(&mut buf).split_at_mut(r.len());
+        out.push(head);
+        buf = tail;
+    }
+    out
+}
+
+/// Checks a root or peer argument against the set size.
+pub(crate) fn check_rank(r: usize, n: usize, what: &str) -> Result<()> {
+    if r >= n {
+        return Err(Error::InvalidArgument(format!(
+            "{what} {r} is not a rank of this set of {n}"
+        )));
+    }
+    Ok(())
+}
+
+/// Chunk length in bytes for pipelined steps: `chunk_bytes` rounded down to whole elements,
+/// at least one element.
+pub(crate) fn element_chunk(chunk_bytes: usize, esize: usize) -> usize {
+    (chunk_bytes / esize).max(1) * esize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_segments_cover_and_balance() {
+        for n in 1..7 {
+            for count in [0, 1, 2, 5, 6, 7, 100] {
+                let segs = even_segments(count, n, 4);
+                assert_eq!(segs.len(), n);
+                assert_eq!(segs[0].start, 0);
+                assert_eq!(segs[n - 1].end, count * 4);
+                for w in segs.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                    assert!(w[0].len() >= w[1].len());
+                    assert!(w[0].len() - w[1].len() <= 4);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_tile_a_segment() {
+        let seg = 10..33;
+        let n = chunk_count(std::slice::from_ref(&seg), 8);
+        assert_eq!(n, 3);
+        let pieces: Vec<_> = (0..n + 1).map(|c| chunk_of(&seg, c, 8)).collect();
+        assert_eq!(pieces, vec![10..18, 18..26, 26..33, 33..33]);
+    }
+
+    #[test]
+    fn split_pair_either_order() {
+        let mut b: Vec<u8> = (0..10).collect();
+        let (s, r) = split_pair(&mut b, 6..9, 1..3);
+        assert_eq!(s, &[6, 7, 8]);
+        r.copy_from_slice(&[0, 0]);
+        let (s, r) = split_pair(&mut b, 0..2, 4..5);
+        assert_eq!(s, &[0, 0]);
+        assert_eq!(r, &[4]);
+    }
+
+    #[test]
+    fn blocks_validate_totals() {
+        assert_eq!(
+            blocks(&[2, 0, 3], 3, 5, "t").unwrap(),
+            vec![0..2, 2..2, 2..5]
+        );
+        assert!(blocks(&[2, 0], 3, 2, "t").is_err());
+        assert!(blocks(&[2, 0, 3], 3, 6, "t").is_err());
+        assert!(blocks(&[usize::MAX, 1, 0], 3, 0, "t").is_err());
+    }
 }

@@ -1,1 +1,471 @@
-//! Engine (stub).
+//! The engine: one background thread per process that takes submitted ops from a queue,
+//! negotiates them with the coordinator (rank 0's [`coordinator`] thread), and executes the
+//! responses — fused where possible — over the transport, completing each op's [`Handle`].
+//!
+//! The thread sleeps only when it has nothing to do: a submission (through an eventfd) or a
+//! control message (through its socket) wakes it, after a short bounded spin.
+
+pub mod control;
+pub mod coordinator;
+mod execute;
+pub mod handle;
+pub mod message;
+pub mod negotiate;
+pub mod sys;
+pub mod tensor;
+mod worker;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::bootstrap::tcp_store::TcpStore;
+use crate::bootstrap::Store;
+use crate::bootstrap::{auth, net};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::transport::tcp::TcpTransport;
+use crate::types::{OpKind, ReduceOp};
+
+pub use handle::{Handle, Output};
+pub use message::TensorMeta;
+pub use tensor::TensorBuf;
+
+use coordinator::{Coordinator, CoordinatorConfig};
+use message::ToCoordinator;
+use sys::Waker;
+
+/// Where this process sits in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Rank within this host.
+    pub local_rank: usize,
+    /// Ranks on this host.
+    pub local_size: usize,
+    /// Index of this host among the hosts that have this local rank.
+    pub cross_rank: usize,
+    /// Number of hosts that have this local rank.
+    pub cross_size: usize,
+    /// Whether every host runs the same number of ranks.
+    pub homogeneous: bool,
+}
+
+impl Topology {
+    /// Groups ranks by host name (`hosts[r]` is rank r's host), in rank order.
+    pub fn from_hosts(rank: usize, hosts: &[String]) -> Topology {
+        let mut order: Vec<&String> = Vec::new();
+        for h in hosts {
+            if !order.contains(&h) {
+                order.push(h);
+            }
+        }
+        let local_of = |r: usize| hosts[..r].iter().filter(|h| **h == hosts[r]).count();
+        let counts: Vec<usize> = order
+            .iter()
+            .map(|h| hosts.iter().filter(|x| x == h).count())
+            .collect();
+        let local_rank = local_of(rank);
+        let local_size = hosts.iter().filter(|h| **h == hosts[rank]).count();
+        // cross ranks: hosts that have a rank with this local rank, in host order
+        let column: Vec<&String> = order
+            .iter()
+            .filter(|h| hosts.iter().filter(|x| x == *h).count() > local_rank)
+            .copied()
+            .collect();
+        Topology {
+            rank,
+            size: hosts.len(),
+            local_rank,
+            local_size,
+            cross_rank: column.iter().position(|h| **h == hosts[rank]).unwrap_or(0),
+            cross_size: column.len(),
+            homogeneous: counts.windows(2).all(|w| w[0] == w[1]),
+        }
+    }
+}
+
+/// One tensor of a submitted op.
+pub struct TensorSpec {
+    /// Dtype and shape.
+    pub meta: TensorMeta,
+    /// Input memory.
+    pub input: TensorBuf,
+    /// Output memory of the same size (allreduce, broadcast; may be the input itself for
+    /// in-place ops). `None`: the engine allocates the result.
+    pub output: Option<TensorBuf>,
+}
+
+/// A submitted op.
+pub struct OpSpec {
+    /// Process set id.
+    pub set_id: u32,
+    /// Matching name.
+    pub name: String,
+    /// Kind.
+    pub kind: OpKind,
+    /// Reduction.
+    pub op: ReduceOp,
+    /// Broadcast root (global rank).
+    pub root: usize,
+    /// Pre-scale factor.
+    pub prescale: f64,
+    /// Post-scale factor.
+    pub postscale: f64,
+    /// Tensors (several for grouped ops).
+    pub tensors: Vec<TensorSpec>,
+    /// Alltoall rows per destination; empty = equal split.
+    pub splits: Vec<usize>,
+}
+
+pub(crate) enum Command {
+    Op(Box<OpSpec>, Handle),
+    Join(Handle),
+    AddSet(Vec<usize>, mpsc::Sender<Result<u32>>),
+    RemoveSet(u32, mpsc::Sender<Result<bool>>),
+    Shutdown,
+}
+
+pub(crate) struct Shared {
+    queue: Mutex<Vec<Command>>,
+    waker: Waker,
+    sets: Mutex<HashMap<u32, Vec<usize>>>,
+    failed: Mutex<Option<Error>>,
+    stopped: AtomicBool,
+}
+
+/// The pending answer to a process-set change.
+pub struct SetReply<T>(mpsc::Receiver<Result<T>>);
+
+impl<T> SetReply<T> {
+    /// Waits for the coordinator's answer.
+    pub fn wait(self) -> Result<T> {
+        self.0
+            .recv()
+            .map_err(|_| Error::Shutdown("the engine stopped".into()))?
+    }
+}
+
+/// A running engine. Dropping it shuts it down.
+pub struct Engine {
+    topology: Topology,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    coordinator: Option<Coordinator>,
+    spin: Duration,
+    dynamic: bool,
+}
+
+impl Engine {
+    /// Rendezvous with the other ranks, connect, and start the background thread.
+    /// `generation` counts this process's `init()` calls, so a re-init after `shutdown()`
+    /// uses fresh rendezvous keys.
+    pub fn start(config: &Config, process_sets: &[Vec<usize>], generation: u64) -> Result<Engine> {
+        let launch = &config.launch;
+        let (rank, size) = (launch.rank, launch.size);
+        for ps in process_sets {
+            if ps.is_empty() || ps.iter().any(|&r| r >= size) || ps.windows(2).any(|w| w[0] >= w[1])
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "invalid process set {ps:?} for a job of {size} ranks"
+                )));
+            }
+        }
+        let secret = match &launch.secret {
+            Some(s) => s.clone(),
+            None if size == 1 => auth::random_secret(),
+            None => {
+                return Err(Error::InvalidArgument(
+                    "FERROVOD_SECRET is not set: start the job with ferrovodrun".into(),
+                ))
+            }
+        };
+        let deadline = config.start_timeout;
+        let coord_cfg = CoordinatorConfig {
+            size,
+            secret: secret.clone(),
+            process_sets: process_sets.to_vec(),
+            fusion_threshold: config.fusion_threshold,
+            cache_capacity: config.cache_capacity,
+            cycle_time: config.cycle_time,
+            timeout: config.timeout,
+        };
+
+        let (transport, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
+            None => {
+                let listener = TcpListener::bind("127.0.0.1:0")?;
+                let addr = listener.local_addr()?;
+                let coordinator = Coordinator::start(listener, coord_cfg)?;
+                let data = TcpListener::bind("127.0.0.1:0")?;
+                let transport = TcpTransport::connect_mesh(
+                    0,
+                    1,
+                    &data,
+                    &[data.local_addr()?],
+                    &secret,
+                    deadline,
+                )?;
+                (
+                    transport,
+                    Some(coordinator),
+                    addr,
+                    vec![config.hostname.clone()],
+                )
+            }
+            Some(rdv) => {
+                let store = TcpStore::connect(rdv.as_str(), &secret, deadline)?;
+                let ip = advertised_ip(rdv)?;
+                let data = TcpListener::bind((ip, 0))?;
+                let key = |k: &str| format!("g{generation}/{k}");
+                let coordinator = if rank == 0 {
+                    let listener = TcpListener::bind((ip, 0))?;
+                    let addr = listener.local_addr()?;
+                    let c = Coordinator::start(listener, coord_cfg)?;
+                    store.set(&key("coordinator"), addr.to_string().as_bytes())?;
+                    Some(c)
+                } else {
+                    None
+                };
+                let me = format!("{}\n{}", data.local_addr()?, config.hostname);
+                store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
+                let mut addrs = Vec::with_capacity(size);
+                let mut hosts = Vec::with_capacity(size);
+                for r in 0..size {
+                    let v = store.get(&key(&format!("peer/{r}")), deadline)?;
+                    let text = String::from_utf8_lossy(&v).to_string();
+                    let (a, h) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+                    addrs.push(a.parse::<SocketAddr>().map_err(|e| {
+                        Error::Decode(format!("rank {r} published a bad address {a:?}: {e}"))
+                    })?);
+                    hosts.push(h.to_string());
+                }
+                let coord = store.get(&key("coordinator"), deadline)?;
+                let coord_addr = String::from_utf8_lossy(&coord)
+                    .parse::<SocketAddr>()
+                    .map_err(|e| Error::Decode(format!("bad coordinator address: {e}")))?;
+                let transport =
+                    TcpTransport::connect_mesh(rank, size, &data, &addrs, &secret, deadline)?;
+                (transport, coordinator, coord_addr, hosts)
+            }
+        };
+
+        let mut topology = Topology::from_hosts(rank, &hosts);
+        if let Some((lr, ls, cr, cs)) = launch.local {
+            topology.local_rank = lr;
+            topology.local_size = ls;
+            topology.cross_rank = cr;
+            topology.cross_size = cs;
+        }
+        let control = connect_control(coord_addr, rank, &secret, deadline)?;
+
+        let mut sets: HashMap<u32, Vec<usize>> = HashMap::new();
+        sets.insert(0, (0..size).collect());
+        for (i, ps) in process_sets.iter().enumerate() {
+            sets.insert(i as u32 + 1, ps.clone());
+        }
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Vec::new()),
+            waker: Waker::new()?,
+            sets: Mutex::new(sets.clone()),
+            failed: Mutex::new(None),
+            stopped: AtomicBool::new(false),
+        });
+        let w = worker::Worker::new(
+            config,
+            rank,
+            Box::new(transport),
+            control,
+            shared.clone(),
+            sets,
+        )?;
+        let thread = std::thread::Builder::new()
+            .name("ferrovod-engine".into())
+            .spawn(move || w.run())
+            .map_err(|e| Error::Io(format!("spawning the engine thread: {e}")))?;
+        Ok(Engine {
+            topology,
+            shared,
+            thread: Some(thread),
+            coordinator,
+            spin: config.spin,
+            dynamic: config.dynamic_process_sets,
+        })
+    }
+
+    /// This process's place in the job.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// How long waits spin before blocking.
+    pub fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// Members (sorted global ranks) of process set `id`, if registered.
+    pub fn process_set(&self, id: u32) -> Option<Vec<usize>> {
+        self.shared.sets.lock().get(&id).cloned()
+    }
+
+    /// Registered process sets.
+    pub fn process_sets(&self) -> HashMap<u32, Vec<usize>> {
+        self.shared.sets.lock().clone()
+    }
+
+    /// Queues an op; the handle completes when it is done.
+    pub fn submit(&self, op: OpSpec) -> Handle {
+        let h = Handle::new();
+        self.push(Command::Op(Box::new(op), h.clone()));
+        h
+    }
+
+    /// Declares this rank out of data; the handle completes (with `last_joined`) once every
+    /// rank has joined.
+    pub fn join(&self) -> Handle {
+        let h = Handle::new();
+        self.push(Command::Join(h.clone()));
+        h
+    }
+
+    /// Registers a process set (every rank must call this in the same order). The receiver
+    /// yields its id once every rank has asked for it.
+    pub fn add_process_set(&self, ranks: Vec<usize>) -> SetReply<u32> {
+        let (tx, rx) = mpsc::channel();
+        match self.check_dynamic() {
+            Ok(()) => self.push(Command::AddSet(ranks, tx)),
+            Err(e) => drop(tx.send(Err(e))),
+        }
+        SetReply(rx)
+    }
+
+    fn check_dynamic(&self) -> Result<()> {
+        if self.dynamic {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(
+                "process sets can only be added or removed after init() in dynamic mode: call \
+                 init(process_sets=\"dynamic\") or set FERROVOD_DYNAMIC_PROCESS_SETS=1"
+                    .into(),
+            ))
+        }
+    }
+
+    /// Removes a process set; the receiver yields false if it did not exist.
+    pub fn remove_process_set(&self, id: u32) -> SetReply<bool> {
+        let (tx, rx) = mpsc::channel();
+        match self.check_dynamic() {
+            Ok(()) => self.push(Command::RemoveSet(id, tx)),
+            Err(e) => drop(tx.send(Err(e))),
+        }
+        SetReply(rx)
+    }
+
+    fn push(&self, cmd: Command) {
+        self.shared.queue.lock().push(cmd);
+        self.shared.waker.wake();
+    }
+
+    /// Stops the engine: pending ops fail with `Shutdown`, the coordinator (rank 0) tells the
+    /// other ranks, threads are joined.
+    pub fn shutdown(&mut self) {
+        if self.thread.is_some() {
+            self.push(Command::Shutdown);
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+        }
+        if let Some(mut c) = self.coordinator.take() {
+            c.stop();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The address other ranks can reach this process on: the local address of the route to the
+/// rendezvous store (a UDP "connect" sends nothing; it only picks the route).
+fn advertised_ip(rendezvous: &str) -> Result<std::net::IpAddr> {
+    let target = rendezvous
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("bad rendezvous address {rendezvous:?}: {e}")))?
+        .next()
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "rendezvous address {rendezvous:?} does not resolve"
+            ))
+        })?;
+    if target.ip().is_loopback() {
+        return Ok(target.ip());
+    }
+    let bind = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    let s = UdpSocket::bind(bind)?;
+    s.connect(target)?;
+    Ok(s.local_addr()?.ip())
+}
+
+fn connect_control(
+    addr: SocketAddr,
+    rank: usize,
+    secret: &[u8],
+    timeout: Duration,
+) -> Result<control::FrameConn> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                return Err(Error::Timeout {
+                    what: format!("connecting to the coordinator at {addr}: {e}"),
+                    after: timeout,
+                })
+            }
+        }
+    };
+    auth::authenticate(&mut stream, secret, true, timeout)?;
+    net::write_frame(&mut stream, &ToCoordinator::Hello { rank }.encode())?;
+    control::FrameConn::new(stream, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topology_groups_hosts() {
+        let hosts: Vec<String> = ["a", "a", "b", "b", "c"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let t = Topology::from_hosts(3, &hosts);
+        assert_eq!(
+            (t.local_rank, t.local_size, t.cross_rank, t.cross_size),
+            (1, 2, 1, 2)
+        );
+        let t = Topology::from_hosts(4, &hosts);
+        assert_eq!(
+            (t.local_rank, t.local_size, t.cross_rank, t.cross_size),
+            (0, 1, 2, 3)
+        );
+        assert!(!t.homogeneous);
+    }
+}

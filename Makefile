@@ -1,0 +1,69 @@
+# ferrovod developer commands. `make test` is what CI runs (.ci/run); `make demo` trains a
+# small model on 2 processes. Everything Python lives in the virtual environment $(VENV),
+# created and kept up to date by scripts/setup_venv.sh.
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+RUN := $(VENV)/bin/ferrovodrun
+NP ?= 2
+# Extra arguments for the benchmark, e.g. make bench BENCH_ARGS="--ops allreduce --max-size 16M"
+BENCH_ARGS ?=
+# cargo test profile: measured on the 2-core VM, see the test target.
+CARGO_TEST_FLAGS ?= --release
+PYTEST_FLAGS ?= -q -x --timeout=300
+
+export VENV
+
+.PHONY: help setup build demo test test-rust test-py lint bench wheel clean
+
+help:
+	@echo "make demo    train a small model with 2 processes (sets everything up first)"
+	@echo "make test    fmt, clippy, cargo test, pytest: what CI runs"
+	@echo "make setup   create $(VENV) and build the extension into it"
+	@echo "make build   rebuild the extension into $(VENV)"
+	@echo "make lint    cargo fmt --check and clippy"
+	@echo "make bench   collectives benchmark, side by side with torch.distributed (gloo)"
+	@echo "make wheel   the manylinux abi3 wheel into dist/"
+	@echo "make clean   remove build outputs and $(VENV)"
+
+setup:
+	@scripts/setup_venv.sh
+
+build:
+	@scripts/setup_venv.sh
+
+demo: setup
+	$(RUN) -np $(NP) $(PY) examples/allreduce_demo.py
+
+lint:
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	# src/python/ is compiled only with the `python` feature: lint it too.
+	cargo clippy --all-targets --features python -- -D warnings
+
+test-rust:
+	cargo test $(CARGO_TEST_FLAGS)
+
+test-py: setup
+	$(PY) -m pytest tests/python $(PYTEST_FLAGS)
+
+test: setup lint test-rust test-py
+
+bench: setup
+	@$(PY) -c "import torch" 2>/dev/null || { \
+		echo "bench: installing torch into $(VENV) (first time only, a few minutes)"; \
+		$(PY) -m pip install --quiet torch; }
+	$(RUN) -np $(NP) $(PY) benchmarks/collectives.py --compare torch $(BENCH_ARGS)
+
+wheel:
+	@scripts/build_wheel.sh dist
+
+clean:
+	cargo clean
+	rm -rf $(VENV) dist wheelhouse bench-out .pytest_cache
+	find python -name '*.so' -delete
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

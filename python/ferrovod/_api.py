@@ -1,0 +1,673 @@
+"""The framework-free API: collectives on NumPy arrays and on any CPU object that speaks DLPack.
+
+Every op is submitted to the Rust engine at once and returns an integer handle; the blocking
+forms are ``synchronize(<op>_async(...))``. Inputs are passed zero-copy (their data pointers);
+the arrays are kept referenced here until ``synchronize`` returns, which is what makes
+handing raw pointers to the engine sound.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+from . import process_sets as _ps
+from .exceptions import InvalidArgumentError
+from .process_sets import ProcessSet, global_process_set
+
+Average = _core.Average
+Sum = _core.Sum
+Adasum = _core.Adasum
+Min = _core.Min
+Max = _core.Max
+Product = _core.Product
+
+_DTYPES: Dict[str, int] = {
+    "uint8": _core.DTYPE_UINT8,
+    "int8": _core.DTYPE_INT8,
+    "int16": _core.DTYPE_INT16,
+    "int32": _core.DTYPE_INT32,
+    "int64": _core.DTYPE_INT64,
+    "float16": _core.DTYPE_FLOAT16,
+    "bfloat16": _core.DTYPE_BFLOAT16,
+    "float32": _core.DTYPE_FLOAT32,
+    "float64": _core.DTYPE_FLOAT64,
+    "bool": _core.DTYPE_BOOL,
+}
+
+Tensor = Any
+Handle = int
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+_lock = threading.Lock()
+_handles: Dict[int, "_Pending"] = {}
+_next_handle = itertools.count(1)
+_name_counters: Dict[str, itertools.count] = {}
+
+
+def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[ProcessSet]]] = None) -> None:
+    """Starts ferrovod: rendezvous with the other ranks and start the background engine.
+
+    ``process_sets`` is a list of :class:`ProcessSet` registered at start-up (ids 1, 2, ...
+    in order), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` (an MPI
+    communicator or a list of ranks in Horovod) is not supported yet and must be None.
+    Calling ``init()`` again while running is a no-op; after :func:`shutdown` it starts a new
+    engine.
+    """
+    if comm is not None:
+        raise ValueError("init(comm=...) is not supported: ferrovod does not use MPI communicators")
+    dynamic = process_sets == "dynamic"
+    static: List[ProcessSet] = [] if (process_sets is None or dynamic) else list(process_sets)
+    for ps in static:
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets must hold ProcessSet objects, got {ps!r}")
+    if len(set(tuple(p.ranks) for p in static)) != len(static):
+        raise ValueError("process_sets contains duplicates")
+    if _core.is_initialized():
+        return
+    _core.init([p.ranks for p in static], dynamic)
+    _name_counters.clear()
+    _ps._on_init(static)
+
+
+def shutdown() -> None:
+    """Stops the engine. Pending ops fail; ``init()`` may be called again afterwards."""
+    _core.shutdown()
+    _ps._on_shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run in this process and :func:`shutdown` has not."""
+    return bool(_core.is_initialized())
+
+
+atexit.register(shutdown)
+
+
+def _topo(i: int) -> Any:
+    return _core.topology()[i]
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return int(_topo(0))
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return int(_topo(1))
+
+
+def local_rank() -> int:
+    """Rank of this process among those on its host."""
+    return int(_topo(2))
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return int(_topo(3))
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts that have a process with this local rank."""
+    return int(_topo(4))
+
+
+def cross_size() -> int:
+    """Number of hosts that have a process with this local rank."""
+    return int(_topo(5))
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    return bool(_topo(6))
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+@dataclass
+class _Pending:
+    core: Any
+    finish: Callable[[Any], Any]
+    keepalive: List[Any] = field(default_factory=list)
+
+
+def _as_array(tensor: Tensor) -> np.ndarray:
+    """A NumPy view of ``tensor`` (zero-copy for arrays and CPU DLPack objects)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    if hasattr(tensor, "__dlpack__"):
+        try:
+            return np.from_dlpack(tensor)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise InvalidArgumentError(
+                f"cannot read a {type(tensor).__name__} through DLPack ({e}); pass a CPU tensor "
+                "or a NumPy array"
+            ) from e
+    return np.asarray(tensor)
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    # np.ascontiguousarray turns a 0-d array into shape (1,): keep 0-d tensors 0-d.
+    if arr.flags.c_contiguous:
+        return arr
+    return np.ascontiguousarray(arr).reshape(arr.shape)
+
+
+def _dtype_code(arr: np.ndarray, what: str) -> int:
+    code = _DTYPES.get(arr.dtype.name)
+    if code is None:
+        raise InvalidArgumentError(
+            f"{what}: dtype {arr.dtype} is not supported (supported: {', '.join(_DTYPES)})"
+        )
+    return code
+
+
+def _ptr(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+def _auto_name(kind: str, name: Optional[str]) -> str:
+    if name is not None:
+        return str(name)
+    counter = _name_counters.setdefault(kind, itertools.count())
+    return f"{kind}.noname.{next(counter)}"
+
+
+def _set_id(process_set: ProcessSet) -> int:
+    if process_set.process_set_id is None:
+        raise InvalidArgumentError(
+            f"{process_set} has not been registered (pass it to init(process_sets=...) or "
+            "add_process_set)"
+        )
+    return int(process_set.process_set_id)
+
+
+def _resolve_op(op: Optional[int], average: Optional[bool], default: int = Average) -> int:
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        return Average if average else Sum
+    return default if op is None else int(op)
+
+
+def _register(core: Any, finish: Callable[[Any], Any], keepalive: List[Any]) -> Handle:
+    h = next(_next_handle)
+    with _lock:
+        _handles[h] = _Pending(core, finish, keepalive)
+    return h
+
+
+def _submit(
+    kind: int,
+    name: str,
+    process_set: ProcessSet,
+    inputs: Sequence[np.ndarray],
+    outputs: Sequence[Optional[np.ndarray]],
+    op: int = Sum,
+    root: int = 0,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    splits: Sequence[int] = (),
+) -> Any:
+    tensors = []
+    for arr, out in zip(inputs, outputs):
+        code = _dtype_code(arr, name)
+        tensors.append((_ptr(arr), arr.nbytes, code, list(arr.shape), 0 if out is None else _ptr(out)))
+    return _core.enqueue(
+        kind, name, _set_id(process_set), tensors, int(op), int(root), float(prescale),
+        float(postscale), [int(s) for s in splits],
+    )
+
+
+def _from_bytes(buf: bytearray, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    return np.frombuffer(buf, dtype=dtype).reshape(tuple(shape))
+
+
+def poll(handle: Handle) -> bool:
+    """True when the op behind ``handle`` has completed. Never blocks."""
+    with _lock:
+        p = _handles.get(handle)
+    if p is None:
+        raise ValueError(f"unknown or already synchronized handle {handle}")
+    return bool(p.core.poll())
+
+
+def synchronize(handle: Handle) -> Any:
+    """Waits for the op behind ``handle`` (with the GIL released) and returns its result."""
+    with _lock:
+        p = _handles.get(handle)
+    if p is None:
+        raise ValueError(f"unknown or already synchronized handle {handle}")
+    try:
+        result = p.core.wait()
+    finally:
+        with _lock:
+            _handles.pop(handle, None)
+    return p.finish(result)
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+
+def _allreduce_async(
+    tensors: Sequence[Tensor], inplace: bool, average: Optional[bool], name: Optional[str],
+    op: Optional[int], prescale_factor: float, postscale_factor: float,
+    process_set: ProcessSet, kind_name: str,
+) -> Tuple[Handle, bool]:
+    rop = _resolve_op(op, average)
+    if rop == Adasum:
+        raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
+    originals = [_as_array(t) for t in tensors]
+    inputs = [_contiguous(a) for a in originals]
+    if inplace:
+        outputs = inputs
+    else:
+        outputs = [np.empty_like(a, order="C") for a in inputs]
+    core = _submit(_core.ALLREDUCE, _auto_name(kind_name, name), process_set, inputs, outputs,
+                   rop, 0, prescale_factor, postscale_factor)
+
+    def finish(_: Any) -> List[Any]:
+        if inplace:
+            results = []
+            for orig, tensor, buf in zip(originals, tensors, inputs):
+                if buf is not orig:
+                    orig[...] = buf
+                results.append(tensor)
+            return results
+        return list(outputs)
+
+    return _register(core, finish, [tensors, originals, inputs, outputs]), True
+
+
+def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                    op: Optional[int] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an allreduce of ``tensor`` into a new array; returns a handle."""
+    h, _ = _allreduce_async([tensor], False, average, name, op, prescale_factor,
+                            postscale_factor, process_set, "allreduce")
+    return _single(h)
+
+
+def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              op: Optional[int] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
+    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
+                                       postscale_factor, process_set))
+
+
+def allreduce_async_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Optional[int] = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an in-place allreduce of ``tensor``; returns a handle."""
+    h, _ = _allreduce_async([tensor], True, average, name, op, prescale_factor,
+                            postscale_factor, process_set, "allreduce")
+    return _single(h)
+
+
+def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> Tensor:
+    """Reduces ``tensor`` across ranks in place and returns it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors: Sequence[Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[int] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an allreduce of a list of tensors negotiated and fused as one unit."""
+    h, _ = _allreduce_async(list(tensors), False, average, name, op, prescale_factor,
+                            postscale_factor, process_set, "grouped_allreduce")
+    return h
+
+
+def grouped_allreduce(tensors: Sequence[Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, op: Optional[int] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+    """Reduces a list of tensors as one unit; returns the list of results."""
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                               postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: Sequence[Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[int] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
+    """In-place form of :func:`grouped_allreduce_async`."""
+    h, _ = _allreduce_async(list(tensors), True, average, name, op, prescale_factor,
+                            postscale_factor, process_set, "grouped_allreduce")
+    return h
+
+
+def grouped_allreduce_(tensors: Sequence[Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[int] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> List[Tensor]:
+    """Reduces a list of tensors in place as one unit; returns them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+def _single(h: Handle) -> Handle:
+    """Makes a one-tensor handle return the tensor rather than a one-element list."""
+    with _lock:
+        p = _handles[h]
+        inner = p.finish
+        p.finish = lambda r: inner(r)[0]
+    return h
+
+
+# ----------------------------------------------------------------------------- allgather
+
+
+def _gather_async(tensors: Sequence[Tensor], name: Optional[str], process_set: ProcessSet,
+                  kind_name: str) -> Handle:
+    inputs = [_contiguous(_as_array(t)) for t in tensors]
+    for a in inputs:
+        if a.ndim == 0:
+            raise InvalidArgumentError(
+                f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
+    core = _submit(_core.ALLGATHER, _auto_name(kind_name, name), process_set, inputs,
+                   [None] * len(inputs))
+    dtypes = [a.dtype for a in inputs]
+
+    def finish(result: Any) -> List[np.ndarray]:
+        outs, _, _ = result
+        return [_from_bytes(b, s, d) for (b, s), d in zip(outs, dtypes)]
+
+    return _register(core, finish, [tensors, inputs])
+
+
+def allgather_async(tensor: Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an allgather (concatenation along dim 0 in rank order)."""
+    return _single(_gather_async([tensor], name, process_set, "allgather"))
+
+
+def allgather(tensor: Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Concatenates every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an allgather of a list of tensors negotiated as one unit."""
+    return _gather_async(list(tensors), name, process_set, "grouped_allgather")
+
+
+def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
+    """Allgathers a list of tensors as one unit."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ----------------------------------------------------------------------------- broadcast
+
+
+def _broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str],
+                     process_set: ProcessSet, inplace: bool) -> Handle:
+    original = _as_array(tensor)
+    buf = _contiguous(original)
+    out = buf if inplace else np.empty_like(buf, order="C")
+    core = _submit(_core.BROADCAST, _auto_name("broadcast", name), process_set, [buf], [out],
+                   root=int(root_rank))
+
+    def finish(_: Any) -> Any:
+        if inplace:
+            if buf is not original:
+                original[...] = buf
+            return tensor
+        return out
+
+    return _register(core, finish, [tensor, original, buf, out])
+
+
+def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts a broadcast from global rank ``root_rank`` into a new array."""
+    return _broadcast_async(tensor, root_rank, name, process_set, False)
+
+
+def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an in-place broadcast."""
+    return _broadcast_async(tensor, root_rank, name, process_set, True)
+
+
+def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> Tensor:
+    """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ----------------------------------------------------------------------------- alltoall
+
+
+def alltoall_async(tensor: Tensor, splits: Optional[Sequence[int]] = None,
+                   name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Starts an alltoall: ``splits[i]`` rows of dim 0 go to set rank i (default: equal)."""
+    arr = _contiguous(_as_array(tensor))
+    if arr.ndim == 0:
+        raise InvalidArgumentError("alltoall: a 0-d (scalar) tensor has no first dimension")
+    split_list: List[int] = []
+    if splits is not None:
+        split_list = [int(s) for s in np.asarray(_as_array(splits)).reshape(-1)]
+        if any(s < 0 for s in split_list):
+            raise InvalidArgumentError(f"alltoall: splits must be non-negative, got {split_list}")
+    core = _submit(_core.ALLTOALL, _auto_name("alltoall", name), process_set, [arr], [None],
+                   splits=split_list)
+    want_splits = splits is not None
+
+    def finish(result: Any) -> Any:
+        outs, received, _ = result
+        out = _from_bytes(outs[0][0], outs[0][1], arr.dtype)
+        if want_splits:
+            return out, np.asarray(received, dtype=np.int32)
+        return out
+
+    return _register(core, finish, [tensor, arr])
+
+
+def alltoall(tensor: Tensor, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Scatters dim-0 slices to every rank and gathers theirs. Returns the output, or
+    ``(output, received_splits)`` when ``splits`` is given."""
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
+
+
+# ----------------------------------------------------------------------------- reducescatter
+
+
+def _reducescatter_async(tensors: Sequence[Tensor], name: Optional[str], op: int,
+                         process_set: ProcessSet, prescale_factor: float,
+                         postscale_factor: float, kind_name: str) -> Handle:
+    if int(op) not in (Sum, Average):
+        raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
+    inputs = [_contiguous(_as_array(t)) for t in tensors]
+    core = _submit(_core.REDUCESCATTER, _auto_name(kind_name, name), process_set, inputs,
+                   [None] * len(inputs), op, 0, prescale_factor, postscale_factor)
+    dtypes = [a.dtype for a in inputs]
+
+    def finish(result: Any) -> List[np.ndarray]:
+        outs, _, _ = result
+        return [_from_bytes(b, s, d) for (b, s), d in zip(outs, dtypes)]
+
+    return _register(core, finish, [tensors, inputs])
+
+
+def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Starts a reducescatter (Sum or Average)."""
+    return _single(_reducescatter_async([tensor], name, op, process_set, prescale_factor,
+                                        postscale_factor, "reducescatter"))
+
+
+def reducescatter(tensor: Tensor, name: Optional[str] = None, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduces across ranks and returns this rank's rows of dim 0 (the lowest ranks get one
+    extra row when dim 0 does not divide evenly)."""
+    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                           postscale_factor))
+
+
+def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,
+                                op: int = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Starts a reducescatter of a list of tensors negotiated as one unit."""
+    return _reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                postscale_factor, "grouped_reducescatter")
+
+
+def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
+                          op: int = Average, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[np.ndarray]:
+    """Reducescatters a list of tensors as one unit."""
+    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+
+
+# ----------------------------------------------------------------------------- barrier, join
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Returns once every rank of ``process_set`` has called it."""
+    core = _submit(_core.BARRIER, _auto_name("barrier", None), process_set, [], [])
+    synchronize(_register(core, lambda _: None, []))
+
+
+def join(device: int = -1) -> int:
+    """Declares this rank out of data. Until every rank has joined, this rank's engine takes
+    part in the others' allreduces with zeros. Returns the last rank to join."""
+    del device  # CPU only: zeros are made by the engine
+    core = _core.join()
+    h = _register(core, lambda r: int(r[2]), [])
+    return int(synchronize(h))
+
+
+# ----------------------------------------------------------------------------- objects
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Sends a picklable object from ``root_rank`` to every rank (cloudpickle)."""
+    import cloudpickle
+
+    name = _auto_name("broadcast_object", name)
+    if rank() == root_rank:
+        payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
+        length = np.array([payload.size], dtype=np.int64)
+    else:
+        payload = None
+        length = np.zeros(1, dtype=np.int64)
+    broadcast_(length, root_rank, name=f"{name}.size", process_set=process_set)
+    buf = payload.copy() if payload is not None else np.zeros(int(length[0]), dtype=np.uint8)
+    broadcast_(buf, root_rank, name=f"{name}.data", process_set=process_set)
+    if rank() == root_rank:
+        return obj
+    return cloudpickle.loads(buf.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Gathers a picklable object from every rank; returns them in rank order."""
+    import cloudpickle
+
+    name = _auto_name("allgather_object", name)
+    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
+    sizes = allgather(np.array([payload.size], dtype=np.int64), name=f"{name}.sizes",
+                      process_set=process_set)
+    data = allgather(payload, name=f"{name}.data", process_set=process_set)
+    out, off = [], 0
+    for n in sizes.tolist():
+        out.append(cloudpickle.loads(data[off:off + n].tobytes()))
+        off += n
+    return out
+
+
+# ----------------------------------------------------------------------------- queries
+
+
+def build_info() -> Dict[str, Any]:
+    """What this build contains: version, transports, controllers and backends."""
+    return dict(_core.build_info())
+
+
+def gloo_built() -> bool:
+    """False: ferrovod has its own engine, not Gloo."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: ferrovod has its own engine, not Gloo."""
+    return False
+
+
+def mpi_built() -> bool:
+    """False: ferrovod does not link MPI."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: ferrovod does not link MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """False: ferrovod does not link MPI."""
+    return False
+
+
+def nccl_built() -> int:
+    """NCCL version code compiled in (0: none), as in Horovod."""
+    return 0
+
+
+def cuda_built() -> bool:
+    """Whether CUDA support is built in."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Whether ROCm support is built in."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Whether IBM DDL support is built in."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Whether oneCCL support is built in."""
+    return False
+

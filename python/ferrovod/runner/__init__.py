@@ -1,0 +1,17 @@
+"""``ferrovodrun``, the job launcher (horovodrun-compatible flags); see :mod:`.launch`.
+
+Modules: :mod:`.launch` (command line and job flow), :mod:`.hosts` (host lists and rank
+assignment), :mod:`.worker_env` (what each worker's environment holds), :mod:`.supervisor`
+(starting, watching and stopping workers), :mod:`.output` (line-prefixed output forwarding) and
+:mod:`.check_build` (``--check-build``). Importing this package imports none of them, so
+``import ferrovod.runner`` stays cheap.
+"""
+
+__all__ = ["main"]
+
+
+def main() -> None:
+    """Runs ``ferrovodrun`` with ``sys.argv`` (same as the console script)."""
+    from .launch import main as _main
+
+    _main()

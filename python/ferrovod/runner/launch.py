@@ -1,0 +1,454 @@
+"""``ferrovodrun``: launches a ferrovod job on this machine (horovodrun-compatible flags).
+
+Usage: ``ferrovodrun -np N [options] command args...``, or ``python -m ferrovod.runner.launch``.
+
+The launcher creates a random job secret, starts the rendezvous store, starts one worker per
+rank with its topology in the environment, forwards their output line by line, and ends the
+job as a whole: the first worker to fail (or a Ctrl-C) stops all the others, and the launcher
+exits with that worker's status. Multi-host and elastic launches are not supported yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import signal
+import sys
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, BinaryIO, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+
+from . import check_build as _check_build
+from .hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile, parse_hosts, remote_hosts
+from .output import Sink, rank_output_dir
+from .supervisor import JobOutcome, SpawnError, Supervisor, WorkerSpec, describe_status
+from .worker_env import JobInfo, slot_env, tunable_env, visible_env, worker_env
+
+__all__ = ["LaunchError", "LaunchPlan", "build_parser", "main", "plan_job", "run_commandline"]
+
+PROG = "ferrovodrun"
+GRACE_S = 3.0
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+# Flags accepted for horovodrun compatibility that change nothing in a local launch:
+# (argparse dest, flag as the user writes it).
+_IGNORED_FLAGS: List[Tuple[str, str]] = [
+    ("use_gloo", "--gloo"),
+    ("use_mpi", "--mpi"),
+    ("use_jsrun", "--jsrun"),
+    ("tcp_flag", "--tcp"),
+    ("disable_cache", "--disable-cache"),
+    ("nics", "--network-interface(s)"),
+    ("ssh_port", "--ssh-port"),
+    ("ssh_identity_file", "--ssh-identity-file"),
+    ("mpi_args", "--mpi-args"),
+    ("binding_args", "--binding-args"),
+    ("num_nccl_streams", "--num-nccl-streams"),
+    ("thread_affinity", "--thread-affinity"),
+    ("mpi_threads_disable", "--mpi-threads-disable"),
+    ("hierarchical_allreduce", "--[no-]hierarchical-allreduce"),
+    ("hierarchical_allgather", "--[no-]hierarchical-allgather"),
+    ("torus_allreduce", "--[no-]torus-allreduce"),
+    ("autotune", "--[no-]autotune"),
+    ("autotune_log_file", "--autotune-log-file"),
+    ("autotune_warmup_samples", "--autotune-warmup-samples"),
+    ("autotune_steps_per_sample", "--autotune-steps-per-sample"),
+    ("autotune_bayes_opt_max_samples", "--autotune-bayes-opt-max-samples"),
+    ("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise"),
+]
+
+_ELASTIC_FLAGS: List[Tuple[str, str]] = [
+    ("min_num_proc", "--min-np"),
+    ("max_num_proc", "--max-np"),
+    ("slots", "--slots-per-host"),
+    ("elastic_timeout", "--elastic-timeout"),
+    ("reset_limit", "--reset-limit"),
+    ("cooldown_range", "--blacklist-cooldown-range"),
+    ("host_discovery_script", "--host-discovery-script"),
+]
+
+
+class LaunchError(Exception):
+    """A launch that cannot go ahead; ``exit_code`` is 2 for usage errors."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before any process starts."""
+
+    command: List[str]
+    slots: List[SlotInfo]
+    tunables: Dict[str, str]
+    output_dir: Optional[str]
+    timestamp: bool
+    verbose: bool
+    notes: List[str]
+
+
+# -- argument parsing -----------------------------------------------------------------------
+
+
+def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative(int)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return int(value)
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return level
+
+
+class _VersionAction(argparse.Action):
+    """Prints the version lazily, so the common path never looks it up."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Optional[str] = None) -> NoReturn:
+        sys.stdout.write(f"{_check_build.ferrovod_version()}\n")
+        parser.exit()
+
+
+class _NicAction(argparse.Action):
+    """``--network-interface(s)``: comma-separated, repeatable; the values are unioned."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Optional[str] = None) -> None:
+        current = set(getattr(namespace, self.dest, None) or ())
+        current.update(v for v in str(values).split(",") if v)
+        setattr(namespace, self.dest, current)
+
+
+def _bool_pair(group: argparse._ActionsContainer, name: str, dest: str, hidden_negative: bool = False) -> None:
+    """``--NAME`` / ``--no-NAME`` storing True/False into ``dest`` (None when neither is given)."""
+    pair = group.add_mutually_exclusive_group()
+    pair.add_argument(f"--{name}", dest=dest, action="store_const", const=True, default=None)
+    pair.add_argument(
+        f"--no-{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS if hidden_negative else None
+    )
+
+
+def _add_general(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--version", action=_VersionAction, help="Print the version and exit.")
+    parser.add_argument("-np", "--num-proc", dest="num_proc", type=_positive_int, help="Total number of processes.")
+    parser.add_argument("-cb", "--check-build", action="store_true", help="Show the frameworks and backends available, then exit.")
+    parser.add_argument("--disable-cache", action="store_true", default=None, help="Accepted for horovodrun compatibility.")
+    parser.add_argument(
+        "--start-timeout", type=_non_negative(int), help="Seconds the job has to start (default: 30, or HOROVOD_START_TIMEOUT)."
+    )
+    parser.add_argument("--network-interfaces", dest="nics", action=_NicAction, help="Accepted for horovodrun compatibility.")
+    parser.add_argument("--network-interface", dest="nics", action=_NicAction, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--output-filename", help="Also write each rank's output to <DIR>/rank.<rank>/stdout and .../stderr."
+    )
+    parser.add_argument("--verbose", action="store_true", help="Print what the launcher does.")
+    parser.add_argument("--config-file", help="A horovodrun YAML config file (not supported yet: ignored with a warning).")
+    parser.add_argument("-p", "--ssh-port", type=int, help="Accepted for horovodrun compatibility.")
+    parser.add_argument("-i", "--ssh-identity-file", help="Accepted for horovodrun compatibility.")
+
+
+def _add_tunables(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tunable parameters (exported to the workers only when given)")
+    group.add_argument("--fusion-threshold-mb", type=_non_negative(int), help="Fusion buffer size in MiB.")
+    group.add_argument("--cycle-time-ms", type=_non_negative(float), help="Cycle time in milliseconds.")
+    group.add_argument("--cache-capacity", type=_non_negative(int), help="Response cache capacity.")
+    _bool_pair(group, "hierarchical-allreduce", "hierarchical_allreduce")
+    _bool_pair(group, "hierarchical-allgather", "hierarchical_allgather")
+    _bool_pair(group, "torus-allreduce", "torus_allreduce")
+    _bool_pair(group, "autotune", "autotune", hidden_negative=True)
+    group.add_argument("--autotune-log-file")
+    group.add_argument("--autotune-warmup-samples", type=_non_negative(int))
+    group.add_argument("--autotune-steps-per-sample", type=_non_negative(int))
+    group.add_argument("--autotune-bayes-opt-max-samples", type=_non_negative(int))
+    group.add_argument("--autotune-gaussian-process-noise", type=_non_negative(float))
+    group.add_argument("--timeline-filename", help="Write a Chrome-trace timeline to this file.")
+    _bool_pair(group, "timeline-mark-cycles", "timeline_mark_cycles", hidden_negative=True)
+    stall = group.add_mutually_exclusive_group()
+    stall.add_argument("--no-stall-check", dest="no_stall_check", action="store_const", const=True, default=None)
+    stall.add_argument("--stall-check", dest="no_stall_check", action="store_const", const=False, help=argparse.SUPPRESS)
+    group.add_argument("--stall-check-warning-time-seconds", type=_non_negative(int))
+    group.add_argument("--stall-check-shutdown-time-seconds", type=_non_negative(int))
+    _bool_pair(group, "mpi-threads-disable", "mpi_threads_disable", hidden_negative=True)
+    group.add_argument("--mpi-args")
+    group.add_argument("--tcp", dest="tcp_flag", action="store_true", default=None)
+    group.add_argument("--binding-args")
+    group.add_argument("--num-nccl-streams", type=_non_negative(int))
+    group.add_argument("--thread-affinity", type=_non_negative(int))
+    group.add_argument("--gloo-timeout-seconds", type=_non_negative(int), help="Seconds without progress before an op fails.")
+
+
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging")
+    group.add_argument("--log-level", type=_log_level, help=f"One of {', '.join(LOG_LEVELS)}.")
+    stamp = group.add_mutually_exclusive_group()
+    stamp.add_argument("--log-with-timestamp", dest="log_with_timestamp", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
+    stamp.add_argument("--log-without-timestamp", dest="log_with_timestamp", action="store_const", const=False, help="Hide the time in ferrovod's log lines.")
+    stamp.add_argument("--log-hide-timestamp", dest="log_with_timestamp", action="store_const", const=False, help=argparse.SUPPRESS)
+    stamp.add_argument("--no-log-hide-timestamp", dest="log_with_timestamp", action="store_const", const=True, help=argparse.SUPPRESS)
+    stamp.add_argument(
+        "-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp", action="store_true",
+        help="Prefix every forwarded output line with the time.",
+    )
+
+
+def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
+    elastic = parser.add_argument_group("elastic (not supported yet)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int)
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int)
+    elastic.add_argument("--slots-per-host", dest="slots", type=int)
+    elastic.add_argument("--elastic-timeout", type=int)
+    elastic.add_argument("--reset-limit", type=int)
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2)
+    hosts = parser.add_argument_group("hosts").add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="Hosts and slots, e.g. localhost:4 (default: localhost:<np>).")
+    hosts.add_argument("-hostfile", "--hostfile", help="File of '<host> slots=<n>' lines.")
+    hosts.add_argument("--host-discovery-script")
+    controller = parser.add_argument_group("controller (accepted for horovodrun compatibility)").add_mutually_exclusive_group()
+    controller.add_argument("--gloo", dest="use_gloo", action="store_true", default=None)
+    controller.add_argument("--mpi", dest="use_mpi", action="store_true", default=None)
+    controller.add_argument("--jsrun", dest="use_jsrun", action="store_true", default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ferrovodrun`` argument parser (horovodrun's flags)."""
+    parser = argparse.ArgumentParser(prog=PROG, description="Launch a ferrovod job (horovodrun-compatible).")
+    _add_general(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="The command every worker runs.")
+    _add_tunables(parser)
+    _add_logging(parser)
+    _add_elastic_and_hosts(parser)
+    return parser
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+def _resolve_hosts(args: argparse.Namespace) -> List[HostInfo]:
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    if args.num_proc is None:
+        raise LaunchError("-np/--num-proc is required (or give the hosts with -H/--hostfile)")
+    return [HostInfo("localhost", args.num_proc)]
+
+
+def _notes(args: argparse.Namespace) -> List[str]:
+    notes = [f"{flag} has no effect on a local launch; ignored" for dest, flag in _IGNORED_FLAGS if getattr(args, dest, None) is not None]
+    if args.prefix_output_with_timestamp:
+        notes.append("prefixing output lines with timestamps")
+    return notes
+
+
+def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None) -> LaunchPlan:
+    """Validates the parsed flags and decides hosts, ranks and tunables; starts nothing.
+
+    Raises :class:`LaunchError` (exit code 2) for anything the launcher cannot do.
+    """
+    environ = dict(os.environ) if environ is None else environ
+    elastic = [flag for dest, flag in _ELASTIC_FLAGS if getattr(args, dest, None) is not None]
+    if elastic:
+        raise LaunchError(f"elastic mode is not supported yet ({', '.join(elastic)})")
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise LaunchError("no command given; usage: ferrovodrun -np N command [args...]")
+    try:
+        hosts = _resolve_hosts(args)
+        remote = remote_hosts(hosts)
+        if remote:
+            raise LaunchError(f"multi-host launch is not supported yet: {', '.join(remote)}")
+        num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
+        slots = get_host_assignments(hosts, num_proc, num_proc)
+        tunables = tunable_env(args, environ)
+    except (HostSpecError, ValueError) as exc:
+        raise LaunchError(str(exc)) from None
+    return LaunchPlan(
+        command=command,
+        slots=slots,
+        tunables=tunables,
+        output_dir=args.output_filename,
+        timestamp=bool(args.prefix_output_with_timestamp),
+        verbose=bool(args.verbose),
+        notes=_notes(args),
+    )
+
+
+# -- launching ------------------------------------------------------------------------------
+
+
+def _start_rendezvous(secret: bytes, log: Callable[[str], None]) -> Tuple[Any, Optional[str]]:
+    """Starts the native rendezvous store on loopback; returns (server, "127.0.0.1:PORT")."""
+    try:
+        from ferrovod._core import RendezvousServer  # type: ignore[import-not-found,attr-defined]
+    except ImportError as exc:
+        log(
+            f"warning: the native core is not available ({exc}); the workers get no rendezvous "
+            "store, so ferrovod.init() will fail in them"
+        )
+        return None, None
+    try:
+        server = RendezvousServer(secret, "127.0.0.1")
+    except Exception as exc:  # noqa: BLE001 - any failure here ends the launch cleanly
+        raise LaunchError(f"cannot start the rendezvous store: {exc}", exit_code=1) from None
+    return server, str(server.addr)
+
+
+def _open_copies(output_dir: Optional[str], slot: SlotInfo) -> Tuple[Optional[BinaryIO], Optional[BinaryIO]]:
+    if output_dir is None:
+        return None, None
+    rank_dir = rank_output_dir(output_dir, slot.rank, slot.size)
+    try:
+        os.makedirs(rank_dir, exist_ok=True)
+        return open(os.path.join(rank_dir, "stdout"), "wb"), open(os.path.join(rank_dir, "stderr"), "wb")
+    except OSError as exc:
+        raise LaunchError(f"cannot write output files under {rank_dir!r}: {exc.strerror or exc}", exit_code=1) from None
+
+
+def _worker_specs(plan: LaunchPlan, job: JobInfo, base_env: Dict[str, str]) -> List[WorkerSpec]:
+    specs = []
+    for slot in plan.slots:
+        stdout_copy, stderr_copy = _open_copies(plan.output_dir, slot)
+        specs.append(
+            WorkerSpec(
+                rank=slot.rank,
+                argv=plan.command,
+                env=worker_env(base_env, slot, job),
+                hostname=slot.hostname,
+                stdout_copy=stdout_copy,
+                stderr_copy=stderr_copy,
+                inherit_stdin=slot.rank == 0,  # as mpirun: only rank 0 reads the launcher's stdin
+            )
+        )
+    return specs
+
+
+def _log_plan(plan: LaunchPlan, specs: List[WorkerSpec], base_env: Dict[str, str], log: Callable[[str], None]) -> None:
+    for note in plan.notes:
+        log(f"note: {note}")
+    for slot in plan.slots:
+        log(
+            f"rank {slot.rank}: host {slot.hostname}, local rank {slot.local_rank}/{slot.local_size}, "
+            f"cross rank {slot.cross_rank}/{slot.cross_size}"
+        )
+    if specs:
+        per_rank = slot_env(plan.slots[0]).keys()
+        shared = visible_env(specs[0].env, base_env)
+        for key in sorted(set(shared) - set(per_rank)):
+            log(f"env {key}={shared[key]}")
+    log(f"command: {shlex.join(plan.command)}")
+
+
+def _install_signal_handlers(supervisor: Supervisor) -> Dict[int, Any]:
+    def handler(signum: int, frame: Optional[FrameType]) -> None:
+        supervisor.notify_signal(signum)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous[signum] = signal.signal(signum, handler)
+    return previous
+
+
+def _restore_signal_handlers(previous: Dict[int, Any]) -> None:
+    for signum, old in previous.items():
+        signal.signal(signum, old)
+
+
+def _report(outcome: JobOutcome, plan: LaunchPlan, log: Callable[[str], None]) -> None:
+    if outcome.failed_rank is None or outcome.failed_returncode is None:
+        return
+    slot = plan.slots[outcome.failed_rank]
+    log(
+        "one or more processes exited with non-zero status, so the job was stopped; the first was "
+        f"rank {slot.rank} (on {slot.hostname}) with {describe_status(outcome.failed_returncode)}"
+    )
+
+
+def launch(plan: LaunchPlan, stdout: BinaryIO, stderr: BinaryIO, adopt_orphans: bool = False) -> int:
+    """Runs the job described by ``plan``; returns the launcher's exit status.
+
+    ``adopt_orphans`` makes this process a child subreaper that reaps every child: right for
+    the ``ferrovodrun`` process, wrong inside a program that has children of its own.
+    """
+    out_sink, err_sink = Sink(stdout), Sink(stderr)
+
+    def log(message: str) -> None:
+        err_sink.write(f"{PROG}: {message}\n".encode("utf-8", "replace"))
+
+    base_env = dict(os.environ)
+    secret = secrets.token_bytes(32)
+    supervisor = Supervisor(out_sink, err_sink, log, GRACE_S, plan.timestamp, plan.verbose, adopt_orphans)
+    previous = _install_signal_handlers(supervisor)
+    server = None
+    try:
+        server, addr = _start_rendezvous(secret, log)
+        job = JobInfo(rendezvous_addr=addr, secret_hex=secret.hex(), tunables=plan.tunables)
+        specs = _worker_specs(plan, job, base_env)
+        if plan.verbose:
+            _log_plan(plan, specs, base_env, log)
+        try:
+            supervisor.start(specs)
+        except SpawnError as exc:
+            log(str(exc))
+            return exc.exit_code
+        outcome = supervisor.run()
+        _report(outcome, plan, log)
+        return outcome.exit_code
+    except LaunchError as exc:
+        log(f"error: {exc}")
+        return exc.exit_code
+    finally:
+        if server is not None:
+            server.close()
+        _restore_signal_handlers(previous)
+
+
+def run_commandline(argv: Optional[Sequence[str]] = None, adopt_orphans: bool = False) -> int:
+    """Parses ``argv`` (default: ``sys.argv[1:]``) and runs; returns the exit status.
+
+    ``adopt_orphans``: see :func:`launch`; :func:`main` sets it.
+    """
+    args = build_parser().parse_args(argv)
+    if args.check_build:
+        return _check_build.check_build(verbose=bool(args.verbose))
+    if args.config_file:
+        sys.stderr.write(f"{PROG}: warning: --config-file is not supported yet; {args.config_file} is ignored\n")
+    try:
+        plan = plan_job(args)
+    except LaunchError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return exc.exit_code
+    return launch(plan, sys.stdout.buffer, sys.stderr.buffer, adopt_orphans=adopt_orphans)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """Console-script entry point of ``ferrovodrun``."""
+    sys.exit(run_commandline(argv, adopt_orphans=True))
+
+
+if __name__ == "__main__":
+    main()

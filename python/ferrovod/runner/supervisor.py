@@ -1,0 +1,433 @@
+"""Process supervision for ``ferrovodrun``: start workers, watch them, stop them all together.
+
+Guarantees:
+
+* every worker runs in its own session (so its process group holds its children too) and gets
+  ``PR_SET_PDEATHSIG(SIGKILL)`` on Linux, so it dies if the launcher is SIGKILLed;
+* a watchdog process (:mod:`._watchdog`) kills the workers' groups, children included, if the
+  launcher dies without cleaning up;
+* when a worker fails, or the launcher gets SIGINT/SIGTERM/SIGHUP, every group gets SIGTERM,
+  then SIGKILL after a grace period; a second signal skips the grace period;
+* when the job ends, nothing started by it is left running; as the ``ferrovodrun`` process the
+  launcher is also a child subreaper, so orphaned grandchildren are reaped rather than left as
+  zombies under a container's PID 1.
+
+Workers are started from the main thread only: PDEATHSIG fires when the *thread* that forked
+the child exits, and ``preexec_fn`` is only safe before other Python threads exist, so all
+workers are spawned before the reader and waiter threads start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, List, Mapping, Optional, Sequence, Tuple
+
+from .output import Sink, StreamForwarder
+
+__all__ = ["JobOutcome", "SpawnError", "Supervisor", "WorkerSpec", "exit_status"]
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_POLL_S = 0.02
+_WATCHDOG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
+
+Log = Callable[[str], None]
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style exit status: the code itself, or 128 + signal number for a signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_status(returncode: int) -> str:
+    """Human wording of a Popen return code, e.g. ``exit code 3`` or ``signal 9 (SIGKILL)``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "unknown signal"
+    return f"signal {-returncode} ({name}), exit code {exit_status(returncode)}"
+
+
+class SpawnError(RuntimeError):
+    """A worker could not be started; ``exit_code`` is 127 (not found) or 126 (not runnable)."""
+
+    def __init__(self, rank: int, argv0: str, error: OSError) -> None:
+        super().__init__(f"cannot start rank {rank}: {argv0}: {error.strerror or error}")
+        self.rank = rank
+        self.exit_code = 127 if error.errno == errno.ENOENT else 126
+
+
+@dataclass
+class WorkerSpec:
+    """How to start one worker: its rank, command line, environment and output copies."""
+
+    rank: int
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    hostname: str = "localhost"
+    stdout_copy: Optional[BinaryIO] = None
+    stderr_copy: Optional[BinaryIO] = None
+    inherit_stdin: bool = False
+
+
+@dataclass
+class JobOutcome:
+    """How a job ended. ``exit_code`` is what the launcher should exit with."""
+
+    exit_code: int
+    failed_rank: Optional[int] = None
+    failed_returncode: Optional[int] = None
+    signal: Optional[int] = None
+
+
+@dataclass
+class _Worker:
+    spec: WorkerSpec
+    proc: subprocess.Popen
+    threads: List[threading.Thread] = field(default_factory=list)
+    returncode: Optional[int] = None
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session makes the worker its group's leader
+
+
+def _load_prctl() -> Optional[Callable[..., int]]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent_fn() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux)."""
+    prctl = _load_prctl()  # resolved before fork: the child should do as little as possible
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Watchdog:
+    """The launcher's side of :mod:`._watchdog`: tells it which groups exist."""
+
+    def __init__(self) -> None:
+        self._proc: Optional[subprocess.Popen] = None
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", _WATCHDOG_PATH],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:
+            self._proc = None  # PDEATHSIG still covers the workers themselves
+
+    def _send(self, line: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(line.encode("ascii") + b"\n")
+            self._proc.stdin.flush()
+        except OSError:
+            self._proc = None
+
+    def add(self, pgid: int) -> None:
+        """Registers a new worker process group."""
+        self._send(f"+{pgid}")
+
+    def remove(self, pgid: int) -> None:
+        """Unregisters a group known to be empty (its id may be reused later)."""
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        """Tells the watchdog the launcher cleaned up, and waits for it to leave."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._send("exit")
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._proc = None
+
+
+def _become_subreaper() -> None:
+    """Makes orphaned descendants of the workers our children, so they get reaped (Linux).
+
+    Containers often run a PID 1 that never reaps orphans; their zombies would otherwise keep
+    the worker's process group looking alive.
+    """
+    prctl = _load_prctl()
+    if prctl is not None:
+        prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+class Supervisor:
+    """Starts a set of workers and supervises them until the job ends.
+
+    With ``adopt_orphans`` (for the ``ferrovodrun`` process itself, never for a library
+    caller) the launcher becomes a child subreaper and one thread reaps *every* child with
+    ``waitpid(-1)``; otherwise each worker is reaped through its own ``Popen``.
+
+    ``notify_signal`` may be called from a signal handler (it only puts on a SimpleQueue, which
+    is reentrant).
+    """
+
+    def __init__(
+        self,
+        stdout: Sink,
+        stderr: Sink,
+        log: Log,
+        grace_s: float = 3.0,
+        timestamp: bool = False,
+        verbose: bool = False,
+        adopt_orphans: bool = False,
+    ) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self._log = log
+        self._grace_s = grace_s
+        self._timestamp = timestamp
+        self._verbose = verbose
+        self._adopt = adopt_orphans
+        self._events: "queue.SimpleQueue[Tuple[str, int, int]]" = queue.SimpleQueue()
+        self._workers: List[_Worker] = []
+        self._reapers: List[threading.Thread] = []
+        self._watchdog: Optional[_Watchdog] = None
+
+    def notify_signal(self, signum: int) -> None:
+        """Asks the supervisor to stop the job because the launcher got ``signum``."""
+        self._events.put(("signal", -1, signum))
+
+    # -- start --------------------------------------------------------------------------------
+
+    def start(self, specs: Sequence[WorkerSpec]) -> None:
+        """Spawns every worker, then starts the threads that forward output and reap them.
+
+        Raises :class:`SpawnError` if one cannot be started; the ones already started are then
+        stopped before it propagates.
+        """
+        if self._adopt:
+            _become_subreaper()
+        self._watchdog = _Watchdog()
+        preexec = _die_with_parent_fn()
+        try:
+            for spec in specs:
+                self._workers.append(self._spawn(spec, preexec))
+        except SpawnError:
+            self._start_threads()
+            self._stop()
+            raise
+        self._start_threads()
+
+    def _spawn(self, spec: WorkerSpec, preexec: Optional[Callable[[], None]]) -> _Worker:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                list(spec.argv),
+                env=dict(spec.env),
+                stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                preexec_fn=preexec,
+                close_fds=True,
+            )
+        except OSError as exc:
+            os.close(out_r)
+            os.close(err_r)
+            raise SpawnError(spec.rank, spec.argv[0], exc) from None
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if self._watchdog is not None:
+            self._watchdog.add(proc.pid)
+        worker = _Worker(spec, proc)
+        worker.threads = [
+            StreamForwarder(out_r, spec.rank, "stdout", self._stdout, spec.stdout_copy, self._timestamp),
+            StreamForwarder(err_r, spec.rank, "stderr", self._stderr, spec.stderr_copy, self._timestamp),
+        ]
+        if self._verbose:
+            self._log(f"started rank {spec.rank} on {spec.hostname} as pid {proc.pid}")
+        return worker
+
+    def _start_threads(self) -> None:
+        for worker in self._workers:
+            for thread in worker.threads:
+                thread.start()
+        if self._adopt:
+            self._reapers = [threading.Thread(target=self._reap_all, name="ferrovodrun-reaper", daemon=True)]
+        else:
+            self._reapers = [
+                threading.Thread(target=self._wait_for, args=(w,), name=f"ferrovodrun-wait-{w.spec.rank}", daemon=True)
+                for w in self._workers
+            ]
+        for thread in self._reapers:
+            thread.start()
+
+    def _wait_for(self, worker: _Worker) -> None:
+        self._events.put(("exit", worker.spec.rank, worker.proc.wait()))
+
+    def _reap_all(self) -> None:
+        by_pid = {w.proc.pid: w for w in self._workers}
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                return  # no children left at all
+            worker = by_pid.get(pid)
+            if worker is None:
+                continue  # an adopted orphan, or the watchdog
+            code = os.waitstatus_to_exitcode(status)
+            worker.proc.returncode = code  # keeps Popen from waiting for it again
+            self._events.put(("exit", worker.spec.rank, code))
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def run(self) -> JobOutcome:
+        """Waits until every worker exits 0, one fails, or a signal arrives; then cleans up."""
+        outcome = self._watch()
+        self._stop()
+        return outcome
+
+    def _record_exit(self, rank: int, returncode: int) -> _Worker:
+        worker = next(w for w in self._workers if w.spec.rank == rank)
+        worker.returncode = returncode
+        return worker
+
+    def _next_event(self, timeout: float) -> Optional[Tuple[str, int, int]]:
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _watch(self) -> JobOutcome:
+        running = len(self._workers)
+        while running:
+            event = self._next_event(1.0)
+            if event is None:
+                continue
+            kind, rank, value = event
+            if kind == "signal":
+                self._log(f"received {signal.Signals(value).name}, stopping {running} running worker(s)")
+                return JobOutcome(exit_code=128 + value, signal=value)
+            worker = self._record_exit(rank, value)
+            running -= 1
+            if value != 0:
+                self._log(
+                    f"rank {rank} (pid {worker.proc.pid} on {worker.spec.hostname}) ended with "
+                    f"{describe_status(value)}; stopping the other workers"
+                )
+                return JobOutcome(exit_code=exit_status(value), failed_rank=rank, failed_returncode=value)
+            if self._verbose:
+                self._log(f"rank {rank} exited with code 0")
+        return JobOutcome(exit_code=0)
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        self._terminate()
+        self._finish()
+
+    def _live_groups(self) -> List[int]:
+        return [w.pgid for w in self._workers if w.returncode is None or _group_alive(w.pgid)]
+
+    def _wait_events(self, timeout: float) -> bool:
+        """Records exits for up to ``timeout`` s; True as soon as a signal asks to hurry."""
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self._next_event(max(deadline - time.monotonic(), 0.0))
+            if event is None:
+                return False
+            kind, rank, value = event
+            if kind == "signal":
+                return True
+            self._record_exit(rank, value)
+
+    def _terminate(self) -> None:
+        """SIGTERM to every group still alive, SIGKILL after the grace period."""
+        groups = self._live_groups()
+        if not groups:
+            return
+        if self._verbose:
+            self._log(f"sending SIGTERM to {len(groups)} worker process group(s)")
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_s
+        while self._live_groups() and time.monotonic() < deadline:
+            if self._wait_events(_POLL_S):
+                break  # a second Ctrl-C: no more grace
+        groups = self._live_groups()
+        if groups:
+            if self._verbose:
+                self._log(f"sending SIGKILL to {len(groups)} worker process group(s)")
+            for pgid in groups:
+                _signal_group(pgid, signal.SIGKILL)
+
+    def _finish(self) -> None:
+        """Reaps every worker, drains their output, and releases the watchdog."""
+        deadline = time.monotonic() + 10.0
+        while any(w.returncode is None for w in self._workers) and time.monotonic() < deadline:
+            self._wait_events(_POLL_S)
+        for worker in self._workers:
+            if worker.returncode is None:  # pragma: no cover - SIGKILL cannot be ignored
+                self._log(f"rank {worker.spec.rank} (pid {worker.proc.pid}) did not exit")
+        deadline = time.monotonic() + 5.0
+        for worker in self._workers:
+            for thread in worker.threads:
+                if thread.ident is not None:
+                    thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if self._watchdog is not None:
+            for worker in self._workers:
+                if not _group_alive(worker.pgid):
+                    self._watchdog.remove(worker.pgid)
+            self._watchdog.close()
+            self._watchdog = None
+        for thread in self._reapers:
+            thread.join(timeout=1.0)

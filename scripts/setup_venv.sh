@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment `.venv` and installs ferrovod into it.
+#
+# Idempotent: the venv is created only when missing, the pip packages are installed only when
+# the pinned list below changed since the last run (a stamp file inside the venv remembers it),
+# and the extension is rebuilt through cargo's own change detection (a no-op build when nothing
+# changed). Output is quiet; on any failure the captured log is printed and the script exits
+# non-zero.
+#
+# Usage: scripts/setup_venv.sh [--no-build]
+#   --no-build   only create the venv and install the Python packages
+# Environment:
+#   VENV      venv directory (default: .venv in the repository root)
+#   PYTHON    interpreter used to create the venv (default: python3)
+#   FERROVOD_PROFILE   release (default) or debug build of the extension
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+VENV="${VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+PROFILE="${FERROVOD_PROFILE:-release}"
+BUILD=1
+for arg in "$@"; do
+    case "$arg" in
+        --no-build) BUILD=0 ;;
+        *) echo "setup_venv.sh: unknown argument: $arg" >&2; exit 2 ;;
+    esac
+done
+
+# Loose pins: a floor that is known to work, a ceiling at the next major version that could
+# break us. ziglang lets maturin link manylinux2014 wheels on any host glibc.
+PACKAGES=(
+    "pip>=23"
+    "maturin>=1.5,<2"
+    "numpy>=1.22"
+    "cloudpickle>=2"
+    "pytest>=7"
+    "pytest-timeout>=2"
+    "ml_dtypes>=0.2"
+    "ziglang>=0.11,<1"
+)
+
+LOG="$(mktemp "${TMPDIR:-/tmp}/ferrovod-setup.XXXXXX")"
+trap 'rm -f "$LOG"' EXIT
+
+# Runs a command with its output captured; on failure prints the output and exits.
+run_quiet() {
+    local what="$1"
+    shift
+    if ! "$@" >"$LOG" 2>&1; then
+        echo "setup_venv.sh: FAILED: $what" >&2
+        echo "  command: $*" >&2
+        sed 's/^/  | /' "$LOG" >&2
+        exit 1
+    fi
+}
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "setup: creating $(basename "$VENV") with $("$PYTHON" --version 2>&1)"
+    run_quiet "create venv" "$PYTHON" -m venv "$VENV"
+fi
+
+STAMP="$VENV/.ferrovod-packages"
+WANT="$(printf '%s\n' "${PACKAGES[@]}")"
+if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$WANT" ]]; then
+    echo "setup: installing Python packages into $(basename "$VENV")"
+    run_quiet "pip install" "$VENV/bin/python" -m pip install --quiet --upgrade "${PACKAGES[@]}"
+    printf '%s\n' "$WANT" >"$STAMP"
+fi
+
+if [[ "$BUILD" == 1 ]]; then
+    echo "setup: building the extension ($PROFILE) into $(basename "$VENV")"
+    MATURIN_ARGS=(develop --quiet)
+    [[ "$PROFILE" == release ]] && MATURIN_ARGS+=(--release)
+    # `maturin develop` installs into the venv named by VIRTUAL_ENV; setting it (and PATH) is
+    # what activating the venv would do.
+    run_quiet "maturin develop" env VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
+        "$VENV/bin/maturin" "${MATURIN_ARGS[@]}"
+    run_quiet "import check" "$VENV/bin/python" -c "import ferrovod._core"
+fi

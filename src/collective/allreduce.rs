@@ -1,0 +1,163 @@
+//! Allreduce: direct exchange or recursive doubling for small payloads, ring reduce-scatter +
+//! ring allgather for large ones.
+//!
+//! Every rank must end with **bitwise identical** results: floats are not associative, and
+//! replicas whose parameters differ by one ulp drift apart over training. Each algorithm fixes
+//! the order of every reduction independently of which rank computes it:
+//! - direct: every rank folds all inputs in rank order `0, 1, …, n-1`;
+//! - recursive doubling: both partners compute `op(lower half's value, upper half's value)`,
+//!   the same operands in the same order, so they agree after every step;
+//! - ring: every segment is reduced at one place along one chain and then copied everywhere.
+
+use super::allgather::ring_allgather;
+use super::reduce::{check_reducible, reduce_into};
+use super::reducescatter::ring_reduce_scatter;
+use super::{even_segments, split_blocks};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::transport::Xfer;
+use crate::types::{DType, ReduceOp};
+
+/// Up to this many ranks the small path sends every buffer to every rank (one round trip)
+/// instead of recursive doubling (`log2 n` round trips).
+const DIRECT_MAX_RANKS: usize = 3;
+
+/// In-place allreduce; picks [`small`] up to `comm.tuning.small_allreduce_bytes`, [`ring`]
+/// above. Bool, Adasum and buffers of partial elements are `InvalidArgument` on every size.
+pub fn allreduce(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    check_reducible(dtype, op)?;
+    if buf.len() % dtype.size() != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "allreduce: {} bytes is not a whole number of {} elements",
+            buf.len(),
+            dtype.name()
+        )));
+    }
+    if comm.size() == 1 || buf.is_empty() {
+        return Ok(());
+    }
+    if buf.len() <= comm.tuning.small_allreduce_bytes {
+        small(comm, buf, dtype, op)
+    } else {
+        ring(comm, buf, dtype, op)
+    }
+}
+
+/// Latency-optimal allreduce.
+///
+/// - `n ≤ 3`: one exchange in which every rank sends `buf` to every other rank, then each rank
+///   folds the `n` buffers in rank order. One round trip; bytes sent per rank `(n-1)·B`.
+/// - otherwise recursive doubling over `p = 2^⌊log2 n⌋` ranks: first the `n-p` "extra" pairs
+///   fold (rank `2i` sends `B` to `2i+1`, which reduces), then `log2 p` steps in which partners
+///   at distance `2^k` swap `B` and reduce, then the folded ranks get the result back.
+///   Bytes sent per rank: `log2(p)·B`, plus `B` for the ranks in a fold pair.
+pub fn small(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    if comm.size() <= DIRECT_MAX_RANKS {
+        direct(comm, buf, dtype, op)
+    } else {
+        recursive_doubling(comm, buf, dtype, op)
+    }
+}
+
+fn direct(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (n, r, b) = (comm.size(), comm.rank(), buf.len());
+    let mut all = vec![0u8; n * b];
+    all[r * b..(r + 1) * b].copy_from_slice(buf);
+    {
+        let ranges: Vec<_> = (0..n).map(|p| p * b..(p + 1) * b).collect();
+        let slots = split_blocks(&mut all, &ranges);
+        let mut xfers = Vec::with_capacity(2 * (n - 1));
+        for (p, slot) in slots.into_iter().enumerate() {
+            if p != r {
+                xfers.push(Xfer::Send {
+                    peer: p,
+                    buf: &*buf,
+                });
+                xfers.push(Xfer::Recv { peer: p, buf: slot });
+            }
+        }
+        comm.exchange(&mut xfers)?;
+    }
+    let (acc, rest) = all.split_at_mut(b);
+    for src in rest.chunks_exact(b) {
+        reduce_into(dtype, op, acc, src)?;
+    }
+    buf.copy_from_slice(acc);
+    Ok(())
+}
+
+/// Combines this rank's partial `own` with a partner's `theirs` so that both partners compute
+/// `op(lower, upper)` bit for bit; the result ends in `own`.
+fn combine(
+    dtype: DType,
+    op: ReduceOp,
+    own: &mut [u8],
+    theirs: &mut [u8],
+    own_is_lower: bool,
+) -> Result<()> {
+    if own_is_lower {
+        reduce_into(dtype, op, own, theirs)
+    } else {
+        reduce_into(dtype, op, theirs, own)?;
+        own.copy_from_slice(theirs);
+        Ok(())
+    }
+}
+
+fn recursive_doubling(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, r) = (comm.size(), comm.rank());
+    let p = 1usize << n.ilog2();
+    let extra = n - p;
+    let mut theirs = vec![0u8; buf.len()];
+    // Fold: among the first 2·extra ranks, even ones hand their data to the odd one above and
+    // sit out; survivors get new ranks 0..p.
+    let new_rank = if r < 2 * extra {
+        if r % 2 == 0 {
+            comm.send(r + 1, buf)?;
+            comm.recv(r + 1, buf)?;
+            return Ok(());
+        }
+        comm.recv(r - 1, &mut theirs)?;
+        combine(dtype, op, buf, &mut theirs, false)?;
+        r / 2
+    } else {
+        r - extra
+    };
+    let real = |nr: usize| if nr < extra { 2 * nr + 1 } else { nr + extra };
+    let mut mask = 1;
+    while mask < p {
+        let partner = new_rank ^ mask;
+        comm.sendrecv(real(partner), buf, real(partner), &mut theirs)?;
+        combine(dtype, op, buf, &mut theirs, new_rank < partner)?;
+        mask <<= 1;
+    }
+    if r < 2 * extra {
+        comm.send(r - 1, buf)?;
+    }
+    Ok(())
+}
+
+/// Bandwidth-optimal allreduce: [`ring_reduce_scatter`] over `n` segments of whole elements
+/// (as even as possible; some empty when there are fewer elements than ranks), then
+/// [`ring_allgather`] of the reduced segments. `2·(n-1)` steps; bytes sent per rank
+/// `2·(n-1)/n·B`. The reduce-scatter half is chunked by `comm.tuning.chunk_bytes`.
+pub fn ring(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
+    ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
+    ring_allgather(comm, buf, &segs)
+}

@@ -1,0 +1,87 @@
+//! Reduce-scatter: the ring algorithm, also the first half of the large allreduce.
+
+use std::ops::Range;
+
+use super::reduce::{check_reducible, reduce_into};
+use super::{blocks, chunk_count, chunk_of, element_chunk};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::types::{DType, ReduceOp};
+
+/// Reduces `buf` across ranks and copies this rank's segment (`byte_counts[rank]` bytes, segments
+/// in rank order) into `output`; `buf` is used as scratch and left partly reduced.
+///
+/// Steps: [`ring_reduce_scatter`] (`n-1` ring steps), then one local copy. Bytes sent per rank:
+/// `B - B_rank`, where `B` is the whole tensor. Segments may have any size, including zero.
+pub fn reducescatter(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    byte_counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+    output: &mut [u8],
+) -> Result<()> {
+    check_reducible(dtype, op)?;
+    let n = comm.size();
+    let segs = blocks(byte_counts, n, buf.len(), "reducescatter")?;
+    if let Some(bad) = byte_counts.iter().find(|&&c| c % dtype.size() != 0) {
+        return Err(Error::InvalidArgument(format!(
+            "reducescatter: segment of {bad} bytes does not hold whole {} elements",
+            dtype.name()
+        )));
+    }
+    let mine = segs[comm.rank()].clone();
+    if output.len() != mine.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reducescatter: output holds {} bytes, this rank's segment {}",
+            output.len(),
+            mine.len()
+        )));
+    }
+    ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
+    output.copy_from_slice(&buf[mine]);
+    Ok(())
+}
+
+/// Ring reduce-scatter in place: afterwards `buf[segs[rank]]` holds the reduction of that
+/// segment over all ranks (other segments hold partial sums).
+///
+/// Steps: for `s` in `0..n-1`, rank `r` sends segment `r-s-1` to `r+1` while receiving segment
+/// `r-s-2` from `r-1`, and reduces what it received into its own copy (mod `n`). Each step is
+/// cut into chunks of `comm.tuning.chunk_bytes` (whole elements) so scratch stays small and the
+/// peer's next chunk streams into socket buffers while this one is reduced; the number of chunks
+/// per step is the same on every rank (set by the longest segment), which keeps the ring in
+/// lockstep. Bytes sent per rank: the sum of all segments but its own.
+///
+/// Every segment is reduced in exactly one place along one chain, so the result is the same
+/// whichever rank later reads it.
+pub(crate) fn ring_reduce_scatter(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    let n = comm.size();
+    if n == 1 {
+        return Ok(());
+    }
+    let r = comm.rank();
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let chunk = element_chunk(comm.tuning.chunk_bytes, dtype.size());
+    let nchunks = chunk_count(segs, chunk);
+    let longest = segs.iter().map(|s| s.len()).max().unwrap_or(0);
+    let mut scratch = vec![0u8; chunk.min(longest)];
+    for s in 0..n - 1 {
+        let send_seg = &segs[(r + 2 * n - s - 1) % n];
+        let recv_seg = &segs[(r + 2 * n - s - 2) % n];
+        for c in 0..nchunks {
+            let sr = chunk_of(send_seg, c, chunk);
+            let rr = chunk_of(recv_seg, c, chunk);
+            let tmp = &mut scratch[..rr.len()];
+            comm.sendrecv(next, &buf[sr], prev, tmp)?;
+            reduce_into(dtype, op, &mut buf[rr], tmp)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,125 @@
+//! A framed, non-blocking control connection (u32 little-endian length + payload). The engine
+//! and the coordinator poll these alongside other descriptors, so reads never block and
+//! partial frames are kept until complete.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Largest control frame accepted (responses for thousands of tensors fit easily).
+pub const MAX_FRAME: usize = 256 << 20;
+
+/// One control connection to `peer`.
+#[derive(Debug)]
+pub struct FrameConn {
+    stream: TcpStream,
+    /// Global rank at the other end (`usize::MAX` for the coordinator).
+    pub peer: usize,
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl FrameConn {
+    /// Wraps an authenticated stream and makes it non-blocking.
+    pub fn new(stream: TcpStream, peer: usize) -> Result<FrameConn> {
+        stream.set_nonblocking(true)?;
+        stream.set_nodelay(true)?;
+        Ok(FrameConn {
+            stream,
+            peer,
+            buf: Vec::with_capacity(4096),
+            start: 0,
+        })
+    }
+
+    /// The descriptor to poll.
+    pub fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Sends one frame, waiting (bounded by `timeout`) while the socket buffer is full.
+    pub fn send(&mut self, payload: &[u8], timeout: Duration) -> Result<()> {
+        let mut frame = Vec::with_capacity(4 + payload.len());
+        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        frame.extend_from_slice(payload);
+        let mut off = 0;
+        let deadline = Instant::now() + timeout;
+        while off < frame.len() {
+            match self.stream.write(&frame[off..]) {
+                Ok(0) => return Err(self.lost("connection closed")),
+                Ok(n) => off += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(Error::Timeout {
+                            what: format!("sending a control message to rank {}", self.peer),
+                            after: timeout,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::from_peer_io(self.peer, &e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads whatever is available without blocking. Returns `Ok(false)` at end of stream.
+    pub fn fill(&mut self) -> Result<bool> {
+        let mut chunk = [0u8; 64 * 1024];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return Ok(false),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(true),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::from_peer_io(self.peer, &e)),
+            }
+        }
+    }
+
+    /// Takes the next complete frame, if any.
+    pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>> {
+        let avail = &self.buf[self.start..];
+        if avail.len() < 4 {
+            self.compact();
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize;
+        if len > MAX_FRAME {
+            return Err(Error::Decode(format!(
+                "control frame of {len} bytes from rank {}",
+                self.peer
+            )));
+        }
+        if avail.len() < 4 + len {
+            self.compact();
+            return Ok(None);
+        }
+        let frame = avail[4..4 + len].to_vec();
+        self.start += 4 + len;
+        Ok(Some(frame))
+    }
+
+    /// Shuts the connection down in both directions.
+    pub fn close(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+    }
+
+    fn lost(&self, detail: &str) -> Error {
+        Error::PeerLost {
+            rank: self.peer,
+            detail: detail.into(),
+        }
+    }
+}

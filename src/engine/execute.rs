@@ -1,0 +1,300 @@
+//! Executing a response: fusion, scaling and output allocation happen here once, for every
+//! collective; the algorithms in [`crate::collective`] see only contiguous byte buffers.
+
+use crate::collective::{self, reduce};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::types::{DType, OpKind, ReduceOp};
+
+use super::handle::Output;
+use super::message::{Item, Request, Response};
+use super::tensor::TensorBuf;
+use super::worker::{Entry, Worker};
+
+impl Worker {
+    /// Runs one response and completes the handles of its entries.
+    pub(super) fn execute(&mut self, resp: Response) {
+        if resp.kind == OpKind::Join {
+            if let Some(h) = self.join.take() {
+                h.complete(Ok(Output {
+                    last_joined: Some(resp.last_joined),
+                    ..Output::default()
+                }));
+            }
+            return;
+        }
+        for item in &resp.items {
+            if let Some(id) = item.cache_id {
+                self.remember(&item.request, id);
+            }
+        }
+        let entries: Vec<Option<Entry>> = resp
+            .items
+            .iter()
+            .map(|i| {
+                self.pending
+                    .remove(&(i.request.set_id, i.request.name.clone()))
+            })
+            .collect();
+        if let Some((code, msg)) = &resp.error {
+            let err = error_from_code(*code, msg, &resp.items[0].request.name);
+            for e in entries.into_iter().flatten() {
+                e.handle.complete(Err(err.clone()));
+            }
+            return;
+        }
+        let joined_here = resp.joined.contains(&self.rank);
+        if entries.iter().any(Option::is_none) && !(joined_here && resp.kind == OpKind::Allreduce) {
+            let err = Error::Io(format!(
+                "internal error: rank {} got a {} response for a tensor it never submitted",
+                self.rank,
+                resp.kind.name()
+            ));
+            self.fail(err);
+            return;
+        }
+        let Some(members) = self.sets.get(&resp.set_id).cloned() else {
+            let err = Error::InvalidArgument(format!("process set {} was removed", resp.set_id));
+            for e in entries.into_iter().flatten() {
+                e.handle.complete(Err(err.clone()));
+            }
+            return;
+        };
+        let mut comm = Communicator::new(
+            &mut *self.transport,
+            &members,
+            self.timeout,
+            self.tuning.clone(),
+        );
+        let result = match resp.kind {
+            OpKind::Allreduce => {
+                let mut entries = entries;
+                allreduce(&mut comm, &mut self.fusion, &resp.items, &mut entries).map(|()| {
+                    entries
+                        .into_iter()
+                        .map(|e| (e, Output::default()))
+                        .collect()
+                })
+            }
+            _ => {
+                let mut entry = entries.into_iter().next().flatten().expect("checked above");
+                let item = &resp.items[0];
+                let out = match resp.kind {
+                    OpKind::Allgather => allgather(&mut comm, item, &mut entry),
+                    OpKind::Broadcast => broadcast(&mut comm, &members, &mut entry),
+                    OpKind::Alltoall => alltoall(&mut comm, item, &mut entry),
+                    OpKind::Reducescatter => reducescatter(&mut comm, &mut entry),
+                    OpKind::Barrier => collective::barrier(&mut comm).map(|()| Output::default()),
+                    OpKind::Allreduce | OpKind::Join => unreachable!("handled above"),
+                };
+                out.map(|o| vec![(Some(entry), o)])
+            }
+        };
+        match result {
+            Ok(done) => {
+                for (e, out) in done {
+                    if let Some(e) = e {
+                        e.handle.complete(Ok(out));
+                    }
+                }
+            }
+            Err(err) => {
+                let err = self.diagnose(err);
+                self.fail(err);
+            }
+        }
+    }
+}
+
+/// Maps a coordinator error response back to an error value.
+fn error_from_code(code: u8, msg: &str, name: &str) -> Error {
+    match code {
+        1 => Error::PeerLost {
+            rank: parse_rank(msg).unwrap_or(usize::MAX),
+            detail: msg.to_string(),
+        },
+        3 => Error::Mismatch {
+            name: name.to_string(),
+            message: msg.to_string(),
+        },
+        4 => Error::InvalidArgument(msg.to_string()),
+        8 => Error::Shutdown(msg.to_string()),
+        _ => Error::Io(msg.to_string()),
+    }
+}
+
+fn parse_rank(msg: &str) -> Option<usize> {
+    let rest = &msg[msg.find("rank ")? + 5..];
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The factor applied after the reduction: the user's post-scale, and 1/n for Average.
+fn post_factor(req: &Request, n: usize) -> f64 {
+    if req.op == ReduceOp::Average {
+        req.postscale / n as f64
+    } else {
+        req.postscale
+    }
+}
+
+/// Fused allreduce: tensors of one dtype are packed into the fusion buffer (a single tensor is
+/// reduced in place in its output), pre-scaled, reduced once, post-scaled and unpacked.
+fn allreduce(
+    comm: &mut Communicator<'_>,
+    fusion: &mut Vec<u8>,
+    items: &[Item],
+    entries: &mut [Option<Entry>],
+) -> Result<()> {
+    let req0 = &items[0].request;
+    let (op, pre, post) = (req0.op, req0.prescale, post_factor(req0, comm.size()));
+    // (item index, tensor index) grouped by dtype, in order of first appearance.
+    let mut groups: Vec<(DType, Vec<(usize, usize)>)> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        for (t, meta) in item.request.tensors.iter().enumerate() {
+            match groups.iter_mut().find(|(d, _)| *d == meta.dtype) {
+                Some((_, v)) => v.push((i, t)),
+                None => groups.push((meta.dtype, vec![(i, t)])),
+            }
+        }
+    }
+    for (dtype, members) in groups {
+        if members.len() == 1 {
+            let (i, t) = members[0];
+            if let Some(entry) = entries[i].as_mut() {
+                let spec = &mut entry.spec.tensors[t];
+                let out = spec
+                    .output
+                    .as_mut()
+                    .expect("allreduce outputs are preallocated");
+                if !out.same_memory(&spec.input) {
+                    out.as_mut_slice().copy_from_slice(spec.input.as_slice());
+                }
+                let buf = out.as_mut_slice();
+                reduce::scale(dtype, buf, pre)?;
+                collective::allreduce(comm, buf, dtype, op)?;
+                reduce::scale(dtype, buf, post)?;
+                continue;
+            }
+        }
+        let sizes: Vec<usize> = members
+            .iter()
+            .map(|&(i, t)| items[i].request.tensors[t].nbytes())
+            .collect();
+        let total: usize = sizes.iter().sum();
+        if fusion.len() < total {
+            fusion.resize(total, 0);
+        }
+        let buf = &mut fusion[..total];
+        let mut off = 0;
+        for (&(i, t), &len) in members.iter().zip(&sizes) {
+            let dst = &mut buf[off..off + len];
+            match entries[i].as_ref() {
+                Some(e) => dst.copy_from_slice(e.spec.tensors[t].input.as_slice()),
+                // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
+                None => dst.fill(0),
+            }
+            off += len;
+        }
+        reduce::scale(dtype, buf, pre)?;
+        collective::allreduce(comm, buf, dtype, op)?;
+        reduce::scale(dtype, buf, post)?;
+        let mut off = 0;
+        for (&(i, t), &len) in members.iter().zip(&sizes) {
+            if let Some(e) = entries[i].as_mut() {
+                let out = e.spec.tensors[t]
+                    .output
+                    .as_mut()
+                    .expect("allreduce outputs are preallocated");
+                out.as_mut_slice().copy_from_slice(&buf[off..off + len]);
+            }
+            off += len;
+        }
+    }
+    Ok(())
+}
+
+fn allgather(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Result<Output> {
+    let mut out = Output::default();
+    for (t, spec) in entry.spec.tensors.iter().enumerate() {
+        let meta = &spec.meta;
+        let row_bytes = meta.row_elems() * meta.dtype.size();
+        let dims = &item.first_dims[t];
+        let counts: Vec<usize> = dims.iter().map(|d| d * row_bytes).collect();
+        let mut result = vec![0u8; counts.iter().sum()];
+        collective::allgatherv(comm, spec.input.as_slice(), &mut result, &counts)?;
+        let mut shape = meta.shape.clone();
+        shape[0] = dims.iter().sum();
+        out.tensors.push((TensorBuf::Owned(result), shape));
+    }
+    Ok(out)
+}
+
+fn broadcast(comm: &mut Communicator<'_>, members: &[usize], entry: &mut Entry) -> Result<Output> {
+    let root = members.binary_search(&entry.request.root).map_err(|_| {
+        Error::InvalidArgument(format!("root {} is not in the set", entry.request.root))
+    })?;
+    for spec in entry.spec.tensors.iter_mut() {
+        let out = spec
+            .output
+            .as_mut()
+            .expect("broadcast outputs are preallocated");
+        if !out.same_memory(&spec.input) && comm.rank() == root {
+            out.as_mut_slice().copy_from_slice(spec.input.as_slice());
+        }
+        collective::broadcast(comm, out.as_mut_slice(), root)?;
+    }
+    Ok(Output::default())
+}
+
+fn alltoall(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Result<Output> {
+    let n = comm.size();
+    let me = comm.rank();
+    let spec = &entry.spec.tensors[0];
+    let meta = &spec.meta;
+    let row_bytes = meta.row_elems() * meta.dtype.size();
+    let m = &item.split_matrix;
+    let send: Vec<usize> = (0..n).map(|j| m[me * n + j] * row_bytes).collect();
+    let recv_rows: Vec<usize> = (0..n).map(|j| m[j * n + me]).collect();
+    let recv: Vec<usize> = recv_rows.iter().map(|r| r * row_bytes).collect();
+    let mut result = vec![0u8; recv.iter().sum()];
+    collective::alltoallv(comm, spec.input.as_slice(), &send, &mut result, &recv)?;
+    let mut shape = meta.shape.clone();
+    shape[0] = recv_rows.iter().sum();
+    Ok(Output {
+        tensors: vec![(TensorBuf::Owned(result), shape)],
+        received_splits: recv_rows,
+        last_joined: None,
+    })
+}
+
+fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Output> {
+    let n = comm.size();
+    let me = comm.rank();
+    let req = &entry.request;
+    let (pre, post) = (req.prescale, post_factor(req, n));
+    let mut out = Output::default();
+    for spec in &entry.spec.tensors {
+        let meta = &spec.meta;
+        let rows = meta.shape[0];
+        let row_bytes = meta.row_elems() * meta.dtype.size();
+        // Horovod's split: the lowest `rows % n` ranks get one extra row.
+        let counts: Vec<usize> = (0..n)
+            .map(|r| (rows / n + usize::from(r < rows % n)) * row_bytes)
+            .collect();
+        let mut scratch = spec.input.as_slice().to_vec();
+        reduce::scale(meta.dtype, &mut scratch, pre)?;
+        let mut result = vec![0u8; counts[me]];
+        collective::reducescatter(comm, &mut scratch, &counts, meta.dtype, req.op, &mut result)?;
+        reduce::scale(meta.dtype, &mut result, post)?;
+        let mut shape = meta.shape.clone();
+        shape[0] = counts[me] / row_bytes.max(1);
+        if row_bytes == 0 {
+            shape[0] = rows / n + usize::from(me < rows % n);
+        }
+        out.tensors.push((TensorBuf::Owned(result), shape));
+    }
+    Ok(out)
+}

@@ -1,0 +1,81 @@
+//! `TensorBuf`: memory an op reads or writes — either owned by the engine, or borrowed from
+//! the caller (a NumPy array, a torch tensor) through a raw pointer, zero-copy.
+
+use std::ptr::NonNull;
+
+/// Bytes an op works on.
+pub enum TensorBuf {
+    /// Engine-owned memory.
+    Owned(Vec<u8>),
+    /// Caller memory. See [`TensorBuf::borrowed`] for the contract.
+    Borrowed {
+        /// Start of the memory.
+        ptr: NonNull<u8>,
+        /// Length in bytes.
+        len: usize,
+    },
+}
+
+// SAFETY: a Borrowed buffer is plain memory that the submitter has handed over to the engine
+// thread for the duration of the op (contract of `borrowed`); nothing else accesses it then.
+unsafe impl Send for TensorBuf {}
+
+impl TensorBuf {
+    /// Wraps caller memory.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until the op completes (its
+    /// handle reports done), and nothing else may access the memory in that time. The Python
+    /// layer guarantees this by keeping the array referenced in the handle and by not exposing
+    /// the output before `synchronize` returns.
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> TensorBuf {
+        match NonNull::new(ptr) {
+            Some(ptr) => TensorBuf::Borrowed { ptr, len },
+            // A null pointer only comes with empty tensors; treat them as owned and empty.
+            None => TensorBuf::Owned(Vec::new()),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            TensorBuf::Owned(v) => v.len(),
+            TensorBuf::Borrowed { len, .. } => *len,
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Read access.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            TensorBuf::Owned(v) => v,
+            // SAFETY: `borrowed`'s contract: valid for `len` bytes, exclusively ours until done.
+            TensorBuf::Borrowed { ptr, len } => unsafe {
+                std::slice::from_raw_parts(ptr.as_ptr(), *len)
+            },
+        }
+    }
+
+    /// Write access.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            TensorBuf::Owned(v) => v,
+            // SAFETY: as in `as_slice`; `&mut self` makes this the only live view.
+            TensorBuf::Borrowed { ptr, len } => unsafe {
+                std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)
+            },
+        }
+    }
+
+    /// Whether two buffers are the same memory (an in-place op).
+    pub fn same_memory(&self, other: &TensorBuf) -> bool {
+        match (self, other) {
+            (TensorBuf::Borrowed { ptr: a, .. }, TensorBuf::Borrowed { ptr: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,502 @@
+//! The engine thread's loop: drain submissions → send them to the coordinator → execute the
+//! responses in the order they arrive → complete handles; sleep (after a short spin) when
+//! there is nothing to do.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use crate::comm::Tuning;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::transport::Transport;
+use crate::types::{OpKind, ReduceOp};
+
+use super::control::FrameConn;
+use super::handle::Handle;
+use super::message::{FromCoordinator, Request, Submit, ToCoordinator};
+use super::sys::wait_readable;
+use super::{Command, OpSpec, Shared};
+
+pub(super) struct Entry {
+    pub spec: OpSpec,
+    pub handle: Handle,
+    pub request: Request,
+}
+
+pub(super) struct Worker {
+    pub rank: usize,
+    pub transport: Box<dyn Transport>,
+    control: FrameConn,
+    shared: Arc<Shared>,
+    pub pending: HashMap<(u32, String), Entry>,
+    /// Rank-side response cache: (set, name) → (id, request it stands for).
+    cache: HashMap<(u32, String), (u64, Request)>,
+    cache_capacity: usize,
+    pub join: Option<Handle>,
+    set_waiters: VecDeque<SetWaiter>,
+    pub sets: HashMap<u32, Vec<usize>>,
+    pub fusion: Vec<u8>,
+    pub timeout: Duration,
+    pub tuning: Tuning,
+    spin: Duration,
+    failed: Option<Error>,
+    coordinator_left: bool,
+}
+
+enum SetWaiter {
+    Add(mpsc::Sender<Result<u32>>),
+    Remove(mpsc::Sender<Result<bool>>),
+}
+
+impl Worker {
+    pub fn new(
+        config: &Config,
+        rank: usize,
+        transport: Box<dyn Transport>,
+        control: FrameConn,
+        shared: Arc<Shared>,
+        sets: HashMap<u32, Vec<usize>>,
+    ) -> Result<Worker> {
+        Ok(Worker {
+            rank,
+            transport,
+            control,
+            shared,
+            pending: HashMap::new(),
+            cache: HashMap::new(),
+            cache_capacity: config.cache_capacity,
+            join: None,
+            set_waiters: VecDeque::new(),
+            sets,
+            fusion: Vec::new(),
+            timeout: config.timeout,
+            tuning: config.tuning.clone(),
+            spin: config.spin,
+            failed: None,
+            coordinator_left: false,
+        })
+    }
+
+    pub fn run(mut self) {
+        let mut idle_since = Instant::now();
+        loop {
+            let cmds = std::mem::take(&mut *self.shared.queue.lock());
+            let mut busy = !cmds.is_empty();
+            let mut submits = Vec::new();
+            let mut shutdown = false;
+            for cmd in cmds {
+                match cmd {
+                    Command::Shutdown => shutdown = true,
+                    cmd => self.command(cmd, &mut submits),
+                }
+            }
+            if !submits.is_empty() {
+                self.send(ToCoordinator::Submit(submits));
+            }
+            if shutdown {
+                self.send(ToCoordinator::Leave);
+                self.fail_all(Error::Shutdown(
+                    "ferrovod was shut down on this rank".into(),
+                ));
+                self.shared.stopped.store(true, Ordering::Release);
+                self.control.close();
+                return;
+            }
+            busy |= self.read_control();
+            if busy {
+                idle_since = Instant::now();
+                continue;
+            }
+            // Nothing to do: spin briefly (wake-ups are expensive here), then block.
+            if idle_since.elapsed() < self.spin {
+                std::hint::spin_loop();
+                if let Ok(r) = wait_readable(&[self.control.fd()], Duration::ZERO) {
+                    if !r.is_empty() {
+                        continue;
+                    }
+                }
+                continue;
+            }
+            let fds = [self.shared.waker.fd(), self.control.fd()];
+            let _ = wait_readable(&fds, Duration::from_secs(1));
+            self.shared.waker.clear();
+            idle_since = Instant::now();
+        }
+    }
+
+    fn command(&mut self, cmd: Command, submits: &mut Vec<Submit>) {
+        match cmd {
+            Command::Op(spec, handle) => {
+                if let Some(e) = &self.failed {
+                    handle.complete(Err(e.clone()));
+                    return;
+                }
+                match self.prepare(*spec) {
+                    Err(e) => handle.complete(Err(e)),
+                    Ok((spec, request)) => {
+                        let key = (request.set_id, request.name.clone());
+                        if self.pending.contains_key(&key) {
+                            handle.complete(Err(Error::InvalidArgument(format!(
+                                "Requested to {} a tensor with the same name as another tensor \
+                                 that is currently being processed: '{}'. Give each in-flight \
+                                 op a unique name.",
+                                request.kind.name().to_lowercase(),
+                                request.name
+                            ))));
+                            return;
+                        }
+                        submits.push(self.submission(&request));
+                        self.pending.insert(
+                            key,
+                            Entry {
+                                spec,
+                                handle,
+                                request,
+                            },
+                        );
+                    }
+                }
+            }
+            Command::Join(handle) => {
+                if let Some(e) = &self.failed {
+                    handle.complete(Err(e.clone()));
+                    return;
+                }
+                self.join = Some(handle);
+                self.send(ToCoordinator::Join);
+            }
+            Command::AddSet(ranks, tx) => {
+                if let Some(e) = &self.failed {
+                    let _ = tx.send(Err(e.clone()));
+                    return;
+                }
+                self.set_waiters.push_back(SetWaiter::Add(tx));
+                self.send(ToCoordinator::AddSet { ranks });
+            }
+            Command::RemoveSet(id, tx) => {
+                if let Some(e) = &self.failed {
+                    let _ = tx.send(Err(e.clone()));
+                    return;
+                }
+                self.set_waiters.push_back(SetWaiter::Remove(tx));
+                self.send(ToCoordinator::RemoveSet { id });
+            }
+            Command::Shutdown => {}
+        }
+    }
+
+    fn submission(&mut self, request: &Request) -> Submit {
+        let key = (request.set_id, request.name.clone());
+        if let Some((id, cached)) = self.cache.get(&key) {
+            if cached == request {
+                return Submit::Cached {
+                    set_id: request.set_id,
+                    id: *id,
+                };
+            }
+        }
+        Submit::Full(request.clone())
+    }
+
+    /// Checks an op locally (errors every rank would hit alike) and builds its request.
+    fn prepare(&self, mut spec: OpSpec) -> Result<(OpSpec, Request)> {
+        let members = self.sets.get(&spec.set_id).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{}: process set {} does not exist, or has not been registered",
+                spec.kind.name(),
+                spec.set_id
+            ))
+        })?;
+        if members.binary_search(&self.rank).is_err() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: rank {} is not a member of process set {} (ranks {:?})",
+                spec.kind.name(),
+                self.rank,
+                spec.set_id,
+                members
+            )));
+        }
+        let n = members.len();
+        let reducing = matches!(spec.kind, OpKind::Allreduce | OpKind::Reducescatter);
+        if reducing && spec.op == ReduceOp::Adasum {
+            return Err(Error::InvalidArgument(
+                "Adasum is not supported by ferrovod yet".into(),
+            ));
+        }
+        if spec.kind == OpKind::Reducescatter
+            && !matches!(spec.op, ReduceOp::Sum | ReduceOp::Average)
+        {
+            return Err(Error::InvalidArgument(
+                "Reducescatter currently only supports AVERAGE and SUM.".into(),
+            ));
+        }
+        if spec.kind == OpKind::Broadcast && members.binary_search(&spec.root).is_err() {
+            return Err(Error::InvalidArgument(format!(
+                "broadcast received invalid root rank {}: not in process set {} (ranks {:?})",
+                spec.root, spec.set_id, members
+            )));
+        }
+        for t in &spec.tensors {
+            if t.input.len() != t.meta.nbytes() {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor '{}' has {} bytes but its shape {:?} of {} needs {}",
+                    spec.name,
+                    t.input.len(),
+                    t.meta.shape,
+                    t.meta.dtype.name(),
+                    t.meta.nbytes()
+                )));
+            }
+            if reducing && t.meta.dtype == crate::types::DType::Bool {
+                return Err(Error::InvalidArgument(format!(
+                    "{} of tensor '{}': bool tensors cannot be reduced",
+                    spec.kind.name(),
+                    spec.name
+                )));
+            }
+            if matches!(
+                spec.kind,
+                OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
+            ) && t.meta.shape.is_empty()
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "{} of tensor '{}': a 0-d (scalar) tensor has no first dimension",
+                    spec.kind.name(),
+                    spec.name
+                )));
+            }
+        }
+        if spec.kind == OpKind::Alltoall {
+            let rows = spec.tensors[0].meta.shape[0];
+            if spec.splits.is_empty() {
+                if rows % n != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "alltoall of '{}': first dimension {rows} is not divisible by the {n} ranks; pass splits",
+                        spec.name
+                    )));
+                }
+                spec.splits = vec![rows / n; n];
+            }
+            if spec.splits.len() != n || spec.splits.iter().sum::<usize>() != rows {
+                return Err(Error::InvalidArgument(format!(
+                    "alltoall of '{}': splits {:?} must have one entry per rank of the set ({n}) summing to the first dimension {rows}",
+                    spec.name, spec.splits
+                )));
+            }
+        }
+        let request = Request {
+            set_id: spec.set_id,
+            name: spec.name.clone(),
+            kind: spec.kind,
+            op: spec.op,
+            root: spec.root,
+            prescale: spec.prescale,
+            postscale: spec.postscale,
+            tensors: spec.tensors.iter().map(|t| t.meta.clone()).collect(),
+            splits: spec.splits.clone(),
+        };
+        Ok((spec, request))
+    }
+
+    fn send(&mut self, msg: ToCoordinator) {
+        if self.failed.is_some() {
+            return;
+        }
+        if let Err(e) = self.control.send(&msg.encode(), self.timeout) {
+            let e = if self.coordinator_left {
+                Error::Shutdown(
+                    "rank 0 has shut down, so this job cannot run collectives any more".into(),
+                )
+            } else {
+                coordinator_lost(e)
+            };
+            self.fail(e);
+        }
+    }
+
+    /// Reads and handles control messages. Returns whether anything happened.
+    fn read_control(&mut self) -> bool {
+        if self.failed.is_some() && self.pending.is_empty() {
+            // Keep draining so a dead coordinator's socket does not spin the loop.
+            let _ = self.control.fill();
+            return false;
+        }
+        let open = self.control.fill();
+        let mut any = false;
+        loop {
+            match self.control.next_frame() {
+                Ok(Some(frame)) => {
+                    any = true;
+                    match FromCoordinator::decode(&frame) {
+                        Ok(msg) => self.on_message(msg),
+                        Err(e) => {
+                            self.fail(Error::Decode(format!("from the coordinator: {e}")));
+                            return true;
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    self.fail(e);
+                    return true;
+                }
+            }
+        }
+        match open {
+            Ok(true) => {}
+            Ok(false) | Err(_) => {
+                if self.failed.is_none() {
+                    let e = if self.coordinator_left {
+                        Error::Shutdown(
+                            "rank 0 has shut down, so this job cannot run collectives any more"
+                                .into(),
+                        )
+                    } else {
+                        coordinator_lost(match open {
+                            Err(e) => e,
+                            _ => Error::Io("connection closed".into()),
+                        })
+                    };
+                    self.fail(e);
+                }
+                any = true;
+            }
+        }
+        any
+    }
+
+    fn on_message(&mut self, msg: FromCoordinator) {
+        match msg {
+            FromCoordinator::Responses(rs) => {
+                for r in rs {
+                    self.execute(r);
+                }
+            }
+            FromCoordinator::CacheMiss { set_id, id } => {
+                let key = self
+                    .cache
+                    .iter()
+                    .find(|(_, (cid, _))| *cid == id)
+                    .map(|(k, _)| k.clone());
+                if let Some(key) = key {
+                    self.cache.remove(&key);
+                    if key.0 == set_id {
+                        if let Some(entry) = self.pending.get(&key) {
+                            let req = entry.request.clone();
+                            self.send(ToCoordinator::Submit(vec![Submit::Full(req)]));
+                        }
+                    }
+                }
+            }
+            FromCoordinator::SetAdded { ranks, result } => {
+                if let Ok(id) = result {
+                    self.sets.insert(id, ranks.clone());
+                    self.shared.sets.lock().insert(id, ranks);
+                }
+                if let Some(SetWaiter::Add(tx)) = self.set_waiters.pop_front() {
+                    let _ = tx.send(result.map_err(Error::InvalidArgument));
+                }
+            }
+            FromCoordinator::SetRemoved { id, removed } => {
+                if removed {
+                    self.sets.remove(&id);
+                    self.shared.sets.lock().remove(&id);
+                    self.cache.retain(|(s, _), _| *s != id);
+                }
+                if let Some(SetWaiter::Remove(tx)) = self.set_waiters.pop_front() {
+                    let _ = tx.send(Ok(removed));
+                }
+            }
+            FromCoordinator::RankLeft { rank } => {
+                if rank == 0 {
+                    self.coordinator_left = true;
+                }
+            }
+            FromCoordinator::RankFailed { rank, detail } => {
+                self.fail(Error::PeerLost { rank, detail });
+            }
+        }
+    }
+
+    /// Remembers a cache id the coordinator assigned.
+    pub fn remember(&mut self, request: &Request, id: u64) {
+        if self.cache_capacity == 0 {
+            return;
+        }
+        if self.cache.len() >= self.cache_capacity {
+            // Any victim is correct: a stale id is answered with CacheMiss and resent in full.
+            if let Some(k) = self.cache.keys().next().cloned() {
+                self.cache.remove(&k);
+            }
+        }
+        self.cache.insert(
+            (request.set_id, request.name.clone()),
+            (id, request.clone()),
+        );
+    }
+
+    /// After a data-plane failure: the coordinator knows which process really died (a peer
+    /// that merely reacted to the death also drops its links). Wait briefly for its verdict.
+    pub fn diagnose(&mut self, err: Error) -> Error {
+        if !matches!(err, Error::PeerLost { .. } | Error::Timeout { .. }) {
+            return err;
+        }
+        let deadline = Instant::now() + Duration::from_millis(1500);
+        while Instant::now() < deadline {
+            let _ = wait_readable(&[self.control.fd()], Duration::from_millis(50));
+            let open = self.control.fill();
+            while let Ok(Some(frame)) = self.control.next_frame() {
+                if let Ok(FromCoordinator::RankFailed { rank, detail }) =
+                    FromCoordinator::decode(&frame)
+                {
+                    return Error::PeerLost { rank, detail };
+                }
+            }
+            if !matches!(open, Ok(true)) {
+                break;
+            }
+        }
+        err
+    }
+
+    /// Marks the engine failed: every pending and future op gets `err`, and links are closed
+    /// so peers blocked on this rank fail fast too.
+    pub fn fail(&mut self, err: Error) {
+        if self.failed.is_none() {
+            self.transport.abort();
+            *self.shared.failed.lock() = Some(err.clone());
+            self.failed = Some(err.clone());
+        }
+        self.fail_all(err);
+    }
+
+    fn fail_all(&mut self, err: Error) {
+        for (_, e) in self.pending.drain() {
+            e.handle.complete(Err(err.clone()));
+        }
+        if let Some(h) = self.join.take() {
+            h.complete(Err(err.clone()));
+        }
+        for w in self.set_waiters.drain(..) {
+            match w {
+                SetWaiter::Add(tx) => drop(tx.send(Err(err.clone()))),
+                SetWaiter::Remove(tx) => drop(tx.send(Err(err.clone()))),
+            }
+        }
+    }
+}
+
+fn coordinator_lost(e: Error) -> Error {
+    match e {
+        Error::PeerLost { detail, .. } => Error::PeerLost {
+            rank: 0,
+            detail: format!("lost the connection to the coordinator on rank 0 ({detail})"),
+        },
+        other => Error::PeerLost {
+            rank: 0,
+            detail: format!("lost the connection to the coordinator on rank 0 ({other})"),
+        },
+    }
+}

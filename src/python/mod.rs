@@ -1,0 +1,352 @@
+//! The PyO3 boundary: the only Rust that knows Python. It holds the one process-wide engine
+//! slot (so `init` / `shutdown` / `init` again work), turns Python arguments into engine
+//! submissions, and maps engine errors onto the exception classes of `ferrovod.exceptions`.
+
+mod errors;
+mod tensor;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict, PyList};
+
+use crate::bootstrap::tcp_store::TcpStoreServer;
+use crate::config::{Config, VARS};
+use crate::engine::{Engine, Handle, OpSpec, Output};
+use crate::error::Error;
+use crate::types::{OpKind, ReduceOp};
+
+use errors::to_pyerr;
+
+struct Slot {
+    engine: Engine,
+    pid: u32,
+}
+
+static ENGINE: OnceLock<Mutex<Option<Slot>>> = OnceLock::new();
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+fn slot() -> &'static Mutex<Option<Slot>> {
+    ENGINE.get_or_init(|| Mutex::new(None))
+}
+
+/// Runs `f` with the live engine, or fails as Horovod does before `init()` (and after a fork).
+fn with_engine<T>(f: impl FnOnce(&Engine) -> PyResult<T>) -> PyResult<T> {
+    let guard = slot().lock();
+    match guard.as_ref() {
+        Some(s) if s.pid == std::process::id() => f(&s.engine),
+        Some(_) => Err(to_pyerr(Error::NotInitialized(
+            "ferrovod cannot be used in a process forked after init() (e.g. a data-loader \
+             worker); call ferrovod.init() in the child if it needs its own job"
+                .into(),
+        ))),
+        None => Err(to_pyerr(Error::NotInitialized(
+            "ferrovod has not been initialized; use ferrovod.init().".into(),
+        ))),
+    }
+}
+
+/// Starts the engine (no-op if already running in this process).
+#[pyfunction]
+#[pyo3(signature = (process_sets=Vec::new(), dynamic=false))]
+fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic: bool) -> PyResult<()> {
+    let mut guard = slot().lock();
+    if let Some(s) = guard.as_ref() {
+        if s.pid == std::process::id() {
+            return Ok(());
+        }
+        // A forked child inherits the parent's slot but not its threads: forget it without
+        // running any destructor that would wait for threads that do not exist here.
+        std::mem::forget(guard.take());
+    }
+    let mut config = Config::from_env().map_err(to_pyerr)?;
+    config.dynamic_process_sets |= dynamic;
+    let generation = GENERATION.fetch_add(1, Ordering::AcqRel);
+    let engine = py
+        .detach(|| Engine::start(&config, &process_sets, generation))
+        .map_err(to_pyerr)?;
+    *guard = Some(Slot {
+        engine,
+        pid: std::process::id(),
+    });
+    Ok(())
+}
+
+/// Stops the engine; pending ops fail. Safe to call when not initialized.
+#[pyfunction]
+fn shutdown(py: Python<'_>) {
+    let taken = slot().lock().take();
+    if let Some(s) = taken {
+        if s.pid == std::process::id() {
+            let mut engine = s.engine;
+            py.detach(move || engine.shutdown());
+        } else {
+            std::mem::forget(s);
+        }
+    }
+}
+
+/// Whether `init()` has run (in this process) and `shutdown()` has not.
+#[pyfunction]
+fn is_initialized() -> bool {
+    matches!(slot().lock().as_ref(), Some(s) if s.pid == std::process::id())
+}
+
+/// (rank, size, local_rank, local_size, cross_rank, cross_size, is_homogeneous)
+#[pyfunction]
+fn topology() -> PyResult<(usize, usize, usize, usize, usize, usize, bool)> {
+    with_engine(|e| {
+        let t = e.topology();
+        Ok((
+            t.rank,
+            t.size,
+            t.local_rank,
+            t.local_size,
+            t.cross_rank,
+            t.cross_size,
+            t.homogeneous,
+        ))
+    })
+}
+
+/// One tensor as the Python layer describes it: (data pointer, byte length, dtype code,
+/// shape, output pointer or 0 for "engine allocates").
+type PyTensor = (usize, usize, u8, Vec<usize>, usize);
+
+/// Queues a collective and returns its handle at once.
+#[pyfunction]
+#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new()))]
+#[allow(clippy::too_many_arguments)]
+fn enqueue(
+    kind: u8,
+    name: String,
+    set_id: u32,
+    tensors: Vec<PyTensor>,
+    op: u8,
+    root: usize,
+    prescale: f64,
+    postscale: f64,
+    splits: Vec<usize>,
+) -> PyResult<CoreHandle> {
+    let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
+    let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    let tensors = tensors
+        .into_iter()
+        .map(tensor::spec_from_py)
+        .collect::<PyResult<Vec<_>>>()?;
+    with_engine(|e| {
+        let handle = e.submit(OpSpec {
+            set_id,
+            name,
+            kind,
+            op,
+            root,
+            prescale,
+            postscale,
+            tensors,
+            splits,
+        });
+        Ok(CoreHandle {
+            handle,
+            spin: e.spin(),
+        })
+    })
+}
+
+/// Declares this rank out of data; the handle's result is the last rank to join.
+#[pyfunction]
+fn join() -> PyResult<CoreHandle> {
+    with_engine(|e| {
+        Ok(CoreHandle {
+            handle: e.join(),
+            spin: e.spin(),
+        })
+    })
+}
+
+/// Registers a process set; every rank calls it in the same order. Returns its id.
+#[pyfunction]
+fn add_process_set(py: Python<'_>, ranks: Vec<usize>) -> PyResult<u32> {
+    // Not waited for under the engine lock: other threads may keep submitting meanwhile.
+    let reply = with_engine(|e| Ok(e.add_process_set(ranks)))?;
+    py.detach(|| reply.wait()).map_err(to_pyerr)
+}
+
+/// Removes a process set; False if it was not registered.
+#[pyfunction]
+fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<bool> {
+    let reply = with_engine(|e| Ok(e.remove_process_set(id)))?;
+    py.detach(|| reply.wait()).map_err(to_pyerr)
+}
+
+/// Registered process sets: {id: [ranks]}.
+#[pyfunction]
+fn process_sets(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let sets = with_engine(|e| Ok(e.process_sets()))?;
+    let d = PyDict::new(py);
+    for (id, ranks) in sets {
+        d.set_item(id, ranks)?;
+    }
+    Ok(d)
+}
+
+/// The completion of one queued op.
+#[pyclass(module = "ferrovod._core")]
+struct CoreHandle {
+    handle: Handle,
+    spin: std::time::Duration,
+}
+
+#[pymethods]
+impl CoreHandle {
+    /// True when the op has completed. Never blocks.
+    fn poll(&self) -> bool {
+        self.handle.poll()
+    }
+
+    /// Waits (GIL released) and returns `(outputs, received_splits, last_joined)` where
+    /// outputs is a list of `(bytearray, shape)` for engine-allocated results.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let h = self.handle.clone();
+        let spin = self.spin;
+        let res = py.detach(move || h.wait(spin));
+        let out: Output = match res {
+            Some(Ok(o)) => o,
+            Some(Err(e)) => return Err(to_pyerr(e)),
+            None => {
+                return Err(to_pyerr(Error::InvalidArgument(
+                    "this handle was already synchronized".into(),
+                )))
+            }
+        };
+        let list = PyList::empty(py);
+        for (buf, shape) in out.tensors {
+            let ba = PyByteArray::new(py, buf.as_slice());
+            list.append((ba, shape))?;
+        }
+        Ok((list, out.received_splits, out.last_joined)
+            .into_pyobject(py)?
+            .into_any())
+    }
+}
+
+/// The rendezvous store a launcher runs for its workers.
+#[pyclass(module = "ferrovod._core")]
+struct RendezvousServer {
+    server: Option<TcpStoreServer>,
+    addr: String,
+}
+
+#[pymethods]
+impl RendezvousServer {
+    #[new]
+    #[pyo3(signature = (secret, host="127.0.0.1"))]
+    fn new(secret: Vec<u8>, host: &str) -> PyResult<Self> {
+        let bind = format!("{host}:0")
+            .parse()
+            .map_err(|e| to_pyerr(Error::InvalidArgument(format!("bad host {host:?}: {e}"))))?;
+        let server = TcpStoreServer::start(bind, secret).map_err(to_pyerr)?;
+        let addr = server.local_addr().to_string();
+        Ok(RendezvousServer {
+            server: Some(server),
+            addr,
+        })
+    }
+
+    /// "host:port" workers connect to.
+    #[getter]
+    fn addr(&self) -> String {
+        self.addr.clone()
+    }
+
+    /// Stops serving.
+    fn close(&mut self) {
+        if let Some(mut s) = self.server.take() {
+            s.shutdown();
+        }
+    }
+}
+
+/// What this build contains and can use.
+#[pyfunction]
+fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("transports", vec!["tcp"])?;
+    d.set_item("controllers", vec!["ferrovod"])?;
+    d.set_item("cpu_operations", vec!["ferrovod"])?;
+    d.set_item("gpu_operations", PyList::empty(py))?;
+    d.set_item("nccl", false)?;
+    d.set_item("cuda", false)?;
+    d.set_item("mpi", false)?;
+    d.set_item("gloo", false)?;
+    Ok(d)
+}
+
+/// Every environment variable: (name, Horovod alias or None, default, meaning).
+#[pyfunction]
+fn env_vars() -> Vec<(
+    &'static str,
+    Option<&'static str>,
+    &'static str,
+    &'static str,
+)> {
+    VARS.iter()
+        .map(|v| (v.name, v.alias, v.default, v.doc))
+        .collect()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(topology, m)?)?;
+    m.add_function(wrap_pyfunction!(enqueue, m)?)?;
+    m.add_function(wrap_pyfunction!(join, m)?)?;
+    m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(process_sets, m)?)?;
+    m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(env_vars, m)?)?;
+    m.add_class::<CoreHandle>()?;
+    m.add_class::<RendezvousServer>()?;
+    for (name, code) in [
+        ("ALLREDUCE", OpKind::Allreduce),
+        ("ALLGATHER", OpKind::Allgather),
+        ("BROADCAST", OpKind::Broadcast),
+        ("ALLTOALL", OpKind::Alltoall),
+        ("REDUCESCATTER", OpKind::Reducescatter),
+        ("BARRIER", OpKind::Barrier),
+    ] {
+        m.add(name, code as u8)?;
+    }
+    for op in [
+        ReduceOp::Average,
+        ReduceOp::Sum,
+        ReduceOp::Adasum,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Product,
+    ] {
+        let name = match op {
+            ReduceOp::Average => "Average",
+            ReduceOp::Sum => "Sum",
+            ReduceOp::Adasum => "Adasum",
+            ReduceOp::Min => "Min",
+            ReduceOp::Max => "Max",
+            ReduceOp::Product => "Product",
+        };
+        m.add(name, op as u8)?;
+    }
+    for d in crate::types::DType::ALL {
+        m.add(
+            format!("DTYPE_{}", d.name().to_uppercase()).as_str(),
+            d as u8,
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,624 @@
+//! Every collective with 1..5 ranks as threads over real loopback TCP, against references
+//! computed here independently (sequential folds in i128 / f64), on every dtype and op, odd
+//! sizes, sizes below the rank count, large sizes, sub-set communicators, and small `Tuning`
+//! values that force the ring, chunking and pipelining paths onto small buffers.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use _core::collective;
+use _core::comm::{Communicator, Tuning};
+use _core::error::Error;
+use _core::transport::tcp::TcpTransport;
+use _core::{DType, ReduceOp};
+use half::{bf16, f16};
+
+const IDLE: Duration = Duration::from_secs(20);
+const REDUCIBLE: [DType; 9] = [
+    DType::U8,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::F16,
+    DType::BF16,
+    DType::F32,
+    DType::F64,
+];
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Average,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Product,
+];
+
+/// Forces the ring for anything over one element and cuts steps into odd-sized chunks
+/// (36 bytes: rounded down to whole elements for 8-byte types).
+fn tiny() -> Tuning {
+    Tuning {
+        small_allreduce_bytes: 8,
+        chunk_bytes: 36,
+    }
+}
+
+/// Ring for large buffers, with several chunks per step.
+fn medium() -> Tuning {
+    Tuning {
+        small_allreduce_bytes: 1024,
+        chunk_bytes: 16 * 1024,
+    }
+}
+
+/// Runs `body` on every member of every set (disjoint lists of global ranks of one `n`-rank
+/// TCP mesh), all sets at once; returns `out[set][set_rank]`.
+fn run_sets<R: Send>(
+    n: usize,
+    sets: &[Vec<usize>],
+    tuning: &Tuning,
+    body: impl Fn(usize, &mut Communicator<'_>) -> R + Sync,
+) -> Vec<Vec<R>> {
+    let mut mesh = TcpTransport::loopback_mesh(n, b"secret").expect("mesh");
+    std::thread::scope(|s| {
+        let mut handles: Vec<Vec<_>> = sets.iter().map(|_| Vec::new()).collect();
+        for (g, t) in mesh.iter_mut().enumerate() {
+            let Some(si) = sets.iter().position(|m| m.contains(&g)) else {
+                continue;
+            };
+            let (members, body, tuning) = (&sets[si], &body, tuning.clone());
+            let h = s.spawn(move || {
+                let mut comm = Communicator::new(t, members, IDLE, tuning);
+                body(si, &mut comm)
+            });
+            handles[si].push((g, h));
+        }
+        handles
+            .into_iter()
+            .map(|mut hs| {
+                hs.sort_by_key(|(g, _)| *g);
+                hs.into_iter()
+                    .map(|(_, h)| h.join().expect("rank panicked"))
+                    .collect()
+            })
+            .collect()
+    })
+}
+
+/// All `n` ranks as one set.
+fn run<R: Send>(
+    n: usize,
+    tuning: &Tuning,
+    body: impl Fn(&mut Communicator<'_>) -> R + Sync,
+) -> Vec<R> {
+    run_sets(n, &[(0..n).collect()], tuning, |_, c| body(c)).remove(0)
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn hash(rank: usize, i: usize, salt: u64) -> u64 {
+    splitmix(splitmix(rank as u64 ^ salt.rotate_left(17)) ^ i as u64)
+}
+
+/// One element, held wide enough for an exact reference.
+#[derive(Clone, Copy, Debug)]
+enum V {
+    I(i128),
+    F(f64),
+}
+
+/// Rank `rank`'s element `i`. Integers use the whole range so sums and products wrap. Floats
+/// are dyadic: multiples of 1/8 in ±12.5 (sums of up to five stay exact in f32, f64 and f16),
+/// factors from a short table for products, and a NaN now and then on one rank.
+fn input(dtype: DType, op: ReduceOp, rank: usize, i: usize, n: usize) -> V {
+    let h = hash(rank, i, dtype as u64 * 8 + op as u64);
+    if !dtype.is_float() {
+        return V::I(wrap(dtype, h as i64 as i128));
+    }
+    if i % 53 == 7 && rank == (i / 53) % n {
+        return V::F(f64::NAN);
+    }
+    if op == ReduceOp::Product {
+        const F: [f64; 8] = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, -1.0, -0.5];
+        V::F(F[(h % 8) as usize])
+    } else {
+        V::F((h % 201) as f64 / 8.0 - 12.5)
+    }
+}
+
+fn wrap(dtype: DType, x: i128) -> i128 {
+    match dtype {
+        DType::U8 => x as u8 as i128,
+        DType::I8 => x as i8 as i128,
+        DType::I16 => x as i16 as i128,
+        DType::I32 => x as i32 as i128,
+        DType::I64 => x as i64 as i128,
+        _ => unreachable!(),
+    }
+}
+
+fn encode(dtype: DType, vals: &[V]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match (dtype, v) {
+            (DType::U8, V::I(x)) => out.push(x as u8),
+            (DType::I8, V::I(x)) => out.push(x as i8 as u8),
+            (DType::I16, V::I(x)) => out.extend((x as i16).to_ne_bytes()),
+            (DType::I32, V::I(x)) => out.extend((x as i32).to_ne_bytes()),
+            (DType::I64, V::I(x)) => out.extend((x as i64).to_ne_bytes()),
+            (DType::F16, V::F(x)) => out.extend(f16::from_f64(x).to_bits().to_ne_bytes()),
+            (DType::BF16, V::F(x)) => out.extend(bf16::from_f64(x).to_bits().to_ne_bytes()),
+            (DType::F32, V::F(x)) => out.extend((x as f32).to_ne_bytes()),
+            (DType::F64, V::F(x)) => out.extend(x.to_ne_bytes()),
+            _ => unreachable!(),
+        }
+    }
+    out
+}
+
+fn decode(dtype: DType, b: &[u8]) -> Vec<V> {
+    b.chunks_exact(dtype.size())
+        .map(|c| match dtype {
+            DType::U8 => V::I(c[0] as i128),
+            DType::I8 => V::I(c[0] as i8 as i128),
+            DType::I16 => V::I(i16::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::I32 => V::I(i32::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::I64 => V::I(i64::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::F16 => V::F(f16::from_bits(u16::from_ne_bytes(c.try_into().unwrap())).into()),
+            DType::BF16 => V::F(bf16::from_bits(u16::from_ne_bytes(c.try_into().unwrap())).into()),
+            DType::F32 => V::F(f32::from_ne_bytes(c.try_into().unwrap()) as f64),
+            DType::F64 => V::F(f64::from_ne_bytes(c.try_into().unwrap())),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+/// Sequential fold in rank order: wrapping i128 truncated to the dtype, or f64 with NumPy's
+/// NaN rules for min/max.
+fn fold(dtype: DType, op: ReduceOp, vals: &[V]) -> V {
+    let mut it = vals.iter().copied();
+    let first = it.next().unwrap();
+    it.fold(first, |a, b| match (a, b) {
+        (V::I(a), V::I(b)) => V::I(wrap(
+            dtype,
+            match op {
+                ReduceOp::Sum | ReduceOp::Average => a.wrapping_add(b),
+                ReduceOp::Product => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+                ReduceOp::Adasum => unreachable!(),
+            },
+        )),
+        (V::F(a), V::F(b)) => V::F(match op {
+            ReduceOp::Sum | ReduceOp::Average => a + b,
+            ReduceOp::Product => a * b,
+            _ if a.is_nan() || b.is_nan() => f64::NAN,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Adasum => unreachable!(),
+        }),
+        _ => unreachable!(),
+    })
+}
+
+/// Compares one result element: exact, except that f16/bf16 sums and products (rounded at
+/// every step) may differ by a few units in the last place of the magnitudes involved.
+fn check_elem(dtype: DType, op: ReduceOp, got: V, want: V, inputs: &[V], what: &str) {
+    match (got, want) {
+        (V::I(g), V::I(w)) => assert_eq!(g, w, "{what}"),
+        (V::F(g), V::F(w)) => {
+            if w.is_nan() || g.is_nan() {
+                assert!(w.is_nan() && g.is_nan(), "{what}: got {g}, want {w}");
+                return;
+            }
+            let ulp = match dtype {
+                DType::F16 => 2f64.powi(-10),
+                DType::BF16 => 2f64.powi(-7),
+                _ => 0.0,
+            };
+            let scale = match op {
+                ReduceOp::Product => w.abs(),
+                _ => inputs
+                    .iter()
+                    .map(|v| if let V::F(x) = v { x.abs() } else { 0.0 })
+                    .sum(),
+            };
+            let tol = ulp * scale * inputs.len() as f64;
+            assert!(
+                (g - w).abs() <= tol,
+                "{what}: got {g}, want {w} (tol {tol})"
+            );
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Checks every rank's allreduce result against the reference and against rank 0's bytes.
+fn check_allreduce(dtype: DType, op: ReduceOp, count: usize, results: &[Vec<u8>], what: &str) {
+    let n = results.len();
+    for (r, res) in results.iter().enumerate() {
+        assert_eq!(
+            res, &results[0],
+            "{what}: rank {r} differs bitwise from rank 0"
+        );
+    }
+    let got = decode(dtype, &results[0]);
+    assert_eq!(got.len(), count, "{what}");
+    for (i, &g) in got.iter().enumerate() {
+        let inputs: Vec<V> = (0..n).map(|r| input(dtype, op, r, i, n)).collect();
+        let inputs = decode(dtype, &encode(dtype, &inputs));
+        let want = fold(dtype, op, &inputs);
+        check_elem(dtype, op, g, want, &inputs, &format!("{what} element {i}"));
+    }
+}
+
+fn allreduce_one(c: &mut Communicator<'_>, dtype: DType, op: ReduceOp, count: usize) -> Vec<u8> {
+    let (n, r) = (c.size(), c.rank());
+    let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
+    let mut buf = encode(dtype, &vals);
+    collective::allreduce(c, &mut buf, dtype, op).expect("allreduce");
+    buf
+}
+
+#[test]
+fn allreduce_every_dtype_and_op_on_small_sizes() {
+    for n in 1usize..=5 {
+        for (tname, tuning) in [("default", Tuning::default()), ("tiny", tiny())] {
+            let counts = [0, 1, n - 1, 7, 1023];
+            let results = run(n, &tuning, |c| {
+                let mut out = Vec::new();
+                for dtype in REDUCIBLE {
+                    for op in OPS {
+                        for count in counts {
+                            out.push(allreduce_one(c, dtype, op, count));
+                        }
+                    }
+                }
+                out
+            });
+            let mut k = 0;
+            for dtype in REDUCIBLE {
+                for op in OPS {
+                    for count in counts {
+                        let per_rank: Vec<Vec<u8>> = results.iter().map(|r| r[k].clone()).collect();
+                        let what =
+                            format!("n={n} {tname} {} {} count={count}", dtype.name(), op.name());
+                        check_allreduce(dtype, op, count, &per_rank, &what);
+                        k += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn allreduce_large() {
+    let cases = [
+        (DType::F32, ReduceOp::Sum),
+        (DType::I64, ReduceOp::Product),
+        (DType::BF16, ReduceOp::Max),
+        (DType::U8, ReduceOp::Sum),
+    ];
+    for n in [2, 3, 5] {
+        for (tname, tuning) in [("default", Tuning::default()), ("medium", medium())] {
+            let count = 300_001;
+            let results = run(n, &tuning, |c| {
+                cases.map(|(dtype, op)| allreduce_one(c, dtype, op, count))
+            });
+            for (k, (dtype, op)) in cases.iter().enumerate() {
+                let per_rank: Vec<Vec<u8>> = results.iter().map(|r| r[k].clone()).collect();
+                let what = format!("n={n} {tname} {} {} large", dtype.name(), op.name());
+                check_allreduce(*dtype, *op, count, &per_rank, &what);
+            }
+        }
+    }
+}
+
+/// Inputs whose float sums depend on the order of addition (wide magnitudes, signed zeros for
+/// min/max): ranks must still agree bit for bit, on every algorithm path.
+#[test]
+fn float_allreduce_is_bitwise_identical_across_ranks() {
+    let messy = |dtype: DType, r: usize, i: usize| -> f64 {
+        let h = hash(r, i, 99 + dtype as u64);
+        if h % 5 == 0 {
+            return if h % 2 == 0 { 0.0 } else { -0.0 };
+        }
+        let mant = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+        mant * 10f64.powi((h % 9) as i32 - 4)
+    };
+    for n in 2..=5 {
+        for (tname, tuning) in [("default", Tuning::default()), ("tiny", tiny())] {
+            let count = 257;
+            let results = run(n, &tuning, |c| {
+                let mut out = Vec::new();
+                for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+                    for op in [
+                        ReduceOp::Sum,
+                        ReduceOp::Min,
+                        ReduceOp::Max,
+                        ReduceOp::Product,
+                    ] {
+                        let vals: Vec<V> = (0..count)
+                            .map(|i| V::F(messy(dtype, c.rank(), i)))
+                            .collect();
+                        let mut buf = encode(dtype, &vals);
+                        collective::allreduce(c, &mut buf, dtype, op).unwrap();
+                        out.push(buf);
+                    }
+                }
+                out
+            });
+            for k in 0..results[0].len() {
+                for (r, res) in results.iter().enumerate() {
+                    assert_eq!(
+                        res[k], results[0][k],
+                        "n={n} {tname} case {k}: rank {r} differs"
+                    );
+                }
+            }
+            // And the sums are right, within float rounding.
+            let dtype = DType::F64;
+            let got = decode(dtype, &results[0][12]);
+            for (i, g) in got.iter().enumerate() {
+                let inputs: Vec<f64> = (0..n).map(|r| messy(dtype, r, i)).collect();
+                let want: f64 = inputs.iter().sum();
+                let bound: f64 = inputs.iter().map(|x| x.abs()).sum::<f64>() * 1e-15;
+                let V::F(g) = *g else { unreachable!() };
+                assert!(
+                    (g - want).abs() <= bound,
+                    "f64 sum element {i}: {g} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn allreduce_rejects_bool_adasum_and_partial_elements() {
+    let errs = run(2, &Tuning::default(), |c| {
+        let mut b = vec![1u8; 8];
+        [
+            collective::allreduce(c, &mut b, DType::Bool, ReduceOp::Sum),
+            collective::allreduce(c, &mut b, DType::F32, ReduceOp::Adasum),
+            collective::allreduce(c, &mut b[..6], DType::F32, ReduceOp::Sum),
+        ]
+    });
+    for e in errs.into_iter().flatten() {
+        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+    }
+}
+
+/// Bytes rank `r` contributes in test `salt`.
+fn block(r: usize, len: usize, salt: u64) -> Vec<u8> {
+    (0..len).map(|i| hash(r, i, salt) as u8).collect()
+}
+
+#[test]
+fn allgatherv_broadcast_alltoallv() {
+    for n in 1..=5 {
+        for (tname, tuning) in [("default", Tuning::default()), ("tiny", tiny())] {
+            // allgatherv: patterns with zeros, all-zero, and one large enough for the ring.
+            let patterns: Vec<Vec<usize>> = vec![
+                (0..n).map(|r| (r * 3 + 1) % 5).collect(),
+                vec![0; n],
+                (0..n)
+                    .map(|r| if r % 2 == 0 { 0 } else { 1000 + r })
+                    .collect(),
+                (0..n).map(|r| 30_000 + 7 * r).collect(),
+            ];
+            let bcast_sizes = [0usize, 1, 1000, 70_001];
+            let a2a = |r: usize, p: usize| (r * 7 + p * 3) % 4 * (1 + (r + p) % 3 * 5000);
+            let results = run(n, &tuning, |c| {
+                let r = c.rank();
+                let mut gathered = Vec::new();
+                for (k, counts) in patterns.iter().enumerate() {
+                    let mut out = vec![0u8; counts.iter().sum()];
+                    let input = block(r, counts[r], k as u64);
+                    collective::allgatherv(c, &input, &mut out, counts).unwrap();
+                    gathered.push(out);
+                }
+                let mut bcast = Vec::new();
+                for root in 0..n {
+                    for &len in &bcast_sizes {
+                        let mut buf = if r == root {
+                            block(root, len, 77)
+                        } else {
+                            vec![0; len]
+                        };
+                        collective::broadcast(c, &mut buf, root).unwrap();
+                        bcast.push(buf);
+                    }
+                }
+                let send: Vec<usize> = (0..n).map(|p| a2a(r, p)).collect();
+                let recv: Vec<usize> = (0..n).map(|p| a2a(p, r)).collect();
+                let input: Vec<u8> = (0..n).flat_map(|p| block(r * 10 + p, send[p], 5)).collect();
+                let mut out = vec![0u8; recv.iter().sum()];
+                collective::alltoallv(c, &input, &send, &mut out, &recv).unwrap();
+                (gathered, bcast, out)
+            });
+            for (r, (gathered, bcast, a2a_out)) in results.iter().enumerate() {
+                let what = format!("n={n} {tname} rank {r}");
+                for (k, counts) in patterns.iter().enumerate() {
+                    let want: Vec<u8> =
+                        (0..n).flat_map(|q| block(q, counts[q], k as u64)).collect();
+                    assert!(gathered[k] == want, "{what}: allgatherv pattern {k}");
+                }
+                for root in 0..n {
+                    for (j, &len) in bcast_sizes.iter().enumerate() {
+                        let got = &bcast[root * bcast_sizes.len() + j];
+                        assert!(
+                            *got == block(root, len, 77),
+                            "{what}: broadcast root {root} len {len}"
+                        );
+                    }
+                }
+                let want: Vec<u8> = (0..n)
+                    .flat_map(|p| block(p * 10 + r, a2a(p, r), 5))
+                    .collect();
+                assert!(*a2a_out == want, "{what}: alltoallv");
+            }
+        }
+    }
+}
+
+/// Reducescatter of i32 sums and f32 minima with uneven segments (zeros, one rank holding
+/// nearly all), and the Horovod split (lowest ranks get the extra rows).
+#[test]
+fn reducescatter_variable_segments() {
+    for n in 1..=5 {
+        for (tname, tuning) in [("default", Tuning::default()), ("tiny", tiny())] {
+            let layouts: Vec<Vec<usize>> = vec![
+                (0..n)
+                    .map(|r| 1023 / n + usize::from(r < 1023 % n))
+                    .collect(),
+                (0..n).map(|r| (r * 5 + 2) % 4).collect(),
+                (0..n)
+                    .map(|r| if r == n / 2 { 40_000 } else { r % 2 })
+                    .collect(),
+                vec![0; n],
+            ];
+            let cases = [(DType::I32, ReduceOp::Sum), (DType::F32, ReduceOp::Min)];
+            let results = run(n, &tuning, |c| {
+                let (r, n) = (c.rank(), c.size());
+                let mut out = Vec::new();
+                for layout in &layouts {
+                    for (dtype, op) in cases {
+                        let count: usize = layout.iter().sum();
+                        let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
+                        let mut buf = encode(dtype, &vals);
+                        let bytes: Vec<usize> = layout.iter().map(|e| e * dtype.size()).collect();
+                        let mut mine = vec![0u8; bytes[r]];
+                        collective::reducescatter(c, &mut buf, &bytes, dtype, op, &mut mine)
+                            .unwrap();
+                        out.push(mine);
+                    }
+                }
+                out
+            });
+            for (r, res) in results.iter().enumerate() {
+                let mut k = 0;
+                for layout in &layouts {
+                    let start: usize = layout[..r].iter().sum();
+                    for (dtype, op) in cases {
+                        let got = decode(dtype, &res[k]);
+                        assert_eq!(got.len(), layout[r]);
+                        for (j, g) in got.iter().enumerate() {
+                            let i = start + j;
+                            let inputs: Vec<V> =
+                                (0..n).map(|q| input(dtype, op, q, i, n)).collect();
+                            let inputs = decode(dtype, &encode(dtype, &inputs));
+                            let what = format!("n={n} {tname} rank {r} {:?} element {i}", dtype);
+                            check_elem(dtype, op, *g, fold(dtype, op, &inputs), &inputs, &what);
+                        }
+                        k += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Ranks arrive at staggered times; after each barrier every rank must see all arrivals.
+#[test]
+fn barrier_waits_for_everyone() {
+    for n in 1..=5 {
+        let arrived = AtomicUsize::new(0);
+        let seen = run(n, &Tuning::default(), |c| {
+            let mut seen = Vec::new();
+            for round in 0..3 {
+                std::thread::sleep(Duration::from_millis(((c.rank() + round) % n * 15) as u64));
+                arrived.fetch_add(1, Ordering::SeqCst);
+                collective::barrier(c).unwrap();
+                seen.push(arrived.load(Ordering::SeqCst));
+                // A second barrier keeps the next round's increments out of this round's view.
+                collective::barrier(c).unwrap();
+            }
+            seen
+        });
+        for (r, s) in seen.iter().enumerate() {
+            for (round, &count) in s.iter().enumerate() {
+                assert_eq!(count, n * (round + 1), "n={n} rank {r} round {round}");
+            }
+        }
+    }
+}
+
+/// Two process sets of one 5-rank mesh run at the same time: [1, 3, 4] and [0, 2].
+#[test]
+fn subset_communicators_run_side_by_side() {
+    let sets = vec![vec![1, 3, 4], vec![0, 2]];
+    for tuning in [Tuning::default(), tiny()] {
+        let results = run_sets(5, &sets, &tuning, |si, c| {
+            let (r, n) = (c.rank(), c.size());
+            let mut sums = Vec::new();
+            for count in [1, 2, 1023] {
+                sums.push(allreduce_one(c, DType::F32, ReduceOp::Sum, count));
+                sums.push(allreduce_one(c, DType::I16, ReduceOp::Product, count));
+            }
+            let counts: Vec<usize> = (0..n).map(|q| q * 100 + si).collect();
+            let mut gathered = vec![0u8; counts.iter().sum()];
+            collective::allgatherv(c, &block(r, counts[r], 3), &mut gathered, &counts).unwrap();
+            let mut b = if r == n - 1 {
+                block(9, 5000, 1)
+            } else {
+                vec![0; 5000]
+            };
+            collective::broadcast(c, &mut b, n - 1).unwrap();
+            collective::barrier(c).unwrap();
+            (sums, gathered, b)
+        });
+        for (si, set) in sets.iter().enumerate() {
+            let n = set.len();
+            let per: Vec<_> = results[si].iter().collect();
+            let mut k = 0;
+            for count in [1, 2, 1023] {
+                for (dtype, op) in [(DType::F32, ReduceOp::Sum), (DType::I16, ReduceOp::Product)] {
+                    let res: Vec<Vec<u8>> = per.iter().map(|x| x.0[k].clone()).collect();
+                    check_allreduce(
+                        dtype,
+                        op,
+                        count,
+                        &res,
+                        &format!("set {set:?} count {count}"),
+                    );
+                    k += 1;
+                }
+            }
+            let counts: Vec<usize> = (0..n).map(|q| q * 100 + si).collect();
+            let want: Vec<u8> = (0..n).flat_map(|q| block(q, counts[q], 3)).collect();
+            for (_, g, b) in &per {
+                assert!(*g == want, "set {set:?} allgatherv");
+                assert!(*b == block(9, 5000, 1), "set {set:?} broadcast");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors_not_hangs() {
+    let errs = run(3, &Tuning::default(), |c| {
+        let mut b = vec![0u8; 4];
+        let mut out = vec![0u8; 4];
+        vec![
+            collective::broadcast(c, &mut b, 3),
+            collective::allgatherv(c, &b, &mut out, &[4, 0]),
+            collective::allgatherv(c, &b[..2], &mut out, &[4, 0, 0]),
+            collective::alltoallv(c, &b, &[4, 0, 0], &mut out, &[0, 4]),
+            collective::reducescatter(c, &mut b, &[2, 2, 0], DType::F32, ReduceOp::Sum, &mut out),
+            collective::reducescatter(c, &mut b, &[4, 0, 0], DType::Bool, ReduceOp::Sum, &mut out),
+        ]
+    });
+    for (r, es) in errs.iter().enumerate() {
+        for (k, e) in es.iter().enumerate() {
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(_))),
+                "rank {r} case {k}: {e:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,177 @@
+"""Helpers to run real multi-process ferrovod jobs through the real launcher.
+
+``run_job(n, script, *args)`` runs ``python -m ferrovod.runner.launch -np n python
+workers/<script> args...`` and returns the ``CompletedProcess`` (text output), with two extra
+attributes: ``elapsed`` (seconds) and ``ranks`` (``{rank: [line, ...]}`` parsed from the
+launcher's ``[rank]<stdout>:`` prefixes). ``assert_ok`` checks that every rank ended with
+``OK <n_checks>``.
+
+Nothing is skipped: a test module that uses the ``ferrovod_importable`` fixture fails with a
+message saying what is missing when ferrovod or a test dependency (numpy, ml_dtypes,
+cloudpickle) cannot be imported.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "workers"
+REPO = HERE.parent.parent
+
+# A launch environment that init() could pick up; tests that want "no launcher at all" drop it.
+LAUNCH_ENV_PREFIXES = ("FERROVOD_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_", "HYDRA_")
+LAUNCH_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "GROUP_RANK", "TF_CONFIG", "TORCHELASTIC_RUN_ID")
+
+_LINE = re.compile(r"\[(\d+)\]<(stdout|stderr)>:(.*)")
+
+
+def parse_rank_lines(text):
+    """``{rank: [line, ...]}`` from launcher output; stdout and stderr lines both count."""
+    out = {}
+    for raw in text.splitlines():
+        m = _LINE.search(raw)
+        if m:
+            out.setdefault(int(m.group(1)), []).append(m.group(3).strip())
+    return out
+
+
+def _kill_marked(marker):
+    """SIGKILLs processes of this test (found by the marker in their environment)."""
+    needle = f"FERROVOD_TEST_JOB={marker}".encode()
+    killed = []
+    for pid in _pids_with(lambda p: needle in _read(p / "environ")):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def _read(path):
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def _pids_with(pred):
+    me = os.getpid()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != me and pred(p):
+            yield int(p.name)
+
+
+def live_pids_with_arg(marker):
+    """Pids of live (non-zombie) processes whose command line contains ``marker``."""
+    found = []
+    for pid in _pids_with(lambda p: marker.encode() in _read(p / "cmdline")):
+        stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
+        state = stat.rsplit(")", 1)[-1].split()[:1]
+        if state != ["Z"]:
+            found.append(pid)
+    return found
+
+
+def _env(extra, plain=False):
+    env = os.environ.copy()
+    if plain:
+        for k in list(env):
+            if k.startswith(LAUNCH_ENV_PREFIXES) or k in LAUNCH_ENV_NAMES:
+                del env[k]
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def _run(cmd, env, timeout):
+    marker = uuid.uuid4().hex
+    env["FERROVOD_TEST_JOB"] = marker
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(REPO), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        killed = _kill_marked(marker)
+        out, err = proc.communicate()
+        pytest.fail(f"job timed out after {timeout} s (killed {len(killed)} leftover processes): "
+                    f"{' '.join(cmd)}\n--- stdout (tail) ---\n{out[-6000:]}\n--- stderr (tail) ---\n{err[-6000:]}")
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    res.elapsed = time.monotonic() - t0
+    res.ranks = parse_rank_lines(out + "\n" + err)
+    res.marker = marker
+    return res
+
+
+def launcher_cmd(n, script, *args, launcher_args=()):
+    return [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), *launcher_args,
+            sys.executable, str(WORKERS / script), *[str(a) for a in args]]
+
+
+def run_job(n, script, *args, env=None, timeout=120, launcher_args=()):
+    """Runs ``script`` (a file under workers/) on ``n`` ranks through the launcher."""
+    return _run(launcher_cmd(n, script, *args, launcher_args=launcher_args), _env(env), timeout)
+
+
+def run_plain(script, *args, env=None, timeout=60):
+    """Runs ``script`` as a plain ``python script.py``, with no launch environment at all."""
+    res = _run([sys.executable, str(WORKERS / script), *[str(a) for a in args]], _env(env, plain=True),
+               timeout)
+    res.ranks = {0: [ln.strip() for ln in (res.stdout + "\n" + res.stderr).splitlines()]}
+    return res
+
+
+def describe(res, limit=8000):
+    return (f"command: {' '.join(res.args)}\nexit code: {res.returncode}, {res.elapsed:.1f} s\n"
+            f"--- stdout (tail) ---\n{res.stdout[-limit:]}\n--- stderr (tail) ---\n{res.stderr[-limit:]}")
+
+
+def ok_counts(res):
+    """``{rank: n_checks}`` for ranks whose last ``OK``/``FAIL`` line is ``OK n``."""
+    counts = {}
+    for rank, lines in res.ranks.items():
+        status = [ln for ln in lines if re.fullmatch(r"OK \d+", ln) or ln.startswith("FAIL")]
+        if status and status[-1].startswith("OK "):
+            counts[rank] = int(status[-1].split()[1])
+    return counts
+
+
+def assert_ok(res, n, min_checks=1, same_count=True):
+    """Every rank 0..n-1 printed ``OK k`` with k >= min_checks, and the launcher exited 0."""
+    counts = ok_counts(res)
+    assert res.returncode == 0, f"job failed\n{describe(res)}"
+    assert sorted(counts) == list(range(n)), f"ranks that printed OK: {sorted(counts)}\n{describe(res)}"
+    low = {r: c for r, c in counts.items() if c < min_checks}
+    assert not low, f"too few checks ran (< {min_checks}): {low}\n{describe(res)}"
+    if same_count:
+        assert len(set(counts.values())) == 1, f"ranks ran different numbers of checks: {counts}"
+    return counts
+
+
+def lines_matching(res, rank, pattern):
+    return [m for m in (re.search(pattern, ln) for ln in res.ranks.get(rank, [])) if m]
+
+
+@pytest.fixture(scope="session")
+def ferrovod_importable():
+    """Fails (does not skip) the whole suite when the package or a test dependency is missing."""
+    probe = subprocess.run([sys.executable, "-c", "import ferrovod, ferrovod.runner.launch, numpy, "
+                            "ml_dtypes, cloudpickle"], capture_output=True, text=True, env=_env(None, True))
+    if probe.returncode != 0:
+        pytest.fail(f"{sys.executable} cannot import what the tests need (run `make setup`):\n"
+                    f"{probe.stderr[-3000:]}", pytrace=False)

@@ -1,0 +1,64 @@
+"""Failures surface as the documented exceptions on every rank, and nothing hangs."""
+
+import re
+import time
+
+import pytest
+
+from conftest import assert_ok, describe, lines_matching, live_pids_with_arg, run_job, run_plain
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+MISMATCH_CASES = ["shape mismatch", "dtype mismatch", "op kind mismatch", "reduce op mismatch",
+                  "broadcast root mismatch", "allgather trailing-dim mismatch", "prescale mismatch",
+                  "unnamed shape mismatch", "async shape mismatch"]
+
+
+def test_mismatches_raise_on_every_rank_and_the_job_goes_on():
+    res = run_job(3, "errors_worker.py", "mismatch", timeout=120)
+    assert_ok(res, 3, min_checks=len(MISMATCH_CASES) * 10)
+    for r in range(3):
+        caught = [m.group(1) for m in lines_matching(res, r, r"^caught (.+?): ")]
+        assert caught == MISMATCH_CASES, f"rank {r} caught {caught}\n{describe(res)}"
+
+
+def test_invalid_arguments_are_value_errors():
+    res = run_job(2, "errors_worker.py", "invalid", timeout=60)
+    assert_ok(res, 2, min_checks=15)
+
+
+def test_ops_before_init_raise_not_initialized():
+    res = run_plain("errors_worker.py", "notinit")
+    assert res.returncode == 0 and "OK " in res.stdout, describe(res)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_killed_rank_is_reported_by_every_survivor(n):
+    marker = f"fvkill-{time.time_ns()}"
+    t0 = time.monotonic()
+    res = run_job(n, "errors_worker.py", "kill", marker, 40, env={"FERROVOD_TIMEOUT_SECONDS": 30}, timeout=90)
+    total = time.monotonic() - t0
+    assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"
+    assert lines_matching(res, 1, r"^killing myself"), describe(res)
+    for r in range(n):
+        if r == 1:
+            continue
+        got = lines_matching(res, r, r"^RANKFAIL iteration=(\d+) rank_attr=(\S+) elapsed=([\d.]+) internal=(\w+)")
+        assert got, f"rank {r} did not report RankFailureError\n{describe(res)}"
+        _, rank_attr, elapsed, internal = got[0].groups()
+        assert rank_attr == "1", f"rank {r}: RankFailureError.rank is {rank_attr}, expected 1\n{describe(res)}"
+        assert internal == "True", f"rank {r}: RankFailureError is not a HorovodInternalError"
+        assert float(elapsed) < 10.0, f"rank {r} needed {elapsed} s to notice the dead rank"
+        msg = [ln for ln in res.ranks[r] if ln.startswith("RANKFAIL")][0]
+        assert re.search(r"rank\D{0,20}\b1\b", msg.split(" msg=", 1)[1], re.I), f"message does not name rank 1: {msg}"
+        nxt = lines_matching(res, r, r"^NEXT-OP (\S+)")
+        assert nxt and nxt[0].group(1) != "succeeded", f"rank {r}: an op after the failure: {nxt}\n{describe(res)}"
+    assert total < 60, f"the job took {total:.1f} s to end after a rank died"
+    time.sleep(0.5)
+    left = live_pids_with_arg(marker)
+    assert not left, f"processes left behind: {left}\n{describe(res)}"
+
+
+def test_forked_child_gets_not_initialized_and_parent_goes_on():
+    res = run_job(2, "errors_worker.py", "fork", timeout=60)
+    assert_ok(res, 2, min_checks=6)

@@ -1,0 +1,505 @@
+"""Tests of ``ferrovodrun`` (ferrovod.runner): real launcher processes, real workers.
+
+Workers are small scripts under ``launcher_scripts/`` (or ``sh -c``) that do not call
+``ferrovod.init()``, so these tests need only the pure-Python launcher.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PYTHON_DIR = REPO / "python"
+SCRIPTS = HERE / "launcher_scripts"
+
+if importlib.util.find_spec("ferrovod") is None:  # not installed: test the checkout
+    sys.path.insert(0, str(PYTHON_DIR))
+from ferrovod.runner import hosts as H  # noqa: E402
+from ferrovod.runner.output import LineSplitter, pad_rank  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX_RE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
+TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+
+
+# -- fixtures and helpers -------------------------------------------------------------------
+
+
+def _needs_repo_path() -> bool:
+    """True unless an installed ferrovod (outside this checkout) provides the launcher."""
+    spec = importlib.util.find_spec("ferrovod.runner.launch")
+    if spec is None or spec.origin is None:
+        return True
+    return Path(spec.origin).resolve().is_relative_to(PYTHON_DIR)
+
+
+@pytest.fixture(scope="session")
+def base_env() -> Dict[str, str]:
+    """The environment for the launcher: no leftover launch variables, ferrovod importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FERROVOD_", "HOROVOD_"))}
+    env.pop("PYTHONUNBUFFERED", None)
+    if _needs_repo_path():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PYTHON_DIR), env.get("PYTHONPATH")]))
+    return env
+
+
+def launcher_argv(*args: str) -> List[str]:
+    return [sys.executable, "-m", "ferrovod.runner.launch", *args]
+
+
+def script(name: str, *args: str) -> List[str]:
+    return [sys.executable, str(SCRIPTS / name), *args]
+
+
+def run(env: Dict[str, str], *args: str, timeout: float = 40, extra_env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    full_env = dict(env, **(extra_env or {}))
+    return subprocess.run(
+        launcher_argv(*args), env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+def reports(stdout: str) -> Dict[int, dict]:
+    found = {}
+    for line in stdout.splitlines():
+        m = PREFIX_RE.match(line)
+        if m and m.group(3).startswith("REPORT "):
+            found[int(m.group(1))] = json.loads(m.group(3)[len("REPORT ") :])
+    return found
+
+
+def worker_lines(text: str, stream: str) -> Dict[int, List[str]]:
+    """Forwarded lines per rank; every line that is not a launcher message must be prefixed."""
+    per_rank: Dict[int, List[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("ferrovodrun:"):
+            continue
+        m = PREFIX_RE.match(line)
+        assert m is not None, f"unprefixed or mixed line: {line!r}"
+        assert m.group(2) == stream
+        per_rank.setdefault(int(m.group(1)), []).append(m.group(3))
+    return per_rank
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as dead: containers' PID 1 may never reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def read_pids(directory: Path, kinds: Iterable[str], n: int) -> List[int]:
+    return [int((directory / f"{kind}.{r}").read_text()) for kind in kinds for r in range(n)]
+
+
+def all_written(directory: Path, kinds: Iterable[str], n: int) -> bool:
+    return all((directory / f"{kind}.{r}").exists() for kind in kinds for r in range(n))
+
+
+# -- hosts.py unit tests --------------------------------------------------------------------
+
+
+def test_parse_hosts() -> None:
+    assert H.parse_hosts("localhost:2,127.0.0.1:3") == [H.HostInfo("localhost", 2), H.HostInfo("127.0.0.1", 3)]
+    assert H.parse_hosts("worker-0") == [H.HostInfo("worker-0", 1)]
+    assert H.parse_hosts(" a:1 , [::1]:2 ") == [H.HostInfo("a", 1), H.HostInfo("[::1]", 2)]
+    for bad in ("", "a:x", "a:0", "a:-1", "a:1:2", "a b:1", "a:1,A:2"):
+        with pytest.raises(H.HostSpecError):
+            H.parse_hosts(bad)
+
+
+def test_parse_hostfile_text() -> None:
+    text = "# cluster\n\nnode-1 slots=4\nnode-2:2  # trailing comment\nnode-3\nnode-4 slots=1 max_slots=8\n"
+    assert H.parse_hostfile_text(text) == [
+        H.HostInfo("node-1", 4),
+        H.HostInfo("node-2", 2),
+        H.HostInfo("node-3", 1),
+        H.HostInfo("node-4", 1),
+    ]
+    for bad in ("node slots=zero\n", "node cpus=2\n", "# nothing\n", "node slots=0\n", "a:1\na slots=2\n"):
+        with pytest.raises(H.HostSpecError):
+            H.parse_hostfile_text(bad, "hf")
+    with pytest.raises(H.HostSpecError, match="hf:2"):
+        H.parse_hostfile_text("ok:1\nbad slots=x\n", "hf")
+
+
+def test_get_host_assignments_matches_horovod() -> None:
+    # Worked example: hosts a:2, b:3, c:1 -> ranks fill a, then b, then c.
+    hosts = [H.HostInfo("a", 2), H.HostInfo("b", 3), H.HostInfo("c", 1)]
+    got = [(s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size, s.size) for s in H.get_host_assignments(hosts, 6)]
+    assert got == [
+        ("a", 0, 0, 2, 0, 3, 6),
+        ("a", 1, 1, 2, 0, 2, 6),
+        ("b", 2, 0, 3, 1, 3, 6),
+        ("b", 3, 1, 3, 1, 2, 6),
+        ("b", 4, 2, 3, 0, 1, 6),
+        ("c", 5, 0, 1, 2, 3, 6),
+    ]
+    # max_np stops early; the last host gets only part of its slots.
+    got = [(s.hostname, s.rank, s.local_size, s.cross_size, s.size) for s in H.get_host_assignments(hosts, 1, max_np=3)]
+    assert got == [("a", 0, 2, 2, 3), ("a", 1, 2, 1, 3), ("b", 2, 1, 2, 3)]
+    with pytest.raises(H.HostSpecError, match=r"more processes \(7\) than there are available slots \(6\)"):
+        H.get_host_assignments(hosts, 7)
+
+
+def test_is_local_host() -> None:
+    for name in ("localhost", "LOCALHOST", "127.0.0.1", "127.1.2.3", "[::1]", "::1"):
+        assert H.is_local_host(name), name
+    import socket
+
+    assert H.is_local_host(socket.gethostname())
+    assert not H.is_local_host("node-that-does-not-exist.invalid", this_machine=set())
+    assert H.remote_hosts([H.HostInfo("localhost", 1), H.HostInfo("elsewhere.invalid", 1)]) == ["elsewhere.invalid"]
+
+
+def test_pad_rank_and_line_splitter() -> None:
+    assert [pad_rank(r, 1) for r in (0,)] == ["0"]
+    assert [pad_rank(r, 10) for r in (0, 9)] == ["0", "9"]
+    assert [pad_rank(r, 11) for r in (0, 10)] == ["00", "10"]
+    splitter = LineSplitter()
+    assert splitter.feed(b"ab") == []
+    assert splitter.feed(b"c\nd\r") == [b"abc\n"]  # the \r waits: \r\n may follow
+    assert splitter.feed(b"\ne\rf") == [b"d\r\n", b"e\r"]
+    assert splitter.flush() == b"f"
+    assert splitter.flush() is None
+
+
+# -- environment of the workers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
+    proc = run(base_env, "-np", str(np_), *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    got = reports(proc.stdout)
+    assert sorted(got) == list(range(np_))
+    secrets = {r["env"]["FERROVOD_SECRET"] for r in got.values()}
+    assert len(secrets) == 1
+    secret = secrets.pop()
+    assert re.fullmatch(r"[0-9a-f]{64}", secret)
+    for rank, r in got.items():
+        env = r["env"]
+        expected = {"RANK": rank, "SIZE": np_, "LOCAL_RANK": rank, "LOCAL_SIZE": np_, "CROSS_RANK": 0, "CROSS_SIZE": 1, "HOSTNAME": "localhost"}
+        for prefix in ("FERROVOD_", "HOROVOD_"):
+            assert {k: env[prefix + k] for k in TOPOLOGY} == {k: str(v) for k, v in expected.items()}
+        assert env["FERROVOD_LAUNCHER"] == "ferrovodrun"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        assert env["FERROVOD_START_TIMEOUT"] == "30"
+        assert "FERROVOD_FUSION_THRESHOLD" not in env and "FERROVOD_CYCLE_TIME" not in env
+        # The secret is in the environment only: never on any command line.
+        assert secret not in r["cmdline"] and secret not in " ".join(r["argv"])
+        # Own session and process group, so stopping a rank stops its children.
+        assert r["pgid"] == r["pid"] == r["sid"]
+        if rank > 0:
+            assert r["stdin_is_devnull"]
+        addr = env.get("FERROVOD_RENDEZVOUS_ADDR")
+        if addr is None:
+            assert "native core is not available" in proc.stderr
+        else:
+            assert re.fullmatch(r"127\.0\.0\.1:\d+", addr)
+            assert r["rendezvous_reachable"] is True
+    assert secret not in proc.stderr
+
+
+def test_secrets_differ_between_jobs(base_env: Dict[str, str]) -> None:
+    a = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"]["FERROVOD_SECRET"]
+    b = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"]["FERROVOD_SECRET"]
+    assert a != b
+
+
+def _topology(got: Dict[int, dict]) -> List[tuple]:
+    return [tuple(got[r]["env"]["FERROVOD_" + k] for k in TOPOLOGY) for r in sorted(got)]
+
+
+def test_two_local_host_names_give_cross_topology(base_env: Dict[str, str]) -> None:
+    # localhost and 127.0.0.1 are both this machine but count as two hosts, as in horovodrun.
+    proc = run(base_env, "-np", "3", "-H", "localhost:2,127.0.0.1:2", *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    # (rank, size, local_rank, local_size, cross_rank, cross_size, host)
+    assert _topology(reports(proc.stdout)) == [
+        ("0", "3", "0", "2", "0", "2", "localhost"),
+        ("1", "3", "1", "2", "0", "1", "localhost"),
+        ("2", "3", "0", "1", "1", "2", "127.0.0.1"),
+    ]
+
+
+def test_hostfile(base_env: Dict[str, str], tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two names for this machine\nlocalhost slots=1\n127.0.0.1:2\n")
+    proc = run(base_env, "--hostfile", str(hostfile), *script("report_env.py"))  # -np: all slots
+    assert proc.returncode == 0, proc.stderr
+    assert _topology(reports(proc.stdout)) == [
+        ("0", "3", "0", "1", "0", "2", "localhost"),
+        ("1", "3", "0", "2", "1", "2", "127.0.0.1"),
+        ("2", "3", "1", "2", "0", "1", "127.0.0.1"),
+    ]
+
+
+def test_tunables_exported_only_when_given(base_env: Dict[str, str]) -> None:
+    args = [
+        "-np", "1", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--cache-capacity", "0",
+        "--timeline-filename", "tl.json", "--log-level", "debug", "--log-without-timestamp",
+        "--start-timeout", "7", "--gloo-timeout-seconds", "11", "--stall-check-warning-time-seconds", "13",
+        "--no-stall-check",
+    ]  # fmt: skip
+    proc = run(base_env, *args, *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    env = reports(proc.stdout)[0]["env"]
+    assert {k: env.get(k) for k in (
+        "FERROVOD_FUSION_THRESHOLD", "FERROVOD_CYCLE_TIME", "FERROVOD_CACHE_CAPACITY", "FERROVOD_TIMELINE",
+        "FERROVOD_LOG_LEVEL", "FERROVOD_LOG_HIDE_TIME", "FERROVOD_START_TIMEOUT", "FERROVOD_TIMEOUT_SECONDS",
+        "FERROVOD_STALL_CHECK_TIME_SECONDS", "FERROVOD_STALL_CHECK_DISABLE",
+    )} == {  # fmt: skip
+        "FERROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "FERROVOD_CYCLE_TIME": "2.5",
+        "FERROVOD_CACHE_CAPACITY": "0", "FERROVOD_TIMELINE": "tl.json", "FERROVOD_LOG_LEVEL": "DEBUG",
+        "FERROVOD_LOG_HIDE_TIME": "1", "FERROVOD_START_TIMEOUT": "7", "FERROVOD_TIMEOUT_SECONDS": "11",
+        "FERROVOD_STALL_CHECK_TIME_SECONDS": "13", "FERROVOD_STALL_CHECK_DISABLE": "1",
+    }  # fmt: skip
+    # HOROVOD_START_TIMEOUT is the fallback default for the start timeout.
+    proc = run(base_env, "-np", "1", *script("report_env.py"), extra_env={"HOROVOD_START_TIMEOUT": "45"})
+    assert reports(proc.stdout)[0]["env"]["FERROVOD_START_TIMEOUT"] == "45"
+    proc = run(base_env, "-np", "1", "--fusion-threshold-mb", "-1", "true")
+    assert proc.returncode == 2 and "must not be negative" in proc.stderr
+
+
+def test_verbose_shows_plan_but_not_secret(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "--verbose", "-np", "2", "--tcp", *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    secret = reports(proc.stdout)[0]["env"]["FERROVOD_SECRET"]
+    assert "rank 1: host localhost, local rank 1/2, cross rank 0/1" in proc.stderr
+    assert "FERROVOD_SECRET=<hidden>" in proc.stderr
+    assert "--tcp has no effect" in proc.stderr
+    assert secret not in proc.stderr
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def test_output_prefixing(base_env: Dict[str, str]) -> None:
+    n = 200
+    proc = run(base_env, "-np", "3", *script("echo_streams.py", str(n)))
+    assert proc.returncode == 0, proc.stderr
+    out = worker_lines(proc.stdout, "stdout")
+    err = worker_lines(proc.stderr, "stderr")
+    for rank in range(3):
+        assert out[rank] == [f"out rank={rank} i={i} end" for i in range(n)] + [f"tail rank={rank}"]
+        assert err[rank] == [f"err rank={rank} i={i}" for i in range(n)]
+
+
+def test_carriage_returns_and_partial_last_line(base_env: Dict[str, str]) -> None:
+    proc = subprocess.run(
+        launcher_argv("-np", "1", "sh", "-c", r"printf 'a\rb\r\nc\nlast'"), env=base_env, capture_output=True, timeout=30
+    )
+    assert proc.returncode == 0
+    assert proc.stdout == b"[0]<stdout>:a\r[0]<stdout>:b\r\n[0]<stdout>:c\n[0]<stdout>:last\n"
+
+
+def test_timestamp_prefix(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "-np", "1", "-prefix-timestamp", "sh", "-c", "echo hello")
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hello\n", proc.stdout)
+
+
+def test_output_filename(base_env: Dict[str, str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "logs"
+    proc = run(base_env, "-np", "2", "--output-filename", str(out_dir), *script("echo_streams.py", "3"))
+    assert proc.returncode == 0, proc.stderr
+    for rank in range(2):
+        expected_out = "".join(f"out rank={rank} i={i} end\n" for i in range(3)) + f"tail rank={rank}"
+        assert (out_dir / f"rank.{rank}" / "stdout").read_text() == expected_out
+        assert (out_dir / f"rank.{rank}" / "stderr").read_text() == "".join(f"err rank={rank} i={i}\n" for i in range(3))
+    assert "[0]<stdout>:out rank=0 i=0 end" in proc.stdout  # the console still gets it
+
+
+def test_output_filename_pads_ranks(base_env: Dict[str, str], tmp_path: Path) -> None:
+    proc = run(base_env, "-np", "11", "--output-filename", str(tmp_path), "sh", "-c", 'echo "r$FERROVOD_RANK"')
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank.{r:02d}" for r in range(11)]
+    for r in range(11):
+        assert (tmp_path / f"rank.{r:02d}" / "stdout").read_text() == f"r{r}\n"
+
+
+# -- failures and signals -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fail_args, expected_rc, wording",
+    [(["--code", "3"], 3, "exit code 3"), (["--signal", str(int(signal.SIGKILL))], 137, "signal 9 (SIGKILL)")],
+)
+def test_failing_rank_stops_the_others(base_env: Dict[str, str], tmp_path: Path, fail_args, expected_rc, wording) -> None:
+    start = time.monotonic()
+    proc = run(base_env, "-np", "3", *script("hang.py", str(tmp_path), "--grandchild", "--fail-rank", "1", *fail_args))
+    elapsed = time.monotonic() - start
+    assert proc.returncode == expected_rc, proc.stderr
+    assert elapsed < 15, elapsed  # the others sleep 300 s unless stopped
+    assert re.search(rf"rank 1 \(pid \d+ on localhost\) ended with {re.escape(wording)}", proc.stderr), proc.stderr
+    assert "the first was rank 1" in proc.stderr
+    pids = read_pids(tmp_path, ("pid", "child"), 3)
+    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
+
+
+def test_worker_ignoring_sigterm_is_killed(base_env: Dict[str, str], tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = run(base_env, "-np", "2", *script("hang.py", str(tmp_path), "--ignore-term", "--fail-rank", "0", "--code", "5"))
+    assert proc.returncode == 5, proc.stderr
+    assert time.monotonic() - start < 15
+    pids = read_pids(tmp_path, ("pid",), 2)
+    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0)
+
+
+def _start_hanging_job(base_env: Dict[str, str], tmp_path: Path, n: int) -> subprocess.Popen:
+    launcher = subprocess.Popen(
+        launcher_argv("-np", str(n), *script("hang.py", str(tmp_path), "--grandchild")),
+        env=base_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if not wait_until(lambda: all_written(tmp_path, ("pid", "child"), n), 20):
+        launcher.kill()
+        pytest.fail(f"workers did not start: {launcher.communicate(timeout=10)}")
+    return launcher
+
+
+@pytest.mark.parametrize("signum, expected_rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_all(base_env: Dict[str, str], tmp_path: Path, signum, expected_rc) -> None:
+    launcher = _start_hanging_job(base_env, tmp_path, 3)
+    pids = read_pids(tmp_path, ("pid", "child"), 3)
+    assert all(alive(p) for p in pids)
+    launcher.send_signal(signum)
+    _, err = launcher.communicate(timeout=15)
+    assert launcher.returncode == expected_rc, err
+    assert f"received {signal.Signals(signum).name}" in err
+    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
+
+
+def test_sigkill_of_launcher_leaves_no_worker(base_env: Dict[str, str], tmp_path: Path) -> None:
+    launcher = _start_hanging_job(base_env, tmp_path, 2)
+    pids = read_pids(tmp_path, ("pid", "child"), 2)
+    launcher.kill()
+    launcher.communicate(timeout=10)
+    # Workers die through PDEATHSIG; their children through the watchdog.
+    assert wait_until(lambda: not any(alive(p) for p in pids), 5.0), [p for p in pids if alive(p)]
+
+
+def test_command_not_found(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "-np", "2", "ferrovod-no-such-command-xyz")
+    assert proc.returncode == 127
+    assert "cannot start rank 0: ferrovod-no-such-command-xyz" in proc.stderr
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def test_non_local_host_is_refused(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "-np", "2", "-H", "localhost:1,node-b.invalid:1", "true")
+    assert proc.returncode == 2
+    assert "multi-host launch is not supported yet: node-b.invalid" in proc.stderr
+
+
+def test_too_many_processes(base_env: Dict[str, str], tmp_path: Path) -> None:
+    proc = run(base_env, "-np", "5", "-H", "localhost:4", "true")
+    assert proc.returncode == 2
+    assert "requested more processes (5) than there are available slots (4)" in proc.stderr
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=notanumber\n")
+    proc = run(base_env, "-np", "1", "--hostfile", str(hostfile), "true")
+    assert proc.returncode == 2 and f"{hostfile}:1" in proc.stderr
+
+
+def test_fewer_processes_than_slots(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "-np", "2", "-H", "localhost:4", *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    assert _topology(reports(proc.stdout)) == [
+        ("0", "2", "0", "2", "0", "1", "localhost"),
+        ("1", "2", "1", "2", "0", "1", "localhost"),
+    ]
+
+
+def test_horovodrun_flags_are_accepted(base_env: Dict[str, str]) -> None:
+    flags = [
+        "--gloo", "--tcp", "--disable-cache", "--network-interfaces", "lo,eth0", "--network-interface", "lo",
+        "-p", "2222", "-i", "/nonexistent/key", "--mpi-args=-x FOO", "--binding-args=--bind-to none",
+        "--num-nccl-streams", "2", "--thread-affinity", "1", "--mpi-threads-disable", "--hierarchical-allreduce",
+        "--no-hierarchical-allgather", "--torus-allreduce", "--autotune", "--autotune-log-file", "at.csv",
+        "--autotune-warmup-samples", "3", "--autotune-steps-per-sample", "10",
+        "--autotune-bayes-opt-max-samples", "20", "--autotune-gaussian-process-noise", "0.8",
+        "--timeline-mark-cycles", "--stall-check-shutdown-time-seconds", "120", "--log-with-timestamp",
+    ]  # fmt: skip
+    proc = run(base_env, "-np", "2", *flags, "sh", "-c", "echo ok")
+    assert proc.returncode == 0, proc.stderr
+    assert worker_lines(proc.stdout, "stdout") == {0: ["ok"], 1: ["ok"]}
+    for controller in ("--mpi", "--jsrun"):
+        assert run(base_env, "-np", "1", controller, "true").returncode == 0
+    # Options after the command belong to the command.
+    proc = run(base_env, "-np", "1", "sh", "-c", 'echo "$0 $1"', "--verbose", "-np")
+    assert worker_lines(proc.stdout, "stdout") == {0: ["--verbose -np"]}
+    # A flag horovodrun does not have is a usage error.
+    assert run(base_env, "-np", "1", "--no-such-flag", "true").returncode == 2
+
+
+@pytest.mark.parametrize(
+    "flags", [["--min-np", "1"], ["--max-np", "4"], ["--host-discovery-script", "d.sh"], ["--blacklist-cooldown-range", "1", "9"]]
+)
+def test_elastic_flags_are_refused(base_env: Dict[str, str], flags: List[str]) -> None:
+    proc = run(base_env, "-np", "1", *flags, "true")
+    assert proc.returncode == 2
+    assert "elastic mode is not supported yet" in proc.stderr
+
+
+def test_usage_errors(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "true")
+    assert proc.returncode == 2 and "-np/--num-proc is required" in proc.stderr
+    proc = run(base_env, "-np", "2")
+    assert proc.returncode == 2 and "no command given" in proc.stderr
+    proc = run(base_env, "-np", "0", "true")
+    assert proc.returncode == 2
+    proc = run(base_env, "-np", "1", "-H", "localhost:1", "--hostfile", "x", "true")
+    assert proc.returncode == 2  # the host flags exclude each other
+
+
+def test_version(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "--version")
+    assert proc.returncode == 0
+    assert re.fullmatch(r"(\d+\.\d+\.\d+\S*|unknown)\n", proc.stdout)
+
+
+def test_check_build_does_not_import_frameworks(base_env: Dict[str, str], tmp_path: Path) -> None:
+    # A fake "torch" that leaves a mark if anything imports it.
+    marker = tmp_path / "imported"
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = dict(base_env, PYTHONPATH=os.pathsep.join([str(tmp_path), base_env.get("PYTHONPATH", "")]))
+    proc = subprocess.run(launcher_argv("-cb"), env=env, capture_output=True, text=True, timeout=30)
+    assert not marker.exists()
+    assert proc.stdout.startswith("ferrovod v")
+    assert re.search(r"^    \[[X ]\] PyTorch$", proc.stdout, re.M)
+    assert re.search(r"^    \[[X ]\] TensorFlow$", proc.stdout, re.M)
+    has_adapter = (PYTHON_DIR / "ferrovod" / "torch").exists()
+    assert ("    [X] PyTorch" in proc.stdout) == has_adapter  # torch is "installed" (the fake)
+    if "Native core: not available" in proc.stdout:
+        assert proc.returncode == 1
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "Available Tensor Operations:" in proc.stdout

@@ -1,0 +1,49 @@
+"""init/shutdown/re-init, a job without any launcher, join with uneven data, topology."""
+
+import pytest
+
+from conftest import assert_ok, describe, lines_matching, run_job, run_plain
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+
+def test_size_one_without_a_launcher():
+    res = run_plain("lifecycle_worker.py", "single")
+    assert res.returncode == 0, describe(res)
+    assert res.ranks[0][-1].startswith("OK "), describe(res)
+
+
+def test_every_op_on_one_rank_without_a_launcher():
+    res = run_plain("ops_worker.py", 5, "allreduce,grouped,allgather,broadcast,alltoall,reducescatter,misc",
+                    timeout=180)
+    assert res.returncode == 0, describe(res)
+    last = res.ranks[0][-1]
+    assert last.startswith("OK ") and int(last.split()[1]) > 1500, describe(res)
+
+
+def test_shutdown_then_init_again():
+    res = run_job(2, "lifecycle_worker.py", "reinit", timeout=120)
+    assert_ok(res, 2, min_checks=100)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_join_with_uneven_steps(n):
+    res = run_job(n, "lifecycle_worker.py", "join", timeout=120)
+    assert_ok(res, n, min_checks=40, same_count=False)
+    for r in range(n):
+        got = [m.group(1) for m in lines_matching(res, r, r"^round \d: join\(\) returned (\S+)")]
+        assert got == [str(n - 1), "0"], f"rank {r}: join() returned {got}\n{describe(res)}"
+
+
+def test_collectives_other_than_allreduce_fail_while_a_rank_is_joined():
+    res = run_job(3, "lifecycle_worker.py", "joinerr", timeout=120)
+    assert_ok(res, 3, min_checks=2, same_count=False)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_topology_under_the_launcher(n):
+    res = run_job(n, "lifecycle_worker.py", "topology", n, timeout=60)
+    assert_ok(res, n, min_checks=11)
+    for r in range(n):
+        topo = lines_matching(res, r, r"^TOPO (.*)")
+        assert topo and f"rank={r} size={n} local_rank={r} local_size={n}" in topo[0].group(1), describe(res)

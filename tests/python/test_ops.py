@@ -1,0 +1,44 @@
+"""Every collective, dtype and shape class against a NumPy reference, in real launched jobs.
+
+The work happens in workers/ops_worker.py: each rank regenerates every rank's input from a
+seed and checks its own result, then prints ``OK <n_checks>``. One launch covers all ops; the
+jobs differ in size (1, 2, 3, 4 ranks: power of two or not, odd row counts per rank).
+"""
+
+import pytest
+
+from conftest import assert_ok, describe, lines_matching, run_job
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+ALL = "allreduce,grouped,allgather,broadcast,alltoall,reducescatter,misc"
+
+# Lower bounds on the checks one rank runs over all sections; the exact count grows with n
+# (broadcast covers every root). They catch a worker that silently skipped a section.
+MIN_CHECKS = {1: 1500, 2: 1600, 3: 1700, 4: 1800}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_op_every_dtype(n):
+    res = run_job(n, "ops_worker.py", 11 + n, ALL, timeout=240)
+    counts = assert_ok(res, n, MIN_CHECKS[n], same_count=False)
+    for r in range(n):
+        done = [m.group(1) for m in lines_matching(res, r, r"^section (\w+):")]
+        assert done == ALL.split(","), f"rank {r} ran sections {done}\n{describe(res)}"
+    print(f"{n} ranks: {counts[0]} checks per rank in {res.elapsed:.1f} s")
+
+
+def test_four_ranks_core_sections():
+    # 4 ranks on a small machine: the sections whose layouts depend most on the size.
+    sections = "allreduce,allgather,alltoall,reducescatter,misc"
+    res = run_job(4, "ops_worker.py", 97, sections, timeout=240)
+    counts = assert_ok(res, 4, 900, same_count=False)
+    print(f"4 ranks: {counts[0]} checks per rank in {res.elapsed:.1f} s")
+
+
+def test_worker_reports_a_wrong_result():
+    """The harness itself can fail: a deliberately wrong expectation must make the job fail."""
+    res = run_job(2, "selfcheck_worker.py", timeout=60)
+    assert res.returncode != 0, f"a failing check did not fail the job\n{describe(res)}"
+    fails = [r for r in range(2) if lines_matching(res, r, r"^FAIL rank \d+: CheckFailure: .*allreduce")]
+    assert fails, f"no FAIL line naming the op\n{describe(res)}"

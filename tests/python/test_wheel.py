@@ -1,0 +1,155 @@
+"""The wheel users install: abi3 + manylinux, and it runs a 2-process job from a fresh venv.
+
+Builds the wheel with scripts/build_wheel.sh (or reuses one in dist/ that is newer than every
+source file), installs it with its dependencies into a new virtual environment, and from a
+working directory outside the source tree runs ``ferrovodrun -np 2`` of that venv on a script
+that allreduces and checks the result. This is what `pip install ferrovod` gives a user, so
+nothing of the source tree or of the development venv may leak in.
+
+Slow (a release build, a venv, a pip install): set FERROVOD_SKIP_WHEEL_TEST=1 to skip it in
+quick local runs. `make test` and CI run it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DIST = ROOT / "dist"
+SOURCES = ("src", "python", "Cargo.toml", "Cargo.lock", "pyproject.toml", "README.md")
+
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("FERROVOD_SKIP_WHEEL_TEST", "") not in ("", "0"),
+        reason="FERROVOD_SKIP_WHEEL_TEST is set",
+    ),
+    pytest.mark.timeout(1500),
+]
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import ferrovod as fv
+
+    fv.init()
+    rank, size = fv.rank(), fv.size()
+    assert size == 2, size
+    x = np.arange(1000, dtype=np.float32) * (rank + 1)
+    total = fv.allreduce(x, op=fv.Sum, name="wheel.sum")
+    mean = fv.allreduce(x, op=fv.Average, name="wheel.avg")
+    ref = sum(np.arange(1000, dtype=np.float32) * (r + 1) for r in range(size))
+    assert np.array_equal(total, ref), (total[:5], ref[:5])
+    assert np.allclose(mean, ref / size), (mean[:5], ref[:5] / size)
+    print(f"WHEEL-OK rank={rank} pkg={fv.__file__} core={fv._core.__file__}", flush=True)
+    fv.shutdown()
+    """
+)
+
+
+def newest_source_mtime() -> float:
+    """Latest modification time of anything the wheel is built from."""
+    newest = 0.0
+    for entry in SOURCES:
+        path = ROOT / entry
+        files = [path] if path.is_file() else path.rglob("*")
+        for file in files:
+            if file.is_file() and file.suffix not in (".so", ".pyc"):
+                newest = max(newest, file.stat().st_mtime)
+    return newest
+
+
+def find_or_build_wheel() -> Path:
+    """A wheel in dist/ newer than the sources, or a freshly built one."""
+    fresh = [
+        whl
+        for whl in DIST.glob("ferrovod-*.whl")
+        if whl.stat().st_mtime > newest_source_mtime()
+    ]
+    if fresh:
+        return max(fresh, key=lambda whl: whl.stat().st_mtime)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build_wheel.sh"), str(DIST)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, f"wheel build failed:\n{proc.stdout}\n{proc.stderr}"
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def clean_env(venv: Path) -> dict[str, str]:
+    """The environment of a user's shell with only `venv` on PATH: nothing of this run."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("FERROVOD_", "HOROVOD_", "PYTHON", "PYTEST"))
+        and key not in ("VIRTUAL_ENV", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "WORLD_SIZE")
+    }
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
+    wheel = find_or_build_wheel()
+    assert wheel.is_file(), wheel
+
+    # name-version-python-abi-platform.whl
+    _, _, python_tag, abi_tag, platform_tag = wheel.name[: -len(".whl")].split("-")
+    assert (python_tag, abi_tag) == ("cp39", "abi3"), wheel.name
+    assert "manylinux" in platform_tag, f"not a manylinux wheel: {wheel.name}"
+
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        meta = next(name for name in names if name.endswith(".dist-info/WHEEL"))
+        tags = re.findall(r"^Tag: (\S+)$", archive.read(meta).decode(), flags=re.M)
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        scripts = archive.read(entry_points).decode()
+    assert tags and all(tag.startswith("cp39-abi3-manylinux") for tag in tags), tags
+    assert "ferrovod/_core.abi3.so" in names, [n for n in names if n.endswith(".so")]
+    assert "ferrovod/__init__.py" in names
+    assert re.search(r"^ferrovodrun\s*=", scripts, flags=re.M), scripts
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    install = subprocess.run(
+        [str(py), "-m", "pip", "install", "--quiet", str(wheel)],
+        capture_output=True,
+        text=True,
+        env=clean_env(venv),
+        timeout=600,
+    )
+    assert install.returncode == 0, f"pip install failed:\n{install.stdout}\n{install.stderr}"
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(WORKER)
+    job = subprocess.run(
+        [str(venv / "bin" / "ferrovodrun"), "-np", "2", str(py), "job.py"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env=clean_env(venv),
+        timeout=180,
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, f"ferrovodrun exited {job.returncode}:\n{output}"
+
+    site = venv / "lib"
+    oks = re.findall(r"WHEEL-OK rank=(\d) pkg=(\S+) core=(\S+)", output)
+    assert sorted(rank for rank, _, _ in oks) == ["0", "1"], output
+    for _, pkg, core in oks:
+        # The installed copy, not the source tree's python/ferrovod.
+        assert Path(pkg).is_relative_to(site), pkg
+        assert Path(core).is_relative_to(site) and core.endswith("_core.abi3.so"), core

@@ -1,0 +1,174 @@
+"""init / shutdown / re-init, join with uneven data, topology.
+
+usage: lifecycle_worker.py CASE [N]
+  single      size-1 job without any launcher (the test strips the launch environment)
+  reinit      shutdown() then init() again, several times
+  join        rank 0 runs 3 fewer steps and joins; the others go on; join() returns the last
+  joinerr     an allgather while rank 0 is joined must raise on the ranks that call it
+  topology N  rank/size/local/cross values of an N-rank job on one host
+"""
+
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+
+import fvtest as T
+from fvtest import AVERAGE, SUM
+
+import ferrovod as fv
+
+
+def check_topology(ck, n):
+    r = fv.rank()
+    ck.equal(fv.size(), n, "size()")
+    ck.true(0 <= r < n, "rank()", f"rank {r} out of range")
+    ck.equal(fv.local_rank(), r, "local_rank() on one host")
+    ck.equal(fv.local_size(), n, "local_size() on one host")
+    ck.equal(fv.cross_rank(), 0, "cross_rank() on one host")
+    ck.equal(fv.cross_size(), 1, "cross_size() on one host")
+    ck.equal(fv.is_homogeneous(), True, "is_homogeneous()")
+    ck.equal(fv.is_initialized(), True, "is_initialized()")
+    ck.equal(fv.global_process_set.size(), n, "global_process_set.size()")
+    info = fv.allgather_object((r, os.getpid()))
+    ck.equal([i[0] for i in info], list(range(n)), "every rank once, in order")
+    ck.equal(len({i[1] for i in info}), n, "one process per rank")
+
+
+def basic_ops(ck, tag):
+    r, n = fv.rank(), fv.size()
+    k = (3, zlib.crc32(tag.encode()))
+    xs = [T.gen(k, j, np.float32, (10,)) for j in range(n)]
+    ck.array(fv.allreduce(xs[r], op=fv.Sum, name=f"{tag}.ar"), T.ref_reduce(xs, SUM, np.float32, n), f"{tag} allreduce")
+    ck.array(fv.allreduce(xs[r]), T.ref_reduce(xs, AVERAGE, np.float32, n), f"{tag} unnamed allreduce")
+    ck.array(fv.allgather(xs[r]), np.concatenate(xs), f"{tag} allgather")
+    ck.array(fv.broadcast(xs[r], n - 1), xs[n - 1], f"{tag} broadcast")
+    fv.barrier()
+    ck.equal(fv.broadcast_object(tag, root_rank=0), tag, f"{tag} broadcast_object")
+
+
+def case_single():
+    ck = T.Checker(0)
+    fv.init()
+    check_topology(ck, 1)
+    fv.init()  # a second init is a no-op
+    ck.equal(fv.size(), 1, "size() after a second init()")
+    basic_ops(ck, "single")
+    x = np.arange(6, dtype=np.int64).reshape(3, 2)
+    out, recv = fv.alltoall(x, splits=[3])
+    ck.array(out, x, "alltoall on one rank")
+    ck.equal([int(v) for v in np.asarray(recv)], [3], "alltoall received splits on one rank")
+    ck.array(fv.reducescatter(x, op=fv.Sum), x, "reducescatter on one rank")
+    ck.equal(fv.allgather_object({"a": 1}), [{"a": 1}], "allgather_object on one rank")
+    ck.equal(fv.join(), 0, "join() on one rank")
+    fv.shutdown()
+    ck.equal(fv.is_initialized(), False, "is_initialized() after shutdown")
+    return ck.count
+
+
+def case_reinit():
+    ck = T.Checker(int(os.environ.get("FERROVOD_RANK", "-1")))
+    n = None
+    for cycle in range(3):
+        fv.init()
+        fv.init()  # no-op
+        if n is None:
+            n = fv.size()
+        ck.equal(fv.size(), n, f"size after init #{cycle}")
+        ck.equal(fv.is_initialized(), True, f"is_initialized after init #{cycle}")
+        check_topology(ck, n)
+        basic_ops(ck, f"cycle{cycle}")
+        for i in range(20):  # the same names every cycle
+            x = np.full(4, fv.rank() + i, np.float64)
+            exp = np.full(4, n * (n - 1) / 2 + n * i)
+            ck.array(fv.allreduce(x, op=fv.Sum, name=f"rep.{i}"), exp, f"cycle {cycle} op {i}")
+        fv.shutdown()
+        ck.equal(fv.is_initialized(), False, f"is_initialized after shutdown #{cycle}")
+        ck.raises((fv.NotInitializedError, fv.ShutdownError), lambda: fv.allreduce(np.ones(2)),
+                  f"op after shutdown #{cycle}")
+        fv.shutdown()  # harmless when already shut down
+    fv.init()
+    basic_ops(ck, "final")
+    return ck.count
+
+
+def case_join():
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    steps = 10
+    for rnd, (short, last) in enumerate([(0, n - 1), (n - 1, 0)]):
+        my_steps = steps - 3 if r == short else steps
+        for i in range(my_steps):
+            k = (8, rnd, i)
+            active = [j for j in range(n) if i < steps - 3 or j != short]
+            xs = [T.gen(k, j, np.float64, (6,)) for j in range(n)]
+            exp = np.sum([xs[j] for j in active], axis=0) / n  # joined ranks count as zeros
+            ck.array(fv.allreduce(xs[r], op=fv.Average, name=f"join.{rnd}.f.{i}"), exp,
+                     f"round {rnd} step {i} Average ({len(active)} active ranks)")
+            ys = [T.gen(k, j, np.int32, (3, 2), "nowrap", n) for j in range(n)]
+            exp = np.sum([ys[j] for j in active], axis=0, dtype=np.int32)
+            ck.array(fv.allreduce(ys[r], op=fv.Sum, name=f"join.{rnd}.i.{i}"), exp, f"round {rnd} step {i} Sum")
+            h = fv.allreduce_async(ys[r], op=fv.Max, name=f"join.{rnd}.m.{i}")
+            res = fv.synchronize(h)
+            if len(active) < n:  # a joined rank's zeros take part in Max as well
+                exp = np.maximum(np.max([ys[j] for j in active], axis=0), 0).astype(np.int32)
+            else:
+                exp = np.max(ys, axis=0)
+            ck.array(res, exp, f"round {rnd} step {i} Max")
+        if r == last:
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        got = fv.join()
+        print(f"round {rnd}: join() returned {got} after {time.monotonic() - t0:.3f} s", flush=True)
+        ck.equal(got, last, f"round {rnd} join() return value")
+        x = np.full(5, r + 1.0)
+        ck.array(fv.allreduce(x, op=fv.Sum, name=f"after.join.{rnd}"), np.full(5, n * (n + 1) / 2),
+                 f"round {rnd} allreduce after everyone joined")
+    return ck.count
+
+
+def case_joinerr():
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    if r == 0:
+        got = fv.join()
+        ck.equal(got, n - 1, "join() return value")
+    else:
+        for what, fn in {
+            "allgather": lambda: fv.allgather(np.ones((2, 2)), name="je.ag"),
+            "broadcast": lambda: fv.broadcast(np.ones(2), 1, name="je.bc"),
+            "alltoall": lambda: fv.alltoall(np.ones(2 * n), name="je.a2a"),
+            "reducescatter": lambda: fv.reducescatter(np.ones(2 * n), name="je.rs"),
+        }.items():
+            ck.raises(fv.FerrovodError, fn, f"{what} while rank 0 is joined")
+        ck.array(fv.allreduce(np.ones(3), op=fv.Sum, name="je.ar"), np.full(3, n - 1.0),
+                 "allreduce while rank 0 is joined")
+        if r == n - 1:
+            time.sleep(0.3)
+        ck.equal(fv.join(), n - 1, "join() return value")
+    ck.array(fv.allgather(np.full((1, 2), r)), np.repeat(np.arange(n), 2).reshape(n, 2), "allgather after join")
+    return ck.count
+
+
+def case_topology(n):
+    fv.init()
+    ck = T.Checker(fv.rank())
+    check_topology(ck, int(n))
+    print(f"TOPO rank={fv.rank()} size={fv.size()} local_rank={fv.local_rank()} local_size={fv.local_size()} "
+          f"cross_rank={fv.cross_rank()} cross_size={fv.cross_size()} homogeneous={fv.is_homogeneous()}",
+          flush=True)
+    return ck.count
+
+
+def main():
+    case, args = sys.argv[1], sys.argv[2:]
+    return {"single": case_single, "reinit": case_reinit, "join": case_join, "joinerr": case_joinerr,
+            "topology": case_topology}[case](*args)
+
+
+if __name__ == "__main__":
+    T.run_main(main)

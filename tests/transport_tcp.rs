@@ -1,0 +1,551 @@
+//! TCP transport over real 127.0.0.1 sockets, ranks as threads: mesh set-up (late peers,
+//! strangers, wrong secrets), ring and all-pairs exchanges with content checks, peer loss,
+//! abort and idle timeouts.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Barrier;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use _core::bootstrap::auth::authenticate;
+use _core::error::Error;
+use _core::transport::tcp::TcpTransport;
+use _core::transport::{Transport, Xfer};
+
+const SECRET: &[u8] = b"transport-test-secret";
+const LONG: Duration = Duration::from_secs(30);
+
+/// Deterministic bytes that differ with `seed` and position (an independent reference).
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn seed(from: usize, to: usize, len: usize) -> u64 {
+    (from as u64) << 40 | (to as u64) << 32 | len as u64
+}
+
+/// Runs `f` on every transport in its own thread; results in rank order.
+fn run<R: Send>(ts: &mut [TcpTransport], f: impl Fn(&mut TcpTransport) -> R + Sync) -> Vec<R> {
+    thread::scope(|s| {
+        let hs: Vec<_> = ts.iter_mut().map(|t| s.spawn(|| f(t))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn ring_step(t: &mut TcpTransport, len: usize) -> Vec<u8> {
+    let (r, n) = (t.rank(), t.size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let send = pattern(seed(r, next, len), len);
+    let mut recv = vec![0u8; len];
+    t.exchange(
+        &mut [
+            Xfer::Send {
+                peer: next,
+                buf: &send,
+            },
+            Xfer::Recv {
+                peer: prev,
+                buf: &mut recv,
+            },
+        ],
+        LONG,
+    )
+    .unwrap();
+    recv
+}
+
+fn bind_n(n: usize) -> (Vec<TcpListener>, Vec<SocketAddr>) {
+    let ls: Vec<_> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    (ls, addrs)
+}
+
+#[test]
+fn ring_small_sizes_on_1_to_5_ranks() {
+    for n in 1..=5 {
+        let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+        for (r, t) in ts.iter().enumerate() {
+            assert_eq!((t.rank(), t.size()), (r, n));
+        }
+        for len in [0usize, 1, 7, 4099] {
+            let got = run(&mut ts, |t| ring_step(t, len));
+            for (r, g) in got.iter().enumerate() {
+                let prev = (r + n - 1) % n;
+                assert_eq!(
+                    *g,
+                    pattern(seed(prev, r, len), len),
+                    "n={n} len={len} rank={r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ring_64_mib_with_throughput() {
+    const LEN: usize = 64 << 20;
+    for n in [2usize, 3] {
+        let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+        let sends: Vec<Vec<u8>> = (0..n)
+            .map(|r| pattern(seed(r, (r + 1) % n, LEN), LEN))
+            .collect();
+        let barrier = Barrier::new(n);
+        let times = run(&mut ts, |t| {
+            let (r, n) = (t.rank(), t.size());
+            let mut recv = vec![0u8; LEN];
+            barrier.wait();
+            let start = Instant::now();
+            t.exchange(
+                &mut [
+                    Xfer::Send {
+                        peer: (r + 1) % n,
+                        buf: &sends[r],
+                    },
+                    Xfer::Recv {
+                        peer: (r + n - 1) % n,
+                        buf: &mut recv,
+                    },
+                ],
+                LONG,
+            )
+            .unwrap();
+            let dt = start.elapsed();
+            assert!(
+                recv == sends[(r + n - 1) % n],
+                "rank {r} received wrong bytes"
+            );
+            dt
+        });
+        let worst = times.iter().max().unwrap().as_secs_f64();
+        eprintln!(
+            "tcp ring {n} ranks, 64 MiB per rank: {:.1} ms, {:.2} GB/s per rank",
+            worst * 1e3,
+            LEN as f64 / worst / 1e9
+        );
+    }
+}
+
+#[test]
+fn all_pairs_exchange() {
+    let n = 4;
+    let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+    for len in [1usize, 1000, 300_001] {
+        let ok = run(&mut ts, |t| {
+            let r = t.rank();
+            let sends: Vec<Vec<u8>> = (0..n).map(|p| pattern(seed(r, p, len), len)).collect();
+            let mut recvs: Vec<Vec<u8>> = vec![vec![0u8; len]; n];
+            let mut xfers = Vec::new();
+            for (p, (s, rv)) in sends.iter().zip(recvs.iter_mut()).enumerate() {
+                // Includes this rank itself: a send/receive pair to self is a copy.
+                xfers.push(Xfer::Send { peer: p, buf: s });
+                xfers.push(Xfer::Recv { peer: p, buf: rv });
+            }
+            t.exchange(&mut xfers, LONG).unwrap();
+            drop(xfers);
+            (0..n).all(|p| recvs[p] == pattern(seed(p, r, len), len))
+        });
+        assert!(ok.iter().all(|&b| b), "len={len}: {ok:?}");
+    }
+}
+
+#[test]
+fn repeated_small_exchanges_keep_order() {
+    let mut ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let ok = run(&mut ts, |t| {
+        let other = 1 - t.rank();
+        (0..2000u32).all(|i| {
+            let send = (i * 2 + t.rank() as u32).to_le_bytes();
+            let mut recv = [0u8; 4];
+            t.exchange(
+                &mut [
+                    Xfer::Send {
+                        peer: other,
+                        buf: &send,
+                    },
+                    Xfer::Recv {
+                        peer: other,
+                        buf: &mut recv,
+                    },
+                ],
+                LONG,
+            )
+            .unwrap();
+            u32::from_le_bytes(recv) == i * 2 + other as u32
+        })
+    });
+    assert_eq!(ok, vec![true, true]);
+}
+
+#[test]
+fn dropped_peer_is_reported_fast() {
+    // Rank 2 of 3 leaves before the exchange: ranks 0 and 1 must name it.
+    let n = 3;
+    let ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+    let barrier = Barrier::new(n - 1);
+    let results = thread::scope(|s| {
+        let hs: Vec<_> = ts
+            .into_iter()
+            .map(|mut t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    if t.rank() == 2 {
+                        thread::sleep(Duration::from_millis(100));
+                        drop(t);
+                        return None;
+                    }
+                    let r = t.rank();
+                    let sends: Vec<Vec<u8>> =
+                        (0..n).map(|p| pattern(seed(r, p, 1024), 1024)).collect();
+                    let mut recvs = vec![vec![0u8; 1024]; n];
+                    let mut xfers = Vec::new();
+                    for (p, (sb, rb)) in sends.iter().zip(recvs.iter_mut()).enumerate() {
+                        if p != r {
+                            xfers.push(Xfer::Send { peer: p, buf: sb });
+                            xfers.push(Xfer::Recv { peer: p, buf: rb });
+                        }
+                    }
+                    let start = Instant::now();
+                    let res = t.exchange(&mut xfers, LONG);
+                    let dt = start.elapsed();
+                    barrier.wait(); // keep the link between 0 and 1 open until both are done
+                    Some((res, dt))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (r, res) in results.into_iter().enumerate().take(2) {
+        let (res, dt) = res.unwrap();
+        assert!(
+            matches!(res, Err(Error::PeerLost { rank: 2, .. })),
+            "rank {r}: {res:?}"
+        );
+        assert!(dt < Duration::from_secs(2), "rank {r} took {dt:?}");
+    }
+}
+
+#[test]
+fn peer_dropping_mid_transfer_of_64_mib() {
+    const LEN: usize = 64 << 20;
+    let ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let mut it = ts.into_iter();
+    let (mut t0, mut t1) = (it.next().unwrap(), it.next().unwrap());
+    let quitter = thread::spawn(move || {
+        // Take the first MiB of rank 0's message, then vanish without sending anything.
+        let mut part = vec![0u8; 1 << 20];
+        t1.exchange(
+            &mut [Xfer::Recv {
+                peer: 0,
+                buf: &mut part,
+            }],
+            LONG,
+        )
+        .unwrap();
+        assert!(part[..] == pattern(1, LEN)[..1 << 20]);
+        drop(t1);
+    });
+    let send = pattern(1, LEN);
+    let mut recv = vec![0u8; LEN];
+    let start = Instant::now();
+    let res = t0.exchange(
+        &mut [
+            Xfer::Send {
+                peer: 1,
+                buf: &send,
+            },
+            Xfer::Recv {
+                peer: 1,
+                buf: &mut recv,
+            },
+        ],
+        LONG,
+    );
+    let dt = start.elapsed();
+    quitter.join().unwrap();
+    assert!(
+        matches!(res, Err(Error::PeerLost { rank: 1, .. })),
+        "{res:?}"
+    );
+    assert!(dt < Duration::from_secs(2), "took {dt:?}");
+}
+
+#[test]
+fn abort_fails_the_peer_fast_and_the_aborted_side_stays_failed() {
+    let mut ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let res = run(&mut ts, |t| {
+        if t.rank() == 1 {
+            thread::sleep(Duration::from_millis(100));
+            t.abort();
+            let mut b = [0u8; 1];
+            let after = t.exchange(
+                &mut [Xfer::Recv {
+                    peer: 0,
+                    buf: &mut b,
+                }],
+                LONG,
+            );
+            assert!(matches!(after, Err(Error::Shutdown(_))), "{after:?}");
+            return None;
+        }
+        let mut b = [0u8; 16];
+        let start = Instant::now();
+        let res = t.exchange(
+            &mut [Xfer::Recv {
+                peer: 1,
+                buf: &mut b,
+            }],
+            LONG,
+        );
+        Some((res, start.elapsed()))
+    });
+    let (res, dt) = res[0].as_ref().unwrap();
+    assert!(
+        matches!(res, Err(Error::PeerLost { rank: 1, .. })),
+        "{res:?}"
+    );
+    assert!(*dt < Duration::from_secs(2), "took {dt:?}");
+}
+
+#[test]
+fn idle_timeout_names_the_silent_rank() {
+    let mut ts = TcpTransport::loopback_mesh(3, SECRET).unwrap();
+    let idle = Duration::from_millis(300);
+    let barrier = Barrier::new(3);
+    let res = run(&mut ts, |t| {
+        let out = if t.rank() == 0 {
+            // Rank 1 answers, rank 2 never does.
+            let mut a = [0u8; 8];
+            let mut b = [0u8; 8];
+            let start = Instant::now();
+            let res = t.exchange(
+                &mut [
+                    Xfer::Recv {
+                        peer: 1,
+                        buf: &mut a,
+                    },
+                    Xfer::Recv {
+                        peer: 2,
+                        buf: &mut b,
+                    },
+                ],
+                idle,
+            );
+            Some((res, start.elapsed(), a))
+        } else {
+            if t.rank() == 1 {
+                t.exchange(
+                    &mut [Xfer::Send {
+                        peer: 0,
+                        buf: &[5u8; 8],
+                    }],
+                    LONG,
+                )
+                .unwrap();
+            }
+            None
+        };
+        barrier.wait();
+        out
+    });
+    let (res, dt, a) = res[0].as_ref().unwrap();
+    assert_eq!(*a, [5u8; 8]);
+    match res {
+        Err(Error::Timeout { what, after }) => {
+            assert!(what.starts_with("waiting for rank 2"), "{what}");
+            assert_eq!(*after, idle);
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(
+        *dt >= idle && *dt < idle + Duration::from_secs(1),
+        "took {dt:?}"
+    );
+}
+
+#[test]
+fn invalid_transfers_are_rejected() {
+    let mut ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let t = &mut ts[0];
+    let res = t.exchange(&mut [Xfer::Send { peer: 2, buf: &[1] }], LONG);
+    assert!(matches!(res, Err(Error::InvalidArgument(_))), "{res:?}");
+    let res = t.exchange(
+        &mut [
+            Xfer::Send { peer: 1, buf: &[1] },
+            Xfer::Send { peer: 1, buf: &[2] },
+        ],
+        LONG,
+    );
+    assert!(matches!(res, Err(Error::InvalidArgument(_))), "{res:?}");
+    let mut b = [0u8; 2];
+    let res = t.exchange(
+        &mut [
+            Xfer::Send { peer: 0, buf: &[1] },
+            Xfer::Recv {
+                peer: 0,
+                buf: &mut b,
+            },
+        ],
+        LONG,
+    );
+    assert!(matches!(res, Err(Error::InvalidArgument(_))), "{res:?}");
+    // Empty transfers touch no link and complete at once.
+    let mut e = [0u8; 0];
+    t.exchange(
+        &mut [Xfer::Recv {
+            peer: 1,
+            buf: &mut e,
+        }],
+        Duration::ZERO,
+    )
+    .unwrap();
+}
+
+#[test]
+fn size_one_needs_no_peer() {
+    let (ls, addrs) = bind_n(1);
+    let mut t = TcpTransport::connect_mesh(0, 1, &ls[0], &addrs, SECRET, LONG).unwrap();
+    let mut out = [0u8; 3];
+    t.exchange(
+        &mut [
+            Xfer::Recv {
+                peer: 0,
+                buf: &mut out,
+            },
+            Xfer::Send {
+                peer: 0,
+                buf: b"abc",
+            },
+        ],
+        LONG,
+    )
+    .unwrap();
+    assert_eq!(&out, b"abc");
+}
+
+#[test]
+fn late_peer_is_waited_for() {
+    // Reserve a port for rank 0, free it, and let rank 1 start connecting before rank 0 binds.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let l1 = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![port, l1.local_addr().unwrap()];
+    let a1 = addrs.clone();
+    let h1 = thread::spawn(move || TcpTransport::connect_mesh(1, 2, &l1, &a1, SECRET, LONG));
+    thread::sleep(Duration::from_millis(300));
+    let l0 = TcpListener::bind(port).unwrap();
+    let t0 = TcpTransport::connect_mesh(0, 2, &l0, &addrs, SECRET, LONG).unwrap();
+    let t1 = h1.join().unwrap().unwrap();
+    let mut ts = vec![t0, t1];
+    let got = run(&mut ts, |t| ring_step(t, 100));
+    assert_eq!(got[0], pattern(seed(1, 0, 100), 100));
+}
+
+#[test]
+fn wrong_secret_is_rejected_on_both_sides() {
+    let (ls, addrs) = bind_n(2);
+    let res: Vec<_> = thread::scope(|s| {
+        let hs: Vec<_> = ls
+            .iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let addrs = &addrs;
+                s.spawn(move || {
+                    let secret: &[u8] = if r == 0 { b"right" } else { b"wrong" };
+                    TcpTransport::connect_mesh(r, 2, l, addrs, secret, Duration::from_secs(2))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The connector learns it was rejected; the acceptor drops it and keeps waiting.
+    assert!(matches!(res[1], Err(Error::Auth(_))), "{:?}", res[1]);
+    assert!(matches!(res[0], Err(Error::Timeout { .. })), "{:?}", res[0]);
+}
+
+#[test]
+fn strangers_do_not_take_a_slot() {
+    let (ls, addrs) = bind_n(3);
+    // Before the mesh starts, every listener gets a garbage sender, a silent connection and a
+    // client with the wrong secret.
+    let mut keep = Vec::new();
+    let mut liars = Vec::new();
+    for (r, &a) in addrs.iter().enumerate() {
+        let mut g = TcpStream::connect(a).unwrap();
+        g.write_all(&[0xAB; 300]).unwrap();
+        keep.push(g);
+        keep.push(TcpStream::connect(a).unwrap());
+        if r < 2 {
+            // Rank 2 accepts nobody, so only ranks 0 and 1 ever answer a client.
+            let mut s = TcpStream::connect(a).unwrap();
+            liars.push(thread::spawn(move || {
+                authenticate(&mut s, b"not the secret", true, Duration::from_secs(5))
+            }));
+        }
+    }
+    let start = Instant::now();
+    let mut ts: Vec<TcpTransport> = thread::scope(|s| {
+        let hs: Vec<_> = ls
+            .iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let addrs = &addrs;
+                s.spawn(move || TcpTransport::connect_mesh(r, 3, l, addrs, SECRET, LONG))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    for l in liars {
+        let res = l.join().unwrap();
+        assert!(matches!(res, Err(Error::Auth(_))), "{res:?}");
+    }
+    let got = run(&mut ts, |t| ring_step(t, 5000));
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(*g, pattern(seed((r + 2) % 3, r, 5000), 5000));
+    }
+    drop(keep);
+}
+
+#[test]
+fn misplaced_address_is_reported() {
+    // Rank 2 is told that rank 0 lives at rank 1's address.
+    let (ls, addrs) = bind_n(3);
+    let wrong = vec![addrs[1], addrs[0], addrs[2]];
+    let res = thread::scope(|s| {
+        let h: Vec<_> = ls
+            .iter()
+            .enumerate()
+            .map(|(r, l)| {
+                let a = if r == 2 { &wrong } else { &addrs };
+                s.spawn(move || {
+                    TcpTransport::connect_mesh(r, 3, l, a, SECRET, Duration::from_secs(2))
+                })
+            })
+            .collect();
+        h.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    match &res[2] {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("expected rank 0"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
