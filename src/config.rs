@@ -36,7 +36,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_TIMEOUT_SECONDS", alias: Some("HOROVOD_GLOO_TIMEOUT_SECONDS"), default: "30", doc: "A peer that makes no progress in a collective for this long is an error (a dead peer is detected at once)." },
     Var { name: "FERROVOD_START_TIMEOUT", alias: Some("HOROVOD_START_TIMEOUT"), default: "60", doc: "Seconds init() waits for every rank to rendezvous." },
     Var { name: "FERROVOD_DYNAMIC_PROCESS_SETS", alias: Some("HOROVOD_DYNAMIC_PROCESS_SETS"), default: "0", doc: "Allow add_process_set/remove_process_set after init()." },
-    Var { name: "FERROVOD_SPIN_US", alias: None, default: "50", doc: "Microseconds a waiting thread polls before it blocks (wake-ups cost 40-60 us here)." },
+    Var { name: "FERROVOD_SPIN_US", alias: None, default: "0", doc: "Microseconds a waiting thread polls before it blocks. 0 by default: with as many ranks as cores, spinning steals the core the peer needs (measured: 4-byte allreduce on 2 ranks 197 us without spin, 1029 us with 50 us)." },
     Var { name: "FERROVOD_SMALL_ALLREDUCE_BYTES", alias: None, default: "65536", doc: "Allreduce payloads up to this size use the latency-optimal algorithm." },
     Var { name: "FERROVOD_CHUNK_BYTES", alias: None, default: "1048576", doc: "Pipelining chunk of the bandwidth-optimal algorithms." },
     Var { name: "FERROVOD_LOG_LEVEL", alias: Some("HOROVOD_LOG_LEVEL"), default: "warning", doc: "trace, debug, info, warning, error or fatal." },
@@ -208,7 +208,7 @@ impl Config {
                 num("FERROVOD_START_TIMEOUT")?.unwrap_or(60.0).max(0.001),
             ),
             dynamic_process_sets: flag("FERROVOD_DYNAMIC_PROCESS_SETS"),
-            spin: Duration::from_micros(int("FERROVOD_SPIN_US")?.unwrap_or(50) as u64),
+            spin: Duration::from_micros(int("FERROVOD_SPIN_US")?.unwrap_or(0) as u64),
             tuning,
             log_level: lookup("FERROVOD_LOG_LEVEL")
                 .map(|(_, v)| v.to_ascii_lowercase())

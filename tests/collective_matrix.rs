@@ -466,6 +466,36 @@ fn allgatherv_broadcast_alltoallv() {
     }
 }
 
+/// The small-payload choice in alltoallv is made from each rank's own counts, so one rank may
+/// take the direct exchange while its peers go pairwise; the two must interoperate.
+#[test]
+fn alltoallv_with_ranks_on_different_paths() {
+    for n in 2..=5 {
+        // Rank 0 sends 250 bytes to everyone and gets 10 back: ≤ 1024 both ways, so it goes
+        // direct; the others receive 250 + 300·(n-2), over 1024 from n = 4 on.
+        let count = |r: usize, p: usize| match (r, p) {
+            (0, _) => 250,
+            (_, 0) => 10,
+            _ => 300,
+        };
+        let outs = run(n, &medium(), |c| {
+            let r = c.rank();
+            let send: Vec<usize> = (0..n).map(|p| count(r, p)).collect();
+            let recv: Vec<usize> = (0..n).map(|p| count(p, r)).collect();
+            let input: Vec<u8> = (0..n).flat_map(|p| block(r * 10 + p, send[p], 8)).collect();
+            let mut out = vec![0u8; recv.iter().sum()];
+            collective::alltoallv(c, &input, &send, &mut out, &recv).unwrap();
+            out
+        });
+        for (r, out) in outs.iter().enumerate() {
+            let want: Vec<u8> = (0..n)
+                .flat_map(|p| block(p * 10 + r, count(p, r), 8))
+                .collect();
+            assert!(*out == want, "n={n} rank {r}");
+        }
+    }
+}
+
 /// Reducescatter of i32 sums and f32 minima with uneven segments (zeros, one rank holding
 /// nearly all), and the Horovod split (lowest ranks get the extra rows).
 #[test]

@@ -194,6 +194,72 @@ fn exchange_proofs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (c, l.accept().unwrap().0)
+    }
+
+    /// Runs both sides of the handshake; (initiator's result, responder's result).
+    fn handshake(a: &'static [u8], b: &'static [u8]) -> (Result<()>, Result<()>) {
+        let (mut c, mut s) = pair();
+        let t = Duration::from_secs(5);
+        let h = std::thread::spawn(move || authenticate(&mut s, b, false, t));
+        let ri = authenticate(&mut c, a, true, t);
+        (ri, h.join().unwrap())
+    }
+
+    #[test]
+    fn same_secret_passes_and_stream_stays_usable() {
+        let (mut c, mut s) = pair();
+        let t = Duration::from_secs(5);
+        let h = std::thread::spawn(move || {
+            authenticate(&mut s, b"k", false, t).unwrap();
+            super::read_frame(&mut s, 100).unwrap()
+        });
+        authenticate(&mut c, b"k", true, t).unwrap();
+        super::write_frame(&mut c, b"after").unwrap();
+        assert_eq!(h.join().unwrap(), b"after");
+    }
+
+    #[test]
+    fn different_secrets_fail_on_both_sides() {
+        for (a, b) in [(&b"k1"[..], &b"k2"[..]), (b"", b"k"), (b"k", b"")] {
+            let (ri, rr) = handshake(a, b);
+            assert!(matches!(ri, Err(Error::Auth(_))), "{ri:?}");
+            assert!(matches!(rr, Err(Error::Auth(_))), "{rr:?}");
+        }
+        let (ri, rr) = handshake(b"", b"");
+        assert!(ri.is_ok() && rr.is_ok());
+    }
+
+    #[test]
+    fn garbage_and_silence_fail_within_the_timeout() {
+        let t = Duration::from_millis(300);
+        for junk in [&b""[..], b"FVA1", &[0u8; 36], &[0xAB; 500]] {
+            for initiator in [true, false] {
+                let (mut me, mut other) = pair();
+                other.write_all(junk).unwrap();
+                let start = Instant::now();
+                let res = authenticate(&mut me, b"k", initiator, t);
+                let dt = start.elapsed();
+                assert!(
+                    matches!(res, Err(Error::Auth(_)) | Err(Error::Timeout { .. })),
+                    "{res:?}"
+                );
+                assert!(dt < t + Duration::from_millis(500), "{dt:?}");
+                drop(other);
+            }
+        }
+        // A peer that hangs up is an error at once, not a timeout.
+        let (mut me, other) = pair();
+        drop(other);
+        let res = authenticate(&mut me, b"k", false, Duration::from_secs(5));
+        assert!(matches!(res, Err(Error::Io(_))), "{res:?}");
+    }
 
     #[test]
     fn hex_round_trip() {

@@ -36,8 +36,8 @@ pub fn write_frame(stream: &mut impl Write, payload: &[u8]) -> Result<()> {
 /// Reads one frame written by [`write_frame`]. A length over `max_len` is `Error::Decode`
 /// (nothing is allocated for it); end of stream, even before the first byte, is an error.
 ///
-/// I/O failures become `Error::Io` (the message says when the peer closed the connection) and
-/// an expired read timeout set on the stream becomes `Error::Timeout`.
+/// I/O failures, including end of stream and an expired read timeout set on the stream, are
+/// `Error::Io` whose message says which.
 pub fn read_frame(stream: &mut impl Read, max_len: usize) -> Result<Vec<u8>> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len).map_err(frame_io_error)?;
@@ -75,10 +75,11 @@ pub fn read_frame_until(
 
 fn frame_io_error(e: io::Error) -> Error {
     match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::Timeout {
-            what: "reading a frame (the stream's read timeout expired)".into(),
-            after: Duration::ZERO,
-        },
+        // The stream's own timeout expired; its length is not known here, so this cannot be
+        // an `Error::Timeout` with an honest `after` (use `read_frame_until` for that).
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+            Error::Io("timed out reading a frame (the stream's timeout expired)".into())
+        }
         ErrorKind::UnexpectedEof => Error::Io("connection closed by peer".into()),
         _ => Error::Io(e.to_string()),
     }

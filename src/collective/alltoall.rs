@@ -32,6 +32,10 @@ pub fn alltoallv(
             recvs[r].len()
         )));
     }
+    // Each rank decides from its own counts, so ranks may take different paths. That is safe:
+    // either way a rank sends each peer exactly its block and receives exactly theirs, once,
+    // so the byte streams match; a direct rank has all its transfers in flight at once and so
+    // never holds up a pairwise peer, and pairwise ranks are in lockstep with each other.
     let small = comm.tuning.small_allreduce_bytes;
     let direct = input.len() <= small && output.len() <= small;
     let mut slots = split_blocks(output, &recvs);

@@ -199,7 +199,7 @@ impl Engine {
             timeout: config.timeout,
         };
 
-        let (transport, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
+        let (mut transport, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
             None => {
                 let listener = TcpListener::bind("127.0.0.1:0")?;
                 let addr = listener.local_addr()?;
@@ -257,6 +257,7 @@ impl Engine {
             }
         };
 
+        transport.spin = config.spin;
         let mut topology = Topology::from_hosts(rank, &hosts);
         if let Some((lr, ls, cr, cs)) = launch.local {
             topology.local_rank = lr;

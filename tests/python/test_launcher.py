@@ -26,7 +26,7 @@ SCRIPTS = HERE / "launcher_scripts"
 
 if importlib.util.find_spec("ferrovod") is None:  # not installed: test the checkout
     sys.path.insert(0, str(PYTHON_DIR))
-from ferrovod.runner import hosts as H  # noqa: E402
+from ferrovod.runner import hosts as H  # noqa: E402, N812
 from ferrovod.runner.output import LineSplitter, pad_rank  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,10 +64,17 @@ def script(name: str, *args: str) -> List[str]:
     return [sys.executable, str(SCRIPTS / name), *args]
 
 
-def run(env: Dict[str, str], *args: str, timeout: float = 40, extra_env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run(
+    env: Dict[str, str], *args: str, timeout: float = 40, extra_env: Optional[Dict[str, str]] = None
+) -> subprocess.CompletedProcess:
     full_env = dict(env, **(extra_env or {}))
     return subprocess.run(
-        launcher_argv(*args), env=full_env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        launcher_argv(*args),
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -124,7 +131,10 @@ def all_written(directory: Path, kinds: Iterable[str], n: int) -> bool:
 
 
 def test_parse_hosts() -> None:
-    assert H.parse_hosts("localhost:2,127.0.0.1:3") == [H.HostInfo("localhost", 2), H.HostInfo("127.0.0.1", 3)]
+    assert H.parse_hosts("localhost:2,127.0.0.1:3") == [
+        H.HostInfo("localhost", 2),
+        H.HostInfo("127.0.0.1", 3),
+    ]
     assert H.parse_hosts("worker-0") == [H.HostInfo("worker-0", 1)]
     assert H.parse_hosts(" a:1 , [::1]:2 ") == [H.HostInfo("a", 1), H.HostInfo("[::1]", 2)]
     for bad in ("", "a:x", "a:0", "a:-1", "a:1:2", "a b:1", "a:1,A:2"):
@@ -133,14 +143,23 @@ def test_parse_hosts() -> None:
 
 
 def test_parse_hostfile_text() -> None:
-    text = "# cluster\n\nnode-1 slots=4\nnode-2:2  # trailing comment\nnode-3\nnode-4 slots=1 max_slots=8\n"
+    text = (
+        "# cluster\n\nnode-1 slots=4\nnode-2:2  # trailing comment\n"
+        "node-3\nnode-4 slots=1 max_slots=8\n"
+    )
     assert H.parse_hostfile_text(text) == [
         H.HostInfo("node-1", 4),
         H.HostInfo("node-2", 2),
         H.HostInfo("node-3", 1),
         H.HostInfo("node-4", 1),
     ]
-    for bad in ("node slots=zero\n", "node cpus=2\n", "# nothing\n", "node slots=0\n", "a:1\na slots=2\n"):
+    for bad in (
+        "node slots=zero\n",
+        "node cpus=2\n",
+        "# nothing\n",
+        "node slots=0\n",
+        "a:1\na slots=2\n",
+    ):
         with pytest.raises(H.HostSpecError):
             H.parse_hostfile_text(bad, "hf")
     with pytest.raises(H.HostSpecError, match="hf:2"):
@@ -150,7 +169,10 @@ def test_parse_hostfile_text() -> None:
 def test_get_host_assignments_matches_horovod() -> None:
     # Worked example: hosts a:2, b:3, c:1 -> ranks fill a, then b, then c.
     hosts = [H.HostInfo("a", 2), H.HostInfo("b", 3), H.HostInfo("c", 1)]
-    got = [(s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size, s.size) for s in H.get_host_assignments(hosts, 6)]
+    got = [
+        (s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size, s.size)
+        for s in H.get_host_assignments(hosts, 6)
+    ]
     assert got == [
         ("a", 0, 0, 2, 0, 3, 6),
         ("a", 1, 1, 2, 0, 2, 6),
@@ -160,9 +182,14 @@ def test_get_host_assignments_matches_horovod() -> None:
         ("c", 5, 0, 1, 2, 3, 6),
     ]
     # max_np stops early; the last host gets only part of its slots.
-    got = [(s.hostname, s.rank, s.local_size, s.cross_size, s.size) for s in H.get_host_assignments(hosts, 1, max_np=3)]
+    got = [
+        (s.hostname, s.rank, s.local_size, s.cross_size, s.size)
+        for s in H.get_host_assignments(hosts, 1, max_np=3)
+    ]
     assert got == [("a", 0, 2, 2, 3), ("a", 1, 2, 1, 3), ("b", 2, 1, 2, 3)]
-    with pytest.raises(H.HostSpecError, match=r"more processes \(7\) than there are available slots \(6\)"):
+    with pytest.raises(
+        H.HostSpecError, match=r"more processes \(7\) than there are available slots \(6\)"
+    ):
         H.get_host_assignments(hosts, 7)
 
 
@@ -173,7 +200,9 @@ def test_is_local_host() -> None:
 
     assert H.is_local_host(socket.gethostname())
     assert not H.is_local_host("node-that-does-not-exist.invalid", this_machine=set())
-    assert H.remote_hosts([H.HostInfo("localhost", 1), H.HostInfo("elsewhere.invalid", 1)]) == ["elsewhere.invalid"]
+    assert H.remote_hosts([H.HostInfo("localhost", 1), H.HostInfo("elsewhere.invalid", 1)]) == [
+        "elsewhere.invalid"
+    ]
 
 
 def test_pad_rank_and_line_splitter() -> None:
@@ -203,9 +232,19 @@ def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", secret)
     for rank, r in got.items():
         env = r["env"]
-        expected = {"RANK": rank, "SIZE": np_, "LOCAL_RANK": rank, "LOCAL_SIZE": np_, "CROSS_RANK": 0, "CROSS_SIZE": 1, "HOSTNAME": "localhost"}
+        expected = {
+            "RANK": rank,
+            "SIZE": np_,
+            "LOCAL_RANK": rank,
+            "LOCAL_SIZE": np_,
+            "CROSS_RANK": 0,
+            "CROSS_SIZE": 1,
+            "HOSTNAME": "localhost",
+        }
         for prefix in ("FERROVOD_", "HOROVOD_"):
-            assert {k: env[prefix + k] for k in TOPOLOGY} == {k: str(v) for k, v in expected.items()}
+            assert {k: env[prefix + k] for k in TOPOLOGY} == {
+                k: str(v) for k, v in expected.items()
+            }
         assert env["FERROVOD_LAUNCHER"] == "ferrovodrun"
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["FERROVOD_START_TIMEOUT"] == "30"
@@ -226,8 +265,12 @@ def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
 
 
 def test_secrets_differ_between_jobs(base_env: Dict[str, str]) -> None:
-    a = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"]["FERROVOD_SECRET"]
-    b = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"]["FERROVOD_SECRET"]
+    a = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"][
+        "FERROVOD_SECRET"
+    ]
+    b = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"][
+        "FERROVOD_SECRET"
+    ]
     assert a != b
 
 
@@ -259,28 +302,35 @@ def test_hostfile(base_env: Dict[str, str], tmp_path: Path) -> None:
     ]
 
 
+# flag, value given, variable exported, value expected in the worker
+TUNABLE_CASES = [
+    ("--fusion-threshold-mb", "32", "FERROVOD_FUSION_THRESHOLD", str(32 * 1024 * 1024)),
+    ("--cycle-time-ms", "2.5", "FERROVOD_CYCLE_TIME", "2.5"),
+    ("--cache-capacity", "0", "FERROVOD_CACHE_CAPACITY", "0"),
+    ("--timeline-filename", "tl.json", "FERROVOD_TIMELINE", "tl.json"),
+    ("--log-level", "debug", "FERROVOD_LOG_LEVEL", "DEBUG"),
+    ("--log-without-timestamp", None, "FERROVOD_LOG_HIDE_TIME", "1"),
+    ("--start-timeout", "7", "FERROVOD_START_TIMEOUT", "7"),
+    ("--gloo-timeout-seconds", "11", "FERROVOD_TIMEOUT_SECONDS", "11"),
+    ("--stall-check-warning-time-seconds", "13", "FERROVOD_STALL_CHECK_TIME_SECONDS", "13"),
+    ("--no-stall-check", None, "FERROVOD_STALL_CHECK_DISABLE", "1"),
+]
+
+
 def test_tunables_exported_only_when_given(base_env: Dict[str, str]) -> None:
-    args = [
-        "-np", "1", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--cache-capacity", "0",
-        "--timeline-filename", "tl.json", "--log-level", "debug", "--log-without-timestamp",
-        "--start-timeout", "7", "--gloo-timeout-seconds", "11", "--stall-check-warning-time-seconds", "13",
-        "--no-stall-check",
-    ]  # fmt: skip
+    args = ["-np", "1"]
+    for flag, value, _, _ in TUNABLE_CASES:
+        args += [flag] if value is None else [flag, value]
     proc = run(base_env, *args, *script("report_env.py"))
     assert proc.returncode == 0, proc.stderr
     env = reports(proc.stdout)[0]["env"]
-    assert {k: env.get(k) for k in (
-        "FERROVOD_FUSION_THRESHOLD", "FERROVOD_CYCLE_TIME", "FERROVOD_CACHE_CAPACITY", "FERROVOD_TIMELINE",
-        "FERROVOD_LOG_LEVEL", "FERROVOD_LOG_HIDE_TIME", "FERROVOD_START_TIMEOUT", "FERROVOD_TIMEOUT_SECONDS",
-        "FERROVOD_STALL_CHECK_TIME_SECONDS", "FERROVOD_STALL_CHECK_DISABLE",
-    )} == {  # fmt: skip
-        "FERROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "FERROVOD_CYCLE_TIME": "2.5",
-        "FERROVOD_CACHE_CAPACITY": "0", "FERROVOD_TIMELINE": "tl.json", "FERROVOD_LOG_LEVEL": "DEBUG",
-        "FERROVOD_LOG_HIDE_TIME": "1", "FERROVOD_START_TIMEOUT": "7", "FERROVOD_TIMEOUT_SECONDS": "11",
-        "FERROVOD_STALL_CHECK_TIME_SECONDS": "13", "FERROVOD_STALL_CHECK_DISABLE": "1",
-    }  # fmt: skip
+    assert {var: env.get(var) for _, _, var, _ in TUNABLE_CASES} == {
+        var: expected for _, _, var, expected in TUNABLE_CASES
+    }
     # HOROVOD_START_TIMEOUT is the fallback default for the start timeout.
-    proc = run(base_env, "-np", "1", *script("report_env.py"), extra_env={"HOROVOD_START_TIMEOUT": "45"})
+    proc = run(
+        base_env, "-np", "1", *script("report_env.py"), extra_env={"HOROVOD_START_TIMEOUT": "45"}
+    )
     assert reports(proc.stdout)[0]["env"]["FERROVOD_START_TIMEOUT"] == "45"
     proc = run(base_env, "-np", "1", "--fusion-threshold-mb", "-1", "true")
     assert proc.returncode == 2 and "must not be negative" in proc.stderr
@@ -312,7 +362,10 @@ def test_output_prefixing(base_env: Dict[str, str]) -> None:
 
 def test_carriage_returns_and_partial_last_line(base_env: Dict[str, str]) -> None:
     proc = subprocess.run(
-        launcher_argv("-np", "1", "sh", "-c", r"printf 'a\rb\r\nc\nlast'"), env=base_env, capture_output=True, timeout=30
+        launcher_argv("-np", "1", "sh", "-c", r"printf 'a\rb\r\nc\nlast'"),
+        env=base_env,
+        capture_output=True,
+        timeout=30,
     )
     assert proc.returncode == 0
     assert proc.stdout == b"[0]<stdout>:a\r[0]<stdout>:b\r\n[0]<stdout>:c\n[0]<stdout>:last\n"
@@ -321,22 +374,40 @@ def test_carriage_returns_and_partial_last_line(base_env: Dict[str, str]) -> Non
 def test_timestamp_prefix(base_env: Dict[str, str]) -> None:
     proc = run(base_env, "-np", "1", "-prefix-timestamp", "sh", "-c", "echo hello")
     assert proc.returncode == 0, proc.stderr
-    assert re.fullmatch(r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hello\n", proc.stdout)
+    assert re.fullmatch(
+        r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hello\n",
+        proc.stdout,
+    )
 
 
 def test_output_filename(base_env: Dict[str, str], tmp_path: Path) -> None:
     out_dir = tmp_path / "logs"
-    proc = run(base_env, "-np", "2", "--output-filename", str(out_dir), *script("echo_streams.py", "3"))
+    proc = run(
+        base_env, "-np", "2", "--output-filename", str(out_dir), *script("echo_streams.py", "3")
+    )
     assert proc.returncode == 0, proc.stderr
     for rank in range(2):
-        expected_out = "".join(f"out rank={rank} i={i} end\n" for i in range(3)) + f"tail rank={rank}"
+        expected_out = (
+            "".join(f"out rank={rank} i={i} end\n" for i in range(3)) + f"tail rank={rank}"
+        )
         assert (out_dir / f"rank.{rank}" / "stdout").read_text() == expected_out
-        assert (out_dir / f"rank.{rank}" / "stderr").read_text() == "".join(f"err rank={rank} i={i}\n" for i in range(3))
+        assert (out_dir / f"rank.{rank}" / "stderr").read_text() == "".join(
+            f"err rank={rank} i={i}\n" for i in range(3)
+        )
     assert "[0]<stdout>:out rank=0 i=0 end" in proc.stdout  # the console still gets it
 
 
 def test_output_filename_pads_ranks(base_env: Dict[str, str], tmp_path: Path) -> None:
-    proc = run(base_env, "-np", "11", "--output-filename", str(tmp_path), "sh", "-c", 'echo "r$FERROVOD_RANK"')
+    proc = run(
+        base_env,
+        "-np",
+        "11",
+        "--output-filename",
+        str(tmp_path),
+        "sh",
+        "-c",
+        'echo "r$FERROVOD_RANK"',
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank.{r:02d}" for r in range(11)]
     for r in range(11):
@@ -348,15 +419,27 @@ def test_output_filename_pads_ranks(base_env: Dict[str, str], tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     "fail_args, expected_rc, wording",
-    [(["--code", "3"], 3, "exit code 3"), (["--signal", str(int(signal.SIGKILL))], 137, "signal 9 (SIGKILL)")],
+    [
+        (["--code", "3"], 3, "exit code 3"),
+        (["--signal", str(int(signal.SIGKILL))], 137, "signal 9 (SIGKILL)"),
+    ],
 )
-def test_failing_rank_stops_the_others(base_env: Dict[str, str], tmp_path: Path, fail_args, expected_rc, wording) -> None:
+def test_failing_rank_stops_the_others(
+    base_env: Dict[str, str], tmp_path: Path, fail_args, expected_rc, wording
+) -> None:
     start = time.monotonic()
-    proc = run(base_env, "-np", "3", *script("hang.py", str(tmp_path), "--grandchild", "--fail-rank", "1", *fail_args))
+    proc = run(
+        base_env,
+        "-np",
+        "3",
+        *script("hang.py", str(tmp_path), "--grandchild", "--fail-rank", "1", *fail_args),
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == expected_rc, proc.stderr
     assert elapsed < 15, elapsed  # the others sleep 300 s unless stopped
-    assert re.search(rf"rank 1 \(pid \d+ on localhost\) ended with {re.escape(wording)}", proc.stderr), proc.stderr
+    assert re.search(
+        rf"rank 1 \(pid \d+ on localhost\) ended with {re.escape(wording)}", proc.stderr
+    ), proc.stderr
     assert "the first was rank 1" in proc.stderr
     pids = read_pids(tmp_path, ("pid", "child"), 3)
     assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
@@ -364,7 +447,12 @@ def test_failing_rank_stops_the_others(base_env: Dict[str, str], tmp_path: Path,
 
 def test_worker_ignoring_sigterm_is_killed(base_env: Dict[str, str], tmp_path: Path) -> None:
     start = time.monotonic()
-    proc = run(base_env, "-np", "2", *script("hang.py", str(tmp_path), "--ignore-term", "--fail-rank", "0", "--code", "5"))
+    proc = run(
+        base_env,
+        "-np",
+        "2",
+        *script("hang.py", str(tmp_path), "--ignore-term", "--fail-rank", "0", "--code", "5"),
+    )
     assert proc.returncode == 5, proc.stderr
     assert time.monotonic() - start < 15
     pids = read_pids(tmp_path, ("pid",), 2)
@@ -374,8 +462,12 @@ def test_worker_ignoring_sigterm_is_killed(base_env: Dict[str, str], tmp_path: P
 def _start_hanging_job(base_env: Dict[str, str], tmp_path: Path, n: int) -> subprocess.Popen:
     launcher = subprocess.Popen(
         launcher_argv("-np", str(n), *script("hang.py", str(tmp_path), "--grandchild")),
-        env=base_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=base_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if not wait_until(lambda: all_written(tmp_path, ("pid", "child"), n), 20):
         launcher.kill()
         pytest.fail(f"workers did not start: {launcher.communicate(timeout=10)}")
@@ -383,7 +475,9 @@ def _start_hanging_job(base_env: Dict[str, str], tmp_path: Path, n: int) -> subp
 
 
 @pytest.mark.parametrize("signum, expected_rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_to_launcher_stops_all(base_env: Dict[str, str], tmp_path: Path, signum, expected_rc) -> None:
+def test_signal_to_launcher_stops_all(
+    base_env: Dict[str, str], tmp_path: Path, signum, expected_rc
+) -> None:
     launcher = _start_hanging_job(base_env, tmp_path, 3)
     pids = read_pids(tmp_path, ("pid", "child"), 3)
     assert all(alive(p) for p in pids)
@@ -439,14 +533,33 @@ def test_fewer_processes_than_slots(base_env: Dict[str, str]) -> None:
 
 def test_horovodrun_flags_are_accepted(base_env: Dict[str, str]) -> None:
     flags = [
-        "--gloo", "--tcp", "--disable-cache", "--network-interfaces", "lo,eth0", "--network-interface", "lo",
-        "-p", "2222", "-i", "/nonexistent/key", "--mpi-args=-x FOO", "--binding-args=--bind-to none",
-        "--num-nccl-streams", "2", "--thread-affinity", "1", "--mpi-threads-disable", "--hierarchical-allreduce",
-        "--no-hierarchical-allgather", "--torus-allreduce", "--autotune", "--autotune-log-file", "at.csv",
-        "--autotune-warmup-samples", "3", "--autotune-steps-per-sample", "10",
-        "--autotune-bayes-opt-max-samples", "20", "--autotune-gaussian-process-noise", "0.8",
-        "--timeline-mark-cycles", "--stall-check-shutdown-time-seconds", "120", "--log-with-timestamp",
-    ]  # fmt: skip
+        *(
+            "--gloo",
+            "--tcp",
+            "--disable-cache",
+            "--mpi-threads-disable",
+            "--hierarchical-allreduce",
+        ),
+        *(
+            "--no-hierarchical-allgather",
+            "--torus-allreduce",
+            "--autotune",
+            "--timeline-mark-cycles",
+        ),
+        *("--log-with-timestamp", "--network-interfaces", "lo,eth0", "--network-interface", "lo"),
+        *(
+            "-p",
+            "2222",
+            "-i",
+            "/nonexistent/key",
+            "--mpi-args=-x FOO",
+            "--binding-args=-bind-to none",
+        ),
+        *("--num-nccl-streams", "2", "--thread-affinity", "1", "--autotune-log-file", "at.csv"),
+        *("--autotune-warmup-samples", "3", "--autotune-steps-per-sample", "10"),
+        *("--autotune-bayes-opt-max-samples", "20", "--autotune-gaussian-process-noise", "0.8"),
+        *("--stall-check-shutdown-time-seconds", "120"),
+    ]
     proc = run(base_env, "-np", "2", *flags, "sh", "-c", "echo ok")
     assert proc.returncode == 0, proc.stderr
     assert worker_lines(proc.stdout, "stdout") == {0: ["ok"], 1: ["ok"]}
@@ -460,7 +573,13 @@ def test_horovodrun_flags_are_accepted(base_env: Dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--min-np", "1"], ["--max-np", "4"], ["--host-discovery-script", "d.sh"], ["--blacklist-cooldown-range", "1", "9"]]
+    "flags",
+    [
+        ["--min-np", "1"],
+        ["--max-np", "4"],
+        ["--host-discovery-script", "d.sh"],
+        ["--blacklist-cooldown-range", "1", "9"],
+    ],
 )
 def test_elastic_flags_are_refused(base_env: Dict[str, str], flags: List[str]) -> None:
     proc = run(base_env, "-np", "1", *flags, "true")
@@ -490,7 +609,9 @@ def test_check_build_does_not_import_frameworks(base_env: Dict[str, str], tmp_pa
     marker = tmp_path / "imported"
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    env = dict(base_env, PYTHONPATH=os.pathsep.join([str(tmp_path), base_env.get("PYTHONPATH", "")]))
+    env = dict(
+        base_env, PYTHONPATH=os.pathsep.join([str(tmp_path), base_env.get("PYTHONPATH", "")])
+    )
     proc = subprocess.run(launcher_argv("-cb"), env=env, capture_output=True, text=True, timeout=30)
     assert not marker.exists()
     assert proc.stdout.startswith("ferrovod v")

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 def test_static_sets_results_and_independence():
     res = run_job(4, "pset_worker.py", "static", timeout=120)
-    assert_ok(res, 4, min_checks=150, same_count=False)
+    assert_ok(res, 4, min_checks=60, same_count=False)
     for r in (1, 3):
         timing = lines_matching(res, r, r"^set B: 100 allreduces in ([\d.]+) s")
         assert timing, describe(res)

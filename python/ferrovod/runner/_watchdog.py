@@ -15,10 +15,12 @@ the workers' children, which that signal does not reach.
 import os
 import signal
 import sys
+from typing import BinaryIO, Set, Tuple
 
 
-def _read_commands(stream) -> tuple:
-    groups = set()
+def _read_commands(stream: BinaryIO) -> Tuple[Set[int], bool]:
+    """Applies the commands; returns (groups still listed, whether ``exit`` was read)."""
+    groups: Set[int] = set()
     for raw in stream:
         line = raw.strip()
         if line == b"exit":

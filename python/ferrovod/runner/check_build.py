@@ -11,7 +11,13 @@ import importlib.util
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["FRAMEWORKS", "check_build", "ferrovod_version", "framework_available", "render_check_build"]
+__all__ = [
+    "FRAMEWORKS",
+    "check_build",
+    "ferrovod_version",
+    "framework_available",
+    "render_check_build",
+]
 
 # (label, framework module, ferrovod adapter module)
 FRAMEWORKS: List[Tuple[str, str, str]] = [
@@ -49,7 +55,8 @@ def ferrovod_version() -> str:
     if isinstance(version, str) and version:
         return version
     try:
-        from importlib.metadata import PackageNotFoundError, version as dist_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
     except ImportError:  # pragma: no cover - Python < 3.8
         return "unknown"
     try:
@@ -70,7 +77,14 @@ def _names(value: Any) -> List[str]:
 
 
 # build_info() entries that list what is built in.
-_LIST_KEYS = ("transports", "controllers", "cpu_operations", "gpu_operations", "features", "backends")
+_LIST_KEYS = (
+    "transports",
+    "controllers",
+    "cpu_operations",
+    "gpu_operations",
+    "features",
+    "backends",
+)
 
 
 def _has(info: Mapping[str, Any], name: str) -> bool:
@@ -90,7 +104,9 @@ def _query(module: Any, name: str, info: Mapping[str, Any]) -> bool:
     return _has(info, name)
 
 
-_Collected = Tuple[Dict[str, bool], Dict[str, bool], Dict[str, bool], Optional[Mapping[str, Any]], Optional[str]]
+_Collected = Tuple[
+    Dict[str, bool], Dict[str, bool], Dict[str, bool], Optional[Mapping[str, Any]], Optional[str]
+]
 
 
 def _collect() -> _Collected:
@@ -98,7 +114,13 @@ def _collect() -> _Collected:
     module = _ferrovod_module()
     build_info: Optional[Callable[[], Mapping[str, Any]]] = getattr(module, "build_info", None)
     if build_info is None:
-        return frameworks, {}, {}, None, "ferrovod.build_info() is not available (is the native core built?)"
+        return (
+            frameworks,
+            {},
+            {},
+            None,
+            "ferrovod.build_info() is not available (is the native core built?)",
+        )
     try:
         info = dict(build_info())
     except Exception as exc:  # noqa: BLE001 - report, do not crash, on a broken install
@@ -123,7 +145,7 @@ def _collect() -> _Collected:
 def _section(title: str, entries: Mapping[str, bool]) -> List[str]:
     lines = [f"{title}:"]
     lines.extend(f"    [{'X' if ok else ' '}] {label}" for label, ok in entries.items())
-    return lines + [""]
+    return [*lines, ""]
 
 
 def render_check_build(
@@ -151,6 +173,8 @@ def render_check_build(
 def check_build(verbose: bool = False) -> int:
     """Prints the ``--check-build`` report; returns 0, or 1 when the native core is missing."""
     frameworks, controllers, ops, info, problem = _collect()
-    sys.stdout.write(render_check_build(ferrovod_version(), frameworks, controllers, ops, info, problem, verbose))
+    sys.stdout.write(
+        render_check_build(ferrovod_version(), frameworks, controllers, ops, info, problem, verbose)
+    )
     sys.stdout.flush()
     return 0 if problem is None else 1

@@ -12,7 +12,7 @@ import ipaddress
 import re
 import socket
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 __all__ = [
     "HostInfo",
@@ -150,7 +150,7 @@ def get_host_assignments(
     when ``max_np`` is None). Raises :class:`HostSpecError` when fewer than ``min_np`` slots
     exist.
     """
-    placed: List[tuple] = []  # (hostname, [global ranks]) per host, in order
+    placed: List[Tuple[str, List[int]]] = []  # (hostname, [global ranks]) per host, in order
     # local_rank -> {hostname: cross_rank}; dicts keep insertion order, i.e. host order.
     cross: Dict[int, Dict[str, int]] = {}
     rank = 0

@@ -21,7 +21,15 @@ from types import FrameType
 from typing import Any, BinaryIO, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from . import check_build as _check_build
-from .hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile, parse_hosts, remote_hosts
+from .hosts import (
+    HostInfo,
+    HostSpecError,
+    SlotInfo,
+    get_host_assignments,
+    parse_hostfile,
+    parse_hosts,
+    remote_hosts,
+)
 from .output import Sink, rank_output_dir
 from .supervisor import JobOutcome, SpawnError, Supervisor, WorkerSpec, describe_status
 from .worker_env import JobInfo, slot_env, tunable_env, visible_env, worker_env
@@ -118,17 +126,27 @@ def _positive_int(text: str) -> int:
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(LOG_LEVELS)})")
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r} (choose from {', '.join(LOG_LEVELS)})"
+        )
     return level
 
 
 class _VersionAction(argparse.Action):
     """Prints the version lazily, so the common path never looks it up."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+    def __init__(
+        self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any
+    ) -> None:
         super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Optional[str] = None) -> NoReturn:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Optional[str] = None,
+    ) -> NoReturn:
         sys.stdout.write(f"{_check_build.ferrovod_version()}\n")
         parser.exit()
 
@@ -136,44 +154,89 @@ class _VersionAction(argparse.Action):
 class _NicAction(argparse.Action):
     """``--network-interface(s)``: comma-separated, repeatable; the values are unioned."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: Optional[str] = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Optional[str] = None,
+    ) -> None:
         current = set(getattr(namespace, self.dest, None) or ())
         current.update(v for v in str(values).split(",") if v)
         setattr(namespace, self.dest, current)
 
 
-def _bool_pair(group: argparse._ActionsContainer, name: str, dest: str, hidden_negative: bool = False) -> None:
+def _bool_pair(
+    group: argparse._ActionsContainer, name: str, dest: str, hidden_negative: bool = False
+) -> None:
     """``--NAME`` / ``--no-NAME`` storing True/False into ``dest`` (None when neither is given)."""
     pair = group.add_mutually_exclusive_group()
     pair.add_argument(f"--{name}", dest=dest, action="store_const", const=True, default=None)
     pair.add_argument(
-        f"--no-{name}", dest=dest, action="store_const", const=False, help=argparse.SUPPRESS if hidden_negative else None
+        f"--no-{name}",
+        dest=dest,
+        action="store_const",
+        const=False,
+        help=argparse.SUPPRESS if hidden_negative else None,
     )
 
 
 def _add_general(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-v", "--version", action=_VersionAction, help="Print the version and exit.")
-    parser.add_argument("-np", "--num-proc", dest="num_proc", type=_positive_int, help="Total number of processes.")
-    parser.add_argument("-cb", "--check-build", action="store_true", help="Show the frameworks and backends available, then exit.")
-    parser.add_argument("--disable-cache", action="store_true", default=None, help="Accepted for horovodrun compatibility.")
     parser.add_argument(
-        "--start-timeout", type=_non_negative(int), help="Seconds the job has to start (default: 30, or HOROVOD_START_TIMEOUT)."
+        "-v", "--version", action=_VersionAction, help="Print the version and exit."
     )
-    parser.add_argument("--network-interfaces", dest="nics", action=_NicAction, help="Accepted for horovodrun compatibility.")
-    parser.add_argument("--network-interface", dest="nics", action=_NicAction, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--output-filename", help="Also write each rank's output to <DIR>/rank.<rank>/stdout and .../stderr."
+        "-np", "--num-proc", dest="num_proc", type=_positive_int, help="Total number of processes."
+    )
+    parser.add_argument(
+        "-cb",
+        "--check-build",
+        action="store_true",
+        help="Show the frameworks and backends available, then exit.",
+    )
+    parser.add_argument(
+        "--disable-cache",
+        action="store_true",
+        default=None,
+        help="Accepted for horovodrun compatibility.",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=_non_negative(int),
+        help="Seconds the job has to start (default: 30, or HOROVOD_START_TIMEOUT).",
+    )
+    parser.add_argument(
+        "--network-interfaces",
+        dest="nics",
+        action=_NicAction,
+        help="Accepted for horovodrun compatibility.",
+    )
+    parser.add_argument(
+        "--network-interface", dest="nics", action=_NicAction, help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--output-filename",
+        help="Also write each rank's output to <DIR>/rank.<rank>/stdout and .../stderr.",
     )
     parser.add_argument("--verbose", action="store_true", help="Print what the launcher does.")
-    parser.add_argument("--config-file", help="A horovodrun YAML config file (not supported yet: ignored with a warning).")
+    parser.add_argument(
+        "--config-file",
+        help="A horovodrun YAML config file (not supported yet: ignored with a warning).",
+    )
     parser.add_argument("-p", "--ssh-port", type=int, help="Accepted for horovodrun compatibility.")
     parser.add_argument("-i", "--ssh-identity-file", help="Accepted for horovodrun compatibility.")
 
 
 def _add_tunables(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("tunable parameters (exported to the workers only when given)")
-    group.add_argument("--fusion-threshold-mb", type=_non_negative(int), help="Fusion buffer size in MiB.")
-    group.add_argument("--cycle-time-ms", type=_non_negative(float), help="Cycle time in milliseconds.")
+    group = parser.add_argument_group(
+        "tunable parameters (exported to the workers only when given)"
+    )
+    group.add_argument(
+        "--fusion-threshold-mb", type=_non_negative(int), help="Fusion buffer size in MiB."
+    )
+    group.add_argument(
+        "--cycle-time-ms", type=_non_negative(float), help="Cycle time in milliseconds."
+    )
     group.add_argument("--cache-capacity", type=_non_negative(int), help="Response cache capacity.")
     _bool_pair(group, "hierarchical-allreduce", "hierarchical_allreduce")
     _bool_pair(group, "hierarchical-allgather", "hierarchical_allgather")
@@ -187,8 +250,16 @@ def _add_tunables(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeline-filename", help="Write a Chrome-trace timeline to this file.")
     _bool_pair(group, "timeline-mark-cycles", "timeline_mark_cycles", hidden_negative=True)
     stall = group.add_mutually_exclusive_group()
-    stall.add_argument("--no-stall-check", dest="no_stall_check", action="store_const", const=True, default=None)
-    stall.add_argument("--stall-check", dest="no_stall_check", action="store_const", const=False, help=argparse.SUPPRESS)
+    stall.add_argument(
+        "--no-stall-check", dest="no_stall_check", action="store_const", const=True, default=None
+    )
+    stall.add_argument(
+        "--stall-check",
+        dest="no_stall_check",
+        action="store_const",
+        const=False,
+        help=argparse.SUPPRESS,
+    )
     group.add_argument("--stall-check-warning-time-seconds", type=_non_negative(int))
     group.add_argument("--stall-check-shutdown-time-seconds", type=_non_negative(int))
     _bool_pair(group, "mpi-threads-disable", "mpi_threads_disable", hidden_negative=True)
@@ -197,19 +268,51 @@ def _add_tunables(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--binding-args")
     group.add_argument("--num-nccl-streams", type=_non_negative(int))
     group.add_argument("--thread-affinity", type=_non_negative(int))
-    group.add_argument("--gloo-timeout-seconds", type=_non_negative(int), help="Seconds without progress before an op fails.")
+    group.add_argument(
+        "--gloo-timeout-seconds",
+        type=_non_negative(int),
+        help="Seconds without progress before an op fails.",
+    )
 
 
 def _add_logging(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("logging")
     group.add_argument("--log-level", type=_log_level, help=f"One of {', '.join(LOG_LEVELS)}.")
     stamp = group.add_mutually_exclusive_group()
-    stamp.add_argument("--log-with-timestamp", dest="log_with_timestamp", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
-    stamp.add_argument("--log-without-timestamp", dest="log_with_timestamp", action="store_const", const=False, help="Hide the time in ferrovod's log lines.")
-    stamp.add_argument("--log-hide-timestamp", dest="log_with_timestamp", action="store_const", const=False, help=argparse.SUPPRESS)
-    stamp.add_argument("--no-log-hide-timestamp", dest="log_with_timestamp", action="store_const", const=True, help=argparse.SUPPRESS)
     stamp.add_argument(
-        "-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp", action="store_true",
+        "--log-with-timestamp",
+        dest="log_with_timestamp",
+        action="store_const",
+        const=True,
+        default=None,
+        help=argparse.SUPPRESS,
+    )
+    stamp.add_argument(
+        "--log-without-timestamp",
+        dest="log_with_timestamp",
+        action="store_const",
+        const=False,
+        help="Hide the time in ferrovod's log lines.",
+    )
+    stamp.add_argument(
+        "--log-hide-timestamp",
+        dest="log_with_timestamp",
+        action="store_const",
+        const=False,
+        help=argparse.SUPPRESS,
+    )
+    stamp.add_argument(
+        "--no-log-hide-timestamp",
+        dest="log_with_timestamp",
+        action="store_const",
+        const=True,
+        help=argparse.SUPPRESS,
+    )
+    stamp.add_argument(
+        "-prefix-timestamp",
+        "--prefix-output-with-timestamp",
+        dest="prefix_output_with_timestamp",
+        action="store_true",
         help="Prefix every forwarded output line with the time.",
     )
 
@@ -223,10 +326,14 @@ def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument("--reset-limit", type=int)
     elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2)
     hosts = parser.add_argument_group("hosts").add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", help="Hosts and slots, e.g. localhost:4 (default: localhost:<np>).")
+    hosts.add_argument(
+        "-H", "--hosts", help="Hosts and slots, e.g. localhost:4 (default: localhost:<np>)."
+    )
     hosts.add_argument("-hostfile", "--hostfile", help="File of '<host> slots=<n>' lines.")
     hosts.add_argument("--host-discovery-script")
-    controller = parser.add_argument_group("controller (accepted for horovodrun compatibility)").add_mutually_exclusive_group()
+    controller = parser.add_argument_group(
+        "controller (accepted for horovodrun compatibility)"
+    ).add_mutually_exclusive_group()
     controller.add_argument("--gloo", dest="use_gloo", action="store_true", default=None)
     controller.add_argument("--mpi", dest="use_mpi", action="store_true", default=None)
     controller.add_argument("--jsrun", dest="use_jsrun", action="store_true", default=None)
@@ -234,7 +341,9 @@ def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ferrovodrun`` argument parser (horovodrun's flags)."""
-    parser = argparse.ArgumentParser(prog=PROG, description="Launch a ferrovod job (horovodrun-compatible).")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Launch a ferrovod job (horovodrun-compatible)."
+    )
     _add_general(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="The command every worker runs.")
     _add_tunables(parser)
@@ -257,7 +366,11 @@ def _resolve_hosts(args: argparse.Namespace) -> List[HostInfo]:
 
 
 def _notes(args: argparse.Namespace) -> List[str]:
-    notes = [f"{flag} has no effect on a local launch; ignored" for dest, flag in _IGNORED_FLAGS if getattr(args, dest, None) is not None]
+    notes = [
+        f"{flag} has no effect on a local launch; ignored"
+        for dest, flag in _IGNORED_FLAGS
+        if getattr(args, dest, None) is not None
+    ]
     if args.prefix_output_with_timestamp:
         notes.append("prefixing output lines with timestamps")
     return notes
@@ -304,7 +417,7 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
 def _start_rendezvous(secret: bytes, log: Callable[[str], None]) -> Tuple[Any, Optional[str]]:
     """Starts the native rendezvous store on loopback; returns (server, "127.0.0.1:PORT")."""
     try:
-        from ferrovod._core import RendezvousServer  # type: ignore[import-not-found,attr-defined]
+        from ferrovod._core import RendezvousServer  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:
         log(
             f"warning: the native core is not available ({exc}); the workers get no rendezvous "
@@ -318,15 +431,21 @@ def _start_rendezvous(secret: bytes, log: Callable[[str], None]) -> Tuple[Any, O
     return server, str(server.addr)
 
 
-def _open_copies(output_dir: Optional[str], slot: SlotInfo) -> Tuple[Optional[BinaryIO], Optional[BinaryIO]]:
+def _open_copies(
+    output_dir: Optional[str], slot: SlotInfo
+) -> Tuple[Optional[BinaryIO], Optional[BinaryIO]]:
     if output_dir is None:
         return None, None
     rank_dir = rank_output_dir(output_dir, slot.rank, slot.size)
     try:
         os.makedirs(rank_dir, exist_ok=True)
-        return open(os.path.join(rank_dir, "stdout"), "wb"), open(os.path.join(rank_dir, "stderr"), "wb")
+        return open(os.path.join(rank_dir, "stdout"), "wb"), open(
+            os.path.join(rank_dir, "stderr"), "wb"
+        )
     except OSError as exc:
-        raise LaunchError(f"cannot write output files under {rank_dir!r}: {exc.strerror or exc}", exit_code=1) from None
+        raise LaunchError(
+            f"cannot write output files under {rank_dir!r}: {exc.strerror or exc}", exit_code=1
+        ) from None
 
 
 def _worker_specs(plan: LaunchPlan, job: JobInfo, base_env: Dict[str, str]) -> List[WorkerSpec]:
@@ -347,12 +466,15 @@ def _worker_specs(plan: LaunchPlan, job: JobInfo, base_env: Dict[str, str]) -> L
     return specs
 
 
-def _log_plan(plan: LaunchPlan, specs: List[WorkerSpec], base_env: Dict[str, str], log: Callable[[str], None]) -> None:
+def _log_plan(
+    plan: LaunchPlan, specs: List[WorkerSpec], base_env: Dict[str, str], log: Callable[[str], None]
+) -> None:
     for note in plan.notes:
         log(f"note: {note}")
     for slot in plan.slots:
         log(
-            f"rank {slot.rank}: host {slot.hostname}, local rank {slot.local_rank}/{slot.local_size}, "
+            f"rank {slot.rank}: host {slot.hostname}, "
+            f"local rank {slot.local_rank}/{slot.local_size}, "
             f"cross rank {slot.cross_rank}/{slot.cross_size}"
         )
     if specs:
@@ -367,7 +489,7 @@ def _install_signal_handlers(supervisor: Supervisor) -> Dict[int, Any]:
     def handler(signum: int, frame: Optional[FrameType]) -> None:
         supervisor.notify_signal(signum)
 
-    previous = {}
+    previous: Dict[int, Any] = {}
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous[signum] = signal.signal(signum, handler)
     return previous
@@ -388,7 +510,9 @@ def _report(outcome: JobOutcome, plan: LaunchPlan, log: Callable[[str], None]) -
     )
 
 
-def launch(plan: LaunchPlan, stdout: BinaryIO, stderr: BinaryIO, adopt_orphans: bool = False) -> int:
+def launch(
+    plan: LaunchPlan, stdout: BinaryIO, stderr: BinaryIO, adopt_orphans: bool = False
+) -> int:
     """Runs the job described by ``plan``; returns the launcher's exit status.
 
     ``adopt_orphans`` makes this process a child subreaper that reaps every child: right for
@@ -401,7 +525,9 @@ def launch(plan: LaunchPlan, stdout: BinaryIO, stderr: BinaryIO, adopt_orphans: 
 
     base_env = dict(os.environ)
     secret = secrets.token_bytes(32)
-    supervisor = Supervisor(out_sink, err_sink, log, GRACE_S, plan.timestamp, plan.verbose, adopt_orphans)
+    supervisor = Supervisor(
+        out_sink, err_sink, log, GRACE_S, plan.timestamp, plan.verbose, adopt_orphans
+    )
     previous = _install_signal_handlers(supervisor)
     server = None
     try:
@@ -436,7 +562,9 @@ def run_commandline(argv: Optional[Sequence[str]] = None, adopt_orphans: bool = 
     if args.check_build:
         return _check_build.check_build(verbose=bool(args.verbose))
     if args.config_file:
-        sys.stderr.write(f"{PROG}: warning: --config-file is not supported yet; {args.config_file} is ignored\n")
+        sys.stderr.write(
+            f"{PROG}: warning: --config-file is not supported yet; {args.config_file} is ignored\n"
+        )
     try:
         plan = plan_job(args)
     except LaunchError as exc:

@@ -94,7 +94,7 @@ class JobOutcome:
 @dataclass
 class _Worker:
     spec: WorkerSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     threads: List[threading.Thread] = field(default_factory=list)
     returncode: Optional[int] = None
 
@@ -108,7 +108,8 @@ def _load_prctl() -> Optional[Callable[..., int]]:
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl  # type: ignore[no-any-return]
+        prctl: Callable[..., int] = libc.prctl
+        return prctl
     except (OSError, AttributeError):
         return None
 
@@ -149,7 +150,7 @@ class _Watchdog:
     """The launcher's side of :mod:`._watchdog`: tells it which groups exist."""
 
     def __init__(self) -> None:
-        self._proc: Optional[subprocess.Popen] = None
+        self._proc: Optional[subprocess.Popen[bytes]] = None
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", _WATCHDOG_PATH],
@@ -235,7 +236,7 @@ class Supervisor:
         self._timestamp = timestamp
         self._verbose = verbose
         self._adopt = adopt_orphans
-        self._events: "queue.SimpleQueue[Tuple[str, int, int]]" = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Tuple[str, int, int]] = queue.SimpleQueue()
         self._workers: List[_Worker] = []
         self._reapers: List[threading.Thread] = []
         self._watchdog: Optional[_Watchdog] = None
@@ -290,8 +291,12 @@ class Supervisor:
             self._watchdog.add(proc.pid)
         worker = _Worker(spec, proc)
         worker.threads = [
-            StreamForwarder(out_r, spec.rank, "stdout", self._stdout, spec.stdout_copy, self._timestamp),
-            StreamForwarder(err_r, spec.rank, "stderr", self._stderr, spec.stderr_copy, self._timestamp),
+            StreamForwarder(
+                out_r, spec.rank, "stdout", self._stdout, spec.stdout_copy, self._timestamp
+            ),
+            StreamForwarder(
+                err_r, spec.rank, "stderr", self._stderr, spec.stderr_copy, self._timestamp
+            ),
         ]
         if self._verbose:
             self._log(f"started rank {spec.rank} on {spec.hostname} as pid {proc.pid}")
@@ -302,10 +307,17 @@ class Supervisor:
             for thread in worker.threads:
                 thread.start()
         if self._adopt:
-            self._reapers = [threading.Thread(target=self._reap_all, name="ferrovodrun-reaper", daemon=True)]
+            self._reapers = [
+                threading.Thread(target=self._reap_all, name="ferrovodrun-reaper", daemon=True)
+            ]
         else:
             self._reapers = [
-                threading.Thread(target=self._wait_for, args=(w,), name=f"ferrovodrun-wait-{w.spec.rank}", daemon=True)
+                threading.Thread(
+                    target=self._wait_for,
+                    args=(w,),
+                    name=f"ferrovodrun-wait-{w.spec.rank}",
+                    daemon=True,
+                )
                 for w in self._workers
             ]
         for thread in self._reapers:
@@ -355,7 +367,9 @@ class Supervisor:
                 continue
             kind, rank, value = event
             if kind == "signal":
-                self._log(f"received {signal.Signals(value).name}, stopping {running} running worker(s)")
+                self._log(
+                    f"received {signal.Signals(value).name}, stopping {running} running worker(s)"
+                )
                 return JobOutcome(exit_code=128 + value, signal=value)
             worker = self._record_exit(rank, value)
             running -= 1
@@ -364,7 +378,9 @@ class Supervisor:
                     f"rank {rank} (pid {worker.proc.pid} on {worker.spec.hostname}) ended with "
                     f"{describe_status(value)}; stopping the other workers"
                 )
-                return JobOutcome(exit_code=exit_status(value), failed_rank=rank, failed_returncode=value)
+                return JobOutcome(
+                    exit_code=exit_status(value), failed_rank=rank, failed_returncode=value
+                )
             if self._verbose:
                 self._log(f"rank {rank} exited with code 0")
         return JobOutcome(exit_code=0)

@@ -75,7 +75,9 @@ def start_timeout(flag_value: Optional[int], environ: Mapping[str, str]) -> int:
             try:
                 return int(text)
             except ValueError:
-                raise ValueError(f"{name} must be an integer number of seconds, got {text!r}") from None
+                raise ValueError(
+                    f"{name} must be an integer number of seconds, got {text!r}"
+                ) from None
     return DEFAULT_START_TIMEOUT
 
 
@@ -86,7 +88,9 @@ def tunable_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[st
         value = getattr(args, dest, None)
         if value is not None:
             env[name] = fmt(value)
-    env["FERROVOD_START_TIMEOUT"] = str(start_timeout(getattr(args, "start_timeout", None), environ))
+    env["FERROVOD_START_TIMEOUT"] = str(
+        start_timeout(getattr(args, "start_timeout", None), environ)
+    )
     return env
 
 
@@ -123,7 +127,7 @@ def worker_env(base: Mapping[str, str], slot: SlotInfo, job: JobInfo) -> Dict[st
 
 
 def visible_env(env: Mapping[str, str], base: Mapping[str, str]) -> Dict[str, str]:
-    """The variables ``env`` adds to or changes in ``base``, with the secret masked (for --verbose)."""
+    """What ``env`` adds to or changes in ``base``, the secret masked (for ``--verbose``)."""
     shown = {k: v for k, v in env.items() if base.get(k) != v}
     if SECRET_VAR in shown:
         shown[SECRET_VAR] = "<hidden>"

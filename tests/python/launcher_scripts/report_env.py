@@ -30,7 +30,9 @@ def main():
         "ppid": os.getppid(),
         "pgid": os.getpgid(0),
         "sid": os.getsid(0),
-        "stdin_is_devnull": os.path.samefile("/proc/self/fd/0", os.devnull) if os.path.exists("/proc/self/fd/0") else None,
+        "stdin_is_devnull": os.path.samefile("/proc/self/fd/0", os.devnull)
+        if os.path.exists("/proc/self/fd/0")
+        else None,
         "rendezvous_reachable": rendezvous_reachable(env.get("FERROVOD_RENDEZVOUS_ADDR")),
     }
     print("REPORT " + json.dumps(report))
