@@ -231,18 +231,27 @@ def init_torch(rank: int, n: int, master_addr: str) -> None:
     _gloo_has_allgather_into_tensor = all(flags)
 
 
-def verify(stack: Any, op: str, want: np.ndarray) -> None:
-    """Runs `op` once and compares with the independently computed result `want`."""
+def verify(stack: Any, op: str, want: np.ndarray, tag: str) -> bool:
+    """Runs `op` once and compares with the independently computed result `want`.
+
+    Returns whether every rank got the right result (agreed over all ranks, so that they all
+    skip or all run the timing that follows). A wrong result is described on stderr.
+    """
     stack.reset()
     stack.call(op)()
     got = np.asarray(stack.result(op))
-    if got.shape != want.shape or not np.array_equal(got, want):
-        bad = np.flatnonzero(got.ravel() != want.ravel())[:5] if got.shape == want.shape else []
-        raise SystemExit(
-            f"rank {fv.rank()}: {stack.name} {op} of {stack.source.shape[0]} float32 gave a "
-            "wrong result "
-            f"(shape {got.shape} vs {want.shape}; first bad indices {list(bad)})"
+    ok = got.shape == want.shape and np.array_equal(got, want)
+    if not ok:
+        bad = np.flatnonzero(got.ravel() != want.ravel()) if got.shape == want.shape else []
+        print(
+            f"rank {fv.rank()}: WRONG RESULT from {stack.name} {op} of "
+            f"{stack.source.shape[0]} float32: shape {got.shape} (want {want.shape}), "
+            f"{len(bad)} wrong values, first at {list(bad[:3])}: "
+            f"got {got.ravel()[bad[:3]].tolist()} want {want.ravel()[bad[:3]].tolist()}",
+            file=sys.stderr,
+            flush=True,
         )
+    return all(fv.allgather_object(ok, name=f"bench.verify.{tag}"))
 
 
 def iterations(nbytes: int, max_iters: int) -> int:
@@ -298,6 +307,7 @@ def main() -> int:
         print(row_text(headers, widths))
         print(row_text(["-" * w for w in widths], widths))
 
+    failures = 0
     for op in ops:
         for nbytes in sizes:
             count = nbytes // 4
@@ -306,22 +316,29 @@ def main() -> int:
             if args.compare == "torch":
                 stacks.append(TorchStack(count, rank, n))
             want = expected(op, count, n, root=0)
-            timings = []
+            timings: list[Timing | None] = []
             for stack in stacks:
-                verify(stack, op, want)
-                seconds = time_calls(stack.call(op), stack.reset, iters)
                 tag = f"{stack.name}.{op}.{nbytes}"
-                timings.append(Timing(slowest(seconds, tag), nbytes, op, n))
+                if verify(stack, op, want, tag):
+                    seconds = time_calls(stack.call(op), stack.reset, iters)
+                    timings.append(Timing(slowest(seconds, tag), nbytes, op, n))
+                else:
+                    timings.append(None)
+                    failures += 1
                 if isinstance(stack, FerrovodStack):
                     stack.out = None  # frees the gathered output before torch's run
             if rank == 0:
-                fv_t = timings[0]
-                cells = [op, format_size(nbytes), str(iters),
-                         f"{fv_t.seconds * 1e6:.1f}", f"{fv_t.busbw:.3f}"]
+                cells = [op, format_size(nbytes), str(iters)]
+                for timing in timings:
+                    if timing is None:
+                        cells += ["WRONG", "-"]
+                    else:
+                        cells += [f"{timing.seconds * 1e6:.1f}", f"{timing.busbw:.3f}"]
                 if args.compare:
-                    torch_t = timings[1]
-                    cells += [f"{torch_t.seconds * 1e6:.1f}", f"{torch_t.busbw:.3f}",
-                              f"{torch_t.seconds / fv_t.seconds:.2f}x"]
+                    fv_t, torch_t = timings
+                    ratio = "-" if fv_t is None or torch_t is None else (
+                        f"{torch_t.seconds / fv_t.seconds:.2f}x")
+                    cells.append(ratio)
                 print(row_text(cells, widths), flush=True)
             del stacks, want
 
@@ -330,6 +347,11 @@ def main() -> int:
 
         dist.destroy_process_group()
     fv.shutdown()
+    if failures:
+        if rank == 0:
+            print(f"{failures} row(s) gave WRONG results; their timings are not shown",
+                  file=sys.stderr)
+        return 1
     return 0
 
 

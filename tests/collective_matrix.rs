@@ -296,6 +296,38 @@ fn allreduce_every_dtype_and_op_on_small_sizes() {
     }
 }
 
+/// Recursive doubling with 2, 3 and 4 ranks folded in (6, 7 ranks) and with none (8).
+#[test]
+fn allreduce_small_path_on_more_ranks() {
+    let cases = [
+        (DType::F32, ReduceOp::Sum),
+        (DType::I8, ReduceOp::Product),
+        (DType::F16, ReduceOp::Min),
+        (DType::I64, ReduceOp::Max),
+    ];
+    for n in 6..=8 {
+        let counts = [1, 5, 100];
+        let results = run(n, &Tuning::default(), |c| {
+            let mut out = Vec::new();
+            for (dtype, op) in cases {
+                for count in counts {
+                    out.push(allreduce_one(c, dtype, op, count));
+                }
+            }
+            out
+        });
+        let mut k = 0;
+        for (dtype, op) in cases {
+            for count in counts {
+                let per_rank: Vec<Vec<u8>> = results.iter().map(|r| r[k].clone()).collect();
+                let what = format!("n={n} {} {} count={count}", dtype.name(), op.name());
+                check_allreduce(dtype, op, count, &per_rank, &what);
+                k += 1;
+            }
+        }
+    }
+}
+
 #[test]
 fn allreduce_large() {
     let cases = [

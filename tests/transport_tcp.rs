@@ -371,7 +371,7 @@ fn idle_timeout_names_the_silent_rank() {
         other => panic!("expected a timeout, got {other:?}"),
     }
     assert!(
-        *dt >= idle && *dt < idle + Duration::from_secs(1),
+        *dt >= idle && *dt < idle + Duration::from_secs(2),
         "took {dt:?}"
     );
 }
@@ -510,8 +510,10 @@ fn strangers_do_not_take_a_slot() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
     });
+    // Far below the 30 s a silent stranger could hold up an acceptor that handled one
+    // connection at a time.
     assert!(
-        start.elapsed() < Duration::from_secs(3),
+        start.elapsed() < Duration::from_secs(10),
         "{:?}",
         start.elapsed()
     );

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::{blocks, split_blocks, split_pair};
+use super::{blocks, check_segments, split_blocks, split_pair};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::transport::Xfer;
@@ -54,17 +54,19 @@ pub fn allgatherv(
 }
 
 /// Ring allgather in place: on entry `buf[segs[rank]]` holds this rank's block; on return every
-/// block is filled.
+/// block is filled. `segs` has one range per rank, ascending and disjoint (else
+/// `InvalidArgument`).
 ///
 /// Steps: for `s` in `0..n-1`, rank `r` sends block `r-s` to `r+1` while receiving block
 /// `r-s-1` from `r-1` (mod `n`) directly into place. No chunking: nothing is computed between
 /// transfers, and the transport streams each block as it goes.
-pub(crate) fn ring_allgather(
+pub fn ring_allgather(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     segs: &[Range<usize>],
 ) -> Result<()> {
     let n = comm.size();
+    check_segments(segs, n, buf.len(), 1)?;
     if n == 1 {
         return Ok(());
     }

@@ -30,14 +30,7 @@ pub fn allreduce(
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    check_reducible(dtype, op)?;
-    if buf.len() % dtype.size() != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "allreduce: {} bytes is not a whole number of {} elements",
-            buf.len(),
-            dtype.name()
-        )));
-    }
+    check(buf, dtype, op)?;
     if comm.size() == 1 || buf.is_empty() {
         return Ok(());
     }
@@ -46,6 +39,18 @@ pub fn allreduce(
     } else {
         ring(comm, buf, dtype, op)
     }
+}
+
+fn check(buf: &[u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    check_reducible(dtype, op)?;
+    if buf.len() % dtype.size() != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "allreduce: {} bytes is not a whole number of {} elements",
+            buf.len(),
+            dtype.name()
+        )));
+    }
+    Ok(())
 }
 
 /// Latency-optimal allreduce.
@@ -62,6 +67,10 @@ pub fn small(
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    check(buf, dtype, op)?;
+    if comm.size() == 1 || buf.is_empty() {
+        return Ok(());
+    }
     if comm.size() <= DIRECT_MAX_RANKS {
         direct(comm, buf, dtype, op)
     } else {
@@ -157,6 +166,7 @@ fn recursive_doubling(
 /// [`ring_allgather`] of the reduced segments. `2·(n-1)` steps; bytes sent per rank
 /// `2·(n-1)/n·B`. The reduce-scatter half is chunked by `comm.tuning.chunk_bytes`.
 pub fn ring(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    check(buf, dtype, op)?;
     let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
     ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
     ring_allgather(comm, buf, &segs)

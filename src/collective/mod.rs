@@ -209,6 +209,37 @@ pub(crate) fn split_blocks<'b>(
     out
 }
 
+/// Checks segments handed to the public ring building blocks: one per rank, in ascending
+/// order without overlap, inside a buffer of `len` bytes, on `esize`-byte element boundaries.
+pub(crate) fn check_segments(
+    segs: &[Range<usize>],
+    n: usize,
+    len: usize,
+    esize: usize,
+) -> Result<()> {
+    let mut at = 0;
+    for s in segs {
+        if s.start < at
+            || s.end < s.start
+            || s.end > len
+            || s.start % esize != 0
+            || s.len() % esize != 0
+        {
+            return Err(Error::InvalidArgument(format!(
+                "segment {s:?} is out of order, out of the {len}-byte buffer or not on {esize}-byte elements"
+            )));
+        }
+        at = s.end;
+    }
+    if segs.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "{} segments given for {n} ranks",
+            segs.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a root or peer argument against the set size.
 pub(crate) fn check_rank(r: usize, n: usize, what: &str) -> Result<()> {
     if r >= n {

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use super::reduce::{check_reducible, reduce_into};
-use super::{blocks, chunk_count, chunk_of, element_chunk};
+use super::{blocks, check_segments, chunk_count, chunk_of, element_chunk};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
@@ -44,7 +44,8 @@ pub fn reducescatter(
 }
 
 /// Ring reduce-scatter in place: afterwards `buf[segs[rank]]` holds the reduction of that
-/// segment over all ranks (other segments hold partial sums).
+/// segment over all ranks (other segments hold partial sums). `segs` has one range per rank,
+/// ascending and disjoint, on element boundaries (else `InvalidArgument`); gaps are left alone.
 ///
 /// Steps: for `s` in `0..n-1`, rank `r` sends segment `r-s-1` to `r+1` while receiving segment
 /// `r-s-2` from `r-1`, and reduces what it received into its own copy (mod `n`). Each step is
@@ -55,7 +56,7 @@ pub fn reducescatter(
 ///
 /// Every segment is reduced in exactly one place along one chain, so the result is the same
 /// whichever rank later reads it.
-pub(crate) fn ring_reduce_scatter(
+pub fn ring_reduce_scatter(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     segs: &[Range<usize>],
@@ -63,6 +64,8 @@ pub(crate) fn ring_reduce_scatter(
     op: ReduceOp,
 ) -> Result<()> {
     let n = comm.size();
+    check_reducible(dtype, op)?;
+    check_segments(segs, n, buf.len(), dtype.size())?;
     if n == 1 {
         return Ok(());
     }

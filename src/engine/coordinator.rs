@@ -106,10 +106,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
                 None => Duration::from_secs(1),
             }
         };
-        let readable = match wait_readable(&fds, timeout) {
-            Ok(r) => r,
-            Err(_) => Vec::new(),
-        };
+        let readable = wait_readable(&fds, timeout).unwrap_or_default();
         waker.clear();
         if readable.contains(&1) {
             accept_all(&listener, &cfg, &tx, &waker);

@@ -54,9 +54,8 @@ impl Waker {
             )));
         }
         // SAFETY: `fd` was just returned by eventfd, is valid and owned by nobody else.
-        Ok(Waker {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Waker { fd })
     }
 
     /// Makes the descriptor readable.

@@ -264,6 +264,32 @@ def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
     assert secret not in proc.stderr
 
 
+def _core_available(env: Dict[str, str]) -> bool:
+    probe = "import ferrovod._core, numpy"
+    return (
+        subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+    )
+
+
+def test_real_job_through_rendezvous(base_env: Dict[str, str]) -> None:
+    """init() in the workers finds the launcher's rendezvous store and forms the job."""
+    if not _core_available(base_env):
+        pytest.skip("the native core (ferrovod._core) is not built")
+    proc = run(base_env, "-np", "3", "-H", "localhost:2,127.0.0.1:1", *script("allreduce_job.py"))
+    assert proc.returncode == 0, proc.stderr
+    results = {}
+    for line in proc.stdout.splitlines():
+        m = PREFIX_RE.match(line)
+        if m and m.group(3).startswith("RESULT "):
+            results[int(m.group(1))] = json.loads(m.group(3)[len("RESULT ") :])
+    expected_sum = [float(k * (1 + 2 + 3)) for k in range(1, 6)]  # ranks contribute x(r+1)
+    assert results == {
+        0: {"topology": [0, 3, 0, 2, 0, 2], "sum": expected_sum},
+        1: {"topology": [1, 3, 1, 2, 0, 1], "sum": expected_sum},
+        2: {"topology": [2, 3, 0, 1, 1, 2], "sum": expected_sum},
+    }
+
+
 def test_secrets_differ_between_jobs(base_env: Dict[str, str]) -> None:
     a = reports(run(base_env, "-np", "1", *script("report_env.py")).stdout)[0]["env"][
         "FERROVOD_SECRET"
@@ -293,7 +319,7 @@ def test_two_local_host_names_give_cross_topology(base_env: Dict[str, str]) -> N
 def test_hostfile(base_env: Dict[str, str], tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two names for this machine\nlocalhost slots=1\n127.0.0.1:2\n")
-    proc = run(base_env, "--hostfile", str(hostfile), *script("report_env.py"))  # -np: all slots
+    proc = run(base_env, "-hostfile", str(hostfile), *script("report_env.py"))  # -np: all slots
     assert proc.returncode == 0, proc.stderr
     assert _topology(reports(proc.stdout)) == [
         ("0", "3", "0", "1", "0", "2", "localhost"),
@@ -486,6 +512,27 @@ def test_signal_to_launcher_stops_all(
     assert launcher.returncode == expected_rc, err
     assert f"received {signal.Signals(signum).name}" in err
     assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
+
+
+def test_second_signal_skips_the_grace_period(base_env: Dict[str, str], tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        launcher_argv("-np", "2", *script("hang.py", str(tmp_path), "--ignore-term")),
+        env=base_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_until(lambda: all_written(tmp_path, ("pid",), 2), 20)
+    pids = read_pids(tmp_path, ("pid",), 2)
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGINT)  # the workers ignore SIGTERM: only SIGKILL ends them
+    launcher.communicate(timeout=15)
+    assert launcher.returncode == 130
+    assert time.monotonic() - start < 2.0  # well inside the 3 s grace period
+    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0)
 
 
 def test_sigkill_of_launcher_leaves_no_worker(base_env: Dict[str, str], tmp_path: Path) -> None:

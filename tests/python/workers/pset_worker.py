@@ -27,7 +27,11 @@ class Case:
 
 
 def check_ops_on(ck, ps, cases, tag):
-    """Every op kind on ``ps`` (this rank is a member) against the members-only reference."""
+    """Every op kind on ``ps`` (this rank is a member) against the members-only reference.
+
+    Ops are named: members of several sets issue different numbers of ops, so automatic
+    (call-order) names would not line up across a set's members. barrier() takes no name.
+    """
     r = fv.rank()
     members = list(ps.ranks)
     m = len(members)
@@ -39,38 +43,38 @@ def check_ops_on(ck, ps, cases, tag):
         for opn, op in ((SUM, fv.Sum), (AVERAGE, fv.Average), (T.MAX, fv.Max)):
             k = cases.key(ps)
             xs = [T.gen(k, j, dt, (9,), T.input_mode(opn, dt), m) for j in members]
-            ck.array(fv.allreduce(xs[me], op=op, process_set=ps), T.ref_reduce(xs, opn, dt, m),
+            ck.array(fv.allreduce(xs[me], op=op, process_set=ps, name=f"{tag}.ar.{k[1]}"), T.ref_reduce(xs, opn, dt, m),
                      f"{tag} allreduce {opn} {np.dtype(dt)}")
     k = cases.key(ps)
     xs = [T.gen(k, j, np.int16, (j % 3 + 1, 2)) for j in members]
-    ck.array(fv.allgather(xs[me], process_set=ps), np.concatenate(xs), f"{tag} allgather (set-rank order)")
+    ck.array(fv.allgather(xs[me], process_set=ps, name=f"{tag}.ag"), np.concatenate(xs), f"{tag} allgather (set-rank order)")
     for root in members:  # the root is a global rank
         k = cases.key(ps)
         xs = [T.gen(k, j, np.float64, (4,)) for j in members]
-        ck.array(fv.broadcast(xs[me], root, process_set=ps), xs[members.index(root)],
+        ck.array(fv.broadcast(xs[me], root, process_set=ps, name=f"{tag}.bc.{root}"), xs[members.index(root)],
                  f"{tag} broadcast root={root}")
         x = xs[me].copy()
-        fv.broadcast_(x, root_rank=root, process_set=ps)
+        fv.broadcast_(x, root_rank=root, process_set=ps, name=f"{tag}.bc_.{root}")
         ck.array(x, xs[members.index(root)], f"{tag} broadcast_ root={root}")
     k = cases.key(ps)
     xs = [T.gen(k, j, np.float32, (2 * m, 3)) for j in members]
-    ck.array(fv.alltoall(xs[me], process_set=ps), np.concatenate([x[2 * me:2 * me + 2] for x in xs]),
+    ck.array(fv.alltoall(xs[me], process_set=ps, name=f"{tag}.a2a"), np.concatenate([x[2 * me:2 * me + 2] for x in xs]),
              f"{tag} alltoall")
     k = cases.key(ps)
     xs = [T.gen(k, j, np.float32, (2 * m + 1, 2)) for j in members]
     start, cnt = T.split_rows(2 * m + 1, m)[me]
-    ck.array(fv.reducescatter(xs[me], op=fv.Sum, process_set=ps),
+    ck.array(fv.reducescatter(xs[me], op=fv.Sum, process_set=ps, name=f"{tag}.rs"),
              T.ref_reduce(xs, SUM, np.float32, m)[start:start + cnt], f"{tag} reducescatter")
     k = cases.key(ps)
     xs = [[T.gen(k, j, np.float32, (3,)) for j in members], [T.gen(k + (1,), j, np.float64, (2, 2)) for j in members]]
-    res = fv.grouped_allreduce([xs[0][me], xs[1][me]], op=fv.Sum, process_set=ps)
+    res = fv.grouped_allreduce([xs[0][me], xs[1][me]], op=fv.Sum, process_set=ps, name=f"{tag}.gar")
     ck.array(res[0], T.ref_reduce(xs[0], SUM, np.float32, m), f"{tag} grouped_allreduce[0]")
     ck.array(res[1], T.ref_reduce(xs[1], SUM, np.float64, m), f"{tag} grouped_allreduce[1]")
     fv.barrier(process_set=ps)
-    ck.equal(fv.allgather_object(("obj", r), process_set=ps), [("obj", j) for j in members],
+    ck.equal(fv.allgather_object(("obj", r), process_set=ps, name=f"{tag}.ago"), [("obj", j) for j in members],
              f"{tag} allgather_object")
     ck.equal(fv.broadcast_object({"from": members[-1]} if r == members[-1] else None, root_rank=members[-1],
-                                 process_set=ps), {"from": members[-1]}, f"{tag} broadcast_object")
+                                 process_set=ps, name=f"{tag}.bco"), {"from": members[-1]}, f"{tag} broadcast_object")
 
 
 def check_foreign(ck, ps, tag):
@@ -132,7 +136,7 @@ def case_static():
             ck.array(res, np.full(16, 2 + 4, np.float32), f"set B op {i}")
         t_end = time.time()
         print(f"set B: 100 allreduces in {t_end - t_start:.3f} s", flush=True)
-    spans = fv.allgather_object((r, t_start, t_end))
+    spans = fv.allgather_object((r, t_start, t_end), name="spans")
     b_end = max(e for rr, _, e in spans if rr in (1, 3))
     a_start = min(s for rr, s, _ in spans if rr in (0, 2))
     ck.true(b_end < a_start, "independent sets", f"set B ended at {b_end:.3f}, after set A started at {a_start:.3f}: "
