@@ -41,10 +41,10 @@ build:
 demo: setup
 	$(RUN) -np $(NP) $(PY) examples/allreduce_demo.py
 
+# src/python/ is compiled only with the `python` feature: clippy runs with and without it.
 lint:
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
-	# src/python/ is compiled only with the `python` feature: lint it too.
 	cargo clippy --all-targets --features python -- -D warnings
 
 test-rust:

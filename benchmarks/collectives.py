@@ -242,12 +242,16 @@ def verify(stack: Any, op: str, want: np.ndarray, tag: str) -> bool:
     got = np.asarray(stack.result(op))
     ok = got.shape == want.shape and np.array_equal(got, want)
     if not ok:
-        bad = np.flatnonzero(got.ravel() != want.ravel()) if got.shape == want.shape else []
+        if got.shape == want.shape:
+            bad = np.flatnonzero(got.ravel() != want.ravel())[:3]
+        else:
+            bad = np.zeros(0, dtype=np.int64)
         print(
             f"rank {fv.rank()}: WRONG RESULT from {stack.name} {op} of "
             f"{stack.source.shape[0]} float32: shape {got.shape} (want {want.shape}), "
-            f"{len(bad)} wrong values, first at {list(bad[:3])}: "
-            f"got {got.ravel()[bad[:3]].tolist()} want {want.ravel()[bad[:3]].tolist()}",
+            f"{int(np.count_nonzero(got != want)) if got.shape == want.shape else 'all'} "
+            f"wrong values, first at {bad.tolist()}: "
+            f"got {got.ravel()[bad].tolist()} want {want.ravel()[bad].tolist()}",
             file=sys.stderr,
             flush=True,
         )

@@ -132,7 +132,7 @@ def run_plain(script, *args, env=None, timeout=60):
     """Runs ``script`` as a plain ``python script.py``, with no launch environment at all."""
     res = _run([sys.executable, str(WORKERS / script), *[str(a) for a in args]], _env(env, plain=True),
                timeout)
-    res.ranks = {0: [ln.strip() for ln in (res.stdout + "\n" + res.stderr).splitlines()]}
+    res.ranks = {0: [ln.strip() for ln in res.stdout.splitlines() if ln.strip()]}
     return res
 
 

@@ -18,12 +18,14 @@ import ferrovod as fv
 
 
 class Case:
+    """Case keys counted per set: members of several sets see different sequences overall."""
+
     def __init__(self):
-        self.i = 0
+        self.i = {}
 
     def key(self, ps):
-        self.i += 1
-        return (77, self.i, ps.process_set_id)
+        i = self.i[ps.process_set_id] = self.i.get(ps.process_set_id, 0) + 1
+        return (77, i, ps.process_set_id)
 
 
 def check_ops_on(ck, ps, cases, tag):

@@ -115,14 +115,14 @@ def main():
     t0 = time.monotonic()
     while idx < n_ops:
         u = plan_rng.random()
-        if u < 0.35:  # one synchronous op, named or not
+        if u < 0.6:  # one synchronous op, named or not
             idx += 1
             op = Op(seed, idx, plan_rng, n, name=f"sync.{idx}" if plan_rng.random() < 0.5 else None)
             x, xs = op.inputs(r)
             ck.array(op.run_sync(x), op.expected(xs, r), op.describe())
             counts["sync"] += 1
             continue
-        if u < 0.5:  # a grouped allreduce / allgather / reducescatter
+        if u < 0.7:  # a grouped allreduce / allgather / reducescatter
             kind = ["allreduce", "allgather", "reducescatter"][plan_rng.integers(3)]
             k = int(plan_rng.integers(2, 6))
             opn = [SUM, AVERAGE][plan_rng.integers(2)]
@@ -130,7 +130,7 @@ def main():
             for _ in range(k):
                 idx += 1
                 o = Op(seed, idx, plan_rng, n)
-                spec = (kind, o.dt if kind == "allgather" else T.REDUCE_DTYPES[plan_rng.integers(10)],
+                spec = (kind, o.dt if kind == "allgather" else T.REDUCE_DTYPES[plan_rng.integers(len(T.REDUCE_DTYPES))],
                         min(o.size, 30000), opn, 0)
                 ops.append(Op(seed, idx, plan_rng, n, spec=spec))
             ins = [o.inputs(r) for o in ops]
@@ -147,7 +147,7 @@ def main():
                 ck.array(got, o.expected(xs, r), "grouped " + o.describe())
             counts["grouped"] += len(ops)
             continue
-        if u < 0.75:  # a "training step": fixed names and shapes, fresh data
+        if u < 0.85:  # a "training step": fixed names and shapes, fresh data
             step = idx
             ops = []
             for i, spec in enumerate(step_specs):
