@@ -72,7 +72,10 @@ impl Worker {
                 allreduce(&mut comm, &mut self.fusion, &resp.items, &mut entries).map(|()| {
                     entries
                         .into_iter()
-                        .map(|e| (e, Output::default()))
+                        .map(|mut e| {
+                            let out = e.as_mut().map(owned_outputs).unwrap_or_default();
+                            (e, out)
+                        })
                         .collect()
                 })
             }
@@ -87,7 +90,14 @@ impl Worker {
                     OpKind::Barrier => collective::barrier(&mut comm).map(|()| Output::default()),
                     OpKind::Allreduce | OpKind::Join => unreachable!("handled above"),
                 };
-                out.map(|o| vec![(Some(entry), o)])
+                out.map(|o| {
+                    let o = if resp.kind == OpKind::Broadcast {
+                        owned_outputs(&mut entry)
+                    } else {
+                        o
+                    };
+                    vec![(Some(entry), o)]
+                })
             }
         };
         match result {
@@ -104,6 +114,19 @@ impl Worker {
             }
         }
     }
+}
+
+/// Results written into engine-owned output buffers (callers without memory of their own,
+/// such as Rust users and tests) are handed back through the `Output`.
+fn owned_outputs(e: &mut Entry) -> Output {
+    let mut out = Output::default();
+    for t in e.spec.tensors.iter_mut() {
+        if let Some(TensorBuf::Owned(v)) = t.output.as_mut() {
+            out.tensors
+                .push((TensorBuf::Owned(std::mem::take(v)), t.meta.shape.clone()));
+        }
+    }
+    out
 }
 
 /// Maps a coordinator error response back to an error value.

@@ -1,0 +1,255 @@
+//! Engine tests: N engines (one per thread, each with its own coordinator connection and TCP
+//! mesh) rendezvous through a real store on 127.0.0.1, then negotiate and run ops. Covers
+//! name matching across submission orders, fusion, the response-cache path, mismatch errors
+//! on every rank, join, process sets, and a rank leaving while others wait for it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use _core::bootstrap::tcp_store::TcpStoreServer;
+use _core::config::Config;
+use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
+use _core::{DType, Error, OpKind, ReduceOp};
+
+const SECRET: &[u8] = b"engine-test-secret-0123456789abc";
+
+fn config(rank: usize, size: usize, addr: SocketAddr) -> Config {
+    let hex: String = SECRET.iter().map(|b| format!("{b:02x}")).collect();
+    let vars: HashMap<&str, String> = [
+        ("FERROVOD_RANK", rank.to_string()),
+        ("FERROVOD_SIZE", size.to_string()),
+        ("FERROVOD_RENDEZVOUS_ADDR", addr.to_string()),
+        ("FERROVOD_SECRET", hex),
+        ("FERROVOD_HOSTNAME", format!("host{}", rank / 2)),
+        ("FERROVOD_TIMEOUT_SECONDS", "10".into()),
+        ("FERROVOD_START_TIMEOUT", "20".into()),
+        ("FERROVOD_DYNAMIC_PROCESS_SETS", "1".into()),
+    ]
+    .into_iter()
+    .collect();
+    Config::from_lookup(|k| vars.get(k).cloned()).unwrap()
+}
+
+/// Runs `f(rank, engine)` on `n` engines at once and returns the results in rank order.
+fn job<R: Send>(
+    n: usize,
+    sets: &[Vec<usize>],
+    f: impl Fn(usize, &mut Engine) -> R + Sync,
+) -> Vec<R> {
+    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), SECRET.to_vec()).unwrap();
+    let addr = server.local_addr();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let f = &f;
+                s.spawn(move || {
+                    let mut engine = Engine::start(&config(rank, n, addr), sets, 0).unwrap();
+                    let r = f(rank, &mut engine);
+                    engine.shutdown();
+                    r
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32_from(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn allreduce_op(name: &str, data: &[f32], op: ReduceOp, set_id: u32) -> OpSpec {
+    let bytes = f32_bytes(data);
+    OpSpec {
+        set_id,
+        name: name.into(),
+        kind: OpKind::Allreduce,
+        op,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: vec![TensorSpec {
+            meta: TensorMeta {
+                dtype: DType::F32,
+                shape: vec![data.len()],
+            },
+            output: Some(TensorBuf::Owned(vec![0; bytes.len()])),
+            input: TensorBuf::Owned(bytes),
+        }],
+        splits: vec![],
+    }
+}
+
+fn result_f32(h: &_core::engine::Handle) -> Result<Vec<f32>, Error> {
+    let out = h.wait(Duration::ZERO).expect("first wait")?;
+    Ok(f32_from(out.tensors[0].0.as_slice()))
+}
+
+#[test]
+fn named_ops_match_across_orders_fuse_and_replay_from_cache() {
+    let n = 3;
+    let results = job(n, &[], |rank, e| {
+        let mut all = Vec::new();
+        for round in 0..3 {
+            // Every rank submits the same names in a different order; sizes differ per name.
+            let mut names: Vec<usize> = (0..6).collect();
+            names.rotate_left(rank * 2);
+            let handles: Vec<_> = names
+                .iter()
+                .map(|&i| {
+                    let data: Vec<f32> = (0..(i * 37 + 1))
+                        .map(|k| (rank * 1000 + k + round) as f32)
+                        .collect();
+                    (
+                        i,
+                        e.submit(allreduce_op(&format!("grad{i}"), &data, ReduceOp::Sum, 0)),
+                    )
+                })
+                .collect();
+            for (i, h) in handles {
+                let got = result_f32(&h).unwrap();
+                let want: Vec<f32> = (0..(i * 37 + 1))
+                    .map(|k| (0..n).map(|r| (r * 1000 + k + round) as f32).sum())
+                    .collect();
+                assert_eq!(got, want, "rank {rank} round {round} grad{i}");
+                all.push(got);
+            }
+        }
+        all
+    });
+    assert!(results.windows(2).all(|w| w[0].len() == w[1].len()));
+}
+
+#[test]
+fn mismatch_is_reported_on_every_rank_and_the_job_goes_on() {
+    let results = job(3, &[], |rank, e| {
+        let len = if rank == 1 { 5 } else { 4 };
+        let err = result_f32(&e.submit(allreduce_op("w", &vec![1.0; len], ReduceOp::Sum, 0)))
+            .unwrap_err();
+        let after =
+            result_f32(&e.submit(allreduce_op("ok", &[rank as f32], ReduceOp::Max, 0))).unwrap();
+        (err, after)
+    });
+    for (err, after) in results {
+        match err {
+            Error::Mismatch { name, message } => {
+                assert_eq!(name, "w");
+                assert!(
+                    message.contains("ranks [0, 2] sent [4]")
+                        && message.contains("rank 1 sent [5]"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+        assert_eq!(after, vec![2.0]);
+    }
+}
+
+#[test]
+fn joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
+    let results = job(3, &[], |rank, e| {
+        let mut sums = Vec::new();
+        if rank != 0 {
+            for step in 0..4 {
+                let h = e.submit(allreduce_op(
+                    &format!("s{step}"),
+                    &[3.0, rank as f32],
+                    ReduceOp::Average,
+                    0,
+                ));
+                sums.push(result_f32(&h).unwrap());
+            }
+        }
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let last = e.join().wait(Duration::ZERO).unwrap().unwrap().last_joined;
+        (sums, last)
+    });
+    for (rank, (sums, last)) in results.into_iter().enumerate() {
+        assert_eq!(last, Some(2), "rank {rank}");
+        for s in sums {
+            // Average divides by the full size: rank 0's zeros dilute the mean.
+            assert_eq!(s, vec![2.0, 1.0]);
+        }
+    }
+}
+
+#[test]
+fn disjoint_process_sets_do_not_wait_for_each_other() {
+    let sets = vec![vec![0, 1], vec![2, 3]];
+    let results = job(4, &sets, |rank, e| {
+        let set = if rank < 2 { 1 } else { 2 };
+        let start = Instant::now();
+        if set == 1 && rank == 1 {
+            // Set 1 is held back; set 2 must not notice.
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        for i in 0..30 {
+            let got = result_f32(&e.submit(allreduce_op(
+                &format!("x{i}"),
+                &[rank as f32],
+                ReduceOp::Sum,
+                set,
+            )))
+            .unwrap();
+            let want = if set == 1 { 1.0 } else { 5.0 };
+            assert_eq!(got, vec![want]);
+        }
+        (set, start.elapsed())
+    });
+    for (set, took) in results {
+        if set == 2 {
+            assert!(took < Duration::from_millis(1200), "set 2 waited {took:?}");
+        }
+    }
+}
+
+#[test]
+fn process_sets_can_be_added_and_removed_and_foreign_sets_are_rejected() {
+    job(3, &[], |rank, e| {
+        let id = e.add_process_set(vec![0, 2]).wait().unwrap();
+        assert!(
+            e.add_process_set(vec![0, 2]).wait().is_err(),
+            "duplicate set"
+        );
+        let h = e.submit(allreduce_op("p", &[rank as f32 + 1.0], ReduceOp::Sum, id));
+        let r = result_f32(&h);
+        if rank == 1 {
+            assert!(
+                matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("not a member")),
+                "{r:?}"
+            );
+        } else {
+            assert_eq!(r.unwrap(), vec![4.0]);
+        }
+        assert!(e.remove_process_set(id).wait().unwrap());
+        assert!(!e.remove_process_set(id).wait().unwrap());
+    });
+}
+
+#[test]
+fn a_rank_that_leaves_fails_the_ops_waiting_for_it_naming_it() {
+    let results = job(3, &[], |rank, e| {
+        if rank == 2 {
+            return None;
+        }
+        let h = e.submit(allreduce_op("never", &[1.0], ReduceOp::Sum, 0));
+        let start = Instant::now();
+        let r = result_f32(&h);
+        Some((r, start.elapsed()))
+    });
+    for (r, took) in results.into_iter().flatten() {
+        let err = r.unwrap_err();
+        assert!(err.to_string().contains("rank 2"), "{err}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+}
