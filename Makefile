@@ -33,10 +33,10 @@ help:
 	@echo "make clean   remove build outputs and $(VENV)"
 
 setup:
-	@scripts/setup_venv.sh
+	@bash scripts/setup_venv.sh
 
 build:
-	@scripts/setup_venv.sh
+	@bash scripts/setup_venv.sh
 
 demo: setup
 	$(RUN) -np $(NP) $(PY) examples/allreduce_demo.py
@@ -62,7 +62,7 @@ bench: setup
 	$(RUN) -np $(NP) $(PY) benchmarks/collectives.py --compare torch $(BENCH_ARGS)
 
 wheel:
-	@scripts/build_wheel.sh dist
+	@bash scripts/build_wheel.sh dist
 
 clean:
 	cargo clean

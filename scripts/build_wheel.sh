@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
 if [[ ! -x "$VENV/bin/maturin" ]]; then
-    "$ROOT/scripts/setup_venv.sh" --no-build
+    bash "$ROOT/scripts/setup_venv.sh" --no-build
 fi
 export PATH="$VENV/bin:$PATH"
 

@@ -189,6 +189,10 @@ def _set_id(process_set: ProcessSet) -> int:
             f"{process_set} has not been registered (pass it to init(process_sets=...) or "
             "add_process_set)"
         )
+    if process_set.process_set_id != 0 and rank() not in process_set.ranks:
+        raise InvalidArgumentError(
+            f"rank {rank()} is not a member of the provided process set {process_set.ranks}"
+        )
     return int(process_set.process_set_id)
 
 
@@ -424,6 +428,9 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
 
 def _broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str],
                      process_set: ProcessSet, inplace: bool) -> Handle:
+    if not 0 <= int(root_rank) < size():
+        raise InvalidArgumentError(
+            f"broadcast received invalid root rank {root_rank}: the job has {size()} ranks")
     original = _as_array(tensor)
     buf = _contiguous(original)
     out = buf if inplace else np.empty_like(buf, order="C")

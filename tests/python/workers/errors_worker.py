@@ -6,12 +6,14 @@ usage: errors_worker.py CASE [ARGS...]
   notinit             ops and queries before init() (plain python, no launcher needed)
   kill MARKER ITER    rank 1 SIGKILLs itself at loop iteration ITER; the others report
   fork                a child forked after init() must get NotInitializedError
+  stall               rank 1 SIGSTOPs itself mid-transfer; the others must time out, not hang
 """
 
 import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -130,6 +132,14 @@ def case_invalid():
 
 def case_notinit():
     ck = T.Checker(0)
+    import ferrovod.exceptions as fe
+
+    for name, base in [("FerrovodError", RuntimeError), ("HorovodInternalError", fv.FerrovodError),
+                       ("RankFailureError", fv.HorovodInternalError), ("FerrovodTimeoutError", fv.HorovodInternalError),
+                       ("ShutdownError", fv.HorovodInternalError), ("MismatchError", fv.FerrovodError),
+                       ("NotInitializedError", fv.FerrovodError), ("NotInitializedError", ValueError)]:
+        ck.true(issubclass(getattr(fv, name), base), "exception classes", f"{name} is not a {base.__name__}")
+        ck.true(getattr(fe, name) is getattr(fv, name), "exception classes", f"ferrovod.exceptions.{name}")
     ck.equal(fv.is_initialized(), False, "is_initialized before init")
     x = np.ones(3, np.float32)
     calls = {
@@ -188,6 +198,33 @@ def case_kill(marker, kill_at):
             raise RuntimeError("rank 1 never died")
 
 
+def case_stall():
+    """Rank 1 SIGSTOPs itself while a large allreduce is moving data; the others must time out."""
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    pids = fv.allgather_object(os.getpid(), name="pids")
+    x = np.ones(32 << 20, np.float32)  # 128 MiB: the transfer outlasts the 20 ms before the stop
+    ck.array(fv.allreduce(x, op=fv.Sum, name="stall.warmup")[:8], np.full(8, n, np.float32), "warm-up")
+    if r == 1:
+        time.sleep(0.3)  # the others are already waiting
+        fv.allreduce_async(x, op=fv.Sum, name="stall.op")
+        time.sleep(0.02)  # negotiation is done, the data is moving
+        os.kill(os.getpid(), signal.SIGSTOP)
+        raise RuntimeError("unreachable: rank 1 is stopped and then killed")
+    t0 = time.monotonic()
+    try:
+        fv.allreduce(x, op=fv.Sum, name="stall.op")
+        print("STALLED none: the op completed without rank 1", flush=True)
+    except fv.HorovodInternalError as e:
+        print(f"STALLED {type(e).__name__} elapsed={time.monotonic() - t0:.3f} "
+              f"named={names_rank(str(e), 1)} msg={e}", flush=True)
+    finally:
+        if r == 0:
+            os.kill(pids[1], signal.SIGKILL)  # a stopped rank cannot end by itself
+    return ck.count
+
+
 def case_fork():
     fv.init()
     r, n = fv.rank(), fv.size()
@@ -227,7 +264,7 @@ def case_fork():
 def main():
     case, args = sys.argv[1], sys.argv[2:]
     fn = {"mismatch": case_mismatch, "invalid": case_invalid, "notinit": case_notinit,
-          "kill": case_kill, "fork": case_fork}[case]
+          "kill": case_kill, "fork": case_fork, "stall": case_stall}[case]
     return fn(*args)
 
 

@@ -63,6 +63,13 @@ def case_single():
     ck.array(fv.reducescatter(x, op=fv.Sum), x, "reducescatter on one rank")
     ck.equal(fv.allgather_object({"a": 1}), [{"a": 1}], "allgather_object on one rank")
     ck.equal(fv.join(), 0, "join() on one rank")
+    info = fv.build_info()
+    ck.true(isinstance(info, dict) and "version" in info, "build_info()", f"got {info!r}")
+    for q in ("gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "cuda_built",
+              "ddl_built", "ccl_built", "rocm_built"):
+        ck.equal(getattr(fv, q)(), False, f"{q}()")
+    ck.equal(fv.nccl_built(), 0, "nccl_built()")
+    ck.equal([fv.Average, fv.Sum, fv.Adasum, fv.Min, fv.Max, fv.Product], [0, 1, 2, 3, 4, 5], "op constants")
     fv.shutdown()
     ck.equal(fv.is_initialized(), False, "is_initialized() after shutdown")
     return ck.count
