@@ -247,7 +247,7 @@ def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
             }
         assert env["FERROVOD_LAUNCHER"] == "ferrovodrun"
         assert env["PYTHONUNBUFFERED"] == "1"
-        assert env["FERROVOD_START_TIMEOUT"] == "30"
+        assert env["FERROVOD_START_TIMEOUT"] == "60"
         assert "FERROVOD_FUSION_THRESHOLD" not in env and "FERROVOD_CYCLE_TIME" not in env
         # The secret is in the environment only: never on any command line.
         assert secret not in r["cmdline"] and secret not in " ".join(r["argv"])

@@ -25,7 +25,8 @@ __all__ = [
 ]
 
 SECRET_VAR = "FERROVOD_SECRET"
-DEFAULT_START_TIMEOUT = 30
+# The same default as the engine (config.rs): importing a framework can take most of 30 s.
+DEFAULT_START_TIMEOUT = 60
 
 _MIB = 1024 * 1024
 
@@ -66,7 +67,7 @@ _TUNABLES: List[Tuple[str, str, Callable[[Any], str]]] = [
 
 def start_timeout(flag_value: Optional[int], environ: Mapping[str, str]) -> int:
     """The start timeout in seconds: the flag, else ``FERROVOD_START_TIMEOUT``, else
-    ``HOROVOD_START_TIMEOUT``, else 30."""
+    ``HOROVOD_START_TIMEOUT``, else 60."""
     if flag_value is not None:
         return flag_value
     for name in ("FERROVOD_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):

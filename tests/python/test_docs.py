@@ -1,0 +1,28 @@
+"""The README's environment-variable table is generated from the engine's own table."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_readme_env_table_matches_the_engine() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "env_table.py"), "--check"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_variable_the_engine_reads_is_in_its_table() -> None:
+    """config.rs reads variables only through its VARS table: any FERROVOD_ literal read
+    elsewhere in src/ would be undocumented."""
+    offenders = []
+    for path in (ROOT / "src").rglob("*.rs"):
+        if path.name == "config.rs":
+            continue
+        text = path.read_text()
+        if "std::env::var" in text or "env::var(" in text:
+            offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == [], f"environment read outside config.rs: {offenders}"
