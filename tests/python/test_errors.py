@@ -62,3 +62,16 @@ def test_killed_rank_is_reported_by_every_survivor(n):
 def test_forked_child_gets_not_initialized_and_parent_goes_on():
     res = run_job(2, "errors_worker.py", "fork", timeout=60)
     assert_ok(res, 2, min_checks=6)
+
+
+def test_stopped_rank_times_out_instead_of_hanging():
+    """A peer frozen (SIGSTOP) in the middle of a transfer: FerrovodTimeoutError after the timeout."""
+    res = run_job(3, "errors_worker.py", "stall", env={"FERROVOD_TIMEOUT_SECONDS": 2}, timeout=45)
+    for r in (0, 2):
+        got = lines_matching(res, r, r"^STALLED (\w+) elapsed=([\d.]+)")
+        assert got, f"rank {r} did not report an error for the stopped rank\n{describe(res)}"
+        cls, elapsed = got[0].group(1), float(got[0].group(2))
+        # rank 0 kills the stopped rank after its own error, so rank 2 may see that death first
+        allowed = ("FerrovodTimeoutError",) if r == 0 else ("FerrovodTimeoutError", "RankFailureError")
+        assert cls in allowed, f"rank {r} raised {cls}\n{describe(res)}"
+        assert elapsed < 2 + 8, f"rank {r} needed {elapsed} s with FERROVOD_TIMEOUT_SECONDS=2"

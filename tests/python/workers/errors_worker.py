@@ -210,9 +210,11 @@ def case_stall():
         time.sleep(0.3)  # the others are already waiting
         fv.allreduce_async(x, op=fv.Sum, name="stall.op")
         time.sleep(0.02)  # negotiation is done, the data is moving
+        print("rank 1 stops itself now", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError("unreachable: rank 1 is stopped and then killed")
     t0 = time.monotonic()
+    print("waiting for the stopped rank", flush=True)
     try:
         fv.allreduce(x, op=fv.Sum, name="stall.op")
         print("STALLED none: the op completed without rank 1", flush=True)
