@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 
 use super::control::FrameConn;
 use super::message::ToCoordinator;
-use super::negotiate::{Negotiator, Outbox};
+use super::negotiate::{Gone, Negotiator, Outbox};
 use super::sys::{wait_readable, Waker};
 
 /// Settings the coordinator needs.
@@ -138,7 +138,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
                         Err(e) => {
                             neg.rank_gone(
                                 rank,
-                                false,
+                                Gone::Died,
                                 format!("sent a malformed message ({e})"),
                                 &mut out,
                             );
@@ -147,7 +147,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
                     },
                     Ok(None) => break,
                     Err(e) => {
-                        neg.rank_gone(rank, false, e.to_string(), &mut out);
+                        neg.rank_gone(rank, Gone::Died, e.to_string(), &mut out);
                         break;
                     }
                 }
@@ -159,7 +159,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
                         Err(e) => e.to_string(),
                         _ => "its connection closed (the process exited or was killed)".into(),
                     };
-                    neg.rank_gone(rank, left[rank], detail, &mut out);
+                    neg.rank_gone(rank, gone(left[rank]), detail, &mut out);
                     conns[rank] = None;
                 }
             }
@@ -178,7 +178,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
                     conn.close();
                     conns[to] = None;
                     let mut more = Vec::new();
-                    neg.rank_gone(to, left[to], e.to_string(), &mut more);
+                    neg.rank_gone(to, gone(left[to]), e.to_string(), &mut more);
                     // Notices about this failure go out on the next turn of the loop.
                     neg.flush(&mut more);
                     for (t, m) in more {
@@ -195,6 +195,14 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
             }
             return;
         }
+    }
+}
+
+fn gone(left: bool) -> Gone {
+    if left {
+        Gone::Left
+    } else {
+        Gone::Died
     }
 }
 

@@ -66,43 +66,34 @@ impl Worker {
             self.timeout,
             self.tuning.clone(),
         );
-        let result = match resp.kind {
-            OpKind::Allreduce => {
-                let mut entries = entries;
-                allreduce(&mut comm, &mut self.fusion, &resp.items, &mut entries).map(|()| {
+        let mut entries = entries;
+        let result: Result<Vec<Output>> = match resp.kind {
+            OpKind::Allreduce => allreduce(&mut comm, &mut self.fusion, &resp.items, &mut entries)
+                .map(|()| {
                     entries
-                        .into_iter()
-                        .map(|mut e| {
-                            let out = e.as_mut().map(owned_outputs).unwrap_or_default();
-                            (e, out)
-                        })
+                        .iter_mut()
+                        .map(|e| e.as_mut().map(owned_outputs).unwrap_or_default())
                         .collect()
-                })
-            }
+                }),
             _ => {
-                let mut entry = entries.into_iter().next().flatten().expect("checked above");
+                let entry = entries[0].as_mut().expect("checked above");
                 let item = &resp.items[0];
-                let out = match resp.kind {
-                    OpKind::Allgather => allgather(&mut comm, item, &mut entry),
-                    OpKind::Broadcast => broadcast(&mut comm, &members, &mut entry),
-                    OpKind::Alltoall => alltoall(&mut comm, item, &mut entry),
-                    OpKind::Reducescatter => reducescatter(&mut comm, &mut entry),
+                match resp.kind {
+                    OpKind::Allgather => allgather(&mut comm, item, entry),
+                    OpKind::Broadcast => {
+                        broadcast(&mut comm, &members, entry).map(|()| owned_outputs(entry))
+                    }
+                    OpKind::Alltoall => alltoall(&mut comm, item, entry),
+                    OpKind::Reducescatter => reducescatter(&mut comm, entry),
                     OpKind::Barrier => collective::barrier(&mut comm).map(|()| Output::default()),
                     OpKind::Allreduce | OpKind::Join => unreachable!("handled above"),
-                };
-                out.map(|o| {
-                    let o = if resp.kind == OpKind::Broadcast {
-                        owned_outputs(&mut entry)
-                    } else {
-                        o
-                    };
-                    vec![(Some(entry), o)]
-                })
+                }
+                .map(|o| vec![o])
             }
         };
         match result {
-            Ok(done) => {
-                for (e, out) in done {
+            Ok(outputs) => {
+                for (e, out) in entries.into_iter().zip(outputs) {
                     if let Some(e) = e {
                         e.handle.complete(Ok(out));
                     }
@@ -110,6 +101,11 @@ impl Worker {
             }
             Err(err) => {
                 let err = self.diagnose(err);
+                // The entries in flight were taken out of `pending`: fail them here, then
+                // everything else.
+                for e in entries.into_iter().flatten() {
+                    e.handle.complete(Err(err.clone()));
+                }
                 self.fail(err);
             }
         }
@@ -133,7 +129,7 @@ fn owned_outputs(e: &mut Entry) -> Output {
 fn error_from_code(code: u8, msg: &str, name: &str) -> Error {
     match code {
         1 => Error::PeerLost {
-            rank: parse_rank(msg).unwrap_or(usize::MAX),
+            rank: super::worker::rank_in(msg).unwrap_or(usize::MAX),
             detail: msg.to_string(),
         },
         3 => Error::Mismatch {
@@ -144,14 +140,6 @@ fn error_from_code(code: u8, msg: &str, name: &str) -> Error {
         8 => Error::Shutdown(msg.to_string()),
         _ => Error::Io(msg.to_string()),
     }
-}
-
-fn parse_rank(msg: &str) -> Option<usize> {
-    let rest = &msg[msg.find("rank ")? + 5..];
-    rest.split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()
 }
 
 /// The factor applied after the reduction: the user's post-scale, and 1/n for Average.
@@ -255,7 +243,7 @@ fn allgather(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Res
     Ok(out)
 }
 
-fn broadcast(comm: &mut Communicator<'_>, members: &[usize], entry: &mut Entry) -> Result<Output> {
+fn broadcast(comm: &mut Communicator<'_>, members: &[usize], entry: &mut Entry) -> Result<()> {
     let root = members.binary_search(&entry.request.root).map_err(|_| {
         Error::InvalidArgument(format!("root {} is not in the set", entry.request.root))
     })?;
@@ -269,7 +257,7 @@ fn broadcast(comm: &mut Communicator<'_>, members: &[usize], entry: &mut Entry) 
         }
         collective::broadcast(comm, out.as_mut_slice(), root)?;
     }
-    Ok(Output::default())
+    Ok(())
 }
 
 fn alltoall(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Result<Output> {

@@ -156,6 +156,14 @@ pub enum ToCoordinator {
     },
     /// Clean shutdown of this rank.
     Leave,
+    /// This rank's transfer with `rank` made no progress for the timeout: `rank` is stopped or
+    /// hung. The coordinator tells everyone, so every rank's error names it.
+    Stalled {
+        /// The silent rank.
+        rank: usize,
+        /// What was observed.
+        detail: String,
+    },
 }
 
 /// One entry of a response: the validated request every rank executes.
@@ -221,12 +229,14 @@ pub enum FromCoordinator {
         /// Global rank.
         rank: usize,
     },
-    /// A rank died or its connection broke.
+    /// A rank died, its connection broke, or it stalled.
     RankFailed {
         /// Global rank.
         rank: usize,
         /// What was observed.
         detail: String,
+        /// It stopped making progress (alive but stuck) rather than disappearing.
+        stalled: bool,
     },
 }
 
@@ -264,6 +274,9 @@ impl ToCoordinator {
             ToCoordinator::Leave => {
                 w.u8(5);
             }
+            ToCoordinator::Stalled { rank, detail } => {
+                w.u8(6).usize(*rank).str(detail);
+            }
         }
         w.finish()
     }
@@ -295,6 +308,10 @@ impl ToCoordinator {
             3 => ToCoordinator::AddSet { ranks: r.usizes()? },
             4 => ToCoordinator::RemoveSet { id: r.u32()? },
             5 => ToCoordinator::Leave,
+            6 => ToCoordinator::Stalled {
+                rank: r.usize()?,
+                detail: r.str()?.to_string(),
+            },
             t => return Err(Error::Decode(format!("bad message tag {t}"))),
         };
         r.finish()?;
@@ -394,8 +411,12 @@ impl FromCoordinator {
             FromCoordinator::RankLeft { rank } => {
                 w.u8(4).usize(*rank);
             }
-            FromCoordinator::RankFailed { rank, detail } => {
-                w.u8(5).usize(*rank).str(detail);
+            FromCoordinator::RankFailed {
+                rank,
+                detail,
+                stalled,
+            } => {
+                w.u8(5).usize(*rank).str(detail).bool(*stalled);
             }
         }
         w.finish()
@@ -436,6 +457,7 @@ impl FromCoordinator {
             5 => FromCoordinator::RankFailed {
                 rank: r.usize()?,
                 detail: r.str()?.to_string(),
+                stalled: r.bool()?,
             },
             t => return Err(Error::Decode(format!("bad message tag {t}"))),
         };
@@ -482,6 +504,10 @@ mod tests {
             ToCoordinator::AddSet { ranks: vec![0, 2] },
             ToCoordinator::RemoveSet { id: 4 },
             ToCoordinator::Leave,
+            ToCoordinator::Stalled {
+                rank: 2,
+                detail: "no progress".into(),
+            },
         ];
         let from = vec![
             FromCoordinator::Responses(vec![Response {
@@ -514,6 +540,7 @@ mod tests {
             FromCoordinator::RankFailed {
                 rank: 1,
                 detail: "eof".into(),
+                stalled: true,
             },
         ];
         (to, from)

@@ -26,6 +26,17 @@ use crate::types::OpKind;
 
 use super::message::{FromCoordinator, Item, Request, Response, Submit, ToCoordinator};
 
+/// How a rank went away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// Clean `shutdown()`.
+    Left,
+    /// Its connection closed or broke.
+    Died,
+    /// A peer saw it make no progress for the timeout.
+    Stalled,
+}
+
 /// Messages to send: (destination global rank, message).
 pub type Outbox = Vec<(usize, FromCoordinator)>;
 
@@ -144,12 +155,20 @@ impl Negotiator {
                 self.set_ops[from].push_back(m);
                 self.process_set_ops(out);
             }
-            ToCoordinator::Leave => self.rank_gone(from, true, "shut down".into(), out),
+            ToCoordinator::Leave => self.rank_gone(from, Gone::Left, "shut down".into(), out),
+            ToCoordinator::Stalled { rank, detail } if rank < self.size => self.rank_gone(
+                rank,
+                Gone::Stalled,
+                format!("{detail} (seen by rank {from})"),
+                out,
+            ),
+            ToCoordinator::Stalled { .. } => {}
         }
     }
 
     /// Records that `rank` is gone (cleanly or not) and fails everything waiting on it.
-    pub fn rank_gone(&mut self, rank: usize, clean: bool, detail: String, out: &mut Outbox) {
+    pub fn rank_gone(&mut self, rank: usize, how: Gone, detail: String, out: &mut Outbox) {
+        let clean = how == Gone::Left;
         if self.gone[rank].is_some() {
             return;
         }
@@ -160,6 +179,7 @@ impl Negotiator {
             FromCoordinator::RankFailed {
                 rank,
                 detail: detail.clone(),
+                stalled: how == Gone::Stalled,
             }
         };
         for r in self.live_ranks().collect::<Vec<_>>() {
@@ -304,6 +324,35 @@ impl Negotiator {
             return;
         };
         let joined = &self.joined;
+        // A member that has gone will never submit: fail the name now, naming it.
+        let missing_gone = set.ranks.iter().enumerate().find_map(|(i, &g)| {
+            if p.reqs[i].is_some() {
+                return None;
+            }
+            self.gone[g].as_ref().map(|d| (g, d.clone()))
+        });
+        if let Some((g, detail)) = missing_gone {
+            let p = set.table.remove(name).expect("present above");
+            let request = p.reqs.into_iter().flatten().next().expect("non-empty");
+            let (code, why) = if detail == "shut down" {
+                (
+                    Error::Shutdown(String::new()).kind_code(),
+                    format!("rank {g} has shut down"),
+                )
+            } else {
+                let lost = Error::PeerLost {
+                    rank: g,
+                    detail: String::new(),
+                };
+                (lost.kind_code(), format!("rank {g} failed: {detail}"))
+            };
+            let msg = format!(
+                "{} of tensor '{name}' cannot complete: {why}",
+                request.kind.name()
+            );
+            self.ready.push(error_response(request, code, msg));
+            return;
+        }
         let complete = set
             .ranks
             .iter()
@@ -817,7 +866,7 @@ mod tests {
             ToCoordinator::Submit(vec![Submit::Full(req("g", DType::F32, &[1]))]),
             &mut out,
         );
-        n.rank_gone(2, false, "connection lost".into(), &mut out);
+        n.rank_gone(2, Gone::Died, "connection lost".into(), &mut out);
         n.flush(&mut out);
         let r = responses(&out, 0);
         assert!(r[0].error.as_ref().unwrap().1.contains("rank 2 failed"));

@@ -414,8 +414,13 @@ impl Worker {
                     self.coordinator_left = true;
                 }
             }
-            FromCoordinator::RankFailed { rank, detail } => {
-                self.fail(Error::PeerLost { rank, detail });
+            FromCoordinator::RankFailed {
+                rank,
+                detail,
+                stalled,
+            } => {
+                let e = self.verdict(rank, detail, stalled);
+                self.fail(e);
             }
         }
     }
@@ -438,8 +443,18 @@ impl Worker {
     }
 
     /// After a data-plane failure: the coordinator knows which process really died (a peer
-    /// that merely reacted to the death also drops its links). Wait briefly for its verdict.
+    /// that merely reacted to the death also drops its links). A stall this rank saw itself
+    /// is reported first, so that every rank learns who stopped. Then wait briefly for the
+    /// coordinator's verdict.
     pub fn diagnose(&mut self, err: Error) -> Error {
+        if let Error::Timeout { what, .. } = &err {
+            if let Some(rank) = rank_in(what) {
+                self.send(ToCoordinator::Stalled {
+                    rank,
+                    detail: err.to_string(),
+                });
+            }
+        }
         if !matches!(err, Error::PeerLost { .. } | Error::Timeout { .. }) {
             return err;
         }
@@ -448,10 +463,13 @@ impl Worker {
             let _ = wait_readable(&[self.control.fd()], Duration::from_millis(50));
             let open = self.control.fill();
             while let Ok(Some(frame)) = self.control.next_frame() {
-                if let Ok(FromCoordinator::RankFailed { rank, detail }) =
-                    FromCoordinator::decode(&frame)
+                if let Ok(FromCoordinator::RankFailed {
+                    rank,
+                    detail,
+                    stalled,
+                }) = FromCoordinator::decode(&frame)
                 {
-                    return Error::PeerLost { rank, detail };
+                    return self.verdict(rank, detail, stalled);
                 }
             }
             if !matches!(open, Ok(true)) {
@@ -459,6 +477,18 @@ impl Worker {
             }
         }
         err
+    }
+
+    /// The error for the coordinator's verdict on `rank`.
+    fn verdict(&self, rank: usize, detail: String, stalled: bool) -> Error {
+        if stalled {
+            Error::Timeout {
+                what: format!("rank {rank} stopped making progress: {detail}"),
+                after: self.timeout,
+            }
+        } else {
+            Error::PeerLost { rank, detail }
+        }
     }
 
     /// Marks the engine failed: every pending and future op gets `err`, and links are closed
@@ -486,6 +516,15 @@ impl Worker {
             }
         }
     }
+}
+
+/// The rank named in a transport message such as "waiting for rank 3 (...)".
+pub(super) fn rank_in(what: &str) -> Option<usize> {
+    let rest = &what[what.find("rank ")? + 5..];
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 fn coordinator_lost(e: Error) -> Error {

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -199,24 +198,28 @@ def case_kill(marker, kill_at):
 
 
 def case_stall():
-    """Rank 1 SIGSTOPs itself while a large allreduce is moving data; the others must time out."""
+    """Rank 1 SIGSTOPs itself while a large allgather is moving data; the others must time out.
+
+    Rank 1 contributes one row and so submits at once, while the other ranks' 64 MiB each
+    keep the transfer going well past the moment rank 1 stops.
+    """
     fv.init()
-    r, n = fv.rank(), fv.size()
+    r = fv.rank()
     ck = T.Checker(r)
     pids = fv.allgather_object(os.getpid(), name="pids")
-    x = np.ones(32 << 20, np.float32)  # 128 MiB: the transfer outlasts the 20 ms before the stop
-    ck.array(fv.allreduce(x, op=fv.Sum, name="stall.warmup")[:8], np.full(8, n, np.float32), "warm-up")
+    rows = 1 if r == 1 else 16 << 20
+    x = np.ones(rows, np.float32)
     if r == 1:
         time.sleep(0.3)  # the others are already waiting
-        fv.allreduce_async(x, op=fv.Sum, name="stall.op")
-        time.sleep(0.02)  # negotiation is done, the data is moving
+        fv.allgather_async(x, name="stall.op")
+        time.sleep(0.03)  # negotiation is done, the data is moving
         print("rank 1 stops itself now", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError("unreachable: rank 1 is stopped and then killed")
     t0 = time.monotonic()
     print("waiting for the stopped rank", flush=True)
     try:
-        fv.allreduce(x, op=fv.Sum, name="stall.op")
+        fv.allgather(x, name="stall.op")
         print("STALLED none: the op completed without rank 1", flush=True)
     except fv.HorovodInternalError as e:
         print(f"STALLED {type(e).__name__} elapsed={time.monotonic() - t0:.3f} "

@@ -49,7 +49,8 @@ def check_ops_on(ck, ps, cases, tag):
                      f"{tag} allreduce {opn} {np.dtype(dt)}")
     k = cases.key(ps)
     xs = [T.gen(k, j, np.int16, (j % 3 + 1, 2)) for j in members]
-    ck.array(fv.allgather(xs[me], process_set=ps, name=f"{tag}.ag"), np.concatenate(xs), f"{tag} allgather (set-rank order)")
+    ck.array(fv.allgather(xs[me], process_set=ps, name=f"{tag}.ag"), np.concatenate(xs),
+             f"{tag} allgather (set-rank order)")
     for root in members:  # the root is a global rank
         k = cases.key(ps)
         xs = [T.gen(k, j, np.float64, (4,)) for j in members]
