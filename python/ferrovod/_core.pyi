@@ -1,0 +1,62 @@
+"""Type stubs for the native module built from src/python/ (see docs/architecture.md)."""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__version__: str
+
+ALLREDUCE: int
+ALLGATHER: int
+BROADCAST: int
+ALLTOALL: int
+REDUCESCATTER: int
+BARRIER: int
+
+Average: int
+Sum: int
+Adasum: int
+Min: int
+Max: int
+Product: int
+
+DTYPE_UINT8: int
+DTYPE_INT8: int
+DTYPE_INT16: int
+DTYPE_INT32: int
+DTYPE_INT64: int
+DTYPE_FLOAT16: int
+DTYPE_BFLOAT16: int
+DTYPE_FLOAT32: int
+DTYPE_FLOAT64: int
+DTYPE_BOOL: int
+
+def init(process_sets: Sequence[Sequence[int]] = ..., dynamic: bool = ...) -> None: ...
+def shutdown() -> None: ...
+def is_initialized() -> bool: ...
+def topology() -> Tuple[int, int, int, int, int, int, bool]: ...
+def enqueue(
+    kind: int,
+    name: str,
+    set_id: int,
+    tensors: Sequence[Tuple[int, int, int, Sequence[int], int]],
+    op: int = ...,
+    root: int = ...,
+    prescale: float = ...,
+    postscale: float = ...,
+    splits: Sequence[int] = ...,
+) -> CoreHandle: ...
+def join() -> CoreHandle: ...
+def add_process_set(ranks: Sequence[int]) -> int: ...
+def remove_process_set(id: int) -> bool: ...
+def process_sets() -> Dict[int, List[int]]: ...
+def build_info() -> Dict[str, object]: ...
+def env_vars() -> List[Tuple[str, Optional[str], str, str]]: ...
+
+class CoreHandle:
+    def poll(self) -> bool: ...
+    def wait(self) -> Tuple[List[Tuple[bytearray, List[int]]], List[int], Optional[int]]: ...
+
+class RendezvousServer:
+    def __init__(self, secret: bytes, host: str = ...) -> None: ...
+    @property
+    def addr(self) -> str: ...
+    def close(self) -> None: ...
