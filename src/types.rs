@@ -43,6 +43,19 @@ impl DType {
         DType::Bool,
     ];
 
+    /// The dtypes reductions accept (every one but `Bool`).
+    pub const REDUCIBLE: [DType; 9] = [
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
@@ -102,6 +115,15 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// The elementwise ops ferrovod implements (every one but `Adasum`).
+    pub const ELEMENTWISE: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Average,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Product,
+    ];
+
     /// Decodes a wire/Python code.
     pub fn from_code(code: u8) -> Result<ReduceOp> {
         Ok(match code {

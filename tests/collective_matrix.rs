@@ -14,24 +14,8 @@ use _core::{DType, ReduceOp};
 use half::{bf16, f16};
 
 const IDLE: Duration = Duration::from_secs(20);
-const REDUCIBLE: [DType; 9] = [
-    DType::U8,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::F16,
-    DType::BF16,
-    DType::F32,
-    DType::F64,
-];
-const OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Average,
-    ReduceOp::Min,
-    ReduceOp::Max,
-    ReduceOp::Product,
-];
+const REDUCIBLE: [DType; 9] = DType::REDUCIBLE;
+const OPS: [ReduceOp; 5] = ReduceOp::ELEMENTWISE;
 
 /// Forces the ring for anything over one element and cuts steps into odd-sized chunks
 /// (36 bytes: rounded down to whole elements for 8-byte types).

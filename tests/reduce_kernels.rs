@@ -11,24 +11,8 @@ use _core::collective::reduce::{reduce_into, scale};
 use _core::{DType, Error, ReduceOp};
 use half::{bf16, f16};
 
-const REDUCIBLE: [DType; 9] = [
-    DType::U8,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::F16,
-    DType::BF16,
-    DType::F32,
-    DType::F64,
-];
-const OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Average,
-    ReduceOp::Min,
-    ReduceOp::Max,
-    ReduceOp::Product,
-];
+const REDUCIBLE: [DType; 9] = DType::REDUCIBLE;
+const OPS: [ReduceOp; 5] = ReduceOp::ELEMENTWISE;
 
 fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
