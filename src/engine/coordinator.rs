@@ -14,7 +14,7 @@ use crate::bootstrap::{auth, net};
 use crate::error::{Error, Result};
 
 use super::control::FrameConn;
-use super::message::ToCoordinator;
+use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
 use super::sys::{wait_readable, Waker};
 
@@ -86,6 +86,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
     );
     let mut conns: Vec<Option<FrameConn>> = (0..cfg.size).map(|_| None).collect();
     let mut left = vec![false; cfg.size];
+    let mut registered = vec![false; cfg.size];
     let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
     let mut out: Outbox = Vec::new();
     let mut ready_since: Option<Instant> = None;
@@ -112,9 +113,15 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
             accept_all(&listener, &cfg, &tx, &waker);
         }
         while let Ok((rank, stream)) = rx.try_recv() {
-            if rank < cfg.size && conns[rank].is_none() {
+            if rank < cfg.size && conns[rank].is_none() && !registered[rank] {
                 if let Ok(c) = FrameConn::new(stream, rank) {
                     conns[rank] = Some(c);
+                    registered[rank] = true;
+                    if registered.iter().all(|&r| r) {
+                        for r in 0..cfg.size {
+                            out.push((r, FromCoordinator::Ready));
+                        }
+                    }
                 }
             }
         }

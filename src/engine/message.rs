@@ -201,6 +201,9 @@ pub struct Response {
 /// Coordinator → rank.
 #[derive(Debug, Clone, PartialEq)]
 pub enum FromCoordinator {
+    /// Every rank has connected: `init()` may return (it is collective, as in Horovod, so no
+    /// rank can shut down before all are registered).
+    Ready,
     /// Run these, in order.
     Responses(Vec<Response>),
     /// A cached submission referred to an id the coordinator no longer has: resend in full.
@@ -398,6 +401,9 @@ impl FromCoordinator {
             FromCoordinator::CacheMiss { set_id, id } => {
                 w.u8(1).u32(*set_id).u64(*id);
             }
+            FromCoordinator::Ready => {
+                w.u8(6);
+            }
             FromCoordinator::SetAdded { ranks, result } => {
                 w.u8(2).usizes(ranks);
                 match result {
@@ -454,6 +460,7 @@ impl FromCoordinator {
                 removed: r.bool()?,
             },
             4 => FromCoordinator::RankLeft { rank: r.usize()? },
+            6 => FromCoordinator::Ready,
             5 => FromCoordinator::RankFailed {
                 rank: r.usize()?,
                 detail: r.str()?.to_string(),
@@ -537,6 +544,7 @@ mod tests {
                 removed: true,
             },
             FromCoordinator::RankLeft { rank: 1 },
+            FromCoordinator::Ready,
             FromCoordinator::RankFailed {
                 rank: 1,
                 detail: "eof".into(),

@@ -37,7 +37,7 @@ pub use message::TensorMeta;
 pub use tensor::TensorBuf;
 
 use coordinator::{Coordinator, CoordinatorConfig};
-use message::ToCoordinator;
+use message::{FromCoordinator, ToCoordinator};
 use sys::Waker;
 
 /// Where this process sits in the job.
@@ -444,7 +444,35 @@ fn connect_control(
     };
     auth::authenticate(&mut stream, secret, true, timeout)?;
     net::write_frame(&mut stream, &ToCoordinator::Hello { rank }.encode())?;
-    control::FrameConn::new(stream, 0)
+    let mut conn = control::FrameConn::new(stream, 0)?;
+    // init() is collective: wait until every rank has registered with the coordinator.
+    loop {
+        // Read before parsing: the ready message and an immediate close (rank 0 shutting down
+        // right after init) can arrive in the same read.
+        let open = conn.fill()?;
+        if let Some(frame) = conn.next_frame()? {
+            return match FromCoordinator::decode(&frame)? {
+                FromCoordinator::Ready => Ok(conn),
+                other => Err(Error::Decode(format!(
+                    "expected the coordinator's ready message, got {other:?}"
+                ))),
+            };
+        }
+        if !open {
+            return Err(Error::PeerLost {
+                rank: 0,
+                detail: "the coordinator closed the connection during start-up".into(),
+            });
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout {
+                what: "waiting for every rank to connect to the coordinator".into(),
+                after: timeout,
+            });
+        }
+        sys::wait_readable(&[conn.fd()], left)?;
+    }
 }
 
 #[cfg(test)]

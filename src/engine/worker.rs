@@ -43,6 +43,7 @@ pub(super) struct Worker {
     spin: Duration,
     failed: Option<Error>,
     coordinator_left: bool,
+    control_open: bool,
 }
 
 enum SetWaiter {
@@ -76,6 +77,7 @@ impl Worker {
             spin: config.spin,
             failed: None,
             coordinator_left: false,
+            control_open: true,
         })
     }
 
@@ -112,15 +114,15 @@ impl Worker {
             // Nothing to do: spin briefly (wake-ups are expensive here), then block.
             if idle_since.elapsed() < self.spin {
                 std::hint::spin_loop();
-                if let Ok(r) = wait_readable(&[self.control.fd()], Duration::ZERO) {
-                    if !r.is_empty() {
-                        continue;
-                    }
-                }
                 continue;
             }
             let fds = [self.shared.waker.fd(), self.control.fd()];
-            let _ = wait_readable(&fds, Duration::from_secs(1));
+            let watched = if self.control_open {
+                &fds[..]
+            } else {
+                &fds[..1]
+            };
+            let _ = wait_readable(watched, Duration::from_secs(1));
             self.shared.waker.clear();
             idle_since = Instant::now();
         }
@@ -318,12 +320,14 @@ impl Worker {
 
     /// Reads and handles control messages. Returns whether anything happened.
     fn read_control(&mut self) -> bool {
-        if self.failed.is_some() && self.pending.is_empty() {
-            // Keep draining so a dead coordinator's socket does not spin the loop.
-            let _ = self.control.fill();
+        if !self.control_open {
             return false;
         }
         let open = self.control.fill();
+        if !matches!(open, Ok(true)) {
+            // A closed socket polls readable forever: stop watching it, or the loop spins.
+            self.control_open = false;
+        }
         let mut any = false;
         loop {
             match self.control.next_frame() {
@@ -409,6 +413,7 @@ impl Worker {
                     let _ = tx.send(Ok(removed));
                 }
             }
+            FromCoordinator::Ready => {}
             FromCoordinator::RankLeft { rank } => {
                 if rank == 0 {
                     self.coordinator_left = true;

@@ -47,3 +47,13 @@ def test_topology_under_the_launcher(n):
     for r in range(n):
         topo = lines_matching(res, r, r"^TOPO (.*)")
         assert topo and f"rank={r} size={n} local_rank={r} local_size={n}" in topo[0].group(1), describe(res)
+
+
+def test_engine_sleeps_after_the_coordinator_has_gone():
+    """Rank 0 shuts down early: the others use no CPU while idle and get ShutdownError."""
+    res = run_job(2, "idle_worker.py", timeout=60)
+    assert res.returncode == 0, describe(res)
+    out = "\n".join(res.ranks[1])
+    cpu = float(out.split("CPU ")[1].split()[0])
+    assert cpu < 0.3, f"an idle engine burned {cpu} s of CPU in 2 s\n{describe(res)}"
+    assert "OK ShutdownError" in out and "rank 0" in out, describe(res)
