@@ -233,8 +233,9 @@ def _submit(
     )
 
 
-def _from_bytes(buf: bytearray, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-    return np.frombuffer(buf, dtype=dtype).reshape(tuple(shape))
+def _from_bytes(buf: Any, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    # ``buf`` is an engine-owned buffer exposing __array_interface__: viewed, not copied.
+    return np.asarray(buf).view(dtype).reshape(tuple(shape))
 
 
 def poll(handle: Handle) -> bool:

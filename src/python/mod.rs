@@ -10,11 +10,11 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 
 use crate::bootstrap::tcp_store::TcpStoreServer;
 use crate::config::{Config, VARS};
-use crate::engine::{Engine, Handle, OpSpec, Output};
+use crate::engine::{Engine, Handle, OpSpec, Output, TensorBuf};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
 
@@ -223,12 +223,42 @@ impl CoreHandle {
         };
         let list = PyList::empty(py);
         for (buf, shape) in out.tensors {
-            let ba = PyByteArray::new(py, buf.as_slice());
-            list.append((ba, shape))?;
+            let data = match buf {
+                TensorBuf::Owned(v) => v,
+                other => other.as_slice().to_vec(),
+            };
+            list.append((Py::new(py, OwnedBuffer { data })?, shape))?;
         }
         Ok((list, out.received_splits, out.last_joined)
             .into_pyobject(py)?
             .into_any())
+    }
+}
+
+/// A result buffer the engine allocated, handed to NumPy without a copy: it exposes
+/// `__array_interface__`, so `numpy.asarray(buf)` views its bytes and keeps it alive.
+#[pyclass(module = "ferrovod._core")]
+struct OwnedBuffer {
+    /// Never resized after construction, so the address NumPy is given stays valid for as
+    /// long as this object lives (NumPy holds a reference to it as the array's base).
+    data: Vec<u8>,
+}
+
+#[pymethods]
+impl OwnedBuffer {
+    /// NumPy's array interface (version 3): a writable 1-d uint8 view of the bytes.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("data", (self.data.as_ptr() as usize, false))?;
+        d.set_item("shape", (self.data.len(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.data.len()
     }
 }
 
@@ -314,6 +344,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<RendezvousServer>()?;
+    m.add_class::<OwnedBuffer>()?;
     for (name, code) in [
         ("ALLREDUCE", OpKind::Allreduce),
         ("ALLGATHER", OpKind::Allgather),
