@@ -84,6 +84,35 @@ impl Error {
     }
 }
 
+impl Error {
+    /// Rebuilds an error sent as (`kind_code`, message) for tensor `name`: the inverse of
+    /// [`Error::kind_code`] for the kinds the coordinator sends.
+    pub fn from_code(code: u8, message: &str, name: &str) -> Error {
+        match code {
+            1 => Error::PeerLost {
+                rank: rank_named_in(message).unwrap_or(usize::MAX),
+                detail: message.to_string(),
+            },
+            3 => Error::Mismatch {
+                name: name.to_string(),
+                message: message.to_string(),
+            },
+            4 => Error::InvalidArgument(message.to_string()),
+            8 => Error::Shutdown(message.to_string()),
+            _ => Error::Io(message.to_string()),
+        }
+    }
+}
+
+/// The first rank a message names ("... rank 3 ..."), if any.
+pub fn rank_named_in(message: &str) -> Option<usize> {
+    let rest = &message[message.find("rank ")? + 5..];
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Io(e.to_string())

@@ -37,7 +37,7 @@ impl Worker {
             })
             .collect();
         if let Some((code, msg)) = &resp.error {
-            let err = error_from_code(*code, msg, &resp.items[0].request.name);
+            let err = Error::from_code(*code, msg, &resp.items[0].request.name);
             for e in entries.into_iter().flatten() {
                 e.handle.complete(Err(err.clone()));
             }
@@ -123,23 +123,6 @@ fn owned_outputs(e: &mut Entry) -> Output {
         }
     }
     out
-}
-
-/// Maps a coordinator error response back to an error value.
-fn error_from_code(code: u8, msg: &str, name: &str) -> Error {
-    match code {
-        1 => Error::PeerLost {
-            rank: super::worker::rank_in(msg).unwrap_or(usize::MAX),
-            detail: msg.to_string(),
-        },
-        3 => Error::Mismatch {
-            name: name.to_string(),
-            message: msg.to_string(),
-        },
-        4 => Error::InvalidArgument(msg.to_string()),
-        8 => Error::Shutdown(msg.to_string()),
-        _ => Error::Io(msg.to_string()),
-    }
 }
 
 /// The factor applied after the reduction: the user's post-scale, and 1/n for Average.

@@ -17,7 +17,6 @@ mod worker;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
-use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -138,8 +137,6 @@ pub(crate) struct Shared {
     queue: Mutex<Vec<Command>>,
     waker: Waker,
     sets: Mutex<HashMap<u32, Vec<usize>>>,
-    failed: Mutex<Option<Error>>,
-    stopped: AtomicBool,
 }
 
 /// The pending answer to a process-set change.
@@ -276,8 +273,6 @@ impl Engine {
             queue: Mutex::new(Vec::new()),
             waker: Waker::new()?,
             sets: Mutex::new(sets.clone()),
-            failed: Mutex::new(None),
-            stopped: AtomicBool::new(false),
         });
         let w = worker::Worker::new(
             config,

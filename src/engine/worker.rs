@@ -3,7 +3,6 @@
 //! there is nothing to do.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -102,7 +101,6 @@ impl Worker {
                 self.fail_all(Error::Shutdown(
                     "ferrovod was shut down on this rank".into(),
                 ));
-                self.shared.stopped.store(true, Ordering::Release);
                 self.control.close();
                 return;
             }
@@ -453,7 +451,7 @@ impl Worker {
     /// coordinator's verdict.
     pub fn diagnose(&mut self, err: Error) -> Error {
         if let Error::Timeout { what, .. } = &err {
-            if let Some(rank) = rank_in(what) {
+            if let Some(rank) = crate::error::rank_named_in(what) {
                 self.send(ToCoordinator::Stalled {
                     rank,
                     detail: err.to_string(),
@@ -501,7 +499,6 @@ impl Worker {
     pub fn fail(&mut self, err: Error) {
         if self.failed.is_none() {
             self.transport.abort();
-            *self.shared.failed.lock() = Some(err.clone());
             self.failed = Some(err.clone());
         }
         self.fail_all(err);
@@ -521,15 +518,6 @@ impl Worker {
             }
         }
     }
-}
-
-/// The rank named in a transport message such as "waiting for rank 3 (...)".
-pub(super) fn rank_in(what: &str) -> Option<usize> {
-    let rest = &what[what.find("rank ")? + 5..];
-    rest.split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()
 }
 
 fn coordinator_lost(e: Error) -> Error {
