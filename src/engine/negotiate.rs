@@ -37,6 +37,9 @@ pub enum Gone {
     Stalled,
 }
 
+/// What `gone` records for a rank that shut down cleanly.
+const LEFT: &str = "shut down";
+
 /// Messages to send: (destination global rank, message).
 pub type Outbox = Vec<(usize, FromCoordinator)>;
 
@@ -155,7 +158,7 @@ impl Negotiator {
                 self.set_ops[from].push_back(m);
                 self.process_set_ops(out);
             }
-            ToCoordinator::Leave => self.rank_gone(from, Gone::Left, "shut down".into(), out),
+            ToCoordinator::Leave => self.rank_gone(from, Gone::Left, LEFT.into(), out),
             ToCoordinator::Stalled { rank, detail } if rank < self.size => self.rank_gone(
                 rank,
                 Gone::Stalled,
@@ -168,11 +171,11 @@ impl Negotiator {
 
     /// Records that `rank` is gone (cleanly or not) and fails everything waiting on it.
     pub fn rank_gone(&mut self, rank: usize, how: Gone, detail: String, out: &mut Outbox) {
-        let clean = how == Gone::Left;
         if self.gone[rank].is_some() {
             return;
         }
-        self.gone[rank] = Some(detail.clone());
+        let clean = how == Gone::Left;
+        self.gone[rank] = Some(if clean { LEFT.into() } else { detail.clone() });
         let notice = if clean {
             FromCoordinator::RankLeft { rank }
         } else {
@@ -185,45 +188,16 @@ impl Negotiator {
         for r in self.live_ranks().collect::<Vec<_>>() {
             out.push((r, notice.clone()));
         }
-        // Requests that can no longer complete: every pending name of a set containing `rank`
-        // that `rank` has not submitted.
-        let (code, why) = if clean {
-            (
-                Error::Shutdown(String::new()).kind_code(),
-                format!("rank {rank} has shut down"),
-            )
-        } else {
-            (
-                Error::PeerLost {
-                    rank,
-                    detail: String::new(),
-                }
-                .kind_code(),
-                format!("rank {rank} failed: {detail}"),
-            )
-        };
-        let mut failed = Vec::new();
-        for set in self.sets.values_mut() {
-            let Some(idx) = set.set_rank(rank) else {
-                continue;
-            };
-            let names: Vec<String> = set
-                .table
-                .iter()
-                .filter(|(_, p)| p.reqs[idx].is_none())
-                .map(|(n, _)| n.clone())
-                .collect();
-            for name in names {
-                let p = set.table.remove(&name).expect("name listed above");
-                let request = p.reqs.into_iter().flatten().next().expect("non-empty");
-                let msg = format!(
-                    "{} of tensor '{name}' cannot complete: {why}",
-                    request.kind.name()
-                );
-                failed.push(error_response(request, code, msg));
-            }
+        // Names waiting on `rank` can no longer complete: `check_ready` fails them, naming it.
+        let waiting: Vec<(u32, String)> = self
+            .sets
+            .iter()
+            .filter(|(_, set)| set.set_rank(rank).is_some())
+            .flat_map(|(&id, set)| set.table.keys().map(move |name| (id, name.clone())))
+            .collect();
+        for (id, name) in waiting {
+            self.check_ready(id, &name);
         }
-        self.ready.extend(failed);
         self.process_set_ops(out);
     }
 
@@ -334,7 +308,7 @@ impl Negotiator {
         if let Some((g, detail)) = missing_gone {
             let p = set.table.remove(name).expect("present above");
             let request = p.reqs.into_iter().flatten().next().expect("non-empty");
-            let (code, why) = if detail == "shut down" {
+            let (code, why) = if detail == LEFT {
                 (
                     Error::Shutdown(String::new()).kind_code(),
                     format!("rank {g} has shut down"),
