@@ -39,7 +39,11 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_SPIN_US", alias: None, default: "0", doc: "Microseconds a waiting thread polls before it blocks. 0 by default: with as many ranks as cores, spinning steals the core the peer needs (measured: 4-byte allreduce on 2 ranks 197 us without spin, 1029 us with 50 us)." },
     Var { name: "FERROVOD_SMALL_ALLREDUCE_BYTES", alias: None, default: "65536", doc: "Allreduce payloads up to this size use the latency-optimal algorithm." },
     Var { name: "FERROVOD_CHUNK_BYTES", alias: None, default: "1048576", doc: "Pipelining chunk of the bandwidth-optimal algorithms." },
-    Var { name: "FERROVOD_LOG_LEVEL", alias: Some("HOROVOD_LOG_LEVEL"), default: "warning", doc: "trace, debug, info, warning, error or fatal." },
+    Var { name: "FERROVOD_LOG_LEVEL", alias: Some("HOROVOD_LOG_LEVEL"), default: "warning", doc: "trace, debug, info, warning, error or fatal (case-insensitive; anything else means warning). Records go to Python's `logging` under the `ferrovod` logger, with the rank in every line." },
+    Var { name: "FERROVOD_LOG_HIDE_TIME", alias: Some("HOROVOD_LOG_HIDE_TIME"), default: "0", doc: "Leave the timestamp out of ferrovod's log lines." },
+    Var { name: "FERROVOD_STALL_CHECK_DISABLE", alias: Some("HOROVOD_STALL_CHECK_DISABLE"), default: "0", doc: "Turn the stall inspector off." },
+    Var { name: "FERROVOD_STALL_CHECK_TIME_SECONDS", alias: Some("HOROVOD_STALL_CHECK_TIME_SECONDS"), default: "60", doc: "Rank 0 warns, naming each tensor and the ranks that have not submitted it, when some ranks have waited this long." },
+    Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "If above the check time: a tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never." },
 ];
 
 /// Where this rank sits in the job, as given by a launcher.
@@ -80,8 +84,14 @@ pub struct Config {
     pub spin: Duration,
     /// Algorithm thresholds.
     pub tuning: crate::comm::Tuning,
-    /// Log level name (lower case).
+    /// Log level name: trace, debug, info, warning, error or fatal.
     pub log_level: String,
+    /// Leave timestamps out of log lines.
+    pub log_hide_time: bool,
+    /// When the stall inspector warns; `None` when it is disabled.
+    pub stall_check: Option<Duration>,
+    /// When a stalled tensor becomes an error on every rank; `None`: never.
+    pub stall_shutdown: Option<Duration>,
 }
 
 impl Config {
@@ -195,6 +205,22 @@ impl Config {
             small_allreduce_bytes: int("FERROVOD_SMALL_ALLREDUCE_BYTES")?.unwrap_or(64 * 1024),
             chunk_bytes: int("FERROVOD_CHUNK_BYTES")?.unwrap_or(1 << 20).max(64),
         };
+        let stall_check = (!flag("FERROVOD_STALL_CHECK_DISABLE")).then(|| {
+            Duration::from_secs_f64(
+                num("FERROVOD_STALL_CHECK_TIME_SECONDS")
+                    .ok()
+                    .flatten()
+                    .unwrap_or(60.0)
+                    .max(0.001),
+            )
+        });
+        // As in Horovod: a shutdown time not above the warning time is ignored.
+        let stall_shutdown = match (num("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS")?, stall_check) {
+            (Some(t), Some(check)) if Duration::from_secs_f64(t) > check => {
+                Some(Duration::from_secs_f64(t))
+            }
+            _ => None,
+        };
         Ok(Config {
             launch,
             hostname,
@@ -212,10 +238,17 @@ impl Config {
             tuning,
             log_level: lookup("FERROVOD_LOG_LEVEL")
                 .map(|(_, v)| v.to_ascii_lowercase())
+                .filter(|v| LOG_LEVELS.contains(&v.as_str()))
                 .unwrap_or_else(|| "warning".into()),
+            log_hide_time: flag("FERROVOD_LOG_HIDE_TIME"),
+            stall_check,
+            stall_shutdown,
         })
     }
 }
+
+/// Accepted values of `FERROVOD_LOG_LEVEL`.
+pub const LOG_LEVELS: [&str; 6] = ["trace", "debug", "info", "warning", "error", "fatal"];
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
@@ -280,6 +313,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("FERROVOD_FUSION_THRESHOLD"), "{e}");
+    }
+
+    #[test]
+    fn stall_and_log_settings() {
+        let c = cfg(&[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "2"),
+            ("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5"),
+            ("FERROVOD_LOG_LEVEL", "DEBUG"),
+        ])
+        .unwrap();
+        assert_eq!(c.stall_check, Some(Duration::from_secs(2)));
+        assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
+        assert_eq!(c.log_level, "debug");
+        let c = cfg(&[
+            ("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5"),
+            ("FERROVOD_LOG_LEVEL", "chatty"),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.stall_shutdown, None,
+            "below the 60 s warning time: ignored"
+        );
+        assert_eq!(c.log_level, "warning");
+        let c = cfg(&[("FERROVOD_STALL_CHECK_DISABLE", "1")]).unwrap();
+        assert_eq!(c.stall_check, None);
     }
 
     #[test]

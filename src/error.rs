@@ -21,7 +21,7 @@ pub enum Error {
         detail: String,
     },
     /// A blocking step exceeded its deadline.
-    #[error("timed out after {:.1} s while {what}", .after.as_secs_f64())]
+    #[error("{}", timeout_text(what, after))]
     Timeout {
         /// What was being waited for.
         what: String,
@@ -93,6 +93,10 @@ impl Error {
                 rank: rank_named_in(message).unwrap_or(usize::MAX),
                 detail: message.to_string(),
             },
+            2 => Error::Timeout {
+                what: message.to_string(),
+                after: Duration::ZERO,
+            },
             3 => Error::Mismatch {
                 name: name.to_string(),
                 message: message.to_string(),
@@ -101,6 +105,16 @@ impl Error {
             8 => Error::Shutdown(message.to_string()),
             _ => Error::Io(message.to_string()),
         }
+    }
+}
+
+/// A timeout measured here says how long it waited; one relayed by the coordinator (its
+/// `after` is zero) carries the whole story in `what`.
+fn timeout_text(what: &str, after: &Duration) -> String {
+    if after.is_zero() {
+        what.to_string()
+    } else {
+        format!("timed out after {:.1} s while {what}", after.as_secs_f64())
     }
 }
 

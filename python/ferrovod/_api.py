@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _core
+from . import _core, _logging
 from . import process_sets as _ps
 from .exceptions import InvalidArgumentError
 from .process_sets import ProcessSet, global_process_set
@@ -73,6 +73,8 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
         raise ValueError("process_sets contains duplicates")
     if _core.is_initialized():
         return
+    level, hide_time, my_rank = _core.log_settings()
+    _logging.configure(level, hide_time, f"rank {my_rank}")
     _core.init([p.ranks for p in static], dynamic)
     _name_counters.clear()
     _ps._on_init(static)
@@ -231,6 +233,36 @@ def _submit(
         kind, name, _set_id(process_set), tensors, int(op), int(root), float(prescale),
         float(postscale), [int(s) for s in splits],
     )
+
+
+def _enqueue_raw(
+    kind: int,
+    name: Optional[str],
+    kind_name: str,
+    process_set: ProcessSet,
+    tensors: Sequence[Tuple[int, int, int, Sequence[int], int]],
+    finish: Callable[[Any], Any],
+    keepalive: List[Any],
+    op: int = Sum,
+    root: int = 0,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    splits: Sequence[int] = (),
+) -> Handle:
+    """Private entry point for framework adapters (``ferrovod.torch``): submits tensors given as
+    raw ``(data_ptr, nbytes, dtype_code, shape, out_ptr or 0)`` tuples, so memory NumPy cannot
+    describe (e.g. torch bfloat16) needs no NumPy view. The caller guarantees every pointer
+    addresses C-contiguous memory of ``nbytes`` bytes owned by an object in ``keepalive``, which
+    the handle table holds until :func:`synchronize` returns; ``finish`` turns the engine's
+    ``(outputs, received_splits, last_joined)`` into the handle's result. Unnamed ops share the
+    ``<kind_name>.noname.<n>`` counters with this module.
+    """
+    core = _core.enqueue(
+        int(kind), _auto_name(kind_name, name), _set_id(process_set),
+        [(int(p), int(nb), int(c), [int(d) for d in shape], int(o)) for p, nb, c, shape, o in tensors],
+        int(op), int(root), float(prescale), float(postscale), [int(s) for s in splits],
+    )
+    return _register(core, finish, list(keepalive))
 
 
 def _from_bytes(buf: Any, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:

@@ -195,7 +195,12 @@ fn accept_loop(listener: TcpListener, wake: UnixStream, shared: Arc<Shared>) {
 
 fn serve_client(shared: &Shared, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
-    if authenticate(&mut stream, &shared.secret, false, SERVER_AUTH_TIMEOUT).is_err() {
+    if let Err(e) = authenticate(&mut stream, &shared.secret, false, SERVER_AUTH_TIMEOUT) {
+        log::warn!(
+            target: crate::LOG_TARGET,
+            "rendezvous store dropped a connection from {}: {e}",
+            stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string())
+        );
         return;
     }
     while !shared.stopping.load(Ordering::SeqCst) {

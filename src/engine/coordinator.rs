@@ -34,6 +34,10 @@ pub struct CoordinatorConfig {
     pub cycle_time: Duration,
     /// Bound on authentication and sends.
     pub timeout: Duration,
+    /// Stall inspector warning time (`None`: disabled).
+    pub stall_check: Option<Duration>,
+    /// Stall shutdown time.
+    pub stall_shutdown: Option<Duration>,
 }
 
 /// A running coordinator; dropping it (or `stop`) ends the thread.
@@ -90,6 +94,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
     let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
     let mut out: Outbox = Vec::new();
     let mut ready_since: Option<Instant> = None;
+    let mut last_inspection = Instant::now();
     loop {
         let stopping = stop.load(Ordering::Acquire);
         let mut fds = vec![waker.fd(), std::os::fd::AsRawFd::as_raw_fd(&listener)];
@@ -171,6 +176,16 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
                 }
             }
         }
+        if let Some(check) = cfg.stall_check {
+            // Cheap, but not worth doing for every message: a few times a second is plenty
+            // for limits counted in seconds.
+            if last_inspection.elapsed() >= Duration::from_millis(250) {
+                last_inspection = Instant::now();
+                if let Some(warning) = neg.inspect(last_inspection, check, cfg.stall_shutdown) {
+                    log::warn!(target: crate::LOG_TARGET, "{warning}");
+                }
+            }
+        }
         if neg.has_ready() {
             let since = *ready_since.get_or_insert_with(Instant::now);
             if stopping || since.elapsed() >= cfg.cycle_time {
@@ -237,10 +252,19 @@ fn accept_all(
                         _ => Err(Error::Decode("expected hello".into())),
                     }
                 })();
-                if let Ok(rank) = hello {
-                    let _ = stream.set_read_timeout(None);
-                    let _ = tx.send((rank, stream));
-                    waker.wake();
+                match hello {
+                    Ok(rank) => {
+                        let _ = stream.set_read_timeout(None);
+                        let _ = tx.send((rank, stream));
+                        waker.wake();
+                    }
+                    Err(e) => log::warn!(
+                        target: crate::LOG_TARGET,
+                        "coordinator dropped a connection from {}: {e}",
+                        stream
+                            .peer_addr()
+                            .map_or_else(|_| "an unknown address".into(), |a| a.to_string())
+                    ),
                 }
             });
     }

@@ -194,7 +194,17 @@ impl Engine {
             cache_capacity: config.cache_capacity,
             cycle_time: config.cycle_time,
             timeout: config.timeout,
+            stall_check: config.stall_check,
+            stall_shutdown: config.stall_shutdown,
         };
+        log::debug!(
+            target: crate::LOG_TARGET,
+            "rank {rank}/{size}: launch environment: {}",
+            match &launch.rendezvous_addr {
+                Some(addr) => format!("ferrovodrun (FERROVOD_* variables, rendezvous at {addr})"),
+                None => "none (a single process)".into(),
+            }
+        );
 
         let (mut transport, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
             None => {
@@ -255,6 +265,11 @@ impl Engine {
         };
 
         transport.spin = config.spin;
+        log::debug!(
+            target: crate::LOG_TARGET,
+            "rank {rank}: transport to every peer: tcp (full mesh, {} connections); coordinator at {coord_addr}",
+            size - 1
+        );
         let mut topology = Topology::from_hosts(rank, &hosts);
         if let Some((lr, ls, cr, cs)) = launch.local {
             topology.local_rank = lr;

@@ -19,7 +19,8 @@
 //! e) A rank that leaves (`shutdown`) or dies is announced to every rank; requests waiting on
 //!    it fail at once, naming it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::types::OpKind;
@@ -46,6 +47,10 @@ pub type Outbox = Vec<(usize, FromCoordinator)>;
 struct Pending {
     reqs: Vec<Option<Request>>,
     all_cached: bool,
+    /// When the first rank submitted it (the stall inspector's clock).
+    since: Instant,
+    /// When the stall inspector last warned about it.
+    warned: Option<Instant>,
 }
 
 struct SetState {
@@ -175,6 +180,9 @@ impl Negotiator {
             return;
         }
         let clean = how == Gone::Left;
+        if !clean {
+            log::warn!(target: crate::LOG_TARGET, "rank {rank} is gone: {detail}");
+        }
         self.gone[rank] = Some(if clean { LEFT.into() } else { detail.clone() });
         let notice = if clean {
             FromCoordinator::RankLeft { rank }
@@ -235,6 +243,98 @@ impl Negotiator {
         }
     }
 
+    /// The stall inspector. Names some ranks submitted more than `check` ago and others did
+    /// not are reported (once per `check` interval each) in Horovod's words, listing for every
+    /// missing rank the tensors it has not submitted; with `shutdown`, names stalled that long
+    /// fail on every rank. Returns the warning to log, if any.
+    pub fn inspect(
+        &mut self,
+        now: Instant,
+        check: Duration,
+        shutdown: Option<Duration>,
+    ) -> Option<String> {
+        let mut missing: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        let mut doomed: Vec<(u32, String)> = Vec::new();
+        let mut shutting = false;
+        for (&set_id, set) in self.sets.iter_mut() {
+            for (name, p) in set.table.iter_mut() {
+                let age = now.saturating_duration_since(p.since);
+                if age < check {
+                    continue;
+                }
+                if shutdown.is_some_and(|limit| age >= limit) {
+                    doomed.push((set_id, name.clone()));
+                }
+                if p.warned
+                    .is_some_and(|w| now.saturating_duration_since(w) < check)
+                {
+                    continue;
+                }
+                p.warned = Some(now);
+                let label = if set_id == 0 {
+                    name.clone()
+                } else {
+                    format!("{name} (process set {set_id})")
+                };
+                for (i, &g) in set.ranks.iter().enumerate() {
+                    if p.reqs[i].is_none() && !(set_id == 0 && self.joined[g]) {
+                        missing.entry(g).or_default().push(label.clone());
+                    }
+                }
+                shutting |= shutdown.is_some();
+            }
+        }
+        for (set_id, name) in doomed {
+            let set = self.sets.get_mut(&set_id).expect("listed above");
+            let p = set.table.remove(&name).expect("listed above");
+            let absent: Vec<usize> = set
+                .ranks
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| p.reqs[i].is_none())
+                .map(|(_, &g)| g)
+                .collect();
+            let request = p.reqs.into_iter().flatten().next().expect("non-empty");
+            let msg = format!(
+                "{} of tensor '{name}' stalled for more than {:.0} s: ranks {absent:?} never \
+                 submitted it, so ferrovod gives up on it (FERROVOD_STALL_SHUTDOWN_TIME_SECONDS)",
+                request.kind.name(),
+                shutdown
+                    .expect("doomed only with a shutdown time")
+                    .as_secs_f64()
+            );
+            let code = Error::Timeout {
+                what: String::new(),
+                after: Duration::ZERO,
+            }
+            .kind_code();
+            self.ready.push(error_response(request, code, msg));
+        }
+        if missing.is_empty() {
+            return None;
+        }
+        let mut text = format!(
+            "One or more tensors were submitted to be reduced, gathered or broadcasted by \
+             subset of ranks and are waiting for remainder of ranks for more than {:.0} seconds. \
+             This may indicate that different ranks are trying to submit different tensors or \
+             that only subset of ranks is submitting tensors, which will cause deadlock.\n\
+             Missing ranks:",
+            check.as_secs_f64()
+        );
+        for (rank, names) in &missing {
+            let shown: Vec<&str> = names.iter().take(6).map(String::as_str).collect();
+            let more = if names.len() > 6 { " ..." } else { "" };
+            text.push_str(&format!("\n{rank}: [{}]{more}", shown.join(", ")));
+        }
+        if shutting {
+            text.push_str(&format!(
+                "\nTensors stalled for longer than {:.0} s fail on every rank.",
+                shutdown.unwrap_or_default().as_secs_f64()
+            ));
+        }
+        Some(text)
+    }
+
     fn live_ranks(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.size).filter(|&r| self.gone[r].is_none())
     }
@@ -281,6 +381,8 @@ impl Negotiator {
         let p = set.table.entry(name.clone()).or_insert_with(|| Pending {
             reqs: vec![None; n],
             all_cached: true,
+            since: Instant::now(),
+            warned: None,
         });
         if p.reqs[idx].is_some() {
             // The engine refuses duplicates before they get here; a second copy is a bug or a
@@ -847,6 +949,45 @@ mod tests {
         assert!(out
             .iter()
             .any(|(to, m)| *to == 1 && matches!(m, FromCoordinator::RankFailed { rank: 2, .. })));
+    }
+
+    #[test]
+    fn stall_inspector_names_tensors_and_missing_ranks_then_gives_up() {
+        let mut n = Negotiator::new(3, &[], 1 << 20, 16);
+        let mut out = Vec::new();
+        n.handle(
+            0,
+            ToCoordinator::Submit(vec![Submit::Full(req("skipped", DType::F32, &[1]))]),
+            &mut out,
+        );
+        n.handle(
+            2,
+            ToCoordinator::Submit(vec![Submit::Full(req("skipped", DType::F32, &[1]))]),
+            &mut out,
+        );
+        let t0 = Instant::now();
+        let check = Duration::from_secs(2);
+        assert!(n.inspect(t0, check, None).is_none(), "too early");
+        let warn = n
+            .inspect(t0 + Duration::from_secs(3), check, None)
+            .expect("a warning");
+        assert!(warn.contains("Missing ranks:\n1: [skipped]"), "{warn}");
+        assert!(
+            n.inspect(t0 + Duration::from_secs(4), check, None)
+                .is_none(),
+            "once per interval"
+        );
+        let warn = n.inspect(
+            t0 + Duration::from_secs(10),
+            check,
+            Some(Duration::from_secs(8)),
+        );
+        assert!(warn.is_some());
+        n.flush(&mut out);
+        let r = responses(&out, 0);
+        let (code, msg) = r[0].error.clone().expect("stalled tensor fails");
+        assert_eq!(code, 2);
+        assert!(msg.contains("'skipped'") && msg.contains("[1]"), "{msg}");
     }
 
     #[test]

@@ -26,6 +26,8 @@ struct Slot {
 }
 
 static ENGINE: OnceLock<Mutex<Option<Slot>>> = OnceLock::new();
+/// The `log` → Python `logging` bridge, installed once per process at import.
+static LOG_BRIDGE: OnceLock<pyo3_log::ResetHandle> = OnceLock::new();
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 fn slot() -> &'static Mutex<Option<Slot>> {
@@ -48,10 +50,19 @@ fn with_engine<T>(f: impl FnOnce(&Engine) -> PyResult<T>) -> PyResult<T> {
     }
 }
 
+/// `(log_level, log_hide_time, rank)` from the environment, so that Python can set up the
+/// `ferrovod` logger before `init()` starts logging.
+#[pyfunction]
+fn log_settings() -> PyResult<(String, bool, usize)> {
+    let c = Config::from_env().map_err(to_pyerr)?;
+    Ok((c.log_level, c.log_hide_time, c.launch.rank))
+}
+
 /// Starts the engine (no-op if already running in this process).
 #[pyfunction]
 #[pyo3(signature = (process_sets=Vec::new(), dynamic=false))]
 fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic: bool) -> PyResult<()> {
+    let config = Config::from_env().map_err(to_pyerr)?;
     let mut guard = slot().lock();
     if let Some(s) = guard.as_ref() {
         if s.pid == std::process::id() {
@@ -61,7 +72,7 @@ fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic: bool) -> PyResul
         // running any destructor that would wait for threads that do not exist here.
         std::mem::forget(guard.take());
     }
-    let mut config = Config::from_env().map_err(to_pyerr)?;
+    let mut config = config;
     config.dynamic_process_sets |= dynamic;
     let generation = GENERATION.fetch_add(1, Ordering::AcqRel);
     let engine = py
@@ -72,6 +83,14 @@ fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic: bool) -> PyResul
         pid: std::process::id(),
     });
     Ok(())
+}
+
+/// Drops the bridge's cached Python logger levels (call after changing them).
+#[pyfunction]
+fn reset_log_cache() {
+    if let Some(h) = LOG_BRIDGE.get() {
+        h.reset();
+    }
 }
 
 /// Stops the engine; pending ops fail. Safe to call when not initialized.
@@ -330,6 +349,17 @@ fn env_vars() -> Vec<(
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Every level passes the Rust side; Python's `ferrovod` logger level decides (cached by
+    // the bridge, so a disabled record costs no GIL).
+    if LOG_BRIDGE.get().is_none() {
+        let logger = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)?
+            .filter(log::LevelFilter::Trace);
+        if let Ok(handle) = logger.install() {
+            let _ = LOG_BRIDGE.set(handle);
+        }
+    }
+    m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(log_settings, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;

@@ -228,12 +228,19 @@ impl TcpTransport {
                     .name(format!("ferrovod-accept-{rank}"))
                     .spawn(move || {
                         let mut stream = stream;
-                        if let Ok(from) = accept_peer(&mut stream, rank, size, &secret, deadline) {
-                            if !cancel.load(Ordering::Relaxed)
-                                && tx.send(Event::Peer(from, stream)).is_ok()
-                            {
-                                notify(&wake);
+                        match accept_peer(&mut stream, rank, size, &secret, deadline) {
+                            Ok(from) => {
+                                if !cancel.load(Ordering::Relaxed)
+                                    && tx.send(Event::Peer(from, stream)).is_ok()
+                                {
+                                    notify(&wake);
+                                }
                             }
+                            Err(e) => log::warn!(
+                                target: crate::LOG_TARGET,
+                                "rank {rank} dropped a data connection from {}: {e}",
+                                stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string())
+                            ),
                         }
                     })?;
             }

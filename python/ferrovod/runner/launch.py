@@ -424,6 +424,11 @@ def _start_rendezvous(secret: bytes, log: Callable[[str], None]) -> Tuple[Any, O
             "store, so ferrovod.init() will fail in them"
         )
         return None, None
+    from ferrovod import _logging
+
+    # The store runs in this process: its warnings (e.g. a dropped unauthenticated
+    # connection) go to the launcher's stderr.
+    _logging.configure("warning", False, "ferrovodrun")
     try:
         server = RendezvousServer(secret, "127.0.0.1")
     except Exception as exc:  # noqa: BLE001 - any failure here ends the launch cleanly
