@@ -41,6 +41,8 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_CHUNK_BYTES", alias: None, default: "1048576", doc: "Pipelining chunk of the bandwidth-optimal algorithms." },
     Var { name: "FERROVOD_LOG_LEVEL", alias: Some("HOROVOD_LOG_LEVEL"), default: "warning", doc: "trace, debug, info, warning, error or fatal (case-insensitive; anything else means warning). Records go to Python's `logging` under the `ferrovod` logger, with the rank in every line." },
     Var { name: "FERROVOD_LOG_HIDE_TIME", alias: Some("HOROVOD_LOG_HIDE_TIME"), default: "0", doc: "Leave the timestamp out of ferrovod's log lines." },
+    Var { name: "FERROVOD_TIMELINE", alias: Some("HOROVOD_TIMELINE"), default: "unset", doc: "Rank 0 writes a Chrome-trace timeline of every tensor to this file (open it in Perfetto or chrome://tracing). `DYNAMIC` (or unset): none until start_timeline()." },
+    Var { name: "FERROVOD_TIMELINE_MARK_CYCLES", alias: Some("HOROVOD_TIMELINE_MARK_CYCLES"), default: "0", doc: "Add an instant CYCLE_START mark each time the engine receives work." },
     Var { name: "FERROVOD_STALL_CHECK_DISABLE", alias: Some("HOROVOD_STALL_CHECK_DISABLE"), default: "0", doc: "Turn the stall inspector off." },
     Var { name: "FERROVOD_STALL_CHECK_TIME_SECONDS", alias: Some("HOROVOD_STALL_CHECK_TIME_SECONDS"), default: "60", doc: "Rank 0 warns, naming each tensor and the ranks that have not submitted it, when some ranks have waited this long." },
     Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "If above the check time: a tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never." },
@@ -88,6 +90,10 @@ pub struct Config {
     pub log_level: String,
     /// Leave timestamps out of log lines.
     pub log_hide_time: bool,
+    /// Timeline file written by rank 0 from the start (`None`: none, or `DYNAMIC`).
+    pub timeline: Option<String>,
+    /// Cycle marks in the timeline.
+    pub timeline_mark_cycles: bool,
     /// When the stall inspector warns; `None` when it is disabled.
     pub stall_check: Option<Duration>,
     /// When a stalled tensor becomes an error on every rank; `None`: never.
@@ -241,6 +247,10 @@ impl Config {
                 .filter(|v| LOG_LEVELS.contains(&v.as_str()))
                 .unwrap_or_else(|| "warning".into()),
             log_hide_time: flag("FERROVOD_LOG_HIDE_TIME"),
+            timeline: lookup("FERROVOD_TIMELINE")
+                .map(|(_, v)| v)
+                .filter(|v| !v.eq_ignore_ascii_case("dynamic")),
+            timeline_mark_cycles: flag("FERROVOD_TIMELINE_MARK_CYCLES"),
             stall_check,
             stall_shutdown,
         })

@@ -62,6 +62,8 @@ from ._api import (
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from ._core import __version__
@@ -91,6 +93,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "barrier", "join", "poll", "synchronize", "broadcast_object", "allgather_object",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "start_timeline", "stop_timeline",
     "build_info", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "cuda_built", "ddl_built", "ccl_built", "rocm_built",
     "FerrovodError", "HorovodInternalError", "HostsUpdatedInterrupt", "RankFailureError",

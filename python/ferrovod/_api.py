@@ -94,6 +94,17 @@ def is_initialized() -> bool:
 atexit.register(shutdown)
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it). Unlike
+    Horovod, ``FERROVOD_TIMELINE=DYNAMIC`` is not required first."""
+    _core.start_timeline(str(file_path), bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stops the timeline and closes its file."""
+    _core.stop_timeline()
+
+
 def _topo(i: int) -> Any:
     return _core.topology()[i]
 

@@ -9,6 +9,7 @@ use crate::types::{DType, OpKind, ReduceOp};
 use super::handle::Output;
 use super::message::{Item, Request, Response};
 use super::tensor::TensorBuf;
+use super::timeline::{json_string, transfer_activity, Timeline};
 use super::worker::{Entry, Worker};
 
 impl Worker {
@@ -37,6 +38,12 @@ impl Worker {
             })
             .collect();
         if let Some((code, msg)) = &resp.error {
+            if let Some(t) = &self.timeline {
+                let args = format!("{{\"error\":{}}}", json_string(msg));
+                resp.items
+                    .iter()
+                    .for_each(|i| t.end(&i.request.name, Some(args.clone())));
+            }
             let err = Error::from_code(*code, msg, &resp.items[0].request.name);
             for e in entries.into_iter().flatten() {
                 e.handle.complete(Err(err.clone()));
@@ -60,6 +67,12 @@ impl Worker {
             }
             return;
         };
+        let trace = Trace {
+            timeline: self.timeline.as_ref(),
+            names: resp.items.iter().map(|i| i.request.name.as_str()).collect(),
+        };
+        trace.end(); // negotiation
+        trace.begin(resp.kind.name());
         let mut comm = Communicator::new(
             &mut *self.transport,
             &members,
@@ -67,18 +80,26 @@ impl Worker {
             self.tuning.clone(),
         );
         let mut entries = entries;
+        let transfer = transfer_activity(resp.kind);
         let result: Result<Vec<Output>> = match resp.kind {
-            OpKind::Allreduce => allreduce(&mut comm, &mut self.fusion, &resp.items, &mut entries)
-                .map(|()| {
-                    entries
-                        .iter_mut()
-                        .map(|e| e.as_mut().map(owned_outputs).unwrap_or_default())
-                        .collect()
-                }),
+            OpKind::Allreduce => allreduce(
+                &mut comm,
+                &mut self.fusion,
+                &resp.items,
+                &mut entries,
+                &trace,
+            )
+            .map(|()| {
+                entries
+                    .iter_mut()
+                    .map(|e| e.as_mut().map(owned_outputs).unwrap_or_default())
+                    .collect()
+            }),
             _ => {
                 let entry = entries[0].as_mut().expect("checked above");
                 let item = &resp.items[0];
-                match resp.kind {
+                trace.begin(transfer);
+                let out = match resp.kind {
                     OpKind::Allgather => allgather(&mut comm, item, entry),
                     OpKind::Broadcast => {
                         broadcast(&mut comm, &members, entry).map(|()| owned_outputs(entry))
@@ -87,10 +108,13 @@ impl Worker {
                     OpKind::Reducescatter => reducescatter(&mut comm, entry),
                     OpKind::Barrier => collective::barrier(&mut comm).map(|()| Output::default()),
                     OpKind::Allreduce | OpKind::Join => unreachable!("handled above"),
-                }
-                .map(|o| vec![o])
+                };
+                trace.end();
+                out.map(|o| vec![o])
             }
         };
+        trace.end_op(&resp.items);
+        drop(trace);
         match result {
             Ok(outputs) => {
                 for (e, out) in entries.into_iter().zip(outputs) {
@@ -107,6 +131,42 @@ impl Worker {
                     e.handle.complete(Err(err.clone()));
                 }
                 self.fail(err);
+            }
+        }
+    }
+}
+
+/// Timeline events for every tensor of a response (a no-op without a timeline).
+struct Trace<'a> {
+    timeline: Option<&'a Timeline>,
+    names: Vec<&'a str>,
+}
+
+impl Trace<'_> {
+    fn begin(&self, activity: &'static str) {
+        if let Some(t) = self.timeline {
+            self.names.iter().for_each(|n| t.begin(n, activity));
+        }
+    }
+
+    fn end(&self) {
+        if let Some(t) = self.timeline {
+            self.names.iter().for_each(|n| t.end(n, None));
+        }
+    }
+
+    /// Ends the op's outer activity, recording each tensor's dtype and shape.
+    fn end_op(&self, items: &[Item]) {
+        if let Some(t) = self.timeline {
+            for (n, item) in self.names.iter().zip(items) {
+                let meta: Vec<String> = item
+                    .request
+                    .tensors
+                    .iter()
+                    .map(|m| format!("{} {:?}", m.dtype.name(), m.shape))
+                    .collect();
+                let args = format!("{{\"tensors\":{}}}", json_string(&meta.join("; ")));
+                t.end(n, Some(args));
             }
         }
     }
@@ -141,6 +201,7 @@ fn allreduce(
     fusion: &mut Vec<u8>,
     items: &[Item],
     entries: &mut [Option<Entry>],
+    trace: &Trace<'_>,
 ) -> Result<()> {
     let req0 = &items[0].request;
     let (op, pre, post) = (req0.op, req0.prescale, post_factor(req0, comm.size()));
@@ -168,7 +229,9 @@ fn allreduce(
                 }
                 let buf = out.as_mut_slice();
                 reduce::scale(dtype, buf, pre)?;
+                trace.begin("TCP_ALLREDUCE");
                 collective::allreduce(comm, buf, dtype, op)?;
+                trace.end();
                 reduce::scale(dtype, buf, post)?;
                 continue;
             }
@@ -182,6 +245,7 @@ fn allreduce(
             fusion.resize(total, 0);
         }
         let buf = &mut fusion[..total];
+        trace.begin("MEMCPY_IN_FUSION_BUFFER");
         let mut off = 0;
         for (&(i, t), &len) in members.iter().zip(&sizes) {
             let dst = &mut buf[off..off + len];
@@ -193,7 +257,11 @@ fn allreduce(
             off += len;
         }
         reduce::scale(dtype, buf, pre)?;
+        trace.end();
+        trace.begin("TCP_ALLREDUCE");
         collective::allreduce(comm, buf, dtype, op)?;
+        trace.end();
+        trace.begin("MEMCPY_OUT_FUSION_BUFFER");
         reduce::scale(dtype, buf, post)?;
         let mut off = 0;
         for (&(i, t), &len) in members.iter().zip(&sizes) {
@@ -206,6 +274,7 @@ fn allreduce(
             }
             off += len;
         }
+        trace.end();
     }
     Ok(())
 }

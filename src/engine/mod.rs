@@ -13,6 +13,7 @@ pub mod message;
 pub mod negotiate;
 pub mod sys;
 pub mod tensor;
+pub mod timeline;
 mod worker;
 
 use std::collections::HashMap;
@@ -130,6 +131,8 @@ pub(crate) enum Command {
     Join(Handle),
     AddSet(Vec<usize>, mpsc::Sender<Result<u32>>),
     RemoveSet(u32, mpsc::Sender<Result<bool>>),
+    /// Start (path, mark cycles) or stop (`None`) the timeline.
+    Timeline(Option<(String, bool)>, mpsc::Sender<Result<()>>),
     Shutdown,
 }
 
@@ -355,6 +358,21 @@ impl Engine {
             Err(e) => drop(tx.send(Err(e))),
         }
         SetReply(rx)
+    }
+
+    /// Starts writing a timeline to `path` (rank 0 writes it; other ranks accept and ignore),
+    /// replacing one already running.
+    pub fn start_timeline(&self, path: String, mark_cycles: bool) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        self.push(Command::Timeline(Some((path, mark_cycles)), tx));
+        SetReply(rx).wait()
+    }
+
+    /// Stops the timeline and finishes its file.
+    pub fn stop_timeline(&self) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        self.push(Command::Timeline(None, tx));
+        SetReply(rx).wait()
     }
 
     fn check_dynamic(&self) -> Result<()> {

@@ -16,6 +16,7 @@ use super::control::FrameConn;
 use super::handle::Handle;
 use super::message::{FromCoordinator, Request, Submit, ToCoordinator};
 use super::sys::wait_readable;
+use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, Shared};
 
 pub(super) struct Entry {
@@ -43,6 +44,8 @@ pub(super) struct Worker {
     failed: Option<Error>,
     coordinator_left: bool,
     control_open: bool,
+    /// Rank 0's timeline, when one is being written.
+    pub timeline: Option<Timeline>,
 }
 
 enum SetWaiter {
@@ -77,6 +80,16 @@ impl Worker {
             failed: None,
             coordinator_left: false,
             control_open: true,
+            timeline: match (&config.timeline, rank) {
+                (Some(path), 0) => match Timeline::start(path, config.timeline_mark_cycles) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        log::warn!(target: crate::LOG_TARGET, "no timeline: {e}");
+                        None
+                    }
+                },
+                _ => None,
+            },
         })
     }
 
@@ -148,6 +161,9 @@ impl Worker {
                             return;
                         }
                         submits.push(self.submission(&request));
+                        if let Some(t) = &self.timeline {
+                            t.begin(&request.name, timeline::negotiate_activity(request.kind));
+                        }
                         self.pending.insert(
                             key,
                             Entry {
@@ -182,6 +198,21 @@ impl Worker {
                 }
                 self.set_waiters.push_back(SetWaiter::Remove(tx));
                 self.send(ToCoordinator::RemoveSet { id });
+            }
+            Command::Timeline(start, tx) => {
+                // Only rank 0 writes the timeline, as in Horovod.
+                let result = match start {
+                    Some((path, mark_cycles)) if self.rank == 0 => {
+                        self.timeline = None;
+                        Timeline::start(&path, mark_cycles).map(|t| self.timeline = Some(t))
+                    }
+                    Some(_) => Ok(()),
+                    None => {
+                        self.timeline = None;
+                        Ok(())
+                    }
+                };
+                let _ = tx.send(result);
             }
             Command::Shutdown => {}
         }
@@ -372,6 +403,9 @@ impl Worker {
     fn on_message(&mut self, msg: FromCoordinator) {
         match msg {
             FromCoordinator::Responses(rs) => {
+                if let Some(t) = self.timeline.as_ref().filter(|t| t.mark_cycles) {
+                    t.mark("CYCLE_START");
+                }
                 for r in rs {
                     self.execute(r);
                 }

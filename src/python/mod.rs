@@ -200,6 +200,22 @@ fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<bool> {
     py.detach(|| reply.wait()).map_err(to_pyerr)
 }
 
+/// Starts writing a timeline to `path` (rank 0 writes; other ranks accept and ignore).
+#[pyfunction]
+#[pyo3(signature = (path, mark_cycles=false))]
+fn start_timeline(py: Python<'_>, path: String, mark_cycles: bool) -> PyResult<()> {
+    with_engine(|e| {
+        py.detach(|| e.start_timeline(path, mark_cycles))
+            .map_err(to_pyerr)
+    })
+}
+
+/// Stops the timeline and finishes its file.
+#[pyfunction]
+fn stop_timeline(py: Python<'_>) -> PyResult<()> {
+    with_engine(|e| py.detach(|| e.stop_timeline()).map_err(to_pyerr))
+}
+
 /// Registered process sets: {id: [ranks]}.
 #[pyfunction]
 fn process_sets(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -360,6 +376,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
     m.add_function(wrap_pyfunction!(log_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
