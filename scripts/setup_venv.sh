@@ -30,7 +30,9 @@ for arg in "$@"; do
 done
 
 # Loose pins: a floor that is known to work, a ceiling at the next major version that could
-# break us. ziglang lets maturin link manylinux2014 wheels on any host glibc.
+# break us. ziglang lets maturin link manylinux2014 wheels on any host glibc. torch (from PyPI
+# as is; post-accumulate-grad hooks need >= 2.1) and scikit-learn (its bundled digits data)
+# are for ferrovod.torch's tests and examples/pytorch_digits.py.
 PACKAGES=(
     "pip>=23"
     "maturin>=1.5,<2"
@@ -40,6 +42,8 @@ PACKAGES=(
     "pytest-timeout>=2"
     "ml_dtypes>=0.2"
     "ziglang>=0.11,<1"
+    "torch>=2.1"
+    "scikit-learn>=1.0"
 )
 
 LOG="$(mktemp "${TMPDIR:-/tmp}/ferrovod-setup.XXXXXX")"
