@@ -48,9 +48,44 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "If above the check time: a tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never." },
 ];
 
+/// Which launcher started this process (DESIGN.md, "Launch and bootstrap", in this order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// `ferrovodrun` (or anything setting `FERROVOD_RANK`/`HOROVOD_RANK`).
+    Ferrovodrun,
+    /// Open MPI `mpirun` (`OMPI_COMM_WORLD_*`).
+    OpenMpi,
+    /// MPICH / Intel MPI Hydra (`PMI_*`, `MPI_LOCALRANKID`).
+    Hydra,
+    /// Slurm `srun` (`SLURM_PROCID`, inside a job step).
+    Slurm,
+    /// `torchrun` or a Kubeflow PyTorchJob (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
+    Torchrun,
+    /// No launcher: a single process.
+    None,
+}
+
+impl Launcher {
+    /// How the debug log names it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Launcher::Ferrovodrun => "ferrovodrun (FERROVOD_* variables)",
+            Launcher::OpenMpi => "Open MPI mpirun (OMPI_COMM_WORLD_*)",
+            Launcher::Hydra => "MPICH/Intel MPI Hydra (PMI_*)",
+            Launcher::Slurm => "Slurm srun (SLURM_*)",
+            Launcher::Torchrun => "torchrun / PyTorchJob (RANK, WORLD_SIZE, MASTER_ADDR)",
+            Launcher::None => "none (a single process)",
+        }
+    }
+}
+
 /// Where this rank sits in the job, as given by a launcher.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchInfo {
+    /// Which launcher.
+    pub launcher: Launcher,
+    /// Rank 0 runs the rendezvous store itself at `rendezvous_addr` (no ferrovodrun to do it).
+    pub rank0_hosts_store: bool,
     /// Global rank.
     pub rank: usize,
     /// Number of ranks.
@@ -61,6 +96,9 @@ pub struct LaunchInfo {
     pub rendezvous_addr: Option<String>,
     /// Job secret (decoded).
     pub secret: Option<Vec<u8>>,
+    /// The secret was derived from the launcher's job identity (no launcher of ours handed one
+    /// out): it keeps other jobs out, not an attacker who can read this job's environment.
+    pub secret_derived: bool,
 }
 
 /// Every setting, parsed once.
@@ -147,63 +185,7 @@ impl Config {
                 .unwrap_or(false)
         };
 
-        let rank = int("FERROVOD_RANK")?;
-        let size = int("FERROVOD_SIZE")?;
-        let launch = match (rank, size) {
-            (None, None) => LaunchInfo {
-                rank: 0,
-                size: 1,
-                local: None,
-                rendezvous_addr: None,
-                secret: None,
-            },
-            (Some(rank), Some(size)) => {
-                if size == 0 || rank >= size {
-                    return Err(Error::InvalidArgument(format!(
-                        "FERROVOD_RANK={rank} is not below FERROVOD_SIZE={size}"
-                    )));
-                }
-                let local = match (
-                    int("FERROVOD_LOCAL_RANK")?,
-                    int("FERROVOD_LOCAL_SIZE")?,
-                    int("FERROVOD_CROSS_RANK")?,
-                    int("FERROVOD_CROSS_SIZE")?,
-                ) {
-                    (Some(a), Some(b), Some(c), Some(d)) => Some((a, b, c, d)),
-                    _ => None,
-                };
-                let rendezvous_addr = lookup("FERROVOD_RENDEZVOUS_ADDR").map(|(_, v)| v);
-                if size > 1 && rendezvous_addr.is_none() {
-                    return Err(Error::InvalidArgument(format!(
-                        "FERROVOD_SIZE={size} but FERROVOD_RENDEZVOUS_ADDR is not set: \
-                         start the job with ferrovodrun"
-                    )));
-                }
-                let secret = match lookup("FERROVOD_SECRET") {
-                    None => None,
-                    Some((_, hex)) => Some(decode_hex(&hex).ok_or_else(|| {
-                        Error::InvalidArgument("FERROVOD_SECRET is not valid hex".into())
-                    })?),
-                };
-                LaunchInfo {
-                    rank,
-                    size,
-                    local,
-                    rendezvous_addr,
-                    secret,
-                }
-            }
-            (Some(_), None) => {
-                return Err(Error::InvalidArgument(
-                    "FERROVOD_RANK (or HOROVOD_RANK) is set but FERROVOD_SIZE is missing".into(),
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(Error::InvalidArgument(
-                    "FERROVOD_SIZE (or HOROVOD_SIZE) is set but FERROVOD_RANK is missing".into(),
-                ))
-            }
-        };
+        let launch = detect_launch(&get, &lookup)?;
         let hostname = lookup("FERROVOD_HOSTNAME")
             .map(|(_, v)| v)
             .unwrap_or_else(system_hostname);
@@ -254,6 +236,264 @@ impl Config {
             stall_check,
             stall_shutdown,
         })
+    }
+}
+
+type Lookup<'a> = dyn Fn(&str) -> Option<(String, String)> + 'a;
+
+/// Works out the launch environment (DESIGN.md order: ferrovodrun, MPI launchers, Slurm,
+/// torchrun/PyTorchJob, none). A half-set environment is an error naming what is missing.
+fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Result<LaunchInfo> {
+    let raw = |name: &str| {
+        get(name)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    };
+    let int_of = |name: &str, v: Option<String>| -> Result<Option<usize>> {
+        v.map(|v| {
+            v.parse::<usize>().map_err(|_| {
+                Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
+            })
+        })
+        .transpose()
+    };
+    let pair = |launcher: Launcher,
+                rank_var: &str,
+                size_var: &str,
+                rank: Option<String>,
+                size: Option<String>|
+     -> Result<Option<(Launcher, usize, usize)>> {
+        match (int_of(rank_var, rank)?, int_of(size_var, size)?) {
+            (None, None) => Ok(None),
+            (Some(r), Some(n)) if n > 0 && r < n => Ok(Some((launcher, r, n))),
+            (Some(r), Some(n)) => Err(Error::InvalidArgument(format!(
+                "{rank_var}={r} is not below {size_var}={n}"
+            ))),
+            (Some(_), None) => Err(Error::InvalidArgument(format!(
+                "{rank_var} is set but {size_var} is missing ({})",
+                launcher.describe()
+            ))),
+            (None, Some(_)) => Err(Error::InvalidArgument(format!(
+                "{size_var} is set but {rank_var} is missing ({})",
+                launcher.describe()
+            ))),
+        }
+    };
+    let ours = pair(
+        Launcher::Ferrovodrun,
+        "FERROVOD_RANK",
+        "FERROVOD_SIZE",
+        lookup("FERROVOD_RANK").map(|(_, v)| v),
+        lookup("FERROVOD_SIZE").map(|(_, v)| v),
+    )?;
+    let in_slurm_step = raw("SLURM_STEP_ID").is_some();
+    let found = match ours {
+        Some(f) => Some(f),
+        None => match pair(
+            Launcher::OpenMpi,
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            raw("OMPI_COMM_WORLD_RANK"),
+            raw("OMPI_COMM_WORLD_SIZE"),
+        )? {
+            Some(f) => Some(f),
+            None => match pair(
+                Launcher::Hydra,
+                "PMI_RANK",
+                "PMI_SIZE",
+                raw("PMI_RANK"),
+                raw("PMI_SIZE"),
+            )? {
+                Some(f) => Some(f),
+                // SLURM_PROCID outside a job step (e.g. in the batch script) is not a rank.
+                None => match (in_slurm_step, raw("SLURM_PROCID")) {
+                    (true, Some(r)) => pair(
+                        Launcher::Slurm,
+                        "SLURM_PROCID",
+                        "SLURM_NTASKS",
+                        Some(r),
+                        raw("SLURM_NTASKS").or_else(|| raw("SLURM_NPROCS")),
+                    )?,
+                    _ => pair(
+                        Launcher::Torchrun,
+                        "RANK",
+                        "WORLD_SIZE",
+                        raw("RANK"),
+                        raw("WORLD_SIZE"),
+                    )?,
+                },
+            },
+        },
+    };
+    let Some((launcher, rank, size)) = found else {
+        return Ok(LaunchInfo {
+            launcher: Launcher::None,
+            rank0_hosts_store: false,
+            rank: 0,
+            size: 1,
+            local: None,
+            rendezvous_addr: None,
+            secret: None,
+            secret_derived: false,
+        });
+    };
+    let secret = match lookup("FERROVOD_SECRET") {
+        None => None,
+        Some((_, hex)) => Some(
+            decode_hex(&hex)
+                .ok_or_else(|| Error::InvalidArgument("FERROVOD_SECRET is not valid hex".into()))?,
+        ),
+    };
+    let explicit_addr = lookup("FERROVOD_RENDEZVOUS_ADDR").map(|(_, v)| v);
+    let (local, rendezvous_addr, rank0_hosts_store, job_id) = match launcher {
+        Launcher::Ferrovodrun => {
+            let int = |n: &str| int_of(n, lookup(n).map(|(_, v)| v));
+            let local = match (
+                int("FERROVOD_LOCAL_RANK")?,
+                int("FERROVOD_LOCAL_SIZE")?,
+                int("FERROVOD_CROSS_RANK")?,
+                int("FERROVOD_CROSS_SIZE")?,
+            ) {
+                (Some(a), Some(b), Some(c), Some(d)) => Some((a, b, c, d)),
+                _ => None,
+            };
+            if size > 1 && explicit_addr.is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "FERROVOD_SIZE={size} but FERROVOD_RENDEZVOUS_ADDR is not set: start the job \
+                     with ferrovodrun"
+                )));
+            }
+            (local, explicit_addr, false, None)
+        }
+        Launcher::Torchrun => {
+            let under_torchrun = raw("TORCHELASTIC_RUN_ID");
+            // A PyTorchJob with nprocPerNode > 1 and no torchrun sets RANK to the node rank.
+            if under_torchrun.is_none()
+                && raw("PET_NPROC_PER_NODE")
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or(1)
+                    > 1
+            {
+                return Err(Error::InvalidArgument(
+                    "PET_NPROC_PER_NODE > 1 without torchrun: RANK is the node rank here, not the \
+                     process rank. Start the script with torchrun (the PyTorchJob command \
+                     `torchrun train.py` uses the PET_* settings)."
+                        .into(),
+                ));
+            }
+            let addr = match explicit_addr {
+                Some(a) => a,
+                None => {
+                    let host = raw("MASTER_ADDR");
+                    let port = int_of("MASTER_PORT", raw("MASTER_PORT"))?;
+                    let (Some(host), Some(port)) = (host, port) else {
+                        let missing: Vec<&str> = [
+                            ("MASTER_ADDR", raw("MASTER_ADDR").is_none()),
+                            ("MASTER_PORT", raw("MASTER_PORT").is_none()),
+                        ]
+                        .iter()
+                        .filter(|(_, m)| *m)
+                        .map(|(n, _)| *n)
+                        .collect();
+                        return Err(Error::InvalidArgument(format!(
+                            "RANK and WORLD_SIZE are set but {} missing: set MASTER_ADDR and \
+                             MASTER_PORT (torchrun and PyTorchJob do), or FERROVOD_RENDEZVOUS_ADDR",
+                            missing.join(" and ") + if missing.len() > 1 { " are" } else { " is" }
+                        )));
+                    };
+                    // torchrun's agent already serves its own store on MASTER_PORT.
+                    let port = if under_torchrun.is_some() {
+                        port + 1
+                    } else {
+                        port
+                    };
+                    format!("{host}:{port}")
+                }
+            };
+            // Local and cross ranks come from grouping the ranks' host names, which agrees with
+            // LOCAL_RANK / LOCAL_WORLD_SIZE and also gives cross ranks.
+            let job = under_torchrun.or_else(|| {
+                raw("MASTER_ADDR")
+                    .map(|a| format!("{a}:{}", raw("MASTER_PORT").unwrap_or_default()))
+            });
+            (None, Some(addr), true, job)
+        }
+        Launcher::OpenMpi | Launcher::Hydra | Launcher::Slurm => {
+            let addr = match (explicit_addr, launcher) {
+                (Some(a), _) => Some(a),
+                (None, Launcher::Slurm) => slurm_rendezvous(&raw),
+                (None, _) => None,
+            };
+            let Some(addr) = addr else {
+                return Err(Error::InvalidArgument(format!(
+                    "started by {} with {size} ranks, but no rendezvous address: set \
+                     FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> for every rank \
+                     (mpirun -x FERROVOD_RENDEZVOUS_ADDR=...), or install mpi4py so that rank 0 \
+                     can broadcast one",
+                    launcher.describe()
+                )));
+            };
+            let job = match launcher {
+                Launcher::Slurm => raw("SLURM_JOB_ID")
+                    .map(|j| format!("{j}.{}", raw("SLURM_STEP_ID").unwrap_or_default())),
+                Launcher::OpenMpi => {
+                    raw("OMPI_MCA_ess_base_jobid").or_else(|| raw("PMIX_NAMESPACE"))
+                }
+                _ => raw("PMI_FD").map(|_| addr.clone()),
+            };
+            (None, Some(addr), true, job)
+        }
+        Launcher::None => unreachable!("returned above"),
+    };
+    let (secret, secret_derived) = match secret {
+        Some(s) => (Some(s), false),
+        None if launcher == Launcher::Ferrovodrun || size == 1 => (None, false),
+        None => {
+            // No launcher of ours handed out a secret. Derive one every rank of this job can
+            // compute and other jobs cannot guess by accident.
+            use sha2::Digest;
+            let mut h = sha2::Sha256::new();
+            h.update(b"ferrovod-derived-secret-v1\0");
+            h.update(launcher.describe().as_bytes());
+            h.update(rendezvous_addr.as_deref().unwrap_or("").as_bytes());
+            h.update(job_id.as_deref().unwrap_or("").as_bytes());
+            h.update(size.to_le_bytes());
+            (Some(h.finalize().to_vec()), true)
+        }
+    };
+    Ok(LaunchInfo {
+        launcher,
+        rank0_hosts_store,
+        rank,
+        size,
+        local,
+        rendezvous_addr,
+        secret,
+        secret_derived,
+    })
+}
+
+/// Slurm: the first host of the step's node list and a port derived from the job id, so every
+/// rank computes the same address with no communication.
+fn slurm_rendezvous(raw: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let list = raw("SLURM_STEP_NODELIST").or_else(|| raw("SLURM_JOB_NODELIST"))?;
+    let job: u64 = raw("SLURM_JOB_ID")?.parse().ok()?;
+    Some(format!(
+        "{}:{}",
+        first_slurm_host(&list)?,
+        20000 + job % 10000
+    ))
+}
+
+/// The first host of a compressed Slurm node list: `node[007-009,011],gpu1` → `node007`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let first = list.split(',').next()?.trim();
+    match first.find('[') {
+        None => (!first.is_empty()).then(|| first.to_string()),
+        Some(i) => {
+            let inner = list[list.find('[')? + 1..].split([',', '-', ']']).next()?;
+            Some(format!("{}{inner}", &first[..i]))
+        }
     }
 }
 
@@ -348,6 +588,106 @@ mod tests {
         assert_eq!(c.log_level, "warning");
         let c = cfg(&[("FERROVOD_STALL_CHECK_DISABLE", "1")]).unwrap();
         assert_eq!(c.stall_check, None);
+    }
+
+    #[test]
+    fn launchers_are_detected_in_order_and_half_set_ones_are_errors() {
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("FERROVOD_RENDEZVOUS_ADDR", "h0:5000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.launch.launcher, c.launch.rank, c.launch.size),
+            (Launcher::OpenMpi, 1, 4)
+        );
+        assert!(c.launch.rank0_hosts_store && c.launch.secret_derived);
+        let e = cfg(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "4")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FERROVOD_RENDEZVOUS_ADDR") && e.contains("mpi4py"),
+            "{e}"
+        );
+        let c = cfg(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RUN_ID", "x"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.launcher, Launcher::Torchrun);
+        assert_eq!(
+            c.launch.rendezvous_addr.as_deref(),
+            Some("m:29501"),
+            "torchrun's agent owns MASTER_PORT"
+        );
+        let c = cfg(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "23456"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.rendezvous_addr.as_deref(), Some("m:23456"));
+        let e = cfg(&[("RANK", "1")]).unwrap_err().to_string();
+        assert!(e.contains("RANK is set but WORLD_SIZE is missing"), "{e}");
+        let e = cfg(&[("RANK", "1"), ("WORLD_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("MASTER_ADDR and MASTER_PORT are missing"), "{e}");
+        let e = cfg(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "1"),
+            ("PET_NPROC_PER_NODE", "2"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("node rank"), "{e}");
+        // SLURM_PROCID outside a step is not a rank.
+        let c = cfg(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]).unwrap();
+        assert_eq!(c.launch.launcher, Launcher::None);
+        let c = cfg(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_NODELIST", "gpu[007-009],cpu1"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.launcher, Launcher::Slurm);
+        assert_eq!(c.launch.rendezvous_addr.as_deref(), Some("gpu007:23456"));
+        let c = cfg(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ("FERROVOD_RENDEZVOUS_ADDR", "h:1"),
+            ("FERROVOD_SECRET", "00ff"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.launcher, Launcher::Hydra);
+        assert!(!c.launch.secret_derived);
+        // ferrovodrun's variables win over everything.
+        let c = cfg(&[
+            ("FERROVOD_RANK", "0"),
+            ("FERROVOD_SIZE", "1"),
+            ("RANK", "5"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.launcher, Launcher::Ferrovodrun);
+    }
+
+    #[test]
+    fn slurm_node_lists() {
+        assert_eq!(
+            first_slurm_host("node[001-004,007]").as_deref(),
+            Some("node001")
+        );
+        assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
+        assert_eq!(first_slurm_host("solo").as_deref(), Some("solo"));
     }
 
     #[test]

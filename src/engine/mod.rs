@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::bootstrap::tcp_store::TcpStore;
+use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
 use crate::bootstrap::Store;
 use crate::bootstrap::{auth, net};
 use crate::config::Config;
@@ -160,6 +160,8 @@ pub struct Engine {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     coordinator: Option<Coordinator>,
+    /// The rendezvous store, when rank 0 serves it (launchers other than ferrovodrun).
+    store_server: Option<TcpStoreServer>,
     spin: Duration,
     dynamic: bool,
 }
@@ -202,12 +204,27 @@ impl Engine {
         };
         log::debug!(
             target: crate::LOG_TARGET,
-            "rank {rank}/{size}: launch environment: {}",
+            "rank {rank}/{size}: launch environment: {}{}",
+            launch.launcher.describe(),
             match &launch.rendezvous_addr {
-                Some(addr) => format!("ferrovodrun (FERROVOD_* variables, rendezvous at {addr})"),
-                None => "none (a single process)".into(),
+                Some(addr) if launch.rank0_hosts_store => format!(", rendezvous store on rank 0 at {addr}"),
+                Some(addr) => format!(", rendezvous at {addr}"),
+                None => String::new(),
             }
         );
+        if launch.secret_derived && rank == 0 {
+            log::info!(
+                target: crate::LOG_TARGET,
+                "no FERROVOD_SECRET from the launcher: the job secret is derived from the job's \
+                 identity, which keeps other jobs out but not someone who can read this job's \
+                 environment; set FERROVOD_SECRET (hex) on every rank for a real secret"
+            );
+        }
+        // Without ferrovodrun, rank 0 serves the rendezvous store itself.
+        let store_server = match (&launch.rendezvous_addr, launch.rank0_hosts_store, rank) {
+            (Some(addr), true, 0) => Some(host_store(addr, &secret)?),
+            _ => None,
+        };
 
         let (mut transport, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
             None => {
@@ -309,6 +326,7 @@ impl Engine {
             shared,
             thread: Some(thread),
             coordinator,
+            store_server,
             spin: config.spin,
             dynamic: config.dynamic_process_sets,
         })
@@ -414,6 +432,9 @@ impl Engine {
         if let Some(mut c) = self.coordinator.take() {
             c.stop();
         }
+        if let Some(mut s) = self.store_server.take() {
+            s.shutdown();
+        }
     }
 }
 
@@ -421,6 +442,23 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other
+/// ranks reach it through whatever `addr`'s host name resolves to on their side).
+fn host_store(addr: &str, secret: &[u8]) -> Result<TcpStoreServer> {
+    let port = addr
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!("rendezvous address {addr:?} has no port"))
+        })?;
+    TcpStoreServer::start(SocketAddr::from(([0, 0, 0, 0], port)), secret.to_vec()).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "rank 0 cannot serve the rendezvous store on port {port} ({e}); pick a free port \
+             with FERROVOD_RENDEZVOUS_ADDR=<host>:<port>"
+        ))
+    })
 }
 
 /// The address other ranks can reach this process on: the local address of the route to the

@@ -1,0 +1,129 @@
+"""Workers started by other launchers find each other with no ferrovodrun: real torchrun, and
+the exact environments Open MPI, Slurm and a PyTorchJob give a worker (each rank started here
+as a plain process with that environment)."""
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import WORKERS
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+SCRIPT = str(WORKERS / "foreign_launcher_worker.py")
+# Variables a surrounding launcher might have set: each test states its own launcher.
+_LAUNCH_VARS = ("FERROVOD_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "RANK", "WORLD_SIZE",
+                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC_", "PET_")
+
+
+def _base_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["FERROVOD_START_TIMEOUT"] = "30"
+    return env
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(envs, mode="ops", timeout=60):
+    """Starts one plain process per environment and waits for all of them."""
+    procs = [subprocess.Popen([sys.executable, SCRIPT, mode], env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for e in envs]
+    outs = []
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+def _assert_all_ok(outs, n):
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0, f"rank {r} exited {code}\n{out}\n{err}"
+        assert f"OK rank={r} size={n} local_rank={r} local_size={n} cross_size=1" in out, out + err
+
+
+def test_pytorchjob_environment_without_torchrun():
+    port = _free_port()
+    envs = []
+    for r in range(3):
+        e = _base_env()
+        e.update(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        envs.append(e)
+    _assert_all_ok(_run_ranks(envs), 3)
+
+
+def test_open_mpi_environment_with_an_explicit_rendezvous():
+    addr = f"127.0.0.1:{_free_port()}"
+    envs = []
+    for r in range(2):
+        e = _base_env()
+        e.update(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                 OMPI_COMM_WORLD_LOCAL_RANK=str(r), OMPI_COMM_WORLD_LOCAL_SIZE="2",
+                 OMPI_UNIVERSE_SIZE="8",  # counts slots, not ranks: must be ignored
+                 FERROVOD_RENDEZVOUS_ADDR=addr)
+        envs.append(e)
+    _assert_all_ok(_run_ranks(envs), 2)
+
+
+def test_slurm_step_environment_derives_the_rendezvous_from_the_job():
+    port = _free_port()
+    if not 20000 <= port < 30000:
+        port = 20000 + port % 10000
+    envs = []
+    for r in range(2):
+        e = _base_env()
+        e.update(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_STEP_ID="0",
+                 SLURM_JOB_ID=str(port - 20000), SLURM_STEP_NODELIST="localhost")
+        envs.append(e)
+    _assert_all_ok(_run_ranks(envs), 2)
+
+
+def test_half_set_environment_is_a_clear_error():
+    e = _base_env()
+    e["RANK"] = "1"
+    proc = subprocess.run([sys.executable, SCRIPT], env=e, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert "RANK is set but WORLD_SIZE is missing" in proc.stderr, proc.stderr
+
+
+def test_killed_rank_is_reported_when_no_launcher_stops_the_others():
+    port = _free_port()
+    envs = []
+    for r in range(3):
+        e = _base_env()
+        e.update(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        envs.append(e)
+    outs = _run_ranks(envs, mode="kill")
+    assert outs[1][0] == -9
+    for r in (0, 2):
+        code, out, err = outs[r]
+        assert code == 0 and "saw RankFailureError rank=1" in out, out + err
+        seconds = float(out.split("after ")[1].split("s")[0])
+        assert seconds < 2.0, out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_real_torchrun():
+    port = _free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT],
+        env=_base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"OK rank={r} size=2 local_rank={r} local_size=2" in proc.stdout, proc.stdout

@@ -1,0 +1,31 @@
+"""Started by a launcher other than ferrovodrun (torchrun, mpirun, srun, or a test imitating
+their environment): init() must find the job from that launcher's variables."""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import ferrovod as fv
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "ops"
+fv.init()
+r, n = fv.rank(), fv.size()
+out = fv.allreduce(np.full(5, r + 1, np.float64), op=fv.Sum, name="sum")
+assert (out == n * (n + 1) / 2).all(), out
+g = fv.allgather(np.full((1, 2), r, np.int32), name="gather")
+assert g[:, 0].tolist() == list(range(n)), g
+if mode == "kill":
+    if r == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), 9)
+    t0 = time.time()
+    try:
+        for i in range(100000):
+            fv.allreduce(np.ones(16), name="loop")
+    except fv.RankFailureError as e:
+        print(f"OK rank {r} saw RankFailureError rank={e.rank} after {time.time() - t0:.2f}s")
+        sys.exit(0)
+print(f"OK rank={r} size={n} local_rank={fv.local_rank()} local_size={fv.local_size()} "
+      f"cross_size={fv.cross_size()}", flush=True)
