@@ -248,6 +248,13 @@ def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
         assert env["FERROVOD_LAUNCHER"] == "ferrovodrun"
         assert env["PYTHONUNBUFFERED"] == "1"
         assert env["FERROVOD_START_TIMEOUT"] == "60"
+        # A fair share of the cores for each rank's thread pools, unless the user set them.
+        cores = len(os.sched_getaffinity(0))
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            if var in base_env:
+                assert env[var] == base_env[var]
+            else:
+                assert env[var] == str(max(1, cores // np_)), (var, env[var])
         assert "FERROVOD_FUSION_THRESHOLD" not in env and "FERROVOD_CYCLE_TIME" not in env
         # The secret is in the environment only: never on any command line.
         assert secret not in r["cmdline"] and secret not in " ".join(r["argv"])

@@ -8,6 +8,7 @@ in the environment stay in force otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -124,7 +125,21 @@ def worker_env(base: Mapping[str, str], slot: SlotInfo, job: JobInfo) -> Dict[st
     env[SECRET_VAR] = job.secret_hex
     env["FERROVOD_LAUNCHER"] = "ferrovodrun"
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(thread_share(base, slot.local_size))
     return env
+
+
+#: Thread-pool variables of OpenMP and the BLAS libraries frameworks load.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_share(base: Mapping[str, str], local_size: int) -> Dict[str, str]:
+    """Each of ``local_size`` ranks on a host gets a fair share of its cores for its thread
+    pools, unless the user set the variable: by default every rank's pool would use every
+    core, and ranks would fight over them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cores or 1) // max(1, local_size)))
+    return {var: share for var in THREAD_VARS if var not in base}
 
 
 def visible_env(env: Mapping[str, str], base: Mapping[str, str]) -> Dict[str, str]:

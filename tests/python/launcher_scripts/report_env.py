@@ -18,7 +18,8 @@ def rendezvous_reachable(addr):
 
 
 def main():
-    env = {k: v for k, v in os.environ.items() if k.startswith(("FERROVOD_", "HOROVOD_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(("FERROVOD_", "HOROVOD_", "OMP_", "OPENBLAS_", "MKL_"))}
     env["PYTHONUNBUFFERED"] = os.environ.get("PYTHONUNBUFFERED")
     with open("/proc/self/cmdline", "rb") as f:
         cmdline = f.read().decode("utf-8", "replace")
