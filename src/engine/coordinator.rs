@@ -255,6 +255,10 @@ fn accept_all(
                 match hello {
                     Ok(rank) => {
                         let _ = stream.set_read_timeout(None);
+                        let _ = super::sys::detect_unreachable_peer(
+                            std::os::fd::AsRawFd::as_raw_fd(&stream),
+                            timeout,
+                        );
                         let _ = tx.send((rank, stream));
                         waker.wake();
                     }

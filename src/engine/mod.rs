@@ -297,7 +297,7 @@ impl Engine {
             topology.cross_rank = cr;
             topology.cross_size = cs;
         }
-        let control = connect_control(coord_addr, rank, &secret, deadline)?;
+        let control = connect_control(coord_addr, rank, &secret, deadline, config.timeout)?;
 
         let mut sets: HashMap<u32, Vec<usize>> = HashMap::new();
         sets.insert(0, (0..size).collect());
@@ -491,6 +491,7 @@ fn connect_control(
     rank: usize,
     secret: &[u8],
     timeout: Duration,
+    liveness: Duration,
 ) -> Result<control::FrameConn> {
     let deadline = Instant::now() + timeout;
     let mut stream = loop {
@@ -509,6 +510,7 @@ fn connect_control(
         }
     };
     auth::authenticate(&mut stream, secret, true, timeout)?;
+    sys::detect_unreachable_peer(std::os::fd::AsRawFd::as_raw_fd(&stream), liveness)?;
     net::write_frame(&mut stream, &ToCoordinator::Hello { rank }.encode())?;
     let mut conn = control::FrameConn::new(stream, 0)?;
     // init() is collective: wait until every rank has registered with the coordinator.

@@ -36,6 +36,41 @@ pub fn wait_readable(fds: &[RawFd], timeout: Duration) -> Result<Vec<usize>> {
         .collect())
 }
 
+/// Makes a connection fail within about `timeout` when the peer's host becomes unreachable
+/// (a cut link, a vanished machine) even while nothing is being sent: TCP keepalive probes
+/// every second, and TCP_USER_TIMEOUT bounding how long sent data or probes may stay
+/// unacknowledged. A dead *process* is noticed at once anyway (its kernel closes the socket).
+pub fn detect_unreachable_peer(fd: RawFd, timeout: Duration) -> Result<()> {
+    let secs = timeout.as_secs().clamp(1, i32::MAX as u64) as libc::c_int;
+    let ms = timeout.as_millis().clamp(1000, u32::MAX as u128) as libc::c_uint;
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| -> Result<()> {
+        // SAFETY: passes a pointer to a live local c_int and its exact size; setsockopt only
+        // reads it. An invalid fd or option is reported through the return value.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(Error::Io(format!(
+                "setsockopt: {}",
+                std::io::Error::last_os_error()
+            )))
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1)?;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, secs)?;
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms as libc::c_int)
+}
+
 /// A counter another thread can bump to wake a thread blocked in [`wait_readable`].
 #[derive(Debug)]
 pub struct Waker {

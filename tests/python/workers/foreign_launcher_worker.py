@@ -27,5 +27,15 @@ if mode == "kill":
     except fv.RankFailureError as e:
         print(f"OK rank {r} saw RankFailureError rank={e.rank} after {time.time() - t0:.2f}s")
         sys.exit(0)
+if mode == "cut":
+    # Loops until the link to the other host is cut; reports the error and when it came.
+    try:
+        for i in range(10**9):
+            fv.allreduce(np.ones(1024), name="loop")
+            if i == 20:
+                print("READY", flush=True)
+    except fv.FerrovodError as e:
+        print(f"ERR {type(e).__name__} {time.time():.3f} {e}", flush=True)
+        sys.exit(0)
 print(f"OK rank={r} size={n} local_rank={fv.local_rank()} local_size={fv.local_size()} "
       f"cross_size={fv.cross_size()}", flush=True)
