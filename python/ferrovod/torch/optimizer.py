@@ -1,0 +1,350 @@
+"""``DistributedOptimizer``: wraps a torch optimizer so gradients are averaged across ranks.
+
+Each parameter gets a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``,
+torch >= 2.1; older torch uses the gradient accumulator's hook). When a gradient has been
+accumulated ``backward_passes_per_step`` times, the hook submits its in-place allreduce at
+once, so communication overlaps the rest of the backward pass; ``step()`` only waits for what
+is still in flight and then runs the wrapped optimizer's step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from .. import _api
+from .._api import Adasum, Average, allgather_object
+from ..process_sets import ProcessSet, global_process_set
+from . import ops
+from .compression import Compression, Compressor
+
+__all__ = ["DistributedOptimizer"]
+
+_instances = itertools.count()
+
+
+def _split(items: List[Any], n: int) -> List[List[Any]]:
+    """``n`` contiguous chunks of nearly equal length (the first ones one longer)."""
+    base, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        if end > start:
+            out.append(items[start:end])
+        start = end
+    return out
+
+
+class _DistributedMixin:
+    """Methods mixed in front of the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    def __init__(self, params: Any, named_parameters: Optional[Sequence[Tuple[str, torch.Tensor]]],
+                 compression: Compressor, backward_passes_per_step: int, op: int,
+                 gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
+                 process_set: ProcessSet) -> None:
+        super().__init__(params)  # type: ignore[call-arg]
+        self._compression = compression
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        all_params = [p for g in self.param_groups for p in g["params"]]  # type: ignore[attr-defined]
+        self._parameter_names = self._names(named_parameters, all_params)
+        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._allreduce_delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step
+                                                           for p in self._requires_update}
+        self._handles: Dict[Any, Tuple[Any, Any]] = {}
+        self._group_of: Dict[torch.Tensor, int] = {}
+        self._groups: List[List[torch.Tensor]] = []
+        self._group_ready: Dict[int, set] = {}
+        self._setup_groups(groups)
+        self._hook_handles: List[Any] = []
+        self._grad_accs: List[Any] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._active = bool(process_set.included()) and (
+            len(process_set.ranks) > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        if self._active:
+            self._check_same_parameters(next(_instances))
+            self._register_hooks()
+
+    # ------------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _names(named: Optional[Sequence[Tuple[str, torch.Tensor]]],
+               all_params: List[torch.Tensor]) -> Dict[torch.Tensor, str]:
+        if named is None:
+            return {p: f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
+        named = list(named)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. "
+                             f"Found duplicates: {', '.join(dups)}")
+        by_param = {p: n for n, p in named}
+        unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters "
+                             f"were not named (optimizer parameter indices {unnamed}). Python "
+                             "object ids: " + ", ".join(str(id(all_params[i])) for i in unnamed))
+        return {p: f"allreduce.{by_param[p]}" for p in all_params}
+
+    def _setup_groups(self, groups: Any) -> None:
+        if groups is None or groups == 0:
+            return
+        if isinstance(groups, int):
+            if groups < 0:
+                raise ValueError("groups must be a non-negative integer or a list of lists")
+            self._groups = _split(self._requires_update, groups)
+        else:
+            known = set(self._requires_update)
+            self._groups = []
+            for g in groups:
+                g = [p for p in g if p in known]
+                if g:
+                    self._groups.append(g)
+        for i, g in enumerate(self._groups):
+            for p in g:
+                if p in self._group_of:
+                    raise ValueError("a parameter appears in more than one group")
+                self._group_of[p] = i
+            self._group_ready[i] = set()
+
+    def _check_same_parameters(self, instance: int) -> None:
+        """Fails on every rank, naming the difference, when ranks registered different
+        parameters: their allreduces would never match and training would hang."""
+        desc = [(self._parameter_names[p], tuple(p.shape), str(p.dtype))
+                for p in self._requires_update]
+        digest = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), dtype=np.uint8)
+        seen = _api.allgather(digest, name=f"DistributedOptimizer.{instance}.check",
+                              process_set=self.process_set).reshape(-1, 32)
+        if all((row == seen[0]).all() for row in seen):
+            return
+        every = allgather_object(desc, name=f"DistributedOptimizer.{instance}.params",
+                                 process_set=self.process_set)
+        ranks = self.process_set.ranks
+        lines = []
+        for r, d in zip(ranks, every):
+            if d != every[0]:
+                diff = next((i for i, (a, b) in enumerate(zip(every[0], d)) if a != b),
+                            min(len(d), len(every[0])))
+                mine = d[diff] if diff < len(d) else "nothing"
+                first = every[0][diff] if diff < len(every[0]) else "nothing"
+                lines.append(f"rank {r} has {len(d)} parameters, rank {ranks[0]} has "
+                             f"{len(every[0])}; first difference at position {diff}: rank {r} "
+                             f"{mine} vs rank {ranks[0]} {first}")
+        raise ValueError("DistributedOptimizer: ranks registered different parameters (name, "
+                         "shape, dtype), so their gradient allreduces could never match: "
+                         + "; ".join(lines))
+
+    def _register_hooks(self) -> None:
+        for p in self._requires_update:
+            if hasattr(p, "register_post_accumulate_grad_hook"):
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+            else:  # torch < 2.1: hook the AccumulateGrad node
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                hook = self._make_hook(p)
+                self._hook_handles.append(acc.register_hook(lambda *_, h=hook, q=p: h(q)))
+                self._grad_accs.append(acc)
+
+    def _make_hook(self, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(*_: Any) -> None:
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] > 0:
+                self._handles.setdefault(p, (None, None))
+                return
+            gi = self._group_of.get(p)
+            if gi is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+                return
+            ready = self._group_ready[gi]
+            ready.add(p)
+            if len(ready) == len(self._groups[gi]):
+                self._submit_group(gi)
+        return hook
+
+    # ------------------------------------------------------------------ communication
+
+    def _scale(self) -> Tuple[float, float]:
+        if self.op == Average:
+            # The engine folds 1/size into Average's post-scale.
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            # Not used in this pass here, but other ranks may have a gradient for it.
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
+        grad = self._dense_grad(p)
+        name = self._parameter_names[p]
+        if grad.is_sparse:
+            return ops.sparse_allreduce_async(grad, name=name, op=self.op,
+                                              process_set=self.process_set), "sparse"
+        compressed, ctx = self._compression.compress(grad)
+        pre, post = self._scale()
+        h = ops.allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
+                                 postscale_factor=post, process_set=self.process_set)
+        return h, (compressed, ctx)
+
+    def _submit_group(self, gi: int) -> None:
+        params = tuple(self._groups[gi])
+        grads = [self._dense_grad(p) for p in params]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("sparse gradients cannot be reduced in groups; pass "
+                             "sparse_as_dense=True or leave the parameter out of the groups")
+        pairs = [self._compression.compress(g) for g in grads]
+        pre, post = self._scale()
+        h = ops.grouped_allreduce_async_([c for c, _ in pairs],
+                                         name=f"grouped_allreduce.{self._parameter_names[params[0]]}",
+                                         op=self.op, prescale_factor=pre, postscale_factor=post,
+                                         process_set=self.process_set)
+        self._handles[params] = (h, pairs)
+        self._group_ready[gi].clear()
+        for p in params:
+            self._handles.pop(p, None)
+
+    @staticmethod
+    def _write_back(p: torch.Tensor, reduced: torch.Tensor, ctx: Any, compression: Compressor) -> None:
+        out = compression.decompress(reduced, ctx)
+        if out is not p.grad:
+            with torch.no_grad():
+                p.grad.copy_(out)
+
+    def synchronize(self) -> None:
+        """Waits for every gradient's allreduce (submitting those whose hook has not fired yet,
+        e.g. parameters unused in this pass) and writes the results into ``p.grad``. Call it
+        before modifying gradients (clipping), then call ``step()`` inside
+        :meth:`skip_synchronize`."""
+        if not self._active:
+            self._synchronized = True
+            return
+        for gi, group in enumerate(self._groups):
+            if tuple(group) not in self._handles:
+                self._submit_group(gi)
+        for p in self._requires_update:
+            if p in self._group_of:
+                continue
+            h = self._handles.get(p)
+            if h is None or h[0] is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        try:
+            for key, (handle, ctx) in self._handles.items():
+                if isinstance(key, tuple):
+                    outs = ops.synchronize(handle)
+                    for p, out, (_, cctx) in zip(key, outs, ctx):
+                        self._write_back(p, out, cctx, self._compression)
+                elif ctx == "sparse":
+                    key.grad = ops.synchronize(handle)
+                else:
+                    self._write_back(key, ops.synchronize(handle), ctx[1], self._compression)
+        finally:
+            self._handles.clear()
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+            for ready in self._group_ready.values():
+                ready.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this context does not synchronize again (use after
+        :meth:`synchronize`)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Waits for the gradients still in flight, then runs the wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """Clears gradients; an error while allreduces are still in flight."""
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super().zero_grad(*args, **kwargs)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes accumulate locally before gradients are reduced."""
+        self.backward_passes_per_step = int(passes)
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """Loads the wrapped optimizer's state and resets the accumulation counters."""
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Sequence[Tuple[str, torch.Tensor]]] = None,
+                         compression: Compressor = Compression.none,
+                         backward_passes_per_step: int = 1, op: int = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Optional[Union[int, List[List[torch.Tensor]]]] = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+    """Wraps ``optimizer`` so that every gradient is allreduced across ``process_set`` before
+    the parameters are updated (Horovod's ``hvd.DistributedOptimizer``).
+
+    The result is an instance of a subclass of ``optimizer``'s class with the same name,
+    built over ``optimizer.param_groups``. Every rank must wrap the same parameters (same
+    names, shapes and dtypes; checked at construction). ``named_parameters`` (e.g.
+    ``model.named_parameters()``) names the allreduces; ``compression`` compresses gradients
+    on the wire; ``backward_passes_per_step`` accumulates (sums) that many backward passes
+    locally before reducing; ``op`` is Average or Sum (Adasum is not supported yet);
+    ``gradient_predivide_factor`` f splits Average into a 1/f pre-scale and f/size post-scale;
+    ``groups`` (an int, or lists of parameters; ``num_groups`` is its deprecated alias) reduces
+    parameters in fused groups; sparse gradients are allgathered unless ``sparse_as_dense``.
+    """
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported by ferrovod yet")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step < 1:
+        raise ValueError("backward_passes_per_step must be >= 1")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in a future version.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set)

@@ -1,0 +1,48 @@
+"""ferrovod.torch training: DistributedOptimizer (overlap hooks, groups, backward passes,
+compression, clipping, sparse gradients), broadcast helpers, SyncBatchNorm and process sets
+against single-process torch on the global batch (see torch_train_worker.py); ranks that
+wrap different parameters fail with a clear error instead of hanging."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_ok, describe, lines_matching, run_job
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_training_matches_single_process(n):
+    res = run_job(n, HERE / "torch_train_worker.py", 40 + n, timeout=180)
+    assert_ok(res, n, min_checks=50, same_count=False)
+    expect = ["optimizer", "semantics", "sparse", "syncbn", "state"] + (["psets"] if n > 1 else [])
+    for r in range(n):
+        done = [m.group(1) for m in lines_matching(res, r, r"^section (\w+):")]
+        assert done == expect, f"rank {r} ran sections {done}\n{describe(res)}"
+
+
+@pytest.mark.parametrize("kind", ["extra", "shape"])
+def test_different_parameters_fail_clearly(kind):
+    res = run_job(3, HERE / "torch_mismatch_worker.py", kind, timeout=60,
+                  env={"FERROVOD_TIMEOUT_SECONDS": "30"})
+    assert_ok(res, 3, min_checks=2)
+    assert res.elapsed < 30, f"took {res.elapsed:.1f} s: looks like a hang\n{describe(res)}"
+    msgs = lines_matching(res, 0, r"^error: (.*)")
+    assert msgs and "first difference" in msgs[0].group(1), describe(res)
+
+
+def test_digits_example_reaches_95_percent():
+    example = HERE.parent.parent.parent / "examples" / "pytorch_digits.py"
+    res = run_job(2, example, "--checkpoint", HERE / "_digits_checkpoint.pt", timeout=120)
+    try:
+        assert res.returncode == 0, describe(res)
+        acc = lines_matching(res, 0, r"^test accuracy: ([\d.]+)%")
+        assert acc, f"no accuracy line\n{describe(res)}"
+        assert float(acc[-1].group(1)) >= 95.0, describe(res)
+        assert not lines_matching(res, 1, r"accuracy"), "only rank 0 prints"
+        assert (HERE / "_digits_checkpoint.pt").exists(), "rank 0 wrote no checkpoint"
+    finally:
+        (HERE / "_digits_checkpoint.pt").unlink(missing_ok=True)

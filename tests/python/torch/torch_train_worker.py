@@ -1,0 +1,356 @@
+"""DistributedOptimizer, broadcast helpers, SyncBatchNorm and process sets, in one launch.
+
+usage: torch_train_worker.py SEED
+
+The reference is single-process torch: the same model trained on the concatenation of every
+rank's batch (each rank rebuilds every rank's batch from the seed), never through ferrovod.
+Prints ``OK <n_checks>``.
+"""
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workers"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import fvtest as T  # noqa: E402
+
+import ferrovod.torch as hvd  # noqa: E402
+
+torch.set_default_dtype(torch.float64)
+B, DIN, DOUT, STEPS = 4, 6, 3, 4
+TOL = 1e-10
+
+
+def make_model(seed, bn=False, sparse=False):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(DIN, 8)]
+    if bn:
+        layers.append(hvd.SyncBatchNorm(8) if bn == "sync" else torch.nn.BatchNorm1d(8))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(8, DOUT)]
+    return torch.nn.Sequential(*layers)
+
+
+def batch(seed, step, r, micro=0):
+    g = torch.Generator().manual_seed(seed * 100003 + step * 101 + r * 7 + micro * 100000)
+    return torch.randn(B, DIN, generator=g), torch.randn(B, DOUT, generator=g)
+
+
+def global_batch(seed, step, n, micro=0):
+    xs, ys = zip(*(batch(seed, step, r, micro) for r in range(n)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+class Run:
+    def __init__(self, seed):
+        self.seed, self.r, self.n = seed, hvd.rank(), hvd.size()
+        self.ck = T.Checker(self.r)
+
+    def close(self, got, exp, what, tol=TOL):
+        self.ck.array(got.detach().numpy(), exp.detach().numpy(), what) if tol is None else \
+            self.ck.true(np.allclose(got.detach().numpy(), exp.detach().numpy(), rtol=tol, atol=tol),
+                         what, f"max abs diff {float((got - exp).detach().abs().max()):.3g} > {tol}")
+
+    def same_on_all_ranks(self, t, what, ps=hvd.global_process_set):
+        rows = hvd.allgather(t.detach().reshape(1, -1), process_set=ps)
+        self.ck.true(bool((rows == rows[0]).all()), what, "ranks hold different values")
+
+    def train(self, model, opt, steps=STEPS, micro=1, clip=None, seed_off=0):
+        for s in range(steps):
+            for m in range(micro):
+                x, y = batch(self.seed + seed_off, s, self.r, m)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            if clip is not None:
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+
+    def reference(self, make_opt, steps=STEPS, micro=1, clip=None, scale=1.0, n=None, bn=False,
+                  seed_off=0):
+        n = self.n if n is None else n
+        model = make_model(0, bn=bn and "plain")
+        opt = make_opt(model)
+        for s in range(steps):
+            for m in range(micro):
+                x, y = global_batch(self.seed + seed_off, s, n, m)
+                (torch.nn.functional.mse_loss(model(x), y) * scale).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+        return model
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def distributed(run, make_opt=sgd, bn=False, **kw):
+    """A model initialised differently on each rank, then made equal by broadcast_parameters."""
+    model = make_model(run.r, bn=bn and "sync")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(make_opt(model), named_parameters=model.named_parameters(), **kw)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return model, opt
+
+
+# ---------------------------------------------------------------------------------------------
+def sec_optimizer(run):
+    for make_opt in (sgd, adam):
+        model, opt = distributed(run, make_opt)
+        run.ck.equal(type(opt).__name__, make_opt(make_model(0)).__class__.__name__, "class name")
+        run.close(flat(model), flat(make_model(0)), "broadcast_parameters from rank 0")
+        run.train(model, opt)
+        run.same_on_all_ranks(flat(model), f"{make_opt.__name__}: parameters identical")
+        run.close(flat(model), flat(run.reference(make_opt)), f"{make_opt.__name__}: equals "
+                  "one process on the global batch")
+    # groups (int and explicit lists), gradient_predivide_factor, Sum
+    for kw in ({"groups": 2}, {"num_groups": 3}, {"gradient_predivide_factor": 2.0}):
+        model, opt = distributed(run, **kw) if "num_groups" not in kw else \
+            _quiet(lambda: distributed(run, **kw))
+        run.train(model, opt)
+        run.close(flat(model), flat(run.reference(sgd)), f"{kw}: equals the reference")
+    model = make_model(0)
+    params = list(model.parameters())
+    opt = hvd.DistributedOptimizer(sgd(model), groups=[params[:2], params[3:]])
+    run.train(model, opt)
+    run.close(flat(model), flat(run.reference(sgd)), "explicit groups: equal the reference")
+    model, opt = distributed(run, op=hvd.Sum)
+    run.train(model, opt)
+    run.close(flat(model), flat(run.reference(sgd, scale=run.n)), "op=Sum: n x the mean gradient")
+    # gradient clipping between synchronize() and step()
+    model, opt = distributed(run)
+    run.train(model, opt, clip=0.05)
+    run.close(flat(model), flat(run.reference(sgd, clip=0.05)), "synchronize + clip + skip")
+    # backward_passes_per_step: micro-batches accumulate locally, one allreduce per step
+    model, opt = distributed(run, backward_passes_per_step=3)
+    run.train(model, opt, micro=3)
+    run.close(flat(model), flat(run.reference(sgd, micro=3)), "backward_passes_per_step=3")
+    # fp16 and bf16 compression: close to the exact reference, identical on all ranks
+    for comp, tol in ((hvd.Compression.fp16, 3e-3), (hvd.Compression.bf16, 3e-2)):
+        model, opt = distributed(run, compression=comp)
+        run.train(model, opt)
+        run.same_on_all_ranks(flat(model), f"{comp.__name__}: parameters identical")
+        run.close(flat(model), flat(run.reference(sgd)), f"{comp.__name__}: near reference", tol)
+
+
+def _quiet(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return fn()
+
+
+def sec_semantics(run):
+    ck = run.ck
+    if run.n > 1:  # one rank: no hooks and nothing in flight (as in Horovod)
+        _in_flight_checks(run)
+    _other_semantics(run)
+
+
+def _in_flight_checks(run):
+    ck = run.ck
+    model, opt = distributed(run)
+    x, y = batch(run.seed, 0, run.r)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    ck.raises(AssertionError, opt.zero_grad, "zero_grad with allreduces in flight",
+              contains=("zero_grad",))
+    e = ck.raises(Exception, lambda: torch.nn.functional.mse_loss(model(x), y).backward(),
+                  "a second backward before step", contains=("backward_passes_per_step",))
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        opt.step()
+    ck.true(any("skip_synchronize" in str(x.message) for x in w), "warning: step after synchronize")
+    del e
+    opt.zero_grad()
+
+
+def _other_semantics(run):
+    ck = run.ck
+    # a parameter only rank 0 uses: the others submit zeros, nothing hangs
+    model = make_model(0)
+    extra = torch.nn.Linear(DOUT, DOUT)
+    params = list(model.named_parameters()) + [("extra." + k, v) for k, v in extra.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1),
+                                   named_parameters=params)
+    before = flat(extra).clone()
+    for s in range(2):
+        out = model(batch(run.seed, s, run.r)[0])
+        if run.r == 0:
+            out = extra(out)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    run.same_on_all_ranks(flat(extra), "unused-on-some-ranks parameter identical")
+    ck.true(not torch.equal(flat(extra), before) or run.n == 1, "it was updated")
+    # named_parameters checks
+    m = make_model(0)
+    ck.raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(m), named_parameters=[
+        ("a", p) for p in m.parameters()]), "duplicate names", contains=("unique",))
+    ck.raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(m), named_parameters=list(
+        m.named_parameters())[:1]), "unnamed parameters", contains=("not named",))
+    ck.raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(m), op=hvd.Sum,
+                                                           gradient_predivide_factor=2.0),
+              "predivide with Sum")
+
+
+def sec_sparse(run):
+    def make(seed, sparse):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, mode="sum", sparse=sparse),
+                                   torch.nn.Linear(4, 2))
+
+    def idx(s, r):
+        g = torch.Generator().manual_seed(run.seed + 17 * s + 1000 * r)
+        return torch.randint(0, 20, (B, 3), generator=g), torch.randn(B, 2, generator=g)
+
+    ref = make(0, False)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for s in range(3):
+        xs, ys = zip(*(idx(s, r) for r in range(run.n)))
+        torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ropt.step()
+        ropt.zero_grad()
+    for as_dense in (False, True):
+        model = make(0, True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       sparse_as_dense=as_dense)
+        for s in range(3):
+            x, y = idx(s, run.r)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        run.close(flat(model), flat(ref), f"sparse gradients (sparse_as_dense={as_dense})")
+
+
+def sec_syncbn(run):
+    r, n = run.r, run.n
+    # one layer: outputs, input gradients, weight gradients, running statistics, eval mode
+    for shape in ((B, 5), (B, 5, 3)):
+        sync, plain = hvd.SyncBatchNorm(5, momentum=0.3), torch.nn.BatchNorm1d(5, momentum=0.3)
+        for s in range(2):
+            g = [torch.Generator().manual_seed(run.seed + 31 * j + s) for j in range(n)]
+            xs = [torch.randn(shape, generator=gj) * 2 + 1 for gj in g]
+            ws = [torch.randn(shape, generator=gj) for gj in g]
+            x = xs[r].clone().requires_grad_()
+            out = sync(x)
+            (out * ws[r]).sum().backward()
+            xr = torch.cat(xs).requires_grad_()
+            outr = plain(xr)
+            (outr * torch.cat(ws)).sum().backward()
+            sl = slice(r * B, (r + 1) * B)
+            run.close(out, outr[sl], f"SyncBatchNorm {shape} output step {s}")
+            run.close(x.grad, xr.grad[sl], f"SyncBatchNorm {shape} input grad")
+            wsum = hvd.allreduce(sync.weight.grad, op=hvd.Sum)
+            run.close(wsum, plain.weight.grad, f"SyncBatchNorm {shape} weight grad (summed)")
+            run.close(hvd.allreduce(sync.bias.grad, op=hvd.Sum), plain.bias.grad, "bias grad")
+            sync.zero_grad()
+            plain.zero_grad()
+        run.close(sync.running_mean, plain.running_mean, "running_mean")
+        run.close(sync.running_var, plain.running_var, "running_var")
+        sync.eval()
+        plain.eval()
+        run.close(sync(xs[r]), plain(xs[r]), "eval mode")
+    # in a model trained with DistributedOptimizer: equals BatchNorm on the global batch
+    model, opt = distributed(run, bn=True)
+    run.train(model, opt)
+    ref = run.reference(sgd, bn=True)
+    run.close(flat(model), flat(ref), "SyncBatchNorm model equals BatchNorm on the global batch")
+    run.close(model[1].running_var, ref[1].running_var, "trained running_var")
+
+
+def sec_state(run):
+    # rank 0 trains alone for two steps; the others are fresh: afterwards all have rank 0's
+    model = make_model(run.r)
+    opt = adam(model)
+    if run.r == 0:
+        for s in range(2):
+            x, y = batch(run.seed, s, 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.param_groups[0]["lr"] = 0.005
+    hvd.broadcast_parameters(list(model.named_parameters()), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0, model=model)
+    run.ck.equal(opt.param_groups[0]["lr"], 0.005, "lr from rank 0")
+    st = torch.cat([torch.as_tensor(v, dtype=torch.float64).reshape(-1)
+                    for p in model.parameters() for _, v in sorted(opt.state[p].items())])
+    run.same_on_all_ranks(st, "Adam state identical after broadcast_optimizer_state")
+    run.same_on_all_ranks(flat(model), "parameters identical after broadcast_parameters")
+    run.ck.equal(float(opt.state[next(model.parameters())]["step"]), 2.0, "Adam step count")
+
+
+def sec_psets(run):
+    n, r = run.n, run.r
+    ps = PAIR
+    # ops on the set
+    x = torch.full((3,), float(r + 1))
+    if ps.included():
+        run.close(hvd.allreduce(x, op=hvd.Sum, process_set=ps), torch.full((3,), 3.0), "set allreduce")
+        run.close(hvd.allgather(x[:1], process_set=ps), torch.tensor([1.0, 2.0]), "set allgather")
+        run.close(hvd.broadcast(x, 1, process_set=ps), torch.full((3,), 2.0), "set broadcast")
+    else:
+        run.ck.raises(ValueError, lambda: hvd.allreduce(x, process_set=ps), "foreign set")
+    # training on the set: members train together, the others alone
+    model = make_model(0)
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   process_set=ps)
+    run.train(model, opt, seed_off=1 if ps.included() else 1 + r)
+    if ps.included():
+        ref = run.reference(sgd, n=2, seed_off=1)
+        run.close(flat(model), flat(ref), "DistributedOptimizer on a process set")
+    else:
+        model0 = make_model(0)
+        o = sgd(model0)
+        for s in range(STEPS):
+            x, y = batch(run.seed + 1 + r, s, r)
+            torch.nn.functional.mse_loss(model0(x), y).backward()
+            o.step()
+            o.zero_grad()
+        run.close(flat(model), flat(model0), "outside the set: local training")
+
+
+SECTIONS = {"optimizer": sec_optimizer, "semantics": sec_semantics, "sparse": sec_sparse,
+            "syncbn": sec_syncbn, "state": sec_state, "psets": sec_psets}
+PAIR = hvd.ProcessSet([0, 1])
+
+
+def main():
+    seed = int(sys.argv[1])
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SECTIONS)
+    hvd.init(process_sets=[PAIR] if _size_hint() >= 2 else None)
+    run = Run(seed)
+    for name in only:
+        if name == "psets" and run.n < 2:
+            continue
+        before = run.ck.count
+        SECTIONS[name](run)
+        print(f"section {name}: {run.ck.count - before} checks", flush=True)
+    hvd.shutdown()
+    return run.ck.count
+
+
+def _size_hint():
+    """The job size before init() (a set needs two ranks to be registered)."""
+    return int(os.environ.get("FERROVOD_SIZE", "1"))
+
+
+if __name__ == "__main__":
+    T.run_main(main)
