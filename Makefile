@@ -23,7 +23,7 @@ export VENV
 .PHONY: help setup build demo test test-rust test-py lint bench wheel clean
 
 help:
-	@echo "make demo    train a small model with 2 processes (sets everything up first)"
+	@echo "make demo    train a CNN on the digits dataset with 2 processes (sets everything up first)"
 	@echo "make test    fmt, clippy, cargo test, pytest: what CI runs"
 	@echo "make setup   create $(VENV) and build the extension into it"
 	@echo "make build   rebuild the extension into $(VENV)"
@@ -39,7 +39,7 @@ build:
 	@bash scripts/setup_venv.sh
 
 demo: setup
-	$(RUN) -np $(NP) $(PY) examples/allreduce_demo.py
+	$(RUN) -np $(NP) $(PY) examples/pytorch_digits.py
 
 # src/python/ is compiled only with the `python` feature: clippy runs with and without it.
 lint:
