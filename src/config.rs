@@ -43,6 +43,10 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_LOG_HIDE_TIME", alias: Some("HOROVOD_LOG_HIDE_TIME"), default: "0", doc: "Leave the timestamp out of ferrovod's log lines." },
     Var { name: "FERROVOD_TIMELINE", alias: Some("HOROVOD_TIMELINE"), default: "unset", doc: "Rank 0 writes a Chrome-trace timeline of every tensor to this file (open it in Perfetto or chrome://tracing). `DYNAMIC` (or unset): none until start_timeline()." },
     Var { name: "FERROVOD_TIMELINE_MARK_CYCLES", alias: Some("HOROVOD_TIMELINE_MARK_CYCLES"), default: "0", doc: "Add an instant CYCLE_START mark each time the engine receives work." },
+    Var { name: "FERROVOD_AUTOTUNE", alias: Some("HOROVOD_AUTOTUNE"), default: "0", doc: "Tune the fusion threshold and the cycle time online from measured throughput (those not set explicitly), then keep the best." },
+    Var { name: "FERROVOD_AUTOTUNE_LOG", alias: Some("HOROVOD_AUTOTUNE_LOG"), default: "unset", doc: "CSV file of the autotune samples and the settled values." },
+    Var { name: "FERROVOD_AUTOTUNE_WARMUP_SAMPLES", alias: Some("HOROVOD_AUTOTUNE_WARMUP_SAMPLES"), default: "3", doc: "Samples discarded before autotune scores." },
+    Var { name: "FERROVOD_AUTOTUNE_STEPS_PER_SAMPLE", alias: Some("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"), default: "10", doc: "Training steps per autotune sample." },
     Var { name: "FERROVOD_STALL_CHECK_DISABLE", alias: Some("HOROVOD_STALL_CHECK_DISABLE"), default: "0", doc: "Turn the stall inspector off." },
     Var { name: "FERROVOD_STALL_CHECK_TIME_SECONDS", alias: Some("HOROVOD_STALL_CHECK_TIME_SECONDS"), default: "60", doc: "Rank 0 warns, naming each tensor and the ranks that have not submitted it, when some ranks have waited this long." },
     Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "If above the check time: a tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never." },
@@ -132,6 +136,8 @@ pub struct Config {
     pub timeline: Option<String>,
     /// Cycle marks in the timeline.
     pub timeline_mark_cycles: bool,
+    /// Online tuning of the fusion threshold and cycle time, when enabled.
+    pub autotune: Option<crate::engine::autotune::AutotuneConfig>,
     /// When the stall inspector warns; `None` when it is disabled.
     pub stall_check: Option<Duration>,
     /// When a stalled tensor becomes an error on every rank; `None`: never.
@@ -233,6 +239,20 @@ impl Config {
                 .map(|(_, v)| v)
                 .filter(|v| !v.eq_ignore_ascii_case("dynamic")),
             timeline_mark_cycles: flag("FERROVOD_TIMELINE_MARK_CYCLES"),
+            autotune: if flag("FERROVOD_AUTOTUNE") {
+                Some(crate::engine::autotune::AutotuneConfig {
+                    tune_fusion: lookup("FERROVOD_FUSION_THRESHOLD").is_none(),
+                    tune_cycle: lookup("FERROVOD_CYCLE_TIME").is_none(),
+                    warmup_samples: int("FERROVOD_AUTOTUNE_WARMUP_SAMPLES")?.unwrap_or(3),
+                    steps_per_sample: int("FERROVOD_AUTOTUNE_STEPS_PER_SAMPLE")?
+                        .unwrap_or(10)
+                        .max(1),
+                    samples_per_candidate: 3,
+                    log_path: lookup("FERROVOD_AUTOTUNE_LOG").map(|(_, v)| v),
+                })
+            } else {
+                None
+            },
             stall_check,
             stall_shutdown,
         })

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::bootstrap::{auth, net};
 use crate::error::{Error, Result};
 
+use super::autotune::{AutotuneConfig, Autotuner, Knobs};
 use super::control::FrameConn;
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
@@ -38,6 +39,8 @@ pub struct CoordinatorConfig {
     pub stall_check: Option<Duration>,
     /// Stall shutdown time.
     pub stall_shutdown: Option<Duration>,
+    /// Online tuning of the fusion threshold and cycle time.
+    pub autotune: Option<AutotuneConfig>,
 }
 
 /// A running coordinator; dropping it (or `stop`) ends the thread.
@@ -95,6 +98,22 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
     let mut out: Outbox = Vec::new();
     let mut ready_since: Option<Instant> = None;
     let mut last_inspection = Instant::now();
+    let mut cycle_time = cfg.cycle_time;
+    let mut tuner = cfg.autotune.clone().map(|a| {
+        neg.record_emitted();
+        Autotuner::new(
+            a,
+            Knobs {
+                fusion_threshold: cfg.fusion_threshold,
+                cycle_time: cfg.cycle_time,
+            },
+        )
+    });
+    if let Some(t) = &tuner {
+        let k = t.knobs();
+        neg.set_fusion_threshold(k.fusion_threshold);
+        cycle_time = k.cycle_time;
+    }
     loop {
         let stopping = stop.load(Ordering::Acquire);
         let mut fds = vec![waker.fd(), std::os::fd::AsRawFd::as_raw_fd(&listener)];
@@ -108,7 +127,7 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
             Duration::ZERO
         } else {
             match ready_since {
-                Some(t) => cfg.cycle_time.saturating_sub(t.elapsed()),
+                Some(t) => cycle_time.saturating_sub(t.elapsed()),
                 None => Duration::from_secs(1),
             }
         };
@@ -188,9 +207,21 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
         }
         if neg.has_ready() {
             let since = *ready_since.get_or_insert_with(Instant::now);
-            if stopping || since.elapsed() >= cfg.cycle_time {
+            if stopping || since.elapsed() >= cycle_time {
                 neg.flush(&mut out);
                 ready_since = None;
+                if let Some(t) = tuner.as_mut() {
+                    for (name, bytes) in neg.take_emitted() {
+                        if let Some(k) = t.observe(&name, bytes) {
+                            neg.set_fusion_threshold(k.fusion_threshold);
+                            cycle_time = k.cycle_time;
+                        }
+                    }
+                    if t.settled() {
+                        tuner = None;
+                        neg.stop_recording_emitted();
+                    }
+                }
             }
         }
         for (to, msg) in out.drain(..) {

@@ -5,6 +5,7 @@
 //! The thread sleeps only when it has nothing to do: a submission (through an eventfd) or a
 //! control message (through its socket) wakes it, after a short bounded spin.
 
+pub mod autotune;
 pub mod control;
 pub mod coordinator;
 mod execute;
@@ -201,6 +202,7 @@ impl Engine {
             timeout: config.timeout,
             stall_check: config.stall_check,
             stall_shutdown: config.stall_shutdown,
+            autotune: config.autotune.clone(),
         };
         log::debug!(
             target: crate::LOG_TARGET,

@@ -91,6 +91,8 @@ pub struct Negotiator {
     cache_capacity: usize,
     /// Ready responses not yet sent (released by [`Negotiator::flush`]).
     ready: Vec<Response>,
+    /// (name, bytes) of every global-set tensor flushed, for the autotuner (when recording).
+    emitted: Option<Vec<(String, usize)>>,
 }
 
 impl Negotiator {
@@ -121,7 +123,31 @@ impl Negotiator {
             fusion_threshold,
             cache_capacity,
             ready: Vec::new(),
+            emitted: None,
         }
+    }
+
+    /// Changes the fusion threshold (autotune).
+    pub fn set_fusion_threshold(&mut self, bytes: usize) {
+        self.fusion_threshold = bytes;
+    }
+
+    /// Starts recording flushed tensors for [`Negotiator::take_emitted`].
+    pub fn record_emitted(&mut self) {
+        self.emitted.get_or_insert_with(Vec::new);
+    }
+
+    /// Stops recording (and drops what was recorded).
+    pub fn stop_recording_emitted(&mut self) {
+        self.emitted = None;
+    }
+
+    /// (name, bytes) of the global-set tensors flushed since the last call.
+    pub fn take_emitted(&mut self) -> Vec<(String, usize)> {
+        self.emitted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Whether responses are waiting to be flushed.
@@ -212,6 +238,13 @@ impl Negotiator {
     /// Sends every ready response to the members of its set, in order.
     pub fn flush(&mut self, out: &mut Outbox) {
         let ready = std::mem::take(&mut self.ready);
+        if let Some(log) = self.emitted.as_mut() {
+            for r in ready.iter().filter(|r| r.set_id == 0 && r.error.is_none()) {
+                for i in &r.items {
+                    log.push((i.request.name.clone(), i.request.nbytes()));
+                }
+            }
+        }
         let mut fused: Vec<Response> = Vec::with_capacity(ready.len());
         for resp in ready {
             if let Some(last) = fused.last_mut() {

@@ -59,10 +59,6 @@ _IGNORED_FLAGS: List[Tuple[str, str]] = [
     ("hierarchical_allreduce", "--[no-]hierarchical-allreduce"),
     ("hierarchical_allgather", "--[no-]hierarchical-allgather"),
     ("torus_allreduce", "--[no-]torus-allreduce"),
-    ("autotune", "--[no-]autotune"),
-    ("autotune_log_file", "--autotune-log-file"),
-    ("autotune_warmup_samples", "--autotune-warmup-samples"),
-    ("autotune_steps_per_sample", "--autotune-steps-per-sample"),
     ("autotune_bayes_opt_max_samples", "--autotune-bayes-opt-max-samples"),
     ("autotune_gaussian_process_noise", "--autotune-gaussian-process-noise"),
 ]
