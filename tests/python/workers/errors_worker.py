@@ -226,7 +226,11 @@ def case_stall():
               f"named={names_rank(str(e), 1)} msg={e}", flush=True)
     finally:
         if r == 0:
-            os.kill(pids[1], signal.SIGKILL)  # a stopped rank cannot end by itself
+            # A stopped rank cannot end by itself. Killing it makes the launcher stop the job,
+            # so first give rank 2 (which may still be waiting for the coordinator's verdict,
+            # up to 1.5 s) time to report its own error.
+            time.sleep(2.5)
+            os.kill(pids[1], signal.SIGKILL)
     return ck.count
 
 
