@@ -216,27 +216,42 @@ fn allreduce(
         }
     }
     for (dtype, members) in groups {
-        if members.len() == 1 {
-            let (i, t) = members[0];
+        // Large tensors are reduced where they lie: copying them through the fusion buffer
+        // costs two passes over memory and buys nothing (fusion pays off for many small
+        // tensors, whose per-collective latency it saves).
+        let (solo, packed): (Vec<Slot>, Vec<Slot>) = members.into_iter().partition(|&(i, t)| {
+            entries[i].is_some() && items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT
+        });
+        for (i, t) in solo {
+            let entry = entries[i].as_mut().expect("partitioned on is_some");
+            reduce_in_place(
+                comm,
+                &mut entry.spec.tensors[t],
+                dtype,
+                op,
+                pre,
+                post,
+                trace,
+            )?;
+        }
+        if let [(i, t)] = packed[..] {
             if let Some(entry) = entries[i].as_mut() {
-                let spec = &mut entry.spec.tensors[t];
-                let out = spec
-                    .output
-                    .as_mut()
-                    .expect("allreduce outputs are preallocated");
-                if !out.same_memory(&spec.input) {
-                    out.as_mut_slice().copy_from_slice(spec.input.as_slice());
-                }
-                let buf = out.as_mut_slice();
-                reduce::scale(dtype, buf, pre)?;
-                trace.begin("TCP_ALLREDUCE");
-                collective::allreduce(comm, buf, dtype, op)?;
-                trace.end();
-                reduce::scale(dtype, buf, post)?;
+                reduce_in_place(
+                    comm,
+                    &mut entry.spec.tensors[t],
+                    dtype,
+                    op,
+                    pre,
+                    post,
+                    trace,
+                )?;
                 continue;
             }
         }
-        let sizes: Vec<usize> = members
+        if packed.is_empty() {
+            continue;
+        }
+        let sizes: Vec<usize> = packed
             .iter()
             .map(|&(i, t)| items[i].request.tensors[t].nbytes())
             .collect();
@@ -247,7 +262,7 @@ fn allreduce(
         let buf = &mut fusion[..total];
         trace.begin("MEMCPY_IN_FUSION_BUFFER");
         let mut off = 0;
-        for (&(i, t), &len) in members.iter().zip(&sizes) {
+        for (&(i, t), &len) in packed.iter().zip(&sizes) {
             let dst = &mut buf[off..off + len];
             match entries[i].as_ref() {
                 Some(e) => dst.copy_from_slice(e.spec.tensors[t].input.as_slice()),
@@ -264,7 +279,7 @@ fn allreduce(
         trace.begin("MEMCPY_OUT_FUSION_BUFFER");
         reduce::scale(dtype, buf, post)?;
         let mut off = 0;
-        for (&(i, t), &len) in members.iter().zip(&sizes) {
+        for (&(i, t), &len) in packed.iter().zip(&sizes) {
             if let Some(e) = entries[i].as_mut() {
                 let out = e.spec.tensors[t]
                     .output
@@ -277,6 +292,38 @@ fn allreduce(
         trace.end();
     }
     Ok(())
+}
+
+/// (item index, tensor index) of one tensor of a response.
+type Slot = (usize, usize);
+
+/// Tensors at least this large skip the fusion buffer.
+const FUSION_COPY_LIMIT: usize = 1 << 20;
+
+/// Allreduce of one tensor in its own output memory (copying the input there first when the
+/// op is not in place), with the scale factors applied around it.
+fn reduce_in_place(
+    comm: &mut Communicator<'_>,
+    spec: &mut super::TensorSpec,
+    dtype: DType,
+    op: ReduceOp,
+    pre: f64,
+    post: f64,
+    trace: &Trace<'_>,
+) -> Result<()> {
+    let out = spec
+        .output
+        .as_mut()
+        .expect("allreduce outputs are preallocated");
+    if !out.same_memory(&spec.input) {
+        out.as_mut_slice().copy_from_slice(spec.input.as_slice());
+    }
+    let buf = out.as_mut_slice();
+    reduce::scale(dtype, buf, pre)?;
+    trace.begin("TCP_ALLREDUCE");
+    collective::allreduce(comm, buf, dtype, op)?;
+    trace.end();
+    reduce::scale(dtype, buf, post)
 }
 
 fn allgather(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Result<Output> {

@@ -17,7 +17,9 @@ pub fn wait_readable(fds: &[RawFd], timeout: Duration) -> Result<Vec<usize>> {
             revents: 0,
         })
         .collect();
-    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // Round up: truncating a sub-millisecond wait to 0 would make callers that wait out a
+    // short interval (the coordinator's cycle time) spin instead of sleep.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
     // SAFETY: `pfds` is a valid, exclusively borrowed array of `pfds.len()` pollfd structs for
     // the duration of the call; poll only writes their `revents` fields.
     let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };

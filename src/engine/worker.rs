@@ -46,6 +46,8 @@ pub(super) struct Worker {
     control_open: bool,
     /// Rank 0's timeline, when one is being written.
     pub timeline: Option<Timeline>,
+    /// `shutdown()` was called; the loop leaves after the current message.
+    shutdown_requested: bool,
 }
 
 enum SetWaiter {
@@ -80,6 +82,7 @@ impl Worker {
             failed: None,
             coordinator_left: false,
             control_open: true,
+            shutdown_requested: false,
             timeline: match (&config.timeline, rank) {
                 (Some(path), 0) => match Timeline::start(path, config.timeline_mark_cycles) {
                     Ok(t) => Some(t),
@@ -96,20 +99,8 @@ impl Worker {
     pub fn run(mut self) {
         let mut idle_since = Instant::now();
         loop {
-            let cmds = std::mem::take(&mut *self.shared.queue.lock());
-            let mut busy = !cmds.is_empty();
-            let mut submits = Vec::new();
-            let mut shutdown = false;
-            for cmd in cmds {
-                match cmd {
-                    Command::Shutdown => shutdown = true,
-                    cmd => self.command(cmd, &mut submits),
-                }
-            }
-            if !submits.is_empty() {
-                self.send(ToCoordinator::Submit(submits));
-            }
-            if shutdown {
+            let mut busy = self.drain_queue();
+            if self.shutdown_requested {
                 self.send(ToCoordinator::Leave);
                 self.fail_all(Error::Shutdown(
                     "ferrovod was shut down on this rank".into(),
@@ -137,6 +128,27 @@ impl Worker {
             self.shared.waker.clear();
             idle_since = Instant::now();
         }
+    }
+
+    /// Takes every queued command and sends new submissions to the coordinator in one
+    /// message. Called before each collective too, so that the next tensors are negotiated
+    /// while the current ones are on the wire. Returns whether anything was queued.
+    fn drain_queue(&mut self) -> bool {
+        let cmds = std::mem::take(&mut *self.shared.queue.lock());
+        if cmds.is_empty() {
+            return false;
+        }
+        let mut submits = Vec::new();
+        for cmd in cmds {
+            match cmd {
+                Command::Shutdown => self.shutdown_requested = true,
+                cmd => self.command(cmd, &mut submits),
+            }
+        }
+        if !submits.is_empty() {
+            self.send(ToCoordinator::Submit(submits));
+        }
+        true
     }
 
     fn command(&mut self, cmd: Command, submits: &mut Vec<Submit>) {
@@ -407,6 +419,9 @@ impl Worker {
                     t.mark("CYCLE_START");
                 }
                 for r in rs {
+                    if !self.shutdown_requested {
+                        self.drain_queue();
+                    }
                     self.execute(r);
                 }
             }
