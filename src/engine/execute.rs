@@ -219,34 +219,20 @@ fn allreduce(
         // Large tensors are reduced where they lie: copying them through the fusion buffer
         // costs two passes over memory and buys nothing (fusion pays off for many small
         // tensors, whose per-collective latency it saves).
-        let (solo, packed): (Vec<Slot>, Vec<Slot>) = members.into_iter().partition(|&(i, t)| {
-            entries[i].is_some() && items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT
-        });
+        let (mut solo, mut packed): (Vec<Slot>, Vec<Slot>) =
+            members.into_iter().partition(|&(i, t)| {
+                entries[i].is_some() && items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT
+            });
+        // A lone small tensor needs no fusion buffer either.
+        if let [(i, _)] = packed[..] {
+            if entries[i].is_some() {
+                solo.append(&mut packed);
+            }
+        }
         for (i, t) in solo {
             let entry = entries[i].as_mut().expect("partitioned on is_some");
-            reduce_in_place(
-                comm,
-                &mut entry.spec.tensors[t],
-                dtype,
-                op,
-                pre,
-                post,
-                trace,
-            )?;
-        }
-        if let [(i, t)] = packed[..] {
-            if let Some(entry) = entries[i].as_mut() {
-                reduce_in_place(
-                    comm,
-                    &mut entry.spec.tensors[t],
-                    dtype,
-                    op,
-                    pre,
-                    post,
-                    trace,
-                )?;
-                continue;
-            }
+            let spec = &mut entry.spec.tensors[t];
+            reduce_in_place(comm, spec, dtype, op, pre, post, trace)?;
         }
         if packed.is_empty() {
             continue;
