@@ -51,6 +51,7 @@ test-rust:
 	cargo test $(CARGO_TEST_FLAGS)
 
 test-py: setup
+	@bash scripts/system_deps.sh
 	$(PY) -m pytest tests/python $(PYTEST_FLAGS)
 
 test: setup lint test-rust test-py
