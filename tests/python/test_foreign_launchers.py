@@ -33,6 +33,24 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _free_port_pair():
+    """A port P with P+1 free too, outside the kernel's ephemeral range (as a MASTER_PORT such
+    as 29500 is): torchrun's own connections take ephemeral ports, often right next to an
+    ephemeral P, and ferrovod's store goes on P+1 under torchrun."""
+    import random
+
+    for _ in range(200):
+        p = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("0.0.0.0", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
 def _run_ranks(envs, mode="ops", timeout=60):
     """Starts one plain process per environment and waits for all of them."""
     procs = [subprocess.Popen([sys.executable, SCRIPT, mode], env=e, stdout=subprocess.PIPE,
@@ -119,7 +137,7 @@ def test_killed_rank_is_reported_when_no_launcher_stops_the_others():
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_real_torchrun():
-    port = _free_port()
+    port = _free_port_pair()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT],
