@@ -30,10 +30,7 @@ pub fn allreduce(
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    check(buf, dtype, op)?;
-    if comm.size() == 1 || buf.is_empty() {
-        return Ok(());
-    }
+    // Both paths validate and short-circuit a single rank themselves.
     if buf.len() <= comm.tuning.small_allreduce_bytes {
         small(comm, buf, dtype, op)
     } else {
@@ -167,6 +164,9 @@ fn recursive_doubling(
 /// `2·(n-1)/n·B`. The reduce-scatter half is chunked by `comm.tuning.chunk_bytes`.
 pub fn ring(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     check(buf, dtype, op)?;
+    if comm.size() == 1 || buf.is_empty() {
+        return Ok(());
+    }
     let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
     ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
     ring_allgather(comm, buf, &segs)
