@@ -32,7 +32,9 @@ done
 # Loose pins: a floor that is known to work, a ceiling at the next major version that could
 # break us. ziglang lets maturin link manylinux2014 wheels on any host glibc. torch (from PyPI
 # as is; post-accumulate-grad hooks need >= 2.1) and scikit-learn (its bundled digits data)
-# are for ferrovod.torch's tests and examples/pytorch_digits.py.
+# are for ferrovod.torch's tests and examples/pytorch_digits.py. mpi4py (a binary wheel that
+# loads the system's libmpi at run time) is for the rendezvous over MPI under plain mpirun;
+# PyYAML reads the Kubernetes examples in their tests.
 PACKAGES=(
     "pip>=23"
     "maturin>=1.5,<2"
@@ -44,6 +46,8 @@ PACKAGES=(
     "ziglang>=0.11,<1"
     "torch>=2.1"
     "scikit-learn>=1.0"
+    "mpi4py>=4,<5"
+    "PyYAML>=6"
 )
 
 LOG="$(mktemp "${TMPDIR:-/tmp}/ferrovod-setup.XXXXXX")"

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# Debian packages the test suite uses beyond a bare machine: iproute2 (`ip netns`, for the
-# tests that simulate hosts as network namespaces). Installed only when missing and only as
-# root; otherwise those tests skip and say why.
+# Debian packages the test suite uses beyond a bare machine:
+#   iproute2        `ip netns`, for the tests that simulate hosts as network namespaces;
+#   openssh-server  sshd inside each simulated host (multi-host ferrovodrun, mpirun);
+#   openssh-client  ssh, what ferrovodrun and mpirun start remote workers with;
+#   openmpi-bin     Open MPI's mpirun (tests of workers started by mpirun, with mpi4py).
+# Installed only when missing and only as root; otherwise the tests that need them skip and
+# say why.
 set -euo pipefail
-if command -v ip >/dev/null 2>&1; then
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+if [ "${#need[@]}" = 0 ]; then
     exit 0
 fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "system_deps: iproute2 missing and cannot be installed here; network-namespace tests will skip" >&2
+    echo "system_deps: ${need[*]} missing and cannot be installed here; the tests that need them will skip" >&2
     exit 0
 fi
-echo "system_deps: installing iproute2"
+echo "system_deps: installing ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq >/dev/null
-apt-get install -y -qq iproute2 >/dev/null
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
