@@ -560,10 +560,18 @@ def test_command_not_found(base_env: Dict[str, str]) -> None:
 # -- command line ---------------------------------------------------------------------------
 
 
-def test_non_local_host_is_refused(base_env: Dict[str, str]) -> None:
-    proc = run(base_env, "-np", "2", "-H", "localhost:1,node-b.invalid:1", "true")
-    assert proc.returncode == 2
-    assert "multi-host launch is not supported yet: node-b.invalid" in proc.stderr
+def test_unreachable_host_is_named_before_anything_starts(
+    base_env: Dict[str, str], tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    proc = run(
+        base_env, "-np", "2", "-H", "localhost:1,node-b.invalid:1",
+        "sh", "-c", f"touch {marker}",
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot start the job on 1 of 1 remote host(s)" in proc.stderr
+    assert "node-b.invalid: unreachable over ssh" in proc.stderr
+    assert not marker.exists(), "a worker started although a host failed its check"
 
 
 def test_too_many_processes(base_env: Dict[str, str], tmp_path: Path) -> None:

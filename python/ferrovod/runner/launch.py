@@ -1,22 +1,28 @@
-"""``ferrovodrun``: launches a ferrovod job on this machine (horovodrun-compatible flags).
+"""``ferrovodrun``: launches a ferrovod job on this machine or across hosts (horovodrun's flags).
 
-Usage: ``ferrovodrun -np N [options] command args...``, or ``python -m ferrovod.runner.launch``.
+Usage: ``ferrovodrun -np N [-H host:slots,...|--hostfile FILE] [options] command args...``, or
+``python -m ferrovod.runner.launch``.
 
-The launcher creates a random job secret, starts the rendezvous store, starts one worker per
-rank with its topology in the environment, forwards their output line by line, and ends the
-job as a whole: the first worker to fail (or a Ctrl-C) stops all the others, and the launcher
-exits with that worker's status. Multi-host and elastic launches are not supported yet.
+The launcher checks every remote host first (reachable over ssh, ferrovod installed, the working
+directory and network interface present) and names the ones that are not, before anything
+starts. Then it creates a random job secret, starts the rendezvous store, starts one worker per
+rank with its topology in the environment (over ssh on remote hosts, see :mod:`.remote`),
+forwards their output line by line, and ends the job as a whole: the first worker to fail (or a
+Ctrl-C) stops all the others on every host, and the launcher exits with that worker's status.
+Elastic launches are not supported yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import secrets
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, BinaryIO, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
@@ -31,8 +37,27 @@ from .hosts import (
     remote_hosts,
 )
 from .output import Sink, rank_output_dir
+from .remote import (
+    HostReport,
+    Ssh,
+    agent_argv,
+    check_hosts,
+    format_host_errors,
+    forwarded_env,
+    parse_exports,
+    rendezvous_host,
+)
 from .supervisor import JobOutcome, SpawnError, Supervisor, WorkerSpec, describe_status
-from .worker_env import JobInfo, slot_env, tunable_env, visible_env, worker_env
+from .worker_env import (
+    SECRET_VAR,
+    THREAD_VARS,
+    JobInfo,
+    slot_env,
+    start_timeout,
+    tunable_env,
+    visible_env,
+    worker_env,
+)
 
 __all__ = ["LaunchError", "LaunchPlan", "build_parser", "main", "plan_job", "run_commandline"]
 
@@ -40,7 +65,7 @@ PROG = "ferrovodrun"
 GRACE_S = 3.0
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
-# Flags accepted for horovodrun compatibility that change nothing in a local launch:
+# Flags accepted for horovodrun compatibility that change nothing here:
 # (argparse dest, flag as the user writes it).
 _IGNORED_FLAGS: List[Tuple[str, str]] = [
     ("use_gloo", "--gloo"),
@@ -48,9 +73,6 @@ _IGNORED_FLAGS: List[Tuple[str, str]] = [
     ("use_jsrun", "--jsrun"),
     ("tcp_flag", "--tcp"),
     ("disable_cache", "--disable-cache"),
-    ("nics", "--network-interface(s)"),
-    ("ssh_port", "--ssh-port"),
-    ("ssh_identity_file", "--ssh-identity-file"),
     ("mpi_args", "--mpi-args"),
     ("binding_args", "--binding-args"),
     ("num_nccl_streams", "--num-nccl-streams"),
@@ -93,6 +115,10 @@ class LaunchPlan:
     timestamp: bool
     verbose: bool
     notes: List[str]
+    remote: List[str] = field(default_factory=list)  # hosts reached over ssh, in order
+    ssh: Ssh = field(default_factory=Ssh)
+    exports: Dict[str, str] = field(default_factory=dict)  # -x
+    iface: Optional[str] = None
 
 
 # -- argument parsing -----------------------------------------------------------------------
@@ -148,7 +174,7 @@ class _VersionAction(argparse.Action):
 
 
 class _NicAction(argparse.Action):
-    """``--network-interface(s)``: comma-separated, repeatable; the values are unioned."""
+    """``--network-interface(s)``: comma-separated, repeatable; kept in order, once each."""
 
     def __call__(
         self,
@@ -157,8 +183,8 @@ class _NicAction(argparse.Action):
         values: Any,
         option_string: Optional[str] = None,
     ) -> None:
-        current = set(getattr(namespace, self.dest, None) or ())
-        current.update(v for v in str(values).split(",") if v)
+        current = list(getattr(namespace, self.dest, None) or ())
+        current += [v for v in str(values).split(",") if v and v not in current]
         setattr(namespace, self.dest, current)
 
 
@@ -205,7 +231,8 @@ def _add_general(parser: argparse.ArgumentParser) -> None:
         "--network-interfaces",
         dest="nics",
         action=_NicAction,
-        help="Accepted for horovodrun compatibility.",
+        help="Network interface the workers communicate over, e.g. eth0 (the first of a "
+        "comma-separated list; all are passed to NCCL). Checked on every host before start.",
     )
     parser.add_argument(
         "--network-interface", dest="nics", action=_NicAction, help=argparse.SUPPRESS
@@ -219,8 +246,21 @@ def _add_general(parser: argparse.ArgumentParser) -> None:
         "--config-file",
         help="A horovodrun YAML config file (not supported yet: ignored with a warning).",
     )
-    parser.add_argument("-p", "--ssh-port", type=int, help="Accepted for horovodrun compatibility.")
-    parser.add_argument("-i", "--ssh-identity-file", help="Accepted for horovodrun compatibility.")
+    parser.add_argument(
+        "-p", "--ssh-port", type=_positive_int, help="ssh port of the remote hosts."
+    )
+    parser.add_argument(
+        "-i", "--ssh-identity-file", help="ssh private key for the remote hosts."
+    )
+    parser.add_argument(
+        "-x",
+        dest="exports",
+        action="append",
+        metavar="VAR[=VALUE]",
+        help="Set VAR=VALUE on every worker, or forward the launcher's VAR to every host (as "
+        "mpirun -x). The launcher's environment is forwarded anyway, except variables of its "
+        "own session (HOME, SSH_*, CUDA_VISIBLE_DEVICES...).",
+    )
 
 
 def _add_tunables(parser: argparse.ArgumentParser) -> None:
@@ -325,7 +365,12 @@ def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
     hosts.add_argument(
         "-H", "--hosts", help="Hosts and slots, e.g. localhost:4 (default: localhost:<np>)."
     )
-    hosts.add_argument("-hostfile", "--hostfile", help="File of '<host> slots=<n>' lines.")
+    hosts.add_argument(
+        "-hostfile",
+        "--hostfile",
+        help="File of '<host> slots=<n>' (or '<host>:<n>') lines. Default: the MPI operator's "
+        "hostfile named by OMPI_MCA_orte_default_hostfile, when set.",
+    )
     hosts.add_argument("--host-discovery-script")
     controller = parser.add_argument_group(
         "controller (accepted for horovodrun compatibility)"
@@ -351,22 +396,40 @@ def build_parser() -> argparse.ArgumentParser:
 # -- planning -------------------------------------------------------------------------------
 
 
-def _resolve_hosts(args: argparse.Namespace) -> List[HostInfo]:
+# Where MPI launchers are told of a hostfile; the Kubeflow MPI operator sets the first in its
+# launcher pod (and HYDRA_HOST_FILE for MPICH).
+_HOSTFILE_VARS = ("OMPI_MCA_orte_default_hostfile", "HYDRA_HOST_FILE", "I_MPI_HYDRA_HOST_FILE")
+
+
+def _resolve_hosts(args: argparse.Namespace, environ: Dict[str, str]) -> List[HostInfo]:
     if args.hosts:
         return parse_hosts(args.hosts)
     if args.hostfile:
         return parse_hostfile(args.hostfile)
+    for var in _HOSTFILE_VARS:
+        path = environ.get(var, "").strip()
+        if path:
+            hosts = parse_hostfile(path)
+            if args.verbose:
+                sys.stderr.write(f"{PROG}: hosts from {var}={path}\n")
+            return hosts
     if args.num_proc is None:
         raise LaunchError("-np/--num-proc is required (or give the hosts with -H/--hostfile)")
     return [HostInfo("localhost", args.num_proc)]
 
 
-def _notes(args: argparse.Namespace) -> List[str]:
+def _notes(args: argparse.Namespace, remote: List[str]) -> List[str]:
     notes = [
-        f"{flag} has no effect on a local launch; ignored"
+        f"{flag} has no effect in ferrovod; ignored"
         for dest, flag in _IGNORED_FLAGS
         if getattr(args, dest, None) is not None
     ]
+    if not remote:
+        notes += [
+            f"{flag} has no effect without remote hosts; ignored"
+            for dest, flag in (("ssh_port", "--ssh-port"), ("ssh_identity_file", "-i"))
+            if getattr(args, dest, None) is not None
+        ]
     if args.prefix_output_with_timestamp:
         notes.append("prefixing output lines with timestamps")
     return notes
@@ -387,15 +450,27 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
     if not command:
         raise LaunchError("no command given; usage: ferrovodrun -np N command [args...]")
     try:
-        hosts = _resolve_hosts(args)
-        remote = remote_hosts(hosts)
-        if remote:
-            raise LaunchError(f"multi-host launch is not supported yet: {', '.join(remote)}")
+        hosts = _resolve_hosts(args, environ)
         num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
         slots = get_host_assignments(hosts, num_proc, num_proc)
+        used = {slot.hostname for slot in slots}
+        remote = [h for h in remote_hosts(hosts) if h in used]
         tunables = tunable_env(args, environ)
+        exports, warnings = parse_exports(args.exports, environ)
     except (HostSpecError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
+    nics = list(args.nics or ())
+    if nics:
+        tunables["FERROVOD_IFACE"] = nics[0]
+        tunables["NCCL_SOCKET_IFNAME"] = ",".join(nics)
+    ssh = Ssh(
+        port=args.ssh_port,
+        identity=args.ssh_identity_file,
+        # The MPI operator puts its ssh options (-o ConnectionAttempts=10) here for mpirun;
+        # ferrovodrun in the same launcher pod honours them too.
+        extra=tuple(shlex.split(environ.get("OMPI_MCA_plm_rsh_args", ""))),
+        connect_timeout=min(start_timeout(args.start_timeout, environ), 30),
+    )
     return LaunchPlan(
         command=command,
         slots=slots,
@@ -403,15 +478,21 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
         output_dir=args.output_filename,
         timestamp=bool(args.prefix_output_with_timestamp),
         verbose=bool(args.verbose),
-        notes=_notes(args),
+        notes=_notes(args, remote) + warnings,
+        remote=remote,
+        ssh=ssh,
+        exports=exports,
+        iface=nics[0] if nics else None,
     )
 
 
 # -- launching ------------------------------------------------------------------------------
 
 
-def _start_rendezvous(secret: bytes, log: Callable[[str], None]) -> Tuple[Any, Optional[str]]:
-    """Starts the native rendezvous store on loopback; returns (server, "127.0.0.1:PORT")."""
+def _start_rendezvous(
+    secret: bytes, log: Callable[[str], None], host: str = "127.0.0.1"
+) -> Tuple[Any, Optional[str]]:
+    """Starts the native rendezvous store on ``host``; returns (server, "HOST:PORT")."""
     try:
         from ferrovod._core import RendezvousServer  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:
@@ -426,7 +507,7 @@ def _start_rendezvous(secret: bytes, log: Callable[[str], None]) -> Tuple[Any, O
     # connection) go to the launcher's stderr.
     _logging.configure("warning", False, "ferrovodrun")
     try:
-        server = RendezvousServer(secret, "127.0.0.1")
+        server = RendezvousServer(secret, host)
     except Exception as exc:  # noqa: BLE001 - any failure here ends the launch cleanly
         raise LaunchError(f"cannot start the rendezvous store: {exc}", exit_code=1) from None
     return server, str(server.addr)
@@ -449,26 +530,82 @@ def _open_copies(
         ) from None
 
 
-def _worker_specs(plan: LaunchPlan, job: JobInfo, base_env: Dict[str, str]) -> List[WorkerSpec]:
+def _check_remote(plan: LaunchPlan, log: Callable[[str], None]) -> Dict[str, HostReport]:
+    """Checks every remote host before anything starts; raises naming each host that fails."""
+    if plan.verbose:
+        log(f"checking {len(plan.remote)} remote host(s) over ssh: {', '.join(plan.remote)}")
+    reports = check_hosts(
+        plan.remote,
+        plan.ssh,
+        sys.executable,
+        plan.iface,
+        os.getcwd(),
+        timeout=plan.ssh.connect_timeout + 30.0,
+    )
+    message = format_host_errors(reports, plan.remote)
+    if message is not None:
+        raise LaunchError(message, exit_code=1)
+    return reports
+
+
+def _check_local_iface(plan: LaunchPlan) -> None:
+    if plan.iface is None or all(s.hostname in plan.remote for s in plan.slots):
+        return
+    names = sorted(name for _, name in socket.if_nameindex())
+    if plan.iface not in names:
+        raise LaunchError(
+            f"no network interface {plan.iface!r} on this host (interfaces: {', '.join(names)})"
+        )
+
+
+def _rendezvous_by_host(
+    plan: LaunchPlan, reports: Dict[str, HostReport], port: str
+) -> Dict[str, str]:
+    """Each host's address of the store: as the host reaches the launcher over ssh. Local
+    workers of a multi-host job use the same address (not loopback: their peers on other
+    hosts connect to the address they publish, which follows the store's)."""
+    by_host = {h: f"{rendezvous_host(reports, h)}:{port}" for h in plan.remote}
+    first = by_host[plan.remote[0]]
+    for slot in plan.slots:
+        by_host.setdefault(slot.hostname, first)
+    return by_host
+
+
+def _worker_specs(
+    plan: LaunchPlan, jobs: Dict[str, JobInfo], base_env: Dict[str, str]
+) -> List[WorkerSpec]:
     specs = []
+    computed = [var for var in THREAD_VARS if var not in base_env]
+    cwd = os.getcwd()
     for slot in plan.slots:
         stdout_copy, stderr_copy = _open_copies(plan.output_dir, slot)
-        specs.append(
-            WorkerSpec(
-                rank=slot.rank,
-                argv=plan.command,
-                env=worker_env(base_env, slot, job),
-                hostname=slot.hostname,
-                stdout_copy=stdout_copy,
-                stderr_copy=stderr_copy,
-                inherit_stdin=slot.rank == 0,  # as mpirun: only rank 0 reads the launcher's stdin
-            )
+        env = worker_env(base_env, slot, jobs[slot.hostname])
+        spec = WorkerSpec(
+            rank=slot.rank,
+            argv=plan.command,
+            env=env,
+            hostname=slot.hostname,
+            stdout_copy=stdout_copy,
+            stderr_copy=stderr_copy,
+            inherit_stdin=slot.rank == 0,  # as mpirun: only rank 0 reads the launcher's stdin
         )
+        if slot.hostname in plan.remote:
+            request = {
+                "argv": plan.command,
+                "env": forwarded_env(env, plan.exports, computed),
+                "cwd": cwd,
+                "local_size": slot.local_size,
+            }
+            spec.argv = plan.ssh.argv(slot.hostname, agent_argv())
+            spec.env = {k: v for k, v in base_env.items() if k != SECRET_VAR}
+            spec.inherit_stdin = False
+            spec.stdin_payload = (json.dumps(request) + "\n").encode()
+        specs.append(spec)
     return specs
 
 
 def _log_plan(
-    plan: LaunchPlan, specs: List[WorkerSpec], base_env: Dict[str, str], log: Callable[[str], None]
+    plan: LaunchPlan, first_env: Dict[str, str], base_env: Dict[str, str], log: Callable[[str], None]
 ) -> None:
     for note in plan.notes:
         log(f"note: {note}")
@@ -477,12 +614,12 @@ def _log_plan(
             f"rank {slot.rank}: host {slot.hostname}, "
             f"local rank {slot.local_rank}/{slot.local_size}, "
             f"cross rank {slot.cross_rank}/{slot.cross_size}"
+            + (" (over ssh)" if slot.hostname in plan.remote else "")
         )
-    if specs:
-        per_rank = slot_env(plan.slots[0]).keys()
-        shared = visible_env(specs[0].env, base_env)
-        for key in sorted(set(shared) - set(per_rank)):
-            log(f"env {key}={shared[key]}")
+    per_rank = slot_env(plan.slots[0]).keys()
+    shared = visible_env(first_env, base_env)
+    for key in sorted(set(shared) - set(per_rank)):
+        log(f"env {key}={shared[key]}")
     log(f"command: {shlex.join(plan.command)}")
 
 
@@ -525,6 +662,7 @@ def launch(
         err_sink.write(f"{PROG}: {message}\n".encode("utf-8", "replace"))
 
     base_env = dict(os.environ)
+    base_env.update(plan.exports)
     secret = secrets.token_bytes(32)
     supervisor = Supervisor(
         out_sink, err_sink, log, GRACE_S, plan.timestamp, plan.verbose, adopt_orphans
@@ -532,11 +670,19 @@ def launch(
     previous = _install_signal_handlers(supervisor)
     server = None
     try:
-        server, addr = _start_rendezvous(secret, log)
+        reports = _check_remote(plan, log) if plan.remote else {}
+        _check_local_iface(plan)
+        server, addr = _start_rendezvous(secret, log, "0.0.0.0" if plan.remote else "127.0.0.1")
         job = JobInfo(rendezvous_addr=addr, secret_hex=secret.hex(), tunables=plan.tunables)
-        specs = _worker_specs(plan, job, base_env)
+        jobs = {slot.hostname: job for slot in plan.slots}
+        if plan.remote and addr is not None:
+            port = addr.rsplit(":", 1)[1]
+            for host, host_addr in _rendezvous_by_host(plan, reports, port).items():
+                jobs[host] = replace(job, rendezvous_addr=host_addr)
+        specs = _worker_specs(plan, jobs, base_env)
         if plan.verbose:
-            _log_plan(plan, specs, base_env, log)
+            _log_plan(plan, worker_env(base_env, plan.slots[0], jobs[plan.slots[0].hostname]),
+                      base_env, log)
         try:
             supervisor.start(specs)
         except SpawnError as exc:

@@ -38,6 +38,7 @@ __all__ = ["JobOutcome", "SpawnError", "Supervisor", "WorkerSpec", "exit_status"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.02
+_REMOTE_EXTRA_S = 2.0
 _WATCHDOG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
 
 Log = Callable[[str], None]
@@ -79,6 +80,9 @@ class WorkerSpec:
     stdout_copy: Optional[BinaryIO] = None
     stderr_copy: Optional[BinaryIO] = None
     inherit_stdin: bool = False
+    # Written to the worker's stdin, which then stays open until the job stops: a remote
+    # worker's agent reads its job from it, and stops the worker when it closes.
+    stdin_payload: Optional[bytes] = None
 
 
 @dataclass
@@ -269,11 +273,15 @@ class Supervisor:
     def _spawn(self, spec: WorkerSpec, preexec: Optional[Callable[[], None]]) -> _Worker:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        if spec.stdin_payload is not None:
+            stdin: Optional[int] = subprocess.PIPE
+        else:
+            stdin = None if spec.inherit_stdin else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
                 list(spec.argv),
                 env=dict(spec.env),
-                stdin=None if spec.inherit_stdin else subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=out_w,
                 stderr=err_w,
                 start_new_session=True,
@@ -289,6 +297,12 @@ class Supervisor:
             os.close(err_w)
         if self._watchdog is not None:
             self._watchdog.add(proc.pid)
+        if spec.stdin_payload is not None and proc.stdin is not None:
+            try:
+                proc.stdin.write(spec.stdin_payload)
+                proc.stdin.flush()
+            except OSError:
+                pass  # it died at once; its exit status tells why
         worker = _Worker(spec, proc)
         worker.threads = [
             StreamForwarder(
@@ -407,15 +421,30 @@ class Supervisor:
             self._record_exit(rank, value)
 
     def _terminate(self) -> None:
-        """SIGTERM to every group still alive, SIGKILL after the grace period."""
+        """Asks every live worker to stop, then SIGKILL after the grace period.
+
+        A local worker gets SIGTERM. A remote one (ssh to its host's agent) gets its stdin
+        closed instead: the agent then stops the worker there with the same grace, and ssh
+        ends when the worker is gone, so waiting for ssh is waiting for the remote worker.
+        """
         groups = self._live_groups()
         if not groups:
             return
         if self._verbose:
-            self._log(f"sending SIGTERM to {len(groups)} worker process group(s)")
-        for pgid in groups:
-            _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self._grace_s
+            self._log(f"stopping {len(groups)} worker process group(s)")
+        for worker in self._workers:
+            if worker.pgid not in groups:
+                continue
+            if worker.proc.stdin is not None:
+                try:
+                    worker.proc.stdin.close()
+                except OSError:
+                    pass
+            else:
+                _signal_group(worker.pgid, signal.SIGTERM)
+        # A remote agent needs its own grace period plus the trip back over ssh.
+        remote = any(w.proc.stdin is not None for w in self._workers)
+        deadline = time.monotonic() + self._grace_s + (_REMOTE_EXTRA_S if remote else 0.0)
         while self._live_groups() and time.monotonic() < deadline:
             if self._wait_events(_POLL_S):
                 break  # a second Ctrl-C: no more grace
@@ -439,6 +468,12 @@ class Supervisor:
             for thread in worker.threads:
                 if thread.ident is not None:
                     thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for worker in self._workers:
+            if worker.proc.stdin is not None:
+                try:
+                    worker.proc.stdin.close()
+                except OSError:
+                    pass
         if self._watchdog is not None:
             for worker in self._workers:
                 if not _group_alive(worker.pgid):

@@ -16,6 +16,7 @@ from .hosts import SlotInfo
 
 __all__ = [
     "DEFAULT_START_TIMEOUT",
+    "THREAD_VARS",
     "SECRET_VAR",
     "JobInfo",
     "slot_env",
