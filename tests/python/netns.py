@@ -48,10 +48,13 @@ def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Host:
-    """One simulated host: its name (what other hosts resolve), namespace and address."""
+    """One simulated host: its name (what other hosts resolve; may be a pod's FQDN such as
+    ``job-worker-0.job.default.svc``), hostname (the name's first label, as a pod's), namespace
+    and address."""
 
     def __init__(self, name: str, ns: str, ip: str) -> None:
         self.name = name
+        self.hostname = name.split(".", 1)[0]
         self.ns = ns
         self.ip = ip
 
@@ -68,12 +71,13 @@ class Cluster:
         self.workdir = workdir
         self.bridge_ns = f"fvbr{tag}"
         self.hosts: Dict[str, Host] = {
-            name: Host(name, f"fv{name}{tag}", f"{SUBNET}.{i + 1}") for i, name in enumerate(names)
+            name: Host(name, f"fv{i}h{tag}", f"{SUBNET}.{i + 1}") for i, name in enumerate(names)
         }
         self.key = workdir / "id_key"
         self.operator_ssh_config = operator_ssh_config
         self._sshd: List[subprocess.Popen] = []
         self._etc_dirs: List[Path] = []
+        self._created_dirs: List[Path] = []
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -93,7 +97,8 @@ class Cluster:
         _sh("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
         hosts_file = "127.0.0.1 localhost\n" + "".join(
-            f"{h.ip} {h.name}\n" for h in self.hosts.values()
+            f"{h.ip} {h.name}" + (f" {h.hostname}\n" if h.hostname != h.name else "\n")
+            for h in self.hosts.values()
         )
         for i, host in enumerate(self.hosts.values()):
             _sh("ip", "netns", "add", host.ns)
@@ -108,7 +113,7 @@ class Cluster:
             self._etc_dirs.append(etc)
             etc.mkdir(parents=True)
             (etc / "hosts").write_text(hosts_file)
-            (etc / "hostname").write_text(host.name + "\n")
+            (etc / "hostname").write_text(host.hostname + "\n")
             if self.operator_ssh_config:
                 (etc / "ssh").mkdir()
                 (etc / "ssh" / "ssh_config").write_text(self._client_config())
@@ -157,7 +162,7 @@ class Cluster:
         self._sshd.append(
             subprocess.Popen(
                 ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--mount",
-                 "--propagation", "private", "sh", "-c", script, host.name,
+                 "--propagation", "private", "sh", "-c", script, host.hostname,
                  str(self.workdir / "sshd_config")],  # fmt: skip
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -190,7 +195,8 @@ class Cluster:
     def command(self, host: str, argv: Sequence[str]) -> List[str]:
         """``argv`` as run on ``host`` (its namespace and its own hostname), not over ssh."""
         return ["ip", "netns", "exec", self.hosts[host].ns, "unshare", "--uts",
-                "sh", "-c", 'hostname "$0" && exec "$@"', host, *argv]  # fmt: skip
+                "sh", "-c", 'hostname "$0" && exec "$@"', self.hosts[host].hostname,
+                *argv]  # fmt: skip
 
     def popen(self, host: str, argv: Sequence[str], **kwargs: object) -> subprocess.Popen:
         """Starts ``argv`` on ``host`` (see :meth:`command`)."""
@@ -201,6 +207,23 @@ class Cluster:
         return subprocess.run(
             self.command(host, argv), capture_output=True, text=True, timeout=timeout, **kwargs
         )  # type: ignore[call-overload]
+
+    def put_etc(self, host: str, relpath: str, text: str) -> None:
+        """Makes ``/etc/<relpath>`` read ``text`` for processes on ``host`` only (e.g. the MPI
+        operator's ``/etc/mpi/hostfile`` in its launcher pod).
+
+        ``ip netns exec`` bind-mounts each entry of ``/etc/netns/<ns>/`` over the same name in
+        ``/etc``, which must exist: a missing top directory is created empty and removed again
+        by :meth:`close`.
+        """
+        top = relpath.split("/", 1)[0]
+        target = Path("/etc") / top
+        if "/" in relpath and not target.exists():
+            target.mkdir()
+            self._created_dirs.append(target)
+        path = Path("/etc/netns") / self.hosts[host].ns / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
     def ssh_args(self) -> List[str]:
         """The flags that reach the hosts' sshd (for tools that take ssh options)."""
@@ -252,4 +275,9 @@ class Cluster:
             _sh("ip", "netns", "del", ns, check=False)
         for etc in self._etc_dirs:
             shutil.rmtree(etc, ignore_errors=True)
+        for made in self._created_dirs:
+            try:
+                made.rmdir()
+            except OSError:
+                pass
 

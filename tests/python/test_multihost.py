@@ -1,0 +1,193 @@
+"""Real multi-host jobs: hosts are Linux network namespaces with sshd on port 2222 (see
+netns.py), launched the ways users launch them: ``ferrovodrun -H``/``--hostfile`` over ssh,
+Open MPI's ``mpirun``, and torchrun on each host. Results are checked against NumPy and the
+local/cross ranks against the placement (workers/multihost_worker.py).
+
+Needs root, iproute2, openssh (and Open MPI for the mpirun tests); ``make test`` installs them
+(scripts/system_deps.sh). Skipped, saying why, where they cannot be had.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, WORKERS
+from netns import Cluster, missing_tools
+
+pytestmark = [
+    pytest.mark.usefixtures("ferrovod_importable"),
+    pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools())),
+]
+
+PY = sys.executable
+WORKER = str(WORKERS / "multihost_worker.py")
+CTL = str(WORKERS / "multihost_ctl_worker.py")
+LAUNCH = [PY, "-m", "ferrovod.runner.launch"]
+
+
+def clean_env(**extra):
+    """The test process's environment without any launch variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FERROVOD_", "HOROVOD_", "OMPI_", "PMI", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def describe(res):
+    return f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-6000:]}\n--- stderr ---\n{res.stderr[-6000:]}"
+
+
+def ok_ranks(stdout):
+    """Ranks whose output (as ``[r]<stdout>:OK n`` or a bare ``OK n`` line) says OK."""
+    ranks = set()
+    for line in stdout.splitlines():
+        if "<stdout>:OK " in line:
+            ranks.add(int(line[1:line.index("]")]))
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(["h0", "h1", "h2"], tmp_path_factory.mktemp("hosts")) as c:
+        yield c
+
+
+def ssh_flags(c):
+    return ["-p", "2222", "-i", str(c.key)]
+
+
+# -- ferrovodrun -----------------------------------------------------------------------------
+
+
+def test_ferrovodrun_over_ssh_from_a_launcher_only_host(cluster):
+    """The MPIJob shape: the launcher's host runs no worker; 2 hosts x 2 slots; -x sets a
+    variable, the launcher's environment is forwarded, and workers start in its directory."""
+    env = clean_env(FV_FORWARDED="from-launcher")
+    res = cluster.run("h0", [*LAUNCH, "-np", "4", "-H", "h1:2,h2:2", *ssh_flags(cluster),
+                             "-x", "FV_SET=a b", "--network-interface", "eth0",
+                             PY, WORKER, "h1:2,h2:2", "FV_SET=a b",
+                             "FV_FORWARDED=from-launcher", "FERROVOD_IFACE=eth0",
+                             f"cwd={os.getcwd()}"], timeout=120, env=env)
+    assert res.returncode == 0, describe(res)
+    assert ok_ranks(res.stdout) == {0, 1, 2, 3}, describe(res)
+    assert cluster.leftovers(WORKER, within=5) == {}
+
+
+def test_hostfile_with_local_and_remote_slots(cluster, tmp_path):
+    """Launcher on h1, which also runs rank 0; h2 runs two ranks; both hostfile line forms."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two hosts\nh1 slots=1\nh2:2\n")
+    res = cluster.run("h1", [*LAUNCH, "--hostfile", str(hostfile), *ssh_flags(cluster),
+                             PY, WORKER, "h1:1,h2:2"], timeout=120, env=clean_env())
+    assert res.returncode == 0, describe(res)
+    assert ok_ranks(res.stdout) == {0, 1, 2}, describe(res)
+
+
+def test_remote_failure_stops_every_host(cluster):
+    res = cluster.run("h0", [*LAUNCH, "-np", "4", "-H", "h1:2,h2:2", *ssh_flags(cluster),
+                             PY, CTL, "fail", "3"], timeout=120, env=clean_env())
+    assert res.returncode == 3, describe(res)
+    assert "rank 3 (on h2) with exit code 3" in res.stderr, describe(res)
+    assert cluster.leftovers(CTL) == {}
+
+
+def _start_loop(cluster):
+    proc = cluster.popen("h0", [*LAUNCH, "-np", "4", "-H", "h1:2,h2:2", *ssh_flags(cluster),
+                                PY, CTL, "loop"], env=clean_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    ready = set()
+    deadline = time.monotonic() + 60
+    while len(ready) < 4 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "READY" in line:
+            ready.add(line.split()[-1])
+    assert len(ready) == 4, f"ranks ready: {ready}; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+    return proc
+
+
+def test_ctrl_c_leaves_nothing_on_any_host(cluster):
+    proc = _start_loop(cluster)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    left = cluster.leftovers(CTL, within=5)
+    assert left == {}, f"still running after Ctrl-C: {left}"
+
+
+def test_killed_launcher_leaves_nothing_on_any_host(cluster):
+    """SIGKILL gives the launcher no chance to clean up: its ssh sessions die with it, and each
+    host's agent stops its workers when its session ends."""
+    proc = _start_loop(cluster)
+    proc.kill()
+    proc.communicate(timeout=30)
+    left = cluster.leftovers(CTL, within=15)
+    assert left == {}, f"still running after the launcher was killed: {left}"
+
+
+def test_bad_hosts_are_named_before_any_worker_starts(cluster, tmp_path):
+    marker = tmp_path / "started"
+    work = ["sh", "-c", f"touch {marker}"]
+    # h9 resolves nowhere; the interface exists on no host.
+    res = cluster.run("h0", [*LAUNCH, "-np", "2", "-H", "h1:1,h9:1", *ssh_flags(cluster),
+                             "--start-timeout", "5", *work], timeout=60, env=clean_env())
+    assert res.returncode == 1, describe(res)
+    assert "1 of 2 remote host(s)" in res.stderr and "h9: unreachable over ssh" in res.stderr, describe(res)
+    res = cluster.run("h0", [*LAUNCH, "-np", "2", "-H", "h1:1,h2:1", *ssh_flags(cluster),
+                             "--network-interface", "ib7", *work], timeout=60, env=clean_env())
+    assert res.returncode == 1, describe(res)
+    for host in ("h1", "h2"):
+        assert f"{host}: no network interface 'ib7' here (interfaces: eth0, lo)" in res.stderr, describe(res)
+    # -np larger than the slots, and a wrong key: refused before anything runs.
+    res = cluster.run("h0", [*LAUNCH, "-np", "5", "-H", "h1:2,h2:2", *ssh_flags(cluster), *work],
+                      timeout=60, env=clean_env())
+    assert res.returncode == 2 and "more processes (5) than there are available slots (4)" in res.stderr
+    other_key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True)
+    res = cluster.run("h0", [*LAUNCH, "-np", "2", "-H", "h1:1,h2:1", "-p", "2222", "-i",
+                             str(other_key), *work], timeout=60, env=clean_env())
+    assert res.returncode == 1 and "h1: unreachable over ssh: " in res.stderr, describe(res)
+    assert "Permission denied" in res.stderr, describe(res)
+    assert not marker.exists()
+
+
+# -- other launchers -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+def test_open_mpi_mpirun_across_hosts(cluster):
+    """Open MPI starts the ranks over ssh (port 2222 through plm_rsh_args, as in the docs);
+    ferrovod's store address comes with -x."""
+    env = clean_env()
+    res = cluster.run("h0", [
+        "mpirun", "--allow-run-as-root", "-np", "4", "-H", "h1:2,h2:2",
+        "-mca", "plm_rsh_args", " ".join(cluster.ssh_args()),
+        "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
+        "-x", "PATH", "-x", "PYTHONPATH", "-x", "FERROVOD_RENDEZVOUS_ADDR=h1:29500",
+        PY, WORKER, "h1:2,h2:2"], timeout=120, env=env)
+    assert res.returncode == 0, describe(res)
+    assert res.stdout.count("OK ") == 4, describe(res)
+
+
+def test_torchrun_on_each_host(cluster):
+    """Real torchrun on two hosts (static rendezvous, node ranks 0 and 1), 2 processes each."""
+    procs = []
+    for node, host in enumerate(("h1", "h2")):
+        procs.append(cluster.popen(host, [
+            PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            f"--node-rank={node}", "--master-addr=h1", "--master-port=29400",
+            WORKER, "h1:2,h2:2"], env=clean_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"{out}\n{err[-6000:]}"
+    assert sum(out.count("OK ") for out, _ in outs) == 4, outs
