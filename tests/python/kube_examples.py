@@ -1,0 +1,204 @@
+"""The Kubernetes examples (examples/kubernetes/) as data, and the world the operators build.
+
+Tests that simulate an MPIJob or a PyTorchJob (hosts as network namespaces) run the exact
+commands of the manifests through these helpers, so an edit to a manifest is what gets tested:
+
+- ``launcher_command(path)``: the MPIJob launcher's argv (``command`` + ``args``);
+- ``worker_command(path)``: the MPIJob workers' argv;
+- ``mpijob_hostfile(path, namespace)`` and ``mpijob_launcher_env(path, hostfile_path)``: the
+  hostfile and launcher environment the MPI operator (v2beta1, OpenMPI) creates;
+- ``pytorchjob_container(path, replica_type)``: the PyTorchJob container (name, image, command,
+  args, env, ports);
+- ``pytorchjob_env(path, replica_type, index)``: the variables the training operator injects;
+- ``pytorchjob_argv(path, replica_type, index)``: that container's argv after Kubernetes'
+  ``$(VAR)`` expansion, i.e. what the pod really runs.
+
+What the operators do is taken from their sources (mpi-operator v2beta1 ``newConfigMap`` /
+``newLauncherPodTemplate``; training-operator v1.9 ``pytorch/envvar.go`` and ``master.go``).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Dict, List
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "kubernetes"
+DOCKERFILE = EXAMPLES / "Dockerfile"
+DOCKERIGNORE = EXAMPLES / "Dockerfile.dockerignore"
+MPIJOB_FERROVODRUN = EXAMPLES / "mpijob-ferrovodrun.yaml"
+MPIJOB_MPIRUN = EXAMPLES / "mpijob-mpirun.yaml"
+PYTORCHJOB = EXAMPLES / "pytorchjob.yaml"
+MANIFESTS = (MPIJOB_FERROVODRUN, MPIJOB_MPIRUN, PYTORCHJOB)
+
+# Where the MPI operator mounts its ConfigMap in the launcher (configMountPath + key).
+MPI_HOSTFILE = "/etc/mpi/hostfile"
+# training-operator's PyTorchJobDefaultContainerName / PortName / Port.
+PYTORCH_CONTAINER = "pytorch"
+PYTORCH_PORT_NAME = "pytorchjob-port"
+PYTORCH_DEFAULT_PORT = 23456
+
+
+def load(path: Path) -> Dict[str, Any]:
+    """The manifest at ``path``; exactly one YAML document is expected."""
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    if len(docs) != 1:
+        raise ValueError(f"{path}: expected one YAML document, found {len(docs)}")
+    return docs[0]
+
+
+def _argv(container: Dict[str, Any]) -> List[str]:
+    return [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+
+
+def _only_container(job: Dict[str, Any], replicas_key: str, replica_type: str) -> Dict[str, Any]:
+    containers = job["spec"][replicas_key][replica_type]["template"]["spec"]["containers"]
+    if len(containers) != 1:
+        raise ValueError(f"{replica_type}: expected one container, found {len(containers)}")
+    return containers[0]
+
+
+def mpijob_container(path: Path, replica_type: str) -> Dict[str, Any]:
+    """The container of an MPIJob's ``Launcher`` or ``Worker`` (a copy)."""
+    return copy.deepcopy(_only_container(load(path), "mpiReplicaSpecs", replica_type))
+
+
+def launcher_command(path: Path) -> List[str]:
+    """The MPIJob launcher's argv, e.g. ``["ferrovodrun", "-np", "4", ...]``."""
+    return _argv(mpijob_container(path, "Launcher"))
+
+
+def worker_command(path: Path) -> List[str]:
+    """The MPIJob workers' argv (the operator's default, ``sshd -De``, when none is given)."""
+    return _argv(mpijob_container(path, "Worker")) or ["/usr/sbin/sshd", "-De"]
+
+
+def mpijob_worker_hosts(path: Path, namespace: str = "default") -> List[str]:
+    """The workers' names as the hostfile gives them: ``<job>-worker-<i>.<job>.<ns>.svc``."""
+    job = load(path)
+    name = job["metadata"]["name"]
+    replicas = int(job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"])
+    return [f"{name}-worker-{i}.{name}.{namespace}.svc" for i in range(replicas)]
+
+
+def mpijob_slots(path: Path) -> int:
+    """``slotsPerWorker`` (the operator's default is 1)."""
+    return int(load(path)["spec"].get("slotsPerWorker", 1))
+
+
+def mpijob_hostfile(path: Path, namespace: str = "default") -> str:
+    """The hostfile the MPI operator writes for an OpenMPI MPIJob (no runLauncherAsWorker)."""
+    job = load(path)
+    impl = job["spec"].get("mpiImplementation", "OpenMPI")
+    if impl != "OpenMPI":
+        raise ValueError(f"{path}: only mpiImplementation OpenMPI is modelled, got {impl}")
+    if job["spec"].get("runLauncherAsWorker"):
+        raise ValueError(f"{path}: runLauncherAsWorker is not modelled")
+    slots = mpijob_slots(path)
+    return "".join(f"{host} slots={slots}\n" for host in mpijob_worker_hosts(path, namespace))
+
+
+def mpijob_launcher_env(path: Path, hostfile_path: str = MPI_HOSTFILE) -> Dict[str, str]:
+    """The variables the MPI operator adds to an OpenMPI launcher (plus the container's own).
+
+    ``hostfile_path`` replaces ``/etc/mpi/hostfile`` where a test keeps the file elsewhere.
+    """
+    container = mpijob_container(path, "Launcher")
+    env = {e["name"]: str(e.get("value", "")) for e in container.get("env") or []}
+    env.update(
+        {
+            "K_MPI_JOB_ROLE": "launcher",
+            "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+            "OMPI_MCA_orte_default_hostfile": hostfile_path,
+            "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10",
+            "OMPI_MCA_orte_set_default_slots": str(mpijob_slots(path)),
+            "NVIDIA_VISIBLE_DEVICES": "",
+            "NVIDIA_DRIVER_CAPABILITIES": "",
+        }
+    )
+    return env
+
+
+def pytorchjob_container(path: Path, replica_type: str = "Master") -> Dict[str, Any]:
+    """The PyTorchJob container of ``Master`` or ``Worker``: a copy with ``command``, ``args``,
+    ``env`` and ``ports`` always present (lists, possibly empty)."""
+    container = copy.deepcopy(_only_container(load(path), "pytorchReplicaSpecs", replica_type))
+    for key in ("command", "args", "env", "ports"):
+        container[key] = list(container.get(key) or [])
+    return container
+
+
+def _pytorch_master_port(job: Dict[str, Any]) -> int:
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    for container in master:
+        if container.get("name") == PYTORCH_CONTAINER:
+            for port in container.get("ports") or []:
+                if port.get("name") == PYTORCH_PORT_NAME:
+                    return int(port["containerPort"])
+    return PYTORCH_DEFAULT_PORT
+
+
+def pytorchjob_env(path: Path, replica_type: str, index: int) -> Dict[str, str]:
+    """The environment of pod ``<job>-<type>-<index>``: the container's env, then what the
+    training operator appends (MASTER_*, WORLD_SIZE, RANK = node rank, PET_*)."""
+    job = load(path)
+    spec = job["spec"]
+    replicas = spec["pytorchReplicaSpecs"]
+    if "Master" not in replicas:
+        raise ValueError(f"{path}: only jobs with a Master replica are modelled")
+    if spec.get("elasticPolicy"):
+        raise ValueError(f"{path}: elasticPolicy is not modelled")
+    total = sum(int(r.get("replicas", 1)) for r in replicas.values())
+    nproc_text = str(spec.get("nprocPerNode", "auto"))
+    nproc = int(nproc_text) if nproc_text.isdigit() else 1  # "auto"/"gpu" count as 1
+    node_rank = index + 1 if replica_type == "Worker" else index
+    master_addr = f"{job['metadata']['name']}-master-0"
+    master_port = str(_pytorch_master_port(job))
+    container = pytorchjob_container(path, replica_type)
+    env = {e["name"]: str(e.get("value", "")) for e in container["env"]}
+    env.update(
+        {
+            "MASTER_PORT": master_port,
+            "PET_MASTER_PORT": master_port,
+            "MASTER_ADDR": master_addr,
+            "PET_MASTER_ADDR": master_addr,
+            "WORLD_SIZE": str(total * nproc),
+            "RANK": str(node_rank),
+            "PET_NPROC_PER_NODE": nproc_text,
+            "PET_NODE_RANK": str(node_rank),
+            "PET_NNODES": str(total),
+        }
+    )
+    return env
+
+
+def expand_k8s_vars(text: str, env: Dict[str, str]) -> str:
+    """Kubernetes' expansion of ``command``/``args``: ``$(NAME)`` becomes NAME's value when
+    NAME is defined and stays as written otherwise; ``$$`` is a literal ``$``."""
+    out: List[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "$" and i + 1 < len(text):
+            if text[i + 1] == "$":
+                out.append("$")
+                i += 2
+                continue
+            if text[i + 1] == "(":
+                end = text.find(")", i + 2)
+                if end != -1:
+                    name = text[i + 2 : end]
+                    out.append(env[name] if name in env else text[i : end + 1])
+                    i = end + 1
+                    continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def pytorchjob_argv(path: Path, replica_type: str, index: int) -> List[str]:
+    """What pod ``<job>-<type>-<index>`` runs: its command + args with ``$(VAR)`` expanded."""
+    env = pytorchjob_env(path, replica_type, index)
+    return [expand_k8s_vars(a, env) for a in _argv(pytorchjob_container(path, replica_type))]

@@ -1,0 +1,111 @@
+"""The Kubernetes examples run in the worlds their operators build, simulated with network
+namespaces (netns.py) — the manifests' own commands, read from the YAML (kube_examples.py):
+
+* MPIJob (kubeflow.org/v2beta1, OpenMPI): a launcher pod and two worker pods named as the
+  operator names them (``<job>-worker-<i>.<job>.<ns>.svc``), the hostfile at
+  ``/etc/mpi/hostfile`` in the launcher only, the operator's ``OMPI_MCA_*`` variables, ssh on
+  port 2222 through the image's ``/etc/ssh/ssh_config`` and a key in every pod; the launcher
+  command is run as written (``ferrovodrun`` or plain ``mpirun``);
+* PyTorchJob (kubeflow.org/v1): a master and a worker pod with the variables the training
+  operator injects (RANK is the node rank), each running its container's ``torchrun`` command
+  after Kubernetes' ``$(VAR)`` expansion.
+
+Two substitutions only: the image's paths (``/opt/ferrovod/examples``, ``python``,
+``ferrovodrun``, ``torchrun``) become this checkout's and its virtual environment's, and the
+training runs 2 epochs instead of 20 to keep the suite fast.
+"""
+
+import os
+import shutil
+import sys
+
+import pytest
+
+import kube_examples as K
+from conftest import REPO
+from netns import Cluster, missing_tools
+
+pytestmark = [
+    pytest.mark.usefixtures("ferrovod_importable"),
+    pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools())),
+]
+
+PY = sys.executable
+IMAGE_EXAMPLES = "/opt/ferrovod/examples"
+EPOCHS = ["--epochs", "2"]
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+
+
+def in_checkout(argv):
+    """The image's command with this checkout's paths (see the module docstring)."""
+    tools = {
+        "python": [PY],
+        "python3": [PY],
+        "ferrovodrun": [PY, "-m", "ferrovod.runner.launch"],
+        "torchrun": [PY, "-m", "torch.distributed.run"],
+    }
+    out = []
+    for i, arg in enumerate(argv):
+        if i == 0 or (arg in ("python", "python3") and out):
+            out += tools.get(arg, [arg])
+        else:
+            out.append(arg.replace(IMAGE_EXAMPLES, str(REPO / "examples")))
+    return out + EPOCHS
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FERROVOD_", "HOROVOD_", "OMPI_", "PMI", "SLURM_", "PET_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra)
+    return env
+
+
+def describe(res):
+    return f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-5000:]}\n--- stderr ---\n{res.stderr[-5000:]}"
+
+
+def trained_on(stdout, ranks):
+    """The example's summary line says it trained on ``ranks`` ranks and reports accuracy."""
+    return f"ranks: {ranks}" in stdout and "test accuracy:" in stdout
+
+
+def mpijob_world(manifest, tmp_path):
+    launcher = f"{K.load(manifest)['metadata']['name']}-launcher"
+    workers = K.mpijob_worker_hosts(manifest)
+    cluster = Cluster([launcher, *workers], tmp_path, operator_ssh_config=True)
+    return cluster, launcher
+
+
+@pytest.mark.parametrize("manifest", [
+    K.MPIJOB_FERROVODRUN,
+    pytest.param(K.MPIJOB_MPIRUN, marks=needs_mpirun),
+], ids=["ferrovodrun", "mpirun"])
+def test_mpijob(manifest, tmp_path):
+    cluster, launcher = mpijob_world(manifest, tmp_path)
+    with cluster:
+        cluster.put_etc(launcher, "mpi/hostfile", K.mpijob_hostfile(manifest))
+        env = clean_env(**K.mpijob_launcher_env(manifest))
+        argv = in_checkout(K.launcher_command(manifest))
+        res = cluster.run(launcher, argv, timeout=300, env=env)
+        assert res.returncode == 0, describe(res)
+        slots = K.mpijob_slots(manifest) * len(K.mpijob_worker_hosts(manifest))
+        assert trained_on(res.stdout, slots), describe(res)
+        assert cluster.leftovers("pytorch_digits.py", within=5) == {}
+
+
+def test_pytorchjob(tmp_path):
+    manifest = K.PYTORCHJOB
+    name = K.load(manifest)["metadata"]["name"]
+    pods = [("Master", 0, f"{name}-master-0"), ("Worker", 0, f"{name}-worker-0")]
+    with Cluster([pod for _, _, pod in pods], tmp_path) as cluster:
+        procs = []
+        for kind, index, pod in pods:
+            env = clean_env(PYTHONUNBUFFERED="1", **K.pytorchjob_env(manifest, kind, index))
+            argv = in_checkout(K.pytorchjob_argv(manifest, kind, index))
+            procs.append(cluster.popen(pod, argv, env=env, stdout=-1, stderr=-1, text=True))
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
+        world = int(K.pytorchjob_env(manifest, "Master", 0)["WORLD_SIZE"])
+        assert trained_on(outs[0][0], world), outs[0]
