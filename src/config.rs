@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use serde_json::Value as Json;
+
 use crate::error::{Error, Result};
 
 /// One documented environment variable.
@@ -29,6 +31,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_CROSS_SIZE", alias: Some("HOROVOD_CROSS_SIZE"), default: "from host grouping", doc: "Number of hosts with this local rank." },
     Var { name: "FERROVOD_HOSTNAME", alias: Some("HOROVOD_HOSTNAME"), default: "the host name", doc: "Host identity used to group ranks into hosts." },
     Var { name: "FERROVOD_RENDEZVOUS_ADDR", alias: None, default: "unset", doc: "host:port of the rendezvous store (set by ferrovodrun)." },
+    Var { name: "FERROVOD_IFACE", alias: Some("HOROVOD_GLOO_IFACE"), default: "unset", doc: "Network interface (e.g. `eth0`) whose IPv4 address the engine's listeners bind to, so that other ranks connect through it (the rendezvous store rank 0 hosts still listens on every interface). Unset: the address of the route to the rendezvous store." },
     Var { name: "FERROVOD_SECRET", alias: None, default: "unset", doc: "Hex job secret every connection must prove (set by ferrovodrun; never put it on a command line)." },
     Var { name: "FERROVOD_FUSION_THRESHOLD", alias: Some("HOROVOD_FUSION_THRESHOLD"), default: "134217728", doc: "Bytes of allreduce tensors fused into one collective; 0 disables fusion." },
     Var { name: "FERROVOD_CYCLE_TIME", alias: Some("HOROVOD_CYCLE_TIME"), default: "0", doc: "Milliseconds the coordinator may wait after a tensor is ready to gather more for fusion. 0: respond at once (fusing whatever is ready together)." },
@@ -65,6 +68,8 @@ pub enum Launcher {
     Slurm,
     /// `torchrun` or a Kubeflow PyTorchJob (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
     Torchrun,
+    /// A TensorFlow job (Kubeflow TFJob and others): `TF_CONFIG`.
+    TfConfig,
     /// No launcher: a single process.
     None,
 }
@@ -78,7 +83,21 @@ impl Launcher {
             Launcher::Hydra => "MPICH/Intel MPI Hydra (PMI_*)",
             Launcher::Slurm => "Slurm srun (SLURM_*)",
             Launcher::Torchrun => "torchrun / PyTorchJob (RANK, WORLD_SIZE, MASTER_ADDR)",
+            Launcher::TfConfig => "TFJob (TF_CONFIG)",
             Launcher::None => "none (a single process)",
+        }
+    }
+
+    /// A short stable name (what Python's `init()` sees).
+    pub fn name(self) -> &'static str {
+        match self {
+            Launcher::Ferrovodrun => "ferrovodrun",
+            Launcher::OpenMpi => "openmpi",
+            Launcher::Hydra => "hydra",
+            Launcher::Slurm => "slurm",
+            Launcher::Torchrun => "torchrun",
+            Launcher::TfConfig => "tf_config",
+            Launcher::None => "none",
         }
     }
 }
@@ -105,6 +124,32 @@ pub struct LaunchInfo {
     pub secret_derived: bool,
 }
 
+impl LaunchInfo {
+    /// Open MPI or Hydra started more than one rank and no rendezvous address was given: the
+    /// ranks can only find each other through one exchange over MPI (Python's `init()` does
+    /// it with mpi4py and passes the result back in through [`Config::from_env_with`]).
+    pub fn needs_mpi_rendezvous(&self) -> bool {
+        matches!(self.launcher, Launcher::OpenMpi | Launcher::Hydra)
+            && self.size > 1
+            && self.rendezvous_addr.is_none()
+    }
+
+    /// Fails, saying how to fix it, when a job of several ranks has no rendezvous address.
+    pub fn require_rendezvous(&self) -> Result<()> {
+        if self.size > 1 && self.rendezvous_addr.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "started by {} with {} ranks, but no rendezvous address: set \
+                 FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> for every rank \
+                 (mpirun -x FERROVOD_RENDEZVOUS_ADDR=...), or install mpi4py so that rank 0 \
+                 can broadcast one",
+                self.launcher.describe(),
+                self.size
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Every setting, parsed once.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -112,6 +157,8 @@ pub struct Config {
     pub launch: LaunchInfo,
     /// Host identity.
     pub hostname: String,
+    /// Interface whose IPv4 address the listeners bind to (`FERROVOD_IFACE`).
+    pub iface: Option<String>,
     /// Fusion buffer limit in bytes.
     pub fusion_threshold: usize,
     /// Coordinator batching window.
@@ -148,6 +195,18 @@ impl Config {
     /// Reads the process environment.
     pub fn from_env() -> Result<Config> {
         Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the process environment, with the rendezvous address and the job secret replaced
+    /// where given: rank 0 handed them out over MPI, and they are passed in rather than put
+    /// into the environment, which child processes would inherit.
+    pub fn from_env_with(rendezvous_addr: Option<&str>, secret: Option<&[u8]>) -> Result<Config> {
+        let secret_hex = secret.map(encode_hex);
+        Config::from_lookup(|k| match (k, rendezvous_addr, &secret_hex) {
+            ("FERROVOD_RENDEZVOUS_ADDR", Some(addr), _) => Some(addr.to_string()),
+            ("FERROVOD_SECRET", _, Some(hex)) => Some(hex.clone()),
+            _ => std::env::var(k).ok(),
+        })
     }
 
     /// Reads settings through `get` (tests pass a map).
@@ -218,6 +277,7 @@ impl Config {
         Ok(Config {
             launch,
             hostname,
+            iface: lookup("FERROVOD_IFACE").map(|(_, v)| v),
             fusion_threshold: int("FERROVOD_FUSION_THRESHOLD")?.unwrap_or(128 << 20),
             cycle_time: Duration::from_secs_f64(num("FERROVOD_CYCLE_TIME")?.unwrap_or(0.0) / 1e3),
             cache_capacity: int("FERROVOD_CACHE_CAPACITY")?.unwrap_or(1024),
@@ -306,45 +366,55 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
         lookup("FERROVOD_RANK").map(|(_, v)| v),
         lookup("FERROVOD_SIZE").map(|(_, v)| v),
     )?;
-    let in_slurm_step = raw("SLURM_STEP_ID").is_some();
-    let found = match ours {
-        Some(f) => Some(f),
-        None => match pair(
+    let mut found = ours;
+    if found.is_none() {
+        found = pair(
             Launcher::OpenMpi,
             "OMPI_COMM_WORLD_RANK",
             "OMPI_COMM_WORLD_SIZE",
             raw("OMPI_COMM_WORLD_RANK"),
             raw("OMPI_COMM_WORLD_SIZE"),
-        )? {
-            Some(f) => Some(f),
-            None => match pair(
-                Launcher::Hydra,
-                "PMI_RANK",
-                "PMI_SIZE",
-                raw("PMI_RANK"),
-                raw("PMI_SIZE"),
-            )? {
-                Some(f) => Some(f),
-                // SLURM_PROCID outside a job step (e.g. in the batch script) is not a rank.
-                None => match (in_slurm_step, raw("SLURM_PROCID")) {
-                    (true, Some(r)) => pair(
-                        Launcher::Slurm,
-                        "SLURM_PROCID",
-                        "SLURM_NTASKS",
-                        Some(r),
-                        raw("SLURM_NTASKS").or_else(|| raw("SLURM_NPROCS")),
-                    )?,
-                    _ => pair(
-                        Launcher::Torchrun,
-                        "RANK",
-                        "WORLD_SIZE",
-                        raw("RANK"),
-                        raw("WORLD_SIZE"),
-                    )?,
-                },
-            },
-        },
-    };
+        )?;
+    }
+    if found.is_none() {
+        found = pair(
+            Launcher::Hydra,
+            "PMI_RANK",
+            "PMI_SIZE",
+            raw("PMI_RANK"),
+            raw("PMI_SIZE"),
+        )?;
+    }
+    // SLURM_PROCID outside a job step (e.g. in the batch script) is not a rank.
+    if found.is_none() && raw("SLURM_STEP_ID").is_some() && raw("SLURM_PROCID").is_some() {
+        found = pair(
+            Launcher::Slurm,
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            raw("SLURM_PROCID"),
+            raw("SLURM_NTASKS").or_else(|| raw("SLURM_NPROCS")),
+        )?;
+    }
+    if found.is_none() {
+        found = pair(
+            Launcher::Torchrun,
+            "RANK",
+            "WORLD_SIZE",
+            raw("RANK"),
+            raw("WORLD_SIZE"),
+        )?;
+    }
+    let mut tf_endpoints = Vec::new();
+    if found.is_none() {
+        if let Some(tf) = raw("TF_CONFIG")
+            .map(|t| parse_tf_config(&t))
+            .transpose()?
+            .flatten()
+        {
+            found = Some((Launcher::TfConfig, tf.rank, tf.size));
+            tf_endpoints = tf.endpoints;
+        }
+    }
     let Some((launcher, rank, size)) = found else {
         return Ok(LaunchInfo {
             launcher: Launcher::None,
@@ -438,30 +508,38 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
             });
             (None, Some(addr), true, job)
         }
-        Launcher::OpenMpi | Launcher::Hydra | Launcher::Slurm => {
-            let addr = match (explicit_addr, launcher) {
-                (Some(a), _) => Some(a),
-                (None, Launcher::Slurm) => slurm_rendezvous(&raw),
-                (None, _) => None,
+        Launcher::TfConfig => {
+            let addr = match explicit_addr {
+                Some(a) => Some(a),
+                None if size > 1 => Some(tf_endpoints[0].clone()),
+                None => None,
             };
-            let Some(addr) = addr else {
+            // Every rank sees the same cluster, and its host names carry the job's name.
+            let job = Some(tf_endpoints.join(","));
+            (None, addr, true, job)
+        }
+        Launcher::Slurm => {
+            let Some(addr) = explicit_addr.or_else(|| slurm_rendezvous(&raw)) else {
                 return Err(Error::InvalidArgument(format!(
                     "started by {} with {size} ranks, but no rendezvous address: set \
-                     FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> for every rank \
-                     (mpirun -x FERROVOD_RENDEZVOUS_ADDR=...), or install mpi4py so that rank 0 \
-                     can broadcast one",
+                     FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> for every rank",
                     launcher.describe()
                 )));
             };
+            let job = raw("SLURM_JOB_ID")
+                .map(|j| format!("{j}.{}", raw("SLURM_STEP_ID").unwrap_or_default()));
+            (None, Some(addr), true, job)
+        }
+        Launcher::OpenMpi | Launcher::Hydra => {
+            // Without an address, a job of several ranks needs the exchange over MPI
+            // (`LaunchInfo::needs_mpi_rendezvous`); the engine refuses to start without one.
             let job = match launcher {
-                Launcher::Slurm => raw("SLURM_JOB_ID")
-                    .map(|j| format!("{j}.{}", raw("SLURM_STEP_ID").unwrap_or_default())),
                 Launcher::OpenMpi => {
                     raw("OMPI_MCA_ess_base_jobid").or_else(|| raw("PMIX_NAMESPACE"))
                 }
-                _ => raw("PMI_FD").map(|_| addr.clone()),
+                _ => raw("PMI_FD").and(explicit_addr.clone()),
             };
-            (None, Some(addr), true, job)
+            (None, explicit_addr, true, job)
         }
         Launcher::None => unreachable!("returned above"),
     };
@@ -517,8 +595,122 @@ pub fn first_slurm_host(list: &str) -> Option<String> {
     }
 }
 
+/// A TensorFlow job's process, from `TF_CONFIG`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TfJob {
+    /// Index of this task among the chief (or `master`) tasks, then the worker tasks.
+    pub rank: usize,
+    /// Number of chief and worker tasks.
+    pub size: usize,
+    /// Their `host:port` endpoints in rank order; the first one is the rendezvous address.
+    pub endpoints: Vec<String>,
+}
+
+/// Parses `TF_CONFIG` (Kubeflow TFJob, `tf.distribute`'s cluster resolver). `Ok(None)` when it
+/// describes no cluster, which TensorFlow reads as a single local process. Parameter-server and
+/// evaluator tasks, and the sparse form `enableDynamicWorker` gives, are errors: ferrovod needs
+/// every chief and worker endpoint and runs only those tasks.
+pub fn parse_tf_config(text: &str) -> Result<Option<TfJob>> {
+    let bad = |msg: String| Error::InvalidArgument(format!("TF_CONFIG: {msg}"));
+    let json: Json =
+        serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
+    if !json.is_object() {
+        return Err(bad("not a JSON object".into()));
+    }
+    let cluster = match json.get("cluster") {
+        None | Some(Json::Null) => return Ok(None),
+        Some(Json::Object(m)) if m.is_empty() => return Ok(None),
+        Some(c @ Json::Object(_)) => c,
+        Some(_) => return Err(bad("\"cluster\" is not an object".into())),
+    };
+    // The order ranks follow: chief tasks ("master" is the older name), then workers.
+    let mut endpoints = Vec::new();
+    let mut groups = Vec::new();
+    for kind in ["chief", "master", "worker"] {
+        let start = endpoints.len();
+        match cluster.get(kind) {
+            None | Some(Json::Null) => {}
+            Some(Json::Array(list)) => {
+                for e in list {
+                    match e {
+                        Json::String(s) if !s.trim().is_empty() => {
+                            endpoints.push(s.trim().to_string())
+                        }
+                        other => {
+                            return Err(bad(format!(
+                                "cluster.{kind} holds {other:?}, not a \"host:port\" string"
+                            )))
+                        }
+                    }
+                }
+            }
+            Some(Json::Object(_)) => {
+                return Err(bad(format!(
+                    "cluster.{kind} is a map of task index to endpoint: this is the sparse form \
+                     a TFJob with enableDynamicWorker gives, where a worker sees only itself. \
+                     ferrovod needs every chief and worker endpoint: turn enableDynamicWorker off"
+                )))
+            }
+            Some(other) => {
+                return Err(bad(format!(
+                    "cluster.{kind} is {other:?}, not a list of \"host:port\" strings"
+                )))
+            }
+        }
+        groups.push((kind, start, endpoints.len() - start));
+    }
+    let task = json
+        .get("task")
+        .ok_or_else(|| bad("there is a cluster but no \"task\" saying which one this is".into()))?;
+    let kind = match task.get("type") {
+        Some(Json::String(t)) => t.to_ascii_lowercase(),
+        _ => return Err(bad("\"task\" has no \"type\" string".into())),
+    };
+    let index = match task.get("index") {
+        None | Some(Json::Null) => 0,
+        Some(Json::Number(x)) if x.as_u64().is_some_and(|i| i < 1 << 30) => {
+            x.as_u64().unwrap_or(0) as usize
+        }
+        Some(Json::String(s)) if s.trim().parse::<usize>().is_ok() => s.trim().parse().unwrap_or(0),
+        Some(other) => {
+            return Err(bad(format!(
+                "task index {other:?} is not a non-negative integer"
+            )))
+        }
+    };
+    let Some(&(_, start, count)) = groups.iter().find(|(k, _, _)| *k == kind) else {
+        return Err(bad(format!(
+            "this process is a {kind:?} task; ferrovod runs chief and worker tasks only (start \
+             parameter-server and evaluator tasks without ferrovod.init())"
+        )));
+    };
+    if index >= count {
+        return Err(bad(format!(
+            "task {kind} index {index} is out of range: cluster.{kind} has {count} entries"
+        )));
+    }
+    // Rank 0 serves the rendezvous store on its own endpoint's port.
+    let first = &endpoints[0];
+    if first
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .is_none()
+    {
+        return Err(bad(format!("endpoint {first:?} is not \"host:port\"")));
+    }
+    Ok(Some(TfJob {
+        rank: start + index,
+        size: endpoints.len(),
+        endpoints,
+    }))
+}
+
 /// Accepted values of `FERROVOD_LOG_LEVEL`.
 pub const LOG_LEVELS: [&str; 6] = ["trace", "debug", "info", "warning", "error", "fatal"];
+
+fn encode_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
@@ -623,13 +815,18 @@ mod tests {
             (Launcher::OpenMpi, 1, 4)
         );
         assert!(c.launch.rank0_hosts_store && c.launch.secret_derived);
-        let e = cfg(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "4")])
-            .unwrap_err()
-            .to_string();
+        // No address: the exchange over MPI is needed, and without it the engine refuses.
+        let c = cfg(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "4")]).unwrap();
+        assert!(c.launch.needs_mpi_rendezvous());
+        let e = c.launch.require_rendezvous().unwrap_err().to_string();
         assert!(
             e.contains("FERROVOD_RENDEZVOUS_ADDR") && e.contains("mpi4py"),
             "{e}"
         );
+        // One rank needs nobody to find.
+        let c = cfg(&[("PMI_RANK", "0"), ("PMI_SIZE", "1")]).unwrap();
+        assert!(!c.launch.needs_mpi_rendezvous());
+        assert!(c.launch.require_rendezvous().is_ok());
         let c = cfg(&[
             ("RANK", "2"),
             ("WORLD_SIZE", "3"),
@@ -720,5 +917,170 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.launch.secret.as_deref(), Some(&[0u8, 255, 16][..]));
+    }
+
+    fn tf(config: &str) -> Result<Config> {
+        cfg(&[("TF_CONFIG", config)])
+    }
+
+    const CLUSTER: &str = r#""cluster": {"chief": ["c0:2222"], "ps": ["p0:2222"],
+        "worker": ["w0:2222", "w1:2223"]}"#;
+
+    #[test]
+    fn tf_config_ranks_chief_then_workers() {
+        for (task, rank) in [
+            (r#"{"type": "chief", "index": 0}"#, 0),
+            (r#"{"type": "worker", "index": 0}"#, 1),
+            (r#"{"type": "worker", "index": 1}"#, 2),
+        ] {
+            let c = tf(&format!(
+                r#"{{{CLUSTER}, "task": {task}, "environment": "cloud"}}"#
+            ))
+            .unwrap();
+            let l = &c.launch;
+            assert_eq!(
+                (l.launcher, l.rank, l.size),
+                (Launcher::TfConfig, rank, 3),
+                "{task}"
+            );
+            assert_eq!(l.rendezvous_addr.as_deref(), Some("c0:2222"));
+            assert!(l.rank0_hosts_store && l.secret_derived && l.local.is_none());
+        }
+        // "master" is the older name of the chief; without a chief, worker 0 is rank 0.
+        let c = tf(
+            r#"{"cluster": {"worker": ["w0:1", "w1:2"], "master": ["m:3"]},
+                      "task": {"type": "master", "index": 0}}"#,
+        )
+        .unwrap();
+        assert_eq!((c.launch.rank, c.launch.size), (0, 3));
+        assert_eq!(c.launch.rendezvous_addr.as_deref(), Some("m:3"));
+        let c = tf(
+            r#"{"cluster": {"worker": ["w0:1", "w1:2"]}, "task": {"type": "worker", "index": 1}}"#,
+        )
+        .unwrap();
+        assert_eq!((c.launch.rank, c.launch.size), (1, 2));
+        assert_eq!(c.launch.rendezvous_addr.as_deref(), Some("w0:1"));
+        // Every rank derives the same secret; another cluster derives another one.
+        let other = tf(
+            r#"{"cluster": {"worker": ["x0:1", "x1:2"]}, "task": {"type": "worker", "index": 0}}"#,
+        )
+        .unwrap();
+        let same = tf(
+            r#"{"cluster": {"worker": ["w0:1", "w1:2"]}, "task": {"type": "worker", "index": 0}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.launch.secret, same.launch.secret);
+        assert_ne!(c.launch.secret, other.launch.secret);
+        // FERROVOD_RENDEZVOUS_ADDR and FERROVOD_SECRET win.
+        let c = cfg(&[
+            ("TF_CONFIG", r#"{"cluster": {"worker": ["w0:1", "w1:2"]}, "task": {"type": "worker", "index": 1}}"#),
+            ("FERROVOD_RENDEZVOUS_ADDR", "r:9"),
+            ("FERROVOD_SECRET", "0a0b"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.rendezvous_addr.as_deref(), Some("r:9"));
+        assert_eq!(c.launch.secret.as_deref(), Some(&[10u8, 11][..]));
+        assert!(!c.launch.secret_derived);
+        // A single task needs no rendezvous; no cluster at all is no TFJob.
+        let c = tf(r#"{"cluster": {"chief": ["c:1"]}, "task": {"type": "chief"}}"#).unwrap();
+        assert_eq!((c.launch.launcher, c.launch.size), (Launcher::TfConfig, 1));
+        assert_eq!(c.launch.rendezvous_addr, None);
+        assert_eq!(tf("{}").unwrap().launch.launcher, Launcher::None);
+        // torchrun's variables come first.
+        let c = cfg(&[
+            ("TF_CONFIG", "not json"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
+        assert_eq!(c.launch.launcher, Launcher::Torchrun);
+    }
+
+    #[test]
+    fn tf_config_errors_say_what_is_wrong() {
+        let err = |config: &str| tf(config).unwrap_err().to_string();
+        for kind in ["ps", "evaluator"] {
+            let e = err(&format!(
+                r#"{{{CLUSTER}, "task": {{"type": "{kind}", "index": 0}}}}"#
+            ));
+            assert!(
+                e.contains("TF_CONFIG")
+                    && e.contains(kind)
+                    && e.contains("chief and worker tasks only"),
+                "{e}"
+            );
+        }
+        let e = err(
+            r#"{"cluster": {"worker": {"1": "w1:2222"}, "ps": ["p:1"]}, "task": {"type": "worker", "index": 1}}"#,
+        );
+        assert!(
+            e.contains("sparse") && e.contains("enableDynamicWorker"),
+            "{e}"
+        );
+        let e = err(r#"{"cluster": {"worker": ["w0:1"]}, "task": {"type": "worker", "index": 1}"#);
+        assert!(
+            e.contains("TF_CONFIG")
+                && e.contains("not valid JSON")
+                && e.contains("EOF while parsing"),
+            "{e}"
+        );
+        let e = err("{'cluster': 1}");
+        assert!(
+            e.contains("TF_CONFIG") && e.contains("not valid JSON"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"cluster": {"worker": ["w0:1", "w1:2"]}, "task": {"type": "worker", "index": 2}}"#,
+        );
+        assert!(
+            e.contains("index 2 is out of range") && e.contains("2 entries"),
+            "{e}"
+        );
+        let e = err(r#"{"cluster": {"worker": ["w0:1"]}, "task": {"type": "chief", "index": 0}}"#);
+        assert!(e.contains("out of range"), "{e}");
+        let e =
+            err(r#"{"cluster": {"worker": ["w0:1"]}, "task": {"type": "worker", "index": -1}}"#);
+        assert!(e.contains("not a non-negative integer"), "{e}");
+        let e = err(r#"{"cluster": {"worker": ["w0:1"]}}"#);
+        assert!(e.contains("no \"task\""), "{e}");
+        let e = err(
+            r#"{"cluster": {"worker": ["w0", "w1:2"]}, "task": {"type": "worker", "index": 1}}"#,
+        );
+        assert!(e.contains("\"w0\" is not \"host:port\""), "{e}");
+        let e = err(r#"{"cluster": {"worker": [3]}, "task": {"type": "worker"}}"#);
+        assert!(e.contains("not a \"host:port\" string"), "{e}");
+        let e = err("[1]");
+        assert!(e.contains("not a JSON object"), "{e}");
+    }
+
+    #[test]
+    fn iface_and_its_horovod_alias() {
+        assert_eq!(cfg(&[]).unwrap().iface, None);
+        assert_eq!(
+            cfg(&[("HOROVOD_GLOO_IFACE", "eth1")])
+                .unwrap()
+                .iface
+                .as_deref(),
+            Some("eth1")
+        );
+        let c = cfg(&[("HOROVOD_GLOO_IFACE", "eth1"), ("FERROVOD_IFACE", " lo ")]).unwrap();
+        assert_eq!(c.iface.as_deref(), Some("lo"));
+    }
+
+    #[test]
+    fn overrides_from_the_mpi_exchange_complete_an_mpi_launch() {
+        // What Config::from_env_with layers over the environment.
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("FERROVOD_RENDEZVOUS_ADDR", "10.0.0.1:4000"),
+            ("FERROVOD_SECRET", &encode_hex(&[1, 2, 255])),
+        ])
+        .unwrap();
+        assert!(!c.launch.needs_mpi_rendezvous());
+        assert_eq!(c.launch.secret.as_deref(), Some(&[1u8, 2, 255][..]));
+        assert!(!c.launch.secret_derived && c.launch.rank0_hosts_store);
     }
 }

@@ -9,7 +9,11 @@ handing raw pointers to the engine sound.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import itertools
+import os
+import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -57,13 +61,16 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     """Starts ferrovod: rendezvous with the other ranks and start the background engine.
 
     ``process_sets`` is a list of :class:`ProcessSet` registered at start-up (ids 1, 2, ...
-    in order), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` (an MPI
-    communicator or a list of ranks in Horovod) is not supported yet and must be None.
+    in order), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` may be an
+    mpi4py communicator with as many ranks as ``MPI.COMM_WORLD`` (Horovod's signature): under
+    ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks then find each other over it.
+    Other communicators (and lists of ranks) are not supported.
     Calling ``init()`` again while running is a no-op; after :func:`shutdown` it starts a new
     engine.
     """
-    if comm is not None:
-        raise ValueError("init(comm=...) is not supported: ferrovod does not use MPI communicators")
+    if comm is not None and not _is_world_sized_mpi_comm(comm):
+        raise ValueError("init(comm=...) accepts only an mpi4py communicator spanning every rank "
+                         "(as many as MPI.COMM_WORLD): ferrovod does not run on MPI sub-communicators")
     dynamic = process_sets == "dynamic"
     static: List[ProcessSet] = [] if (process_sets is None or dynamic) else list(process_sets)
     for ps in static:
@@ -75,9 +82,95 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
         return
     level, hide_time, my_rank = _core.log_settings()
     _logging.configure(level, hide_time, f"rank {my_rank}")
-    _core.init([p.ranks for p in static], dynamic)
+    addr, secret = None, None
+    info = _core.launch_info()
+    if info["needs_mpi_rendezvous"]:
+        addr, secret = _mpi_rendezvous(comm, info)
+    _core.init([p.ranks for p in static], dynamic, addr, secret)
     _name_counters.clear()
     _ps._on_init(static)
+
+
+def _is_world_sized_mpi_comm(comm: Any) -> bool:
+    # An mpi4py communicator exists only once mpi4py is imported: look it up, never import it.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(comm, mpi.Comm):
+        return False
+    return bool(comm.Get_size() == mpi.COMM_WORLD.Get_size())
+
+
+def _mpi_rendezvous(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
+    """Open MPI / Hydra with no rendezvous address: one exchange over MPI. Every rank
+    allgathers its host name and IPv4 interfaces; rank 0 picks an address of its own that every
+    other host can reach (a shared subnet), a free port and, unless ``FERROVOD_SECRET`` is set,
+    a random secret, and broadcasts them. Without mpi4py: ``(None, None)``, and the engine
+    reports that it has no rendezvous address."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None, None
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_size() != info["size"]:
+        raise InvalidArgumentError(
+            f"the launcher ({info['launcher']}) says {info['size']} ranks but mpi4py's "
+            f"communicator has {comm.Get_size()}: is mpi4py built against another MPI than the "
+            "one that started this job? Set FERROVOD_RENDEZVOUS_ADDR instead")
+    me = (info["rank"], socket.gethostname(), [tuple(i) for i in _core.interfaces()])
+    everyone = comm.allgather(me)
+    root = next((i for i, e in enumerate(everyone) if e[0] == 0), 0)
+    reply: Tuple[str, Any, Any] = ("error", "", None)
+    if comm.Get_rank() == root:
+        # Whatever goes wrong here must reach every rank, or they would wait in bcast forever.
+        try:
+            ip = _rendezvous_ip(everyone, root, info["iface"])
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", 0))
+                port = s.getsockname()[1]
+            reply = ("ok", f"{ip}:{port}", None if info["secret_set"] else os.urandom(32))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            reply = ("error", f"{e}", None)
+    status, text, secret = comm.bcast(reply, root=root)
+    if status != "ok":
+        raise InvalidArgumentError(f"finding a rendezvous address over MPI: {text}")
+    return text, secret
+
+
+def _rendezvous_ip(everyone: List[Any], root: int, iface: Optional[str]) -> str:
+    """Rank 0's address for the rendezvous store, from ``(rank, hostname, interfaces)`` of
+    every rank (``everyone[root]`` is rank 0's)."""
+
+    def key(e: Any) -> Any:
+        # A host is its name and its non-loopback addresses: containers on different machines
+        # may share a host name.
+        return (e[1], tuple(sorted(a for _, a, _ in e[2] if not a.startswith("127."))))
+
+    def describe(e: Any) -> str:
+        addrs = ", ".join(f"{n} {a}/{p}" for n, a, p in e[2]) or "no IPv4 interface"
+        return f"{e[1]} ({addrs})"
+
+    hosts: Dict[Any, Any] = {}
+    for e in [everyone[root], *everyone]:
+        hosts.setdefault(key(e), e)
+    mine, others = everyone[root], [e for k, e in hosts.items() if k != key(everyone[root])]
+    if iface:
+        lacking = [e for e in hosts.values() if not any(n == iface for n, _, _ in e[2])]
+        if lacking:
+            raise InvalidArgumentError(
+                f"FERROVOD_IFACE={iface}: no network interface {iface!r} with an IPv4 address on "
+                + "; ".join(f"host {describe(e)}" for e in lacking))
+        return str(next(a for n, a, _ in mine[2] if n == iface))
+    if not others:
+        return "127.0.0.1"
+    for _, a, p in mine[2]:
+        if a.startswith("127."):
+            continue
+        net = ipaddress.ip_network(f"{a}/{p}", strict=False)
+        if all(any(ipaddress.ip_address(b) in net for _, b, _ in e[2]) for e in others):
+            return str(a)
+    raise InvalidArgumentError(
+        "no network interface of rank 0's host shares a subnet with every other host. Rank 0: "
+        + describe(mine) + "; others: " + "; ".join(describe(e) for e in others)
+        + ". Set FERROVOD_IFACE=<interface> or FERROVOD_RENDEZVOUS_ADDR=<rank 0's address>:<port>")
 
 
 def shutdown() -> None:

@@ -182,6 +182,20 @@ impl Engine {
                 )));
             }
         }
+        launch.require_rendezvous()?;
+        // FERROVOD_IFACE pins the data and coordinator listeners to one interface; a wrong name fails here, before
+        // anything is bound or published.
+        let bind_ip = match &config.iface {
+            Some(name) => {
+                let ip = iface_ip(name, &config.hostname)?;
+                log::debug!(
+                    target: crate::LOG_TARGET,
+                    "rank {rank}: listening on {ip} (FERROVOD_IFACE={name})"
+                );
+                Some(ip)
+            }
+            None => None,
+        };
         let secret = match &launch.secret {
             Some(s) => s.clone(),
             None if size == 1 => auth::random_secret(),
@@ -230,10 +244,11 @@ impl Engine {
 
         let (mut transport, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
             None => {
-                let listener = TcpListener::bind("127.0.0.1:0")?;
+                let ip = bind_ip.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+                let listener = TcpListener::bind((ip, 0))?;
                 let addr = listener.local_addr()?;
                 let coordinator = Coordinator::start(listener, coord_cfg)?;
-                let data = TcpListener::bind("127.0.0.1:0")?;
+                let data = TcpListener::bind((ip, 0))?;
                 let transport = TcpTransport::connect_mesh(
                     0,
                     1,
@@ -251,7 +266,10 @@ impl Engine {
             }
             Some(rdv) => {
                 let store = TcpStore::connect(rdv.as_str(), &secret, deadline)?;
-                let ip = advertised_ip(rdv)?;
+                let ip = match bind_ip {
+                    Some(ip) => ip,
+                    None => advertised_ip(rdv)?,
+                };
                 let data = TcpListener::bind((ip, 0))?;
                 let key = |k: &str| format!("g{generation}/{k}");
                 let coordinator = if rank == 0 {
@@ -463,6 +481,28 @@ fn host_store(addr: &str, secret: &[u8]) -> Result<TcpStoreServer> {
     })
 }
 
+/// The IPv4 address of interface `name` (`FERROVOD_IFACE`), or an error naming it, this host
+/// and the interfaces it has.
+pub fn iface_ip(name: &str, hostname: &str) -> Result<std::net::IpAddr> {
+    let all = sys::interfaces()?;
+    if let Some(i) = all.iter().find(|i| i.name == name) {
+        return Ok(std::net::IpAddr::V4(i.addr));
+    }
+    let have: Vec<String> = all
+        .iter()
+        .map(|i| format!("{} {}/{}", i.name, i.addr, i.prefix))
+        .collect();
+    Err(Error::InvalidArgument(format!(
+        "FERROVOD_IFACE={name}: host {hostname} has no network interface {name:?} with an IPv4 \
+         address; its interfaces: {}",
+        if have.is_empty() {
+            "none".to_string()
+        } else {
+            have.join(", ")
+        }
+    )))
+}
+
 /// The address other ranks can reach this process on: the local address of the route to the
 /// rendezvous store (a UDP "connect" sends nothing; it only picks the route).
 fn advertised_ip(rendezvous: &str) -> Result<std::net::IpAddr> {
@@ -566,5 +606,23 @@ mod tests {
             (0, 1, 2, 3)
         );
         assert!(!t.homogeneous);
+    }
+
+    #[test]
+    fn iface_names_resolve_or_fail_clearly() {
+        let lo = sys::interfaces()
+            .unwrap()
+            .into_iter()
+            .find(|i| i.addr.is_loopback())
+            .expect("a loopback interface");
+        assert_eq!(
+            iface_ip(&lo.name, "h").unwrap(),
+            std::net::IpAddr::V4(lo.addr)
+        );
+        let e = iface_ip("nosuch0", "hostA").unwrap_err().to_string();
+        assert!(
+            e.contains("nosuch0") && e.contains("hostA") && e.contains(&lo.name),
+            "{e}"
+        );
     }
 }

@@ -58,11 +58,19 @@ fn log_settings() -> PyResult<(String, bool, usize)> {
     Ok((c.log_level, c.log_hide_time, c.launch.rank))
 }
 
-/// Starts the engine (no-op if already running in this process).
+/// Starts the engine (no-op if already running in this process). `rendezvous_addr` and
+/// `secret` replace `FERROVOD_RENDEZVOUS_ADDR` / `FERROVOD_SECRET` (the MPI exchange's result).
 #[pyfunction]
-#[pyo3(signature = (process_sets=Vec::new(), dynamic=false))]
-fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic: bool) -> PyResult<()> {
-    let config = Config::from_env().map_err(to_pyerr)?;
+#[pyo3(signature = (process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None))]
+fn init(
+    py: Python<'_>,
+    process_sets: Vec<Vec<usize>>,
+    dynamic: bool,
+    rendezvous_addr: Option<String>,
+    secret: Option<Vec<u8>>,
+) -> PyResult<()> {
+    let config =
+        Config::from_env_with(rendezvous_addr.as_deref(), secret.as_deref()).map_err(to_pyerr)?;
     let mut guard = slot().lock();
     if let Some(s) = guard.as_ref() {
         if s.pid == std::process::id() {
@@ -83,6 +91,33 @@ fn init(py: Python<'_>, process_sets: Vec<Vec<usize>>, dynamic: bool) -> PyResul
         pid: std::process::id(),
     });
     Ok(())
+}
+
+/// What `init()` needs to know before it starts the engine: `{"launcher": name, "rank",
+/// "size", "needs_mpi_rendezvous": bool, "secret_set": bool (FERROVOD_SECRET given),
+/// "iface": FERROVOD_IFACE or None}`.
+#[pyfunction]
+fn launch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = Config::from_env().map_err(to_pyerr)?;
+    let l = &c.launch;
+    let d = PyDict::new(py);
+    d.set_item("launcher", l.launcher.name())?;
+    d.set_item("rank", l.rank)?;
+    d.set_item("size", l.size)?;
+    d.set_item("needs_mpi_rendezvous", l.needs_mpi_rendezvous())?;
+    d.set_item("secret_set", l.secret.is_some() && !l.secret_derived)?;
+    d.set_item("iface", c.iface)?;
+    Ok(d)
+}
+
+/// This host's IPv4 interfaces: `[(name, address, prefix length)]`.
+#[pyfunction]
+fn interfaces() -> PyResult<Vec<(String, String, u8)>> {
+    Ok(crate::engine::sys::interfaces()
+        .map_err(to_pyerr)?
+        .into_iter()
+        .map(|i| (i.name, i.addr.to_string(), i.prefix))
+        .collect())
 }
 
 /// Drops the bridge's cached Python logger levels (call after changing them).
@@ -380,6 +415,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(launch_info, m)?)?;
+    m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(topology, m)?)?;
