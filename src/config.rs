@@ -122,6 +122,11 @@ pub struct LaunchInfo {
     /// The secret was derived from the launcher's job identity (no launcher of ours handed one
     /// out): it keeps other jobs out, not an attacker who can read this job's environment.
     pub secret_derived: bool,
+    /// Under torchrun, the agent's own store (`MASTER_ADDR:MASTER_PORT`) when its workers may
+    /// use it (`TORCHELASTIC_USE_AGENT_STORE=True`) and no rendezvous address was given:
+    /// Python's `init()` then agrees on a free port for ferrovod's store through it, instead of
+    /// assuming `MASTER_PORT`+1 is free. With the key prefix that keeps jobs and restarts apart.
+    pub agent_store: Option<(String, String)>,
 }
 
 impl LaunchInfo {
@@ -425,6 +430,7 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
             rendezvous_addr: None,
             secret: None,
             secret_derived: false,
+            agent_store: None,
         });
     };
     let secret = match lookup("FERROVOD_SECRET") {
@@ -435,6 +441,25 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
         ),
     };
     let explicit_addr = lookup("FERROVOD_RENDEZVOUS_ADDR").map(|(_, v)| v);
+    let agent_store = match (
+        launcher,
+        &explicit_addr,
+        raw("TORCHELASTIC_USE_AGENT_STORE"),
+        raw("MASTER_ADDR"),
+        raw("MASTER_PORT"),
+    ) {
+        (Launcher::Torchrun, None, Some(use_it), Some(host), Some(port))
+            if size > 1 && use_it.eq_ignore_ascii_case("true") =>
+        {
+            let key = format!(
+                "ferrovod/{}/{}/",
+                raw("TORCHELASTIC_RUN_ID").unwrap_or_default(),
+                raw("TORCHELASTIC_RESTART_COUNT").unwrap_or_default()
+            );
+            Some((format!("{host}:{port}"), key))
+        }
+        _ => None,
+    };
     let (local, rendezvous_addr, rank0_hosts_store, job_id) = match launcher {
         Launcher::Ferrovodrun => {
             let int = |n: &str| int_of(n, lookup(n).map(|(_, v)| v));
@@ -568,6 +593,7 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
         rendezvous_addr,
         secret,
         secret_derived,
+        agent_store,
     })
 }
 
@@ -841,6 +867,27 @@ mod tests {
             Some("m:29501"),
             "torchrun's agent owns MASTER_PORT"
         );
+        assert_eq!(
+            c.launch.agent_store, None,
+            "no TORCHELASTIC_USE_AGENT_STORE"
+        );
+        let torchrun = [
+            ("RANK", "2"),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RUN_ID", "r1"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ];
+        let c = cfg(&torchrun).unwrap();
+        assert_eq!(
+            c.launch.agent_store,
+            Some(("m:29500".into(), "ferrovod/r1/2/".into()))
+        );
+        let c =
+            cfg(&[torchrun.as_slice(), &[("FERROVOD_RENDEZVOUS_ADDR", "a:1")]].concat()).unwrap();
+        assert_eq!(c.launch.agent_store, None, "an explicit address wins");
         let c = cfg(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),

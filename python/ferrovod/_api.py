@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import itertools
+import json
 import os
 import socket
 import sys
@@ -86,6 +87,8 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     info = _core.launch_info()
     if info["needs_mpi_rendezvous"]:
         addr, secret = _mpi_rendezvous(comm, info)
+    elif info["agent_store"] is not None:
+        addr, secret = _agent_store_rendezvous(info)
     _core.init([p.ranks for p in static], dynamic, addr, secret)
     _name_counters.clear()
     _ps._on_init(static)
@@ -115,24 +118,68 @@ def _mpi_rendezvous(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optional
             f"the launcher ({info['launcher']}) says {info['size']} ranks but mpi4py's "
             f"communicator has {comm.Get_size()}: is mpi4py built against another MPI than the "
             "one that started this job? Set FERROVOD_RENDEZVOUS_ADDR instead")
-    me = (info["rank"], socket.gethostname(), [tuple(i) for i in _core.interfaces()])
-    everyone = comm.allgather(me)
+    everyone = comm.allgather(_host_identity(info))
     root = next((i for i, e in enumerate(everyone) if e[0] == 0), 0)
     reply: Tuple[str, Any, Any] = ("error", "", None)
     if comm.Get_rank() == root:
-        # Whatever goes wrong here must reach every rank, or they would wait in bcast forever.
-        try:
-            ip = _rendezvous_ip(everyone, root, info["iface"])
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", 0))
-                port = s.getsockname()[1]
-            reply = ("ok", f"{ip}:{port}", None if info["secret_set"] else os.urandom(32))
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            reply = ("error", f"{e}", None)
+        reply = _rendezvous_reply(everyone, root, info)
     status, text, secret = comm.bcast(reply, root=root)
     if status != "ok":
         raise InvalidArgumentError(f"finding a rendezvous address over MPI: {text}")
     return text, secret
+
+
+def _host_identity(info: Dict[str, Any]) -> Tuple[int, str, List[Tuple[str, str, int]]]:
+    """(rank, host name, IPv4 interfaces): what rank 0 needs to pick a reachable address."""
+    return (info["rank"], socket.gethostname(), [tuple(i) for i in _core.interfaces()])
+
+
+def _rendezvous_reply(everyone: List[Any], root: int, info: Dict[str, Any]) -> Tuple[str, Any, Any]:
+    """Rank 0's answer: ("ok", "ip:port", secret or None) or ("error", message, None).
+
+    Whatever goes wrong here must reach every rank as an answer, or they would wait forever.
+    """
+    try:
+        ip = _rendezvous_ip(everyone, root, info["iface"])
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            port = s.getsockname()[1]
+        return ("ok", f"{ip}:{port}", None if info["secret_set"] else os.urandom(32))
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the caller
+        return ("error", f"{e}", None)
+
+
+def _agent_store_rendezvous(info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
+    """Under torchrun: the same exchange as over MPI, through torchrun's own store (which its
+    workers may use, ``TORCHELASTIC_USE_AGENT_STORE=True``). Rank 0 picks a free port instead
+    of assuming ``MASTER_PORT``+1 is free — with torchrun's default, a random ``MASTER_PORT``,
+    that port may belong to anything. Without torch importable: ``(None, None)``, and the
+    engine uses ``MASTER_PORT``+1."""
+    try:
+        import datetime
+
+        from torch.distributed import TCPStore
+    except ImportError:
+        return None, None
+    endpoint, prefix = info["agent_store"]
+    host, port = endpoint.rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=float(info["start_timeout"]))
+    try:
+        store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+        me = _host_identity(info)
+        store.set(f"{prefix}host/{info['rank']}", json.dumps(me))
+        if info["rank"] == 0:
+            everyone = [json.loads(store.get(f"{prefix}host/{r}")) for r in range(info["size"])]
+            status, text, secret = _rendezvous_reply(everyone, 0, info)
+            store.set(f"{prefix}reply", json.dumps([status, text, secret.hex() if secret else None]))
+        status, text, secret_hex = json.loads(store.get(f"{prefix}reply"))
+    except (RuntimeError, OSError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"finding a rendezvous address through torchrun's store at {endpoint}: {e}. Set "
+            "FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> on every rank instead") from None
+    if status != "ok":
+        raise InvalidArgumentError(f"finding a rendezvous address through torchrun's store: {text}")
+    return text, bytes.fromhex(secret_hex) if secret_hex else None
 
 
 def _rendezvous_ip(everyone: List[Any], root: int, iface: Optional[str]) -> str:

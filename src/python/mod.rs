@@ -95,7 +95,7 @@ fn init(
 
 /// What `init()` needs to know before it starts the engine: `{"launcher": name, "rank",
 /// "size", "needs_mpi_rendezvous": bool, "secret_set": bool (FERROVOD_SECRET given),
-/// "iface": FERROVOD_IFACE or None}`.
+/// "iface": FERROVOD_IFACE or None, "agent_store": (torchrun agent store "host:port", key prefix) or None, "start_timeout": seconds}`.
 #[pyfunction]
 fn launch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let c = Config::from_env().map_err(to_pyerr)?;
@@ -107,6 +107,8 @@ fn launch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("needs_mpi_rendezvous", l.needs_mpi_rendezvous())?;
     d.set_item("secret_set", l.secret.is_some() && !l.secret_derived)?;
     d.set_item("iface", c.iface)?;
+    d.set_item("agent_store", l.agent_store.clone())?;
+    d.set_item("start_timeout", c.start_timeout.as_secs_f64())?;
     Ok(d)
 }
 

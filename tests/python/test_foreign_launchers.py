@@ -145,3 +145,28 @@ def test_real_torchrun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(2):
         assert f"OK rank={r} size=2 local_rank={r} local_size=2" in proc.stdout, proc.stdout
+
+
+def test_torchrun_with_master_port_plus_one_taken():
+    """ferrovod's store gets a free port agreed through torchrun's own store: a busy
+    MASTER_PORT+1 (with torchrun's --standalone, MASTER_PORT is random) is no obstacle."""
+    port = _free_port_pair()
+    with socket.socket() as squatter:
+        squatter.bind(("0.0.0.0", port + 1))
+        squatter.listen()
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+             "2", "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT],
+            env=_base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"OK rank={r} size=2 local_rank={r} local_size=2" in proc.stdout, proc.stdout
+
+
+def test_torchrun_standalone():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+         SCRIPT], env=_base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(3):
+        assert f"OK rank={r} size=3 local_rank={r} local_size=3" in proc.stdout, proc.stdout
