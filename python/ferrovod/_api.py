@@ -92,6 +92,33 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     _core.init([p.ranks for p in static], dynamic, addr, secret)
     _name_counters.clear()
     _ps._on_init(static)
+    _share_cores(info["launcher"])
+
+
+# Launchers that already give each rank its share of the cores (ferrovodrun's worker_env;
+# torchrun sets OMP_NUM_THREADS=1), or start one process only.
+_SHARING_LAUNCHERS = ("ferrovodrun", "torchrun", "none")
+
+
+def _share_cores(launcher: str) -> None:
+    """Under mpirun, srun or a TFJob with several ranks per host, sets the thread-pool variables
+    the user left unset (OMP_NUM_THREADS and the BLAS ones) to this rank's share of the cores —
+    by default every rank's pools would use every core and the ranks would fight over them.
+    Libraries loaded from now on, and child processes, see them; a PyTorch already imported
+    gets ``torch.set_num_threads`` too."""
+    n = local_size()
+    if launcher in _SHARING_LAUNCHERS or n <= 1:
+        return
+    from .runner.worker_env import thread_share
+
+    share = thread_share(os.environ, n)
+    if not share:
+        return
+    os.environ.update(share)
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" in share:
+        torch.set_num_threads(int(share["OMP_NUM_THREADS"]))
+    _logging.LOGGER.info("%d ranks on this host: set %s", n, ", ".join(f"{k}={v}" for k, v in share.items()))
 
 
 def _is_world_sized_mpi_comm(comm: Any) -> bool:

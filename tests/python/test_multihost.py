@@ -35,7 +35,8 @@ def clean_env(**extra):
     """The test process's environment without any launch variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FERROVOD_", "HOROVOD_", "OMPI_", "PMI", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                         "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(WORKERS), env.get("PYTHONPATH", "")]).strip(os.pathsep)
     env.update(extra)
     return env
@@ -166,14 +167,16 @@ def test_bad_hosts_are_named_before_any_worker_starts(cluster, tmp_path):
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
 def test_open_mpi_mpirun_across_hosts(cluster):
     """Open MPI starts the ranks over ssh (port 2222 through plm_rsh_args, as in the docs);
-    ferrovod's store address comes with -x."""
+    ferrovod's store address comes with -x. init() gives each of a host's two ranks half of
+    its cores for OpenMP/BLAS, as mpirun does not."""
     env = clean_env()
     res = cluster.run("h0", [
         "mpirun", "--allow-run-as-root", "-np", "4", "-H", "h1:2,h2:2",
         "-mca", "plm_rsh_args", " ".join(cluster.ssh_args()),
         "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
         "-x", "PATH", "-x", "PYTHONPATH", "-x", "FERROVOD_RENDEZVOUS_ADDR=h1:29500",
-        PY, WORKER, "h1:2,h2:2"], timeout=120, env=env)
+        PY, WORKER, "h1:2,h2:2", f"OMP_NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 2)}"],
+        timeout=120, env=env)
     assert res.returncode == 0, describe(res)
     assert res.stdout.count("OK ") == 4, describe(res)
 
