@@ -19,6 +19,7 @@ Not part of the default test run: it takes as long as ``--minutes`` says.
 
 import argparse
 import ctypes
+import gc
 import os
 import sys
 import time
@@ -67,6 +68,41 @@ def live_rss_kib():
         return raw, raw
     MALLOC_TRIM(0)
     return raw, vm_rss_kib()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use_kib():
+    """Bytes the C heap has handed out and not got back (glibc's mallinfo2: in-use chunks of
+    every arena plus mmapped blocks), in KiB; None without glibc. Unlike VmRSS it does not
+    move with fragmentation or the allocator's caching, so a leak of C-heap memory (the
+    engine's Rust allocations, NumPy's array data) shows here, and growth of VmRSS alone
+    does not mean one."""
+    if MALLINFO2 is None:
+        return None
+    m = MALLINFO2()
+    return (m.uordblks + m.hblkhd) // 1024
+
+
+def python_objects():
+    """Objects the garbage collector tracks: grows if Python-level objects leak."""
+    return len(gc.get_objects())
 
 
 def open_fds():
@@ -159,16 +195,25 @@ def submit(op, mine, rank):
     return fv.broadcast_async(mine, op["root"], name=op["name"])
 
 
+# Allreduce tensors from this size up are reduced in place, not copied into the fusion buffer
+# (the engine's FUSION_COPY_LIMIT).
+FUSION_BYPASS_BYTES = 1 << 20
+
+
 def priming_ops(n, max_elems):
-    """One step with the largest op of every kind (four largest allreduces fused), so that
-    buffers and allocator pools that keep their high-water mark reach it during the warm-up
-    rather than whenever the random plan first draws its largest sizes."""
+    """One step with the largest op of every kind, so that buffers and allocator pools that
+    keep their high-water mark reach it during the warm-up rather than whenever the random plan
+    first draws its largest sizes: four allreduces of the largest size (reduced in place), four
+    of the largest size that still goes through the fusion buffer (fused together, the most a
+    step of at most four ops can put there), an allgather and a broadcast."""
     f64 = np.dtype("float64")
+    fusable = min(max_elems, FUSION_BYPASS_BYTES // f64.itemsize - 1)
     ops = [{"kind": "allreduce", "dt": f64, "idx": i, "name": f"soak.prime.ar{i}",
-            "shape": (max_elems, 1), "reduce": fv.Sum} for i in range(4)]
-    ops.append({"kind": "allgather", "dt": f64, "idx": 4, "name": "soak.prime.ag",
+            "shape": (elems, 1), "reduce": fv.Sum}
+           for i, elems in enumerate([max_elems] * 4 + [fusable] * 4)]
+    ops.append({"kind": "allgather", "dt": f64, "idx": 8, "name": "soak.prime.ag",
                 "shapes": [(max_elems, 1)] * n})
-    ops.append({"kind": "broadcast", "dt": f64, "idx": 5, "name": "soak.prime.bc",
+    ops.append({"kind": "broadcast", "dt": f64, "idx": 9, "name": "soak.prime.bc",
                 "shape": (max_elems, 1), "root": n - 1})
     return ops
 
@@ -243,6 +288,7 @@ def main():
             next_report += 60.0
             raw, live = live_rss_kib()
             print(f"rank {rank}: {elapsed:.0f} s: VmRSS {live} KiB ({raw} untrimmed), "
+                  f"C heap in use {heap_in_use_kib()} KiB, {python_objects()} Python objects, "
                   f"{open_fds()} fds, {ops_done} ops", flush=True)
         if step % 16 == 0:
             # Rank 0's clock decides, so every rank stops after the same step.

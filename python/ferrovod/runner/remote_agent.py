@@ -17,7 +17,8 @@ the life of the job. The job secret travels in that line, so it is never on a co
   died with the launcher; either way nothing is left running on this host;
 * passes SIGTERM, SIGINT and SIGHUP on to the worker's group.
 
-Only the standard library is imported in worker mode, so starting a worker costs little.
+Worker mode imports only the standard library and the launcher's process helpers (not the
+native core), so starting a worker costs little.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import sys
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
+
+from .supervisor import _group_alive, _signal_group
 
 GRACE_S = 3.0
 _POLL_S = 0.05
@@ -81,23 +84,6 @@ def _thread_share(env: Mapping[str, str], local_size: int) -> Dict[str, str]:
     # have another count).
     share = str(max(1, _cores() // max(1, local_size)))
     return {var: share for var in _THREAD_VARS if var not in env}
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _stop_group(proc: "subprocess.Popen[bytes]", grace_s: float) -> None:
