@@ -17,8 +17,7 @@ the life of the job. The job secret travels in that line, so it is never on a co
   died with the launcher; either way nothing is left running on this host;
 * passes SIGTERM, SIGINT and SIGHUP on to the worker's group.
 
-Worker mode imports only the standard library and the launcher's process helpers (not the
-native core), so starting a worker costs little.
+The agent imports no framework, so starting a worker through it costs a Python start-up.
 """
 
 from __future__ import annotations
