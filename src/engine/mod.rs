@@ -30,6 +30,7 @@ use crate::bootstrap::Store;
 use crate::bootstrap::{auth, net};
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::transport::hybrid::{HybridTransport, ShmOptions};
 use crate::transport::tcp::TcpTransport;
 use crate::types::{OpKind, ReduceOp};
 
@@ -305,10 +306,28 @@ impl Engine {
         };
 
         transport.spin = config.spin;
+        // Peers that published this rank's host name move to shared memory. Every rank derives
+        // the lists from the same host table, so they are symmetric, as the handshake needs; a
+        // pair that cannot share memory (same name, different machines or network namespaces)
+        // stays on TCP.
+        let local: Vec<usize> = (0..size)
+            .filter(|&r| r != rank && !hosts[rank].is_empty() && hosts[r] == hosts[rank])
+            .collect();
+        let options = ShmOptions {
+            disabled: config.shm_disable,
+            ..ShmOptions::default()
+        };
+        let transport =
+            HybridTransport::upgrade(transport, &local, &options, config.start_timeout)?;
+        let shm = transport.shm_peers();
+        let links: Vec<String> = (0..size)
+            .filter(|&r| r != rank)
+            .map(|r| format!("{r} {}", if shm.contains(&r) { "shm" } else { "tcp" }))
+            .collect();
         log::debug!(
             target: crate::LOG_TARGET,
-            "rank {rank}: transport to every peer: tcp (full mesh, {} connections); coordinator at {coord_addr}",
-            size - 1
+            "rank {rank}: transport to each peer: {}; coordinator at {coord_addr}",
+            if links.is_empty() { "none (one rank)".to_string() } else { links.join(", ") }
         );
         let mut topology = Topology::from_hosts(rank, &hosts);
         if let Some((lr, ls, cr, cs)) = launch.local {

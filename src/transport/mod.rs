@@ -1,9 +1,15 @@
 //! Point-to-point transports. A collective algorithm talks to peers only through
-//! [`Transport::exchange`]; it never knows whether bytes travel over TCP or (later) shared memory.
+//! [`Transport::exchange`]; it never knows whether bytes travel over TCP or shared memory.
+//!
+//! - [`tcp::TcpTransport`]: the authenticated full mesh every job starts with;
+//! - [`hybrid::HybridTransport`]: that mesh with the peers on this host moved to
+//!   shared-memory links ([`shm`]), chosen per peer, progressed together.
 //!
 //! Peers are identified by **global** rank here; [`crate::comm::Communicator`] maps process-set
 //! ranks onto them.
 
+pub mod hybrid;
+pub mod shm;
 pub mod tcp;
 
 use std::time::Duration;

@@ -277,7 +277,7 @@ impl TcpTransport {
     }
 
     /// Error for a failed transfer with `peer`: a closed or broken link is `PeerLost`.
-    fn link_error(peer: usize, e: &io::Error) -> Error {
+    pub(crate) fn link_error(peer: usize, e: &io::Error) -> Error {
         match e.kind() {
             ErrorKind::UnexpectedEof => Error::PeerLost {
                 rank: peer,
@@ -293,54 +293,63 @@ impl TcpTransport {
         }
     }
 
-    /// Checks the contract on `xfers` and performs transfers to this rank itself (a matching
-    /// send/receive pair is a copy).
+    /// Checks the contract on `xfers` and performs transfers to this rank itself.
     fn check_and_copy_self(&self, xfers: &mut [Xfer<'_>]) -> Result<()> {
-        let mut seen = vec![0u8; self.size];
-        let (mut self_send, mut self_recv) = (None, None);
-        for (i, x) in xfers.iter().enumerate() {
-            let peer = x.peer();
-            if peer >= self.size {
-                return Err(Error::InvalidArgument(format!(
-                    "transfer with rank {peer} in a job of {} ranks",
-                    self.size
-                )));
-            }
-            let bit = if matches!(x, Xfer::Send { .. }) { 1 } else { 2 };
-            if seen[peer] & bit != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "more than one {} with rank {peer} in one exchange",
-                    if bit == 1 { "send" } else { "receive" }
-                )));
-            }
-            seen[peer] |= bit;
-            if peer == self.rank {
-                if bit == 1 {
-                    self_send = Some(i);
-                } else {
-                    self_recv = Some(i);
-                }
-            }
-        }
-        let len = |i: Option<usize>| i.map_or(0, |i| xfer_len(&xfers[i]));
-        let (ls, lr) = (len(self_send), len(self_recv));
-        if ls != lr {
+        check_and_copy_self(self.rank, self.size, xfers)
+    }
+
+    /// Takes the mesh apart for a transport that routes some peers elsewhere
+    /// ([`super::hybrid::HybridTransport`]): (rank, size, per-peer streams, spin, aborted).
+    pub(crate) fn into_parts(self) -> (usize, usize, Vec<Option<TcpStream>>, Duration, bool) {
+        (self.rank, self.size, self.peers, self.spin, self.aborted)
+    }
+}
+
+/// Checks the contract on `xfers` for rank `rank` of `size` and performs transfers to `rank`
+/// itself (a matching send/receive pair is a copy). Shared with the other transports.
+pub(crate) fn check_and_copy_self(rank: usize, size: usize, xfers: &mut [Xfer<'_>]) -> Result<()> {
+    let mut seen = vec![0u8; size];
+    let (mut self_send, mut self_recv) = (None, None);
+    for (i, x) in xfers.iter().enumerate() {
+        let peer = x.peer();
+        if peer >= size {
             return Err(Error::InvalidArgument(format!(
-                "rank {} sends {ls} bytes to itself but receives {lr}",
-                self.rank
+                "transfer with rank {peer} in a job of {size} ranks"
             )));
         }
-        if let (Some(s), Some(r)) = (self_send, self_recv) {
-            let src: &[u8] = match &xfers[s] {
-                Xfer::Send { buf, .. } => buf,
-                Xfer::Recv { .. } => unreachable!(),
-            };
-            if let Xfer::Recv { buf, .. } = &mut xfers[r] {
-                buf.copy_from_slice(src);
+        let bit = if matches!(x, Xfer::Send { .. }) { 1 } else { 2 };
+        if seen[peer] & bit != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "more than one {} with rank {peer} in one exchange",
+                if bit == 1 { "send" } else { "receive" }
+            )));
+        }
+        seen[peer] |= bit;
+        if peer == rank {
+            if bit == 1 {
+                self_send = Some(i);
+            } else {
+                self_recv = Some(i);
             }
         }
-        Ok(())
     }
+    let len = |i: Option<usize>| i.map_or(0, |i| xfer_len(&xfers[i]));
+    let (ls, lr) = (len(self_send), len(self_recv));
+    if ls != lr {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} sends {ls} bytes to itself but receives {lr}"
+        )));
+    }
+    if let (Some(s), Some(r)) = (self_send, self_recv) {
+        let src: &[u8] = match &xfers[s] {
+            Xfer::Send { buf, .. } => buf,
+            Xfer::Recv { .. } => unreachable!(),
+        };
+        if let Xfer::Recv { buf, .. } = &mut xfers[r] {
+            buf.copy_from_slice(src);
+        }
+    }
+    Ok(())
 }
 
 /// Wakes `connect_mesh`'s loop. A full socket buffer already guarantees a wake-up, so a
@@ -349,7 +358,7 @@ fn notify(mut wake: &UnixStream) {
     let _ = wake.write(&[1]);
 }
 
-fn xfer_len(x: &Xfer<'_>) -> usize {
+pub(crate) fn xfer_len(x: &Xfer<'_>) -> usize {
     match x {
         Xfer::Send { buf, .. } => buf.len(),
         Xfer::Recv { buf, .. } => buf.len(),
@@ -358,7 +367,11 @@ fn xfer_len(x: &Xfer<'_>) -> usize {
 
 /// Moves as many bytes of `x` as the socket takes/has right now, advancing `off`.
 /// Returns whether any byte moved; `WouldBlock` is not an error.
-fn progress(mut stream: &TcpStream, x: &mut Xfer<'_>, off: &mut usize) -> io::Result<bool> {
+pub(crate) fn progress(
+    mut stream: &TcpStream,
+    x: &mut Xfer<'_>,
+    off: &mut usize,
+) -> io::Result<bool> {
     let mut moved = false;
     match x {
         Xfer::Send { buf, .. } => {

@@ -32,11 +32,13 @@ def test_ops_before_init_raise_not_initialized():
     assert res.returncode == 0 and "OK " in res.stdout, describe(res)
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_killed_rank_is_reported_by_every_survivor(n):
+@pytest.mark.parametrize("n,link", [(3, "shm"), (4, "shm"), (3, "tcp")])
+def test_killed_rank_is_reported_by_every_survivor(n, link):
+    """Within 2 s of the kill, over shared memory (ranks on one host) and over TCP alike."""
     marker = f"fvkill-{time.time_ns()}"
     t0 = time.monotonic()
-    res = run_job(n, "errors_worker.py", "kill", marker, 40, env={"FERROVOD_TIMEOUT_SECONDS": 30}, timeout=90)
+    env = {"FERROVOD_TIMEOUT_SECONDS": 30, "FERROVOD_SHM_DISABLE": "1" if link == "tcp" else "0"}
+    res = run_job(n, "errors_worker.py", "kill", marker, 40, env=env, timeout=90)
     total = time.monotonic() - t0
     assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"
     assert lines_matching(res, 1, r"^killing myself"), describe(res)
@@ -48,7 +50,7 @@ def test_killed_rank_is_reported_by_every_survivor(n):
         _, rank_attr, elapsed, internal = got[0].groups()
         assert rank_attr == "1", f"rank {r}: RankFailureError.rank is {rank_attr}, expected 1\n{describe(res)}"
         assert internal == "True", f"rank {r}: RankFailureError is not a HorovodInternalError"
-        assert float(elapsed) < 10.0, f"rank {r} needed {elapsed} s to notice the dead rank"
+        assert float(elapsed) < 2.0, f"rank {r} needed {elapsed} s to notice the dead rank"
         msg = [ln for ln in res.ranks[r] if ln.startswith("RANKFAIL")][0]
         assert re.search(r"rank\D{0,20}\b1\b", msg.split(" msg=", 1)[1], re.I), f"message does not name rank 1: {msg}"
         nxt = lines_matching(res, r, r"^NEXT-OP (\S+)")

@@ -16,8 +16,12 @@ def test_debug_level_names_launch_environment_and_transport_per_rank():
         text = "\n".join(lines)
         assert f"ferrovod rank {r}: DEBUG] rank {r}/2: launch environment: ferrovodrun" in text, \
             describe(res)
-        assert f"ferrovod rank {r}: DEBUG] rank {r}: transport to every peer: tcp" in text, \
+        assert f"ferrovod rank {r}: DEBUG] rank {r}: transport to each peer: {1 - r} shm" in text, \
             describe(res)
+    res = run_job(2, "log_worker.py", env={"FERROVOD_LOG_LEVEL": "debug",
+                                          "FERROVOD_SHM_DISABLE": "1"}, timeout=60)
+    assert res.returncode == 0, describe(res)
+    assert "DEBUG] rank 0: transport to each peer: 1 tcp" in res.stderr, describe(res)
 
 
 def test_default_level_is_quiet_and_hide_time_drops_the_timestamp():

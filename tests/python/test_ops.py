@@ -18,9 +18,12 @@ ALL = "allreduce,grouped,allgather,broadcast,alltoall,reducescatter,misc"
 MIN_CHECKS = {1: 1500, 2: 1600, 3: 1700, 4: 1800}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_every_op_every_dtype(n):
-    res = run_job(n, "ops_worker.py", 11 + n, ALL, timeout=240)
+# Ranks of one host talk over shared memory by default; "tcp" runs the same suite with it off.
+@pytest.mark.parametrize("n,link", [(1, "shm"), (2, "shm"), (3, "shm"), (4, "shm"),
+                                    (2, "tcp"), (3, "tcp")])
+def test_every_op_every_dtype(n, link):
+    res = run_job(n, "ops_worker.py", 11 + n, ALL, timeout=240,
+                  env={"FERROVOD_SHM_DISABLE": "1" if link == "tcp" else "0"})
     counts = assert_ok(res, n, MIN_CHECKS[n], same_count=False)
     for r in range(n):
         done = [m.group(1) for m in lines_matching(res, r, r"^section (\w+):")]

@@ -1,0 +1,339 @@
+//! The routing transport: per peer either a shared-memory link ([`super::shm`]) or the TCP
+//! connection of the mesh it was built from, behind one [`Transport`].
+//!
+//! Shape: [`TcpTransport::connect_mesh`] builds the full mesh as before; then
+//! [`HybridTransport::upgrade`] takes that mesh and, collectively with the peers named in
+//! `local_peers` (the ranks on this host), replaces their TCP connections by shared-memory
+//! links, using each TCP connection (already authenticated) to set its link up. Peers not
+//! named, and pairs where shared memory turns out to be unavailable or declined, keep TCP.
+//!
+//! Data path: one `exchange` progresses all its transfers together, whatever their links.
+//! When nothing moves it retries (yielding the core) for [`HybridTransport::spin`], then
+//! blocks in a single `poll` over the TCP sockets involved and the doorbells of the
+//! shared-memory links involved, after announcing its sleep on those links (see
+//! [`super::shm`] for why no wake-up is lost). A peer lost on either kind of link is
+//! `Error::PeerLost` at once.
+
+use std::net::{Shutdown, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
+use super::tcp::{check_and_copy_self, progress, xfer_len, TcpTransport};
+use super::{Transport, Xfer};
+use crate::bootstrap::net::{deadline_after, poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
+use crate::error::{Error, Result};
+
+/// How [`HybridTransport::upgrade`] uses shared memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmOptions {
+    /// Bytes of each direction's ring, per pair of local ranks (a pair maps two rings, and
+    /// uses the smaller of the two ranks' values). Transfers of any size stream through it.
+    pub ring_bytes: usize,
+    /// Decline shared memory on this rank. The set-up handshakes still run with every local
+    /// peer, so peers that did not decline simply keep TCP with this rank.
+    pub disabled: bool,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        ShmOptions {
+            ring_bytes: DEFAULT_RING_BYTES,
+            disabled: false,
+        }
+    }
+}
+
+/// How this rank reaches one peer.
+enum Link {
+    /// This rank itself.
+    Me,
+    Tcp(TcpStream),
+    Shm(Box<ShmLink>),
+}
+
+/// A full mesh where each peer is reached over shared memory or TCP.
+pub struct HybridTransport {
+    rank: usize,
+    size: usize,
+    links: Vec<Link>,
+    aborted: bool,
+    /// How long `exchange` keeps retrying after the last byte moved before it blocks in
+    /// `poll` (taken from the TCP mesh by [`HybridTransport::upgrade`]).
+    pub spin: Duration,
+}
+
+impl std::fmt::Debug for HybridTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridTransport")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("shm_peers", &self.shm_peers())
+            .field("aborted", &self.aborted)
+            .finish()
+    }
+}
+
+impl HybridTransport {
+    /// Takes over `tcp` and moves the peers in `local_peers` to shared memory.
+    ///
+    /// Collective: every rank named must call this with this rank in its own `local_peers`
+    /// (as happens when all ranks derive the lists from the same host table), and with no
+    /// exchange on the mesh in between. Pairs are set up one at a time in ascending peer
+    /// order on each rank, an order all ranks share, so the calls cannot deadlock. A pair
+    /// keeps TCP when either rank has `options.disabled` or the segment cannot be shared (a
+    /// warning is logged); [`HybridTransport::shm_peers`] says which peers ended up on shared
+    /// memory. `tcp.spin` carries over.
+    ///
+    /// Errors: `InvalidArgument` for a bad peer list or ring size, `Shutdown` for an aborted
+    /// mesh, `Timeout` when a peer does not take part before `timeout`, `Io`/`PeerLost` when
+    /// a TCP connection fails during set-up.
+    pub fn upgrade(
+        tcp: TcpTransport,
+        local_peers: &[usize],
+        options: &ShmOptions,
+        timeout: Duration,
+    ) -> Result<HybridTransport> {
+        let (rank, size, streams, spin, aborted) = tcp.into_parts();
+        if aborted {
+            return Err(Error::Shutdown("the TCP transport was aborted".into()));
+        }
+        let mut peers = local_peers.to_vec();
+        peers.sort_unstable();
+        peers.dedup();
+        if peers.len() != local_peers.len() || peers.iter().any(|&p| p >= size || p == rank) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of {size}: invalid local peers {local_peers:?}"
+            )));
+        }
+        if !options.disabled && !(MIN_RING_BYTES..=MAX_RING_BYTES).contains(&options.ring_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "shared-memory ring of {} bytes (allowed {MIN_RING_BYTES}..={MAX_RING_BYTES})",
+                options.ring_bytes
+            )));
+        }
+        let ring = (!options.disabled).then_some(options.ring_bytes);
+        let deadline = deadline_after(timeout);
+        let mut links: Vec<Link> = streams
+            .into_iter()
+            .map(|s| s.map_or(Link::Me, Link::Tcp))
+            .collect();
+        for &p in &peers {
+            let Link::Tcp(stream) = &mut links[p] else {
+                unreachable!("a TCP link to every other rank");
+            };
+            stream.set_nonblocking(false)?;
+            let link = ShmLink::establish(stream, rank, p, ring, deadline, timeout).map_err(
+                |e| match e {
+                    Error::Io(m) => Error::PeerLost {
+                        rank: p,
+                        detail: format!("while setting up shared memory: {m}"),
+                    },
+                    e => e,
+                },
+            )?;
+            stream.set_nonblocking(true)?;
+            if let Some(link) = link {
+                links[p] = Link::Shm(Box::new(link));
+            }
+        }
+        let t = HybridTransport {
+            rank,
+            size,
+            links,
+            aborted: false,
+            spin,
+        };
+        log::debug!(
+            target: crate::LOG_TARGET,
+            "rank {rank}: shared memory with rank(s) {:?}, TCP with the other {}",
+            t.shm_peers(),
+            size - 1 - t.shm_peers().len()
+        );
+        Ok(t)
+    }
+
+    /// The peers reached over shared memory, ascending.
+    pub fn shm_peers(&self) -> Vec<usize> {
+        (0..self.size)
+            .filter(|&p| matches!(self.links[p], Link::Shm(_)))
+            .collect()
+    }
+
+    /// Test support: `hosts.len()` transports over 127.0.0.1 (index = rank), where ranks with
+    /// equal `hosts` entries are upgraded to shared memory with rings of `ring_bytes`.
+    #[doc(hidden)]
+    pub fn loopback_mesh(
+        hosts: &[usize],
+        ring_bytes: usize,
+        secret: &[u8],
+    ) -> Result<Vec<HybridTransport>> {
+        let n = hosts.len();
+        let tcp = TcpTransport::loopback_mesh(n, secret)?;
+        let options = ShmOptions {
+            ring_bytes,
+            disabled: false,
+        };
+        thread::scope(|scope| {
+            let handles: Vec<_> = tcp
+                .into_iter()
+                .enumerate()
+                .map(|(rank, t)| {
+                    let local: Vec<usize> = (0..n)
+                        .filter(|&p| p != rank && hosts[p] == hosts[rank])
+                        .collect();
+                    let options = &options;
+                    scope.spawn(move || {
+                        HybridTransport::upgrade(t, &local, options, Duration::from_secs(60))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("upgrade thread panicked"))
+                .collect()
+        })
+    }
+
+    /// Moves what can move now on transfer `x`.
+    fn progress_one(&mut self, x: &mut Xfer<'_>, off: &mut usize) -> Result<bool> {
+        let peer = x.peer();
+        match &mut self.links[peer] {
+            Link::Tcp(s) => progress(s, x, off).map_err(|e| TcpTransport::link_error(peer, &e)),
+            Link::Shm(l) => l.progress(x, off),
+            Link::Me => unreachable!("transfers to self are copied up front"),
+        }
+    }
+
+    fn timeout_error(xfers: &[Xfer<'_>], active: &[(usize, usize)], idle: Duration) -> Error {
+        let waits: Vec<String> = active
+            .iter()
+            .map(|&(i, off)| match &xfers[i] {
+                Xfer::Send { peer, buf } => {
+                    format!("rank {peer} (sent {off} of {} bytes)", buf.len())
+                }
+                Xfer::Recv { peer, buf } => {
+                    format!("rank {peer} (received {off} of {} bytes)", buf.len())
+                }
+            })
+            .collect();
+        Error::Timeout {
+            what: format!("waiting for {}", waits.join(", ")),
+            after: idle,
+        }
+    }
+}
+
+impl Transport for HybridTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, xfers: &mut [Xfer<'_>], idle_timeout: Duration) -> Result<()> {
+        if self.aborted {
+            return Err(Error::Shutdown("the transport was aborted".into()));
+        }
+        check_and_copy_self(self.rank, self.size, xfers)?;
+        // (index into xfers, bytes done) for every transfer that needs a link.
+        let mut active: Vec<(usize, usize)> = xfers
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.peer() != self.rank && xfer_len(x) > 0)
+            .map(|(i, _)| (i, 0))
+            .collect();
+        let mut last_progress = Instant::now();
+        let mut spin_until: Option<Instant> = None;
+        let mut fds: Vec<PollFd> = Vec::new();
+        // Shared-memory peers armed for the current sleep.
+        let mut bells: Vec<usize> = Vec::new();
+        loop {
+            let mut moved = false;
+            for (i, off) in active.iter_mut() {
+                moved |= self.progress_one(&mut xfers[*i], off)?;
+            }
+            active.retain(|&(i, off)| off < xfer_len(&xfers[i]));
+            if active.is_empty() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if moved {
+                last_progress = now;
+                spin_until = None;
+                continue;
+            }
+            match spin_until {
+                None => {
+                    spin_until = Some(now + self.spin);
+                    continue;
+                }
+                Some(t) if now < t => {
+                    // Yield rather than pause: the peer we wait for may be queued on this
+                    // very core when ranks outnumber cores (see tcp.rs).
+                    thread::yield_now();
+                    continue;
+                }
+                Some(_) => {}
+            }
+            let left = idle_timeout.saturating_sub(now - last_progress);
+            if left.is_zero() {
+                return Err(Self::timeout_error(xfers, &active, idle_timeout));
+            }
+            // Announce the sleep on every shared-memory link involved, then look once more:
+            // a peer that published before seeing our flag is caught here.
+            fds.clear();
+            bells.clear();
+            let mut ready = false;
+            for &(i, _) in &active {
+                let x = &xfers[i];
+                let send = matches!(x, Xfer::Send { .. });
+                match &self.links[x.peer()] {
+                    Link::Tcp(s) => fds.push(poll_fd(s, if send { POLL_OUT } else { POLL_IN })),
+                    Link::Shm(l) => {
+                        if !bells.contains(&x.peer()) {
+                            l.arm();
+                            bells.push(x.peer());
+                        }
+                        ready |= l.ready(send);
+                    }
+                    Link::Me => unreachable!("transfers to self are copied up front"),
+                }
+            }
+            let first_bell = fds.len();
+            if !ready {
+                for &p in &bells {
+                    if let Link::Shm(l) = &self.links[p] {
+                        fds.push(poll_fd(l.doorbell(), POLL_IN));
+                    }
+                }
+                poll(&mut fds, Some(left))?;
+            }
+            for (k, &p) in bells.iter().enumerate() {
+                if let Link::Shm(l) = &mut self.links[p] {
+                    l.disarm();
+                    let revents = fds.get(first_bell + k).map_or(0, |f| f.revents);
+                    if !ready && revents != 0 {
+                        l.drain_doorbell(revents);
+                    }
+                }
+            }
+        }
+    }
+
+    fn abort(&mut self) {
+        self.aborted = true;
+        for link in &mut self.links {
+            match link {
+                // The socket may already be dead; there is nothing more to do for it then.
+                Link::Tcp(s) => {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                Link::Shm(l) => l.abort(),
+                Link::Me => {}
+            }
+        }
+    }
+}
