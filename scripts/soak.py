@@ -186,6 +186,9 @@ def check(got, exp, what):
         raise AssertionError(f"{what}: values differ from the NumPy reference")
 
 
+CONTROL = False  # set by --control
+
+
 def submit(op, mine, rank):
     kind = op["kind"]
     if kind == "allreduce":
@@ -231,10 +234,14 @@ def run_step(args, step, rank, n, counts, ops=None):
         dt = op["dt"]
         shapes = op["shapes"] if op["kind"] == "allgather" else [op["shape"]] * n
         inputs = [rank_input(args.seed, step, op["idx"], r, dt, shapes[r]) for r in range(n)]
-        handles.append(submit(op, inputs[rank], rank))
+        if CONTROL:
+            # Same allocations as a real op's output, no ferrovod: the allocator's share.
+            handles.append(reference(op, inputs, n).copy())
+        else:
+            handles.append(submit(op, inputs[rank], rank))
         expected.append(reference(op, inputs, n))
     for op, h, exp in zip(ops, handles, expected):
-        got = fv.synchronize(h)
+        got = h if CONTROL else fv.synchronize(h)
         check(got, exp, f"rank {rank} step {step} {op['kind']} {op['dt']} {exp.shape}")
         counts[op["kind"]] += 1
         op["nbytes"] = exp.nbytes
@@ -251,9 +258,15 @@ def main():
     ap.add_argument("--max-rss-growth", type=float, default=5.0,
                     help="allowed VmRSS growth after the warm-up, percent (default 5)")
     ap.add_argument("--seed", type=int, default=20240601)
+    ap.add_argument("--control", action="store_true",
+                    help="control run: every op's result is computed locally (same sizes, same "
+                         "allocations, no collective), to tell ferrovod's memory growth from the "
+                         "allocator's behaviour under this workload")
     ap.add_argument("--no-priming", action="store_true",
                     help="skip the first step that runs the largest size of every op")
     args = ap.parse_args()
+    global CONTROL
+    CONTROL = args.control
 
     fv.init()
     rank, n = fv.rank(), fv.size()
