@@ -3,7 +3,9 @@
 #   iproute2        `ip netns`, for the tests that simulate hosts as network namespaces;
 #   openssh-server  sshd inside each simulated host (multi-host ferrovodrun, mpirun);
 #   openssh-client  ssh, what ferrovodrun and mpirun start remote workers with;
-#   openmpi-bin     Open MPI's mpirun (tests of workers started by mpirun, with mpi4py).
+#   openmpi-bin     Open MPI's mpirun (tests of workers started by mpirun, with mpi4py);
+#   mpich           MPICH's mpiexec.hydra (workers started by Hydra). Open MPI keeps the
+#                   `mpirun` name: Debian ranks its alternative higher.
 # Installed only when missing and only as root; otherwise the tests that need them skip and
 # say why.
 set -euo pipefail
@@ -12,6 +14,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
 if [ "${#need[@]}" = 0 ]; then
     exit 0
 fi

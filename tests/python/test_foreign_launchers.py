@@ -5,6 +5,7 @@ as a plain process with that environment)."""
 import importlib.util
 import os
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -167,6 +168,19 @@ def test_torchrun_standalone():
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
          SCRIPT], env=_base_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(3):
+        assert f"OK rank={r} size=3 local_rank={r} local_size=3" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("mpiexec.hydra") is None, reason="needs MPICH's Hydra (mpich)")
+def test_real_mpich_hydra_with_a_rendezvous_address():
+    """MPICH's mpiexec.hydra gives PMI_RANK/PMI_SIZE/MPI_LOCALRANKID; the store address comes
+    with -genv (the mpi4py path is tested with Open MPI: the mpi4py wheel here loads it)."""
+    port = _free_port_pair()
+    proc = subprocess.run(
+        ["mpiexec.hydra", "-n", "3", "-genv", "FERROVOD_RENDEZVOUS_ADDR", f"127.0.0.1:{port}",
+         sys.executable, SCRIPT], env=_base_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(3):
         assert f"OK rank={r} size=3 local_rank={r} local_size=3" in proc.stdout, proc.stdout
