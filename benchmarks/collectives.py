@@ -13,8 +13,13 @@ allreduce, x (n-1)/n for allgather and x 1 for broadcast, so that it can be comp
 link's bandwidth whatever the number of ranks.
 
 With ``--compare torch`` the same run also sets up ``torch.distributed`` with the gloo backend
-on loopback and times the same ops on tensors of the same sizes; the last column is torch's
-time divided by ferrovod's (> 1: ferrovod is faster).
+on loopback and times the same ops on tensors of the same sizes; with ``--compare mpi4py`` it
+times mpi4py's buffer calls (``Allreduce`` in place, ``Allgather``, ``Bcast``) — which needs
+the job started by ``mpirun`` (ferrovod then finds its peers over MPI too)::
+
+    mpirun -np 2 --bind-to none python benchmarks/collectives.py --compare torch,mpi4py
+
+The last columns are each peer's time divided by ferrovod's (> 1: ferrovod is faster).
 
 Each op's result is checked once per size, untimed, so a wrong result cannot look fast.
 This is a benchmark, not a test: it prints numbers.
@@ -165,6 +170,51 @@ class FerrovodStack:
         return self.out if op == "allgather" else self.buf
 
 
+class MpiStack:
+    """mpi4py's buffer interface on NumPy arrays of the same sizes (Open MPI's shared memory
+    between ranks of one host)."""
+
+    name = "mpi4py"
+
+    def __init__(self, count: int, rank: int, n: int) -> None:
+        from mpi4py import MPI
+
+        self.mpi = MPI
+        self.comm = MPI.COMM_WORLD
+        self.source = pattern(count, rank)
+        self.buf = self.source.copy()
+        self.out = np.empty(count * n, dtype=np.float32)
+
+    def reset(self) -> None:
+        """Restores the input that an in-place op overwrote (untimed)."""
+        np.copyto(self.buf, self.source)
+
+    def call(self, op: str) -> Callable[[], Any]:
+        """The matching mpi4py call."""
+        mpi, comm = self.mpi, self.comm
+        if op == "allreduce":
+            return lambda: comm.Allreduce(mpi.IN_PLACE, self.buf, op=mpi.SUM)
+        if op == "allgather":
+            return lambda: comm.Allgather(self.buf, self.out)
+        return lambda: comm.Bcast(self.buf, root=0)
+
+    def result(self, op: str) -> np.ndarray:
+        """The result of the last call of `op`."""
+        return self.out if op == "allgather" else self.buf
+
+
+def check_mpi(n: int) -> None:
+    """--compare mpi4py needs this job to be MPI's COMM_WORLD (started by mpirun)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise SystemExit("--compare mpi4py: mpi4py is not installed") from None
+    if MPI.COMM_WORLD.Get_size() != n:
+        raise SystemExit(
+            f"--compare mpi4py: MPI sees {MPI.COMM_WORLD.Get_size()} rank(s), ferrovod {n}: "
+            "start the benchmark with mpirun -np N (not ferrovodrun)")
+
+
 class TorchStack:
     """torch.distributed (gloo) on CPU tensors of the same sizes."""
 
@@ -275,8 +325,9 @@ def main() -> int:
     parser.add_argument("--max-size", default=format_size(DEFAULT_MAX_SIZE).replace(" ", ""),
                         help="largest default size (default: 256MiB)")
     parser.add_argument("--iters", type=int, default=200, help="timed calls for small sizes")
-    parser.add_argument("--compare", choices=["torch"], default=None,
-                        help="also time torch.distributed (gloo) in the same run")
+    parser.add_argument("--compare", default="",
+                        help="comma-separated peers to time in the same run: torch "
+                             "(torch.distributed gloo), mpi4py (under mpirun)")
     parser.add_argument("--master-addr", default="127.0.0.1",
                         help="address of rank 0 for torch.distributed (default: loopback)")
     args = parser.parse_args()
@@ -292,22 +343,37 @@ def main() -> int:
     if any(size < 4 or size % 4 for size in sizes):
         parser.error("sizes must be positive multiples of 4 bytes (float32)")
 
+    peers = [p.strip() for p in args.compare.split(",") if p.strip()]
+    unknown_peers = [p for p in peers if p not in ("torch", "mpi4py")]
+    if unknown_peers:
+        parser.error(f"unknown peers {unknown_peers}; choose from torch, mpi4py")
+
     fv.init()
     rank, n = fv.rank(), fv.size()
-    if args.compare == "torch":
+    if "mpi4py" in peers:
+        check_mpi(n)
+    if "torch" in peers:
         init_torch(rank, n, args.master_addr)
 
     headers = ["op", "size", "iters", "fv µs", "fv busbw GB/s"]
-    if args.compare:
-        headers += ["torch µs", "torch busbw GB/s", "speed-up"]
+    for peer in peers:
+        headers += [f"{peer} µs", f"{peer} busbw GB/s"]
+    headers += [f"vs {peer}" for peer in peers]
     widths = [max(len(h), 10) for h in headers]
     widths[0] = 9
     if rank == 0:
         import platform
 
+        versions = []
+        if "torch" in peers:
+            versions.append(f"torch {sys.modules['torch'].__version__} gloo")
+        if "mpi4py" in peers:
+            from mpi4py import MPI
+
+            versions.append(f"mpi4py over {MPI.Get_library_version().splitlines()[0][:40]}")
         print(f"# ferrovod {getattr(fv, '__version__', '?')}, {n} ranks, float32, "
               f"python {platform.python_version()}, {os.cpu_count()} CPUs"
-              + (f", torch {sys.modules['torch'].__version__} gloo" if args.compare else ""))
+              + "".join(f", {v}" for v in versions))
         print(row_text(headers, widths))
         print(row_text(["-" * w for w in widths], widths))
 
@@ -317,8 +383,9 @@ def main() -> int:
             count = nbytes // 4
             iters = iterations(nbytes, args.iters)
             stacks: list[Any] = [FerrovodStack(count, rank)]
-            if args.compare == "torch":
-                stacks.append(TorchStack(count, rank, n))
+            for peer in peers:
+                stacks.append(TorchStack(count, rank, n) if peer == "torch"
+                              else MpiStack(count, rank, n))
             want = expected(op, count, n, root=0)
             timings: list[Timing | None] = []
             for stack in stacks:
@@ -338,15 +405,14 @@ def main() -> int:
                         cells += ["WRONG", "-"]
                     else:
                         cells += [f"{timing.seconds * 1e6:.1f}", f"{timing.busbw:.3f}"]
-                if args.compare:
-                    fv_t, torch_t = timings
-                    ratio = "-" if fv_t is None or torch_t is None else (
-                        f"{torch_t.seconds / fv_t.seconds:.2f}x")
-                    cells.append(ratio)
+                fv_t = timings[0]
+                for peer_t in timings[1:]:
+                    cells.append("-" if fv_t is None or peer_t is None else
+                                 f"{peer_t.seconds / fv_t.seconds:.2f}x")
                 print(row_text(cells, widths), flush=True)
             del stacks, want
 
-    if args.compare == "torch":
+    if "torch" in peers:
         import torch.distributed as dist
 
         dist.destroy_process_group()
