@@ -16,11 +16,11 @@
 
 use std::net::{Shutdown, TcpStream};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
 use super::tcp::{check_and_copy_self, progress, xfer_len, TcpTransport};
-use super::{Transport, Xfer};
+use super::{stalled_error, Pace, Pacer, Transport, Xfer};
 use crate::bootstrap::net::{deadline_after, poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
 use crate::error::{Error, Result};
 
@@ -204,24 +204,6 @@ impl HybridTransport {
             Link::Me => unreachable!("transfers to self are copied up front"),
         }
     }
-
-    fn timeout_error(xfers: &[Xfer<'_>], active: &[(usize, usize)], idle: Duration) -> Error {
-        let waits: Vec<String> = active
-            .iter()
-            .map(|&(i, off)| match &xfers[i] {
-                Xfer::Send { peer, buf } => {
-                    format!("rank {peer} (sent {off} of {} bytes)", buf.len())
-                }
-                Xfer::Recv { peer, buf } => {
-                    format!("rank {peer} (received {off} of {} bytes)", buf.len())
-                }
-            })
-            .collect();
-        Error::Timeout {
-            what: format!("waiting for {}", waits.join(", ")),
-            after: idle,
-        }
-    }
 }
 
 impl Transport for HybridTransport {
@@ -245,8 +227,7 @@ impl Transport for HybridTransport {
             .filter(|(_, x)| x.peer() != self.rank && xfer_len(x) > 0)
             .map(|(i, _)| (i, 0))
             .collect();
-        let mut last_progress = Instant::now();
-        let mut spin_until: Option<Instant> = None;
+        let mut pacer = Pacer::new(self.spin, idle_timeout);
         let mut fds: Vec<PollFd> = Vec::new();
         // Shared-memory peers armed for the current sleep.
         let mut bells: Vec<usize> = Vec::new();
@@ -259,29 +240,11 @@ impl Transport for HybridTransport {
             if active.is_empty() {
                 return Ok(());
             }
-            let now = Instant::now();
-            if moved {
-                last_progress = now;
-                spin_until = None;
-                continue;
-            }
-            match spin_until {
-                None => {
-                    spin_until = Some(now + self.spin);
-                    continue;
-                }
-                Some(t) if now < t => {
-                    // Yield rather than pause: the peer we wait for may be queued on this
-                    // very core when ranks outnumber cores (see tcp.rs).
-                    thread::yield_now();
-                    continue;
-                }
-                Some(_) => {}
-            }
-            let left = idle_timeout.saturating_sub(now - last_progress);
-            if left.is_zero() {
-                return Err(Self::timeout_error(xfers, &active, idle_timeout));
-            }
+            let left = match pacer.after_pass(moved) {
+                Pace::Again => continue,
+                Pace::TimedOut => return Err(stalled_error(xfers, &active, idle_timeout)),
+                Pace::Block(left) => left,
+            };
             // Announce the sleep on every shared-memory link involved, then look once more:
             // a peer that published before seeing our flag is caught here.
             fds.clear();

@@ -24,7 +24,7 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::{Transport, Xfer};
+use super::{stalled_error, Pace, Pacer, Transport, Xfer};
 use crate::bootstrap::auth::authenticate;
 use crate::bootstrap::net::{
     self, poll, poll_fd, read_exact_until, write_all_until, PollFd, POLL_IN, POLL_OUT,
@@ -534,8 +534,7 @@ impl Transport for TcpTransport {
             .filter(|(_, x)| x.peer() != self.rank && xfer_len(x) > 0)
             .map(|(i, _)| (i, 0))
             .collect();
-        let mut last_progress = Instant::now();
-        let mut spin_until: Option<Instant> = None;
+        let mut pacer = Pacer::new(self.spin, idle_timeout);
         let mut fds: Vec<PollFd> = Vec::new();
         loop {
             let mut moved = false;
@@ -551,45 +550,11 @@ impl Transport for TcpTransport {
             if active.is_empty() {
                 return Ok(());
             }
-            let now = Instant::now();
-            if moved {
-                last_progress = now;
-                spin_until = None;
-                continue;
-            }
-            match spin_until {
-                None => {
-                    spin_until = Some(now + self.spin);
-                    continue;
-                }
-                Some(t) if now < t => {
-                    // Yield rather than pause: when ranks outnumber free cores the peer we
-                    // wait for may be queued on this very core (measured: 4-byte round trip
-                    // 15 µs with yield, 80-105 µs with a pure spin, on a loaded 2-core VM).
-                    thread::yield_now();
-                    continue;
-                }
-                // Spun long enough (or just woke from poll with nothing to do): block.
-                Some(_) => {}
-            }
-            let left = idle_timeout.saturating_sub(now - last_progress);
-            if left.is_zero() {
-                let waits: Vec<String> = active
-                    .iter()
-                    .map(|&(i, off)| match &xfers[i] {
-                        Xfer::Send { peer, buf } => {
-                            format!("rank {peer} (sent {off} of {} bytes)", buf.len())
-                        }
-                        Xfer::Recv { peer, buf } => {
-                            format!("rank {peer} (received {off} of {} bytes)", buf.len())
-                        }
-                    })
-                    .collect();
-                return Err(Error::Timeout {
-                    what: format!("waiting for {}", waits.join(", ")),
-                    after: idle_timeout,
-                });
-            }
+            let left = match pacer.after_pass(moved) {
+                Pace::Again => continue,
+                Pace::TimedOut => return Err(stalled_error(xfers, &active, idle_timeout)),
+                Pace::Block(left) => left,
+            };
             fds.clear();
             fds.extend(active.iter().map(|&(i, _)| {
                 let x = &xfers[i];
