@@ -73,8 +73,9 @@ impl Handle {
     /// calls get `None`).
     pub fn wait(&self, spin: Duration) -> Option<Result<Output>> {
         let start = Instant::now();
+        // Yield while spinning: the engine thread completing this op may share our core.
         while !self.poll() && start.elapsed() < spin {
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
         let mut slot = self.state.result.lock();
         while !self.state.done.load(Ordering::Acquire) {

@@ -218,6 +218,7 @@ impl Engine {
             stall_check: config.stall_check,
             stall_shutdown: config.stall_shutdown,
             autotune: config.autotune.clone(),
+            spin: config.spin,
         };
         log::debug!(
             target: crate::LOG_TARGET,

@@ -113,9 +113,11 @@ impl Worker {
                 idle_since = Instant::now();
                 continue;
             }
-            // Nothing to do: spin briefly (wake-ups are expensive here), then block.
+            // Nothing to do: spin briefly (wake-ups are expensive here), then block. The spin
+            // yields: with as many ranks as cores, the thread we wait for may be queued on
+            // this very core.
             if idle_since.elapsed() < self.spin {
-                std::hint::spin_loop();
+                std::thread::yield_now();
                 continue;
             }
             let fds = [self.shared.waker.fd(), self.control.fd()];
