@@ -34,7 +34,9 @@ done
 # as is; post-accumulate-grad hooks need >= 2.1) and scikit-learn (its bundled digits data)
 # are for ferrovod.torch's tests and examples/pytorch_digits.py. mpi4py (a binary wheel that
 # loads the system's libmpi at run time) is for the rendezvous over MPI under plain mpirun;
-# PyYAML reads the Kubernetes examples in their tests.
+# PyYAML reads the Kubernetes examples in their tests. tensorflow-cpu and keras (Keras 3) are for
+# ferrovod.tensorflow / ferrovod.keras, their tests and examples; >=2.16 is the first TensorFlow
+# that ships Keras 3, the line Horovod 0.28 cannot run on.
 PACKAGES=(
     "pip>=23"
     "maturin>=1.5,<2"
@@ -48,6 +50,8 @@ PACKAGES=(
     "scikit-learn>=1.0"
     "mpi4py>=4,<5"
     "PyYAML>=6"
+    "tensorflow-cpu>=2.16,<3"
+    "keras>=3,<4"
 )
 
 LOG="$(mktemp "${TMPDIR:-/tmp}/ferrovod-setup.XXXXXX")"
