@@ -40,6 +40,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_START_TIMEOUT", alias: Some("HOROVOD_START_TIMEOUT"), default: "60", doc: "Seconds init() waits for every rank to rendezvous." },
     Var { name: "FERROVOD_DYNAMIC_PROCESS_SETS", alias: Some("HOROVOD_DYNAMIC_PROCESS_SETS"), default: "0", doc: "Allow add_process_set/remove_process_set after init()." },
     Var { name: "FERROVOD_SPIN_US", alias: None, default: "0", doc: "Microseconds a waiting thread polls before it blocks. 0 by default: with as many ranks as cores, spinning steals the core the peer needs (measured: 4-byte allreduce on 2 ranks 197 us without spin, 1029 us with 50 us)." },
+    Var { name: "FERROVOD_NCCL_LIBRARY", alias: None, default: "unset", doc: "Path of the `libnccl.so.2` to use; when set, no other place is searched. Unset: the dynamic linker's search, then the `nvidia-nccl-*` wheel that torch installs." },
     Var { name: "FERROVOD_SHM_DISABLE", alias: None, default: "0", doc: "Ranks on the same host talk over TCP instead of shared memory (memfd segments, which leave nothing behind even after SIGKILL)." },
     Var { name: "FERROVOD_SMALL_ALLREDUCE_BYTES", alias: None, default: "65536", doc: "Allreduce payloads up to this size use the latency-optimal algorithm." },
     Var { name: "FERROVOD_CHUNK_BYTES", alias: None, default: "1048576", doc: "Pipelining chunk of the bandwidth-optimal algorithms." },
@@ -197,6 +198,14 @@ pub struct Config {
     pub stall_check: Option<Duration>,
     /// When a stalled tensor becomes an error on every rank; `None`: never.
     pub stall_shutdown: Option<Duration>,
+}
+
+/// `FERROVOD_NCCL_LIBRARY`, when set: read apart from [`Config`] because the library is looked
+/// for before (and without) `init()`, e.g. by `ferrovodrun --check-build`.
+pub fn nccl_library() -> Option<String> {
+    std::env::var("FERROVOD_NCCL_LIBRARY")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
 }
 
 impl Config {

@@ -6,6 +6,7 @@
 //! - [`collective`] — algorithms (one file per collective), written against [`comm::Communicator`];
 //! - [`transport`] — point-to-point links ([`transport::tcp`]); algorithms never see which;
 //! - [`bootstrap`] — job secret, authenticated connections, rendezvous store;
+//! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
 //! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`].
 #![deny(missing_docs)]
 
@@ -15,6 +16,7 @@ pub mod comm;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod gpu;
 pub mod transport;
 pub mod types;
 pub mod wire;

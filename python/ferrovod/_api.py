@@ -9,6 +9,7 @@ handing raw pointers to the engine sound.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import ipaddress
 import itertools
 import json
@@ -835,9 +836,40 @@ def allgather_object(obj: Any, name: Optional[str] = None,
 # ----------------------------------------------------------------------------- queries
 
 
+def _nccl_wheel_dirs() -> List[str]:
+    """``lib`` directories of the ``nvidia-nccl-*`` wheel (torch's CUDA builds install it),
+    found without importing torch."""
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return []
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return [os.path.join(r, "lib") for r in roots if os.path.isdir(os.path.join(r, "lib"))]
+
+
+_gpu_libraries: Optional[Dict[str, Any]] = None
+
+
+def gpu_libraries() -> Dict[str, Any]:
+    """What the run-time search for GPU libraries found (done once per process, never raises):
+    ``{"nccl": {"found", "version", "path" | "reason"}, "cuda": {"found", "devices" |
+    "reason"}}``. Nothing is linked at build time; ``FERROVOD_NCCL_LIBRARY`` names the NCCL
+    library to use."""
+    global _gpu_libraries
+    if _gpu_libraries is None:
+        probe = dict(_core.gpu_probe(_nccl_wheel_dirs()))
+        _gpu_libraries = {k: dict(v) for k, v in probe.items()}
+    return {k: dict(v) for k, v in _gpu_libraries.items()}
+
+
 def build_info() -> Dict[str, Any]:
-    """What this build contains: version, transports, controllers and backends."""
-    return dict(_core.build_info())
+    """What this build contains: version, transports, controllers and backends, and (as
+    ``nccl_library`` and ``cuda_driver``) what the run-time search for GPU libraries found."""
+    info = dict(_core.build_info())
+    gpu = gpu_libraries()
+    info["nccl_library"] = gpu["nccl"]
+    info["cuda_driver"] = gpu["cuda"]
+    return info
 
 
 def gloo_built() -> bool:

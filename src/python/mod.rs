@@ -376,7 +376,7 @@ impl RendezvousServer {
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("version", env!("CARGO_PKG_VERSION"))?;
-    d.set_item("transports", vec!["tcp"])?;
+    d.set_item("transports", vec!["tcp", "shm"])?;
     d.set_item("controllers", vec!["ferrovod"])?;
     d.set_item("cpu_operations", vec!["ferrovod"])?;
     d.set_item("gpu_operations", PyList::empty(py))?;
@@ -384,6 +384,59 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cuda", false)?;
     d.set_item("mpi", false)?;
     d.set_item("gloo", false)?;
+    Ok(d)
+}
+
+/// What the run-time search for NCCL and the CUDA driver found (`extra_dirs`: directories
+/// that may hold `libnccl.so.2`, e.g. the `nvidia-nccl-*` wheel's). Never fails: a missing or
+/// broken library is described, not raised.
+#[pyfunction]
+fn gpu_probe(py: Python<'_>, extra_dirs: Vec<String>) -> PyResult<Bound<'_, PyDict>> {
+    use crate::gpu::loader::{probe_cuda, probe_nccl, CudaProbe, NcclProbe};
+    let dirs: Vec<std::path::PathBuf> = extra_dirs.into_iter().map(Into::into).collect();
+    let explicit = crate::config::nccl_library();
+    let (nccl, cuda) = py.detach(|| (probe_nccl(explicit.as_deref(), &dirs), probe_cuda()));
+    let d = PyDict::new(py);
+    let n = PyDict::new(py);
+    match nccl {
+        NcclProbe::Found(lib) => {
+            n.set_item("found", true)?;
+            n.set_item("path", lib.path)?;
+            let (a, b, c) = lib.version;
+            n.set_item("version", format!("{a}.{b}.{c}"))?;
+            n.set_item("code", lib.code)?;
+        }
+        NcclProbe::Unusable { path, reason } => {
+            n.set_item("found", false)?;
+            n.set_item("path", path)?;
+            n.set_item("reason", reason)?;
+        }
+        NcclProbe::Absent { tried } => {
+            n.set_item("found", false)?;
+            n.set_item("reason", format!("not found (tried {})", tried.join("; ")))?;
+        }
+    }
+    d.set_item("nccl", n)?;
+    let c = PyDict::new(py);
+    match cuda {
+        CudaProbe::Ready {
+            driver_version,
+            devices,
+        } => {
+            c.set_item("found", true)?;
+            c.set_item("driver_version", driver_version)?;
+            c.set_item("devices", devices)?;
+        }
+        CudaProbe::Unusable { reason } => {
+            c.set_item("found", false)?;
+            c.set_item("reason", reason)?;
+        }
+        CudaProbe::Absent { detail } => {
+            c.set_item("found", false)?;
+            c.set_item("reason", format!("no CUDA driver ({detail})"))?;
+        }
+    }
+    d.set_item("cuda", c)?;
     Ok(d)
 }
 
@@ -428,6 +481,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(process_sets, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<RendezvousServer>()?;

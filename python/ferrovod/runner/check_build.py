@@ -148,6 +148,26 @@ def _section(title: str, entries: Mapping[str, bool]) -> List[str]:
     return [*lines, ""]
 
 
+def _gpu_section(info: Mapping[str, Any]) -> List[str]:
+    """What the run-time search for NCCL and the CUDA driver found (build_info's
+    ``nccl_library`` / ``cuda_driver``)."""
+    nccl, cuda = info.get("nccl_library"), info.get("cuda_driver")
+    if not isinstance(nccl, Mapping) or not isinstance(cuda, Mapping):
+        return []
+    lines = ["GPU libraries (looked for at run time):"]
+    if nccl.get("found"):
+        lines.append(f"    NCCL {nccl.get('version')}: {nccl.get('path')}")
+    else:
+        lines.append(f"    NCCL: {nccl.get('reason')}")
+    if cuda.get("found"):
+        lines.append(f"    CUDA driver {cuda.get('driver_version')}: {cuda.get('devices')} GPU(s)")
+    else:
+        lines.append(f"    CUDA driver: {cuda.get('reason')}")
+    if not info.get("nccl"):
+        lines.append("    CUDA tensors are staged through host memory (no NCCL backend in this build)")
+    return [*lines, ""]
+
+
 def render_check_build(
     version: str,
     frameworks: Mapping[str, bool],
@@ -165,6 +185,7 @@ def render_check_build(
     else:
         lines += _section("Available Controllers", controllers)
         lines += _section("Available Tensor Operations", ops)
+        lines += _gpu_section(info or {})
         if verbose and info:
             lines += ["Build info:"] + [f"    {k}: {v}" for k, v in sorted(info.items())] + [""]
     return "\n".join(lines).rstrip("\n") + "\n"
