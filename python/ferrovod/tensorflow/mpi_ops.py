@@ -1,0 +1,757 @@
+"""The TensorFlow collectives of ``ferrovod.tensorflow`` (Horovod's ``horovod.tensorflow.mpi_ops``).
+
+There is no custom C++ op: every collective runs the framework-free engine (``ferrovod._api``)
+on NumPy arrays.
+
+* Eager mode: ``tensor.numpy()`` -> engine -> ``tf.convert_to_tensor``.
+* Inside ``tf.function`` (graph mode): one ``tf.numpy_function(..., stateful=True)`` per
+  collective. Stateful, so tf.function's automatic control dependencies run the collectives in
+  program order: every rank then submits them in the same order, and two blocking host ops
+  never race for TensorFlow's inter-op threads. Static output shapes are set where known
+  (allreduce, broadcast: the input's; allgather, alltoall, reducescatter: all but dim 0).
+
+Names: ops are matched across ranks by name. Inside a graph an unnamed op gets a name derived
+at trace time from its input tensor's name (``HorovodAllreduce_<tensor name>``, under the
+current name scope unless ``ignore_name_scope``), made unique within the graph by a ``_<n>``
+suffix, so every step of a traced function reuses the same names and the engine's response
+cache hits. In eager mode unnamed ops are named by ``ferrovod._api``'s call-order counters,
+so every rank must issue them in the same order.
+
+Gradients follow Horovod 0.28.1 and ``ferrovod.torch`` (registered with ``tf.custom_gradient``,
+eager and graph): allreduce -> allreduce of the gradient with the same op and scale factors;
+allgather -> Average-allreduce of the gradient, this rank's rows; broadcast -> Average-allreduce
+on the root, zeros elsewhere; alltoall -> alltoall back with the received splits;
+reducescatter -> allgather of the gradient times the scale factors (and 1/size for Average).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from .. import _api
+from .. import process_sets as _ps
+from .._api import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from ..exceptions import InvalidArgumentError
+from ..process_sets import ProcessSet, global_process_set
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
+    "grouped_reducescatter", "join", "barrier",
+    "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
+    "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "cuda_built", "ddl_built", "ccl_built", "rocm_built",
+]
+
+_NUMERIC = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
+            tf.float32, tf.float64)
+_SUPPORTED_TEXT = "uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64"
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None:
+    """Starts ferrovod (``ferrovod.init``), then gives TensorFlow's thread pools this rank's
+    share of the cores.
+
+    When several ranks run on this host and the launcher gave this process a thread share
+    (``OMP_NUM_THREADS``, set by ``ferrovodrun`` or by ``init()`` under mpirun/srun), and
+    TensorFlow's runtime has not started yet and the user has not configured it, TensorFlow's
+    intra-op parallelism is set to that share and its inter-op parallelism to 2 — otherwise
+    two ranks on two cores would each run a pool as wide as the machine. Once TensorFlow's
+    runtime has started (any tensor was created) its pools cannot change; they are left as
+    they are and a debug message says so.
+    """
+    _api.init(comm=comm, process_sets=process_sets)
+    _share_tf_threads()
+
+
+def _share_tf_threads() -> None:
+    import os
+
+    from .. import _logging
+
+    if _api.local_size() <= 1:
+        return
+    try:
+        share = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return
+    if share <= 0:
+        return
+    threading = tf.config.threading
+    try:
+        if threading.get_intra_op_parallelism_threads() == 0:
+            threading.set_intra_op_parallelism_threads(share)
+        if threading.get_inter_op_parallelism_threads() == 0:
+            threading.set_inter_op_parallelism_threads(2)
+    except RuntimeError:
+        _logging.LOGGER.debug("TensorFlow's runtime is already initialised: its thread pools "
+                              "keep their sizes (call ferrovod.tensorflow.init() before "
+                              "creating tensors to give each rank its share of the cores)")
+        return
+    _logging.LOGGER.debug("TensorFlow threads: intra-op %d, inter-op %d",
+                          threading.get_intra_op_parallelism_threads(),
+                          threading.get_inter_op_parallelism_threads())
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def _to_tensor(value: Any) -> tf.Tensor:
+    """A tensor for ``value`` (tensors pass through; variables are read)."""
+    if isinstance(value, tf.Tensor):
+        return value
+    return tf.convert_to_tensor(value)
+
+
+def _label(tensor: Any, name: Optional[str]) -> str:
+    """How error messages name a tensor: the op name, else the graph tensor name."""
+    if name is not None:
+        return str(name)
+    try:
+        return str(tensor.name)
+    except (AttributeError, ValueError):
+        return f"<eager tensor of shape {list(tensor.shape)}>"
+
+
+def _check_dtype(tensor: tf.Tensor, kind: str, label: str, allow_bool: bool = False) -> None:
+    dt = tensor.dtype
+    if dt in _NUMERIC or (allow_bool and dt == tf.bool):
+        return
+    extra = ", bool" if allow_bool else ""
+    raise InvalidArgumentError(
+        f"{kind} of tensor '{label}': dtype {dt.name} is not supported "
+        f"(supported: {_SUPPORTED_TEXT}{extra})")
+
+
+def _normalize_name(name: str) -> str:
+    """Horovod's rule: every character outside ``[a-zA-Z0-9_]`` becomes ``_``."""
+    return re.sub("[^a-zA-Z0-9_]", "_", name)
+
+
+# Names handed out per graph, so two ops of one graph never share a name.
+_graph_names: "weakref.WeakKeyDictionary[Any, Dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+def _unique_graph_name(base: str, ignore_name_scope: bool) -> str:
+    """``base`` under the current name scope (unless ignored), unique within the default graph
+    (TensorFlow's rule: a repeated name gets ``_1``, ``_2``, ...). Deterministic: the same
+    program traces the same names on every rank and in every retrace."""
+    if not ignore_name_scope:
+        scope = tf.get_current_name_scope()
+        if scope:
+            base = f"{scope}/{base}"
+    graph = tf.compat.v1.get_default_graph()
+    used = _graph_names.setdefault(graph, {})
+    if base not in used:
+        used[base] = 1
+        return base
+    i = used[base]
+    while f"{base}_{i}" in used:
+        i += 1
+    used[base] = i + 1
+    used[f"{base}_{i}"] = 1
+    return f"{base}_{i}"
+
+
+def _op_name(prefix: str, tensor: Any, name: Optional[str], ignore_name_scope: bool) -> Optional[str]:
+    """The engine name of an op: eager -> ``name`` (None: ``_api``'s call-order counter);
+    graph -> ``name`` or ``<prefix>_<tensor name>``, scoped and unique within the graph."""
+    if tf.executing_eagerly():
+        return None if name is None else str(name)
+    if name is None:
+        name = f"{prefix}_{_normalize_name(tensor.name)}"
+    return _unique_graph_name(str(name), ignore_name_scope)
+
+
+def _grad_name(forward: Optional[str], prefix: str, dy: Any) -> Optional[str]:
+    """The name of a gradient op, built when the backward pass is built."""
+    if tf.executing_eagerly():
+        return None if forward is None else f"{forward}.grad"
+    if forward is None:
+        forward = f"{prefix}_{_normalize_name(dy.name)}"
+    return _unique_graph_name(f"{forward}.grad", True)
+
+
+def _as_arrays(values: Sequence[Any]) -> List[np.ndarray]:
+    # numpy_function hands 0-d tensors over as NumPy scalars: make them 0-d arrays.
+    return [v if isinstance(v, np.ndarray) else np.asarray(v) for v in values]
+
+
+def _execute(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
+             touts: Sequence[tf.DType], node: str) -> List[Any]:
+    """Runs ``body(*arrays) -> [array, ...]``: now (eager), or as one stateful
+    ``tf.numpy_function`` of the current graph. Returns the outputs as tensors (graph mode
+    with no outputs: ``[op]``)."""
+    if tf.executing_eagerly():
+        outs = body(*_as_arrays([t.numpy() for t in inputs]))
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+
+    def run(*arrays: Any) -> List[np.ndarray]:
+        return list(body(*_as_arrays(arrays)))
+
+    result = tf.numpy_function(run, list(inputs), list(touts), stateful=True, name=node)
+    if not touts:
+        return [result]
+    return list(result)
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    if process_set.process_set_id == 0:
+        return _api.size()
+    return len(process_set.ranks)
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    if process_set.process_set_id == 0:
+        return _api.rank()
+    return process_set.ranks.index(_api.rank())
+
+
+def _with_shape(t: tf.Tensor, shape: Any) -> tf.Tensor:
+    if not tf.executing_eagerly():
+        t.set_shape(shape)
+    return t
+
+
+def _rest_shape(t: tf.Tensor) -> tf.TensorShape:
+    """``t``'s static shape with dim 0 unknown (allgather, alltoall, reducescatter)."""
+    if t.shape.rank is None:
+        return tf.TensorShape(None)
+    return tf.TensorShape([None] + t.shape.as_list()[1:])
+
+
+def _on_device(out: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """Eager results are made on the host; move them to an accelerator input's device."""
+    if tf.executing_eagerly():
+        dev = getattr(like, "device", "") or ""
+        if "GPU" in dev.upper():
+            with tf.device(dev):
+                return tf.identity(out)
+    return out
+
+
+def _float(t: tf.Tensor) -> bool:
+    return bool(t.dtype.is_floating)
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+
+def _allreduce_raw(tensors: List[tf.Tensor], names: Optional[str], op: int, pre: float,
+                   post: float, process_set: ProcessSet, grouped: bool) -> List[tf.Tensor]:
+    def body(*arrays: np.ndarray) -> List[np.ndarray]:
+        if grouped:
+            return _api.grouped_allreduce(list(arrays), name=names, op=op, prescale_factor=pre,
+                                          postscale_factor=post, process_set=process_set)
+        return [_api.allreduce(arrays[0], name=names, op=op, prescale_factor=pre,
+                               postscale_factor=post, process_set=process_set)]
+
+    outs = _execute(body, tensors, [t.dtype for t in tensors],
+                    "FerrovodGroupedAllreduce" if grouped else "FerrovodAllreduce")
+    return [_on_device(_with_shape(o, t.shape), t) for o, t in zip(outs, tensors)]
+
+
+def _allreduce(tensor: Any, name: Optional[str] = None, op: int = Sum,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               ignore_name_scope: bool = False,
+               process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Differentiable allreduce of one dense tensor (no compression; ``op`` as given)."""
+    return _grouped_allreduce([tensor], name, op, prescale_factor, postscale_factor,
+                              ignore_name_scope, process_set, single=True)[0]
+
+
+def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: int = Sum,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       ignore_name_scope: bool = False,
+                       process_set: ProcessSet = global_process_set,
+                       single: bool = False) -> List[tf.Tensor]:
+    """Differentiable allreduce of a list of dense tensors negotiated as one engine group
+    (one ``numpy_function`` in graph mode)."""
+    ts = [_to_tensor(t) for t in tensors]
+    kind = "allreduce" if single else "grouped_allreduce"
+    if int(op) == Adasum:
+        raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
+    for t in ts:
+        _check_dtype(t, kind, _label(t, name if single else None))
+    if not ts:
+        return []
+    prefix = "HorovodAllreduce" if single else "HorovodGroupedAllreduce"
+    engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
+    args = (int(op), float(prescale_factor), float(postscale_factor), process_set, not single)
+    if not all(_float(t) for t in ts):
+        return _allreduce_raw(ts, engine_name, *args)
+
+    @tf.custom_gradient
+    def fn(*xs: tf.Tensor) -> Any:
+        ys = _allreduce_raw(list(xs), engine_name, *args)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]
+            gname = _grad_name(engine_name, prefix, dys[0])
+            return _allreduce_raw(list(dys), gname, *args)
+
+        return ys, grad
+
+    return list(fn(*ts))
+
+
+# ----------------------------------------------------------------------------- allgather
+
+
+def _allgather_raw(tensors: List[tf.Tensor], name: Optional[str], process_set: ProcessSet,
+                   grouped: bool) -> List[tf.Tensor]:
+    def body(*arrays: np.ndarray) -> List[np.ndarray]:
+        if grouped:
+            return _api.grouped_allgather(list(arrays), name=name, process_set=process_set)
+        return [_api.allgather(arrays[0], name=name, process_set=process_set)]
+
+    outs = _execute(body, tensors, [t.dtype for t in tensors],
+                    "FerrovodGroupedAllgather" if grouped else "FerrovodAllgather")
+    return [_on_device(_with_shape(o, _rest_shape(t)), t) for o, t in zip(outs, tensors)]
+
+
+def _allgather_grad_raw(dys: List[tf.Tensor], xs: List[tf.Tensor], name: Optional[str],
+                        process_set: ProcessSet) -> List[tf.Tensor]:
+    """Average-allreduce of the gathered gradients, then this rank's rows of each."""
+    k = len(dys)
+
+    def body(*arrays: np.ndarray) -> List[np.ndarray]:
+        grads, rows = list(arrays[:k]), [int(r) for r in arrays[k:]]
+        reduced = _api.grouped_allreduce(grads, name=name, op=Average, process_set=process_set)
+        counts = _api.allgather(np.asarray([rows], dtype=np.int64),
+                                name=None if name is None else f"{name}.rows",
+                                process_set=process_set)
+        r = _set_rank(process_set)
+        offsets = counts[:r].sum(0) if r else np.zeros(k, dtype=np.int64)
+        return [np.ascontiguousarray(g[int(o):int(o) + n]) for g, o, n in zip(reduced, offsets, rows)]
+
+    rows = [tf.shape(x, out_type=tf.int64)[0] for x in xs]
+    outs = _execute(body, list(dys) + rows, [d.dtype for d in dys], "FerrovodAllgatherGrad")
+    return [_with_shape(o, x.shape) for o, x in zip(outs, xs)]
+
+
+def _gather(tensors: Sequence[Any], name: Optional[str], ignore_name_scope: bool,
+            process_set: ProcessSet, single: bool) -> List[tf.Tensor]:
+    ts = [_to_tensor(t) for t in tensors]
+    kind = "allgather" if single else "grouped_allgather"
+    for t in ts:
+        label = _label(t, name if single else None)
+        _check_dtype(t, kind, label, allow_bool=True)
+        if t.shape.rank == 0:
+            raise InvalidArgumentError(
+                f"{kind} of tensor '{label}': a 0-d (scalar) tensor cannot be gathered; "
+                "reshape it to (1,)")
+    if not ts:
+        return []
+    prefix = "HorovodAllgather" if single else "HorovodGroupedAllgather"
+    engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
+    if not all(_float(t) for t in ts):
+        return _allgather_raw(ts, engine_name, process_set, not single)
+
+    @tf.custom_gradient
+    def fn(*xs: tf.Tensor) -> Any:
+        ys = _allgather_raw(list(xs), engine_name, process_set, not single)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]
+            return _allgather_grad_raw(list(dys), list(xs),
+                                       _grad_name(engine_name, prefix, dys[0]), process_set)
+
+        return ys, grad
+
+    return list(fn(*ts))
+
+
+def allgather(tensor: Any, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Concatenates every rank's ``tensor`` along dim 0 in rank order (dim 0 may differ per
+    rank; the other dims must match). Differentiable: the gradient is the average over the
+    set of the incoming gradients, sliced to this rank's rows."""
+    return _gather([tensor], name, ignore_name_scope, process_set, True)[0]
+
+
+def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> List[tf.Tensor]:
+    """Allgathers a list of tensors negotiated as one unit. Differentiable."""
+    return _gather(list(tensors), name, ignore_name_scope, process_set, False)
+
+
+# ----------------------------------------------------------------------------- broadcast
+
+
+def _broadcast_raw(t: tf.Tensor, root_rank: int, name: Optional[str],
+                   process_set: ProcessSet) -> tf.Tensor:
+    def body(a: np.ndarray) -> List[np.ndarray]:
+        return [_api.broadcast(a, root_rank, name=name, process_set=process_set)]
+
+    out = _execute(body, [t], [t.dtype], "FerrovodBroadcast")[0]
+    return _on_device(_with_shape(out, t.shape), t)
+
+
+def _check_root(root_rank: int) -> int:
+    r = int(root_rank)
+    if _api.is_initialized() and not 0 <= r < _api.size():
+        raise InvalidArgumentError(
+            f"broadcast received invalid root rank {r}: the job has {_api.size()} ranks")
+    return r
+
+
+def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
+              ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Returns global rank ``root_rank``'s ``tensor`` on every rank of the set.
+    Differentiable: the root gets the average of the incoming gradients, the others zeros."""
+    t = _to_tensor(tensor)
+    _check_dtype(t, "broadcast", _label(t, name), allow_bool=True)
+    root = _check_root(root_rank)
+    engine_name = _op_name("HorovodBroadcast", t, name, ignore_name_scope)
+    if not _float(t):
+        return _broadcast_raw(t, root, engine_name, process_set)
+
+    @tf.custom_gradient
+    def fn(x: tf.Tensor) -> Any:
+        y = _broadcast_raw(x, root, engine_name, process_set)
+
+        def grad(dy: Any) -> tf.Tensor:
+            dy = tf.zeros_like(y) if dy is None else dy
+            g = _allreduce_raw([dy], _grad_name(engine_name, "HorovodBroadcast", dy), Average,
+                               1.0, 1.0, process_set, False)[0]
+            return g if _api.rank() == root else tf.zeros_like(g)
+
+        return y, grad
+
+    return fn(t)
+
+
+def _variables_check(arrays: Sequence[np.ndarray], labels: Sequence[str], base: Optional[str],
+                     what: str, process_set: ProcessSet) -> None:
+    """Raises on every rank, naming the difference, when the ranks passed different variable
+    lists (count, shapes, dtypes): their per-variable broadcasts would never all match."""
+    import hashlib
+
+    desc = [(tuple(a.shape), a.dtype.name) for a in arrays]
+    digest = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), dtype=np.uint8)
+    check = None if base is None else f"{base}.check"
+    seen = _api.allgather(digest, name=check, process_set=process_set).reshape(-1, 32)
+    if all((row == seen[0]).all() for row in seen):
+        return
+    mine = [(lab, s, d) for lab, (s, d) in zip(labels, desc)]
+    every = _api.allgather_object(mine, name=None if base is None else f"{base}.describe",
+                                  process_set=process_set)
+    ranks = process_set.ranks if process_set.process_set_id != 0 else list(range(_api.size()))
+    lines = []
+    for r, d in zip(ranks, every):
+        if [x[1:] for x in d] == [x[1:] for x in every[0]]:
+            continue
+        diff = next((i for i, (a, b) in enumerate(zip(every[0], d)) if a[1:] != b[1:]),
+                    min(len(d), len(every[0])))
+        theirs = d[diff] if diff < len(d) else "nothing"
+        first = every[0][diff] if diff < len(every[0]) else "nothing"
+        lines.append(f"rank {r} has {len(d)} variables, rank {ranks[0]} has {len(every[0])}; "
+                     f"first difference at position {diff}: rank {r} {theirs} vs rank "
+                     f"{ranks[0]} {first}")
+    raise InvalidArgumentError(
+        f"{what}: the ranks passed different variables (number, shapes or dtypes), so "
+        "their broadcasts could never match: " + "; ".join(lines))
+
+
+def _broadcast_values(values: List[tf.Tensor], labels: List[str], root_rank: int,
+                      base: Optional[str], what: str,
+                      process_set: ProcessSet) -> List[tf.Tensor]:
+    """One host op: check that every rank passed the same variable list, then broadcast every
+    value from ``root_rank`` (all in flight at once)."""
+    root = _check_root(root_rank)
+
+    def body(*arrays: np.ndarray) -> List[np.ndarray]:
+        _variables_check(arrays, labels, base, what, process_set)
+        handles = [_api.broadcast_async(a, root, name=None if base is None else f"{base}.{i}",
+                                        process_set=process_set)
+                   for i, a in enumerate(arrays)]
+        return [_api.synchronize(h) for h in handles]
+
+    outs = _execute(body, values, [v.dtype for v in values], "FerrovodBroadcastVariables")
+    if not values:
+        return []
+    return [_with_shape(o, v.shape) for o, v in zip(outs, values)]
+
+
+def _var_label(v: Any, i: int) -> str:
+    for attr in ("path", "name"):
+        try:
+            val = getattr(v, attr, None)
+        except (AttributeError, ValueError):
+            val = None
+        if val:
+            return str(val)
+    return f"#{i}"
+
+
+def _assign_broadcast(variables: Sequence[Any], root_rank: int, name: Optional[str],
+                      default_base: str, what: str, process_set: ProcessSet) -> List[Any]:
+    if callable(variables) and not isinstance(variables, (list, tuple)):
+        variables = variables()  # Horovod scripts pass opt.variables(): accept the method too
+    variables = list(variables)
+    values, labels = [], []
+    for i, v in enumerate(variables):
+        if not hasattr(v, "assign"):
+            raise InvalidArgumentError(f"{what}: entry {i} is a {type(v).__name__}, not a "
+                                       "variable (it has no assign())")
+        t = _to_tensor(v)
+        _check_dtype(t, what, _var_label(v, i), allow_bool=True)
+        values.append(t)
+        labels.append(_var_label(v, i))
+    if tf.executing_eagerly():
+        base = name or default_base
+    else:
+        base = _unique_graph_name(name or default_base, True)
+    outs = _broadcast_values(values, labels, root_rank, base, what, process_set)
+    return [v.assign(o) for v, o in zip(variables, outs)]
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> List[Any]:
+    """Overwrites each variable (``tf.Variable`` or Keras variable) with ``root_rank``'s value.
+    Every rank must pass the same number of variables with the same shapes and dtypes; a
+    difference is an error on every rank (checked first, so nothing hangs). Returns what each
+    ``assign`` returns."""
+    return _assign_broadcast(variables, root_rank, name, "broadcast_", "broadcast_", process_set)
+
+
+# ----------------------------------------------------------------------------- alltoall
+
+
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
+             ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Sends ``splits[i]`` rows of dim 0 to set rank i (default: equal split) and concatenates
+    what arrives in rank order. Returns the output, or ``(output, received_splits)`` (int32)
+    when ``splits`` is given. Differentiable with respect to ``tensor``."""
+    t = _to_tensor(tensor)
+    label = _label(t, name)
+    _check_dtype(t, "alltoall", label, allow_bool=True)
+    if t.shape.rank == 0:
+        raise InvalidArgumentError(f"alltoall of tensor '{label}': a 0-d (scalar) tensor has "
+                                   "no first dimension")
+    want_splits = splits is not None
+    if splits is None:
+        # An empty list asks the engine for an equal split (it checks that dim 0 divides),
+        # and still returns the received splits, which the gradient needs.
+        split_t = tf.zeros([0], dtype=tf.int32)
+    else:
+        split_t = tf.reshape(tf.cast(_to_tensor(splits), tf.int32), [-1])
+    engine_name = _op_name("HorovodAlltoall", t, name, ignore_name_scope)
+    nset = _set_size(process_set) if _api.is_initialized() else None
+
+    def raw(x: tf.Tensor, s: tf.Tensor, nm: Optional[str]) -> Tuple[tf.Tensor, tf.Tensor]:
+        def body(a: np.ndarray, sp: np.ndarray) -> List[np.ndarray]:
+            out, received = _api.alltoall(a, splits=sp, name=nm, process_set=process_set)
+            return [out, np.asarray(received, dtype=np.int32)]
+
+        out, received = _execute(body, [x, s], [x.dtype, tf.int32], "FerrovodAlltoall")
+        return (_on_device(_with_shape(out, _rest_shape(x)), x),
+                _with_shape(received, tf.TensorShape([nset])))
+
+    received_box: List[tf.Tensor] = []
+    if not _float(t):
+        out, received = raw(t, split_t, engine_name)
+    else:
+        @tf.custom_gradient
+        def fn(x: tf.Tensor) -> Any:
+            y, rec = raw(x, split_t, engine_name)
+            received_box.append(rec)
+
+            def grad(dy: Any) -> tf.Tensor:
+                dy = tf.zeros_like(y) if dy is None else dy
+                g, _ = raw(dy, rec, _grad_name(engine_name, "HorovodAlltoall", dy))
+                return _with_shape(g, x.shape)
+
+            return y, grad
+
+        out = fn(t)
+        received = received_box[0]
+    return (out, received) if want_splits else out
+
+
+# ----------------------------------------------------------------------------- reducescatter
+
+
+def _reducescatter_raw(tensors: List[tf.Tensor], name: Optional[str], op: int, pre: float,
+                       post: float, process_set: ProcessSet, grouped: bool) -> List[tf.Tensor]:
+    def body(*arrays: np.ndarray) -> List[np.ndarray]:
+        if grouped:
+            return _api.grouped_reducescatter(list(arrays), name=name, op=op,
+                                              process_set=process_set, prescale_factor=pre,
+                                              postscale_factor=post)
+        return [_api.reducescatter(arrays[0], name=name, op=op, process_set=process_set,
+                                   prescale_factor=pre, postscale_factor=post)]
+
+    outs = _execute(body, tensors, [t.dtype for t in tensors],
+                    "FerrovodGroupedReducescatter" if grouped else "FerrovodReducescatter")
+    return [_on_device(_with_shape(o, _rest_shape(t)), t) for o, t in zip(outs, tensors)]
+
+
+def _reducescatter(tensors: Sequence[Any], name: Optional[str], op: int,
+                   ignore_name_scope: bool, process_set: ProcessSet, prescale_factor: float,
+                   postscale_factor: float, single: bool) -> List[tf.Tensor]:
+    ts = [_to_tensor(t) for t in tensors]
+    kind = "reducescatter" if single else "grouped_reducescatter"
+    if int(op) not in (Sum, Average):
+        raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
+    for t in ts:
+        label = _label(t, name if single else None)
+        _check_dtype(t, kind, label)
+        if t.shape.rank == 0:
+            raise InvalidArgumentError(f"{kind} of tensor '{label}': a 0-d (scalar) tensor "
+                                       "has no first dimension to scatter")
+    if not ts:
+        return []
+    prefix = "HorovodReducescatter" if single else "HorovodGroupedReducescatter"
+    engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
+    args = (int(op), float(prescale_factor), float(postscale_factor), process_set, not single)
+    if not all(_float(t) for t in ts):
+        return _reducescatter_raw(ts, engine_name, *args)
+    scale = float(prescale_factor) * float(postscale_factor)
+
+    @tf.custom_gradient
+    def fn(*xs: tf.Tensor) -> Any:
+        ys = _reducescatter_raw(list(xs), engine_name, *args)
+
+        def grad(*dys: Any) -> List[tf.Tensor]:
+            dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]
+            gs = _allgather_raw(list(dys), _grad_name(engine_name, prefix, dys[0]),
+                                process_set, not single)
+            s = scale / _set_size(process_set) if int(op) == Average else scale
+            return [_with_shape(g * tf.cast(s, g.dtype) if s != 1.0 else g, x.shape)
+                    for g, x in zip(gs, xs)]
+
+        return ys, grad
+
+    return list(fn(*ts))
+
+
+def reducescatter(tensor: Any, name: Optional[str] = None, op: int = Average,
+                  ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduces across the set (Sum or Average) and returns this rank's rows of dim 0 (the
+    lowest ranks get one extra row when dim 0 does not divide evenly). Differentiable."""
+    return _reducescatter([tensor], name, op, ignore_name_scope, process_set, prescale_factor,
+                          postscale_factor, True)[0]
+
+
+def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None,
+                          op: int = Average, ignore_name_scope: bool = False,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[tf.Tensor]:
+    """Reducescatters a list of tensors negotiated as one unit. Differentiable."""
+    return _reducescatter(list(tensors), name, op, ignore_name_scope, process_set,
+                          prescale_factor, postscale_factor, False)
+
+
+# ----------------------------------------------------------------------------- join, barrier
+
+
+def join() -> tf.Tensor:
+    """Declares this rank out of data: until every rank has joined, it takes part in the
+    others' allreduces with zeros. Returns (as an int32 scalar tensor) the last rank to join."""
+    def body() -> List[np.ndarray]:
+        return [np.asarray(_api.join(), dtype=np.int32)]
+
+    out = _execute(body, [], [tf.int32], "FerrovodJoin")[0]
+    return _with_shape(out, tf.TensorShape([]))
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> Any:
+    """Returns once every rank of ``process_set`` has called it. Horovod's TensorFlow module
+    has no barrier; this one is harmless. Eager: None; in a graph: the op."""
+    def body() -> List[np.ndarray]:
+        _api.barrier(process_set=process_set)
+        return []
+
+    out = _execute(body, [], [], "FerrovodBarrier")
+    return None if tf.executing_eagerly() else out[0]
+
+
+# ----------------------------------------------------------------------------- graph-time queries
+
+
+def _set_by_id(process_set_id: int) -> ProcessSet:
+    if int(process_set_id) == 0:
+        return global_process_set
+    for ps in _ps._registered:
+        if ps.process_set_id == int(process_set_id):
+            return ps
+    raise InvalidArgumentError(f"no registered process set has id {process_set_id}")
+
+
+def _query_op(fn: Callable[[], int], name: Optional[str]) -> tf.Tensor:
+    """An int32 scalar whose value is read when the op runs (graph) or now (eager)."""
+    def body() -> List[np.ndarray]:
+        return [np.asarray(fn(), dtype=np.int32)]
+
+    out = _execute(body, [], [tf.int32], name or "FerrovodQuery")[0]
+    return _with_shape(out, tf.TensorShape([]))
+
+
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This process's global rank, read when the graph runs."""
+    return _query_op(_api.rank, name)
+
+
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
+    """This process's local rank, read when the graph runs."""
+    return _query_op(_api.local_rank, name)
+
+
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks in the process set ``process_set_id``, read when the graph runs."""
+    return _query_op(lambda: _set_size(_set_by_id(process_set_id)), name)
+
+
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks on this host, read when the graph runs."""
+    return _query_op(_api.local_size, name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """1 when this process belongs to process set ``process_set_id``, else 0 (int32)."""
+    return _query_op(lambda: int(bool(_set_by_id(process_set_id).included())), name)

@@ -1,0 +1,647 @@
+"""ferrovod.tensorflow ops, their gradients and DistributedGradientTape against NumPy
+references, eagerly and inside tf.function, in one launch.
+
+usage: tf_ops_worker.py SEED
+
+Every rank regenerates every rank's input from the seed (fvtest.gen), so the expected values
+never go through ferrovod. Each section runs twice, in mode ``eager`` and in mode ``graph``
+(the same code inside one ``tf.function``, so many collectives share one graph). Sections:
+allreduce, grouped, allgather, broadcast, alltoall, reducescatter, misc, gradients, tape,
+optimizer, psets. Prints ``section <name>: <n> checks`` after each and ``OK <n_checks>``.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workers"))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import fvtest as T  # noqa: E402
+from fvtest import AVERAGE, MAX, MIN, PRODUCT, SUM  # noqa: E402
+
+import ferrovod.tensorflow as hvd  # noqa: E402
+
+OPS = {SUM: hvd.Sum, AVERAGE: hvd.Average, MIN: hvd.Min, MAX: hvd.Max, PRODUCT: hvd.Product}
+SHAPES = [(), (0,), (7,), (3, 5)]
+MODES = ("eager", "graph")
+F64 = np.float64
+
+
+def const(a):
+    return tf.constant(np.asarray(a))
+
+
+def run(mode, fn, *args):
+    """``fn(*args)`` now, or traced into one tf.function and run once."""
+    if mode == "eager":
+        return fn(*args)
+    return tf.function(fn, autograph=False)(*args)
+
+
+class Ctx:
+    def __init__(self, seed):
+        self.seed, self.case = seed, 0
+        self.rank, self.n = hvd.rank(), hvd.size()
+        self.ck = T.Checker(self.rank)
+
+    def key(self):
+        self.case += 1
+        return (self.seed, self.case)
+
+    def inputs(self, key, dt, shape, mode="normal"):
+        return [T.gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+
+    def close(self, got, exp, what, tol=1e-5):
+        """float32 arithmetic against a float64 reference: values within ``tol``."""
+        got, exp = np.asarray(got, np.float64), np.asarray(exp, np.float64)
+        self.ck.equal(got.shape, exp.shape, f"{what}: shape")
+        self.ck.true(np.allclose(got, exp, rtol=tol, atol=tol), what,
+                     f"max difference {np.max(np.abs(got - exp)) if got.size else 0}")
+
+    def tensor(self, got, exp, what):
+        """``got`` must be a tf.Tensor equal to the NumPy ``exp`` (dtype, shape, values)."""
+        self.ck.true(isinstance(got, tf.Tensor), what, f"result is {type(got).__name__}")
+        self.ck.array(np.asarray(got.numpy()), np.asarray(exp), what)
+
+
+# ---------------------------------------------------------------------------------------------
+def sec_allreduce(c, mode):
+    cases = []
+    for dt in T.REDUCE_DTYPES:
+        for opn in T.REDUCE_OPS:
+            for shape in SHAPES:
+                xs = c.inputs(c.key(), dt, shape, T.input_mode(opn, dt))
+                cases.append((xs, opn, dt, shape))
+    scaled = []
+    for dt in (np.float32, np.float64, T.BF16, np.float16, np.int32, np.int64):
+        mode_ = "normal" if T.is_float(np.dtype(dt)) else "tiny"
+        scaled.append((c.inputs(c.key(), dt, (9,), mode_), dt))
+    static = {}
+
+    def body(ts, ss):
+        outs = [hvd.allreduce(t, op=OPS[opn]) for t, (_, opn, _, _) in zip(ts, cases)]
+        static["first"] = [o.shape for o in outs]
+        more = []
+        for s in ss:
+            more.append(hvd.allreduce(s, average=False, prescale_factor=0.5, postscale_factor=3.0))
+            more.append(hvd.allreduce(s, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5))
+            more.append(hvd.allreduce(s))  # default: Average
+            more.append(hvd.allreduce(s, average=True, name=None))
+        return outs, more
+
+    outs, more = run(mode, body, [const(xs[c.rank]) for xs, *_ in cases],
+                     [const(xs[c.rank]) for xs, _ in scaled])
+    for out, shp, (xs, opn, dt, shape) in zip(outs, static["first"], cases):
+        what = f"{mode} allreduce {dt} {opn} {shape}"
+        c.tensor(out, T.ref_reduce(xs, opn, dt, c.n), what)
+        c.ck.equal(tuple(shp), shape, f"{what}: static shape")
+    for i, (xs, dt) in enumerate(scaled):
+        got = more[4 * i:4 * i + 4]
+        c.tensor(got[0], T.ref_reduce(xs, SUM, dt, c.n, pre=0.5, post=3.0), f"{mode} {dt} Sum scaled")
+        c.tensor(got[1], T.ref_reduce(xs, AVERAGE, dt, c.n, pre=2.0, post=0.5),
+                 f"{mode} {dt} Average scaled")
+        c.tensor(got[2], T.ref_reduce(xs, AVERAGE, dt, c.n), f"{mode} {dt} default op")
+        c.tensor(got[3], T.ref_reduce(xs, AVERAGE, dt, c.n), f"{mode} {dt} average=True")
+    # compression: fp16 on the wire, the input's dtype back
+    xs = c.inputs(c.key(), np.float32, (4, 3))
+    ys = c.inputs(c.key(), np.float64, (5,))
+    got = run(mode, lambda a, b: [hvd.allreduce(a, compression=hvd.Compression.fp16),
+                                  hvd.allreduce(b, op=hvd.Sum, compression=hvd.Compression.fp16),
+                                  hvd.allreduce(a, compression=hvd.Compression.bf16)],
+              const(xs[c.rank]), const(ys[c.rank]))
+    exp = T.ref_reduce([x.astype(np.float16) for x in xs], AVERAGE, np.float16, c.n)
+    c.ck.equal(got[0].dtype, tf.float32, f"{mode} fp16 compression keeps float32")
+    c.ck.array(got[0].numpy().astype(np.float16), exp, f"{mode} fp16-compressed allreduce")
+    exp = T.ref_reduce([y.astype(np.float16) for y in ys], SUM, np.float16, c.n)
+    c.ck.array(got[1].numpy().astype(np.float16), exp, f"{mode} fp16-compressed Sum float64")
+    exp = T.ref_reduce([x.astype(T.BF16) for x in xs], AVERAGE, T.BF16, c.n)
+    c.ck.array(got[2].numpy().astype(T.BF16), exp, f"{mode} bf16-compressed allreduce")
+    # IndexedSlices: allgather of values and indices; Average divides the values
+    k = c.key()
+    vals = c.inputs(k, np.float32, (2, 3))
+    idx = [np.array([j % 4, (2 * j + 1) % 4], dtype=np.int64) for j in range(c.n)]
+
+    def sparse(v, i):
+        s = tf.IndexedSlices(v, i, dense_shape=tf.constant([4, 3], tf.int64))
+        a, b = hvd.allreduce(s, op=hvd.Average), hvd.allreduce(s, op=hvd.Sum, name="sparse.sum")
+        return a.values, a.indices, b.values, tf.convert_to_tensor(b)
+
+    av, ai, bv, dense = run(mode, sparse, const(vals[c.rank]), const(idx[c.rank]))
+    c.tensor(av, np.concatenate(vals) / np.float32(c.n), f"{mode} IndexedSlices Average values")
+    c.tensor(ai, np.concatenate(idx), f"{mode} IndexedSlices indices")
+    c.tensor(bv, np.concatenate(vals), f"{mode} IndexedSlices Sum values")
+    exp = np.zeros((4, 3), np.float64)
+    for v, i in zip(vals, idx):
+        np.add.at(exp, i, v.astype(np.float64))
+    c.tensor(dense, exp.astype(np.float32), f"{mode} IndexedSlices Sum densified")
+    # errors, raised at once (eager) or when traced (graph)
+    ck = c.ck
+    ck.raises(hvd.InvalidArgumentError,
+              lambda: run(mode, lambda: hvd.allreduce(tf.constant([1 + 2j], tf.complex64), name="cx")),
+              f"{mode} complex dtype", contains=("complex64", "cx"))
+    ck.raises(hvd.InvalidArgumentError,
+              lambda: run(mode, lambda: hvd.allreduce(tf.constant(["a"]))),
+              f"{mode} string dtype", contains=("string",))
+    ck.raises(ValueError, lambda: run(mode, lambda: hvd.allreduce(tf.ones(2), average=True,
+                                                                 op=hvd.Sum)),
+              f"{mode} average and op together")
+    ck.raises(ValueError, lambda: run(mode, lambda: hvd.allreduce(tf.ones(2), op=hvd.Adasum)),
+              f"{mode} Adasum", contains=("Adasum",))
+    ck.raises(NotImplementedError, lambda: hvd.allreduce(
+        tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([2, 2])), op=hvd.Max),
+        f"{mode} IndexedSlices Max")
+
+
+def sec_grouped(c, mode):
+    cases = []
+    for dt in (np.int32, np.float16, T.BF16, np.float32, np.float64):
+        k = c.key()
+        shapes = [(5,), (2, 3), (), (0,)]
+        xs = [[T.gen(k + (i,), j, dt, s, T.input_mode(SUM, dt), c.n) for j in range(c.n)]
+              for i, s in enumerate(shapes)]
+        cases.append(xs)
+    mixed = [c.inputs(c.key(), np.float32, (3,)), c.inputs(c.key(), np.int64, (2, 2))]
+
+    def body(groups, m):
+        outs = [hvd.grouped_allreduce(g, op=hvd.Sum) for g in groups]
+        outs.append(hvd.grouped_allreduce(m, name="grouped.mixed", op=hvd.Max))
+        outs.append(hvd.grouped_allreduce(m[:1], compression=hvd.Compression.fp16))
+        return outs
+
+    outs = run(mode, body, [[const(x[c.rank]) for x in xs] for xs in cases],
+               [const(m[c.rank]) for m in mixed])
+    for xs, got in zip(cases, outs):
+        for i, (x, g) in enumerate(zip(xs, got)):
+            c.tensor(g, T.ref_reduce(x, SUM, x[0].dtype, c.n), f"{mode} grouped {x[0].dtype} #{i}")
+    for i, m in enumerate(mixed):
+        c.tensor(outs[len(cases)][i], T.ref_reduce(m, MAX, m[0].dtype, c.n),
+                 f"{mode} grouped mixed dtypes #{i}")
+    exp = T.ref_reduce([x.astype(np.float16) for x in mixed[0]], AVERAGE, np.float16, c.n)
+    c.ck.array(outs[-1][0].numpy().astype(np.float16), exp, f"{mode} grouped fp16")
+
+
+def gather_inputs(c, k, dt, tail):
+    return [T.gen(k, j, dt, (j + 1,) + tail) for j in range(c.n)]
+
+
+def sec_allgather(c, mode):
+    cases = []
+    for dt in T.ALL_DTYPES:
+        for tail in [(), (3, 2)]:
+            cases.append(gather_inputs(c, c.key(), dt, tail))
+    k = c.key()
+    ga, gb = gather_inputs(c, k, np.float32, (2,)), gather_inputs(c, k + (1,), np.bool_, ())
+    static = []
+
+    def body(ts, a, b):
+        outs = [hvd.allgather(t) for t in ts]
+        static.extend(o.shape for o in outs)
+        return outs, hvd.grouped_allgather([a, b])
+
+    outs, grouped = run(mode, body, [const(xs[c.rank]) for xs in cases], const(ga[c.rank]),
+                        const(gb[c.rank]))
+    for xs, out, shp in zip(cases, outs, static):
+        what = f"{mode} allgather {xs[0].dtype} {xs[0].shape[1:]}"
+        c.tensor(out, np.concatenate(xs), what)
+        if mode == "graph":
+            c.ck.equal(shp.as_list(), [None] + list(xs[0].shape[1:]), f"{what}: static shape")
+    c.tensor(grouped[0], np.concatenate(ga), f"{mode} grouped_allgather #0")
+    c.tensor(grouped[1], np.concatenate(gb), f"{mode} grouped_allgather #1")
+    c.ck.raises(hvd.InvalidArgumentError, lambda: run(mode, lambda: hvd.allgather(tf.constant(1.0))),
+                f"{mode} allgather of a 0-d tensor", contains=("0-d",))
+
+
+def sec_broadcast(c, mode):
+    cases = []
+    for dt in T.ALL_DTYPES:
+        for root in range(c.n):
+            cases.append((c.inputs(c.key(), dt, (4, 3)), root))
+    scalar = c.inputs(c.key(), np.float64, ())
+    outs = run(mode, lambda ts, s: ([hvd.broadcast(t, root) for t, (_, root) in zip(ts, cases)],
+                                    hvd.broadcast(s, c.n - 1)),
+               [const(xs[c.rank]) for xs, _ in cases], const(scalar[c.rank]))
+    for (xs, root), out in zip(cases, outs[0]):
+        c.tensor(out, xs[root], f"{mode} broadcast {xs[0].dtype} root {root}")
+    c.tensor(outs[1], scalar[c.n - 1], f"{mode} broadcast 0-d")
+    # variables: broadcast_ and broadcast_variables (tf.Variable and Keras variables)
+    import keras
+
+    root = c.n - 1
+    ins = [c.inputs(c.key(), dt, s) for dt, s in ((np.float32, (3, 2)), (np.int64, (4,)),
+                                                  (np.bool_, (2,)), (T.BF16, ()))]
+    tfv = [tf.Variable(x[c.rank]) for x in ins]
+    kv = [keras.Variable(ins[0][c.rank]), keras.Variable(ins[1][c.rank])]
+    more = c.inputs(c.key(), np.float32, (5,))
+    mv = tf.Variable(more[c.rank])
+
+    def body():
+        hvd.broadcast_(tfv, root)
+        hvd.broadcast_variables(kv, root_rank=root)
+        hvd.broadcast_variables([mv], root_rank=0, inplace=True)
+        return tf.constant(0)
+
+    run(mode, body)
+    for x, v in zip(ins, tfv):
+        c.tensor(tf.convert_to_tensor(v), x[root], f"{mode} broadcast_ {x[0].dtype}")
+    for x, v in zip(ins, kv):
+        c.tensor(tf.convert_to_tensor(v), x[root], f"{mode} broadcast_variables keras {x[0].dtype}")
+    c.tensor(tf.convert_to_tensor(mv), more[0], f"{mode} broadcast_variables inplace")
+    c.ck.raises(ValueError, lambda: run(mode, lambda: hvd.broadcast(tf.ones(1), c.n)),
+                f"{mode} broadcast root out of range")
+
+
+def sec_alltoall(c, mode):
+    n = c.n
+    cases = []
+    for dt in T.ALL_DTYPES:
+        k = c.key()
+        sp = [[(i + 2 * j + k[1]) % 3 for j in range(n)] for i in range(n)]  # rank i -> rank j
+        xs = [T.gen(k, i, dt, (sum(sp[i]), 2)) for i in range(n)]
+        offs = [np.concatenate([[0], np.cumsum(s)]) for s in sp]
+        exp = np.concatenate([xs[i][offs[i][c.rank]:offs[i][c.rank] + sp[i][c.rank]]
+                              for i in range(n)])
+        eq = c.inputs(c.key(), dt, (2 * n, 3))
+        eq_exp = np.concatenate([eq[i][2 * c.rank:2 * c.rank + 2] for i in range(n)])
+        cases.append((xs, sp, exp, eq, eq_exp))
+
+    def body(ts, splits, eqs):
+        outs = []
+        for t, s, e, (_, sp, _, _, _) in zip(ts, splits, eqs, cases):
+            out, rec = hvd.alltoall(t, splits=s)
+            out2, _ = hvd.alltoall(t, splits=sp[c.rank])  # a Python list
+            outs.append((out, rec, out2, hvd.alltoall(e)))
+        return outs
+
+    outs = run(mode, body, [const(xs[c.rank]) for xs, *_ in cases],
+               [tf.constant(sp[c.rank], tf.int32) for _, sp, *_ in cases],
+               [const(eq[c.rank]) for *_, eq, _ in cases])
+    for (xs, sp, exp, _, eq_exp), (out, rec, out2, out3) in zip(cases, outs):
+        what = f"{mode} alltoall {xs[0].dtype}"
+        c.tensor(out, exp, what)
+        c.tensor(rec, np.array([sp[i][c.rank] for i in range(n)], np.int32), f"{what} received")
+        c.tensor(out2, exp, f"{what} list splits")
+        c.tensor(out3, eq_exp, f"{what} equal split")
+    if n > 1:
+        c.ck.raises((hvd.InvalidArgumentError, tf.errors.OpError),
+                    lambda: run(mode, lambda: hvd.alltoall(tf.ones([n + 1]), name="a2a.odd")),
+                    f"{mode} alltoall indivisible", contains=("divisible",))
+
+
+def sec_reducescatter(c, mode):
+    n = c.n
+    cases = []
+    for dt in T.REDUCE_DTYPES:
+        for opn in (SUM, AVERAGE):
+            for d0 in (2 * n + 1, n):
+                cases.append((c.inputs(c.key(), dt, (d0, 3), T.input_mode(opn, dt)), opn, d0))
+    g = [(c.inputs(c.key(), dt, (2 * n, 2)), c.inputs(c.key(), dt, (n + 1,)))
+         for dt in (np.float32, T.BF16)]
+
+    def body(ts, gs):
+        outs = [hvd.reducescatter(t, op=OPS[opn]) for t, (_, opn, _) in zip(ts, cases)]
+        grouped = [hvd.grouped_reducescatter(list(p), op=hvd.Sum, prescale_factor=2.0,
+                                             postscale_factor=0.25) for p in gs]
+        return outs, grouped
+
+    outs, grouped = run(mode, body, [const(xs[c.rank]) for xs, *_ in cases],
+                        [(const(a[c.rank]), const(b[c.rank])) for a, b in g])
+    for (xs, opn, d0), out in zip(cases, outs):
+        s, cnt = T.split_rows(d0, n)[c.rank]
+        full = T.ref_reduce(xs, opn, xs[0].dtype, n)
+        c.tensor(out, full[s:s + cnt], f"{mode} reducescatter {xs[0].dtype} {opn} {d0}")
+    for (a, b), (oa, ob) in zip(g, grouped):
+        s, cnt = T.split_rows(2 * n, n)[c.rank]
+        c.tensor(oa, T.ref_reduce(a, SUM, a[0].dtype, n, pre=2.0, post=0.25)[s:s + cnt],
+                 f"{mode} grouped_reducescatter {a[0].dtype} #0")
+        s, cnt = T.split_rows(n + 1, n)[c.rank]
+        c.tensor(ob, T.ref_reduce(b, SUM, b[0].dtype, n, pre=2.0, post=0.25)[s:s + cnt],
+                 f"{mode} grouped_reducescatter {b[0].dtype} #1")
+    xs = c.inputs(c.key(), np.float32, (n, 2))
+    got = run(mode, lambda t: hvd.reducescatter(t, op=hvd.Sum, compression=hvd.Compression.fp16),
+              const(xs[c.rank]))
+    exp = T.ref_reduce([x.astype(np.float16) for x in xs], SUM, np.float16, n)[c.rank:c.rank + 1]
+    c.ck.equal(got.dtype, tf.float32, f"{mode} fp16 reducescatter keeps float32")
+    c.ck.array(got.numpy().astype(np.float16), exp, f"{mode} fp16-compressed reducescatter")
+    c.ck.raises(ValueError, lambda: run(mode, lambda: hvd.reducescatter(tf.ones(n), op=hvd.Max)),
+                f"{mode} reducescatter Max", contains=("AVERAGE",))
+
+
+def sec_misc(c, mode):
+    ck, n, r = c.ck, c.n, c.rank
+
+    def queries():
+        return [hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(), hvd.local_size_op(),
+                hvd.process_set_included_op()]
+
+    got = [int(t) for t in run(mode, queries)]
+    ck.equal(got, [r, n, hvd.local_rank(), hvd.local_size(), 1], f"{mode} query ops")
+    # join: rank 0 runs out of data first; the others' Sum allreduce sees zeros from it
+    def with_join():
+        if r == 0:
+            return hvd.join(), tf.constant(-1.0)
+        s = hvd.allreduce(tf.ones([3]), op=hvd.Sum, name="join.sum")
+        return hvd.join(), s[0]
+
+    last, s = run(mode, with_join)
+    ck.true(0 <= int(last) < n, f"{mode} join returns a rank", f"got {int(last)}")
+    if r != 0:
+        ck.equal(float(s), float(n - 1), f"{mode} allreduce while rank 0 joined")
+    lasts = hvd.allgather(tf.reshape(last, [1]), name=f"join.last.{mode}").numpy().tolist()
+    ck.equal(lasts, [lasts[0]] * n, f"{mode} every rank gets the same last joined rank")
+    run(mode, lambda: (hvd.barrier(), tf.constant(0))[1])
+    ck.equal(hvd.barrier(), None, f"{mode} barrier returns None eagerly")
+    # objects (host-side, any mode)
+    obj = hvd.broadcast_object({"r": r, "a": np.arange(3)}, root_rank=n - 1)
+    ck.equal(obj["r"], n - 1, "broadcast_object")
+    ck.equal(hvd.allgather_object(r * 10), [q * 10 for q in range(n)], "allgather_object")
+    fn = hvd.broadcast_object_fn(root_rank=0, name=f"bof.{mode}")
+    ck.equal(fn(("x", r)), ("x", 0), "broadcast_object_fn")
+
+
+# ----------------------------------------------------------------------------- gradients
+def sec_gradients(c, mode):
+    n, r = c.n, c.rank
+    k = c.key()
+    xs, ws = c.inputs(k, F64, (4, 3)), c.inputs(k + (1,), F64, (4, 3))
+    gx = [c.inputs(k + (2 + i,), F64, (3,)) for i in range(2)]
+    gw = [c.inputs(k + (5 + i,), F64, (3,)) for i in range(2)]
+    k = c.key()
+    ag = gather_inputs(c, k, F64, (2,))
+    tot = sum(j + 1 for j in range(n))
+    agw = [T.gen(k + (1,), j, F64, (tot, 2)) for j in range(n)]
+    k = c.key()
+    bx, bw = c.inputs(k, F64, (5,)), c.inputs(k + (1,), F64, (5,))
+    k = c.key()
+    sp = [[(i + j + 1) % 3 for j in range(n)] for i in range(n)]
+    ax = [T.gen(k, i, F64, (sum(sp[i]), 2)) for i in range(n)]
+    recv_rows = [sum(sp[i][j] for i in range(n)) for j in range(n)]
+    aw = [T.gen(k + (1,), j, F64, (recv_rows[j], 2)) for j in range(n)]
+    k = c.key()
+    d0 = 2 * n + 1
+    rx = c.inputs(k, F64, (d0, 2))
+    rw = [T.gen(k + (1,), j, F64, (T.split_rows(d0, n)[j][1], 2)) for j in range(n)]
+
+    def body(x, w, g0, g1, w0, w1, a, aw_, b, bw_, at, atw, rt, rtw):
+        srcs = [x, g0, g1, a, b, at, rt]
+        with tf.GradientTape(persistent=True) as tape:
+            for s in srcs:
+                tape.watch(s)
+            L = {}
+            L["ar_sum"] = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0,
+                                                      postscale_factor=0.5) * w)
+            L["ar_avg"] = tf.reduce_sum(hvd.allreduce(x, op=hvd.Average, prescale_factor=2.0,
+                                                      postscale_factor=0.5) * w)
+            o0, o1 = hvd.grouped_allreduce([g0, g1], op=hvd.Sum)
+            L["grouped"] = tf.reduce_sum(o0 * w0) + tf.reduce_sum(o1 * w1)
+            L["ag"] = tf.reduce_sum(hvd.allgather(a) * aw_)
+            q0, q1 = hvd.grouped_allgather([a, a[:, 0]])
+            L["gag"] = tf.reduce_sum(q0 * aw_) + tf.reduce_sum(q1 * aw_[:, 1])
+            L["bc"] = [tf.reduce_sum(hvd.broadcast(b, root) * bw_) for root in range(n)]
+            out, _ = hvd.alltoall(at, splits=sp[r])
+            L["a2a"] = tf.reduce_sum(out * atw)
+            L["rs_sum"] = tf.reduce_sum(hvd.reducescatter(rt, op=hvd.Sum, prescale_factor=3.0,
+                                                          postscale_factor=0.5) * rtw)
+            L["rs_avg"] = tf.reduce_sum(hvd.grouped_reducescatter(
+                [rt], op=hvd.Average, prescale_factor=3.0, postscale_factor=0.5)[0] * rtw)
+            L["fp16"] = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum,
+                                                    compression=hvd.Compression.fp16))
+        G = {key: tape.gradient(L[key], x) for key in ("ar_sum", "ar_avg", "fp16")}
+        G["grouped"] = tape.gradient(L["grouped"], [g0, g1])
+        G["ag"] = tape.gradient(L["ag"], a)
+        G["gag"] = tape.gradient(L["gag"], a)
+        G["bc"] = [tape.gradient(v, b) for v in L["bc"]]
+        G["a2a"] = tape.gradient(L["a2a"], at)
+        G["rs_sum"] = tape.gradient(L["rs_sum"], rt)
+        G["rs_avg"] = tape.gradient(L["rs_avg"], rt)
+        return G
+
+    G = run(mode, body, *[const(v[r]) for v in (xs, ws, gx[0], gx[1], gw[0], gw[1], ag, agw, bx,
+                                                bw, ax, aw, rx, rw)])
+    c.tensor(G["ar_sum"], np.sum(ws, 0), f"{mode} allreduce Sum grad")
+    c.tensor(G["ar_avg"], np.sum(ws, 0) / n, f"{mode} allreduce Average grad")
+    c.tensor(G["fp16"], np.full((4, 3), float(n)), f"{mode} fp16-compressed allreduce grad")
+    for i in range(2):
+        c.tensor(G["grouped"][i], np.sum(gw[i], 0), f"{mode} grouped_allreduce grad #{i}")
+    start = sum(j + 1 for j in range(r))
+    mean_w = (np.sum(agw, 0) / n)[start:start + r + 1]
+    c.tensor(G["ag"], mean_w, f"{mode} allgather grad")
+    exp = mean_w.copy()
+    exp[:, 0] += mean_w[:, 1]
+    c.tensor(G["gag"], exp, f"{mode} grouped_allgather grad")
+    for root in range(n):
+        exp = np.sum(bw, 0) / n if r == root else np.zeros(5)
+        c.tensor(G["bc"][root], exp, f"{mode} broadcast grad root {root}")
+    exp = np.concatenate([aw[j][sum(sp[i][j] for i in range(r)):][:sp[r][j]] for j in range(n)])
+    c.tensor(G["a2a"], exp, f"{mode} alltoall grad")
+    c.tensor(G["rs_sum"], np.concatenate(rw) * 1.5, f"{mode} reducescatter Sum grad")
+    c.tensor(G["rs_avg"], np.concatenate(rw) * 1.5 / n, f"{mode} grouped_reducescatter Average grad")
+
+
+# ----------------------------------------------------------------------------- tape
+def local_grads(x, t, idx, u, params):
+    """Rank-local gradients of the test loss (plain TF, no ferrovod)."""
+    W, b, E, unused = params
+    with tf.GradientTape() as tape:
+        y = tf.matmul(x, W) + b
+        loss = tf.reduce_mean((y - t) ** 2) + tf.reduce_sum(tf.gather(E, idx) * u)
+    return tape.gradient(loss, [W, b, E, unused])
+
+
+def dense(g):
+    return np.asarray(tf.convert_to_tensor(g).numpy(), dtype=np.float64)
+
+
+def sec_tape(c, mode):
+    n, r = c.n, c.rank
+    k = c.key()
+    X = c.inputs(k, np.float32, (6, 4))
+    Y = c.inputs(k + (1,), np.float32, (6, 3))
+    I = [np.array([j % 5, (j + 2) % 5, 4], np.int32) for j in range(n)]
+    U = c.inputs(k + (2,), np.float32, (3, 2))
+    init = [T.gen(k + (3 + i,), 0, np.float32, s) for i, s in enumerate([(4, 3), (3,), (5, 2), (2,)])]
+    params = [tf.Variable(v, name=nm) for v, nm in zip(init, ["W", "b", "E", "unused"])]
+    # the reference: every rank's local gradients from its regenerated data, densified
+    per_rank = [[dense(g) if g is not None else None
+                 for g in local_grads(const(X[j]), const(Y[j]), const(I[j]), const(U[j]), params)]
+                for j in range(n)]
+    mean = [np.mean([p[i] for p in per_rank], 0) for i in range(3)]
+    total = [np.sum([p[i] for p in per_rank], 0) for i in range(3)]
+    mine = per_rank[r]
+    # and the same through ferrovod's allgather: every rank's local gradient as sent
+    gathered = hvd.allgather(tf.reshape(tf.convert_to_tensor(mine[0]), [1, 4, 3]),
+                             name=f"tape.gather.{mode}").numpy()
+    for j in range(n):
+        c.close(gathered[j], per_rank[j][0], f"{mode} rank {j}'s local gradient, gathered", 0)
+    W, b, E, unused = params
+
+    def step(x, t, idx, u):
+        def loss_tape():
+            tape = tf.GradientTape()
+            with tape:
+                y = tf.matmul(x, W) + b
+                loss = tf.reduce_mean((y - t) ** 2) + tf.reduce_sum(tf.gather(E, idx) * u)
+            return tape, loss
+
+        out = {}
+        tape, loss = loss_tape()
+        out["avg"] = hvd.DistributedGradientTape(tape).gradient(loss, [W, b, E, unused])
+        tape, loss = loss_tape()
+        out["sum"] = hvd.DistributedGradientTape(tape, op=hvd.Sum, groups=2).gradient(
+            loss, {"W": W, "b": b, "E": E})
+        tape, loss = loss_tape()
+        out["fp16"] = hvd.DistributedGradientTape(
+            tape, compression=hvd.Compression.fp16, sparse_as_dense=True).gradient(loss, [W, b, E])
+        tape, loss = loss_tape()
+        out["groups"] = hvd.DistributedGradientTape(
+            tape, groups=[[b, W]], gradient_predivide_factor=2.0).gradient(loss, [W, b, E])
+        tape, loss = loss_tape()
+        dt = hvd.DistributedGradientTape(tape)
+        dt.register_local_source(b)
+        out["local"] = dt.gradient(loss, [W, b])
+        tape, loss = loss_tape()
+        dt = hvd.DistributedGradientTape(tape, scale_local_gradients=False)
+        dt.register_local_source(b)
+        out["local_unscaled"] = dt.gradient(loss, [W, b])
+        return out
+
+    out = run(mode, step, const(X[r]), const(Y[r]), const(I[r]), const(U[r]))
+    what = f"{mode} DistributedGradientTape"
+    avg = out["avg"]
+    c.tensor(avg[0], mean[0].astype(np.float32), f"{what} W = mean of ranks' gradients")
+    c.tensor(avg[1], mean[1].astype(np.float32), f"{what} b")
+    c.ck.true(isinstance(avg[2], tf.IndexedSlices), f"{what} E stays IndexedSlices")
+    c.close(dense(avg[2]), mean[2], f"{what} E (sparse) densified")
+    c.ck.equal(avg[3], None, f"{what} unused variable keeps a None gradient")
+    c.ck.equal(sorted(out["sum"]), ["E", "W", "b"], f"{what} dict sources keep their structure")
+    for i, key in enumerate(["W", "b", "E"]):
+        c.close(dense(out["sum"][key]), total[i], f"{what} op=Sum groups=2 {key}")
+    for i in range(3):
+        c.ck.true(isinstance(out["fp16"][i], tf.Tensor), f"{what} sparse_as_dense gives tensors")
+        c.close(out["fp16"][i].numpy(), mean[i], f"{what} fp16 #{i}", 1e-2)
+        c.close(dense(out["groups"][i]), mean[i], f"{what} groups lists + predivide #{i}")
+    c.close(dense(out["local"][0]), mean[0], f"{what} with a local source: W reduced")
+    c.close(dense(out["local"][1]), mine[1] / n, f"{what} local source b: own gradient / n")
+    c.close(dense(out["local_unscaled"][1]), mine[1], f"{what} local source unscaled")
+    # PartialDistributedGradientTape: a Keras layer's weights stay local
+    import keras
+
+    layer = keras.layers.Dense(3, kernel_initializer="ones", bias_initializer="zeros")
+    layer.build((None, 4))
+    x = const(X[r])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x) * W[0]) + tf.reduce_sum(W)
+    grads = hvd.PartialDistributedGradientTape(tape, local_layers=layer).gradient(
+        loss, layer.trainable_weights + [W])
+    wj = init[0][0]
+    own_kernel = X[r].sum(0)[:, None] * wj[None, :]
+    c.close(dense(grads[0]), own_kernel / n, f"{mode} PartialDistributedGradientTape local kernel")
+    exp_w = np.ones((4, 3))
+    exp_w[0] += np.mean([X[j].sum(0) @ np.ones((4, 3)) for j in range(n)], 0)
+    c.close(dense(grads[2]), exp_w, f"{mode} PartialDistributedGradientTape global W")
+
+
+def sec_optimizer(c, mode):
+    """tf.compat.v1 optimizer: compute_gradients reduces (eager, callable loss; and graph)."""
+    n, r = c.n, c.rank
+    k = c.key()
+    X = c.inputs(k, np.float32, (5, 3))
+    w0 = T.gen(k + (1,), 0, np.float32, (3,))
+    w = tf.Variable(w0)
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5))
+    c.ck.equal(type(opt).__name__, "_DistributedOptimizer", "legacy optimizer wrapped")
+    x = const(X[r])
+
+    def loss():
+        return tf.reduce_sum(tf.linalg.matvec(x, w) ** 2)
+
+    if mode == "eager":
+        opt.minimize(loss, var_list=[w])
+    else:
+        tf.function(lambda: [opt.minimize(loss, var_list=[w])] and None, autograph=False)()
+    grads = [2 * (X[j].astype(np.float64).T @ (X[j].astype(np.float64) @ w0)) for j in range(n)]
+    c.close(w.numpy(), w0 - 0.5 * np.mean(grads, 0), f"{mode} legacy DistributedOptimizer.minimize step",
+            1e-4)
+    if mode == "eager":
+        # a Keras optimizer goes to ferrovod.tensorflow.keras.DistributedOptimizer
+        import keras
+
+        kopt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5))
+        c.ck.true(isinstance(kopt, keras.optimizers.SGD), "Keras optimizer forwarded",
+                  type(kopt).__mro__)
+        kv = keras.Variable(w0)
+        kopt.apply_gradients([(tf.constant(np.float32(r + 1) * np.ones(3, np.float32)), kv)])
+        c.close(kv.numpy(), w0 - 0.5 * (n + 1) / 2, "forwarded Keras optimizer averages")
+
+
+def sec_syncbn(c, mode):
+    """SyncBatchNormalization normalizes with the statistics of every rank's batch."""
+    n, r = c.n, c.rank
+    k = c.key()
+    xs = [T.gen(k + (j,), 0, np.float32, (j + 2, 3)) * (j + 1) for j in range(n)]
+    allx = np.concatenate(xs).astype(np.float64)
+    mean, var = allx.mean(0), allx.var(0)
+    layer = hvd.SyncBatchNormalization(momentum=0.5, epsilon=1e-3)
+    layer.build((None, 3))
+    out = run(mode, lambda x: layer(x, training=True), const(xs[r]))
+    c.close(out.numpy(), (xs[r] - mean) / np.sqrt(var + 1e-3), f"{mode} SyncBatchNormalization output",
+            1e-4)
+    c.close(layer.moving_mean.numpy(), 0.5 * mean, f"{mode} SyncBatchNormalization moving mean", 1e-5)
+    c.close(layer.moving_variance.numpy(), 0.5 + 0.5 * var, f"{mode} moving variance", 1e-4)
+    c.ck.raises(ValueError, lambda: hvd.SyncBatchNormalization(fused=True), "fused=True")
+
+
+def sec_psets(c, mode):
+    if c.n < 2:
+        return
+    evens = sorted(set(range(0, c.n, 2)))
+    ps = PSETS["evens"]
+    xs = c.inputs(c.key(), np.float32, (3,))
+    if c.rank in evens:
+        got = run(mode, lambda t: (hvd.allreduce(t, op=hvd.Sum, process_set=ps),
+                                   hvd.size_op(process_set_id=ps.process_set_id)),
+                  const(xs[c.rank]))
+        c.tensor(got[0], T.ref_reduce([xs[j] for j in evens], SUM, np.float32, len(evens)),
+                 f"{mode} allreduce in process set {evens}")
+        c.ck.equal(int(got[1]), len(evens), f"{mode} size_op of a process set")
+    inc = run(mode, lambda: hvd.process_set_included_op(ps.process_set_id))
+    c.ck.equal(int(inc), int(c.rank in evens), f"{mode} process_set_included_op")
+
+
+PSETS = {}
+SECTIONS = {"allreduce": sec_allreduce, "grouped": sec_grouped, "allgather": sec_allgather,
+            "broadcast": sec_broadcast, "alltoall": sec_alltoall,
+            "reducescatter": sec_reducescatter, "misc": sec_misc, "gradients": sec_gradients,
+            "tape": sec_tape, "optimizer": sec_optimizer, "syncbn": sec_syncbn,
+            "psets": sec_psets}
+
+
+def main():
+    T.require_bf16()
+    seed = int(sys.argv[1])
+    hvd.init(process_sets="dynamic")
+    import os
+
+    share = os.environ.get("OMP_NUM_THREADS")
+    if hvd.local_size() > 1 and share:
+        # ferrovod.tensorflow.init() gave TF this rank's share of the cores
+        assert tf.config.threading.get_intra_op_parallelism_threads() == int(share), share
+        assert tf.config.threading.get_inter_op_parallelism_threads() == 2
+    if hvd.size() > 1:
+        PSETS["evens"] = hvd.add_process_set(list(range(0, hvd.size(), 2)))
+    c = Ctx(seed)
+    import time
+
+    for name, fn in SECTIONS.items():
+        before, t0 = c.ck.count, time.perf_counter()
+        for mode in MODES:
+            fn(c, mode)
+        print(f"section {name}: {c.ck.count - before} checks in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    hvd.shutdown()
+    return c.ck.count
+
+
+if __name__ == "__main__":
+    T.run_main(main)
