@@ -177,9 +177,9 @@ impl Trace<'_> {
 fn owned_outputs(e: &mut Entry) -> Output {
     let mut out = Output::default();
     for t in e.spec.tensors.iter_mut() {
-        if let Some(TensorBuf::Owned(v)) = t.output.as_mut() {
-            out.tensors
-                .push((TensorBuf::Owned(std::mem::take(v)), t.meta.shape.clone()));
+        if matches!(t.output, Some(TensorBuf::Owned(_) | TensorBuf::Pages(_))) {
+            let buf = t.output.take().expect("matched above");
+            out.tensors.push((buf, t.meta.shape.clone()));
         }
     }
     out
@@ -218,73 +218,131 @@ fn allreduce(
     for (dtype, members) in groups {
         // Large tensors are reduced where they lie: copying them through the fusion buffer
         // costs two passes over memory and buys nothing (fusion pays off for many small
-        // tensors, whose per-collective latency it saves).
-        let (mut solo, mut packed): (Vec<Slot>, Vec<Slot>) =
-            members.into_iter().partition(|&(i, t)| {
-                entries[i].is_some() && items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT
-            });
+        // tensors, whose per-collective latency it saves). The split depends on the request
+        // alone, never on whether this rank has the tensor: a joined rank must run the same
+        // collectives in the same order as the others, or their sums mix up tensors.
+        let (mut solo, mut packed): (Vec<Slot>, Vec<Slot>) = members
+            .into_iter()
+            .partition(|&(i, t)| items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT);
         // A lone small tensor needs no fusion buffer either.
-        if let [(i, _)] = packed[..] {
-            if entries[i].is_some() {
-                solo.append(&mut packed);
-            }
+        if packed.len() == 1 {
+            solo.append(&mut packed);
         }
         for (i, t) in solo {
-            let entry = entries[i].as_mut().expect("partitioned on is_some");
-            let spec = &mut entry.spec.tensors[t];
-            reduce_in_place(comm, spec, dtype, op, pre, post, trace)?;
+            match entries[i].as_mut() {
+                Some(entry) => {
+                    let spec = &mut entry.spec.tensors[t];
+                    reduce_in_place(comm, spec, dtype, op, pre, post, trace)?;
+                }
+                // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
+                None => {
+                    let mut zeros = TensorBuf::engine(items[i].request.tensors[t].nbytes())?;
+                    zeros.as_mut_slice().fill(0);
+                    trace.begin("TCP_ALLREDUCE");
+                    collective::allreduce(comm, zeros.as_mut_slice(), dtype, op)?;
+                    trace.end();
+                }
+            }
         }
         if packed.is_empty() {
             continue;
         }
-        let sizes: Vec<usize> = packed
-            .iter()
-            .map(|&(i, t)| items[i].request.tensors[t].nbytes())
-            .collect();
-        let total: usize = sizes.iter().sum();
-        if fusion.len() < total {
-            fusion.resize(total, 0);
+        if fusion.is_empty() {
+            // Its full size at once, every page touched (a non-zero fill cannot become a lazy
+            // calloc): a buffer that grew to the largest fusion seen so far kept growing, and
+            // resident memory with it, for as long as a job ran.
+            *fusion = vec![0xa5; FUSION_BUFFER_BYTES];
         }
-        let buf = &mut fusion[..total];
-        trace.begin("MEMCPY_IN_FUSION_BUFFER");
-        let mut off = 0;
-        for (&(i, t), &len) in packed.iter().zip(&sizes) {
-            let dst = &mut buf[off..off + len];
-            match entries[i].as_ref() {
-                Some(e) => dst.copy_from_slice(e.spec.tensors[t].input.as_slice()),
-                // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
-                None => dst.fill(0),
+        // Fused in chunks of at most the buffer's size, in the same order on every rank (each
+        // packed tensor is smaller than FUSION_COPY_LIMIT, so smaller than the buffer).
+        let mut rest = &packed[..];
+        while !rest.is_empty() {
+            let mut total = 0;
+            let mut count = 0;
+            for &(i, t) in rest {
+                let len = items[i].request.tensors[t].nbytes();
+                if total + len > fusion.len() {
+                    break;
+                }
+                total += len;
+                count += 1;
             }
-            off += len;
+            let (chunk, tail) = rest.split_at(count);
+            rest = tail;
+            let scales = (dtype, op, pre, post);
+            fused_allreduce(
+                comm,
+                &mut fusion[..total],
+                items,
+                entries,
+                chunk,
+                scales,
+                trace,
+            )?;
         }
-        reduce::scale(dtype, buf, pre)?;
-        trace.end();
-        trace.begin("TCP_ALLREDUCE");
-        collective::allreduce(comm, buf, dtype, op)?;
-        trace.end();
-        trace.begin("MEMCPY_OUT_FUSION_BUFFER");
-        reduce::scale(dtype, buf, post)?;
-        let mut off = 0;
-        for (&(i, t), &len) in packed.iter().zip(&sizes) {
-            if let Some(e) = entries[i].as_mut() {
-                let out = e.spec.tensors[t]
-                    .output
-                    .as_mut()
-                    .expect("allreduce outputs are preallocated");
-                out.as_mut_slice().copy_from_slice(&buf[off..off + len]);
-            }
-            off += len;
-        }
-        trace.end();
     }
+    Ok(())
+}
+
+/// Packs `chunk` into `buf` (exactly their size), reduces it once and unpacks the results.
+fn fused_allreduce(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    items: &[Item],
+    entries: &mut [Option<Entry>],
+    chunk: &[Slot],
+    (dtype, op, pre, post): (DType, ReduceOp, f64, f64),
+    trace: &Trace<'_>,
+) -> Result<()> {
+    let len_of = |&(i, t): &Slot| items[i].request.tensors[t].nbytes();
+    trace.begin("MEMCPY_IN_FUSION_BUFFER");
+    let mut off = 0;
+    for slot @ &(i, t) in chunk {
+        let len = len_of(slot);
+        let dst = &mut buf[off..off + len];
+        match entries[i].as_ref() {
+            Some(e) => dst.copy_from_slice(e.spec.tensors[t].input.as_slice()),
+            // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
+            None => dst.fill(0),
+        }
+        off += len;
+    }
+    reduce::scale(dtype, buf, pre)?;
+    trace.end();
+    trace.begin("TCP_ALLREDUCE");
+    collective::allreduce(comm, buf, dtype, op)?;
+    trace.end();
+    trace.begin("MEMCPY_OUT_FUSION_BUFFER");
+    reduce::scale(dtype, buf, post)?;
+    let mut off = 0;
+    for slot @ &(i, t) in chunk {
+        let len = len_of(slot);
+        if let Some(e) = entries[i].as_mut() {
+            let out = e.spec.tensors[t]
+                .output
+                .as_mut()
+                .expect("allreduce outputs are preallocated");
+            out.as_mut_slice().copy_from_slice(&buf[off..off + len]);
+        }
+        off += len;
+    }
+    trace.end();
     Ok(())
 }
 
 /// (item index, tensor index) of one tensor of a response.
 type Slot = (usize, usize);
 
+/// Size of the fusion buffer: fused tensors beyond it go in further chunks. A few times
+/// [`FUSION_COPY_LIMIT`], so that a chunk carries several tensors, and small enough to keep
+/// resident for good.
+const FUSION_BUFFER_BYTES: usize = 4 * FUSION_COPY_LIMIT;
+
 /// Tensors at least this large skip the fusion buffer.
 const FUSION_COPY_LIMIT: usize = 1 << 20;
+
+// Every packed tensor fits the buffer, so each chunk holds at least one.
+const _: () = assert!(FUSION_COPY_LIMIT <= FUSION_BUFFER_BYTES);
 
 /// Allreduce of one tensor in its own output memory (copying the input there first when the
 /// op is not in place), with the scale factors applied around it.
@@ -319,11 +377,11 @@ fn allgather(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Res
         let row_bytes = meta.row_elems() * meta.dtype.size();
         let dims = &item.first_dims[t];
         let counts: Vec<usize> = dims.iter().map(|d| d * row_bytes).collect();
-        let mut result = vec![0u8; counts.iter().sum()];
-        collective::allgatherv(comm, spec.input.as_slice(), &mut result, &counts)?;
+        let mut result = TensorBuf::engine(counts.iter().sum())?;
+        collective::allgatherv(comm, spec.input.as_slice(), result.as_mut_slice(), &counts)?;
         let mut shape = meta.shape.clone();
         shape[0] = dims.iter().sum();
-        out.tensors.push((TensorBuf::Owned(result), shape));
+        out.tensors.push((result, shape));
     }
     Ok(out)
 }
@@ -355,12 +413,18 @@ fn alltoall(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Resu
     let send: Vec<usize> = (0..n).map(|j| m[me * n + j] * row_bytes).collect();
     let recv_rows: Vec<usize> = (0..n).map(|j| m[j * n + me]).collect();
     let recv: Vec<usize> = recv_rows.iter().map(|r| r * row_bytes).collect();
-    let mut result = vec![0u8; recv.iter().sum()];
-    collective::alltoallv(comm, spec.input.as_slice(), &send, &mut result, &recv)?;
+    let mut result = TensorBuf::engine(recv.iter().sum())?;
+    collective::alltoallv(
+        comm,
+        spec.input.as_slice(),
+        &send,
+        result.as_mut_slice(),
+        &recv,
+    )?;
     let mut shape = meta.shape.clone();
     shape[0] = recv_rows.iter().sum();
     Ok(Output {
-        tensors: vec![(TensorBuf::Owned(result), shape)],
+        tensors: vec![(result, shape)],
         received_splits: recv_rows,
         last_joined: None,
     })
@@ -380,17 +444,20 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
         let counts: Vec<usize> = (0..n)
             .map(|r| (rows / n + usize::from(r < rows % n)) * row_bytes)
             .collect();
-        let mut scratch = spec.input.as_slice().to_vec();
-        reduce::scale(meta.dtype, &mut scratch, pre)?;
-        let mut result = vec![0u8; counts[me]];
-        collective::reducescatter(comm, &mut scratch, &counts, meta.dtype, req.op, &mut result)?;
-        reduce::scale(meta.dtype, &mut result, post)?;
+        let mut scratch = TensorBuf::engine(spec.input.len())?;
+        let scratch = scratch.as_mut_slice();
+        scratch.copy_from_slice(spec.input.as_slice());
+        reduce::scale(meta.dtype, scratch, pre)?;
+        let mut result = TensorBuf::engine(counts[me])?;
+        let res = result.as_mut_slice();
+        collective::reducescatter(comm, scratch, &counts, meta.dtype, req.op, res)?;
+        reduce::scale(meta.dtype, res, post)?;
         let mut shape = meta.shape.clone();
         shape[0] = counts[me] / row_bytes.max(1);
         if row_bytes == 0 {
             shape[0] = rows / n + usize::from(me < rows % n);
         }
-        out.tensors.push((TensorBuf::Owned(result), shape));
+        out.tensors.push((result, shape));
     }
     Ok(out)
 }

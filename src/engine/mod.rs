@@ -12,6 +12,7 @@ mod execute;
 pub mod handle;
 pub mod message;
 pub mod negotiate;
+pub mod pool;
 pub mod sys;
 pub mod tensor;
 pub mod timeline;
@@ -36,6 +37,7 @@ use crate::types::{OpKind, ReduceOp};
 
 pub use handle::{Handle, Output};
 pub use message::TensorMeta;
+pub use pool::PageBuf;
 pub use tensor::TensorBuf;
 
 use coordinator::{Coordinator, CoordinatorConfig};

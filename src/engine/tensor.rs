@@ -3,10 +3,16 @@
 
 use std::ptr::NonNull;
 
+use crate::error::Result;
+
+use super::pool::{PageBuf, MIN_CLASS};
+
 /// Bytes an op works on.
 pub enum TensorBuf {
     /// Engine-owned memory.
     Owned(Vec<u8>),
+    /// Engine-owned pages from the engine's buffer pool (large results; see [`PageBuf`]).
+    Pages(PageBuf),
     /// Caller memory. See [`TensorBuf::borrowed`] for the contract.
     Borrowed {
         /// Start of the memory.
@@ -36,10 +42,21 @@ impl TensorBuf {
         }
     }
 
+    /// Engine memory for a result of `len` bytes: on the C heap when small, from the page
+    /// pool when large. Its bytes are unspecified: the caller overwrites all of them.
+    pub fn engine(len: usize) -> Result<TensorBuf> {
+        if len < MIN_CLASS {
+            Ok(TensorBuf::Owned(vec![0; len]))
+        } else {
+            PageBuf::new(len).map(TensorBuf::Pages)
+        }
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match self {
             TensorBuf::Owned(v) => v.len(),
+            TensorBuf::Pages(p) => p.len(),
             TensorBuf::Borrowed { len, .. } => *len,
         }
     }
@@ -53,6 +70,7 @@ impl TensorBuf {
     pub fn as_slice(&self) -> &[u8] {
         match self {
             TensorBuf::Owned(v) => v,
+            TensorBuf::Pages(p) => p.as_slice(),
             // SAFETY: `borrowed`'s contract: valid for `len` bytes, exclusively ours until done.
             TensorBuf::Borrowed { ptr, len } => unsafe {
                 std::slice::from_raw_parts(ptr.as_ptr(), *len)
@@ -64,6 +82,7 @@ impl TensorBuf {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         match self {
             TensorBuf::Owned(v) => v,
+            TensorBuf::Pages(p) => p.as_mut_slice(),
             // SAFETY: as in `as_slice`; `&mut self` makes this the only live view.
             TensorBuf::Borrowed { ptr, len } => unsafe {
                 std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)

@@ -37,6 +37,7 @@ pub(super) struct Worker {
     pub join: Option<Handle>,
     set_waiters: VecDeque<SetWaiter>,
     pub sets: HashMap<u32, Vec<usize>>,
+    /// Allreduce fusion buffer: empty until first needed, then of a fixed size.
     pub fusion: Vec<u8>,
     pub timeout: Duration,
     pub tuning: Tuning,

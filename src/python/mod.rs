@@ -14,7 +14,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::bootstrap::tcp_store::TcpStoreServer;
 use crate::config::{Config, VARS};
-use crate::engine::{Engine, Handle, OpSpec, Output, TensorBuf};
+use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, TensorBuf};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
 
@@ -296,8 +296,9 @@ impl CoreHandle {
         let list = PyList::empty(py);
         for (buf, shape) in out.tensors {
             let data = match buf {
-                TensorBuf::Owned(v) => v,
-                other => other.as_slice().to_vec(),
+                TensorBuf::Owned(v) => EngineBytes::Heap(v),
+                TensorBuf::Pages(p) => EngineBytes::Pages(p),
+                other => EngineBytes::Heap(other.as_slice().to_vec()),
             };
             list.append((Py::new(py, OwnedBuffer { data })?, shape))?;
         }
@@ -313,7 +314,23 @@ impl CoreHandle {
 struct OwnedBuffer {
     /// Never resized after construction, so the address NumPy is given stays valid for as
     /// long as this object lives (NumPy holds a reference to it as the array's base).
-    data: Vec<u8>,
+    data: EngineBytes,
+}
+
+/// The memory behind an [`OwnedBuffer`]: a small result on the C heap, or a large one in
+/// pages that go back to the engine's pool when NumPy lets go of the array.
+enum EngineBytes {
+    Heap(Vec<u8>),
+    Pages(PageBuf),
+}
+
+impl EngineBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            EngineBytes::Heap(v) => v,
+            EngineBytes::Pages(p) => p.as_slice(),
+        }
+    }
 }
 
 #[pymethods]
@@ -322,15 +339,15 @@ impl OwnedBuffer {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        d.set_item("data", (self.data.as_ptr() as usize, false))?;
-        d.set_item("shape", (self.data.len(),))?;
+        d.set_item("data", (self.data.as_slice().as_ptr() as usize, false))?;
+        d.set_item("shape", (self.data.as_slice().len(),))?;
         d.set_item("typestr", "|u1")?;
         d.set_item("version", 3)?;
         Ok(d)
     }
 
     fn __len__(&self) -> usize {
-        self.data.len()
+        self.data.as_slice().len()
     }
 }
 

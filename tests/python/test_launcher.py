@@ -393,6 +393,16 @@ def test_output_prefixing(base_env: Dict[str, str]) -> None:
         assert err[rank] == [f"err rank={rank} i={i}" for i in range(n)]
 
 
+def test_worker_arguments_are_the_workers_own(base_env: Dict[str, str]) -> None:
+    """Arguments after the command reach it untouched, even when they look like (or abbreviate)
+    ferrovodrun's own flags."""
+    worker_args = ["--log", "x", "-np", "5", "--verbose", "--timeline-filename=t"]
+    proc = run(base_env, "-np", "1", sys.executable, "-c",
+               "import sys, json; print(json.dumps(sys.argv[1:]))", *worker_args)
+    assert proc.returncode == 0, proc.stderr
+    assert worker_lines(proc.stdout, "stdout")[0] == [json.dumps(worker_args)]
+
+
 def test_carriage_returns_and_partial_last_line(base_env: Dict[str, str]) -> None:
     proc = subprocess.run(
         launcher_argv("-np", "1", "sh", "-c", r"printf 'a\rb\r\nc\nlast'"),

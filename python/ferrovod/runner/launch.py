@@ -382,8 +382,10 @@ def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ferrovodrun`` argument parser (horovodrun's flags)."""
+    # No abbreviations: argparse matches prefixes on every argument before it finds the
+    # command, so a worker's own `--log x` would otherwise be refused as ambiguous.
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Launch a ferrovod job (horovodrun-compatible)."
+        prog=PROG, description="Launch a ferrovod job (horovodrun-compatible).", allow_abbrev=False
     )
     _add_general(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="The command every worker runs.")

@@ -125,6 +125,16 @@ def case_join():
             else:
                 exp = np.max(ys, axis=0)
             ck.array(res, exp, f"round {rnd} step {i} Max")
+            # One response mixing sizes the engine treats differently (fused, reduced where it
+            # lies, larger than the fusion buffer): a joined rank must run the same collectives,
+            # in the same order, as the ranks that have the tensors.
+            shapes = [(6,), (196_613,), (655_367,)]  # float64: 48 B, 1.5 MiB, 5 MiB
+            gs = [[T.gen((10, rnd, i, q), j, np.float64, s) for j in range(n)]
+                  for q, s in enumerate(shapes)]
+            res = fv.grouped_allreduce([g[r] for g in gs], op=fv.Sum, name=f"join.{rnd}.g.{i}")
+            for q, g in enumerate(gs):
+                ck.array(res[q], np.sum([g[j] for j in active], axis=0),
+                         f"round {rnd} step {i} grouped Sum, tensor {q} {shapes[q]}")
         if r == last:
             time.sleep(0.5)
         t0 = time.monotonic()

@@ -1,0 +1,299 @@
+//! Large engine buffers (allgather / alltoall / reducescatter results, fusion buffers, scratch
+//! copies): pages mapped for the engine alone and recycled, instead of the C heap.
+//!
+//! Why not `Vec<u8>`: the engine thread allocates from glibc's per-thread arena, and results are
+//! freed later on the caller's thread. Freed memory coalesces into that arena's top chunk, which
+//! glibc keeps resident (`malloc_trim` trims only the main arena's top, and the trim threshold
+//! rises with the largest mmapped block ever freed). The arena's resident size therefore
+//! ratchets up to the largest set of results ever alive at once: with random sizes, resident
+//! memory crept for as long as a job ran. Mapping and unmapping every buffer instead costs a
+//! page fault per page on every op (several µs each on a VM).
+//!
+//! So free buffers are kept and reused (by size class, within a quarter octave), but only up to
+//! the peak of live pooled bytes over the last one or two [`WINDOW`]s: a job whose sizes repeat
+//! (training) reuses its buffers forever, and a job whose sizes wander keeps what it recently
+//! needed, not the most it ever needed.
+
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// Smallest size class; smaller results stay on the C heap (see [`super::TensorBuf::engine`]).
+pub const MIN_CLASS: usize = 64 << 10;
+
+/// How long a peak of live bytes keeps justifying free buffers of that size.
+pub const WINDOW: Duration = Duration::from_secs(30);
+
+/// The pool behind every [`PageBuf`].
+static POOL: Mutex<Pool> = Mutex::new(Pool::new());
+
+/// A page-mapped byte buffer of `len` bytes from the engine's pool; back to the pool on drop.
+///
+/// Its bytes are initialized but unspecified (zeros or an earlier buffer's data): callers
+/// overwrite what they read.
+pub struct PageBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    cap: usize,
+    pool: &'static Mutex<Pool>,
+}
+
+// SAFETY: a PageBuf is the only owner of its mapping (like a Vec<u8>); the pool it returns to
+// is behind a mutex.
+unsafe impl Send for PageBuf {}
+// SAFETY: shared access only reads the bytes (`&self` methods); writing needs `&mut self`.
+unsafe impl Sync for PageBuf {}
+
+impl PageBuf {
+    /// A buffer of `len` bytes from the process-wide pool.
+    pub fn new(len: usize) -> Result<PageBuf> {
+        PageBuf::from_pool(&POOL, len)
+    }
+
+    fn from_pool(pool: &'static Mutex<Pool>, len: usize) -> Result<PageBuf> {
+        let cap = size_class(len);
+        let addr = pool.lock().take(cap, Instant::now())?;
+        let ptr = NonNull::new(addr as *mut u8).expect("mappings are never at address 0");
+        Ok(PageBuf {
+            ptr,
+            len,
+            cap,
+            pool,
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Read access.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `cap >= len` bytes, readable and writable, initialized (zero
+        // pages or earlier writes), and owned by this buffer until it drops.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Write access.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only live view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for PageBuf {
+    fn drop(&mut self) {
+        self.pool
+            .lock()
+            .give(self.ptr.as_ptr() as usize, self.cap, Instant::now());
+    }
+}
+
+impl std::fmt::Debug for PageBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PageBuf({} of {} bytes)", self.len, self.cap)
+    }
+}
+
+/// The mapping size for a buffer of `len` bytes: at least [`MIN_CLASS`], rounded up to a
+/// quarter of its power of two (at most 25 % unused).
+pub fn size_class(len: usize) -> usize {
+    let len = len.max(MIN_CLASS);
+    let step = 1usize << (len.ilog2() - 2);
+    len.next_multiple_of(step)
+}
+
+/// Free mappings and the bookkeeping that bounds them. Addresses are kept as integers: the
+/// pool only hands them out, it never touches their bytes.
+pub struct Pool {
+    /// (address, size) of free mappings, least recently freed first.
+    free: Vec<(usize, usize)>,
+    free_bytes: usize,
+    live_bytes: usize,
+    /// Peak of `live_bytes` in the current window and in the one before.
+    peak: usize,
+    prev_peak: usize,
+    window_start: Option<Instant>,
+}
+
+impl Pool {
+    const fn new() -> Pool {
+        Pool {
+            free: Vec::new(),
+            free_bytes: 0,
+            live_bytes: 0,
+            peak: 0,
+            prev_peak: 0,
+            window_start: None,
+        }
+    }
+
+    /// Starts a new window when the current one is over (two when it has been idle longer).
+    fn roll(&mut self, now: Instant) {
+        let start = *self.window_start.get_or_insert(now);
+        let age = now.saturating_duration_since(start);
+        if age >= WINDOW {
+            self.prev_peak = if age >= 2 * WINDOW { 0 } else { self.peak };
+            self.peak = self.live_bytes;
+            self.window_start = Some(now);
+        }
+    }
+
+    /// Mapped bytes (live and free) the pool may hold now.
+    fn limit(&self) -> usize {
+        self.peak.max(self.prev_peak)
+    }
+
+    /// Unmaps the oldest free mappings until live and free bytes fit the limit.
+    fn evict(&mut self) {
+        let limit = self.limit();
+        let mut n = 0;
+        while n < self.free.len() && self.live_bytes + self.free_bytes > limit {
+            let (addr, cap) = self.free[n];
+            unmap(addr, cap);
+            self.free_bytes -= cap;
+            n += 1;
+        }
+        self.free.drain(..n);
+    }
+
+    /// A mapping of `cap` bytes (a size class): a free one when there is one, else a new one.
+    fn take(&mut self, cap: usize, now: Instant) -> Result<usize> {
+        self.roll(now);
+        self.live_bytes += cap;
+        self.peak = self.peak.max(self.live_bytes);
+        if let Some(i) = self.free.iter().rposition(|&(_, c)| c == cap) {
+            let (addr, _) = self.free.remove(i);
+            self.free_bytes -= cap;
+            return Ok(addr);
+        }
+        // A new mapping: make room first, so that what is mapped stays within the limit.
+        self.evict();
+        map(cap).inspect_err(|_| self.live_bytes -= cap)
+    }
+
+    /// Takes back a mapping of `cap` bytes.
+    fn give(&mut self, addr: usize, cap: usize, now: Instant) {
+        self.roll(now);
+        self.live_bytes -= cap;
+        self.free.push((addr, cap));
+        self.free_bytes += cap;
+        self.evict();
+    }
+}
+
+fn map(cap: usize) -> Result<usize> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
+    // existing memory; the result is checked before use.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            cap,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::Io(format!(
+            "could not map {cap} bytes for an engine buffer: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(p as usize)
+}
+
+fn unmap(addr: usize, cap: usize) {
+    // SAFETY: `addr` is a mapping of `cap` bytes made by `map` that no PageBuf holds any more
+    // (it was on the free list), so nothing refers to its pages.
+    unsafe {
+        libc::munmap(addr as *mut libc::c_void, cap);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> &'static Mutex<Pool> {
+        Box::leak(Box::new(Mutex::new(Pool::new())))
+    }
+
+    #[test]
+    fn size_classes_round_up_to_a_quarter_octave() {
+        assert_eq!(size_class(0), MIN_CLASS);
+        assert_eq!(size_class(MIN_CLASS), MIN_CLASS);
+        assert_eq!(size_class(MIN_CLASS + 1), MIN_CLASS + MIN_CLASS / 4);
+        assert_eq!(size_class(1 << 20), 1 << 20);
+        assert_eq!(size_class((1 << 20) + 1), (1 << 20) + (1 << 18));
+        assert_eq!(size_class(7 << 20), 7 << 20);
+        assert_eq!(size_class((7 << 20) + 5), 8 << 20);
+        for len in [1usize, 70_000, 999_999, 6_291_456, 12_345_678] {
+            let c = size_class(len);
+            assert!(
+                c >= len && (c <= MIN_CLASS || c < len + len / 4 + 1),
+                "{len} -> {c}"
+            );
+        }
+    }
+
+    #[test]
+    fn freed_buffers_are_reused_and_keep_their_bytes_writable() {
+        let pool = pool();
+        let mut a = PageBuf::from_pool(pool, 300_000).unwrap();
+        a.as_mut_slice().fill(7);
+        let addr = a.as_slice().as_ptr();
+        drop(a);
+        // Same class: the same mapping comes back.
+        let mut b = PageBuf::from_pool(pool, 290_000).unwrap();
+        assert_eq!(b.as_slice().as_ptr(), addr);
+        assert_eq!(b.len(), 290_000);
+        b.as_mut_slice().fill(1);
+        assert!(b.as_slice().iter().all(|&x| x == 1));
+        let p = pool.lock();
+        assert_eq!((p.live_bytes, p.free_bytes), (size_class(300_000), 0));
+    }
+
+    #[test]
+    fn free_memory_is_bounded_by_the_recent_peak_of_live_memory() {
+        const MB: usize = 1 << 20;
+        let pool = pool();
+        let mut p = pool.lock();
+        let t0 = Instant::now();
+        let big = p.take(8 * MB, t0).unwrap();
+        p.give(big, 8 * MB, t0);
+        assert_eq!((p.free_bytes, p.live_bytes), (8 * MB, 0));
+        // Another class: mapping it next to the free 8 MB would exceed the peak, so the free
+        // mapping goes first.
+        let mid = p.take(4 * MB, t0).unwrap();
+        assert_eq!((p.free_bytes, p.live_bytes), (0, 4 * MB));
+        p.give(mid, 4 * MB, t0);
+        assert_eq!(p.free, vec![(mid, 4 * MB)]);
+        // A window later it is still reused.
+        let t1 = t0 + WINDOW + Duration::from_millis(1);
+        assert_eq!(p.take(4 * MB, t1).unwrap(), mid);
+        p.give(mid, 4 * MB, t1);
+        // Once the 4 MB peak is a window old, a smaller class evicts it.
+        let t2 = t1 + WINDOW + Duration::from_millis(1);
+        let small = p.take(MB, t2).unwrap();
+        p.give(small, MB, t2);
+        assert_eq!((p.free.clone(), p.live_bytes), (vec![(small, MB)], 0));
+        // After two idle windows only the current window's peak counts.
+        let t3 = t2 + 3 * WINDOW;
+        assert_eq!(p.take(MB, t3).unwrap(), small);
+        p.give(small, MB, t3);
+        assert_eq!((p.free_bytes, p.limit()), (MB, MB));
+        while let Some((addr, cap)) = p.free.pop() {
+            unmap(addr, cap);
+        }
+    }
+}
