@@ -1,0 +1,175 @@
+"""What depends on the Keras backend: reducing gradient tensors, detecting XLA, reading values.
+
+The optimizer wrapper and the callbacks are written against Keras 3's backend-neutral API;
+only the gradient reduction needs framework ops. It goes to ``ferrovod.tensorflow`` (host op
+through ``tf.numpy_function`` inside ``tf.function``) on the TensorFlow backend and to
+``ferrovod.torch`` (zero-copy on CPU tensors) on the torch backend. Each framework is imported
+only when its backend is the one in use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from .._api import Average
+from ..process_sets import ProcessSet
+from .compression import kind_of
+
+SUPPORTED_BACKENDS = ("tensorflow", "torch")
+
+
+def backend() -> str:
+    """The Keras backend in use (``keras.backend.backend()``)."""
+    import keras
+
+    return keras.backend.backend()
+
+
+def check_backend(what: str) -> str:
+    """Returns the backend, or raises when ferrovod cannot reduce its tensors."""
+    b = backend()
+    if b not in SUPPORTED_BACKENDS:
+        raise NotImplementedError(
+            f"{what}: ferrovod's Keras adapter supports the {' and '.join(SUPPORTED_BACKENDS)} "
+            f"backends; Keras runs on {b!r} (set KERAS_BACKEND=tensorflow or torch)")
+    return b
+
+
+def in_xla_context() -> bool:
+    """True while TensorFlow traces a function that XLA will compile (``jit_compile=True``).
+
+    TF enters an ``XLAControlFlowContext`` while tracing a ``tf.function(jit_compile=True)``;
+    that private marker is the only signal available at trace time, so any failure to read
+    it counts as "not XLA" rather than breaking training.
+    """
+    try:
+        import tensorflow as tf
+        from tensorflow.python.ops import control_flow_util
+
+        if tf.executing_eagerly():
+            return False
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # noqa: BLE001 - a TF without the private helper: cannot tell
+        return False
+
+
+JIT_MESSAGE = (
+    "{what}: the training step is being compiled with XLA (jit_compile=True), but ferrovod "
+    "exchanges gradients through a host-side op (tf.numpy_function) that XLA cannot compile; "
+    "the step would fail with an InvalidArgumentError when it runs. Compile the model with "
+    "model.compile(..., jit_compile=False) (on a CPU-only machine the default "
+    "jit_compile=\"auto\" also works: Keras then turns XLA off), or drop jit_compile=True "
+    "from your tf.function.")
+
+
+def check_not_xla(what: str) -> None:
+    """Raises a ValueError saying what to do when called inside an XLA-compiled trace."""
+    if backend() == "tensorflow" and in_xla_context():
+        raise ValueError(JIT_MESSAGE.format(what=what))
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """A NumPy array (0-d stays 0-d) from a Python value, array, backend tensor or variable."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "numpy") and callable(value.numpy):
+        try:
+            return np.asarray(value.numpy())  # keras Variable, TF eager tensor
+        except Exception:  # noqa: BLE001 - e.g. a torch tensor that requires grad
+            pass
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def backend_compressor(compression: Any, table: Any) -> Any:
+    """The backend's compressor of the same kind as ``compression`` (see ``kind_of``)."""
+    kind = kind_of(compression)
+    return compression if kind is None else getattr(table, kind)
+
+
+def _partition(idx: List[int], variables: Sequence[Any], num_groups: int,
+               groups: Optional[Sequence[Sequence[Any]]]) -> List[List[int]]:
+    """Splits gradient positions into the grouped allreduces Horovod's groups/num_groups ask for."""
+    if groups:
+        where = {}
+        for g_i, g in enumerate(groups):
+            for v in g:
+                where[id(v)] = g_i
+                where[id(getattr(v, "value", v))] = g_i
+        chunks: List[List[int]] = [[] for _ in groups] + [[]]
+        for i in idx:
+            chunks[where.get(id(variables[i]), len(groups))].append(i)
+        return [c for c in chunks if c]
+    if num_groups and num_groups > 0:
+        base, extra = divmod(len(idx), num_groups)
+        out, start = [], 0
+        for k in range(num_groups):
+            end = start + base + (1 if k < extra else 0)
+            if end > start:
+                out.append(idx[start:end])
+            start = end
+        return out
+    return [idx] if idx else []
+
+
+def _torch_reduce(grads: List[Any], variables: Sequence[Any], *, op: int, compression: Any,
+                  gradient_predivide_factor: float, num_groups: int, groups: Any,
+                  process_set: ProcessSet, local_ids: set, scale_local_gradients: bool,
+                  name_prefix: str) -> List[Any]:
+    import torch
+
+    from ..torch import ops as tops
+    from ..torch.compression import Compression as TorchCompression
+
+    comp = backend_compressor(compression, TorchCompression)
+    n = process_set.size() or 1
+    out = list(grads)
+    to_reduce = []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if id(v) in local_ids:
+            if scale_local_gradients and n > 1:
+                out[i] = g / n
+            continue
+        to_reduce.append(i)
+    pre, post = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
+                 if op == Average else (1.0, 1.0))
+    pending = []
+    for k, chunk in enumerate(_partition(to_reduce, variables, num_groups, groups)):
+        pairs = [comp.compress(torch.as_tensor(grads[i]).contiguous()) for i in chunk]
+        h = tops.grouped_allreduce_async([c for c, _ in pairs], name=f"{name_prefix}.{k}", op=op,
+                                         prescale_factor=pre, postscale_factor=post,
+                                         process_set=process_set)
+        pending.append((chunk, pairs, h))
+    for chunk, pairs, h in pending:
+        for i, r, (_, ctx) in zip(chunk, tops.synchronize(h), pairs):
+            out[i] = comp.decompress(r, ctx)
+    return out
+
+
+def reduce_gradients(grads: List[Any], variables: Sequence[Any], *, op: int, compression: Any,
+                     sparse_as_dense: bool, gradient_predivide_factor: float, num_groups: int,
+                     groups: Any, process_set: ProcessSet, local_variables: Sequence[Any],
+                     scale_local_gradients: bool, name_prefix: str) -> List[Any]:
+    """Reduces ``grads`` (None entries stay None) across ``process_set`` on the active backend."""
+    b = check_backend("DistributedOptimizer")
+    if b == "tensorflow":
+        from ..tensorflow import _gradients
+        from ..tensorflow.compression import Compression as TFCompression
+
+        return _gradients.reduce_gradients(
+            list(grads), list(variables), op=op,
+            compression=backend_compressor(compression, TFCompression),
+            sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor,
+            num_groups=num_groups, groups=groups, process_set=process_set,
+            local_variables=tuple(local_variables), scale_local_gradients=scale_local_gradients,
+            name_prefix=name_prefix)
+    local_ids = {id(v) for v in local_variables} | {id(getattr(v, "value", v)) for v in local_variables}
+    return _torch_reduce(list(grads), variables, op=op, compression=compression,
+                         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                         groups=groups, process_set=process_set, local_ids=local_ids,
+                         scale_local_gradients=scale_local_gradients, name_prefix=name_prefix)

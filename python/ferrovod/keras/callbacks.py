@@ -1,0 +1,13 @@
+"""``ferrovod.keras.callbacks``: Horovod's Keras callbacks for Keras 3 (see
+``ferrovod._keras.callbacks`` for what each does and when)."""
+
+from .._keras.callbacks import (
+    BestModelCheckpoint,
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+)
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]
