@@ -24,7 +24,9 @@ waiting for the other rank to reach the step), and the same grouped allreduce al
 arrays of the gradients' shapes (no TF running), out of place as inside the step (fresh
 output arrays every call) and in place (``grouped_allreduce_``): the difference is what
 allocating and first-touching new output pages costs per step. Scaling efficiency = step time on 1 rank /
-step time on 2 ranks at the same per-rank batch (1.0 = perfect). On 1 rank the
+step time on 2 ranks at the same per-rank batch and the same threads per rank (``--threads``,
+default 1: on a machine with as many cores as ranks, a 1-rank run given every core is not the
+baseline a rank of a 2-rank run can match) (1.0 = perfect). On 1 rank the
 DistributedOptimizer does not exchange anything (it is the plain Keras step).
 
 A benchmark, not a test: it prints numbers. They drift 2-4x between runs on shared VMs;
@@ -119,6 +121,11 @@ def worker(args: argparse.Namespace) -> None:
     import ferrovod
     import ferrovod.tensorflow.keras as hvd
 
+    if args.threads > 0:
+        # The same compute per rank on every size: otherwise 1 rank runs a pool as wide as
+        # the machine and the 2-rank run, one thread each, looks like poor scaling.
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     clock = EngineClock()
@@ -224,6 +231,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", default=None, help="(worker) write rank 0's results here")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="TensorFlow intra-op threads per rank on every size (0: TF's own "
+                             "choice, i.e. all cores for 1 rank and a share for more)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -234,7 +244,8 @@ def main() -> None:
             out = os.path.join(tmp, f"{n}.json")
             cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), sys.executable,
                    os.path.abspath(__file__), "--worker", "--json", out, "--models", args.models,
-                   "--steps", str(args.steps), "--rounds", str(args.rounds)]
+                   "--steps", str(args.steps), "--rounds", str(args.rounds),
+                   "--threads", str(args.threads)]
             print(f"running: ferrovodrun -np {n} ...", flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0 or not os.path.exists(out):
