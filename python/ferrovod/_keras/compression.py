@@ -10,75 +10,44 @@ and the backend's own compressor of that kind does the work (``ferrovod.tensorfl
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
+
+from .._compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["Compression", "Compressor", "kind_of"]
 
 
-class Compressor:
-    """Interface: ``compress(array) -> (compressed, ctx)``, ``decompress(compressed, ctx)``."""
+class _NumpyCast(CastCompressor):
+    @staticmethod
+    def _as_tensor(tensor: Any) -> np.ndarray:
+        return np.asarray(tensor)
 
     @staticmethod
-    def compress(tensor: np.ndarray) -> Tuple[np.ndarray, Any]:
-        """Returns the array to send and whatever ``decompress`` needs to undo it."""
-        raise NotImplementedError
+    def _is_float(tensor: np.ndarray) -> bool:
+        return tensor.dtype.kind == "f"
 
     @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-        """Turns a received (reduced) array back into the original dtype."""
-        raise NotImplementedError
+    def _cast(tensor: Any, dtype: Any) -> np.ndarray:
+        return np.asarray(tensor).astype(dtype)
 
 
-class NoneCompressor(Compressor):
-    """Sends arrays as they are."""
-
-    @staticmethod
-    def compress(tensor: np.ndarray) -> Tuple[np.ndarray, Any]:
-        """Returns ``tensor`` unchanged."""
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: np.ndarray, ctx: Any) -> np.ndarray:
-        """Returns ``tensor`` unchanged."""
-        return tensor
-
-
-class _CastCompressor(Compressor):
-    wire: Any = np.float16
-
-    @classmethod
-    def compress(cls, tensor: np.ndarray) -> Tuple[np.ndarray, Optional[np.dtype]]:
-        """Casts floating-point arrays to the wire dtype; others pass unchanged."""
-        tensor = np.asarray(tensor)
-        wire = np.dtype(cls.wire)
-        if tensor.dtype.kind == "f" and tensor.dtype != wire:
-            return tensor.astype(wire), tensor.dtype
-        return tensor, None
-
-    @classmethod
-    def decompress(cls, tensor: np.ndarray, ctx: Optional[np.dtype]) -> np.ndarray:
-        """Casts back to the dtype ``compress`` saw."""
-        return tensor if ctx is None else np.asarray(tensor).astype(ctx)
-
-
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(_NumpyCast):
     """Sends floating-point arrays as float16 (half the bytes; ~3 significant digits)."""
 
-    wire = np.float16
+    wire = np.dtype(np.float16)
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(_NumpyCast):
     """Sends floating-point arrays as bfloat16 (needs ``ml_dtypes``)."""
 
     @classmethod
-    def compress(cls, tensor: np.ndarray) -> Tuple[np.ndarray, Optional[np.dtype]]:
-        """Casts floating-point arrays to bfloat16."""
-        import ml_dtypes  # only this compressor needs it
+    def wire_dtype(cls) -> Any:
+        """bfloat16, from ``ml_dtypes`` (imported only when this compressor is used)."""
+        import ml_dtypes
 
-        cls.wire = ml_dtypes.bfloat16
-        return super().compress(tensor)
+        return np.dtype(ml_dtypes.bfloat16)
 
 
 class Compression:

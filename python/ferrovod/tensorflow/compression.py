@@ -4,65 +4,36 @@ of TensorFlow casts so they work eagerly and inside ``tf.function``."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import tensorflow as tf
+
+from .._compression import CastCompressor, Compressor, NoneCompressor
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
 
 
-class Compressor:
-    """Interface: ``compress(tensor) -> (compressed, ctx)``, ``decompress(compressed, ctx)``."""
+class _TFCast(CastCompressor):
+    @staticmethod
+    def _as_tensor(tensor: Any) -> tf.Tensor:
+        return tf.convert_to_tensor(tensor)
 
     @staticmethod
-    def compress(tensor: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        """Returns the tensor to send and whatever ``decompress`` needs to undo it."""
-        raise NotImplementedError
+    def _is_float(tensor: tf.Tensor) -> bool:
+        return tensor.dtype.is_floating
 
     @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        """Turns a received (reduced) tensor back into the original dtype."""
-        raise NotImplementedError
+    def _cast(tensor: tf.Tensor, dtype: Any) -> tf.Tensor:
+        return tf.cast(tensor, dtype)
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        """Returns ``tensor`` unchanged."""
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        """Returns ``tensor`` unchanged."""
-        return tensor
-
-
-class _CastCompressor(Compressor):
-    wire: tf.DType = tf.float16
-
-    @classmethod
-    def compress(cls, tensor: tf.Tensor) -> Tuple[tf.Tensor, Optional[tf.DType]]:
-        """Casts floating-point tensors to the wire dtype; others pass unchanged."""
-        tensor = tf.convert_to_tensor(tensor)
-        if tensor.dtype.is_floating and tensor.dtype != cls.wire:
-            return tf.cast(tensor, cls.wire), tensor.dtype
-        return tensor, None
-
-    @classmethod
-    def decompress(cls, tensor: tf.Tensor, ctx: Optional[tf.DType]) -> tf.Tensor:
-        """Casts back to the dtype ``compress`` saw."""
-        return tensor if ctx is None else tf.cast(tensor, ctx)
-
-
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(_TFCast):
     """Sends floating-point tensors as float16 (half the bytes; ~3 significant digits)."""
 
     wire = tf.float16
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(_TFCast):
     """Sends floating-point tensors as bfloat16 (float32's range, ~2 significant digits)."""
 
     wire = tf.bfloat16
