@@ -9,11 +9,12 @@ only when its backend is the one in use.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 import numpy as np
 
 from .._api import Average
+from .._groups import plan_groups
 from ..process_sets import ProcessSet
 from .compression import kind_of
 
@@ -90,29 +91,9 @@ def backend_compressor(compression: Any, table: Any) -> Any:
     return compression if kind is None else getattr(table, kind)
 
 
-def _partition(idx: List[int], variables: Sequence[Any], num_groups: int,
-               groups: Optional[Sequence[Sequence[Any]]]) -> List[List[int]]:
-    """Splits gradient positions into the grouped allreduces Horovod's groups/num_groups ask for."""
-    if groups:
-        where = {}
-        for g_i, g in enumerate(groups):
-            for v in g:
-                where[id(v)] = g_i
-                where[id(getattr(v, "value", v))] = g_i
-        chunks: List[List[int]] = [[] for _ in groups] + [[]]
-        for i in idx:
-            chunks[where.get(id(variables[i]), len(groups))].append(i)
-        return [c for c in chunks if c]
-    if num_groups and num_groups > 0:
-        base, extra = divmod(len(idx), num_groups)
-        out, start = [], 0
-        for k in range(num_groups):
-            end = start + base + (1 if k < extra else 0)
-            if end > start:
-                out.append(idx[start:end])
-            start = end
-        return out
-    return [idx] if idx else []
+def _keys(v: Any) -> set:
+    """Identity keys of a variable: the object itself and the tensor it wraps."""
+    return {id(v), id(getattr(v, "value", v))}
 
 
 def _torch_reduce(grads: List[Any], variables: Sequence[Any], *, op: int, compression: Any,
@@ -139,7 +120,10 @@ def _torch_reduce(grads: List[Any], variables: Sequence[Any], *, op: int, compre
     pre, post = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                  if op == Average else (1.0, 1.0))
     pending = []
-    for k, chunk in enumerate(_partition(to_reduce, variables, num_groups, groups)):
+    spec = groups if groups else (num_groups or None)
+    plan = plan_groups([_keys(variables[i]) for i in to_reduce], len(to_reduce), spec, _keys)
+    chunks = [[to_reduce[p] for p in members] for members in plan]
+    for k, chunk in enumerate(chunks):
         pairs = [comp.compress(torch.as_tensor(grads[i]).contiguous()) for i in chunk]
         h = tops.grouped_allreduce_async([c for c, _ in pairs], name=f"{name_prefix}.{k}", op=op,
                                          prescale_factor=pre, postscale_factor=post,
@@ -168,7 +152,7 @@ def reduce_gradients(grads: List[Any], variables: Sequence[Any], *, op: int, com
             num_groups=num_groups, groups=groups, process_set=process_set,
             local_variables=tuple(local_variables), scale_local_gradients=scale_local_gradients,
             name_prefix=name_prefix)
-    local_ids = {id(v) for v in local_variables} | {id(getattr(v, "value", v)) for v in local_variables}
+    local_ids = set().union(*(_keys(v) for v in local_variables))
     return _torch_reduce(list(grads), variables, op=op, compression=compression,
                          gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                          groups=groups, process_set=process_set, local_ids=local_ids,

@@ -19,13 +19,14 @@ two tapes in one ``tf.function`` never share names and every step reuses the sam
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, List, Optional, Sequence, Set, Union
 
 import numpy as np
 import tensorflow as tf
 
 from .. import _api
 from .._api import Adasum, Average
+from .._groups import plan_groups
 from ..exceptions import FerrovodError, InvalidArgumentError, MismatchError
 from ..process_sets import ProcessSet, global_process_set
 from . import mpi_ops as _ops
@@ -46,19 +47,6 @@ def variable_keys(v: Any) -> Set[int]:
     return keys
 
 
-def _split(items: List[int], n: int) -> List[List[int]]:
-    """``n`` contiguous chunks of nearly equal length (the first ones one longer); empty
-    chunks are dropped."""
-    base, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        if end > start:
-            out.append(items[start:end])
-        start = end
-    return out
-
-
 def _scale(g: Grad, factor: float) -> Grad:
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(_scale(g.values, factor), g.indices, g.dense_shape)
@@ -66,39 +54,6 @@ def _scale(g: Grad, factor: float) -> Grad:
     if g.dtype.is_floating:
         return g * tf.cast(factor, g.dtype)
     return tf.cast(tf.cast(g, tf.float64) * factor, g.dtype)
-
-
-def _plan_groups(dense: List[int], variables: Optional[List[Any]], groups: Any) -> List[List[int]]:
-    """Positions (into ``dense``) of each group, Horovod's way: a list of variable lists makes
-    one group per list and one group per gradient left over; an int n splits the gradients
-    into n contiguous groups; nothing makes one group of all."""
-    positions = list(range(len(dense)))
-    if groups is None or (isinstance(groups, int) and groups == 0):
-        return [positions] if positions else []
-    if isinstance(groups, int):
-        if groups < 0:
-            raise ValueError("groups must be a non-negative integer or a list of lists of "
-                             "variables")
-        return _split(positions, groups)
-    if variables is None:
-        raise ValueError("groups given as lists of variables need the variables")
-    where: Dict[int, int] = {}
-    for p, i in enumerate(dense):
-        for k in variable_keys(variables[i]):
-            where[k] = p
-    planned: List[List[int]] = []
-    taken: Set[int] = set()
-    for group in groups:
-        members = []
-        for v in group:
-            p = next((where[k] for k in variable_keys(v) if k in where), None)
-            if p is not None and p not in taken:
-                members.append(p)
-                taken.add(p)
-        if members:
-            planned.append(members)
-    planned.extend([p] for p in positions if p not in taken)
-    return planned
 
 
 def _describe(grads: List[Any], variables: Optional[List[Any]], idx: List[int]) -> str:
@@ -182,7 +137,8 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
         _ops._check_dtype(out[i], name_prefix, _describe(out, var_list, [i]))
     for i in sparse:
         _ops._check_dtype(out[i].values, name_prefix, _describe(out, var_list, [i]))
-    plan = _plan_groups(dense, var_list, groups)
+    keys = None if var_list is None else [variable_keys(var_list[i]) for i in dense]
+    plan = plan_groups(keys, len(dense), groups, variable_keys)
     pairs = [compression.compress(out[i]) for i in dense]
     wire = [c for c, _ in pairs]
     sparse_in: List[tf.Tensor] = []

@@ -21,6 +21,7 @@ import torch
 
 from .. import _api
 from .._api import Adasum, Average, allgather_object
+from .._groups import split_evenly
 from ..process_sets import ProcessSet, global_process_set
 from . import ops
 from .compression import Compression, Compressor
@@ -28,18 +29,6 @@ from .compression import Compression, Compressor
 __all__ = ["DistributedOptimizer"]
 
 _instances = itertools.count()
-
-
-def _split(items: List[Any], n: int) -> List[List[Any]]:
-    """``n`` contiguous chunks of nearly equal length (the first ones one longer)."""
-    base, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        if end > start:
-            out.append(items[start:end])
-        start = end
-    return out
 
 
 class _DistributedMixin:
@@ -106,7 +95,7 @@ class _DistributedMixin:
         if isinstance(groups, int):
             if groups < 0:
                 raise ValueError("groups must be a non-negative integer or a list of lists")
-            self._groups = _split(self._requires_update, groups)
+            self._groups = split_evenly(self._requires_update, groups)
         else:
             known = set(self._requires_update)
             self._groups = []
