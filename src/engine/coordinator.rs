@@ -4,11 +4,13 @@
 //! collective.
 
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::{auth, net};
@@ -18,6 +20,7 @@ use super::autotune::{AutotuneConfig, Autotuner, Knobs};
 use super::control::FrameConn;
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
+use super::progress::Lease;
 use super::sys::{wait_readable, Waker};
 
 /// Settings the coordinator needs.
@@ -50,6 +53,8 @@ pub struct CoordinatorConfig {
 pub struct Coordinator {
     stop: Arc<AtomicBool>,
     waker: Arc<Waker>,
+    state: Arc<Mutex<State>>,
+    lease: Arc<Lease>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -59,16 +64,30 @@ impl Coordinator {
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let waker = Arc::new(Waker::new()?);
-        let (s, w) = (stop.clone(), waker.clone());
+        let state = Arc::new(Mutex::new(State::new(listener, cfg, waker.clone())));
+        let lease = Arc::new(Lease::default());
+        let (s, w, st, l) = (stop.clone(), waker.clone(), state.clone(), lease.clone());
         let thread = std::thread::Builder::new()
             .name("ferrovod-coordinator".into())
-            .spawn(move || run(listener, cfg, s, w))
+            .spawn(move || run(&st, &s, &w, &l))
             .map_err(|e| Error::Io(format!("spawning the coordinator: {e}")))?;
         Ok(Coordinator {
             stop,
             waker,
+            state,
+            lease,
             thread: Some(thread),
         })
+    }
+
+    /// Lets another thread turn the coordinator when it is idle (rank 0's caller waiting for
+    /// an op: see [`super::progress`]).
+    pub fn assist(&self) -> Assist {
+        Assist {
+            state: self.state.clone(),
+            lease: self.lease.clone(),
+            waker: self.waker.clone(),
+        }
     }
 
     /// Processes what is already received (e.g. this rank's `Leave`), then stops.
@@ -84,6 +103,33 @@ impl Coordinator {
 impl Drop for Coordinator {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Another thread's access to the coordinator.
+#[derive(Clone)]
+pub struct Assist {
+    state: Arc<Mutex<State>>,
+    lease: Arc<Lease>,
+    waker: Arc<Waker>,
+}
+
+impl Assist {
+    /// Handles whatever has arrived, without blocking, unless the coordinator is busy (its
+    /// own thread has it) or stopped, and keeps the coordinator thread asleep for `spin`.
+    /// Returns whether anything was handled.
+    pub fn turn(&self, spin: Duration) -> bool {
+        self.lease.renew(spin);
+        match self.state.try_lock() {
+            Some(mut state) if !state.stopped => state.poll_and_turn(false),
+            _ => false,
+        }
+    }
+
+    /// Hands the coordinator back to its thread at once.
+    pub fn release(&self) {
+        self.lease.end();
+        self.waker.wake();
     }
 }
 
@@ -104,66 +150,161 @@ fn wait_idle(fds: &[RawFd], timeout: Duration, spin: Duration) -> Vec<usize> {
     wait_readable(fds, timeout).unwrap_or_default()
 }
 
-fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, waker: Arc<Waker>) {
-    let mut neg = Negotiator::new(
-        cfg.size,
-        &cfg.process_sets,
-        cfg.fusion_threshold,
-        cfg.cache_capacity,
-    );
-    let mut conns: Vec<Option<FrameConn>> = (0..cfg.size).map(|_| None).collect();
-    let mut left = vec![false; cfg.size];
-    let mut registered = vec![false; cfg.size];
-    let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
-    let mut out: Outbox = Vec::new();
-    let mut ready_since: Option<Instant> = None;
-    let mut last_inspection = Instant::now();
-    let mut cycle_time = cfg.cycle_time;
-    let mut tuner = cfg.autotune.clone().map(|a| {
-        neg.record_emitted();
-        Autotuner::new(
-            a,
-            Knobs {
-                fusion_threshold: cfg.fusion_threshold,
-                cycle_time: cfg.cycle_time,
-            },
-        )
-    });
-    if let Some(t) = &tuner {
-        let k = t.knobs();
-        neg.set_fusion_threshold(k.fusion_threshold);
-        cycle_time = k.cycle_time;
-    }
+/// The coordinator thread: turn while there is work; when idle, spin only after work it did
+/// itself (when rank 0's caller did it, stay out of that caller's way), then block. While
+/// rank 0's caller holds the lease, sleep instead.
+fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
+    let spin = state.lock().cfg.spin;
+    let mut busy_at = Instant::now();
     loop {
         let stopping = stop.load(Ordering::Acquire);
-        let mut fds = vec![waker.fd(), std::os::fd::AsRawFd::as_raw_fd(&listener)];
-        let ranks: Vec<usize> = (0..cfg.size).filter(|&r| conns[r].is_some()).collect();
-        fds.extend(
-            ranks
-                .iter()
-                .map(|&r| conns[r].as_ref().expect("listed").fd()),
+        if let (false, Some(left)) = (stopping, lease.remaining()) {
+            let _ = wait_readable(&[waker.fd()], left);
+            waker.clear();
+            continue;
+        }
+        let (fds, timeout) = {
+            let st = state.lock();
+            (st.fds(), st.timeout(stopping))
+        };
+        let own_work_recently = busy_at.elapsed() < spin;
+        wait_idle(
+            &fds,
+            timeout,
+            if own_work_recently {
+                spin
+            } else {
+                Duration::ZERO
+            },
         );
-        let timeout = if stopping {
+        waker.clear();
+        let mut st = state.lock();
+        // Another thread may have turned the coordinator while we waited: poll afresh.
+        if st.poll_and_turn(stopping) {
+            busy_at = Instant::now();
+        }
+        if stopping {
+            st.close();
+            return;
+        }
+    }
+}
+
+/// Everything the coordinator keeps between turns.
+struct State {
+    cfg: CoordinatorConfig,
+    listener: TcpListener,
+    waker: Arc<Waker>,
+    neg: Negotiator,
+    conns: Vec<Option<FrameConn>>,
+    left: Vec<bool>,
+    registered: Vec<bool>,
+    tx: mpsc::Sender<(usize, TcpStream)>,
+    rx: mpsc::Receiver<(usize, TcpStream)>,
+    out: Outbox,
+    ready_since: Option<Instant>,
+    last_inspection: Instant,
+    cycle_time: Duration,
+    tuner: Option<Autotuner>,
+    stopped: bool,
+}
+
+impl State {
+    fn new(listener: TcpListener, cfg: CoordinatorConfig, waker: Arc<Waker>) -> State {
+        let mut neg = Negotiator::new(
+            cfg.size,
+            &cfg.process_sets,
+            cfg.fusion_threshold,
+            cfg.cache_capacity,
+        );
+        let mut cycle_time = cfg.cycle_time;
+        let tuner = cfg.autotune.clone().map(|a| {
+            neg.record_emitted();
+            Autotuner::new(
+                a,
+                Knobs {
+                    fusion_threshold: cfg.fusion_threshold,
+                    cycle_time: cfg.cycle_time,
+                },
+            )
+        });
+        if let Some(t) = &tuner {
+            let k = t.knobs();
+            neg.set_fusion_threshold(k.fusion_threshold);
+            cycle_time = k.cycle_time;
+        }
+        let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
+        State {
+            conns: (0..cfg.size).map(|_| None).collect(),
+            left: vec![false; cfg.size],
+            registered: vec![false; cfg.size],
+            cfg,
+            listener,
+            waker,
+            neg,
+            tx,
+            rx,
+            out: Vec::new(),
+            ready_since: None,
+            last_inspection: Instant::now(),
+            cycle_time,
+            tuner,
+            stopped: false,
+        }
+    }
+
+    /// Ranks with an open connection, in the order [`State::fds`] lists them after the waker
+    /// and the listener.
+    fn ranks(&self) -> Vec<usize> {
+        (0..self.cfg.size)
+            .filter(|&r| self.conns[r].is_some())
+            .collect()
+    }
+
+    /// Descriptors to wait on: the waker, the listener, then each open connection.
+    fn fds(&self) -> Vec<RawFd> {
+        let mut fds = vec![self.waker.fd(), self.listener.as_raw_fd()];
+        fds.extend(self.conns.iter().flatten().map(FrameConn::fd));
+        fds
+    }
+
+    /// How long an idle wait may block: until the batching window closes, if one is open.
+    fn timeout(&self, stopping: bool) -> Duration {
+        if stopping {
             Duration::ZERO
         } else {
-            match ready_since {
-                Some(t) => cycle_time.saturating_sub(t.elapsed()),
+            match self.ready_since {
+                Some(t) => self.cycle_time.saturating_sub(t.elapsed()),
                 None => Duration::from_secs(1),
             }
-        };
-        let readable = wait_idle(&fds, timeout, cfg.spin);
-        waker.clear();
-        if readable.contains(&1) {
-            accept_all(&listener, &cfg, &tx, &waker);
         }
-        while let Ok((rank, stream)) = rx.try_recv() {
-            if rank < cfg.size && conns[rank].is_none() && !registered[rank] {
+    }
+
+    /// Polls every descriptor without blocking and handles what is readable. Returns whether
+    /// anything was received or sent.
+    fn poll_and_turn(&mut self, stopping: bool) -> bool {
+        let fds = self.fds();
+        let readable = wait_readable(&fds, Duration::ZERO).unwrap_or_default();
+        let received = readable.iter().any(|&i| i > 0);
+        let sent = self.turn(&readable, stopping);
+        received || sent
+    }
+
+    /// One turn: accept, read what `readable` (indexes into [`State::fds`]) says arrived,
+    /// negotiate, inspect for stalls, flush and send. Returns whether anything was sent.
+    fn turn(&mut self, readable: &[usize], stopping: bool) -> bool {
+        let ranks = self.ranks();
+        if readable.contains(&1) {
+            accept_all(&self.listener, &self.cfg, &self.tx, &self.waker);
+        }
+        while let Ok((rank, stream)) = self.rx.try_recv() {
+            if rank < self.cfg.size && self.conns[rank].is_none() && !self.registered[rank] {
                 if let Ok(c) = FrameConn::new(stream, rank) {
-                    conns[rank] = Some(c);
-                    registered[rank] = true;
-                    if registered.iter().all(|&r| r) {
-                        for r in 0..cfg.size {
-                            out.push((r, FromCoordinator::Ready));
+                    self.conns[rank] = Some(c);
+                    self.registered[rank] = true;
+                    if self.registered.iter().all(|&r| r) {
+                        for r in 0..self.cfg.size {
+                            self.out.push((r, FromCoordinator::Ready));
                         }
                     }
                 }
@@ -173,100 +314,119 @@ fn run(listener: TcpListener, cfg: CoordinatorConfig, stop: Arc<AtomicBool>, wak
             if !stopping && !readable.contains(&(i + 2)) {
                 continue;
             }
-            let Some(conn) = conns[rank].as_mut() else {
-                continue;
-            };
-            let open = conn.fill();
-            loop {
-                match conn.next_frame() {
-                    Ok(Some(frame)) => match ToCoordinator::decode(&frame) {
-                        Ok(msg) => {
-                            if msg == ToCoordinator::Leave {
-                                left[rank] = true;
-                            }
-                            neg.handle(rank, msg, &mut out);
-                        }
-                        Err(e) => {
-                            neg.rank_gone(
-                                rank,
-                                Gone::Died,
-                                format!("sent a malformed message ({e})"),
-                                &mut out,
-                            );
-                            break;
-                        }
-                    },
-                    Ok(None) => break,
-                    Err(e) => {
-                        neg.rank_gone(rank, Gone::Died, e.to_string(), &mut out);
-                        break;
-                    }
-                }
-            }
-            match open {
-                Ok(true) => {}
-                Ok(false) | Err(_) => {
-                    let detail = match open {
-                        Err(e) => e.to_string(),
-                        _ => "its connection closed (the process exited or was killed)".into(),
-                    };
-                    neg.rank_gone(rank, gone(left[rank]), detail, &mut out);
-                    conns[rank] = None;
-                }
-            }
+            self.receive(rank);
         }
-        if let Some(check) = cfg.stall_check {
+        if let Some(check) = self.cfg.stall_check {
             // Cheap, but not worth doing for every message: a few times a second is plenty
             // for limits counted in seconds.
-            if last_inspection.elapsed() >= Duration::from_millis(250) {
-                last_inspection = Instant::now();
-                if let Some(warning) = neg.inspect(last_inspection, check, cfg.stall_shutdown) {
+            if self.last_inspection.elapsed() >= Duration::from_millis(250) {
+                self.last_inspection = Instant::now();
+                if let Some(warning) =
+                    self.neg
+                        .inspect(self.last_inspection, check, self.cfg.stall_shutdown)
+                {
                     log::warn!(target: crate::LOG_TARGET, "{warning}");
                 }
             }
         }
-        if neg.has_ready() {
-            let since = *ready_since.get_or_insert_with(Instant::now);
-            if stopping || since.elapsed() >= cycle_time {
-                neg.flush(&mut out);
-                ready_since = None;
-                if let Some(t) = tuner.as_mut() {
-                    for (name, bytes) in neg.take_emitted() {
+        if self.neg.has_ready() {
+            let since = *self.ready_since.get_or_insert_with(Instant::now);
+            if stopping || since.elapsed() >= self.cycle_time {
+                self.neg.flush(&mut self.out);
+                self.ready_since = None;
+                if let Some(t) = self.tuner.as_mut() {
+                    for (name, bytes) in self.neg.take_emitted() {
                         if let Some(k) = t.observe(&name, bytes) {
-                            neg.set_fusion_threshold(k.fusion_threshold);
-                            cycle_time = k.cycle_time;
+                            self.neg.set_fusion_threshold(k.fusion_threshold);
+                            self.cycle_time = k.cycle_time;
                         }
                     }
                     if t.settled() {
-                        tuner = None;
-                        neg.stop_recording_emitted();
+                        self.tuner = None;
+                        self.neg.stop_recording_emitted();
                     }
                 }
             }
         }
-        for (to, msg) in out.drain(..) {
+        let sent = !self.out.is_empty();
+        self.send_out();
+        sent
+    }
+
+    /// Reads and negotiates every complete message from `rank`; notices a closed connection.
+    fn receive(&mut self, rank: usize) {
+        let Some(conn) = self.conns[rank].as_mut() else {
+            return;
+        };
+        let open = conn.fill();
+        loop {
+            match conn.next_frame() {
+                Ok(Some(frame)) => match ToCoordinator::decode(&frame) {
+                    Ok(msg) => {
+                        if msg == ToCoordinator::Leave {
+                            self.left[rank] = true;
+                        }
+                        self.neg.handle(rank, msg, &mut self.out);
+                    }
+                    Err(e) => {
+                        self.neg.rank_gone(
+                            rank,
+                            Gone::Died,
+                            format!("sent a malformed message ({e})"),
+                            &mut self.out,
+                        );
+                        break;
+                    }
+                },
+                Ok(None) => break,
+                Err(e) => {
+                    self.neg
+                        .rank_gone(rank, Gone::Died, e.to_string(), &mut self.out);
+                    break;
+                }
+            }
+        }
+        match open {
+            Ok(true) => {}
+            Ok(false) | Err(_) => {
+                let detail = match open {
+                    Err(e) => e.to_string(),
+                    _ => "its connection closed (the process exited or was killed)".into(),
+                };
+                self.neg
+                    .rank_gone(rank, gone(self.left[rank]), detail, &mut self.out);
+                self.conns[rank] = None;
+            }
+        }
+    }
+
+    fn send_out(&mut self) {
+        let out = std::mem::take(&mut self.out);
+        for (to, msg) in out {
             let bytes = msg.encode();
-            if let Some(conn) = conns[to].as_mut() {
-                if let Err(e) = conn.send(&bytes, cfg.timeout) {
+            if let Some(conn) = self.conns[to].as_mut() {
+                if let Err(e) = conn.send(&bytes, self.cfg.timeout) {
                     conn.close();
-                    conns[to] = None;
+                    self.conns[to] = None;
                     let mut more = Vec::new();
-                    neg.rank_gone(to, gone(left[to]), e.to_string(), &mut more);
+                    self.neg
+                        .rank_gone(to, gone(self.left[to]), e.to_string(), &mut more);
                     // Notices about this failure go out on the next turn of the loop.
-                    neg.flush(&mut more);
+                    self.neg.flush(&mut more);
                     for (t, m) in more {
-                        if let Some(c) = conns[t].as_mut() {
-                            let _ = c.send(&m.encode(), cfg.timeout);
+                        if let Some(c) = self.conns[t].as_mut() {
+                            let _ = c.send(&m.encode(), self.cfg.timeout);
                         }
                     }
                 }
             }
         }
-        if stopping {
-            for c in conns.iter().flatten() {
-                c.close();
-            }
-            return;
+    }
+
+    fn close(&mut self) {
+        self.stopped = true;
+        for c in self.conns.iter().flatten() {
+            c.close();
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod handle;
 pub mod message;
 pub mod negotiate;
 pub mod pool;
+pub mod progress;
 pub mod sys;
 pub mod tensor;
 pub mod timeline;
@@ -38,6 +39,7 @@ use crate::types::{OpKind, ReduceOp};
 pub use handle::{Handle, Output};
 pub use message::TensorMeta;
 pub use pool::PageBuf;
+pub use progress::Progress;
 pub use tensor::TensorBuf;
 
 use coordinator::{Coordinator, CoordinatorConfig};
@@ -143,6 +145,8 @@ pub(crate) enum Command {
 pub(crate) struct Shared {
     queue: Mutex<Vec<Command>>,
     waker: Waker,
+    /// Held by a caller driving the worker (see [`progress`]).
+    lease: progress::Lease,
     sets: Mutex<HashMap<u32, Vec<usize>>>,
 }
 
@@ -166,7 +170,7 @@ pub struct Engine {
     coordinator: Option<Coordinator>,
     /// The rendezvous store, when rank 0 serves it (launchers other than ferrovodrun).
     store_server: Option<TcpStoreServer>,
-    spin: Duration,
+    progress: Progress,
     dynamic: bool,
 }
 
@@ -349,6 +353,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Vec::new()),
             waker: Waker::new()?,
+            lease: progress::Lease::default(),
             sets: Mutex::new(sets.clone()),
         });
         let w = worker::Worker::new(
@@ -359,17 +364,19 @@ impl Engine {
             shared.clone(),
             sets,
         )?;
-        let thread = std::thread::Builder::new()
-            .name("ferrovod-engine".into())
-            .spawn(move || w.run())
-            .map_err(|e| Error::Io(format!("spawning the engine thread: {e}")))?;
+        let (thread, progress) = progress::start(
+            w,
+            shared.clone(),
+            config.spin,
+            coordinator.as_ref().map(Coordinator::assist),
+        )?;
         Ok(Engine {
             topology,
             shared,
             thread: Some(thread),
             coordinator,
             store_server,
-            spin: config.spin,
+            progress,
             dynamic: config.dynamic_process_sets,
         })
     }
@@ -379,9 +386,9 @@ impl Engine {
         &self.topology
     }
 
-    /// How long waits spin before blocking.
-    pub fn spin(&self) -> Duration {
-        self.spin
+    /// What a caller waiting for one of its ops uses (see [`progress`]).
+    pub fn progress(&self) -> Progress {
+        self.progress.clone()
     }
 
     /// Members (sorted global ranks) of process set `id`, if registered.
@@ -459,7 +466,11 @@ impl Engine {
 
     fn push(&self, cmd: Command) {
         self.shared.queue.lock().push(cmd);
-        self.shared.waker.wake();
+        // A caller holding the lease drains the queue itself, and the engine thread wakes
+        // when the lease ends: no wake-up is lost by skipping it.
+        if self.shared.lease.remaining().is_none() {
+            self.shared.waker.wake();
+        }
     }
 
     /// Stops the engine: pending ops fail with `Shutdown`, the coordinator (rank 0) tells the

@@ -1,6 +1,6 @@
-//! The engine thread's loop: drain submissions → send them to the coordinator → execute the
-//! responses in the order they arrive → complete handles; sleep (after a short spin) when
-//! there is nothing to do.
+//! The worker: drain submissions → send them to the coordinator → execute the responses in
+//! the order they arrive → complete handles. [`Worker::step`] is one turn of that; who turns
+//! it, and how idle waits work, is [`super::progress`].
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc};
@@ -18,6 +18,7 @@ use super::message::{FromCoordinator, Request, Submit, ToCoordinator};
 use super::sys::wait_readable;
 use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, Shared};
+use std::os::fd::RawFd;
 
 pub(super) struct Entry {
     pub spec: OpSpec,
@@ -41,7 +42,6 @@ pub(super) struct Worker {
     pub fusion: Vec<u8>,
     pub timeout: Duration,
     pub tuning: Tuning,
-    spin: Duration,
     failed: Option<Error>,
     coordinator_left: bool,
     control_open: bool,
@@ -49,6 +49,19 @@ pub(super) struct Worker {
     pub timeline: Option<Timeline>,
     /// `shutdown()` was called; the loop leaves after the current message.
     shutdown_requested: bool,
+    /// The shutdown has been carried out; nothing runs any more.
+    finished: bool,
+}
+
+/// What one [`Worker::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Something was sent, received or executed.
+    Busy,
+    /// Nothing to do until a submission or a control message arrives.
+    Idle,
+    /// The worker has shut down.
+    Finished,
 }
 
 enum SetWaiter {
@@ -79,11 +92,11 @@ impl Worker {
             fusion: Vec::new(),
             timeout: config.timeout,
             tuning: config.tuning.clone(),
-            spin: config.spin,
             failed: None,
             coordinator_left: false,
             control_open: true,
             shutdown_requested: false,
+            finished: false,
             timeline: match (&config.timeline, rank) {
                 (Some(path), 0) => match Timeline::start(path, config.timeline_mark_cycles) {
                     Ok(t) => Some(t),
@@ -97,40 +110,39 @@ impl Worker {
         })
     }
 
-    pub fn run(mut self) {
-        let mut idle_since = Instant::now();
-        loop {
-            let mut busy = self.drain_queue();
-            if self.shutdown_requested {
-                self.send(ToCoordinator::Leave);
-                self.fail_all(Error::Shutdown(
-                    "ferrovod was shut down on this rank".into(),
-                ));
-                self.control.close();
-                return;
-            }
-            busy |= self.read_control();
-            if busy {
-                idle_since = Instant::now();
-                continue;
-            }
-            // Nothing to do: spin briefly (wake-ups are expensive here), then block. The spin
-            // yields: with as many ranks as cores, the thread we wait for may be queued on
-            // this very core.
-            if idle_since.elapsed() < self.spin {
-                std::thread::yield_now();
-                continue;
-            }
-            let fds = [self.shared.waker.fd(), self.control.fd()];
-            let watched = if self.control_open {
-                &fds[..]
-            } else {
-                &fds[..1]
-            };
-            let _ = wait_readable(watched, Duration::from_secs(1));
-            self.shared.waker.clear();
-            idle_since = Instant::now();
+    /// One turn of the loop: sends queued submissions to the coordinator, then handles (and
+    /// executes) whatever the coordinator sent. Whoever holds the worker may call it: the
+    /// engine thread, or a caller waiting for its op (see [`super::progress`]).
+    pub fn step(&mut self) -> Step {
+        if self.finished {
+            return Step::Finished;
         }
+        let mut busy = self.drain_queue();
+        if self.shutdown_requested {
+            self.send(ToCoordinator::Leave);
+            self.fail_all(Error::Shutdown(
+                "ferrovod was shut down on this rank".into(),
+            ));
+            self.control.close();
+            self.finished = true;
+            return Step::Finished;
+        }
+        busy |= self.read_control();
+        if busy {
+            Step::Busy
+        } else {
+            Step::Idle
+        }
+    }
+
+    /// The descriptors an idle worker waits on: the submission waker and, while open, the
+    /// control connection.
+    pub fn idle_fds(&self) -> Vec<RawFd> {
+        let mut fds = vec![self.shared.waker.fd()];
+        if self.control_open {
+            fds.push(self.control.fd());
+        }
+        fds
     }
 
     /// Takes every queued command and sends new submissions to the coordinator in one

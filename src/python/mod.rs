@@ -14,7 +14,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::bootstrap::tcp_store::TcpStoreServer;
 use crate::config::{Config, VARS};
-use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, TensorBuf};
+use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
 
@@ -206,7 +206,7 @@ fn enqueue(
         });
         Ok(CoreHandle {
             handle,
-            spin: e.spin(),
+            progress: e.progress(),
         })
     })
 }
@@ -217,7 +217,7 @@ fn join() -> PyResult<CoreHandle> {
     with_engine(|e| {
         Ok(CoreHandle {
             handle: e.join(),
-            spin: e.spin(),
+            progress: e.progress(),
         })
     })
 }
@@ -268,7 +268,7 @@ fn process_sets(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 #[pyclass(module = "ferrovod._core")]
 struct CoreHandle {
     handle: Handle,
-    spin: std::time::Duration,
+    progress: Progress,
 }
 
 #[pymethods]
@@ -282,8 +282,8 @@ impl CoreHandle {
     /// outputs is a list of `(bytearray, shape)` for engine-allocated results.
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let h = self.handle.clone();
-        let spin = self.spin;
-        let res = py.detach(move || h.wait(spin));
+        let progress = self.progress.clone();
+        let res = py.detach(move || progress.wait(&h));
         let out: Output = match res {
             Some(Ok(o)) => o,
             Some(Err(e)) => return Err(to_pyerr(e)),

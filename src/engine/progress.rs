@@ -1,0 +1,217 @@
+//! Who turns the worker, and how an idle wait works.
+//!
+//! The engine thread always can. A caller blocked in [`Progress::wait`] on its own op may
+//! instead take the worker and turn it itself until the op completes. On machines with as many
+//! ranks as cores that is the difference between a few microseconds and a few tens: each op
+//! otherwise crosses from the caller to the engine thread and back, and every such hand-over
+//! is a thread switch on a core another rank's thread wants too. Only one thread holds the
+//! worker at a time (the mutex), so what it does is unchanged: the same steps in the same
+//! order, whoever runs them.
+//!
+//! Idle waits poll for `spin` (yielding the core between polls, because the thread being waited
+//! for may be queued on this very core) and then block. The engine thread spins only after
+//! work it did itself: when a caller did the work, the engine thread goes straight back to
+//! sleep rather than compete with that caller's next op.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+use super::coordinator::Assist;
+use super::handle::{Handle, Output};
+use super::sys::wait_readable;
+use super::worker::{Step, Worker};
+use super::Shared;
+
+/// The worker, shared by the engine thread and waiting callers. `None` once it has shut
+/// down: the engine thread drops it then, so its sockets and mappings go at shutdown even
+/// while Python still holds handles.
+type Slot = Mutex<Option<Worker>>;
+
+/// While a caller is driving (and for `spin` after it last did), the background thread
+/// stays asleep instead of waking for every message the caller will handle anyway: each such
+/// wake-up takes a core from a thread that is doing the work. The thread still wakes when the
+/// lease runs out, so nothing waits longer than `spin` for it; a caller that gives up ends the
+/// lease and wakes it at once.
+#[derive(Default)]
+pub(super) struct Lease {
+    /// Deadline in nanoseconds after [`epoch`]; 0: none.
+    until: AtomicU64,
+}
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+impl Lease {
+    fn now() -> u64 {
+        epoch().elapsed().as_nanos() as u64
+    }
+
+    /// Extends the lease to `spin` from now.
+    pub fn renew(&self, spin: Duration) {
+        self.until
+            .store(Self::now() + spin.as_nanos() as u64, Ordering::Release);
+    }
+
+    /// Ends the lease.
+    pub fn end(&self) {
+        self.until.store(0, Ordering::Release);
+    }
+
+    /// Time left, if a caller holds the lease.
+    pub fn remaining(&self) -> Option<Duration> {
+        let until = self.until.load(Ordering::Acquire);
+        let now = Self::now();
+        (until > now).then(|| Duration::from_nanos(until - now))
+    }
+}
+
+/// A waiter's access to the worker; cheap to clone.
+#[derive(Clone)]
+pub struct Progress {
+    slot: Arc<Slot>,
+    shared: Arc<Shared>,
+    spin: Duration,
+    /// Rank 0: the coordinator, turned too while the worker waits for it.
+    coordinator: Option<Assist>,
+}
+
+impl Progress {
+    /// How long waits poll before they block.
+    pub fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// Waits for `handle`, turning the worker meanwhile when no one else is. Returns the op's
+    /// result (once; later calls get `None`).
+    pub fn wait(&self, handle: &Handle) -> Option<Result<Output>> {
+        let start = Instant::now();
+        while !handle.poll() {
+            if let Some(mut guard) = self.slot.try_lock() {
+                if let Some(worker) = guard.as_mut() {
+                    self.shared.lease.renew(self.spin);
+                    let done = drive(
+                        worker,
+                        handle,
+                        self.spin,
+                        &self.shared.lease,
+                        self.coordinator.as_ref(),
+                    );
+                    if done {
+                        self.shared.lease.renew(self.spin);
+                    } else {
+                        // Idle for the whole spin: the op waits on other ranks. Hand it back to
+                        // the background threads now rather than when the lease runs out.
+                        self.shared.lease.end();
+                        self.shared.waker.wake();
+                        if let Some(c) = &self.coordinator {
+                            c.release();
+                        }
+                    }
+                }
+                break;
+            }
+            if start.elapsed() >= self.spin {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        handle.wait(Duration::ZERO)
+    }
+}
+
+/// Turns `worker` until `handle` completes (true), or the worker has been idle for `spin` or
+/// shut down (false).
+fn drive(
+    worker: &mut Worker,
+    handle: &Handle,
+    spin: Duration,
+    lease: &Lease,
+    coordinator: Option<&Assist>,
+) -> bool {
+    let mut idle_since = Instant::now();
+    while !handle.poll() {
+        match worker.step() {
+            Step::Busy => {
+                idle_since = Instant::now();
+                lease.renew(spin);
+            }
+            Step::Idle if coordinator.is_some_and(|c| c.turn(spin)) => {
+                idle_since = Instant::now();
+                lease.renew(spin);
+            }
+            Step::Idle if idle_since.elapsed() < spin => std::thread::yield_now(),
+            Step::Idle | Step::Finished => return handle.poll(),
+        }
+    }
+    true
+}
+
+/// Starts the engine thread for `worker`; returns it and the waiters' access.
+pub(super) fn start(
+    worker: Worker,
+    shared: Arc<Shared>,
+    spin: Duration,
+    coordinator: Option<Assist>,
+) -> Result<(JoinHandle<()>, Progress)> {
+    let slot = Arc::new(Mutex::new(Some(worker)));
+    let (thread_slot, thread_shared) = (slot.clone(), shared.clone());
+    let thread = std::thread::Builder::new()
+        .name("ferrovod-engine".into())
+        .spawn(move || run(&thread_slot, &thread_shared, spin))
+        .map_err(|e| Error::Io(format!("spawning the engine thread: {e}")))?;
+    Ok((
+        thread,
+        Progress {
+            slot,
+            shared,
+            spin,
+            coordinator,
+        },
+    ))
+}
+
+/// The engine thread: turn the worker while it has work; when idle, spin briefly if the work
+/// was its own, then block until a submission or a control message arrives. While a caller
+/// holds the lease, sleep instead.
+fn run(slot: &Slot, shared: &Shared, spin: Duration) {
+    let mut busy_at = Instant::now();
+    loop {
+        if let Some(left) = shared.lease.remaining() {
+            let _ = wait_readable(&[shared.waker.fd()], left);
+            shared.waker.clear();
+            continue;
+        }
+        let mut guard = slot.lock();
+        let Some(worker) = guard.as_mut() else {
+            return;
+        };
+        match worker.step() {
+            Step::Busy => {
+                busy_at = Instant::now();
+                continue;
+            }
+            Step::Finished => {
+                *guard = None;
+                return;
+            }
+            Step::Idle => {}
+        }
+        let fds = worker.idle_fds();
+        drop(guard);
+        if busy_at.elapsed() < spin {
+            std::thread::yield_now();
+            continue;
+        }
+        // The descriptors stay open while we sleep: only this thread drops the worker.
+        let _ = wait_readable(&fds, Duration::from_secs(1));
+        shared.waker.clear();
+    }
+}
