@@ -225,6 +225,26 @@ class Cluster:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
+    def shape(self, rate: str, burst: str, latency: str) -> Dict[str, str]:
+        """Limits what every host sends on ``eth0`` with a token bucket: ``tc qdisc replace dev
+        eth0 root tbf rate <rate> burst <burst> latency <latency>`` in each host's namespace.
+
+        Shaping each host's egress shapes both directions of every host pair. Arguments are in
+        tc's syntax (``1gbit``, ``256kb``, ``10ms``); tc names what it rejects. Returns each
+        host's ``tc qdisc show dev eth0`` as read back, to show that the limit is in place.
+        Undone by :meth:`close` with the namespaces.
+        """
+        shown = {}
+        for name, host in self.hosts.items():
+            res = _sh("ip", "netns", "exec", host.ns, "tc", "qdisc", "replace", "dev", "eth0",
+                      "root", "tbf", "rate", rate, "burst", burst, "latency", latency,
+                      check=False)  # fmt: skip
+            if res.returncode != 0:
+                raise RuntimeError(f"tc tbf on {name}: {res.stderr.strip() or res.stdout.strip()}")
+            res = _sh("ip", "netns", "exec", host.ns, "tc", "qdisc", "show", "dev", "eth0")
+            shown[name] = res.stdout.strip()
+        return shown
+
     def ssh_args(self) -> List[str]:
         """The flags that reach the hosts' sshd (for tools that take ssh options)."""
         return ["-p", str(SSH_PORT), "-i", str(self.key), "-o", "StrictHostKeyChecking=no",
