@@ -6,6 +6,22 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::transport::{Transport, Xfer};
 
+/// When allreduce goes hierarchical (reduce inside each host, then across hosts; see
+/// [`crate::collective::hierarchical`]). Only a set that spans more than one host, with more
+/// than one member on some host, can: any other set keeps the flat algorithms whatever this
+/// says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Hierarchical {
+    /// Payloads above [`Tuning::small_allreduce_bytes`] (what crosses hosts is then large
+    /// enough for the bytes saved on the slow links to outweigh the extra steps).
+    #[default]
+    Auto,
+    /// Every payload, small ones included.
+    Always,
+    /// Never: flat algorithms only.
+    Never,
+}
+
 /// Algorithm thresholds. Chosen by measurement; overridable through `config`.
 #[derive(Debug, Clone)]
 pub struct Tuning {
@@ -13,6 +29,8 @@ pub struct Tuning {
     pub small_allreduce_bytes: usize,
     /// Large transfers are cut into chunks of this many bytes so reduction overlaps transfer.
     pub chunk_bytes: usize,
+    /// When allreduce goes hierarchical across hosts.
+    pub hierarchical: Hierarchical,
 }
 
 impl Default for Tuning {
@@ -20,6 +38,7 @@ impl Default for Tuning {
         Tuning {
             small_allreduce_bytes: 64 * 1024,
             chunk_bytes: 1 << 20,
+            hierarchical: Hierarchical::Auto,
         }
     }
 }
@@ -29,6 +48,8 @@ pub struct Communicator<'a> {
     transport: &'a mut dyn Transport,
     members: &'a [usize],
     rank: usize,
+    /// Host index of every *global* rank (empty: unknown, as if each set were on one host).
+    hosts: &'a [u32],
     /// How long a transfer may make no progress before it fails.
     pub idle_timeout: Duration,
     /// Algorithm thresholds.
@@ -36,7 +57,8 @@ pub struct Communicator<'a> {
 }
 
 impl<'a> Communicator<'a> {
-    /// A communicator over `members` (sorted global ranks, which must include this process).
+    /// A communicator over `members` (global ranks, which must include this process; set rank
+    /// `i` is `members[i]`). It knows no hosts: see [`Communicator::with_hosts`].
     pub fn new(
         transport: &'a mut dyn Transport,
         members: &'a [usize],
@@ -52,8 +74,52 @@ impl<'a> Communicator<'a> {
             transport,
             members,
             rank,
+            hosts: &[],
             idle_timeout,
             tuning,
+        }
+    }
+
+    /// Tells the communicator which host each rank is on: `hosts[g]` is the host index of
+    /// global rank `g` (any numbering, the same on every rank of the job). Hierarchical
+    /// algorithms use it; a slice that does not cover every member is ignored.
+    pub fn with_hosts(mut self, hosts: &'a [u32]) -> Self {
+        self.hosts = if self.members.iter().all(|&g| g < hosts.len()) {
+            hosts
+        } else {
+            &[]
+        };
+        self
+    }
+
+    /// Host index of set rank `r`, when hosts are known.
+    pub fn host_of(&self, r: usize) -> Option<u32> {
+        self.hosts.get(self.members[r]).copied()
+    }
+
+    /// A communicator over a subgroup of this one, for the duration of a borrow: `set_ranks`
+    /// are ranks of *this* set (they must include this rank; the subgroup's rank `i` is
+    /// `set_ranks[i]`), `scratch` receives their global ranks. Same transport, timeout,
+    /// tuning and hosts.
+    pub fn subgroup<'b>(
+        &'b mut self,
+        set_ranks: &[usize],
+        scratch: &'b mut Vec<usize>,
+    ) -> Communicator<'b> {
+        scratch.clear();
+        scratch.extend(set_ranks.iter().map(|&r| self.members[r]));
+        let me = self.members[self.rank];
+        let rank = scratch
+            .iter()
+            .position(|&g| g == me)
+            .expect("subgroup built without this rank");
+        Communicator {
+            transport: &mut *self.transport,
+            members: scratch,
+            rank,
+            hosts: self.hosts,
+            idle_timeout: self.idle_timeout,
+            tuning: self.tuning.clone(),
         }
     }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde_json::Value as Json;
 
+use crate::comm::Hierarchical;
 use crate::error::{Error, Result};
 
 /// One documented environment variable.
@@ -43,6 +44,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_NCCL_LIBRARY", alias: None, default: "unset", doc: "Path of the `libnccl.so.2` to use; when set, no other place is searched. Unset: the dynamic linker's search, then the `nvidia-nccl-*` wheel that torch installs." },
     Var { name: "FERROVOD_SHM_DISABLE", alias: None, default: "0", doc: "Ranks on the same host talk over TCP instead of shared memory (memfd segments, which leave nothing behind even after SIGKILL)." },
     Var { name: "FERROVOD_SMALL_ALLREDUCE_BYTES", alias: None, default: "65536", doc: "Allreduce payloads up to this size use the latency-optimal algorithm." },
+    Var { name: "FERROVOD_HIERARCHICAL_ALLREDUCE", alias: Some("HOROVOD_HIERARCHICAL_ALLREDUCE"), default: "unset (auto)", doc: "Allreduce in a process set that spans hosts, with more than one rank on some host: reduce inside each host (shared memory), allreduce across hosts, spread inside each host, so less crosses the network. Unset or `auto`: for payloads above FERROVOD_SMALL_ALLREDUCE_BYTES; 1: for every payload; 0: never. Sets on one host are not affected. Must be the same on every rank." },
     Var { name: "FERROVOD_CHUNK_BYTES", alias: None, default: "1048576", doc: "Pipelining chunk of the bandwidth-optimal algorithms." },
     Var { name: "FERROVOD_LOG_LEVEL", alias: Some("HOROVOD_LOG_LEVEL"), default: "warning", doc: "trace, debug, info, warning, error or fatal (case-insensitive; anything else means warning). Records go to Python's `logging` under the `ferrovod` logger, with the rank in every line." },
     Var { name: "FERROVOD_LOG_HIDE_TIME", alias: Some("HOROVOD_LOG_HIDE_TIME"), default: "0", doc: "Leave the timestamp out of ferrovod's log lines." },
@@ -271,9 +273,24 @@ impl Config {
         let hostname = lookup("FERROVOD_HOSTNAME")
             .map(|(_, v)| v)
             .unwrap_or_else(system_hostname);
+        let hierarchical = match lookup("FERROVOD_HIERARCHICAL_ALLREDUCE") {
+            None => Hierarchical::Auto,
+            Some((key, v)) => match (v.parse::<i64>(), v.to_ascii_lowercase().as_str()) {
+                (Ok(x), _) if x > 0 => Hierarchical::Always,
+                (Ok(_), _) | (_, "false") => Hierarchical::Never,
+                (_, "true") => Hierarchical::Always,
+                (_, "auto") => Hierarchical::Auto,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{key}={v:?}: expected 1, 0 or auto"
+                    )))
+                }
+            },
+        };
         let tuning = crate::comm::Tuning {
             small_allreduce_bytes: int("FERROVOD_SMALL_ALLREDUCE_BYTES")?.unwrap_or(64 * 1024),
             chunk_bytes: int("FERROVOD_CHUNK_BYTES")?.unwrap_or(1 << 20).max(64),
+            hierarchical,
         };
         let stall_check = (!flag("FERROVOD_STALL_CHECK_DISABLE")).then(|| {
             Duration::from_secs_f64(
@@ -800,6 +817,21 @@ mod tests {
         .unwrap();
         assert_eq!(c.fusion_threshold, 2000);
         assert_eq!(c.cycle_time, Duration::from_micros(2500));
+    }
+
+    #[test]
+    fn hierarchical_allreduce_and_its_horovod_alias() {
+        let mode = |pairs: &[(&str, &str)]| cfg(pairs).map(|c| c.tuning.hierarchical);
+        assert_eq!(mode(&[]).unwrap(), Hierarchical::Auto);
+        let h = "HOROVOD_HIERARCHICAL_ALLREDUCE";
+        let f = "FERROVOD_HIERARCHICAL_ALLREDUCE";
+        assert_eq!(mode(&[(h, "1")]).unwrap(), Hierarchical::Always);
+        assert_eq!(mode(&[(h, "1"), (f, "0")]).unwrap(), Hierarchical::Never);
+        assert_eq!(mode(&[(f, "true")]).unwrap(), Hierarchical::Always);
+        assert_eq!(mode(&[(f, "False")]).unwrap(), Hierarchical::Never);
+        assert_eq!(mode(&[(f, " AUTO ")]).unwrap(), Hierarchical::Auto);
+        let e = mode(&[(h, "sometimes")]).unwrap_err().to_string();
+        assert!(e.contains("HOROVOD_HIERARCHICAL_ALLREDUCE"), "{e}");
     }
 
     #[test]

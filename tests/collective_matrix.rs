@@ -23,6 +23,7 @@ fn tiny() -> Tuning {
     Tuning {
         small_allreduce_bytes: 8,
         chunk_bytes: 36,
+        ..Tuning::default()
     }
 }
 
@@ -31,6 +32,7 @@ fn medium() -> Tuning {
     Tuning {
         small_allreduce_bytes: 1024,
         chunk_bytes: 16 * 1024,
+        ..Tuning::default()
     }
 }
 

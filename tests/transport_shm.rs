@@ -456,6 +456,7 @@ fn check_collectives(ts: &mut [HybridTransport], what: &str) {
     let tiny = Tuning {
         small_allreduce_bytes: 8,
         chunk_bytes: 36,
+        ..Tuning::default()
     };
     // (name, tuning, allreduce counts, broadcast sizes): tiny chunks only on small buffers.
     let plans = [

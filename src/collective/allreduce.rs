@@ -1,5 +1,5 @@
 //! Allreduce: direct exchange or recursive doubling for small payloads, ring reduce-scatter +
-//! ring allgather for large ones.
+//! ring allgather for large ones, and [`super::hierarchical`] for sets that span hosts.
 //!
 //! Every rank must end with **bitwise identical** results: floats are not associative, and
 //! replicas whose parameters differ by one ulp drift apart over training. Each algorithm fixes
@@ -7,9 +7,11 @@
 //! - direct: every rank folds all inputs in rank order `0, 1, …, n-1`;
 //! - recursive doubling: both partners compute `op(lower half's value, upper half's value)`,
 //!   the same operands in the same order, so they agree after every step;
-//! - ring: every segment is reduced at one place along one chain and then copied everywhere.
+//! - ring: every segment is reduced at one place along one chain and then copied everywhere;
+//! - hierarchical: these, composed inside and across hosts (see its module doc).
 
 use super::allgather::ring_allgather;
+use super::hierarchical;
 use super::reduce::{check_reducible, reduce_into};
 use super::reducescatter::ring_reduce_scatter;
 use super::{even_segments, split_blocks};
@@ -22,15 +24,31 @@ use crate::types::{DType, ReduceOp};
 /// instead of recursive doubling (`log2 n` round trips).
 const DIRECT_MAX_RANKS: usize = 3;
 
-/// In-place allreduce; picks [`small`] up to `comm.tuning.small_allreduce_bytes`, [`ring`]
-/// above. Bool, Adasum and buffers of partial elements are `InvalidArgument` on every size.
+/// In-place allreduce; picks [`hierarchical::allreduce`] when `comm.tuning.hierarchical`
+/// asks for it on this size and the set spans hosts with more than one member on some host,
+/// else [`small`] up to `comm.tuning.small_allreduce_bytes` and [`ring`] above. Bool, Adasum
+/// and buffers of partial elements are `InvalidArgument` on every size.
 pub fn allreduce(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    // Both paths validate and short-circuit a single rank themselves.
+    // Every path validates and short-circuits a single rank itself.
+    if hierarchical::wanted(comm, buf.len()) {
+        hierarchical::allreduce(comm, buf, dtype, op)
+    } else {
+        flat(comm, buf, dtype, op)
+    }
+}
+
+/// [`small`] or [`ring`] by size, whatever the hosts.
+pub(crate) fn flat(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
     if buf.len() <= comm.tuning.small_allreduce_bytes {
         small(comm, buf, dtype, op)
     } else {
@@ -38,7 +56,7 @@ pub fn allreduce(
     }
 }
 
-fn check(buf: &[u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub(crate) fn check(buf: &[u8], dtype: DType, op: ReduceOp) -> Result<()> {
     check_reducible(dtype, op)?;
     if buf.len() % dtype.size() != 0 {
         return Err(Error::InvalidArgument(format!(

@@ -13,6 +13,7 @@
 //! |---|---|---|
 //! | allreduce, small | direct (n ≤ 3) / recursive doubling | `(n-1)·B` / `log2(n)·B` (+`B` fold) |
 //! | allreduce, large | ring reduce-scatter + ring allgather | `2·(n-1)/n·B` |
+//! | allreduce, across hosts | hierarchical: inside host, across, inside | across hosts `2·(H-1)/H·B` per host |
 //! | allgatherv | direct (small) / ring | own block `·(n-1)` / everyone else's blocks |
 //! | broadcast | pipelined binomial tree | `B` per child |
 //! | alltoallv | direct (small) / pairwise exchange | what this rank sends |
@@ -24,6 +25,7 @@ pub mod allreduce;
 pub mod alltoall;
 pub mod barrier;
 pub mod broadcast;
+pub mod hierarchical;
 pub mod reduce;
 pub mod reducescatter;
 
@@ -37,7 +39,8 @@ use crate::types::{DType, ReduceOp};
 /// engine applies scale factors). Every rank ends with bitwise-identical results.
 ///
 /// Payloads up to `comm.tuning.small_allreduce_bytes` use [`allreduce::small`] (direct exchange
-/// or recursive doubling); larger ones [`allreduce::ring`].
+/// or recursive doubling); larger ones [`allreduce::ring`]. A set spanning hosts goes
+/// [`hierarchical`] as `comm.tuning.hierarchical` says.
 pub fn allreduce(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],

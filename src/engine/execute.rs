@@ -78,7 +78,8 @@ impl Worker {
             &members,
             self.timeout,
             self.tuning.clone(),
-        );
+        )
+        .with_hosts(&self.hosts);
         let mut entries = entries;
         let transfer = transfer_activity(resp.kind);
         let result: Result<Vec<Output>> = match resp.kind {

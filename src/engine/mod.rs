@@ -99,6 +99,26 @@ impl Topology {
     }
 }
 
+/// A host index per rank for the collectives ([`crate::comm::Communicator::with_hosts`]): ranks
+/// that published the same host name share one, numbered in order of first appearance; a rank
+/// that published none is a host of its own (as it gets no shared-memory peers either).
+fn host_indices(hosts: &[String]) -> Vec<u32> {
+    let mut names: Vec<&str> = Vec::new();
+    hosts
+        .iter()
+        .map(|h| {
+            let i = match names.iter().position(|n| !h.is_empty() && n == h) {
+                Some(i) => i,
+                None => {
+                    names.push(h);
+                    names.len() - 1
+                }
+            };
+            i as u32
+        })
+        .collect()
+}
+
 /// One tensor of a submitted op.
 pub struct TensorSpec {
     /// Dtype and shape.
@@ -363,6 +383,7 @@ impl Engine {
             control,
             shared.clone(),
             sets,
+            host_indices(&hosts),
         )?;
         let (thread, progress) = progress::start(
             w,
@@ -639,6 +660,15 @@ mod tests {
             (0, 1, 2, 3)
         );
         assert!(!t.homogeneous);
+    }
+
+    #[test]
+    fn host_indices_follow_first_appearance() {
+        let hosts: Vec<String> = ["b", "a", "b", "", "a", ""]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(host_indices(&hosts), vec![0, 1, 0, 2, 1, 3]);
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub(super) struct Worker {
     pub join: Option<Handle>,
     set_waiters: VecDeque<SetWaiter>,
     pub sets: HashMap<u32, Vec<usize>>,
+    /// Host index of every global rank, for hierarchical collectives.
+    pub hosts: Vec<u32>,
     /// Allreduce fusion buffer: empty until first needed, then of a fixed size.
     pub fusion: Vec<u8>,
     pub timeout: Duration,
@@ -77,6 +79,7 @@ impl Worker {
         control: FrameConn,
         shared: Arc<Shared>,
         sets: HashMap<u32, Vec<usize>>,
+        hosts: Vec<u32>,
     ) -> Result<Worker> {
         Ok(Worker {
             rank,
@@ -89,6 +92,7 @@ impl Worker {
             join: None,
             set_waiters: VecDeque::new(),
             sets,
+            hosts,
             fusion: Vec::new(),
             timeout: config.timeout,
             tuning: config.tuning.clone(),

@@ -347,6 +347,7 @@ TUNABLE_CASES = [
     ("--gloo-timeout-seconds", "11", "FERROVOD_TIMEOUT_SECONDS", "11"),
     ("--stall-check-warning-time-seconds", "13", "FERROVOD_STALL_CHECK_TIME_SECONDS", "13"),
     ("--no-stall-check", None, "FERROVOD_STALL_CHECK_DISABLE", "1"),
+    ("--no-hierarchical-allreduce", None, "FERROVOD_HIERARCHICAL_ALLREDUCE", "0"),
 ]
 
 

@@ -78,7 +78,6 @@ _IGNORED_FLAGS: List[Tuple[str, str]] = [
     ("num_nccl_streams", "--num-nccl-streams"),
     ("thread_affinity", "--thread-affinity"),
     ("mpi_threads_disable", "--mpi-threads-disable"),
-    ("hierarchical_allreduce", "--[no-]hierarchical-allreduce"),
     ("hierarchical_allgather", "--[no-]hierarchical-allgather"),
     ("torus_allreduce", "--[no-]torus-allreduce"),
     ("autotune_bayes_opt_max_samples", "--autotune-bayes-opt-max-samples"),

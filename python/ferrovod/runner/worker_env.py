@@ -65,6 +65,7 @@ _TUNABLES: List[Tuple[str, str, Callable[[Any], str]]] = [
     ("stall_check_shutdown_time_seconds", "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", str),
     ("no_stall_check", "FERROVOD_STALL_CHECK_DISABLE", _flag),
     ("autotune", "FERROVOD_AUTOTUNE", _flag),
+    ("hierarchical_allreduce", "FERROVOD_HIERARCHICAL_ALLREDUCE", _flag),
     ("autotune_log_file", "FERROVOD_AUTOTUNE_LOG", str),
     ("autotune_warmup_samples", "FERROVOD_AUTOTUNE_WARMUP_SAMPLES", str),
     ("autotune_steps_per_sample", "FERROVOD_AUTOTUNE_STEPS_PER_SAMPLE", str),

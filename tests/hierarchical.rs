@@ -1,0 +1,556 @@
+//! Hierarchical allreduce: ranks as threads over the engine's transport (shared memory between
+//! ranks of one simulated host, TCP on loopback between hosts), with host labels handed to the
+//! communicator as the engine does. Layouts 2×2, 3×2, 2×3 (contiguous and interleaved host
+//! labels), uneven hosts (the leader variant) and a single host (the flat path, unchanged);
+//! every reducible float/int dtype that matters, every op, sizes from 0 to a few MiB around the
+//! small-payload threshold. Results are checked against a fold in rank order computed here
+//! (exact integers, f64) and for bitwise identity on every rank; a byte-counting transport
+//! checks which algorithm ran and that less crosses hosts.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use _core::collective;
+use _core::comm::{Communicator, Hierarchical, Tuning};
+use _core::error::Result;
+use _core::transport::hybrid::HybridTransport;
+use _core::transport::{Transport, Xfer};
+use _core::{DType, ReduceOp};
+use half::{bf16, f16};
+
+const IDLE: Duration = Duration::from_secs(20);
+const DTYPES: [DType; 7] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+];
+const OPS: [ReduceOp; 4] = [
+    ReduceOp::Sum,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Product,
+];
+/// Shared-memory ring per pair: small, so that large payloads wrap it many times.
+const RING: usize = 64 << 10;
+
+/// (name, host label of each global rank).
+const LAYOUTS: [(&str, &[u32]); 9] = [
+    ("2x2", &[0, 0, 1, 1]),
+    ("2x2 interleaved", &[0, 1, 0, 1]),
+    ("3x2", &[0, 0, 1, 1, 2, 2]),
+    ("3x2 interleaved", &[2, 0, 1, 2, 0, 1]),
+    ("2x3", &[0, 0, 0, 1, 1, 1]),
+    ("2x3 interleaved", &[1, 0, 1, 0, 0, 1]),
+    ("2+1+2", &[0, 0, 1, 2, 2]),
+    ("2+2+1 interleaved", &[0, 1, 2, 1, 0]),
+    ("1x4", &[3, 3, 3, 3]),
+];
+
+fn tuning(mode: Hierarchical, small: usize, chunk: usize) -> Tuning {
+    Tuning {
+        small_allreduce_bytes: small,
+        chunk_bytes: chunk,
+        hierarchical: mode,
+    }
+}
+
+/// Counts the bytes each rank sends to each peer (`sent[from * n + to]`).
+struct Counting<'a> {
+    inner: &'a mut HybridTransport,
+    sent: &'a [AtomicUsize],
+}
+
+impl Transport for Counting<'_> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn exchange(&mut self, xfers: &mut [Xfer<'_>], idle: Duration) -> Result<()> {
+        let (me, n) = (self.inner.rank(), self.inner.size());
+        for x in xfers.iter() {
+            if let Xfer::Send { peer, buf } = x {
+                self.sent[me * n + peer].fetch_add(buf.len(), Ordering::Relaxed);
+            }
+        }
+        self.inner.exchange(xfers, idle)
+    }
+    fn abort(&mut self) {
+        self.inner.abort()
+    }
+}
+
+/// Runs `body` on every rank of a job whose ranks sit on `hosts` (all ranks in one set);
+/// returns each rank's result in rank order and the bytes sent between each pair.
+fn run<R: Send>(
+    hosts: &[u32],
+    tuning: &Tuning,
+    body: impl Fn(&mut Communicator<'_>) -> R + Sync,
+) -> (Vec<R>, Vec<usize>) {
+    let n = hosts.len();
+    let labels: Vec<usize> = hosts.iter().map(|&h| h as usize).collect();
+    let mut mesh = HybridTransport::loopback_mesh(&labels, RING, b"secret").expect("mesh");
+    let sent: Vec<AtomicUsize> = (0..n * n).map(|_| AtomicUsize::new(0)).collect();
+    let members: Vec<usize> = (0..n).collect();
+    let out = std::thread::scope(|s| {
+        let handles: Vec<_> = mesh
+            .iter_mut()
+            .map(|t| {
+                let (body, tuning, members, sent) = (&body, tuning.clone(), &members, &sent);
+                s.spawn(move || {
+                    let mut t = Counting { inner: t, sent };
+                    let mut c = Communicator::new(&mut t, members, IDLE, tuning).with_hosts(hosts);
+                    body(&mut c)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
+    });
+    let sent = sent.into_iter().map(AtomicUsize::into_inner).collect();
+    (out, sent)
+}
+
+/// Bytes sent between ranks on different hosts.
+fn cross_bytes(hosts: &[u32], sent: &[usize]) -> usize {
+    let n = hosts.len();
+    (0..n * n)
+        .filter(|&k| hosts[k / n] != hosts[k % n])
+        .map(|k| sent[k])
+        .sum()
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn hash(rank: usize, i: usize, salt: u64) -> u64 {
+    splitmix(splitmix(rank as u64 ^ salt.rotate_left(17)) ^ i as u64)
+}
+
+/// One element, held wide enough for an exact reference.
+#[derive(Clone, Copy, Debug)]
+enum V {
+    I(i128),
+    F(f64),
+}
+
+/// Rank `rank`'s element `i`: integers over the whole range (sums and products wrap); floats
+/// multiples of 1/8 in ±12.5, factors from a short table for products, a NaN now and then.
+fn input(dtype: DType, op: ReduceOp, rank: usize, i: usize, n: usize) -> V {
+    let h = hash(rank, i, dtype as u64 * 8 + op as u64);
+    if !dtype.is_float() {
+        return V::I(wrap(dtype, h as i64 as i128));
+    }
+    if i % 53 == 7 && rank == (i / 53) % n {
+        return V::F(f64::NAN);
+    }
+    if op == ReduceOp::Product {
+        const F: [f64; 8] = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, -1.0, -0.5];
+        V::F(F[(h % 8) as usize])
+    } else {
+        V::F((h % 201) as f64 / 8.0 - 12.5)
+    }
+}
+
+fn wrap(dtype: DType, x: i128) -> i128 {
+    match dtype {
+        DType::U8 => x as u8 as i128,
+        DType::I32 => x as i32 as i128,
+        DType::I64 => x as i64 as i128,
+        _ => unreachable!(),
+    }
+}
+
+fn encode(dtype: DType, vals: &[V]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match (dtype, v) {
+            (DType::U8, V::I(x)) => out.push(x as u8),
+            (DType::I32, V::I(x)) => out.extend((x as i32).to_ne_bytes()),
+            (DType::I64, V::I(x)) => out.extend((x as i64).to_ne_bytes()),
+            (DType::F16, V::F(x)) => out.extend(f16::from_f64(x).to_bits().to_ne_bytes()),
+            (DType::BF16, V::F(x)) => out.extend(bf16::from_f64(x).to_bits().to_ne_bytes()),
+            (DType::F32, V::F(x)) => out.extend((x as f32).to_ne_bytes()),
+            (DType::F64, V::F(x)) => out.extend(x.to_ne_bytes()),
+            _ => unreachable!(),
+        }
+    }
+    out
+}
+
+fn decode(dtype: DType, b: &[u8]) -> Vec<V> {
+    b.chunks_exact(dtype.size())
+        .map(|c| match dtype {
+            DType::U8 => V::I(c[0] as i128),
+            DType::I32 => V::I(i32::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::I64 => V::I(i64::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::F16 => V::F(f16::from_bits(u16::from_ne_bytes(c.try_into().unwrap())).into()),
+            DType::BF16 => V::F(bf16::from_bits(u16::from_ne_bytes(c.try_into().unwrap())).into()),
+            DType::F32 => V::F(f32::from_ne_bytes(c.try_into().unwrap()) as f64),
+            DType::F64 => V::F(f64::from_ne_bytes(c.try_into().unwrap())),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+/// Sequential fold in rank order: wrapping i128 truncated to the dtype, or f64 with NumPy's
+/// NaN rules for min/max.
+fn fold(dtype: DType, op: ReduceOp, vals: &[V]) -> V {
+    let mut it = vals.iter().copied();
+    let first = it.next().unwrap();
+    it.fold(first, |a, b| match (a, b) {
+        (V::I(a), V::I(b)) => V::I(wrap(
+            dtype,
+            match op {
+                ReduceOp::Sum => a.wrapping_add(b),
+                ReduceOp::Product => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+                _ => unreachable!(),
+            },
+        )),
+        (V::F(a), V::F(b)) => V::F(match op {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Product => a * b,
+            _ if a.is_nan() || b.is_nan() => f64::NAN,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            _ => unreachable!(),
+        }),
+        _ => unreachable!(),
+    })
+}
+
+/// One result element: integers exact; floats within a few units in the last place of the
+/// magnitudes involved (f16/bf16 round at every step, in an order the algorithm picks).
+fn check_elem(dtype: DType, op: ReduceOp, got: V, want: V, inputs: &[V], what: &str) {
+    match (got, want) {
+        (V::I(g), V::I(w)) => assert_eq!(g, w, "{what}"),
+        (V::F(g), V::F(w)) => {
+            if w.is_nan() || g.is_nan() {
+                assert!(w.is_nan() && g.is_nan(), "{what}: got {g}, want {w}");
+                return;
+            }
+            let ulp = match dtype {
+                DType::F16 => 2f64.powi(-10),
+                DType::BF16 => 2f64.powi(-7),
+                DType::F32 => 2f64.powi(-23),
+                _ => 2f64.powi(-52),
+            };
+            let scale = match op {
+                ReduceOp::Product => w.abs(),
+                _ => inputs
+                    .iter()
+                    .map(|v| if let V::F(x) = v { x.abs() } else { 0.0 })
+                    .sum(),
+            };
+            let tol = ulp * scale * inputs.len() as f64;
+            assert!(
+                (g - w).abs() <= tol,
+                "{what}: got {g}, want {w} (tol {tol})"
+            );
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Every rank's result is bitwise rank 0's, and rank 0's is the reference.
+fn check_allreduce(dtype: DType, op: ReduceOp, count: usize, results: &[Vec<u8>], what: &str) {
+    let n = results.len();
+    for (r, res) in results.iter().enumerate() {
+        assert!(
+            res == &results[0],
+            "{what}: rank {r} differs bitwise from rank 0"
+        );
+    }
+    let got = decode(dtype, &results[0]);
+    assert_eq!(got.len(), count, "{what}");
+    for (i, &g) in got.iter().enumerate() {
+        let inputs: Vec<V> = (0..n).map(|r| input(dtype, op, r, i, n)).collect();
+        let inputs = decode(dtype, &encode(dtype, &inputs));
+        let want = fold(dtype, op, &inputs);
+        check_elem(dtype, op, g, want, &inputs, &format!("{what} element {i}"));
+    }
+}
+
+fn allreduce_one(c: &mut Communicator<'_>, dtype: DType, op: ReduceOp, count: usize) -> Vec<u8> {
+    let (n, r) = (c.size(), c.rank());
+    let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
+    let mut buf = encode(dtype, &vals);
+    collective::allreduce(c, &mut buf, dtype, op).expect("allreduce");
+    buf
+}
+
+/// Element counts: empty, one, odd, and around the small-payload threshold (`small` bytes),
+/// so both hierarchical shapes (leaders below it, 2-D above on even hosts) run.
+fn counts(dtype: DType, small: usize) -> Vec<usize> {
+    let at = small / dtype.size();
+    vec![0, 1, 7, 61, at - 1, at, at + 1, 1001]
+}
+
+/// The whole dtype × op × size matrix on every layout, hierarchical forced on, with chunks of
+/// an odd byte count that splits elements (rounded down to whole ones).
+#[test]
+fn every_layout_dtype_op_and_size_matches_the_reference_bitwise_on_every_rank() {
+    let small = 256;
+    let t = tuning(Hierarchical::Always, small, 100);
+    for (name, hosts) in LAYOUTS {
+        let (results, _) = run(hosts, &t, |c| {
+            let mut out = Vec::new();
+            for dtype in DTYPES {
+                for op in OPS {
+                    for count in counts(dtype, small) {
+                        out.push(allreduce_one(c, dtype, op, count));
+                    }
+                }
+            }
+            out
+        });
+        let mut k = 0;
+        for dtype in DTYPES {
+            for op in OPS {
+                for count in counts(dtype, small) {
+                    let per_rank: Vec<Vec<u8>> = results.iter().map(|r| r[k].clone()).collect();
+                    let what = format!("{name} {} {} count={count}", dtype.name(), op.name());
+                    check_allreduce(dtype, op, count, &per_rank, &what);
+                    k += 1;
+                }
+            }
+        }
+    }
+}
+
+/// Float inputs whose sums depend on the order of addition (wide magnitudes, signed zeros):
+/// every rank must still hold the same bits, on both shapes and the flat path.
+#[test]
+fn order_sensitive_floats_are_bitwise_identical_on_every_rank() {
+    let messy = |dtype: DType, r: usize, i: usize| -> f64 {
+        let h = hash(r, i, 99 + dtype as u64);
+        if h % 5 == 0 {
+            return if h % 2 == 0 { 0.0 } else { -0.0 };
+        }
+        let mant = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+        mant * 10f64.powi((h % 9) as i32 - 4)
+    };
+    let t = tuning(Hierarchical::Always, 512, 160);
+    for (name, hosts) in LAYOUTS {
+        let n = hosts.len();
+        for count in [33, 257, 4099] {
+            let (results, _) = run(hosts, &t, |c| {
+                let mut out = Vec::new();
+                for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+                    for op in OPS {
+                        let vals: Vec<V> = (0..count)
+                            .map(|i| V::F(messy(dtype, c.rank(), i)))
+                            .collect();
+                        let mut buf = encode(dtype, &vals);
+                        collective::allreduce(c, &mut buf, dtype, op).unwrap();
+                        out.push(buf);
+                    }
+                }
+                out
+            });
+            for k in 0..results[0].len() {
+                for (r, res) in results.iter().enumerate() {
+                    assert!(
+                        res[k] == results[0][k],
+                        "{name} count={count} case {k}: rank {r} differs bitwise"
+                    );
+                }
+            }
+            // f64 sums (case 12) are right within rounding.
+            for (i, g) in decode(DType::F64, &results[0][12]).iter().enumerate() {
+                let inputs: Vec<f64> = (0..n).map(|r| messy(DType::F64, r, i)).collect();
+                let want: f64 = inputs.iter().sum();
+                let bound: f64 = inputs.iter().map(|x| x.abs()).sum::<f64>() * 1e-15;
+                let V::F(g) = *g else { unreachable!() };
+                assert!(
+                    (g - want).abs() <= bound,
+                    "{name} element {i}: {g} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+/// A few MiB with the default tuning (1 MiB chunks, 64 KiB threshold): the automatic choice
+/// goes hierarchical, and the 2-D shape's segments wrap the shared-memory rings many times.
+#[test]
+fn several_mib_with_default_tuning() {
+    let t = Tuning::default();
+    let cases = [
+        (DType::F32, ReduceOp::Sum, (3 << 20) / 4 + 3),
+        (DType::I64, ReduceOp::Max, (2 << 20) / 8 + 1),
+        (DType::BF16, ReduceOp::Sum, (1 << 20) + 5),
+    ];
+    for (name, hosts) in [LAYOUTS[1], LAYOUTS[4], LAYOUTS[6]] {
+        let (results, _) = run(hosts, &t, |c| {
+            cases.map(|(dtype, op, count)| allreduce_one(c, dtype, op, count))
+        });
+        for (k, (dtype, op, count)) in cases.iter().enumerate() {
+            let per_rank: Vec<Vec<u8>> = results.iter().map(|r| r[k].clone()).collect();
+            let what = format!("{name} {} {} large", dtype.name(), op.name());
+            check_allreduce(*dtype, *op, *count, &per_rank, &what);
+        }
+    }
+}
+
+/// Bytes across hosts per mode for an f32 sum of `len` bytes on `hosts`: (never, auto, always).
+fn cross_by_mode(hosts: &[u32], small: usize, len: usize) -> [usize; 3] {
+    let n = hosts.len();
+    [
+        Hierarchical::Never,
+        Hierarchical::Auto,
+        Hierarchical::Always,
+    ]
+    .map(|mode| {
+        let (_, sent) = run(hosts, &tuning(mode, small, 4096), |c| {
+            let mut buf: Vec<u8> = (0..len / 4).flat_map(|_| 1f32.to_ne_bytes()).collect();
+            collective::allreduce(c, &mut buf, DType::F32, ReduceOp::Sum).unwrap();
+            assert!(buf.chunks_exact(4).all(|x| x == (n as f32).to_ne_bytes()));
+        });
+        cross_bytes(hosts, &sent)
+    })
+}
+
+/// What a flat ring of `hosts.len()` ranks sends over its cross-host edges: rank r sends
+/// every segment but its own, then every block but r+1's.
+fn flat_ring_cross(hosts: &[u32], len: usize) -> usize {
+    let n = hosts.len();
+    let (base, extra) = (len / 4 / n, len / 4 % n);
+    let seg = |r: usize| (base + usize::from(r < extra)) * 4;
+    (0..n)
+        .filter(|&r| hosts[r] != hosts[(r + 1) % n])
+        .map(|r| 2 * len - seg(r) - seg((r + 1) % n))
+        .sum()
+}
+
+/// Which algorithm ran, seen from the bytes that crossed hosts. Above the threshold, auto and
+/// always send `2·(H-1)·B` across hosts in all (2-D: each column's ring), never is the flat
+/// ring; below it, auto stays flat and always goes through the leaders (`H·(H-1)·B`, direct
+/// exchange). A single host never changes algorithm, and neither does a communicator without
+/// host labels.
+#[test]
+fn the_mode_picks_the_algorithm_and_less_crosses_hosts() {
+    let small = 1024;
+    let b = 64 * 1024;
+    for (name, hosts) in [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2], LAYOUTS[4], LAYOUTS[5]] {
+        let h = 1 + *hosts.iter().max().unwrap() as usize;
+        let [never, auto, always] = cross_by_mode(hosts, small, b);
+        assert_eq!(never, flat_ring_cross(hosts, b), "{name}: never");
+        assert_eq!(auto, 2 * (h - 1) * b, "{name}: auto above the threshold");
+        assert_eq!(always, auto, "{name}: always above the threshold");
+        assert!(
+            auto < never,
+            "{name}: hierarchical {auto} not below flat {never}"
+        );
+        let [never, auto, always] = cross_by_mode(hosts, small, 512);
+        assert_eq!(auto, never, "{name}: auto below the threshold");
+        assert_eq!(
+            always,
+            h * (h - 1) * 512,
+            "{name}: always below the threshold"
+        );
+    }
+    // Uneven hosts: the 3 leaders' ring is all that crosses: 2·(3-1)·B in all.
+    let (name, hosts) = LAYOUTS[6];
+    let [never, auto, always] = cross_by_mode(hosts, small, b);
+    assert_eq!(never, flat_ring_cross(hosts, b), "{name}: never");
+    assert_eq!((auto, always), (4 * b, 4 * b), "{name}");
+    let [never, auto, always] = cross_by_mode(hosts, small, 512);
+    assert_eq!(
+        (auto, always),
+        (never, 6 * 512),
+        "{name}: below the threshold"
+    );
+    // One host: same bytes between the same pairs in every mode.
+    let (name, hosts) = LAYOUTS[8];
+    let per_pair = |mode| {
+        run(hosts, &tuning(mode, small, 4096), |c| {
+            let mut buf = vec![0u8; b];
+            collective::allreduce(c, &mut buf, DType::F32, ReduceOp::Sum).unwrap();
+        })
+        .1
+    };
+    let never = per_pair(Hierarchical::Never);
+    assert_eq!(per_pair(Hierarchical::Always), never, "{name}");
+    assert_eq!(per_pair(Hierarchical::Auto), never, "{name}");
+    // No host labels: flat whatever the mode.
+    let hosts = [0usize, 0, 1, 1];
+    let mut mesh = HybridTransport::loopback_mesh(&hosts, RING, b"secret").unwrap();
+    let sent: Vec<AtomicUsize> = (0..16).map(|_| AtomicUsize::new(0)).collect();
+    let members = [0, 1, 2, 3];
+    std::thread::scope(|s| {
+        for t in mesh.iter_mut() {
+            let (sent, members) = (&sent, &members);
+            s.spawn(move || {
+                let mut t = Counting { inner: t, sent };
+                let tn = tuning(Hierarchical::Always, small, 4096);
+                let mut c = Communicator::new(&mut t, members, IDLE, tn);
+                let mut buf = vec![0u8; b];
+                collective::allreduce(&mut c, &mut buf, DType::F32, ReduceOp::Sum).unwrap();
+            });
+        }
+    });
+    let sent: Vec<usize> = sent.into_iter().map(AtomicUsize::into_inner).collect();
+    assert_eq!(
+        cross_bytes(&[0, 0, 1, 1], &sent),
+        flat_ring_cross(&[0, 0, 1, 1], b)
+    );
+}
+
+/// A sub-set of the job: set ranks are not global ranks, and host labels are looked up by
+/// global rank. Global ranks 1, 2, 4, 5 of a 6-rank job on hosts [0, 0, 1, 1, 0, 1]: the set
+/// has two members on each host.
+#[test]
+fn subsets_use_global_host_labels() {
+    let hosts: &[u32] = &[0, 0, 1, 1, 0, 1];
+    let set = [1usize, 2, 4, 5];
+    let labels: Vec<usize> = hosts.iter().map(|&h| h as usize).collect();
+    let mut mesh = HybridTransport::loopback_mesh(&labels, RING, b"secret").unwrap();
+    let sent: Vec<AtomicUsize> = (0..36).map(|_| AtomicUsize::new(0)).collect();
+    let (dtype, op, count) = (DType::F32, ReduceOp::Sum, 3001);
+    let t = tuning(Hierarchical::Always, 256, 1000);
+    let results: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let handles: Vec<_> = mesh
+            .iter_mut()
+            .enumerate()
+            .filter(|(g, _)| set.contains(g))
+            .map(|(_, tr)| {
+                let (sent, set, t) = (&sent, &set, t.clone());
+                s.spawn(move || {
+                    let mut tr = Counting { inner: tr, sent };
+                    let mut c = Communicator::new(&mut tr, set, IDLE, t).with_hosts(hosts);
+                    allreduce_one(&mut c, dtype, op, count)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    check_allreduce(dtype, op, count, &results, "subset");
+    let sent: Vec<usize> = sent.into_iter().map(AtomicUsize::into_inner).collect();
+    // 2-D: columns are (1, 2) and (4, 5), each across hosts; nothing else crosses.
+    for from in 0..6 {
+        for to in 0..6 {
+            let column = matches!((from, to), (1, 2) | (2, 1) | (4, 5) | (5, 4));
+            let across = hosts[from] != hosts[to];
+            if across && !column {
+                assert_eq!(sent[from * 6 + to], 0, "{from} -> {to}");
+            }
+            if column {
+                assert!(sent[from * 6 + to] > 0, "{from} -> {to}");
+            }
+        }
+    }
+}
