@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use _core::bootstrap::tcp_store::{TcpStore, TcpStoreServer, MAX_STORE_FRAME};
 use _core::bootstrap::{authenticate, read_frame, write_frame, Store};
-use _core::engine::control::{FrameConn, MAX_FRAME};
+use _core::engine::control::{ControlStream, FrameConn, MAX_FRAME};
 use _core::engine::message::{
     FromCoordinator, Item, Request, Response, Submit, TensorMeta, ToCoordinator,
 };
@@ -529,7 +529,7 @@ proptest! {
     fn control_frames_match_the_model(stream in arb_frame_stream(), pieces in 1usize..5) {
         let (frames, over) = model_frames(&stream, MAX_FRAME);
         let (mut tx, rx) = loopback_pair();
-        let mut conn = FrameConn::new(rx, 1).unwrap();
+        let mut conn = FrameConn::new(ControlStream::Tcp(rx), 1).unwrap();
         let writer = {
             let stream = stream.clone();
             thread::spawn(move || {

@@ -18,13 +18,12 @@
 //! stops a proof being reflected back. Every read has a fixed size and the whole exchange
 //! finishes within the caller's timeout.
 
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use super::net::{deadline_after, read_exact_until, write_all_until};
+use super::net::{deadline_after, read_exact_until, write_all_until, Stream};
 // The frame helpers live in `net`; re-exported here because every authenticated connection
 // speaks frames right after the handshake.
 pub use super::net::{read_frame, read_frame_until, write_frame};
@@ -110,7 +109,7 @@ fn proof_mac(secret: &[u8], role: u8, own: &[u8], peer: &[u8]) -> HmacSha256 {
 /// side used another secret or the peer is not speaking this protocol, `Error::Timeout` when
 /// the exchange does not finish within `timeout`, `Error::Io` on a closed connection.
 pub fn authenticate(
-    stream: &mut TcpStream,
+    stream: &mut impl Stream,
     secret: &[u8],
     initiator: bool,
     timeout: Duration,
@@ -126,7 +125,7 @@ pub fn authenticate(
 }
 
 fn exchange_proofs(
-    stream: &mut TcpStream,
+    stream: &mut impl Stream,
     secret: &[u8],
     initiator: bool,
     deadline: Instant,
@@ -195,7 +194,7 @@ fn exchange_proofs(
 mod tests {
     use super::*;
     use std::io::Write;
-    use std::net::TcpListener;
+    use std::net::{TcpListener, TcpStream};
 
     fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();

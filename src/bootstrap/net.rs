@@ -7,9 +7,39 @@
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+
+/// A connected stream socket with per-call timeouts: TCP, or a Unix socket between processes
+/// on one host. The bounded reads and writes, and authentication, work on either.
+pub trait Stream: Read + Write + AsRawFd {
+    /// As [`TcpStream::set_read_timeout`].
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+    /// As [`TcpStream::set_write_timeout`].
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()>;
+    /// As [`TcpStream::set_nonblocking`].
+    fn set_nonblocking(&self, on: bool) -> io::Result<()>;
+}
+
+macro_rules! impl_stream {
+    ($t:ty) => {
+        impl Stream for $t {
+            fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+                <$t>::set_read_timeout(self, t)
+            }
+            fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+                <$t>::set_write_timeout(self, t)
+            }
+            fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+                <$t>::set_nonblocking(self, on)
+            }
+        }
+    };
+}
+impl_stream!(TcpStream);
+impl_stream!(UnixStream);
 
 /// Writes one frame: a u32 little-endian length, then `payload`.
 ///
@@ -108,7 +138,7 @@ pub(crate) fn remaining(deadline: Instant, what: &str, total: Duration) -> Resul
 /// Fills `buf` from a blocking stream before `deadline`. Errors: `Timeout` when the deadline
 /// passes, `Io` (saying "connection closed") on EOF or reset.
 pub(crate) fn read_exact_until(
-    stream: &mut TcpStream,
+    stream: &mut impl Stream,
     buf: &mut [u8],
     deadline: Instant,
     what: &str,
@@ -134,7 +164,7 @@ pub(crate) fn read_exact_until(
 
 /// Writes all of `buf` to a blocking stream before `deadline`.
 pub(crate) fn write_all_until(
-    stream: &mut TcpStream,
+    stream: &mut impl Stream,
     buf: &[u8],
     deadline: Instant,
     what: &str,

@@ -3,8 +3,9 @@
 //! engine thread, so negotiation for other process sets goes on while rank 0 is busy in a
 //! collective.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use crate::bootstrap::{auth, net};
 use crate::error::{Error, Result};
 
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
-use super::control::FrameConn;
+use super::control::{ControlStream, FrameConn};
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
 use super::progress::Lease;
@@ -59,12 +60,20 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
-    /// Starts the coordinator on `listener`.
-    pub fn start(listener: TcpListener, cfg: CoordinatorConfig) -> Result<Coordinator> {
+    /// Starts the coordinator on `listener`, and on `local` (an abstract Unix socket that
+    /// ranks on this host reach it by) when given.
+    pub fn start(
+        listener: TcpListener,
+        local: Option<UnixListener>,
+        cfg: CoordinatorConfig,
+    ) -> Result<Coordinator> {
         listener.set_nonblocking(true)?;
+        if let Some(l) = &local {
+            l.set_nonblocking(true)?;
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let waker = Arc::new(Waker::new()?);
-        let state = Arc::new(Mutex::new(State::new(listener, cfg, waker.clone())));
+        let state = Arc::new(Mutex::new(State::new(listener, local, cfg, waker.clone())));
         let lease = Arc::new(Lease::default());
         let (s, w, st, l) = (stop.clone(), waker.clone(), state.clone(), lease.clone());
         let thread = std::thread::Builder::new()
@@ -194,13 +203,14 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
 struct State {
     cfg: CoordinatorConfig,
     listener: TcpListener,
+    local: Option<UnixListener>,
     waker: Arc<Waker>,
     neg: Negotiator,
     conns: Vec<Option<FrameConn>>,
     left: Vec<bool>,
     registered: Vec<bool>,
-    tx: mpsc::Sender<(usize, TcpStream)>,
-    rx: mpsc::Receiver<(usize, TcpStream)>,
+    tx: mpsc::Sender<(usize, ControlStream)>,
+    rx: mpsc::Receiver<(usize, ControlStream)>,
     out: Outbox,
     ready_since: Option<Instant>,
     last_inspection: Instant,
@@ -210,7 +220,12 @@ struct State {
 }
 
 impl State {
-    fn new(listener: TcpListener, cfg: CoordinatorConfig, waker: Arc<Waker>) -> State {
+    fn new(
+        listener: TcpListener,
+        local: Option<UnixListener>,
+        cfg: CoordinatorConfig,
+        waker: Arc<Waker>,
+    ) -> State {
         let mut neg = Negotiator::new(
             cfg.size,
             &cfg.process_sets,
@@ -233,13 +248,14 @@ impl State {
             neg.set_fusion_threshold(k.fusion_threshold);
             cycle_time = k.cycle_time;
         }
-        let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
+        let (tx, rx) = mpsc::channel::<(usize, ControlStream)>();
         State {
             conns: (0..cfg.size).map(|_| None).collect(),
             left: vec![false; cfg.size],
             registered: vec![false; cfg.size],
             cfg,
             listener,
+            local,
             waker,
             neg,
             tx,
@@ -254,18 +270,25 @@ impl State {
     }
 
     /// Ranks with an open connection, in the order [`State::fds`] lists them after the waker
-    /// and the listener.
+    /// and the listeners.
     fn ranks(&self) -> Vec<usize> {
         (0..self.cfg.size)
             .filter(|&r| self.conns[r].is_some())
             .collect()
     }
 
-    /// Descriptors to wait on: the waker, the listener, then each open connection.
+    /// Descriptors to wait on: the waker, the listeners (TCP, then the local one, if any),
+    /// then each open connection.
     fn fds(&self) -> Vec<RawFd> {
         let mut fds = vec![self.waker.fd(), self.listener.as_raw_fd()];
+        fds.extend(self.local.as_ref().map(AsRawFd::as_raw_fd));
         fds.extend(self.conns.iter().flatten().map(FrameConn::fd));
         fds
+    }
+
+    /// Index in [`State::fds`] of the first connection.
+    fn first_conn(&self) -> usize {
+        2 + usize::from(self.local.is_some())
     }
 
     /// How long an idle wait may block: until the batching window closes, if one is open.
@@ -294,8 +317,15 @@ impl State {
     /// negotiate, inspect for stalls, flush and send. Returns whether anything was sent.
     fn turn(&mut self, readable: &[usize], stopping: bool) -> bool {
         let ranks = self.ranks();
-        if readable.contains(&1) {
-            accept_all(&self.listener, &self.cfg, &self.tx, &self.waker);
+        let first = self.first_conn();
+        if readable.iter().any(|&i| (1..first).contains(&i)) {
+            accept_all(
+                &self.listener,
+                self.local.as_ref(),
+                &self.cfg,
+                &self.tx,
+                &self.waker,
+            );
         }
         while let Ok((rank, stream)) = self.rx.try_recv() {
             if rank < self.cfg.size && self.conns[rank].is_none() && !self.registered[rank] {
@@ -311,7 +341,7 @@ impl State {
             }
         }
         for (i, &rank) in ranks.iter().enumerate() {
-            if !stopping && !readable.contains(&(i + 2)) {
+            if !stopping && !readable.contains(&(i + first)) {
                 continue;
             }
             self.receive(rank);
@@ -439,48 +469,62 @@ fn gone(left: bool) -> Gone {
     }
 }
 
-/// Accepts pending connections; each is authenticated on its own short-lived thread so that a
-/// slow or hostile client cannot stall negotiation.
+/// Accepts pending connections on both listeners; each is authenticated on its own
+/// short-lived thread so that a slow or hostile client cannot stall negotiation.
 fn accept_all(
     listener: &TcpListener,
+    local: Option<&UnixListener>,
     cfg: &CoordinatorConfig,
-    tx: &mpsc::Sender<(usize, TcpStream)>,
+    tx: &mpsc::Sender<(usize, ControlStream)>,
     waker: &Arc<Waker>,
 ) {
-    while let Ok((mut stream, _)) = listener.accept() {
-        let (tx, waker) = (tx.clone(), waker.clone());
-        let (secret, timeout) = (cfg.secret.clone(), cfg.timeout);
-        let _ = std::thread::Builder::new()
-            .name("ferrovod-accept".into())
-            .spawn(move || {
-                let hello = (|| -> Result<usize> {
-                    stream.set_nonblocking(false)?;
-                    auth::authenticate(&mut stream, &secret, false, timeout)?;
-                    stream.set_read_timeout(Some(timeout))?;
-                    let frame = net::read_frame(&mut stream, 1024)?;
-                    match ToCoordinator::decode(&frame)? {
-                        ToCoordinator::Hello { rank } => Ok(rank),
-                        _ => Err(Error::Decode("expected hello".into())),
-                    }
-                })();
-                match hello {
-                    Ok(rank) => {
-                        let _ = stream.set_read_timeout(None);
-                        let _ = super::sys::detect_unreachable_peer(
-                            std::os::fd::AsRawFd::as_raw_fd(&stream),
-                            timeout,
-                        );
-                        let _ = tx.send((rank, stream));
-                        waker.wake();
-                    }
-                    Err(e) => log::warn!(
-                        target: crate::LOG_TARGET,
-                        "coordinator dropped a connection from {}: {e}",
-                        stream
-                            .peer_addr()
-                            .map_or_else(|_| "an unknown address".into(), |a| a.to_string())
-                    ),
-                }
-            });
+    while let Ok((stream, _)) = listener.accept() {
+        authenticate_async(ControlStream::Tcp(stream), cfg, tx, waker);
     }
+    while let Some(Ok((stream, _))) = local.map(UnixListener::accept) {
+        authenticate_async(ControlStream::Unix(stream), cfg, tx, waker);
+    }
+}
+
+fn authenticate_async(
+    mut stream: ControlStream,
+    cfg: &CoordinatorConfig,
+    tx: &mpsc::Sender<(usize, ControlStream)>,
+    waker: &Arc<Waker>,
+) {
+    let (tx, waker) = (tx.clone(), waker.clone());
+    let (secret, timeout) = (cfg.secret.clone(), cfg.timeout);
+    let _ = std::thread::Builder::new()
+        .name("ferrovod-accept".into())
+        .spawn(move || {
+            let hello = (|| -> Result<usize> {
+                auth::authenticate(&mut stream, &secret, false, timeout)?;
+                crate::bootstrap::net::Stream::set_read_timeout(&stream, Some(timeout))?;
+                let frame = net::read_frame(&mut stream, 1024)?;
+                match ToCoordinator::decode(&frame)? {
+                    ToCoordinator::Hello { rank } => Ok(rank),
+                    _ => Err(Error::Decode("expected hello".into())),
+                }
+            })();
+            match hello {
+                Ok(rank) => {
+                    let _ = crate::bootstrap::net::Stream::set_read_timeout(&stream, None);
+                    if let ControlStream::Tcp(s) = &stream {
+                        let _ = super::sys::detect_unreachable_peer(s.as_raw_fd(), timeout);
+                    }
+                    let _ = tx.send((rank, stream));
+                    waker.wake();
+                }
+                Err(e) => log::warn!(
+                    target: crate::LOG_TARGET,
+                    "coordinator dropped a connection from {}: {e}",
+                    match &stream {
+                        ControlStream::Tcp(s) => s
+                            .peer_addr()
+                            .map_or_else(|_| "an unknown address".into(), |a| a.to_string()),
+                        ControlStream::Unix(_) => "a process on this host".into(),
+                    }
+                ),
+            }
+        });
 }

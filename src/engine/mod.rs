@@ -21,6 +21,8 @@ mod worker;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -42,6 +44,7 @@ pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;
 
+use control::ControlStream;
 use coordinator::{Coordinator, CoordinatorConfig};
 use message::{FromCoordinator, ToCoordinator};
 use sys::Waker;
@@ -275,7 +278,8 @@ impl Engine {
                 let ip = bind_ip.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
                 let listener = TcpListener::bind((ip, 0))?;
                 let addr = listener.local_addr()?;
-                let coordinator = Coordinator::start(listener, coord_cfg)?;
+                let (local, local_name) = bind_local_control();
+                let coordinator = Coordinator::start(listener, local, coord_cfg)?;
                 let data = TcpListener::bind((ip, 0))?;
                 let transport = TcpTransport::connect_mesh(
                     0,
@@ -288,7 +292,10 @@ impl Engine {
                 (
                     transport,
                     Some(coordinator),
-                    addr,
+                    CoordinatorAddr {
+                        tcp: addr,
+                        local: local_name,
+                    },
                     vec![config.hostname.clone()],
                 )
             }
@@ -303,8 +310,10 @@ impl Engine {
                 let coordinator = if rank == 0 {
                     let listener = TcpListener::bind((ip, 0))?;
                     let addr = listener.local_addr()?;
-                    let c = Coordinator::start(listener, coord_cfg)?;
-                    store.set(&key("coordinator"), addr.to_string().as_bytes())?;
+                    let (local, local_name) = bind_local_control();
+                    let c = Coordinator::start(listener, local, coord_cfg)?;
+                    let published = format!("{addr}\n{}", local_name.unwrap_or_default());
+                    store.set(&key("coordinator"), published.as_bytes())?;
                     Some(c)
                 } else {
                     None
@@ -323,9 +332,17 @@ impl Engine {
                     hosts.push(h.to_string());
                 }
                 let coord = store.get(&key("coordinator"), deadline)?;
-                let coord_addr = String::from_utf8_lossy(&coord)
-                    .parse::<SocketAddr>()
-                    .map_err(|e| Error::Decode(format!("bad coordinator address: {e}")))?;
+                let coord = String::from_utf8_lossy(&coord).to_string();
+                let (tcp, local) = coord.split_once('\n').unwrap_or((coord.as_str(), ""));
+                let coord_addr = CoordinatorAddr {
+                    tcp: tcp
+                        .parse::<SocketAddr>()
+                        .map_err(|e| Error::Decode(format!("bad coordinator address: {e}")))?,
+                    // Only a rank on rank 0's host can reach its abstract socket; a rank whose
+                    // host merely has the same name falls back to TCP when connecting fails.
+                    local: (!local.is_empty() && !hosts[0].is_empty() && hosts[rank] == hosts[0])
+                        .then(|| local.to_string()),
+                };
                 let transport =
                     TcpTransport::connect_mesh(rank, size, &data, &addrs, &secret, deadline)?;
                 (transport, coordinator, coord_addr, hosts)
@@ -353,8 +370,10 @@ impl Engine {
             .collect();
         log::debug!(
             target: crate::LOG_TARGET,
-            "rank {rank}: transport to each peer: {}; coordinator at {coord_addr}",
-            if links.is_empty() { "none (one rank)".to_string() } else { links.join(", ") }
+            "rank {rank}: transport to each peer: {}; coordinator at {}{}",
+            if links.is_empty() { "none (one rank)".to_string() } else { links.join(", ") },
+            coord_addr.tcp,
+            if coord_addr.local.is_some() { " (reached over a local socket)" } else { "" }
         );
         let mut topology = Topology::from_hosts(rank, &hosts);
         if let Some((lr, ls, cr, cs)) = launch.local {
@@ -363,7 +382,7 @@ impl Engine {
             topology.cross_rank = cr;
             topology.cross_size = cs;
         }
-        let control = connect_control(coord_addr, rank, &secret, deadline, config.timeout)?;
+        let control = connect_control(&coord_addr, rank, &secret, deadline, config.timeout)?;
 
         let mut sets: HashMap<u32, Vec<usize>> = HashMap::new();
         sets.insert(0, (0..size).collect());
@@ -582,17 +601,52 @@ fn advertised_ip(rendezvous: &str) -> Result<std::net::IpAddr> {
     Ok(s.local_addr()?.ip())
 }
 
+/// Where the coordinator listens: TCP, and an abstract Unix socket for ranks on its host.
+struct CoordinatorAddr {
+    tcp: SocketAddr,
+    local: Option<String>,
+}
+
+/// Binds the coordinator's local control socket under a random abstract name (no file to
+/// clean up; other jobs cannot guess it, and connections are authenticated anyway). `None`
+/// when this host does not allow it: every rank then uses TCP.
+fn bind_local_control() -> (Option<UnixListener>, Option<String>) {
+    let mut token = [0u8; 16];
+    if getrandom::fill(&mut token).is_err() {
+        return (None, None);
+    }
+    let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
+    let name = format!("ferrovod-control-{hex}");
+    match UnixAddr::from_abstract_name(name.as_bytes()).and_then(|a| UnixListener::bind_addr(&a)) {
+        Ok(l) => (Some(l), Some(name)),
+        Err(e) => {
+            log::debug!(target: crate::LOG_TARGET, "no local control socket ({e}); using TCP");
+            (None, None)
+        }
+    }
+}
+
+/// Connects to the coordinator's local socket, if it has one this rank can reach.
+fn connect_local(name: Option<&str>) -> Option<UnixStream> {
+    let addr = UnixAddr::from_abstract_name(name?.as_bytes()).ok()?;
+    UnixStream::connect_addr(&addr).ok()
+}
+
 fn connect_control(
-    addr: SocketAddr,
+    coordinator: &CoordinatorAddr,
     rank: usize,
     secret: &[u8],
     timeout: Duration,
     liveness: Duration,
 ) -> Result<control::FrameConn> {
     let deadline = Instant::now() + timeout;
+    let addr = coordinator.tcp;
     let mut stream = loop {
+        if let Some(s) = connect_local(coordinator.local.as_deref()) {
+            break ControlStream::Unix(s);
+        }
         match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-            Ok(s) => break s,
+            Ok(s) => break ControlStream::Tcp(s),
             Err(e) if Instant::now() < deadline => {
                 let _ = e;
                 std::thread::sleep(Duration::from_millis(20));
@@ -606,7 +660,9 @@ fn connect_control(
         }
     };
     auth::authenticate(&mut stream, secret, true, timeout)?;
-    sys::detect_unreachable_peer(std::os::fd::AsRawFd::as_raw_fd(&stream), liveness)?;
+    if let ControlStream::Tcp(s) = &stream {
+        sys::detect_unreachable_peer(std::os::fd::AsRawFd::as_raw_fd(s), liveness)?;
+    }
     net::write_frame(&mut stream, &ToCoordinator::Hello { rank }.encode())?;
     let mut conn = control::FrameConn::new(stream, 0)?;
     // init() is collective: wait until every rank has registered with the coordinator.

@@ -367,6 +367,12 @@ impl Worker {
             return;
         }
         if let Err(e) = self.control.send(&msg.encode(), self.timeout) {
+            // The coordinator may have told us why before it closed (a Unix socket fails the
+            // write at once, before we have read that): its verdict names the real cause.
+            if let Some(verdict) = self.verdict_in_flight() {
+                self.fail(verdict);
+                return;
+            }
             let e = if self.coordinator_left {
                 Error::Shutdown(
                     "rank 0 has shut down, so this job cannot run collectives any more".into(),
@@ -548,6 +554,23 @@ impl Worker {
             }
         }
         err
+    }
+
+    /// A `RankFailed` verdict already received but not yet read, if any. Only for a rank that
+    /// is failing anyway: other messages read here are dropped.
+    fn verdict_in_flight(&mut self) -> Option<Error> {
+        let _ = self.control.fill();
+        while let Ok(Some(frame)) = self.control.next_frame() {
+            if let Ok(FromCoordinator::RankFailed {
+                rank,
+                detail,
+                stalled,
+            }) = FromCoordinator::decode(&frame)
+            {
+                return Some(self.verdict(rank, detail, stalled));
+            }
+        }
+        None
     }
 
     /// The error for the coordinator's verdict on `rank`.

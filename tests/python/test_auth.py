@@ -100,6 +100,11 @@ def store_get(sock, key, timeout_ms=30000):
 
 
 def connect(addr, timeout=30.0):
+    if addr.startswith("@"):  # the coordinator's abstract Unix socket, for ranks on its host
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        s.connect("\0" + addr[1:])
+        return s
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=timeout)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -126,7 +131,7 @@ def drain(sock, timeout):
 def unauthenticated_message(target):
     if target == "store":
         return store_get_request("g0/coordinator", 0)
-    if target == "coordinator":
+    if target in ("coordinator", "local"):
         return frame(b"\x00" + struct.pack("<Q", 1))  # ToCoordinator::Hello { rank: 1 }
     return struct.pack("<4I", int.from_bytes(b"FVM1", "little"), 2, 0, 3)  # mesh hello 2 -> 0
 
@@ -279,8 +284,12 @@ def _attack_the_job(proc, d):
     with connect(store) as s:
         handshake(s, secret)
         data = [store_get(s, f"g0/peer/{r}").decode().split("\n")[0] for r in (0, 1)]
-        coordinator = store_get(s, "g0/coordinator").decode()
-    targets = {"store": store, "coordinator": coordinator, "data0": data[0], "data1": data[1]}
+        published = store_get(s, "g0/coordinator").decode()
+    # "host:port", then the name of the coordinator's abstract socket for ranks on its host.
+    coordinator, local = published.split("\n", 1)
+    assert local.startswith("ferrovod-control-"), published
+    targets = {"store": store, "coordinator": coordinator, "local": "@" + local,
+               "data0": data[0], "data1": data[1]}
     recorded = {name: legit_session(addr, secret, name.rstrip("01"))
                 for name, addr in targets.items() if not name.startswith("data")}
     # Ranks 0 and 1 wait for the last rank, listeners open: recording a data-listener handshake
@@ -327,7 +336,7 @@ def _attack_the_job(proc, d):
     # Silent clients: the job runs regardless; the store and the coordinator time them out.
     p1 = wait_for(lambda: progress(d) >= p0 + 10 and progress(d), 60,
                   "the job to keep stepping during the attacks", proc)
-    for name in ("store", "coordinator"):
+    for name in ("store", "coordinator", "local"):
         limit = STORE_AUTH_TIMEOUT_S if name == "store" else TIMEOUT_S
         check_dropped(drain(silent[name], limit + 10) + ("",), f"{name}/silence", "silence")
     for name in ("data0", "data1"):
@@ -340,6 +349,6 @@ def _attack_the_job(proc, d):
     # Still serving its legitimate clients after all that.
     with connect(store) as s:
         handshake(s, secret)
-        assert store_get(s, "g0/coordinator").decode() == coordinator
+        assert store_get(s, "g0/coordinator").decode() == published
     assert progress(d) >= p1
     (d / "stop").write_text("")
