@@ -344,17 +344,30 @@ def _contiguous(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(arr.shape)
 
 
+# Keyed by the dtype object: ``dtype.name`` builds a string per call (several µs, a tenth of
+# a small allreduce).
+_DTYPE_CODES: Dict[np.dtype, int] = {}
+
+
 def _dtype_code(arr: np.ndarray, what: str) -> int:
+    code = _DTYPE_CODES.get(arr.dtype)
+    if code is not None:
+        return code
     code = _DTYPES.get(arr.dtype.name)
     if code is None:
         raise InvalidArgumentError(
             f"{what}: dtype {arr.dtype} is not supported (supported: {', '.join(_DTYPES)})"
         )
+    _DTYPE_CODES[arr.dtype] = code
     return code
 
 
 def _ptr(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
+    # __array_struct__ through the engine: ~0.2 µs against 3-4 µs for __array_interface__.
+    address = _core.array_address(arr)
+    if address is None:
+        address = arr.__array_interface__["data"][0]
+    return int(address)
 
 
 def _auto_name(kind: str, name: Optional[str]) -> str:

@@ -211,6 +211,12 @@ fn enqueue(
     })
 }
 
+/// The data address of a NumPy array, or `None` when `obj` has no `__array_struct__`.
+#[pyfunction]
+fn array_address(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    tensor::array_address(obj)
+}
+
 /// Declares this rank out of data; the handle's result is the last rank to join.
 #[pyfunction]
 fn join() -> PyResult<CoreHandle> {
@@ -500,6 +506,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
+    m.add_function(wrap_pyfunction!(array_address, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<RendezvousServer>()?;
     m.add_class::<OwnedBuffer>()?;

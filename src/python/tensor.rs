@@ -39,3 +39,44 @@ pub fn spec_from_py(t: super::PyTensor) -> PyResult<TensorSpec> {
         output,
     })
 }
+
+/// NumPy's `PyArrayInterface` (numpy/ndarraytypes.h), what `__array_struct__` points to.
+#[repr(C)]
+struct ArrayInterface {
+    two: libc::c_int,
+    nd: libc::c_int,
+    typekind: libc::c_char,
+    itemsize: libc::c_int,
+    flags: libc::c_int,
+    shape: *const isize,
+    strides: *const isize,
+    data: *mut libc::c_void,
+    descr: *mut libc::c_void,
+}
+
+/// The data address of a NumPy array, read through `__array_struct__` (a capsule, ~0.2 µs)
+/// instead of `__array_interface__` (a dict built per call, 3-4 µs: two of them were a tenth of
+/// a small allreduce). `None` for an object without a valid `__array_struct__`; the caller
+/// then falls back to `__array_interface__`.
+pub fn array_address(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    use pyo3::types::PyCapsule;
+    let Ok(attr) = obj.getattr(pyo3::intern!(obj.py(), "__array_struct__")) else {
+        return Ok(None);
+    };
+    let Ok(capsule) = attr.cast::<PyCapsule>() else {
+        return Ok(None);
+    };
+    // NumPy names this capsule NULL.
+    let Ok(ptr) = capsule.pointer_checked(None) else {
+        return Ok(None);
+    };
+    let ptr = ptr.as_ptr() as *const ArrayInterface;
+    // SAFETY: NumPy's capsule points at a `PyArrayInterface` that lives as long as the capsule,
+    // which `capsule` keeps alive for this read; `two == 2` is the struct's own sanity check,
+    // tested before any other field is trusted.
+    let iface = unsafe { &*ptr };
+    if iface.two != 2 {
+        return Ok(None);
+    }
+    Ok(Some(iface.data as usize))
+}
