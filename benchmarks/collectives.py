@@ -1,4 +1,4 @@
-"""Latency and bus bandwidth of ferrovod's collectives, optionally beside torch.distributed.
+"""Latency and bus bandwidth of ferrovod's collectives, optionally beside torch, mpi4py, Horovod.
 
 Run under the launcher, e.g.::
 
@@ -19,6 +19,29 @@ the job started by ``mpirun`` (ferrovod then finds its peers over MPI too)::
 
     mpirun -np 2 --bind-to none python benchmarks/collectives.py --compare torch,mpi4py
 
+With ``--compare horovod`` it times Horovod 0.28.1's PyTorch API (``hvd.allreduce_`` with
+``op=hvd.Sum``, ``hvd.allgather``, ``hvd.broadcast_``, named, with Horovod's default fusion
+and cycle-time settings) on CPU tensors of the same sizes, in the same processes. Horovod
+0.28.1 builds only against an older torch (2.0.x, NumPy 1), so it lives in its own venv that
+``scripts/install_horovod.sh`` builds (Horovod from its sdist, torch 2.0.1, mpi4py and
+ferrovod)::
+
+    scripts/install_horovod.sh
+    mpirun -np 2 --bind-to none .venv-horovod/bin/python benchmarks/collectives.py \
+        --compare torch,mpi4py,horovod
+
+How Horovod joins the job (``--horovod-controller``, default ``auto``): started by ``mpirun``
+(Open MPI or MPICH's Hydra), Horovod uses MPI as its controller and for its CPU collectives,
+as ``horovodrun --mpi`` / plain ``mpirun`` jobs do; started by ``ferrovodrun``, rank 0 runs
+Horovod's own HTTP rendezvous server and every rank gets the variables ``horovodrun --gloo``
+would set (rendezvous address and port, controller and CPU operations ``gloo``, the network
+interface: ``HOROVOD_GLOO_IFACE``, else ferrovodrun's ``FERROVOD_IFACE``, else ``lo``), so
+Horovod runs on gloo. ``--horovod-controller gloo`` forces gloo under mpirun too. Horovod's
+background thread synchronizes the ranks every cycle even when idle (busy-polling MPI under
+mpirun), which would slow whatever else runs beside it: so, after one join and leave at the
+start (a job Horovod cannot join fails then, with a message), Horovod runs only once every
+other column has been timed, in a phase of its own, and the table is printed at the end.
+
 The last columns are each peer's time divided by ferrovod's (> 1: ferrovod is faster).
 
 Each op's result is checked once per size, untimed, so a wrong result cannot look fast.
@@ -32,6 +55,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -203,6 +227,213 @@ class MpiStack:
         return self.out if op == "allgather" else self.buf
 
 
+class HorovodStack:
+    """Horovod's PyTorch API on CPU tensors of the same sizes; in place where Horovod has an
+    in-place call (allreduce_, broadcast_), a fresh output for allgather, named per op and size
+    as a training loop's tensors are."""
+
+    name = "horovod"
+
+    def __init__(self, count: int, rank: int, n: int) -> None:
+        import horovod.torch as hvd
+        import torch
+
+        self.hvd = hvd
+        self.source = torch.from_numpy(pattern(count, rank))
+        self.buf = self.source.clone()
+        self.out: Any = None
+        self.tag = f"{count}"
+
+    def reset(self) -> None:
+        """Restores the input that an in-place op overwrote (untimed)."""
+        self.buf.copy_(self.source)
+
+    def call(self, op: str) -> Callable[[], Any]:
+        """The matching horovod.torch call (each one returns when its result is ready)."""
+        hvd, name = self.hvd, f"bench.hvd.{op}.{self.tag}"
+        if op == "allreduce":
+            return lambda: hvd.allreduce_(self.buf, op=hvd.Sum, name=name)
+        if op == "allgather":
+
+            def gather() -> None:
+                self.out = hvd.allgather(self.buf, name=name)
+
+            return gather
+        return lambda: hvd.broadcast_(self.buf, root_rank=0, name=name)
+
+    def result(self, op: str) -> np.ndarray:
+        """The result of the last call of `op`, as NumPy."""
+        return (self.out if op == "allgather" else self.buf).numpy()
+
+
+# Variables by which each MPI launcher tells a process its rank and the world's size.
+_MPI_LAUNCHER_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+
+def _mpi_launched() -> bool:
+    """Whether an MPI launcher (Open MPI's mpirun, MPICH's Hydra) started this process."""
+    return any(size in os.environ for _, size in _MPI_LAUNCHER_VARS)
+
+
+def _launcher_rank() -> int | None:
+    """This process's rank as its launcher says, before any init (None: not launched)."""
+    for var in ("FERROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"):
+        if var in os.environ:
+            try:
+                return int(os.environ[var])
+            except ValueError:
+                return None
+    return None
+
+
+def import_horovod() -> Any:
+    """Imports horovod.torch, or exits with status 2 saying how to get it (before ferrovod
+    starts, so that no rank waits for one that left)."""
+    try:
+        import horovod.torch as hvd
+    except (ImportError, OSError) as err:
+        if _launcher_rank() in (None, 0):
+            print(
+                f"--compare horovod: horovod.torch cannot be imported by {sys.executable} "
+                f"({type(err).__name__}: {err}).\n"
+                "Horovod 0.28.1 needs its own venv (it builds only against torch 2.0.x); build "
+                "it with\n    scripts/install_horovod.sh\nthen run the benchmark with that "
+                "venv's python, e.g.\n    mpirun -np 2 --bind-to none .venv-horovod/bin/python "
+                "benchmarks/collectives.py --compare torch,mpi4py,horovod",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(2) from None
+    return hvd
+
+
+class HorovodJob:
+    """Horovod joined to this job over MPI or gloo, started and stopped around its own timings.
+
+    Horovod's background thread synchronizes all ranks every cycle (HOROVOD_CYCLE_TIME) even
+    when no tensor is pending — over MPI a busy-polling MPI_Allreduce per cycle — so while it
+    runs it takes CPU from, and shares MPI with, whatever else is being timed. The benchmark
+    therefore runs Horovod only in a phase of its own, after the other stacks'."""
+
+    def __init__(self, rank: int, n: int, master_addr: str, choice: str) -> None:
+        import horovod.torch as hvd
+        import torch
+
+        torch.set_num_threads(1)  # as for torch.distributed: the ranks share this VM's cores
+        self.hvd = hvd
+        self.rank, self.n = rank, n
+        self.master_addr = master_addr
+        self.controller = resolve_horovod_controller(hvd, choice)
+        self.server: Any = None  # rank 0's rendezvous HTTP server under gloo
+        self.server_thread: threading.Thread | None = None
+        self.slots: list[tuple[str, int, int, int, int, int]] = []
+        if self.controller == "mpi":
+            os.environ["HOROVOD_CONTROLLER"] = "mpi"
+            os.environ["HOROVOD_CPU_OPERATIONS"] = "mpi"
+        else:
+            self._setup_gloo()
+
+    def _setup_gloo(self) -> None:
+        """What horovodrun --gloo does: rank 0 serves Horovod's HTTP rendezvous, every rank
+        gets its address and its own slot in HOROVOD_* variables."""
+        port = 0
+        if self.rank == 0:
+            from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+            # horovodrun's RendezvousServer listens on every interface; this one only on the
+            # address the ranks are told to use.
+            self.server = RendezvousHTTPServer((self.master_addr, 0), RendezvousHandler, 0)
+            port = self.server.server_address[1]
+            self.server_thread = threading.Thread(target=self.server.serve_forever,
+                                                  name="horovod-rendezvous", daemon=True)
+            self.server_thread.start()
+        port = fv.broadcast_object(port, root_rank=0, name="bench.hvd_port")
+        # Every rank's slot as ferrovod sees the topology: the server sizes its scopes by them.
+        slot = (socket.gethostname(), self.rank, fv.local_rank(), fv.local_size(),
+                fv.cross_rank(), fv.cross_size())
+        self.slots = fv.allgather_object(slot, name="bench.hvd_slots")
+        hostname, _, local_rank, local_size, cross_rank, cross_size = slot
+        iface = os.environ.get("HOROVOD_GLOO_IFACE") or os.environ.get("FERROVOD_IFACE") or "lo"
+        os.environ.update({
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.master_addr,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+            "HOROVOD_GLOO_IFACE": iface,
+            "HOROVOD_HOSTNAME": hostname,
+            "HOROVOD_RANK": str(self.rank),
+            "HOROVOD_SIZE": str(self.n),
+            "HOROVOD_LOCAL_RANK": str(local_rank),
+            "HOROVOD_LOCAL_SIZE": str(local_size),
+            "HOROVOD_CROSS_RANK": str(cross_rank),
+            "HOROVOD_CROSS_SIZE": str(cross_size),
+        })
+
+    def start(self) -> None:
+        """hvd.init() on every rank; exits with a message, on every rank alike, unless each
+        one joined with ferrovod's rank and size."""
+        hvd = self.hvd
+        if self.server is not None:
+            from horovod.runner.common.util.hosts import SlotInfo
+
+            # (Re)arms the rendezvous scopes before any rank connects.
+            self.server.init([
+                SlotInfo(hostname=h, rank=r, local_rank=lr, cross_rank=cr, size=self.n,
+                         local_size=ls, cross_size=cs)
+                for h, r, lr, ls, cr, cs in self.slots])
+        fv.allgather_object(True, name="bench.hvd_armed")
+        try:
+            hvd.init()
+            joined = (hvd.rank(), hvd.size())
+        except Exception as err:  # noqa: BLE001 - Horovod raises bare ValueError / RuntimeError
+            joined = (-1, -1)
+            print(f"rank {self.rank}: horovod.init() over {self.controller} failed: {err}",
+                  file=sys.stderr, flush=True)
+        everyone = fv.allgather_object(joined, name="bench.hvd_joined")
+        if everyone != [(r, self.n) for r in range(self.n)]:
+            raise SystemExit(
+                f"--compare horovod: Horovod over {self.controller} saw (rank, size) {everyone}, "
+                f"ferrovod ranks 0..{self.n - 1} of {self.n}: "
+                + ("start the job with mpirun -np N, or with ferrovodrun (Horovod then uses gloo)"
+                   if self.controller == "mpi" else
+                   f"check that the ranks reach {self.master_addr} (--master-addr) and that "
+                   "HOROVOD_GLOO_IFACE names their network interface"))
+
+    def stop(self) -> None:
+        """hvd.shutdown() on every rank, then a barrier, so that Horovod's thread is gone
+        before anything else is timed."""
+        self.hvd.shutdown()
+        fv.allgather_object(True, name="bench.hvd_down")
+
+    def close(self) -> None:
+        """Stops rank 0's rendezvous server (after stop())."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server_thread.join()
+            self.server.server_close()
+            self.server = None
+
+
+def resolve_horovod_controller(hvd: Any, choice: str) -> str:
+    """'mpi' or 'gloo' for --horovod-controller `choice`; exits with a message, the same on
+    every rank, when Horovod cannot join this job that way."""
+    if choice == "auto":
+        choice = "mpi" if _mpi_launched() and hvd.mpi_built() else "gloo"
+    if choice == "mpi":
+        if not hvd.mpi_built():
+            raise SystemExit("--compare horovod: this Horovod was built without MPI; rebuild "
+                             "it with Open MPI's headers (scripts/install_horovod.sh installs "
+                             "libopenmpi-dev) or use --horovod-controller gloo")
+        if not _mpi_launched():
+            raise SystemExit("--compare horovod --horovod-controller mpi: Horovod joins over "
+                             "MPI only when mpirun started the job: mpirun -np N ... (or use "
+                             "ferrovodrun, where Horovod runs on gloo)")
+    elif not hvd.gloo_built():
+        raise SystemExit("--compare horovod: this Horovod was built without gloo: start the "
+                         "job with mpirun -np N so that Horovod can use MPI")
+    return choice
+
+
 def check_mpi(n: int) -> None:
     """--compare mpi4py needs this job to be MPI's COMM_WORLD (started by mpirun)."""
     try:
@@ -281,6 +512,14 @@ def init_torch(rank: int, n: int, master_addr: str) -> None:
     _gloo_has_allgather_into_tensor = all(flags)
 
 
+# The peers --compare accepts: name → stack constructor (count, rank, n).
+PEERS: dict[str, Callable[[int, int, int], Any]] = {
+    "torch": TorchStack,
+    "mpi4py": MpiStack,
+    "horovod": HorovodStack,
+}
+
+
 def verify(stack: Any, op: str, want: np.ndarray, tag: str) -> bool:
     """Runs `op` once and compares with the independently computed result `want`.
 
@@ -327,9 +566,13 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=200, help="timed calls for small sizes")
     parser.add_argument("--compare", default="",
                         help="comma-separated peers to time in the same run: torch "
-                             "(torch.distributed gloo), mpi4py (under mpirun)")
+                             "(torch.distributed gloo), mpi4py (under mpirun), horovod "
+                             "(horovod.torch; needs the venv of scripts/install_horovod.sh)")
+    parser.add_argument("--horovod-controller", choices=("auto", "mpi", "gloo"), default="auto",
+                        help="how Horovod joins: auto (MPI under mpirun, else gloo), mpi, gloo")
     parser.add_argument("--master-addr", default="127.0.0.1",
-                        help="address of rank 0 for torch.distributed (default: loopback)")
+                        help="address of rank 0 for torch.distributed and Horovod's gloo "
+                             "rendezvous (default: loopback)")
     args = parser.parse_args()
 
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -344,9 +587,11 @@ def main() -> int:
         parser.error("sizes must be positive multiples of 4 bytes (float32)")
 
     peers = [p.strip() for p in args.compare.split(",") if p.strip()]
-    unknown_peers = [p for p in peers if p not in ("torch", "mpi4py")]
+    unknown_peers = [p for p in peers if p not in PEERS]
     if unknown_peers:
-        parser.error(f"unknown peers {unknown_peers}; choose from torch, mpi4py")
+        parser.error(f"unknown peers {unknown_peers}; choose from {', '.join(PEERS)}")
+    if "horovod" in peers:
+        import_horovod()  # before fv.init(): a missing Horovod ends every rank at once
 
     fv.init()
     rank, n = fv.rank(), fv.size()
@@ -354,6 +599,11 @@ def main() -> int:
         check_mpi(n)
     if "torch" in peers:
         init_torch(rank, n, args.master_addr)
+    horovod_job = None
+    if "horovod" in peers:
+        horovod_job = HorovodJob(rank, n, args.master_addr, args.horovod_controller)
+        horovod_job.start()  # joins once up front, so that a job Horovod cannot join fails now
+        horovod_job.stop()
 
     headers = ["op", "size", "iters", "fv µs", "fv busbw GB/s"]
     for peer in peers:
@@ -371,46 +621,65 @@ def main() -> int:
             from mpi4py import MPI
 
             versions.append(f"mpi4py over {MPI.Get_library_version().splitlines()[0][:40]}")
+        if horovod_job is not None:
+            import horovod
+
+            versions.append(f"horovod {horovod.__version__} over {horovod_job.controller}")
         print(f"# ferrovod {getattr(fv, '__version__', '?')}, {n} ranks, float32, "
               f"python {platform.python_version()}, {os.cpu_count()} CPUs"
               + "".join(f", {v}" for v in versions))
         print(row_text(headers, widths))
         print(row_text(["-" * w for w in widths], widths))
 
+    # Phases: ferrovod and the peers that need no background thread, then Horovod alone (see
+    # HorovodJob). A row is printed once every column of it has been timed.
+    columns = ["ferrovod", *peers]
+    phases = [[c for c in columns if c != "horovod"]]
+    if "horovod" in peers:
+        phases.append(["horovod"])
+    timings: dict[tuple[str, int], dict[str, Timing | None]] = {}
     failures = 0
-    for op in ops:
-        for nbytes in sizes:
-            count = nbytes // 4
-            iters = iterations(nbytes, args.iters)
-            stacks: list[Any] = [FerrovodStack(count, rank)]
-            for peer in peers:
-                stacks.append(TorchStack(count, rank, n) if peer == "torch"
-                              else MpiStack(count, rank, n))
-            want = expected(op, count, n, root=0)
-            timings: list[Timing | None] = []
-            for stack in stacks:
-                tag = f"{stack.name}.{op}.{nbytes}"
-                if verify(stack, op, want, tag):
-                    seconds = time_calls(stack.call(op), stack.reset, iters)
-                    timings.append(Timing(slowest(seconds, tag), nbytes, op, n))
-                else:
-                    timings.append(None)
-                    failures += 1
-                if isinstance(stack, FerrovodStack):
-                    stack.out = None  # frees the gathered output before torch's run
-            if rank == 0:
-                cells = [op, format_size(nbytes), str(iters)]
-                for timing in timings:
-                    if timing is None:
-                        cells += ["WRONG", "-"]
+    for phase_no, phase in enumerate(phases):
+        last_phase = phase_no == len(phases) - 1
+        if "horovod" in phase:
+            assert horovod_job is not None
+            horovod_job.start()
+        for op in ops:
+            for nbytes in sizes:
+                count = nbytes // 4
+                iters = iterations(nbytes, args.iters)
+                want = expected(op, count, n, root=0)
+                row = timings.setdefault((op, nbytes), {})
+                for column in phase:
+                    stack = (FerrovodStack(count, rank) if column == "ferrovod"
+                             else PEERS[column](count, rank, n))
+                    tag = f"{stack.name}.{op}.{nbytes}"
+                    if verify(stack, op, want, tag):
+                        seconds = time_calls(stack.call(op), stack.reset, iters)
+                        row[column] = Timing(slowest(seconds, tag), nbytes, op, n)
                     else:
-                        cells += [f"{timing.seconds * 1e6:.1f}", f"{timing.busbw:.3f}"]
-                fv_t = timings[0]
-                for peer_t in timings[1:]:
-                    cells.append("-" if fv_t is None or peer_t is None else
-                                 f"{peer_t.seconds / fv_t.seconds:.2f}x")
-                print(row_text(cells, widths), flush=True)
-            del stacks, want
+                        row[column] = None
+                        failures += 1
+                    del stack  # frees its buffers (a gathered output too) before the next one
+                if rank == 0 and last_phase:
+                    cells = [op, format_size(nbytes), str(iters)]
+                    for column in columns:
+                        timing = row[column]
+                        if timing is None:
+                            cells += ["WRONG", "-"]
+                        else:
+                            cells += [f"{timing.seconds * 1e6:.1f}", f"{timing.busbw:.3f}"]
+                    fv_t = row["ferrovod"]
+                    for peer in peers:
+                        peer_t = row[peer]
+                        cells.append("-" if fv_t is None or peer_t is None else
+                                     f"{peer_t.seconds / fv_t.seconds:.2f}x")
+                    print(row_text(cells, widths), flush=True)
+                del want
+        if "horovod" in phase:
+            assert horovod_job is not None
+            horovod_job.stop()
+            horovod_job.close()
 
     if "torch" in peers:
         import torch.distributed as dist
