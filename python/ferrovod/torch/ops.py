@@ -13,6 +13,7 @@ engine touches alive until ``synchronize`` returns.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -58,18 +59,38 @@ def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
     """A C-contiguous CPU tensor holding ``t``'s values, and whether it is a copy.
 
     A contiguous CPU tensor is returned as itself (a detached alias: zero-copy). CUDA tensors
-    are staged through host memory until the NCCL path exists.
+    are staged through host memory (with a one-time warning) until the NCCL path exists.
     """
     _check_tensor(t, what)
     h = t.detach()
     copied = False
     if h.device.type != "cpu":
+        _warn_staging(h.device)
         h = h.to("cpu")
         copied = True
     if not h.is_contiguous():
         h = h.contiguous()
         copied = True
     return h, copied
+
+
+_staging_warned = False
+
+
+def _warn_staging(device: torch.device) -> None:
+    """Says once per process that device tensors go through host memory, and why."""
+    global _staging_warned
+    if _staging_warned:
+        return
+    _staging_warned = True
+    nccl = _api.gpu_libraries()["nccl"]
+    found = (f"NCCL {nccl.get('version')} was found but ferrovod's NCCL backend is not built yet"
+             if nccl.get("found") else f"no usable NCCL ({nccl.get('reason')})")
+    warnings.warn(
+        f"ferrovod: {device.type} tensors are copied to host memory for every collective and "
+        f"back ({found}); expect host-memory speed, not NCCL's",
+        RuntimeWarning, stacklevel=4,
+    )
 
 
 def _addr(t: torch.Tensor) -> int:
