@@ -33,6 +33,25 @@ pub struct Tuning {
     pub hierarchical: Hierarchical,
 }
 
+impl Tuning {
+    /// The settings every rank must share, as the variables that set them: ranks that cut a
+    /// ring into different chunks, or pick different algorithms, would wait for transfers
+    /// that never come or mix up each other's bytes. Compared across ranks at start-up.
+    pub fn shared_settings(&self) -> String {
+        format!(
+            "FERROVOD_SMALL_ALLREDUCE_BYTES={} FERROVOD_CHUNK_BYTES={} \
+             FERROVOD_HIERARCHICAL_ALLREDUCE={}",
+            self.small_allreduce_bytes,
+            self.chunk_bytes,
+            match self.hierarchical {
+                Hierarchical::Auto => "auto",
+                Hierarchical::Always => "1",
+                Hierarchical::Never => "0",
+            }
+        )
+    }
+}
+
 impl Default for Tuning {
     fn default() -> Self {
         Tuning {

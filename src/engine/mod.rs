@@ -318,18 +318,35 @@ impl Engine {
                 } else {
                     None
                 };
-                let me = format!("{}\n{}", data.local_addr()?, config.hostname);
+                let settings = config.tuning.shared_settings();
+                let me = format!("{}\n{}\n{settings}", data.local_addr()?, config.hostname);
                 store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
                 let mut addrs = Vec::with_capacity(size);
                 let mut hosts = Vec::with_capacity(size);
+                let mut disagree = None;
                 for r in 0..size {
                     let v = store.get(&key(&format!("peer/{r}")), deadline)?;
                     let text = String::from_utf8_lossy(&v).to_string();
-                    let (a, h) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+                    let mut lines = text.splitn(3, '\n');
+                    let a = lines.next().unwrap_or_default();
+                    let h = lines.next().unwrap_or_default();
+                    let theirs = lines.next().unwrap_or_default();
                     addrs.push(a.parse::<SocketAddr>().map_err(|e| {
                         Error::Decode(format!("rank {r} published a bad address {a:?}: {e}"))
                     })?);
                     hosts.push(h.to_string());
+                    if theirs != settings && disagree.is_none() {
+                        disagree = Some((r, theirs.to_string()));
+                    }
+                }
+                // Every rank reads every entry, so every rank fails here alike, before any
+                // collective could hang on the difference.
+                if let Some((r, theirs)) = disagree {
+                    return Err(Error::InvalidArgument(format!(
+                        "ranks disagree on settings every rank must share: rank {rank} has \
+                         `{settings}`, rank {r} has `{theirs}`; set them the same everywhere \
+                         (ferrovodrun passes its environment, and `-x VAR=value`, to every rank)"
+                    )));
                 }
                 let coord = store.get(&key("coordinator"), deadline)?;
                 let coord = String::from_utf8_lossy(&coord).to_string();

@@ -27,6 +27,11 @@ def test_invalid_arguments_are_value_errors():
     assert_ok(res, 2, min_checks=15)
 
 
+def test_disagreeing_settings_fail_init_on_every_rank():
+    res = run_job(3, "errors_worker.py", "settings", timeout=60)
+    assert_ok(res, 3, min_checks=4)
+
+
 def test_ops_before_init_raise_not_initialized():
     res = run_plain("errors_worker.py", "notinit")
     assert res.returncode == 0 and "OK " in res.stdout, describe(res)

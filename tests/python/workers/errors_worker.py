@@ -7,6 +7,7 @@ usage: errors_worker.py CASE [ARGS...]
   kill MARKER ITER    rank 1 SIGKILLs itself at loop iteration ITER; the others report
   fork                a child forked after init() must get NotInitializedError
   stall               rank 1 SIGSTOPs itself mid-transfer; the others must time out, not hang
+  settings            rank 1 cuts rings into other chunks; init() must fail on every rank
 """
 
 import os
@@ -270,10 +271,30 @@ def case_fork():
     return ck.count
 
 
+def case_settings():
+    """Settings the algorithms depend on must agree: a rank that chunked rings differently
+    would wait for transfers that never come. init() must say so on every rank, naming the
+    setting, both values and the other rank."""
+    rank = int(os.environ["FERROVOD_RANK"])
+    if rank == 1:
+        os.environ["FERROVOD_CHUNK_BYTES"] = "65536"
+    ck = T.Checker(rank)
+    t0 = time.monotonic()
+    e = ck.raises(fv.InvalidArgumentError, fv.init, "init with disagreeing settings",
+                  contains=("FERROVOD_CHUNK_BYTES=65536", "FERROVOD_CHUNK_BYTES=1048576"))
+    msg = str(e)
+    ck.true(names_rank(msg, 0 if rank == 1 else 1), "settings", f"does not name the other rank: {msg}")
+    ck.true(time.monotonic() - t0 < 30, "settings", "took too long to fail")
+    ck.equal(fv.is_initialized(), False, "not initialized after the failed init")
+    print(f"caught: {msg}", flush=True)
+    return ck.count
+
+
 def main():
     case, args = sys.argv[1], sys.argv[2:]
     fn = {"mismatch": case_mismatch, "invalid": case_invalid, "notinit": case_notinit,
-          "kill": case_kill, "fork": case_fork, "stall": case_stall}[case]
+          "kill": case_kill, "fork": case_fork, "stall": case_stall,
+          "settings": case_settings}[case]
     return fn(*args)
 
 
