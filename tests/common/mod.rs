@@ -1,0 +1,188 @@
+//! Reference inputs and checks shared by the collective test suites: per-rank inputs derived
+//! from a hash (so every rank can regenerate every other rank's), an exact fold in rank order,
+//! and the comparison of each rank's bytes with it and with rank 0's.
+//!
+//! Each test binary uses a different part of this.
+#![allow(dead_code)]
+
+use _core::comm::Communicator;
+use _core::{collective, DType, ReduceOp};
+use half::{bf16, f16};
+
+pub fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+pub fn hash(rank: usize, i: usize, salt: u64) -> u64 {
+    splitmix(splitmix(rank as u64 ^ salt.rotate_left(17)) ^ i as u64)
+}
+
+/// One element, held wide enough for an exact reference.
+#[derive(Clone, Copy, Debug)]
+pub enum V {
+    /// Integers, exactly.
+    I(i128),
+    /// Floats, widened.
+    F(f64),
+}
+
+/// Rank `rank`'s element `i`. Integers use the whole range so sums and products wrap. Floats
+/// are dyadic: multiples of 1/8 in ±12.5 (sums of up to five stay exact in f32, f64 and f16),
+/// factors from a short table for products, and a NaN now and then on one rank.
+pub fn input(dtype: DType, op: ReduceOp, rank: usize, i: usize, n: usize) -> V {
+    let h = hash(rank, i, dtype as u64 * 8 + op as u64);
+    if !dtype.is_float() {
+        return V::I(wrap(dtype, h as i64 as i128));
+    }
+    if i % 53 == 7 && rank == (i / 53) % n {
+        return V::F(f64::NAN);
+    }
+    if op == ReduceOp::Product {
+        const F: [f64; 8] = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, -1.0, -0.5];
+        V::F(F[(h % 8) as usize])
+    } else {
+        V::F((h % 201) as f64 / 8.0 - 12.5)
+    }
+}
+
+pub fn wrap(dtype: DType, x: i128) -> i128 {
+    match dtype {
+        DType::U8 => x as u8 as i128,
+        DType::I8 => x as i8 as i128,
+        DType::I16 => x as i16 as i128,
+        DType::I32 => x as i32 as i128,
+        DType::I64 => x as i64 as i128,
+        _ => unreachable!(),
+    }
+}
+
+pub fn encode(dtype: DType, vals: &[V]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match (dtype, v) {
+            (DType::U8, V::I(x)) => out.push(x as u8),
+            (DType::I8, V::I(x)) => out.push(x as i8 as u8),
+            (DType::I16, V::I(x)) => out.extend((x as i16).to_ne_bytes()),
+            (DType::I32, V::I(x)) => out.extend((x as i32).to_ne_bytes()),
+            (DType::I64, V::I(x)) => out.extend((x as i64).to_ne_bytes()),
+            (DType::F16, V::F(x)) => out.extend(f16::from_f64(x).to_bits().to_ne_bytes()),
+            (DType::BF16, V::F(x)) => out.extend(bf16::from_f64(x).to_bits().to_ne_bytes()),
+            (DType::F32, V::F(x)) => out.extend((x as f32).to_ne_bytes()),
+            (DType::F64, V::F(x)) => out.extend(x.to_ne_bytes()),
+            _ => unreachable!(),
+        }
+    }
+    out
+}
+
+pub fn decode(dtype: DType, b: &[u8]) -> Vec<V> {
+    b.chunks_exact(dtype.size())
+        .map(|c| match dtype {
+            DType::U8 => V::I(c[0] as i128),
+            DType::I8 => V::I(c[0] as i8 as i128),
+            DType::I16 => V::I(i16::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::I32 => V::I(i32::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::I64 => V::I(i64::from_ne_bytes(c.try_into().unwrap()) as i128),
+            DType::F16 => V::F(f16::from_bits(u16::from_ne_bytes(c.try_into().unwrap())).into()),
+            DType::BF16 => V::F(bf16::from_bits(u16::from_ne_bytes(c.try_into().unwrap())).into()),
+            DType::F32 => V::F(f32::from_ne_bytes(c.try_into().unwrap()) as f64),
+            DType::F64 => V::F(f64::from_ne_bytes(c.try_into().unwrap())),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+/// Sequential fold in rank order: wrapping i128 truncated to the dtype, or f64 with NumPy's
+/// NaN rules for min/max.
+pub fn fold(dtype: DType, op: ReduceOp, vals: &[V]) -> V {
+    let mut it = vals.iter().copied();
+    let first = it.next().unwrap();
+    it.fold(first, |a, b| match (a, b) {
+        (V::I(a), V::I(b)) => V::I(wrap(
+            dtype,
+            match op {
+                ReduceOp::Sum | ReduceOp::Average => a.wrapping_add(b),
+                ReduceOp::Product => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+                ReduceOp::Adasum => unreachable!(),
+            },
+        )),
+        (V::F(a), V::F(b)) => V::F(match op {
+            ReduceOp::Sum | ReduceOp::Average => a + b,
+            ReduceOp::Product => a * b,
+            _ if a.is_nan() || b.is_nan() => f64::NAN,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Adasum => unreachable!(),
+        }),
+        _ => unreachable!(),
+    })
+}
+
+/// Compares one result element: exact, except that f16/bf16 sums and products (rounded at
+/// every step) may differ by a few units in the last place of the magnitudes involved.
+pub fn check_elem(dtype: DType, op: ReduceOp, got: V, want: V, inputs: &[V], what: &str) {
+    match (got, want) {
+        (V::I(g), V::I(w)) => assert_eq!(g, w, "{what}"),
+        (V::F(g), V::F(w)) => {
+            if w.is_nan() || g.is_nan() {
+                assert!(w.is_nan() && g.is_nan(), "{what}: got {g}, want {w}");
+                return;
+            }
+            let ulp = match dtype {
+                DType::F16 => 2f64.powi(-10),
+                DType::BF16 => 2f64.powi(-7),
+                _ => 0.0,
+            };
+            let scale = match op {
+                ReduceOp::Product => w.abs(),
+                _ => inputs
+                    .iter()
+                    .map(|v| if let V::F(x) = v { x.abs() } else { 0.0 })
+                    .sum(),
+            };
+            let tol = ulp * scale * inputs.len() as f64;
+            assert!(
+                (g - w).abs() <= tol,
+                "{what}: got {g}, want {w} (tol {tol})"
+            );
+        }
+        _ => unreachable!(),
+    }
+}
+
+/// Checks every rank's allreduce result against the reference and against rank 0's bytes.
+pub fn check_allreduce(dtype: DType, op: ReduceOp, count: usize, results: &[Vec<u8>], what: &str) {
+    let n = results.len();
+    for (r, res) in results.iter().enumerate() {
+        assert_eq!(
+            res, &results[0],
+            "{what}: rank {r} differs bitwise from rank 0"
+        );
+    }
+    let got = decode(dtype, &results[0]);
+    assert_eq!(got.len(), count, "{what}");
+    for (i, &g) in got.iter().enumerate() {
+        let inputs: Vec<V> = (0..n).map(|r| input(dtype, op, r, i, n)).collect();
+        let inputs = decode(dtype, &encode(dtype, &inputs));
+        let want = fold(dtype, op, &inputs);
+        check_elem(dtype, op, g, want, &inputs, &format!("{what} element {i}"));
+    }
+}
+
+pub fn allreduce_one(
+    c: &mut Communicator<'_>,
+    dtype: DType,
+    op: ReduceOp,
+    count: usize,
+) -> Vec<u8> {
+    let (n, r) = (c.size(), c.rank());
+    let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
+    let mut buf = encode(dtype, &vals);
+    collective::allreduce(c, &mut buf, dtype, op).expect("allreduce");
+    buf
+}
