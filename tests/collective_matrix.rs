@@ -172,57 +172,10 @@ fn allreduce_large() {
 /// min/max): ranks must still agree bit for bit, on every algorithm path.
 #[test]
 fn float_allreduce_is_bitwise_identical_across_ranks() {
-    let messy = |dtype: DType, r: usize, i: usize| -> f64 {
-        let h = hash(r, i, 99 + dtype as u64);
-        if h % 5 == 0 {
-            return if h % 2 == 0 { 0.0 } else { -0.0 };
-        }
-        let mant = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
-        mant * 10f64.powi((h % 9) as i32 - 4)
-    };
     for n in 2..=5 {
         for (tname, tuning) in [("default", Tuning::default()), ("tiny", tiny())] {
-            let count = 257;
-            let results = run(n, &tuning, |c| {
-                let mut out = Vec::new();
-                for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
-                    for op in [
-                        ReduceOp::Sum,
-                        ReduceOp::Min,
-                        ReduceOp::Max,
-                        ReduceOp::Product,
-                    ] {
-                        let vals: Vec<V> = (0..count)
-                            .map(|i| V::F(messy(dtype, c.rank(), i)))
-                            .collect();
-                        let mut buf = encode(dtype, &vals);
-                        collective::allreduce(c, &mut buf, dtype, op).unwrap();
-                        out.push(buf);
-                    }
-                }
-                out
-            });
-            for k in 0..results[0].len() {
-                for (r, res) in results.iter().enumerate() {
-                    assert_eq!(
-                        res[k], results[0][k],
-                        "n={n} {tname} case {k}: rank {r} differs"
-                    );
-                }
-            }
-            // And the sums are right, within float rounding.
-            let dtype = DType::F64;
-            let got = decode(dtype, &results[0][12]);
-            for (i, g) in got.iter().enumerate() {
-                let inputs: Vec<f64> = (0..n).map(|r| messy(dtype, r, i)).collect();
-                let want: f64 = inputs.iter().sum();
-                let bound: f64 = inputs.iter().map(|x| x.abs()).sum::<f64>() * 1e-15;
-                let V::F(g) = *g else { unreachable!() };
-                assert!(
-                    (g - want).abs() <= bound,
-                    "f64 sum element {i}: {g} vs {want}"
-                );
-            }
+            let results = run(n, &tuning, |c| messy_allreduces(c, 257));
+            check_messy(&results, &format!("n={n} {tname}"));
         }
     }
 }

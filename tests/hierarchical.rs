@@ -172,51 +172,11 @@ fn every_layout_dtype_op_and_size_matches_the_reference_bitwise_on_every_rank() 
 /// every rank must still hold the same bits, on both shapes and the flat path.
 #[test]
 fn order_sensitive_floats_are_bitwise_identical_on_every_rank() {
-    let messy = |dtype: DType, r: usize, i: usize| -> f64 {
-        let h = hash(r, i, 99 + dtype as u64);
-        if h % 5 == 0 {
-            return if h % 2 == 0 { 0.0 } else { -0.0 };
-        }
-        let mant = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
-        mant * 10f64.powi((h % 9) as i32 - 4)
-    };
     let t = tuning(Hierarchical::Always, 512, 160);
     for (name, hosts) in LAYOUTS {
-        let n = hosts.len();
         for count in [33, 257, 4099] {
-            let (results, _) = run(hosts, &t, |c| {
-                let mut out = Vec::new();
-                for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
-                    for op in OPS {
-                        let vals: Vec<V> = (0..count)
-                            .map(|i| V::F(messy(dtype, c.rank(), i)))
-                            .collect();
-                        let mut buf = encode(dtype, &vals);
-                        collective::allreduce(c, &mut buf, dtype, op).unwrap();
-                        out.push(buf);
-                    }
-                }
-                out
-            });
-            for k in 0..results[0].len() {
-                for (r, res) in results.iter().enumerate() {
-                    assert!(
-                        res[k] == results[0][k],
-                        "{name} count={count} case {k}: rank {r} differs bitwise"
-                    );
-                }
-            }
-            // f64 sums (case 12) are right within rounding.
-            for (i, g) in decode(DType::F64, &results[0][12]).iter().enumerate() {
-                let inputs: Vec<f64> = (0..n).map(|r| messy(DType::F64, r, i)).collect();
-                let want: f64 = inputs.iter().sum();
-                let bound: f64 = inputs.iter().map(|x| x.abs()).sum::<f64>() * 1e-15;
-                let V::F(g) = *g else { unreachable!() };
-                assert!(
-                    (g - want).abs() <= bound,
-                    "{name} element {i}: {g} vs {want}"
-                );
-            }
+            let (results, _) = run(hosts, &t, |c| messy_allreduces(c, count));
+            check_messy(&results, &format!("{name} count={count}"));
         }
     }
 }

@@ -186,3 +186,66 @@ pub fn allreduce_one(
     collective::allreduce(c, &mut buf, dtype, op).expect("allreduce");
     buf
 }
+
+/// Rank `r`'s element `i` of an input whose float sums depend on the order of addition: wide
+/// magnitudes, and signed zeros for min/max.
+pub fn messy(dtype: DType, r: usize, i: usize) -> f64 {
+    let h = hash(r, i, 99 + dtype as u64);
+    if h % 5 == 0 {
+        return if h % 2 == 0 { 0.0 } else { -0.0 };
+    }
+    let mant = (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+    mant * 10f64.powi((h % 9) as i32 - 4)
+}
+
+/// The float dtypes × sum/min/max/product allreduces of [`messy`] inputs, on this rank: 16
+/// results, the f64 sum at index [`MESSY_F64_SUM`].
+pub fn messy_allreduces(c: &mut Communicator<'_>, count: usize) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    for dtype in [DType::F16, DType::BF16, DType::F32, DType::F64] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Product,
+        ] {
+            let vals: Vec<V> = (0..count)
+                .map(|i| V::F(messy(dtype, c.rank(), i)))
+                .collect();
+            let mut buf = encode(dtype, &vals);
+            collective::allreduce(c, &mut buf, dtype, op).unwrap();
+            out.push(buf);
+        }
+    }
+    out
+}
+
+/// Where [`messy_allreduces`] puts the f64 sum.
+pub const MESSY_F64_SUM: usize = 12;
+
+/// Every rank holds rank 0's bits for every [`messy_allreduces`] case, and the f64 sums are
+/// right within rounding.
+pub fn check_messy(results: &[Vec<Vec<u8>>], what: &str) {
+    let n = results.len();
+    for k in 0..results[0].len() {
+        for (r, res) in results.iter().enumerate() {
+            assert_eq!(
+                res[k], results[0][k],
+                "{what} case {k}: rank {r} differs bitwise"
+            );
+        }
+    }
+    for (i, g) in decode(DType::F64, &results[0][MESSY_F64_SUM])
+        .iter()
+        .enumerate()
+    {
+        let inputs: Vec<f64> = (0..n).map(|r| messy(DType::F64, r, i)).collect();
+        let want: f64 = inputs.iter().sum();
+        let bound: f64 = inputs.iter().map(|x| x.abs()).sum::<f64>() * 1e-15;
+        let V::F(g) = *g else { unreachable!() };
+        assert!(
+            (g - want).abs() <= bound,
+            "{what} f64 sum element {i}: {g} vs {want}"
+        );
+    }
+}
