@@ -278,7 +278,7 @@ impl Engine {
                 let ip = bind_ip.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
                 let listener = TcpListener::bind((ip, 0))?;
                 let addr = listener.local_addr()?;
-                let (local, local_name) = bind_local_control();
+                let (local, local_name) = bind_local_control().unzip();
                 let coordinator = Coordinator::start(listener, local, coord_cfg)?;
                 let data = TcpListener::bind((ip, 0))?;
                 let transport = TcpTransport::connect_mesh(
@@ -310,7 +310,7 @@ impl Engine {
                 let coordinator = if rank == 0 {
                     let listener = TcpListener::bind((ip, 0))?;
                     let addr = listener.local_addr()?;
-                    let (local, local_name) = bind_local_control();
+                    let (local, local_name) = bind_local_control().unzip();
                     let c = Coordinator::start(listener, local, coord_cfg)?;
                     let published = format!("{addr}\n{}", local_name.unwrap_or_default());
                     store.set(&key("coordinator"), published.as_bytes())?;
@@ -627,18 +627,16 @@ struct CoordinatorAddr {
 /// Binds the coordinator's local control socket under a random abstract name (no file to
 /// clean up; other jobs cannot guess it, and connections are authenticated anyway). `None`
 /// when this host does not allow it: every rank then uses TCP.
-fn bind_local_control() -> (Option<UnixListener>, Option<String>) {
-    let mut token = [0u8; 16];
-    if getrandom::fill(&mut token).is_err() {
-        return (None, None);
-    }
-    let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    let name = format!("ferrovod-control-{hex}");
-    match UnixAddr::from_abstract_name(name.as_bytes()).and_then(|a| UnixListener::bind_addr(&a)) {
-        Ok(l) => (Some(l), Some(name)),
+fn bind_local_control() -> Option<(UnixListener, String)> {
+    let bound = crate::transport::shm::random_name("ferrovod-control").and_then(|name| {
+        let addr = UnixAddr::from_abstract_name(name.as_bytes())?;
+        Ok((UnixListener::bind_addr(&addr)?, name))
+    });
+    match bound {
+        Ok(l) => Some(l),
         Err(e) => {
             log::debug!(target: crate::LOG_TARGET, "no local control socket ({e}); using TCP");
-            (None, None)
+            None
         }
     }
 }

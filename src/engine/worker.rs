@@ -369,7 +369,7 @@ impl Worker {
         if let Err(e) = self.control.send(&msg.encode(), self.timeout) {
             // The coordinator may have told us why before it closed (a Unix socket fails the
             // write at once, before we have read that): its verdict names the real cause.
-            if let Some(verdict) = self.verdict_in_flight() {
+            if let (Some(verdict), _) = self.verdict_in_flight() {
                 self.fail(verdict);
                 return;
             }
@@ -538,28 +538,22 @@ impl Worker {
         let deadline = Instant::now() + Duration::from_millis(1500);
         while Instant::now() < deadline {
             let _ = wait_readable(&[self.control.fd()], Duration::from_millis(50));
-            let open = self.control.fill();
-            while let Ok(Some(frame)) = self.control.next_frame() {
-                if let Ok(FromCoordinator::RankFailed {
-                    rank,
-                    detail,
-                    stalled,
-                }) = FromCoordinator::decode(&frame)
-                {
-                    return self.verdict(rank, detail, stalled);
-                }
+            let (verdict, open) = self.verdict_in_flight();
+            if let Some(verdict) = verdict {
+                return verdict;
             }
-            if !matches!(open, Ok(true)) {
+            if !open {
                 break;
             }
         }
         err
     }
 
-    /// A `RankFailed` verdict already received but not yet read, if any. Only for a rank that
-    /// is failing anyway: other messages read here are dropped.
-    fn verdict_in_flight(&mut self) -> Option<Error> {
-        let _ = self.control.fill();
+    /// A `RankFailed` verdict already received but not yet read, if any, and whether the
+    /// connection is still open. Only for a rank that is failing anyway: other messages read
+    /// here are dropped.
+    fn verdict_in_flight(&mut self) -> (Option<Error>, bool) {
+        let open = matches!(self.control.fill(), Ok(true));
         while let Ok(Some(frame)) = self.control.next_frame() {
             if let Ok(FromCoordinator::RankFailed {
                 rank,
@@ -567,10 +561,10 @@ impl Worker {
                 stalled,
             }) = FromCoordinator::decode(&frame)
             {
-                return Some(self.verdict(rank, detail, stalled));
+                return (Some(self.verdict(rank, detail, stalled)), open);
             }
         }
-        None
+        (None, open)
     }
 
     /// The error for the coordinator's verdict on `rank`.

@@ -193,8 +193,17 @@ fn random<const N: usize>() -> Result<[u8; N]> {
 }
 
 fn abstract_name(token: &[u8; 16]) -> String {
+    random_name_with(NAME_PREFIX, token)
+}
+
+fn random_name_with(prefix: &str, token: &[u8; 16]) -> String {
     let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{NAME_PREFIX}-{hex}")
+    format!("{prefix}-{hex}")
+}
+
+/// A fresh unguessable name for an abstract Unix socket: `prefix` and 128 random bits in hex.
+pub(crate) fn random_name(prefix: &str) -> Result<String> {
+    Ok(random_name_with(prefix, &random::<16>()?))
 }
 
 /// Key comparison whose time does not depend on where the first difference is.
