@@ -1,6 +1,13 @@
 //! A framed, non-blocking control connection (u32 little-endian length + payload). The engine
 //! and the coordinator poll these alongside other descriptors, so reads never block and
 //! partial frames are kept until complete.
+//!
+//! Ranks on the coordinator's host talk to it through a pair of shared-memory rings (the shm
+//! transport's [`ShmLink`]) whose Unix socket only rings and carries hang-up: a socket message
+//! costs a system call on each side and a failed read for every poll that finds nothing, about
+//! half a small op's time in the engine; a ring costs a few stores and loads. The price is that
+//! a thread about to block must arm the ring first ([`FrameConn::arm`]), so that the writer
+//! knows to ring.
 
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -10,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::bootstrap::net::Stream;
 use crate::error::{Error, Result};
+use crate::transport::shm::ShmLink;
 
 /// The socket under a control connection: TCP, or (for ranks on the coordinator's host) a
 /// Unix socket, which costs about half as much per message as loopback TCP here (a busy-polled
@@ -20,15 +28,26 @@ pub enum ControlStream {
     Tcp(TcpStream),
     /// Same host: the coordinator's abstract Unix socket.
     Unix(UnixStream),
+    /// Same host, after set-up: rings in a shared segment (the socket under it rings).
+    Shm(Box<ShmLink>),
 }
 
 impl ControlStream {
-    fn shutdown(&self) {
+    fn shutdown(&mut self) {
         let _ = match self {
             ControlStream::Tcp(s) => s.shutdown(Shutdown::Both),
             ControlStream::Unix(s) => s.shutdown(Shutdown::Both),
+            ControlStream::Shm(l) => {
+                l.abort();
+                Ok(())
+            }
         };
     }
+}
+
+/// A ring's `PeerLost` as the I/O error a socket would give.
+fn ring_error(e: Error) -> io::Error {
+    io::Error::new(ErrorKind::BrokenPipe, e.to_string())
 }
 
 impl Read for ControlStream {
@@ -36,6 +55,12 @@ impl Read for ControlStream {
         match self {
             ControlStream::Tcp(s) => s.read(buf),
             ControlStream::Unix(s) => s.read(buf),
+            ControlStream::Shm(l) => match l.read_some(buf) {
+                Ok(0) => Err(ErrorKind::WouldBlock.into()),
+                Ok(n) => Ok(n),
+                // The peer is gone and we have read everything it sent: end of stream.
+                Err(_) => Ok(0),
+            },
         }
     }
 }
@@ -45,6 +70,10 @@ impl Write for ControlStream {
         match self {
             ControlStream::Tcp(s) => s.write(buf),
             ControlStream::Unix(s) => s.write(buf),
+            ControlStream::Shm(l) => match l.write_some(buf).map_err(ring_error)? {
+                0 => Err(ErrorKind::WouldBlock.into()),
+                n => Ok(n),
+            },
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -57,6 +86,7 @@ impl AsRawFd for ControlStream {
         match self {
             ControlStream::Tcp(s) => s.as_raw_fd(),
             ControlStream::Unix(s) => s.as_raw_fd(),
+            ControlStream::Shm(l) => l.doorbell().as_raw_fd(),
         }
     }
 }
@@ -66,18 +96,21 @@ impl Stream for ControlStream {
         match self {
             ControlStream::Tcp(s) => s.set_read_timeout(t),
             ControlStream::Unix(s) => s.set_read_timeout(t),
+            ControlStream::Shm(l) => l.doorbell().set_read_timeout(t),
         }
     }
     fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
             ControlStream::Tcp(s) => s.set_write_timeout(t),
             ControlStream::Unix(s) => s.set_write_timeout(t),
+            ControlStream::Shm(l) => l.doorbell().set_write_timeout(t),
         }
     }
     fn set_nonblocking(&self, on: bool) -> io::Result<()> {
         match self {
             ControlStream::Tcp(s) => s.set_nonblocking(on),
             ControlStream::Unix(s) => s.set_nonblocking(on),
+            ControlStream::Shm(l) => l.doorbell().set_nonblocking(on),
         }
     }
 }
@@ -93,6 +126,9 @@ pub struct FrameConn {
     pub peer: usize,
     buf: Vec<u8>,
     start: usize,
+    /// Read buffer, zeroed once: a fresh 64 KiB array per read cost a memset on every poll, a
+    /// fifth of a small op's CPU time.
+    scratch: Box<[u8]>,
 }
 
 impl FrameConn {
@@ -107,6 +143,7 @@ impl FrameConn {
             peer,
             buf: Vec::with_capacity(4096),
             start: 0,
+            scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
         })
     }
 
@@ -144,11 +181,10 @@ impl FrameConn {
 
     /// Reads whatever is available without blocking. Returns `Ok(false)` at end of stream.
     pub fn fill(&mut self) -> Result<bool> {
-        let mut chunk = [0u8; 64 * 1024];
         loop {
-            match self.stream.read(&mut chunk) {
+            match self.stream.read(&mut self.scratch) {
                 Ok(0) => return Ok(false),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => self.buf.extend_from_slice(&self.scratch[..n]),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(true),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(Error::from_peer_io(self.peer, &e)),
@@ -180,8 +216,57 @@ impl FrameConn {
     }
 
     /// Shuts the connection down in both directions.
-    pub fn close(&self) {
+    pub fn close(&mut self) {
         self.stream.shutdown();
+    }
+
+    /// Whether input may be waiting without asking the kernel: bytes in the ring (or its
+    /// peer gone). Sockets say false; poll their descriptor.
+    pub fn has_input(&self) -> bool {
+        match &self.stream {
+            ControlStream::Shm(l) => l.readable(),
+            _ => false,
+        }
+    }
+
+    /// Whether this connection is a ring (its descriptor only rings).
+    pub fn has_ring(&self) -> bool {
+        matches!(self.stream, ControlStream::Shm(_))
+    }
+
+    /// Before blocking on [`FrameConn::fd`]: asks a ring's writer to ring the socket. Returns
+    /// false when input is already waiting (do not block; [`FrameConn::disarm`] and read).
+    pub fn arm(&self) -> bool {
+        match &self.stream {
+            ControlStream::Shm(l) => {
+                l.arm();
+                !l.readable()
+            }
+            _ => true,
+        }
+    }
+
+    /// After a blocking wait (or instead of one): stops the writer ringing, and consumes the
+    /// rings when `rang` (the descriptor polled readable), noticing a hang-up.
+    pub fn disarm(&mut self, rang: bool) {
+        if let ControlStream::Shm(l) = &mut self.stream {
+            l.disarm();
+            if rang {
+                l.drain_doorbell(0);
+            }
+        }
+    }
+
+    /// Blocks until input may be waiting, for at most `timeout`.
+    pub fn wait_readable(&mut self, timeout: Duration) -> Result<()> {
+        if self.arm() {
+            let ready = super::sys::wait_readable(&[self.fd()], timeout);
+            self.disarm(ready.as_ref().is_ok_and(|r| !r.is_empty()));
+            ready?;
+        } else {
+            self.disarm(false);
+        }
+        Ok(())
     }
 
     fn compact(&mut self) {

@@ -23,6 +23,7 @@ use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
 use super::progress::Lease;
 use super::sys::{wait_readable, Waker};
+use crate::transport::shm::ShmLink;
 
 /// Settings the coordinator needs.
 pub struct CoordinatorConfig {
@@ -130,7 +131,7 @@ impl Assist {
     pub fn turn(&self, spin: Duration) -> bool {
         self.lease.renew(spin);
         match self.state.try_lock() {
-            Some(mut state) if !state.stopped => state.poll_and_turn(false),
+            Some(mut state) if !state.stopped => state.poll_and_turn(false, true),
             _ => false,
         }
     }
@@ -142,26 +143,10 @@ impl Assist {
     }
 }
 
-/// Which of `fds` are readable within `timeout`: polled without blocking (yielding the core
-/// between polls) for up to `spin`, then blocking. A blocking wake-up costs 40-60 µs on the
-/// VMs we measure; a small op's negotiation is a few of them in a row.
-fn wait_idle(fds: &[RawFd], timeout: Duration, spin: Duration) -> Vec<usize> {
-    if !spin.is_zero() && !timeout.is_zero() {
-        let start = Instant::now();
-        while start.elapsed() < spin.min(timeout) {
-            let ready = wait_readable(fds, Duration::ZERO).unwrap_or_default();
-            if !ready.is_empty() {
-                return ready;
-            }
-            std::thread::yield_now();
-        }
-    }
-    wait_readable(fds, timeout).unwrap_or_default()
-}
-
 /// The coordinator thread: turn while there is work; when idle, spin only after work it did
 /// itself (when rank 0's caller did it, stay out of that caller's way), then block. While
-/// rank 0's caller holds the lease, sleep instead.
+/// rank 0's caller holds the lease, sleep instead. A blocking wake-up costs 40-60 µs on the
+/// VMs we measure; a small op's negotiation is a few of them in a row.
 fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
     let spin = state.lock().cfg.spin;
     let mut busy_at = Instant::now();
@@ -176,20 +161,31 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
             let st = state.lock();
             (st.fds(), st.timeout(stopping))
         };
-        let own_work_recently = busy_at.elapsed() < spin;
-        wait_idle(
-            &fds,
-            timeout,
-            if own_work_recently {
-                spin
-            } else {
-                Duration::ZERO
-            },
-        );
+        let spin_for = if busy_at.elapsed() < spin {
+            spin.min(timeout)
+        } else {
+            Duration::ZERO
+        };
+        let start = Instant::now();
+        let mut input = false;
+        while start.elapsed() < spin_for {
+            input = state.lock().has_input()
+                || !wait_readable(&fds, Duration::ZERO)
+                    .unwrap_or_default()
+                    .is_empty();
+            if input {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        if !input && !timeout.is_zero() && state.lock().arm() {
+            let _ = wait_readable(&fds, timeout);
+        }
         waker.clear();
         let mut st = state.lock();
+        st.disarm();
         // Another thread may have turned the coordinator while we waited: poll afresh.
-        if st.poll_and_turn(stopping) {
+        if st.poll_and_turn(stopping, false) {
             busy_at = Instant::now();
         }
         if stopping {
@@ -198,6 +194,10 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
         }
     }
 }
+
+/// How often rank 0's caller, turning a coordinator whose connections are all rings, polls its
+/// descriptors: new connections and hang-ups may wait this long to be seen while it spins.
+const ASSIST_POLL: Duration = Duration::from_micros(50);
 
 /// Everything the coordinator keeps between turns.
 struct State {
@@ -217,6 +217,8 @@ struct State {
     cycle_time: Duration,
     tuner: Option<Autotuner>,
     stopped: bool,
+    /// When [`State::poll_and_turn`] last polled the descriptors.
+    last_poll: Instant,
 }
 
 impl State {
@@ -266,6 +268,7 @@ impl State {
             cycle_time,
             tuner,
             stopped: false,
+            last_poll: Instant::now(),
         }
     }
 
@@ -303,13 +306,42 @@ impl State {
         }
     }
 
+    /// Whether a connection's ring holds input (no system call).
+    fn has_input(&self) -> bool {
+        self.conns.iter().flatten().any(FrameConn::has_input)
+    }
+
+    /// Before blocking on [`State::fds`]: arms every ring. False when input is already there.
+    fn arm(&self) -> bool {
+        // Arm them all even when one has input: `disarm` follows either way.
+        let mut quiet = true;
+        for c in self.conns.iter().flatten() {
+            quiet &= c.arm();
+        }
+        quiet
+    }
+
+    /// After a blocking wait: no ring needs ringing any more.
+    fn disarm(&mut self) {
+        for c in self.conns.iter_mut().flatten() {
+            c.disarm(false);
+        }
+    }
+
     /// Polls every descriptor without blocking and handles what is readable. Returns whether
-    /// anything was received or sent.
-    fn poll_and_turn(&mut self, stopping: bool) -> bool {
-        let fds = self.fds();
-        let readable = wait_readable(&fds, Duration::ZERO).unwrap_or_default();
-        let received = readable.iter().any(|&i| i > 0);
-        let sent = self.turn(&readable, stopping);
+    /// anything was received or sent. `assist`: rank 0's caller is turning the coordinator in
+    /// a loop; when every connection is a ring, the descriptors (listeners, the waker, ring
+    /// hang-ups) are polled at most every [`ASSIST_POLL`], saving a system call per turn.
+    fn poll_and_turn(&mut self, stopping: bool, assist: bool) -> bool {
+        let rings_only = self.conns.iter().flatten().all(FrameConn::has_ring);
+        let polled = if assist && rings_only && self.last_poll.elapsed() < ASSIST_POLL {
+            Vec::new()
+        } else {
+            self.last_poll = Instant::now();
+            wait_readable(&self.fds(), Duration::ZERO).unwrap_or_default()
+        };
+        let received = polled.iter().any(|&i| i > 0) || self.has_input();
+        let sent = self.turn(&polled, stopping);
         received || sent
     }
 
@@ -341,8 +373,13 @@ impl State {
             }
         }
         for (i, &rank) in ranks.iter().enumerate() {
-            if !stopping && !readable.contains(&(i + first)) {
-                continue;
+            let rang = readable.contains(&(i + first));
+            if let Some(c) = self.conns[rank].as_mut() {
+                if rang {
+                    c.disarm(true);
+                } else if !stopping && !c.has_input() {
+                    continue;
+                }
             }
             self.receive(rank);
         }
@@ -455,7 +492,7 @@ impl State {
 
     fn close(&mut self) {
         self.stopped = true;
-        for c in self.conns.iter().flatten() {
+        for c in self.conns.iter_mut().flatten() {
             c.close();
         }
     }
@@ -501,10 +538,17 @@ fn authenticate_async(
                 auth::authenticate(&mut stream, &secret, false, timeout)?;
                 crate::bootstrap::net::Stream::set_read_timeout(&stream, Some(timeout))?;
                 let frame = net::read_frame(&mut stream, 1024)?;
-                match ToCoordinator::decode(&frame)? {
-                    ToCoordinator::Hello { rank } => Ok(rank),
-                    _ => Err(Error::Decode("expected hello".into())),
+                let rank = match ToCoordinator::decode(&frame)? {
+                    ToCoordinator::Hello { rank } => rank,
+                    _ => return Err(Error::Decode("expected hello".into())),
+                };
+                // A rank on this host always offers control rings next (or declines).
+                if let ControlStream::Unix(s) = &mut stream {
+                    if let Some(link) = ShmLink::accept_control(s, rank, timeout)? {
+                        stream = ControlStream::Shm(Box::new(link));
+                    }
                 }
+                Ok(rank)
             })();
             match hello {
                 Ok(rank) => {
@@ -522,7 +566,9 @@ fn authenticate_async(
                         ControlStream::Tcp(s) => s
                             .peer_addr()
                             .map_or_else(|_| "an unknown address".into(), |a| a.to_string()),
-                        ControlStream::Unix(_) => "a process on this host".into(),
+                        ControlStream::Unix(_) | ControlStream::Shm(_) => {
+                            "a process on this host".into()
+                        }
                     }
                 ),
             }

@@ -399,7 +399,8 @@ impl Engine {
             topology.cross_rank = cr;
             topology.cross_size = cs;
         }
-        let control = connect_control(&coord_addr, rank, &secret, deadline, config.timeout)?;
+        let rings = (!config.shm_disable).then_some(crate::transport::shm::CONTROL_RING_BYTES);
+        let control = connect_control(&coord_addr, rank, &secret, deadline, config.timeout, rings)?;
 
         let mut sets: HashMap<u32, Vec<usize>> = HashMap::new();
         sets.insert(0, (0..size).collect());
@@ -653,6 +654,7 @@ fn connect_control(
     secret: &[u8],
     timeout: Duration,
     liveness: Duration,
+    rings: Option<usize>,
 ) -> Result<control::FrameConn> {
     let deadline = Instant::now() + timeout;
     let addr = coordinator.tcp;
@@ -679,6 +681,11 @@ fn connect_control(
         sys::detect_unreachable_peer(std::os::fd::AsRawFd::as_raw_fd(s), liveness)?;
     }
     net::write_frame(&mut stream, &ToCoordinator::Hello { rank }.encode())?;
+    if let ControlStream::Unix(s) = &mut stream {
+        if let Some(link) = crate::transport::shm::ShmLink::offer_control(s, rings, timeout)? {
+            stream = ControlStream::Shm(Box::new(link));
+        }
+    }
     let mut conn = control::FrameConn::new(stream, 0)?;
     // init() is collective: wait until every rank has registered with the coordinator.
     loop {
@@ -706,7 +713,7 @@ fn connect_control(
                 after: timeout,
             });
         }
-        sys::wait_readable(&[conn.fd()], left)?;
+        conn.wait_readable(left)?;
     }
 }
 

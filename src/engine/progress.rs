@@ -183,6 +183,9 @@ pub(super) fn start(
 /// holds the lease, sleep instead.
 fn run(slot: &Slot, shared: &Shared, spin: Duration) {
     let mut busy_at = Instant::now();
+    // Slept armed and not yet disarmed (a caller held the worker when we woke): the control
+    // descriptor's readiness then.
+    let mut armed: Option<bool> = None;
     loop {
         if let Some(left) = shared.lease.remaining() {
             let _ = wait_readable(&[shared.waker.fd()], left);
@@ -193,6 +196,9 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
         let Some(worker) = guard.as_mut() else {
             return;
         };
+        if let Some(rang) = armed.take() {
+            worker.disarm(rang);
+        }
         match worker.step() {
             Step::Busy => {
                 busy_at = Instant::now();
@@ -205,13 +211,29 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
             Step::Idle => {}
         }
         let fds = worker.idle_fds();
-        drop(guard);
         if busy_at.elapsed() < spin {
+            drop(guard);
             std::thread::yield_now();
             continue;
         }
+        if !worker.arm() {
+            worker.disarm(false);
+            continue;
+        }
+        drop(guard);
         // The descriptors stay open while we sleep: only this thread drops the worker.
-        let _ = wait_readable(&fds, Duration::from_secs(1));
+        let woke = wait_readable(&fds, Duration::from_secs(1)).unwrap_or_default();
         shared.waker.clear();
+        // Disarm at once if we can, or the coordinator rings for every message while a caller
+        // turns the worker; otherwise on the next turn.
+        let rang = woke.iter().any(|&i| i > 0);
+        match slot.try_lock() {
+            Some(mut g) => {
+                if let Some(w) = g.as_mut() {
+                    w.disarm(rang);
+                }
+            }
+            None => armed = Some(rang),
+        }
     }
 }

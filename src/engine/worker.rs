@@ -149,6 +149,18 @@ impl Worker {
         fds
     }
 
+    /// Before blocking on [`Worker::idle_fds`]: asks the coordinator to ring. False when its
+    /// input is already waiting (turn again instead of blocking).
+    pub fn arm(&self) -> bool {
+        !self.control_open || self.control.arm()
+    }
+
+    /// After waking (or deciding not to block): stops the ringing; `rang`: the control
+    /// descriptor polled readable.
+    pub fn disarm(&mut self, rang: bool) {
+        self.control.disarm(rang);
+    }
+
     /// Takes every queued command and sends new submissions to the coordinator in one
     /// message. Called before each collective too, so that the next tensors are negotiated
     /// while the current ones are on the wire. Returns whether anything was queued.

@@ -44,8 +44,9 @@
 //!
 //! All raw-pointer, `mmap` and `sendmsg`/`recvmsg` code is in the private `sys` module below.
 
-use std::io::{ErrorKind, Read};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -68,6 +69,13 @@ pub const CHUNK_BYTES: usize = 64 << 10;
 
 /// Prefix of every name this module creates (memfd names, abstract socket names).
 pub const NAME_PREFIX: &str = "ferrovod-shm";
+
+/// Ring bytes per direction of a control connection: control messages are small, and a
+/// larger one streams through.
+pub const CONTROL_RING_BYTES: usize = 256 << 10;
+const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"FVCTL001");
+/// Magic, then ring bytes (0 and no descriptor: declined).
+const CONTROL_OFFER_LEN: usize = 16;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"FVSHM001");
 const OFFER_MAGIC: u32 = u32::from_le_bytes(*b"FVS1");
@@ -107,7 +115,7 @@ fn segment_len(cap: usize) -> usize {
 }
 
 /// One end of a shared-memory link with one peer. Side 0 is the lower rank.
-pub(crate) struct ShmLink {
+pub struct ShmLink {
     peer: usize,
     side: usize,
     map: sys::Mapping,
@@ -206,6 +214,11 @@ pub(crate) fn random_name(prefix: &str) -> Result<String> {
     Ok(random_name_with(prefix, &random::<16>()?))
 }
 
+fn write_all(sock: &mut UnixStream, bytes: &[u8]) -> Result<()> {
+    sock.write_all(bytes)
+        .map_err(|e| Error::Io(format!("setting up a control ring: {e}")))
+}
+
 /// Key comparison whose time does not depend on where the first difference is.
 fn same_key(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -284,26 +297,13 @@ impl ShmLink {
             attempt
         };
         match attempt {
-            Ok((map, doorbell)) => {
-                doorbell.set_nonblocking(true)?;
-                let side = usize::from(!lower);
-                let stride = ring_stride(cap);
-                Ok(Some(ShmLink {
-                    peer,
-                    side,
-                    map,
-                    cap: cap as u64,
-                    chunk: CHUNK_BYTES.min(cap.div_ceil(4)),
-                    out_base: HEADER + side * stride,
-                    in_base: HEADER + (1 - side) * stride,
-                    tail: 0,
-                    head_seen: 0,
-                    head: 0,
-                    tail_seen: 0,
-                    doorbell,
-                    dead: false,
-                }))
-            }
+            Ok((map, doorbell)) => Ok(Some(Self::over(
+                map,
+                doorbell,
+                peer,
+                usize::from(!lower),
+                cap,
+            )?)),
             Err(why) => {
                 log::warn!(
                     target: crate::LOG_TARGET,
@@ -314,17 +314,165 @@ impl ShmLink {
         }
     }
 
+    /// A link over a mapped segment of `cap`-byte rings; `side` 0 created it.
+    fn over(
+        map: sys::Mapping,
+        doorbell: UnixStream,
+        peer: usize,
+        side: usize,
+        cap: usize,
+    ) -> Result<ShmLink> {
+        doorbell.set_nonblocking(true)?;
+        let stride = ring_stride(cap);
+        Ok(ShmLink {
+            peer,
+            side,
+            map,
+            cap: cap as u64,
+            chunk: CHUNK_BYTES.min(cap.div_ceil(4)),
+            out_base: HEADER + side * stride,
+            in_base: HEADER + (1 - side) * stride,
+            tail: 0,
+            head_seen: 0,
+            head: 0,
+            tail_seen: 0,
+            doorbell,
+            dead: false,
+        })
+    }
+
+    /// A new segment of `cap`-byte rings with its header written: its descriptor and mapping.
+    fn new_segment(cap: usize) -> std::result::Result<(OwnedFd, sys::Mapping), String> {
+        let (fd, map) =
+            sys::Mapping::create(segment_len(cap)).map_err(|e| format!("memfd segment: {e}"))?;
+        map.atomic(OFF_RING_BYTES)
+            .store(cap as u64, Ordering::Relaxed);
+        map.atomic(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        Ok((fd, map))
+    }
+
+    /// Maps a received segment and checks its header.
+    fn map_segment(fd: OwnedFd, cap: usize) -> std::result::Result<sys::Mapping, String> {
+        let map = sys::Mapping::open(fd, segment_len(cap))
+            .map_err(|e| format!("mapping the segment: {e}"))?;
+        let magic = map.atomic(OFF_MAGIC).load(Ordering::Acquire);
+        let ring = map.atomic(OFF_RING_BYTES).load(Ordering::Relaxed);
+        if magic == MAGIC && ring == cap as u64 {
+            Ok(map)
+        } else {
+            Err(format!("bad segment header ({magic:#x}, {ring} bytes)"))
+        }
+    }
+
+    /// Control connections (see `engine::control`), client side: over `sock`, an already
+    /// authenticated Unix connection to the coordinator, offers a segment of `cap`-byte rings
+    /// (`None`: declines), and waits for the answer. The socket then only rings and watches
+    /// for hang-up. `Ok(None)`: keep the plain socket.
+    pub(crate) fn offer_control(
+        sock: &mut UnixStream,
+        cap: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Option<ShmLink>> {
+        let segment = cap.map(|cap| (cap, Self::new_segment(cap)));
+        let mut offer = [0u8; CONTROL_OFFER_LEN];
+        offer[..8].copy_from_slice(&CONTROL_MAGIC.to_le_bytes());
+        match &segment {
+            Some((cap, Ok((fd, _)))) => {
+                offer[8..].copy_from_slice(&(*cap as u64).to_le_bytes());
+                sys::send_with_fd(sock, &offer, fd)?;
+            }
+            Some((_, Err(why))) => {
+                log::debug!(target: crate::LOG_TARGET, "control over a socket: {why}");
+                write_all(sock, &offer)?;
+            }
+            None => write_all(sock, &offer)?,
+        }
+        sock.set_read_timeout(Some(timeout))?;
+        let mut status = [0u8; 1];
+        sock.read_exact(&mut status)
+            .map_err(|e| Error::from_peer_io(0, &e))?;
+        sock.set_read_timeout(None)?;
+        match (segment, status[0]) {
+            (Some((cap, Ok((_, map)))), 1) => {
+                Ok(Some(Self::over(map, sock.try_clone()?, 0, 0, cap)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Control connections, coordinator side: receives the offer [`ShmLink::offer_control`]
+    /// sent on `sock` (from global rank `rank`), maps the segment and answers. `Ok(None)`: the
+    /// client declined or the segment was unusable (logged); the plain socket stays.
+    pub(crate) fn accept_control(
+        sock: &mut UnixStream,
+        rank: usize,
+        timeout: Duration,
+    ) -> Result<Option<ShmLink>> {
+        let deadline = Instant::now() + timeout;
+        let what = format!("waiting for rank {rank}'s control offer");
+        let mut offer = [0u8; CONTROL_OFFER_LEN];
+        let (n, fd) = loop {
+            let left = remaining(deadline, &what, timeout)?;
+            let mut fds = [poll_fd(&*sock, POLL_IN)];
+            poll(&mut fds, Some(left))?;
+            match sys::recv_with_fd(sock, &mut offer) {
+                Ok(got) => break got,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(Error::from_peer_io(rank, &e)),
+            }
+        };
+        if n != CONTROL_OFFER_LEN || offer[..8] != CONTROL_MAGIC.to_le_bytes() {
+            return Err(Error::Decode(format!("bad control offer from rank {rank}")));
+        }
+        let cap = u64::from_le_bytes(offer[8..].try_into().expect("8 bytes")) as usize;
+        let mapped = match fd {
+            Some(fd) if (MIN_RING_BYTES..=MAX_RING_BYTES).contains(&cap) => {
+                Self::map_segment(fd, cap).map(Some)
+            }
+            Some(_) => Err(format!("a control ring of {cap} bytes")),
+            None => Ok(None),
+        };
+        let mapped = mapped.unwrap_or_else(|why| {
+            log::warn!(
+                target: crate::LOG_TARGET,
+                "control connection of rank {rank} stays on its socket: {why}"
+            );
+            None
+        });
+        write_all(sock, &[u8::from(mapped.is_some())])?;
+        match mapped {
+            Some(map) => Ok(Some(Self::over(map, sock.try_clone()?, rank, 1, cap)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Bytes waiting in the inbound ring, or the peer gone; no system call.
+    pub(crate) fn readable(&self) -> bool {
+        self.ready(false)
+    }
+
+    /// Moves bytes of `buf` into the outbound ring; how many (0: full).
+    pub(crate) fn write_some(&mut self, buf: &[u8]) -> Result<usize> {
+        let mut off = 0;
+        self.send(buf, &mut off)?;
+        Ok(off)
+    }
+
+    /// Moves waiting bytes into `buf`; how many (0: none yet). Once the peer has gone and its
+    /// last bytes are read, `PeerLost`.
+    pub(crate) fn read_some(&mut self, buf: &mut [u8]) -> Result<usize> {
+        let mut off = 0;
+        self.recv(buf, &mut off)?;
+        Ok(off)
+    }
+
     /// Lower rank: creates and initialises the segment, then hands its descriptor to the
     /// higher rank's set-up socket along with the key. The connection is the doorbell.
     fn create_and_send(
         theirs: &Offer,
         cap: usize,
     ) -> std::result::Result<(sys::Mapping, UnixStream), String> {
-        let (fd, map) =
-            sys::Mapping::create(segment_len(cap)).map_err(|e| format!("memfd segment: {e}"))?;
-        map.atomic(OFF_RING_BYTES)
-            .store(cap as u64, Ordering::Relaxed);
-        map.atomic(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        let (fd, map) = Self::new_segment(cap)?;
         let addr = UnixAddr::from_abstract_name(abstract_name(&theirs.name).as_bytes())
             .map_err(|e| e.to_string())?;
         let sock = UnixStream::connect_addr(&addr)
@@ -381,17 +529,7 @@ impl ShmLink {
             let mut msg = [0u8; KEY_LEN + 1];
             match sys::recv_with_fd(&s, &mut msg) {
                 Ok((n, Some(fd))) if n == KEY_LEN && same_key(&msg[..n], key) => {
-                    return Ok(sys::Mapping::open(fd, segment_len(cap))
-                        .map_err(|e| format!("mapping the segment: {e}"))
-                        .and_then(|map| {
-                            let magic = map.atomic(OFF_MAGIC).load(Ordering::Acquire);
-                            let ring = map.atomic(OFF_RING_BYTES).load(Ordering::Relaxed);
-                            if magic == MAGIC && ring == cap as u64 {
-                                Ok((map, s))
-                            } else {
-                                Err(format!("bad segment header ({magic:#x}, {ring} bytes)"))
-                            }
-                        }));
+                    return Ok(Self::map_segment(fd, cap).map(|map| (map, s)));
                 }
                 // A stranger (or a message without a descriptor): drop it, closing any fd.
                 _ => {}
@@ -496,8 +634,9 @@ impl ShmLink {
             }
             let n = want.min(self.tail_seen - self.head) as usize;
             if n == 0 {
-                if self.dead || self.peer_closed() {
-                    // Bytes published before the peer went are still ours to read.
+                // Bytes published before the peer went are still ours to read, and those
+                // moved by this call are reported before the closure is (on the next call).
+                if *off == start && (self.dead || self.peer_closed()) {
                     self.tail_seen = self.load_tail()?;
                     if self.tail_seen == self.head {
                         return Err(
@@ -994,5 +1133,95 @@ mod tests {
         let res = b.progress(&mut Xfer::Send { peer: 0, buf: &[1] }, &mut off);
         assert!(matches!(res, Err(Error::PeerLost { rank: 0, .. })));
         assert!(b.ready(true) && b.ready(false));
+    }
+
+    fn control_pair(ring: usize) -> (ShmLink, ShmLink) {
+        let (mut c, mut s) = UnixStream::pair().unwrap();
+        let t = Duration::from_secs(10);
+        let coordinator =
+            std::thread::spawn(move || ShmLink::accept_control(&mut s, 3, t).unwrap().unwrap());
+        let client = ShmLink::offer_control(&mut c, Some(ring), t)
+            .unwrap()
+            .unwrap();
+        (client, coordinator.join().unwrap())
+    }
+
+    #[test]
+    fn control_rings_stream_both_ways_and_ring_only_for_an_armed_sleeper() {
+        let (mut client, mut coord) = control_pair(4096);
+        // More than a ring's worth each way, interleaved as the two threads would.
+        let up: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let down: Vec<u8> = (0..9_000u32).map(|i| (i * 13 % 241) as u8).collect();
+        let (mut got_up, mut got_down) = (Vec::new(), Vec::new());
+        let (mut sent_up, mut sent_down) = (0, 0);
+        let mut buf = [0u8; 1000];
+        while got_up.len() < up.len() || got_down.len() < down.len() {
+            sent_up += client.write_some(&up[sent_up..]).unwrap();
+            sent_down += coord.write_some(&down[sent_down..]).unwrap();
+            let n = coord.read_some(&mut buf).unwrap();
+            got_up.extend_from_slice(&buf[..n]);
+            let n = client.read_some(&mut buf).unwrap();
+            got_down.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!((got_up, got_down), (up, down));
+        let quiet = |l: &ShmLink| {
+            let mut fds = [poll_fd(l.doorbell(), POLL_IN)];
+            poll(&mut fds, Some(Duration::ZERO)).unwrap();
+            fds[0].revents == 0
+        };
+        // Not armed: a write rings nothing.
+        client.write_some(b"x").unwrap();
+        assert!(quiet(&coord) && coord.readable());
+        assert_eq!(coord.read_some(&mut buf).unwrap(), 1);
+        // Armed: the next write rings once, and the ring is cleared by the writer.
+        coord.arm();
+        assert!(!coord.readable());
+        client.write_some(b"yz").unwrap();
+        let mut fds = [poll_fd(coord.doorbell(), POLL_IN)];
+        poll(&mut fds, Some(Duration::from_secs(5))).unwrap();
+        assert_ne!(fds[0].revents, 0);
+        coord.drain_doorbell(fds[0].revents);
+        coord.disarm();
+        assert!(quiet(&coord));
+        assert_eq!(coord.read_some(&mut buf).unwrap(), 2);
+    }
+
+    #[test]
+    fn control_ring_hands_over_the_last_words_before_the_closure() {
+        let (mut client, mut coord) = control_pair(4096);
+        client.write_some(b"leave").unwrap();
+        drop(client);
+        // A buffer larger than what is there: the bytes come first, the closure after.
+        let mut buf = [0u8; 64];
+        assert_eq!(coord.read_some(&mut buf).unwrap(), 5);
+        assert_eq!(&buf[..5], b"leave");
+        assert!(matches!(
+            coord.read_some(&mut buf),
+            Err(Error::PeerLost { rank: 3, .. })
+        ));
+        assert!(coord.write_some(b"late").is_err());
+    }
+
+    #[test]
+    fn control_offer_declined_or_malformed() {
+        let t = Duration::from_secs(10);
+        let (mut c, mut s) = UnixStream::pair().unwrap();
+        let coordinator = std::thread::spawn(move || {
+            let link = ShmLink::accept_control(&mut s, 1, t).unwrap();
+            (link.is_none(), s)
+        });
+        assert!(ShmLink::offer_control(&mut c, None, t).unwrap().is_none());
+        let (declined, mut s) = coordinator.join().unwrap();
+        assert!(declined);
+        // The socket is still a plain byte stream for both.
+        c.write_all(b"plain").unwrap();
+        let mut got = [0u8; 5];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"plain");
+
+        let (mut c, mut s) = UnixStream::pair().unwrap();
+        c.write_all(&[0xAB; CONTROL_OFFER_LEN]).unwrap();
+        let res = ShmLink::accept_control(&mut s, 2, t);
+        assert!(matches!(res, Err(Error::Decode(m)) if m.contains("rank 2")));
     }
 }
