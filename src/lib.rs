@@ -7,9 +7,11 @@
 //! - [`transport`] — point-to-point links ([`transport::tcp`]); algorithms never see which;
 //! - [`bootstrap`] — job secret, authenticated connections, rendezvous store;
 //! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
+//! - [`backend`] — device collectives ([`backend::nccl`]) on the libraries [`gpu`] found;
 //! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`].
 #![deny(missing_docs)]
 
+pub mod backend;
 pub mod bootstrap;
 pub mod collective;
 pub mod comm;

@@ -10,9 +10,9 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::bootstrap::tcp_store::TcpStoreServer;
+use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
 use crate::config::{Config, VARS};
 use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
 use crate::error::Error;
@@ -23,6 +23,12 @@ use errors::to_pyerr;
 struct Slot {
     engine: Engine,
     pid: u32,
+    /// This `init()`'s number, which keys its rendezvous-store entries.
+    generation: u64,
+    /// The job's rendezvous store (address, secret) and its wait limit, for the NCCL
+    /// unique-id exchange; `None` for a one-rank job without one.
+    store: Option<(String, Vec<u8>)>,
+    start_timeout: std::time::Duration,
 }
 
 static ENGINE: OnceLock<Mutex<Option<Slot>>> = OnceLock::new();
@@ -86,9 +92,16 @@ fn init(
     let engine = py
         .detach(|| Engine::start(&config, &process_sets, generation))
         .map_err(to_pyerr)?;
+    let store = match (&config.launch.rendezvous_addr, &config.launch.secret) {
+        (Some(addr), Some(secret)) => Some((addr.clone(), secret.clone())),
+        _ => None,
+    };
     *guard = Some(Slot {
         engine,
         pid: std::process::id(),
+        generation,
+        store,
+        start_timeout: config.start_timeout,
     });
     Ok(())
 }
@@ -394,7 +407,13 @@ impl RendezvousServer {
     }
 }
 
-/// What this build contains and can use.
+/// Whether the engine hands CUDA tensors to the NCCL backend (not yet: they are staged
+/// through host memory). `build_info`'s `gpu_operations` and `nccl_built()` follow it.
+const DEVICE_DISPATCH: bool = false;
+
+/// What this build contains. `nccl`: the NCCL backend is compiled in (every build); whether
+/// it can be used on this machine is the run-time probe's answer (`gpu_probe`).
+/// `device_dispatch`: whether the engine uses it for CUDA tensors ([`DEVICE_DISPATCH`]).
 #[pyfunction]
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
@@ -402,8 +421,10 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("transports", vec!["tcp", "shm"])?;
     d.set_item("controllers", vec!["ferrovod"])?;
     d.set_item("cpu_operations", vec!["ferrovod"])?;
-    d.set_item("gpu_operations", PyList::empty(py))?;
-    d.set_item("nccl", false)?;
+    let gpu_operations: &[&str] = if DEVICE_DISPATCH { &["nccl"] } else { &[] };
+    d.set_item("gpu_operations", gpu_operations)?;
+    d.set_item("nccl", true)?;
+    d.set_item("device_dispatch", DEVICE_DISPATCH)?;
     d.set_item("cuda", false)?;
     d.set_item("mpi", false)?;
     d.set_item("gloo", false)?;
@@ -463,6 +484,55 @@ fn gpu_probe(py: Python<'_>, extra_dirs: Vec<String>) -> PyResult<Bound<'_, PyDi
     Ok(d)
 }
 
+/// Agrees on an NCCL unique id for a communicator of process set `process_set_id` through
+/// the job's rendezvous store, as the engine does before creating one: the set's first rank
+/// generates it (`ncclGetUniqueId`), the others fetch it. `comm_index` tells apart several
+/// communicators of one set. Needs a usable NCCL (the probe's search, with `extra_dirs`), no
+/// GPU. Returns the id's 128 bytes.
+#[pyfunction]
+#[pyo3(signature = (extra_dirs, process_set_id=0, comm_index=0))]
+fn nccl_unique_id(
+    py: Python<'_>,
+    extra_dirs: Vec<String>,
+    process_set_id: u32,
+    comm_index: u32,
+) -> PyResult<Bound<'_, PyBytes>> {
+    use crate::backend::nccl::{unique_id_key, Nccl};
+    let (ranks, rank) = with_engine(|e| Ok((e.process_set(process_set_id), e.topology().rank)))?;
+    let (generation, store, timeout) = {
+        let guard = slot().lock();
+        let s = guard.as_ref().expect("with_engine found it");
+        (s.generation, s.store.clone(), s.start_timeout)
+    };
+    let ranks = ranks.ok_or_else(|| {
+        to_pyerr(Error::InvalidArgument(format!(
+            "no process set {process_set_id}"
+        )))
+    })?;
+    let me = ranks.iter().position(|&r| r == rank).ok_or_else(|| {
+        to_pyerr(Error::InvalidArgument(format!(
+            "rank {rank} is not a member of process set {process_set_id}"
+        )))
+    })?;
+    let dirs: Vec<std::path::PathBuf> = extra_dirs.into_iter().map(Into::into).collect();
+    let explicit = crate::config::nccl_library();
+    let id = py
+        .detach(|| {
+            let probe = crate::gpu::loader::probe_nccl(explicit.as_deref(), &dirs);
+            let nccl = Nccl::open(&probe)?;
+            match store {
+                Some((addr, secret)) if ranks.len() > 1 => {
+                    let store = TcpStore::connect(addr.as_str(), &secret, timeout)?;
+                    let key = unique_id_key(generation, process_set_id, comm_index);
+                    nccl.exchange_unique_id(&store, &key, me, timeout)
+                }
+                _ => nccl.unique_id(),
+            }
+        })
+        .map_err(to_pyerr)?;
+    Ok(PyBytes::new(py, id.as_bytes()))
+}
+
 /// Every environment variable: (name, Horovod alias or None, default, meaning).
 #[pyfunction]
 fn env_vars() -> Vec<(
@@ -505,6 +575,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(process_sets, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     m.add_function(wrap_pyfunction!(array_address, m)?)?;
     m.add_class::<CoreHandle>()?;

@@ -4,7 +4,8 @@ Nothing GPU-related is linked into the build; `ferrovod.gpu_libraries()` (and
 `ferrovodrun --check-build`) report what `dlopen` found. These run on a machine without a GPU:
 the NCCL that torch's wheels install must be found and its version read, a missing or foreign
 or too-old library must be described (never crash the process), and the CUDA driver's absence
-must be reported as such.
+must be reported as such. A 3-rank job agrees on a real NCCL unique id through its rendezvous
+store.
 """
 
 import importlib.metadata
@@ -16,6 +17,8 @@ import sys
 import textwrap
 
 import pytest
+
+from conftest import assert_ok, run_job
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
@@ -99,7 +102,15 @@ def test_import_and_init_load_no_gpu_library(monkeypatch):
     """Nothing is loaded unless asked: a CPU job never maps libnccl or libcuda."""
     code = ("import ferrovod; ferrovod.init(); import numpy as np; ferrovod.allreduce(np.ones(3)); "
             "maps = open('/proc/self/maps').read(); "
-            "print('nccl' in maps, 'libcuda' in maps)")
+            "print('libnccl' in maps, 'libcuda' in maps)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"], out.stdout
+
+
+def test_ranks_agree_on_an_nccl_unique_id_through_the_rendezvous_store():
+    """The exchange the engine runs before creating an NCCL communicator, on 3 real ranks: the
+    set's first rank generates the id with the wheel's NCCL, the others fetch it from the job's
+    store; ferrovod's allgather of the bytes shows every member holds it (see the worker)."""
+    res = run_job(3, "nccl_worker.py", timeout=120)
+    assert_ok(res, 3, min_checks=8, same_count=False)

@@ -165,6 +165,9 @@ def _gpu_section(info: Mapping[str, Any]) -> List[str]:
         lines.append(f"    CUDA driver: {cuda.get('reason')}")
     if not info.get("nccl"):
         lines.append("    CUDA tensors are staged through host memory (no NCCL backend in this build)")
+    elif not info.get("device_dispatch"):
+        lines.append("    NCCL backend: built in (NCCL is loaded at run time); CUDA tensors are still "
+                     "staged through host memory: the engine does not dispatch them to NCCL yet")
     return [*lines, ""]
 
 

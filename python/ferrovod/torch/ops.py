@@ -59,7 +59,8 @@ def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
     """A C-contiguous CPU tensor holding ``t``'s values, and whether it is a copy.
 
     A contiguous CPU tensor is returned as itself (a detached alias: zero-copy). CUDA tensors
-    are staged through host memory (with a one-time warning) until the NCCL path exists.
+    are staged through host memory (with a one-time warning) until the engine dispatches them
+    to the NCCL backend.
     """
     _check_tensor(t, what)
     h = t.detach()
@@ -84,7 +85,8 @@ def _warn_staging(device: torch.device) -> None:
         return
     _staging_warned = True
     nccl = _api.gpu_libraries()["nccl"]
-    found = (f"NCCL {nccl.get('version')} was found but ferrovod's NCCL backend is not built yet"
+    found = (f"NCCL {nccl.get('version')} was found but the engine does not dispatch CUDA "
+             f"tensors to NCCL yet"
              if nccl.get("found") else f"no usable NCCL ({nccl.get('reason')})")
     warnings.warn(
         f"ferrovod: {device.type} tensors are copied to host memory for every collective and "

@@ -1,0 +1,255 @@
+//! The CUDA driver, as the NCCL backend needs it: a device's primary context, events, and
+//! the caller's streams and device buffers. Every function comes from the `libcuda.so.1` that
+//! [`probe_cuda`] loaded and found working; nothing is called before it said so.
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+
+use cudarc::driver::sys as cu;
+use cudarc::nccl::sys as nc;
+
+use super::{c_text, function, Library};
+use crate::error::{Error, Result};
+use crate::gpu::loader::{probe_cuda, CudaProbe};
+
+/// `CUDA_ERROR_NOT_READY`: an event or stream still has work pending.
+const CUDA_NOT_READY: c_int = 600;
+
+/// A CUDA stream handle (`CUstream` / `cudaStream_t`) given by the caller, e.g. the
+/// framework's current stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stream(usize);
+
+impl Stream {
+    /// The legacy default stream (handle 0), valid in every context.
+    pub const DEFAULT: Stream = Stream(0);
+
+    /// Wraps a raw stream handle.
+    ///
+    /// # Safety
+    /// `raw` is 0 or a live stream of the device the communicator uses, and stays alive while
+    /// work enqueued on it through this backend is pending.
+    pub unsafe fn from_raw(raw: usize) -> Stream {
+        Stream(raw)
+    }
+
+    /// The raw handle.
+    pub fn raw(self) -> usize {
+        self.0
+    }
+
+    pub(super) fn nccl(self) -> nc::cudaStream_t {
+        self.0 as nc::cudaStream_t
+    }
+
+    fn driver(self) -> cu::CUstream {
+        self.0 as cu::CUstream
+    }
+}
+
+/// A range of device memory given by the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBuf {
+    pub(super) ptr: usize,
+    bytes: usize,
+}
+
+impl DeviceBuf {
+    /// Wraps `bytes` bytes of device memory at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` is memory the communicator's device can access (device or managed
+    /// memory), and nothing else writes it (nor reads it, where a collective writes it) until
+    /// the work enqueued on it through this backend has completed on its stream.
+    pub unsafe fn from_raw(ptr: usize, bytes: usize) -> DeviceBuf {
+        DeviceBuf { ptr, bytes }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True when the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    pub(super) fn fits(&self, bytes: usize, what: &str) -> Result<()> {
+        if bytes > self.bytes {
+            return Err(Error::InvalidArgument(format!(
+                "the {what} buffer holds {} bytes, the collective needs {bytes}",
+                self.bytes
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn src(&self) -> *const c_void {
+        self.ptr as *const c_void
+    }
+
+    pub(super) fn dst(&self) -> *mut c_void {
+        self.ptr as *mut c_void
+    }
+}
+
+/// The CUDA driver functions the backend uses.
+#[derive(Clone, Copy)]
+struct CudaFns {
+    device_get: unsafe extern "C" fn(*mut cu::CUdevice, c_int) -> c_int,
+    primary_ctx_retain: unsafe extern "C" fn(*mut cu::CUcontext, cu::CUdevice) -> c_int,
+    primary_ctx_release: unsafe extern "C" fn(cu::CUdevice) -> c_int,
+    ctx_set_current: unsafe extern "C" fn(cu::CUcontext) -> c_int,
+    event_create: unsafe extern "C" fn(*mut cu::CUevent, c_uint) -> c_int,
+    event_record: unsafe extern "C" fn(cu::CUevent, cu::CUstream) -> c_int,
+    event_query: unsafe extern "C" fn(cu::CUevent) -> c_int,
+    event_destroy: unsafe extern "C" fn(cu::CUevent) -> c_int,
+    stream_wait_event: unsafe extern "C" fn(cu::CUstream, cu::CUevent, c_uint) -> c_int,
+    get_error_string: unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int,
+}
+
+/// One device's primary context, retained for the life of the communicator.
+pub(super) struct Device {
+    fns: CudaFns,
+    pub(super) ordinal: usize,
+    device: cu::CUdevice,
+    ctx: cu::CUcontext,
+}
+
+impl Device {
+    /// Checks with the probe that the driver works, then retains `ordinal`'s primary context.
+    pub(super) fn open(ordinal: usize) -> Result<Device> {
+        let devices = match probe_cuda() {
+            CudaProbe::Ready { devices, .. } => devices,
+            CudaProbe::Unusable { reason } => {
+                return Err(Error::InvalidArgument(format!(
+                    "CUDA cannot be used: {reason}"
+                )))
+            }
+            CudaProbe::Absent { detail } => {
+                return Err(Error::InvalidArgument(format!(
+                    "CUDA cannot be used: no CUDA driver ({detail})"
+                )))
+            }
+        };
+        if ordinal >= devices.max(0) as usize {
+            return Err(Error::InvalidArgument(format!(
+                "CUDA device {ordinal} does not exist ({devices} visible)"
+            )));
+        }
+        // The name the probe opened and kept: the same loaded object.
+        let lib = Library::open("libcuda.so.1")
+            .map_err(|e| Error::InvalidArgument(format!("CUDA cannot be used: {e}")))?;
+        let missing = |name: &str| Error::InvalidArgument(format!("the CUDA driver lacks {name}"));
+        let fns = CudaFns {
+            device_get: resolve!(lib, "cuDeviceGet").map_err(missing)?,
+            primary_ctx_retain: resolve!(lib, "cuDevicePrimaryCtxRetain").map_err(missing)?,
+            primary_ctx_release: resolve!(lib, "cuDevicePrimaryCtxRelease_v2").map_err(missing)?,
+            ctx_set_current: resolve!(lib, "cuCtxSetCurrent").map_err(missing)?,
+            event_create: resolve!(lib, "cuEventCreate").map_err(missing)?,
+            event_record: resolve!(lib, "cuEventRecord").map_err(missing)?,
+            event_query: resolve!(lib, "cuEventQuery").map_err(missing)?,
+            event_destroy: resolve!(lib, "cuEventDestroy_v2").map_err(missing)?,
+            stream_wait_event: resolve!(lib, "cuStreamWaitEvent").map_err(missing)?,
+            get_error_string: resolve!(lib, "cuGetErrorString").map_err(missing)?,
+        };
+        let mut device: cu::CUdevice = 0;
+        // SAFETY: writes one CUdevice; the ordinal was checked against the device count.
+        let rc = unsafe { (fns.device_get)(&mut device, ordinal as c_int) };
+        check_cu(&fns, rc, "cuDeviceGet")?;
+        let mut ctx: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext for a valid device; released in Drop.
+        let rc = unsafe { (fns.primary_ctx_retain)(&mut ctx, device) };
+        check_cu(&fns, rc, "cuDevicePrimaryCtxRetain")?;
+        let d = Device {
+            fns,
+            ordinal,
+            device,
+            ctx,
+        };
+        d.make_current()?;
+        Ok(d)
+    }
+
+    /// Makes this device's context current on the calling thread: NCCL reads the device from
+    /// it at creation, and events are created in it.
+    pub(super) fn make_current(&self) -> Result<()> {
+        // SAFETY: `ctx` is a retained primary context (released only in Drop).
+        let rc = unsafe { (self.fns.ctx_set_current)(self.ctx) };
+        check_cu(&self.fns, rc, "cuCtxSetCurrent")
+    }
+}
+
+impl Device {
+    /// Records an event on `stream` after the work enqueued so far.
+    pub(super) fn record(&self, stream: Stream) -> Result<Event> {
+        self.make_current()?;
+        let fns = self.fns;
+        let mut event: cu::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; flag 2 = CU_EVENT_DISABLE_TIMING (cheapest).
+        let rc = unsafe { (fns.event_create)(&mut event, 2) };
+        check_cu(&fns, rc, "cuEventCreate")?;
+        let event = Event { fns, event };
+        // SAFETY: a live event and the caller's stream (Stream's contract).
+        let rc = unsafe { (fns.event_record)(event.event, stream.driver()) };
+        check_cu(&fns, rc, "cuEventRecord")?;
+        Ok(event)
+    }
+
+    /// Makes `stream` wait on the device (the host does not block) for `event`.
+    pub(super) fn stream_wait(&self, stream: Stream, event: &Event) -> Result<()> {
+        self.make_current()?;
+        // SAFETY: a live event and the caller's stream.
+        let rc = unsafe { (self.fns.stream_wait_event)(stream.driver(), event.event, 0) };
+        check_cu(&self.fns, rc, "cuStreamWaitEvent")
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: releases the retain made in `open`, once.
+        unsafe { (self.fns.primary_ctx_release)(self.device) };
+    }
+}
+
+fn check_cu(fns: &CudaFns, rc: c_int, what: &str) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut text: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string (or leaves it NULL).
+    unsafe { (fns.get_error_string)(rc, &mut text) };
+    // SAFETY: NULL or a static NUL-terminated string.
+    let text = unsafe { c_text(text) };
+    Err(Error::Io(format!(
+        "{what} failed with CUresult {rc}: {text}"
+    )))
+}
+
+/// A CUDA event recorded on a stream; destroyed on drop.
+pub struct Event {
+    fns: CudaFns,
+    event: cu::CUevent,
+}
+
+impl Event {
+    /// True once the work enqueued before the event has completed. Never blocks.
+    pub fn is_complete(&self) -> Result<bool> {
+        // SAFETY: `event` is live (destroyed only in Drop).
+        match unsafe { (self.fns.event_query)(self.event) } {
+            0 => Ok(true),
+            CUDA_NOT_READY => Ok(false),
+            rc => check_cu(&self.fns, rc, "cuEventQuery").map(|_| false),
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroys the live event once; CUDA defers the release if work is pending.
+        unsafe { (self.fns.event_destroy)(self.event) };
+    }
+}
+
+// SAFETY: CUDA events may be queried and destroyed from any thread.
+unsafe impl Send for Event {}

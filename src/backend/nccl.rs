@@ -1,0 +1,1116 @@
+//! NCCL collectives on CUDA device memory, with NCCL and the CUDA driver found at run time.
+//!
+//! Nothing here runs before [`crate::gpu::loader`] has accepted a library: [`Nccl::open`]
+//! takes the probe's answer and opens exactly the file it accepted (checking that it reports
+//! the same version), and [`DeviceComm::init`] asks [`probe_cuda`] before it touches the
+//! driver. Every function is resolved from those handles (see [`crate::backend`] for why not
+//! through cudarc's loader), so a missing or foreign library is an [`Error`], never a panic.
+//!
+//! Communicators are non-blocking (`ncclConfig_t.blocking = 0`): creation and every enqueue
+//! return at once, and the backend polls `ncclCommGetAsyncError` (and, for completion, a CUDA
+//! event) against the communicator's timeout. A peer that died leaves that poll pending; at
+//! the timeout the communicator is aborted (`ncclCommAbort`, which also stops its kernels) and
+//! the caller gets `Error::Timeout`. An asynchronous NCCL error aborts it at once.
+//!
+//! Scaling: NCCL has a pre-multiplied sum (`ncclRedOpCreatePreMulSum`) but no post-multiply.
+//! For SUM and AVERAGE the pre- and post-scale factors (and AVERAGE's 1/n) are folded into one
+//! pre-multiplication — sum(x·a)·b = sum(x·a·b), equal up to rounding, and how NCCL itself
+//! implements AVERAGE for floats. Integer tensors take only an integer pre-scale; MIN, MAX and
+//! PRODUCT take no scaling. Anything else is `InvalidArgument` (the engine stages those
+//! through host memory).
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::time::{Duration, Instant};
+
+use cudarc::nccl::sys as nc;
+
+use super::cuda::{Device, DeviceBuf, Event, Stream};
+use super::{c_text, function, Library};
+use crate::bootstrap::Store;
+use crate::error::{Error, Result};
+use crate::gpu::loader::{self, NcclProbe};
+use crate::types::{DType, ReduceOp};
+
+/// `ncclResult_t` values, read as plain integers: a Rust enum may only hold the values it
+/// declares, and a newer NCCL may return one this build does not know.
+const SUCCESS: c_int = 0;
+const IN_PROGRESS: c_int = nc::ncclResult_t::ncclInProgress as c_int;
+const INVALID_ARGUMENT: c_int = nc::ncclResult_t::ncclInvalidArgument as c_int;
+const INVALID_USAGE: c_int = nc::ncclResult_t::ncclInvalidUsage as c_int;
+const REMOTE_ERROR: c_int = nc::ncclResult_t::ncclRemoteError as c_int;
+const NCCL_TIMEOUT: c_int = nc::ncclResult_t::ncclTimeout as c_int;
+/// `NCCL_CONFIG_UNDEF_INT`: "use NCCL's default" for every int field of `ncclConfig_t`.
+const UNDEF: c_int = c_int::MIN;
+
+type Comm = nc::ncclComm_t;
+
+/// The NCCL functions every use needs (present in every 2.x the probe accepts).
+#[derive(Clone, Copy)]
+struct CoreFns {
+    get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
+    get_unique_id: unsafe extern "C" fn(*mut nc::ncclUniqueId) -> c_int,
+    get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    /// 2.13+.
+    get_last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
+}
+
+/// The functions a communicator needs; `ncclCommInitRankConfig` and `ncclCommFinalize` make
+/// this NCCL 2.14+.
+#[derive(Clone, Copy)]
+struct CommFns {
+    init_rank_config: unsafe extern "C" fn(
+        *mut Comm,
+        c_int,
+        nc::ncclUniqueId,
+        c_int,
+        *mut nc::ncclConfig_t,
+    ) -> c_int,
+    get_async_error: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
+    finalize: unsafe extern "C" fn(Comm) -> c_int,
+    destroy: unsafe extern "C" fn(Comm) -> c_int,
+    abort: unsafe extern "C" fn(Comm) -> c_int,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_uint,
+        c_uint,
+        Comm,
+        nc::cudaStream_t,
+    ) -> c_int,
+    all_gather: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_uint,
+        Comm,
+        nc::cudaStream_t,
+    ) -> c_int,
+    broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_uint,
+        c_int,
+        Comm,
+        nc::cudaStream_t,
+    ) -> c_int,
+    reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_uint,
+        c_uint,
+        Comm,
+        nc::cudaStream_t,
+    ) -> c_int,
+    send:
+        unsafe extern "C" fn(*const c_void, usize, c_uint, c_int, Comm, nc::cudaStream_t) -> c_int,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_uint, c_int, Comm, nc::cudaStream_t) -> c_int,
+    group_start: unsafe extern "C" fn() -> c_int,
+    group_end: unsafe extern "C" fn() -> c_int,
+    red_op_create_pre_mul_sum:
+        unsafe extern "C" fn(*mut c_uint, *mut c_void, c_uint, c_uint, Comm) -> c_int,
+    red_op_destroy: unsafe extern "C" fn(c_uint, Comm) -> c_int,
+}
+
+/// An NCCL library the probe accepted, opened for use. Cheap to clone.
+#[derive(Clone)]
+pub struct Nccl {
+    library: loader::Nccl,
+    core: CoreFns,
+    /// `Err` names what this NCCL lacks for communicators.
+    comm: std::result::Result<CommFns, String>,
+}
+
+impl std::fmt::Debug for Nccl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nccl")
+            .field("library", &self.library)
+            .finish()
+    }
+}
+
+impl Nccl {
+    /// Opens the library `probe` accepted. An absent or unusable library is an error that
+    /// repeats what the probe found.
+    pub fn open(probe: &NcclProbe) -> Result<Nccl> {
+        let library = match probe {
+            NcclProbe::Found(lib) => lib.clone(),
+            NcclProbe::Unusable { path, reason } => {
+                return Err(Error::InvalidArgument(format!(
+                    "the NCCL backend cannot be used: {path} is not a usable NCCL ({reason})"
+                )))
+            }
+            NcclProbe::Absent { tried } => {
+                return Err(Error::InvalidArgument(format!(
+                    "the NCCL backend cannot be used: no NCCL library was found (tried {}); \
+                     install torch's nvidia-nccl wheel or set FERROVOD_NCCL_LIBRARY",
+                    tried.join("; ")
+                )))
+            }
+        };
+        let path = &library.path;
+        let lib = Library::open(path).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "cannot load the NCCL the probe accepted ({path}): {e}"
+            ))
+        })?;
+        let missing = |name: &str| {
+            Error::InvalidArgument(format!("{path} does not export {name}: not a usable NCCL"))
+        };
+        let core = CoreFns {
+            get_version: resolve!(lib, "ncclGetVersion").map_err(missing)?,
+            get_unique_id: resolve!(lib, "ncclGetUniqueId").map_err(missing)?,
+            get_error_string: resolve!(lib, "ncclGetErrorString").map_err(missing)?,
+            get_last_error: resolve!(lib, "ncclGetLastError").ok(),
+        };
+        let mut code: c_int = 0;
+        // SAFETY: `ncclGetVersion(int*)` only writes the int, which outlives the call.
+        let rc = unsafe { (core.get_version)(&mut code) };
+        if rc != SUCCESS || code != library.code {
+            return Err(Error::InvalidArgument(format!(
+                "{path} reports NCCL version code {code} (ncclResult {rc}), not the {} the \
+                 probe accepted: another file was loaded under that name",
+                library.code
+            )));
+        }
+        let comm = comm_fns(&lib).map_err(|name| {
+            let (a, b, c) = library.version;
+            format!("NCCL {a}.{b}.{c} ({path}) lacks {name}: device communicators need NCCL 2.14 or newer")
+        });
+        Ok(Nccl {
+            library,
+            core,
+            comm,
+        })
+    }
+
+    /// What the probe found: path and version.
+    pub fn library(&self) -> &loader::Nccl {
+        &self.library
+    }
+
+    /// A fresh unique id (`ncclGetUniqueId`). Needs no GPU; it opens the bootstrap listener
+    /// the other ranks of the communicator will connect to.
+    pub fn unique_id(&self) -> Result<UniqueId> {
+        let mut id = nc::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: `ncclGetUniqueId` writes one `ncclUniqueId`, which outlives the call.
+        let rc = unsafe { (self.core.get_unique_id)(&mut id) };
+        if rc != SUCCESS {
+            return Err(self.error(rc, "ncclGetUniqueId", std::ptr::null_mut()));
+        }
+        Ok(UniqueId(id.internal.map(|c| c as u8)))
+    }
+
+    /// Agrees on one unique id for a communicator: `rank` 0 (of the communicator's ranks)
+    /// generates it and stores it under `key`; the others wait for it up to `timeout`. `key`
+    /// must name this communicator alone (see [`unique_id_key`]).
+    pub fn exchange_unique_id(
+        &self,
+        store: &dyn Store,
+        key: &str,
+        rank: usize,
+        timeout: Duration,
+    ) -> Result<UniqueId> {
+        if rank == 0 {
+            let id = self.unique_id()?;
+            store.set(key, id.as_bytes())?;
+            return Ok(id);
+        }
+        let bytes = store.get(key, timeout)?;
+        UniqueId::from_bytes(&bytes)
+            .map_err(|e| Error::Decode(format!("the NCCL unique id stored under {key:?}: {e}")))
+    }
+
+    /// NCCL's own words for `rc`, and its last error message (which may describe an earlier,
+    /// asynchronous failure).
+    fn error(&self, rc: c_int, what: &str, comm: Comm) -> Error {
+        // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
+        let text = unsafe { c_text((self.core.get_error_string)(rc)) };
+        let last = match self.core.get_last_error {
+            // SAFETY: ncclGetLastError accepts any communicator or NULL (it is unused) and
+            // returns a NUL-terminated string owned by NCCL; it is copied at once.
+            Some(f) => unsafe { c_text(f(comm)) },
+            None => String::new(),
+        };
+        let mut msg = format!("NCCL {what} failed: {text} (ncclResult {rc})");
+        if !last.is_empty() {
+            msg.push_str(&format!(": {last}"));
+        }
+        match rc {
+            INVALID_ARGUMENT | INVALID_USAGE => Error::InvalidArgument(msg),
+            NCCL_TIMEOUT => Error::Timeout {
+                what: msg,
+                after: Duration::ZERO,
+            },
+            REMOTE_ERROR => Error::Io(format!("{msg} (a peer failed or its connection broke)")),
+            _ => Error::Io(msg),
+        }
+    }
+}
+
+fn comm_fns(lib: &Library) -> std::result::Result<CommFns, &'static str> {
+    Ok(CommFns {
+        init_rank_config: resolve!(lib, "ncclCommInitRankConfig")?,
+        get_async_error: resolve!(lib, "ncclCommGetAsyncError")?,
+        finalize: resolve!(lib, "ncclCommFinalize")?,
+        destroy: resolve!(lib, "ncclCommDestroy")?,
+        abort: resolve!(lib, "ncclCommAbort")?,
+        all_reduce: resolve!(lib, "ncclAllReduce")?,
+        all_gather: resolve!(lib, "ncclAllGather")?,
+        broadcast: resolve!(lib, "ncclBroadcast")?,
+        reduce_scatter: resolve!(lib, "ncclReduceScatter")?,
+        send: resolve!(lib, "ncclSend")?,
+        recv: resolve!(lib, "ncclRecv")?,
+        group_start: resolve!(lib, "ncclGroupStart")?,
+        group_end: resolve!(lib, "ncclGroupEnd")?,
+        red_op_create_pre_mul_sum: resolve!(lib, "ncclRedOpCreatePreMulSum")?,
+        red_op_destroy: resolve!(lib, "ncclRedOpDestroy")?,
+    })
+}
+
+/// The store key of one communicator's unique id: `generation` (the engine's `init()`
+/// count), the process set, and `comm_index` (which communicator of that set, e.g. per
+/// device or after a re-creation), so that two communicators never share an id.
+pub fn unique_id_key(generation: u64, process_set: u32, comm_index: u32) -> String {
+    format!("g{generation}/nccl/ps{process_set}/c{comm_index}/unique_id")
+}
+
+/// An `ncclUniqueId`: the 128 bytes every rank of a communicator must share.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UniqueId([u8; UniqueId::BYTES]);
+
+impl UniqueId {
+    /// Size of an `ncclUniqueId`.
+    pub const BYTES: usize = 128;
+
+    /// The raw bytes, as stored in the rendezvous store.
+    pub fn as_bytes(&self) -> &[u8; UniqueId::BYTES] {
+        &self.0
+    }
+
+    /// Reads an id back; any length but 128 is an error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId> {
+        let arr: [u8; UniqueId::BYTES] = bytes.try_into().map_err(|_| {
+            Error::Decode(format!(
+                "an NCCL unique id is {} bytes, got {}",
+                UniqueId::BYTES,
+                bytes.len()
+            ))
+        })?;
+        Ok(UniqueId(arr))
+    }
+
+    fn to_sys(self) -> nc::ncclUniqueId {
+        nc::ncclUniqueId {
+            internal: self.0.map(|b| b as c_char),
+        }
+    }
+}
+
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let head: String = self.0[..8].iter().map(|b| format!("{b:02x}")).collect();
+        write!(f, "UniqueId({head}…)")
+    }
+}
+
+/// The `ncclDataType_t` a reduction of `dtype` uses.
+pub fn nccl_reduce_dtype(dtype: DType) -> Result<u32> {
+    use nc::ncclDataType_t as T;
+    Ok(match dtype {
+        DType::U8 => T::ncclUint8,
+        DType::I8 => T::ncclInt8,
+        DType::I32 => T::ncclInt32,
+        DType::I64 => T::ncclInt64,
+        DType::F16 => T::ncclFloat16,
+        DType::BF16 => T::ncclBfloat16,
+        DType::F32 => T::ncclFloat32,
+        DType::F64 => T::ncclFloat64,
+        DType::I16 | DType::Bool => {
+            return Err(Error::InvalidArgument(format!(
+                "NCCL cannot reduce {} tensors (it has no such type)",
+                dtype.name()
+            )))
+        }
+    } as u32)
+}
+
+/// How a reduction runs: one of NCCL's operators, or a pre-multiplied sum by `scalar` (the
+/// factor in the tensor's own type, little-endian bytes).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Reduction {
+    Builtin { dtype: u32, op: u32 },
+    PreMulSum { dtype: u32, scalar: [u8; 8] },
+}
+
+/// Chooses the NCCL operator for `op` on `dtype` over `size` ranks with the given scale
+/// factors (see the module doc), or says why NCCL cannot do it.
+fn plan_reduction(
+    dtype: DType,
+    op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+    size: usize,
+) -> Result<Reduction> {
+    use nc::ncclRedOp_t as O;
+    let nd = nccl_reduce_dtype(dtype)?;
+    let scaled = prescale != 1.0 || postscale != 1.0;
+    let builtin = |o: O| {
+        Ok(Reduction::Builtin {
+            dtype: nd,
+            op: o as u32,
+        })
+    };
+    match op {
+        ReduceOp::Adasum => Err(Error::InvalidArgument(
+            "ADASUM is not implemented by the NCCL backend".into(),
+        )),
+        ReduceOp::Min | ReduceOp::Max | ReduceOp::Product if scaled => {
+            Err(Error::InvalidArgument(format!(
+                "NCCL can scale only SUM and AVERAGE, not {} (prescale {prescale}, postscale \
+                 {postscale})",
+                op.name()
+            )))
+        }
+        ReduceOp::Min => builtin(O::ncclMin),
+        ReduceOp::Max => builtin(O::ncclMax),
+        ReduceOp::Product => builtin(O::ncclProd),
+        ReduceOp::Sum if !scaled => builtin(O::ncclSum),
+        ReduceOp::Average if !scaled => builtin(O::ncclAvg),
+        ReduceOp::Sum | ReduceOp::Average => {
+            let mut factor = prescale * postscale;
+            if op == ReduceOp::Average {
+                factor /= size as f64;
+            }
+            let mut scalar = [0u8; 8];
+            let int = |v: f64, lo: f64, hi: f64| -> Result<i64> {
+                if op == ReduceOp::Sum && postscale == 1.0 && v.fract() == 0.0 && v >= lo && v <= hi
+                {
+                    Ok(v as i64)
+                } else {
+                    Err(Error::InvalidArgument(format!(
+                        "NCCL can scale an integer SUM only by a whole pre-scale factor within \
+                         the type's range and no post-scale: a {} {} with prescale {prescale} \
+                         and postscale {postscale} cannot run on the device",
+                        dtype.name(),
+                        op.name()
+                    )))
+                }
+            };
+            match dtype {
+                DType::F32 => scalar[..4].copy_from_slice(&(factor as f32).to_le_bytes()),
+                DType::F64 => scalar.copy_from_slice(&factor.to_le_bytes()),
+                DType::F16 => {
+                    scalar[..2].copy_from_slice(&half::f16::from_f64(factor).to_le_bytes())
+                }
+                DType::BF16 => {
+                    scalar[..2].copy_from_slice(&half::bf16::from_f64(factor).to_le_bytes())
+                }
+                DType::U8 => scalar[0] = int(factor, 0.0, 255.0)? as u8,
+                DType::I8 => scalar[0] = int(factor, -128.0, 127.0)? as i8 as u8,
+                DType::I32 => scalar[..4].copy_from_slice(
+                    &(int(factor, i32::MIN as f64, i32::MAX as f64)? as i32).to_le_bytes(),
+                ),
+                DType::I64 => scalar.copy_from_slice(
+                    &int(factor, -(2f64.powi(63)), 2f64.powi(63) - 1024.0)?.to_le_bytes(),
+                ),
+                DType::I16 | DType::Bool => unreachable!("rejected by nccl_reduce_dtype"),
+            }
+            Ok(Reduction::PreMulSum { dtype: nd, scalar })
+        }
+    }
+}
+
+/// One rank's NCCL communicator on one GPU. Not thread-safe (NCCL's rule): `&mut self`
+/// everywhere, `Send` but not `Sync`.
+pub struct DeviceComm {
+    nccl: Nccl,
+    fns: CommFns,
+    device: Device,
+    /// NULL once destroyed or aborted.
+    comm: Comm,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    /// The error that aborted the communicator; every later call repeats it.
+    failed: Option<Error>,
+    group_depth: usize,
+    /// Pre-multiplied-sum operators to destroy when the open group ends.
+    pending_ops: Vec<c_uint>,
+}
+
+// SAFETY: an NCCL communicator and a CUDA context handle may be used from any thread, one
+// at a time; `DeviceComm` is not `Sync` and every operation takes `&mut self`.
+unsafe impl Send for DeviceComm {}
+
+impl std::fmt::Debug for DeviceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceComm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.device.ordinal)
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+impl DeviceComm {
+    /// Joins the communicator `id` names as `rank` of `size` on CUDA device `device`. Fails
+    /// (without touching NCCL) when CUDA cannot be used. `timeout` bounds creation and every
+    /// later wait; past it the communicator is aborted.
+    pub fn init(
+        nccl: &Nccl,
+        id: &UniqueId,
+        rank: usize,
+        size: usize,
+        device: usize,
+        timeout: Duration,
+    ) -> Result<DeviceComm> {
+        if size == 0 || rank >= size || size > c_int::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of {size} is not a valid NCCL communicator rank"
+            )));
+        }
+        let device = Device::open(device)?;
+        let fns = nccl.comm.clone().map_err(Error::InvalidArgument)?;
+        let mut config = nc::ncclConfig_t {
+            size: std::mem::size_of::<nc::ncclConfig_t>(),
+            magic: 0xcafe_beef,
+            // A 2.30 config (these are the 2.30 headers); an older NCCL reads the prefix it
+            // knows (it copies min(size, its sizeof)).
+            version: 23000,
+            blocking: 0,
+            cgaClusterSize: UNDEF,
+            minCTAs: UNDEF,
+            maxCTAs: UNDEF,
+            netName: std::ptr::null(),
+            splitShare: UNDEF,
+            trafficClass: UNDEF,
+            commName: std::ptr::null(),
+            collnetEnable: UNDEF,
+            CTAPolicy: UNDEF,
+            shrinkShare: UNDEF,
+            nvlsCTAs: UNDEF,
+            nChannelsPerNetPeer: UNDEF,
+            nvlinkCentricSched: UNDEF,
+            graphUsageMode: UNDEF,
+            numRmaCtx: UNDEF,
+            maxP2pPeers: UNDEF,
+        };
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: `comm` and `config` outlive the call; the id is passed by value; the
+        // device's context is current (Device::open).
+        let rc = unsafe {
+            (fns.init_rank_config)(
+                &mut comm,
+                size as c_int,
+                id.to_sys(),
+                rank as c_int,
+                &mut config,
+            )
+        };
+        if rc != SUCCESS && rc != IN_PROGRESS {
+            if !comm.is_null() {
+                // SAFETY: a handle NCCL returned, freed once.
+                unsafe { (fns.abort)(comm) };
+            }
+            return Err(nccl.error(rc, "ncclCommInitRankConfig", comm));
+        }
+        let mut c = DeviceComm {
+            nccl: nccl.clone(),
+            fns,
+            device,
+            comm,
+            rank,
+            size,
+            timeout,
+            failed: None,
+            group_depth: 0,
+            pending_ops: Vec::new(),
+        };
+        c.settle(rc, "ncclCommInitRankConfig")?;
+        Ok(c)
+    }
+
+    /// This rank's position in the communicator.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The CUDA device ordinal.
+    pub fn device(&self) -> usize {
+        self.device.ordinal
+    }
+
+    /// Sum, average, min, max or product of `count` elements across ranks, `send` into `recv`
+    /// (the same buffer for in place), on `stream`. Scaling: see the module doc.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce(
+        &mut self,
+        send: &DeviceBuf,
+        recv: &DeviceBuf,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        prescale: f64,
+        postscale: f64,
+        stream: Stream,
+    ) -> Result<()> {
+        let bytes = byte_len(count, dtype.size())?;
+        send.fits(bytes, "send")?;
+        recv.fits(bytes, "receive")?;
+        let plan = plan_reduction(dtype, op, prescale, postscale, self.size)?;
+        let (nd, nop) = self.operator(plan)?;
+        let f = self.fns.all_reduce;
+        let comm = self.live()?;
+        // SAFETY: both buffers hold `count` elements (checked; validity is DeviceBuf's
+        // contract), the stream is Stream's contract, the communicator is live.
+        let rc = unsafe { f(send.src(), recv.dst(), count, nd, nop, comm, stream.nccl()) };
+        self.after_reduction(rc, "ncclAllReduce", plan, nop)
+    }
+
+    /// Every rank's `count` elements of `send`, concatenated in rank order into `recv`.
+    pub fn allgather(
+        &mut self,
+        send: &DeviceBuf,
+        recv: &DeviceBuf,
+        count: usize,
+        dtype: DType,
+        stream: Stream,
+    ) -> Result<()> {
+        let bytes = byte_len(count, dtype.size())?;
+        send.fits(bytes, "send")?;
+        recv.fits(byte_len(bytes, self.size)?, "receive")?;
+        let f = self.fns.all_gather;
+        let comm = self.live()?;
+        // SAFETY: as in allreduce; moved as bytes (any dtype).
+        let rc = unsafe { f(send.src(), recv.dst(), bytes, BYTE, comm, stream.nccl()) };
+        self.settle(rc, "ncclAllGather")
+    }
+
+    /// `root`'s `count` elements (its `send`) into every rank's `recv` (the same buffer for
+    /// in place; `send` is read on the root only).
+    #[allow(clippy::too_many_arguments)]
+    pub fn broadcast(
+        &mut self,
+        send: &DeviceBuf,
+        recv: &DeviceBuf,
+        count: usize,
+        dtype: DType,
+        root: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        if root >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "broadcast root {root} is not a rank of this {}-rank communicator",
+                self.size
+            )));
+        }
+        let bytes = byte_len(count, dtype.size())?;
+        if root == self.rank {
+            send.fits(bytes, "send")?;
+        }
+        recv.fits(bytes, "receive")?;
+        let f = self.fns.broadcast;
+        let comm = self.live()?;
+        // SAFETY: as in allgather.
+        let rc = unsafe {
+            f(
+                send.src(),
+                recv.dst(),
+                bytes,
+                BYTE,
+                root as c_int,
+                comm,
+                stream.nccl(),
+            )
+        };
+        self.settle(rc, "ncclBroadcast")
+    }
+
+    /// Reduces `recv_count * size` elements of `send` across ranks; rank r receives block r
+    /// (`recv_count` elements) in `recv`. Ops and scaling as in [`DeviceComm::allreduce`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn reducescatter(
+        &mut self,
+        send: &DeviceBuf,
+        recv: &DeviceBuf,
+        recv_count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        prescale: f64,
+        postscale: f64,
+        stream: Stream,
+    ) -> Result<()> {
+        let bytes = byte_len(recv_count, dtype.size())?;
+        send.fits(byte_len(bytes, self.size)?, "send")?;
+        recv.fits(bytes, "receive")?;
+        let plan = plan_reduction(dtype, op, prescale, postscale, self.size)?;
+        let (nd, nop) = self.operator(plan)?;
+        let f = self.fns.reduce_scatter;
+        let comm = self.live()?;
+        // SAFETY: as in allreduce.
+        let rc = unsafe {
+            f(
+                send.src(),
+                recv.dst(),
+                recv_count,
+                nd,
+                nop,
+                comm,
+                stream.nccl(),
+            )
+        };
+        self.after_reduction(rc, "ncclReduceScatter", plan, nop)
+    }
+
+    /// Sends `send_counts[r]` elements to rank r (consecutive blocks of `send`) and receives
+    /// `recv_counts[r]` from rank r (consecutive blocks of `recv`), as one NCCL group of
+    /// send/receive pairs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn alltoall(
+        &mut self,
+        send: &DeviceBuf,
+        send_counts: &[usize],
+        recv: &DeviceBuf,
+        recv_counts: &[usize],
+        dtype: DType,
+        stream: Stream,
+    ) -> Result<()> {
+        if send_counts.len() != self.size || recv_counts.len() != self.size {
+            return Err(Error::InvalidArgument(format!(
+                "alltoall needs one send and one receive count per rank ({}), got {} and {}",
+                self.size,
+                send_counts.len(),
+                recv_counts.len()
+            )));
+        }
+        let es = dtype.size();
+        let total = |counts: &[usize]| {
+            counts.iter().try_fold(0usize, |acc, &c| {
+                acc.checked_add(byte_len(c, es)?).ok_or_else(too_big)
+            })
+        };
+        send.fits(total(send_counts)?, "send")?;
+        recv.fits(total(recv_counts)?, "receive")?;
+        self.group_start()?;
+        let result = self.alltoall_pairs(send, send_counts, recv, recv_counts, es, stream);
+        // The group is closed even after a failed enqueue: NCCL's group state is per thread.
+        let end = self.group_end();
+        result.and(end)
+    }
+
+    fn alltoall_pairs(
+        &mut self,
+        send: &DeviceBuf,
+        send_counts: &[usize],
+        recv: &DeviceBuf,
+        recv_counts: &[usize],
+        es: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let (fsend, frecv) = (self.fns.send, self.fns.recv);
+        let (mut s_off, mut r_off) = (0usize, 0usize);
+        for peer in 0..self.size {
+            let (sb, rb) = (send_counts[peer] * es, recv_counts[peer] * es);
+            let comm = self.live()?;
+            if sb > 0 {
+                // SAFETY: the block lies inside `send` (the sum was checked); see allreduce.
+                let rc = unsafe {
+                    fsend(
+                        (send.ptr + s_off) as *const c_void,
+                        sb,
+                        BYTE,
+                        peer as c_int,
+                        comm,
+                        stream.nccl(),
+                    )
+                };
+                self.settle(rc, "ncclSend")?;
+            }
+            if rb > 0 {
+                // SAFETY: the block lies inside `recv` (the sum was checked); see allreduce.
+                let rc = unsafe {
+                    frecv(
+                        (recv.ptr + r_off) as *mut c_void,
+                        rb,
+                        BYTE,
+                        peer as c_int,
+                        comm,
+                        stream.nccl(),
+                    )
+                };
+                self.settle(rc, "ncclRecv")?;
+            }
+            s_off += sb;
+            r_off += rb;
+        }
+        Ok(())
+    }
+
+    /// Opens an NCCL group: collectives enqueued until the matching [`DeviceComm::group_end`]
+    /// launch together (e.g. a fused set of reductions). Groups nest.
+    pub fn group_start(&mut self) -> Result<()> {
+        self.live()?;
+        // SAFETY: no arguments; NCCL's group state is per thread.
+        let rc = unsafe { (self.fns.group_start)() };
+        self.settle(rc, "ncclGroupStart")?;
+        self.group_depth += 1;
+        Ok(())
+    }
+
+    /// Closes the innermost group; the outermost one launches its operations.
+    pub fn group_end(&mut self) -> Result<()> {
+        if self.group_depth == 0 {
+            return Err(Error::InvalidArgument(
+                "group_end without group_start".into(),
+            ));
+        }
+        self.group_depth -= 1;
+        self.live()?;
+        // SAFETY: closes the group opened by group_start.
+        let rc = unsafe { (self.fns.group_end)() };
+        let r = self.settle(rc, "ncclGroupEnd");
+        if self.group_depth == 0 {
+            for op in std::mem::take(&mut self.pending_ops) {
+                self.destroy_operator(op);
+            }
+        }
+        r
+    }
+
+    /// Records an event on `stream` after the work enqueued so far.
+    pub fn record(&mut self, stream: Stream) -> Result<Event> {
+        self.device.record(stream)
+    }
+
+    /// Makes `stream` wait (on the device, the host does not block) for `event`: how work
+    /// on the communicator's stream is ordered after the framework's.
+    pub fn stream_wait(&mut self, stream: Stream, event: &Event) -> Result<()> {
+        self.device.stream_wait(stream, event)
+    }
+
+    /// Waits until `event` completes, watching for NCCL errors; past the timeout the
+    /// communicator is aborted (a dead peer never lets the collective finish).
+    pub fn wait(&mut self, event: &Event) -> Result<()> {
+        self.poll_until("collective to complete", |_| event.is_complete())
+    }
+
+    /// One look at the communicator's asynchronous error state (for a watchdog): `Ok` while
+    /// healthy; an error aborts it.
+    pub fn check(&mut self) -> Result<()> {
+        let state = self.async_state()?;
+        if state != SUCCESS && state != IN_PROGRESS {
+            return Err(self.fail(self.nccl.error(state, "asynchronous operation", self.comm)));
+        }
+        Ok(())
+    }
+
+    /// Aborts the communicator now (its pending work is cancelled); later calls fail.
+    pub fn abort(&mut self) {
+        self.fail(Error::Shutdown("the NCCL communicator was aborted".into()));
+    }
+
+    fn live(&self) -> Result<Comm> {
+        match &self.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(self.comm),
+        }
+    }
+
+    fn async_state(&mut self) -> Result<c_int> {
+        let comm = self.live()?;
+        let mut state: c_int = SUCCESS;
+        // SAFETY: a live communicator; writes one int.
+        let rc = unsafe { (self.fns.get_async_error)(comm, &mut state) };
+        if rc != SUCCESS {
+            return Err(self.fail(self.nccl.error(rc, "ncclCommGetAsyncError", comm)));
+        }
+        Ok(state)
+    }
+
+    /// Finishes a call on the non-blocking communicator: `IN_PROGRESS` is polled to an end.
+    fn settle(&mut self, rc: c_int, what: &str) -> Result<()> {
+        match rc {
+            SUCCESS => Ok(()),
+            IN_PROGRESS => self.poll_until(what, |state| Ok(state == SUCCESS)),
+            _ => Err(self.fail(self.nccl.error(rc, what, self.comm))),
+        }
+    }
+
+    /// Polls the asynchronous state until `done(state)` (with the state not an error), an
+    /// error (aborts), or the timeout (aborts). Sleeps grow from 10 µs to 1 ms.
+    fn poll_until(
+        &mut self,
+        what: &str,
+        mut done: impl FnMut(c_int) -> Result<bool>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(10);
+        loop {
+            let state = self.async_state()?;
+            if state != SUCCESS && state != IN_PROGRESS {
+                return Err(self.fail(self.nccl.error(state, what, self.comm)));
+            }
+            if done(state)? {
+                return Ok(());
+            }
+            if start.elapsed() >= self.timeout {
+                let e = Error::Timeout {
+                    what: format!(
+                        "waiting for NCCL {what} on rank {} of {} (CUDA device {}): a peer may \
+                         have died; the communicator was aborted",
+                        self.rank, self.size, self.device.ordinal
+                    ),
+                    after: self.timeout,
+                };
+                return Err(self.fail(e));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Aborts the communicator (once) and remembers why; returns the error.
+    fn fail(&mut self, e: Error) -> Error {
+        if !self.comm.is_null() {
+            // SAFETY: a live communicator, freed exactly once (comm is nulled).
+            unsafe { (self.fns.abort)(self.comm) };
+            self.comm = std::ptr::null_mut();
+            self.pending_ops.clear(); // freed with the communicator
+        }
+        if self.failed.is_none() {
+            self.failed = Some(e.clone());
+        }
+        e
+    }
+
+    /// The (dtype, operator) pair for a plan, creating the pre-multiplied sum when needed.
+    fn operator(&mut self, plan: Reduction) -> Result<(c_uint, c_uint)> {
+        match plan {
+            Reduction::Builtin { dtype, op } => Ok((dtype, op)),
+            Reduction::PreMulSum { dtype, mut scalar } => {
+                let comm = self.live()?;
+                let mut op: c_uint = 0;
+                // SAFETY: `scalar` holds the factor in `dtype`'s type and is read during the
+                // call (ncclScalarHostImmediate); `op` receives the new operator.
+                let rc = unsafe {
+                    (self.fns.red_op_create_pre_mul_sum)(
+                        &mut op,
+                        scalar.as_mut_ptr().cast(),
+                        dtype,
+                        nc::ncclScalarResidence_t::ncclScalarHostImmediate as c_uint,
+                        comm,
+                    )
+                };
+                self.settle(rc, "ncclRedOpCreatePreMulSum")?;
+                Ok((dtype, op))
+            }
+        }
+    }
+
+    /// Settles a reduction's call and releases its operator: at once, or (inside a group,
+    /// where the launch happens at group end) when the group ends.
+    fn after_reduction(
+        &mut self,
+        rc: c_int,
+        what: &str,
+        plan: Reduction,
+        op: c_uint,
+    ) -> Result<()> {
+        let r = self.settle(rc, what);
+        if matches!(plan, Reduction::PreMulSum { .. }) {
+            if self.group_depth > 0 {
+                self.pending_ops.push(op);
+            } else {
+                self.destroy_operator(op);
+            }
+        }
+        r
+    }
+
+    fn destroy_operator(&mut self, op: c_uint) {
+        if let Ok(comm) = self.live() {
+            // SAFETY: an operator created on this live communicator, destroyed once.
+            let rc = unsafe { (self.fns.red_op_destroy)(op, comm) };
+            let _ = self.settle(rc, "ncclRedOpDestroy");
+        }
+    }
+}
+
+/// `count * size` bytes, or an error when that overflows.
+fn byte_len(count: usize, size: usize) -> Result<usize> {
+    count.checked_mul(size).ok_or_else(too_big)
+}
+
+fn too_big() -> Error {
+    Error::InvalidArgument("the collective's byte count overflows".into())
+}
+
+/// Data-movement collectives carry bytes: any dtype (bool and int16 included) moves as
+/// `ncclUint8`.
+const BYTE: c_uint = nc::ncclDataType_t::ncclUint8 as c_uint;
+
+impl Drop for DeviceComm {
+    fn drop(&mut self) {
+        if self.comm.is_null() {
+            return;
+        }
+        while self.group_depth > 0 {
+            let _ = self.group_end();
+        }
+        if self.comm.is_null() {
+            return;
+        }
+        // Finalize flushes pending work and waits (bounded) for peers; destroy then frees.
+        // Anything but a clean finalize aborts instead: a dead peer must not hang the drop.
+        // SAFETY: a live communicator.
+        let rc = unsafe { (self.fns.finalize)(self.comm) };
+        if self.settle(rc, "ncclCommFinalize").is_ok() && !self.comm.is_null() {
+            // SAFETY: finalized and still live; freed once.
+            unsafe { (self.fns.destroy)(self.comm) };
+            self.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nc::{ncclDataType_t as T, ncclRedOp_t as O};
+
+    fn builtin(dtype: T, op: O) -> Reduction {
+        Reduction::Builtin {
+            dtype: dtype as u32,
+            op: op as u32,
+        }
+    }
+
+    #[test]
+    fn unscaled_reductions_use_nccls_own_operators() {
+        let cases = [
+            (
+                DType::F32,
+                ReduceOp::Sum,
+                builtin(T::ncclFloat32, O::ncclSum),
+            ),
+            (
+                DType::BF16,
+                ReduceOp::Average,
+                builtin(T::ncclBfloat16, O::ncclAvg),
+            ),
+            (DType::I64, ReduceOp::Min, builtin(T::ncclInt64, O::ncclMin)),
+            (DType::U8, ReduceOp::Max, builtin(T::ncclUint8, O::ncclMax)),
+            (
+                DType::F16,
+                ReduceOp::Product,
+                builtin(T::ncclFloat16, O::ncclProd),
+            ),
+            (DType::I8, ReduceOp::Sum, builtin(T::ncclInt8, O::ncclSum)),
+            (
+                DType::F64,
+                ReduceOp::Sum,
+                builtin(T::ncclFloat64, O::ncclSum),
+            ),
+            (
+                DType::I32,
+                ReduceOp::Average,
+                builtin(T::ncclInt32, O::ncclAvg),
+            ),
+        ];
+        for (dt, op, want) in cases {
+            assert_eq!(
+                plan_reduction(dt, op, 1.0, 1.0, 4).unwrap(),
+                want,
+                "{dt:?} {op:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn scale_factors_fold_into_one_premultiplied_sum() {
+        // AVERAGE over 4 ranks with prescale 0.5 and postscale 3: sum(x * 0.5 * 3 / 4).
+        let p = plan_reduction(DType::F64, ReduceOp::Average, 0.5, 3.0, 4).unwrap();
+        let mut want = [0u8; 8];
+        want.copy_from_slice(&0.375f64.to_le_bytes());
+        assert_eq!(
+            p,
+            Reduction::PreMulSum {
+                dtype: T::ncclFloat64 as u32,
+                scalar: want
+            }
+        );
+        let p = plan_reduction(DType::F32, ReduceOp::Sum, 1.0, 0.25, 8).unwrap();
+        let mut want = [0u8; 8];
+        want[..4].copy_from_slice(&0.25f32.to_le_bytes());
+        assert_eq!(
+            p,
+            Reduction::PreMulSum {
+                dtype: T::ncclFloat32 as u32,
+                scalar: want
+            }
+        );
+        let p = plan_reduction(DType::BF16, ReduceOp::Sum, 2.0, 1.0, 2).unwrap();
+        let mut want = [0u8; 8];
+        want[..2].copy_from_slice(&half::bf16::from_f32(2.0).to_bits().to_le_bytes());
+        assert_eq!(
+            p,
+            Reduction::PreMulSum {
+                dtype: T::ncclBfloat16 as u32,
+                scalar: want
+            }
+        );
+        // A whole pre-scale of an integer SUM is exact.
+        let p = plan_reduction(DType::I32, ReduceOp::Sum, -3.0, 1.0, 2).unwrap();
+        let mut want = [0u8; 8];
+        want[..4].copy_from_slice(&(-3i32).to_le_bytes());
+        assert_eq!(
+            p,
+            Reduction::PreMulSum {
+                dtype: T::ncclInt32 as u32,
+                scalar: want
+            }
+        );
+    }
+
+    #[test]
+    fn what_nccl_cannot_do_is_an_invalid_argument_naming_it() {
+        let bad = [
+            (DType::Bool, ReduceOp::Sum, 1.0, 1.0, "bool"),
+            (DType::I16, ReduceOp::Max, 1.0, 1.0, "int16"),
+            (DType::F32, ReduceOp::Adasum, 1.0, 1.0, "ADASUM"),
+            (DType::F32, ReduceOp::Max, 2.0, 1.0, "MAX"),
+            (DType::I32, ReduceOp::Sum, 0.5, 1.0, "whole pre-scale"),
+            (DType::I32, ReduceOp::Sum, 2.0, 0.5, "whole pre-scale"),
+            (DType::I64, ReduceOp::Average, 2.0, 1.0, "whole pre-scale"),
+            (DType::U8, ReduceOp::Sum, 300.0, 1.0, "whole pre-scale"),
+        ];
+        for (dt, op, pre, post, needle) in bad {
+            match plan_reduction(dt, op, pre, post, 2) {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
+                other => panic!("{dt:?} {op:?} {pre} {post}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn unique_id_keys_differ_per_generation_set_and_index() {
+        let keys = [
+            unique_id_key(0, 0, 0),
+            unique_id_key(1, 0, 0),
+            unique_id_key(0, 1, 0),
+            unique_id_key(0, 0, 1),
+            unique_id_key(0, 10, 0),
+            unique_id_key(0, 1, 10),
+        ];
+        let set: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(set.len(), keys.len(), "{keys:?}");
+    }
+}
