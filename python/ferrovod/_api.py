@@ -1,9 +1,10 @@
 """The framework-free API: collectives on NumPy arrays and on any CPU object that speaks DLPack.
 
 Every op is submitted to the Rust engine at once and returns an integer handle; the blocking
-forms are ``synchronize(<op>_async(...))``. Inputs are passed zero-copy (their data pointers);
-the arrays are kept referenced here until ``synchronize`` returns, which is what makes
-handing raw pointers to the engine sound.
+forms do what ``synchronize(<op>_async(...))`` does, without the handle table. Inputs are passed
+zero-copy (their data pointers); the arrays are kept referenced (by the handle table, or by the
+blocking call's own frame) until the op completes, which is what makes handing raw pointers to
+the engine sound.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -315,11 +315,17 @@ def is_homogeneous() -> bool:
 # ----------------------------------------------------------------------------- plumbing
 
 
-@dataclass
 class _Pending:
-    core: Any
-    finish: Callable[[Any], Any]
-    keepalive: List[Any] = field(default_factory=list)
+    """A submitted op: the engine's handle, what turns its result into the caller's, and the
+    objects whose memory the engine reads or writes until it completes (one per op: slots)."""
+
+    __slots__ = ("core", "finish", "keepalive")
+
+    def __init__(self, core: Any, finish: Callable[[Any], Any],
+                 keepalive: Optional[List[Any]] = None) -> None:
+        self.core = core
+        self.finish = finish
+        self.keepalive = keepalive
 
 
 def _as_array(tensor: Tensor) -> np.ndarray:
@@ -399,10 +405,37 @@ def _resolve_op(op: Optional[int], average: Optional[bool], default: int = Avera
 
 
 def _register(core: Any, finish: Callable[[Any], Any], keepalive: List[Any]) -> Handle:
+    return _start(_Pending(core, finish, keepalive))
+
+
+def _start(p: _Pending) -> Handle:
+    """Puts a submitted op in the handle table (``synchronize``/``poll`` find it there)."""
     h = next(_next_handle)
     with _lock:
-        _handles[h] = _Pending(core, finish, keepalive)
+        _handles[h] = p
     return h
+
+
+def _now(p: _Pending) -> Any:
+    """Waits for a submitted op no one else can see: the blocking calls skip the handle table,
+    whose registering, wrapping and looking up again were a third of a small op's Python time.
+    The locals of the caller keep the memory alive meanwhile."""
+    return p.finish(p.core.wait())
+
+
+def _single(h: Handle) -> Handle:
+    """:func:`_one` for a registered handle (the torch adapter's ops are registered by
+    :func:`_enqueue_raw`)."""
+    with _lock:
+        _one(_handles[h])
+    return h
+
+
+def _one(p: _Pending) -> _Pending:
+    """Makes a one-tensor op return the tensor rather than a one-element list."""
+    inner = p.finish
+    p.finish = lambda r: inner(r)[0]
+    return p
 
 
 def _submit(
@@ -488,11 +521,11 @@ def synchronize(handle: Handle) -> Any:
 # ----------------------------------------------------------------------------- allreduce
 
 
-def _allreduce_async(
+def _allreduce(
     tensors: Sequence[Tensor], inplace: bool, average: Optional[bool], name: Optional[str],
     op: Optional[int], prescale_factor: float, postscale_factor: float,
     process_set: ProcessSet, kind_name: str,
-) -> Tuple[Handle, bool]:
+) -> _Pending:
     rop = _resolve_op(op, average)
     if rop == Adasum:
         raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
@@ -515,7 +548,7 @@ def _allreduce_async(
             return results
         return list(outputs)
 
-    return _register(core, finish, [tensors, originals, inputs, outputs]), True
+    return _Pending(core, finish, [tensors, originals, inputs, outputs])
 
 
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -523,9 +556,8 @@ def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Option
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allreduce of ``tensor`` into a new array; returns a handle."""
-    h, _ = _allreduce_async([tensor], False, average, name, op, prescale_factor,
-                            postscale_factor, process_set, "allreduce")
-    return _single(h)
+    return _start(_one(_allreduce([tensor], False, average, name, op, prescale_factor,
+                                  postscale_factor, process_set, "allreduce")))
 
 
 def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -533,8 +565,8 @@ def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
-                                       postscale_factor, process_set))
+    return _now(_one(_allreduce([tensor], False, average, name, op, prescale_factor,
+                                postscale_factor, process_set, "allreduce")))
 
 
 def allreduce_async_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -542,9 +574,8 @@ def allreduce_async_(tensor: Tensor, average: Optional[bool] = None, name: Optio
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an in-place allreduce of ``tensor``; returns a handle."""
-    h, _ = _allreduce_async([tensor], True, average, name, op, prescale_factor,
-                            postscale_factor, process_set, "allreduce")
-    return _single(h)
+    return _start(_one(_allreduce([tensor], True, average, name, op, prescale_factor,
+                                  postscale_factor, process_set, "allreduce")))
 
 
 def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -552,8 +583,9 @@ def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[st
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return _now(_one(_allreduce([tensor], True, average, name, op, prescale_factor,
+                                postscale_factor, process_set, "allreduce")))
+
 
 
 def grouped_allreduce_async(tensors: Sequence[Tensor], average: Optional[bool] = None,
@@ -561,9 +593,8 @@ def grouped_allreduce_async(tensors: Sequence[Tensor], average: Optional[bool] =
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allreduce of a list of tensors negotiated and fused as one unit."""
-    h, _ = _allreduce_async(list(tensors), False, average, name, op, prescale_factor,
-                            postscale_factor, process_set, "grouped_allreduce")
-    return h
+    return _start(_allreduce(list(tensors), False, average, name, op, prescale_factor,
+                             postscale_factor, process_set, "grouped_allreduce"))
 
 
 def grouped_allreduce(tensors: Sequence[Tensor], average: Optional[bool] = None,
@@ -571,8 +602,8 @@ def grouped_allreduce(tensors: Sequence[Tensor], average: Optional[bool] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
     """Reduces a list of tensors as one unit; returns the list of results."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                               postscale_factor, process_set))
+    return _now(_allreduce(list(tensors), False, average, name, op, prescale_factor,
+                           postscale_factor, process_set, "grouped_allreduce"))
 
 
 def grouped_allreduce_async_(tensors: Sequence[Tensor], average: Optional[bool] = None,
@@ -580,9 +611,8 @@ def grouped_allreduce_async_(tensors: Sequence[Tensor], average: Optional[bool] 
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> Handle:
     """In-place form of :func:`grouped_allreduce_async`."""
-    h, _ = _allreduce_async(list(tensors), True, average, name, op, prescale_factor,
-                            postscale_factor, process_set, "grouped_allreduce")
-    return h
+    return _start(_allreduce(list(tensors), True, average, name, op, prescale_factor,
+                             postscale_factor, process_set, "grouped_allreduce"))
 
 
 def grouped_allreduce_(tensors: Sequence[Tensor], average: Optional[bool] = None,
@@ -590,24 +620,15 @@ def grouped_allreduce_(tensors: Sequence[Tensor], average: Optional[bool] = None
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> List[Tensor]:
     """Reduces a list of tensors in place as one unit; returns them."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
-
-
-def _single(h: Handle) -> Handle:
-    """Makes a one-tensor handle return the tensor rather than a one-element list."""
-    with _lock:
-        p = _handles[h]
-        inner = p.finish
-        p.finish = lambda r: inner(r)[0]
-    return h
+    return _now(_allreduce(list(tensors), True, average, name, op, prescale_factor,
+                           postscale_factor, process_set, "grouped_allreduce"))
 
 
 # ----------------------------------------------------------------------------- allgather
 
 
-def _gather_async(tensors: Sequence[Tensor], name: Optional[str], process_set: ProcessSet,
-                  kind_name: str) -> Handle:
+def _gather(tensors: Sequence[Tensor], name: Optional[str], process_set: ProcessSet,
+            kind_name: str) -> _Pending:
     inputs = [_contiguous(_as_array(t)) for t in tensors]
     for a in inputs:
         if a.ndim == 0:
@@ -621,38 +642,38 @@ def _gather_async(tensors: Sequence[Tensor], name: Optional[str], process_set: P
         outs, _, _ = result
         return [_from_bytes(b, s, d) for (b, s), d in zip(outs, dtypes)]
 
-    return _register(core, finish, [tensors, inputs])
+    return _Pending(core, finish, [tensors, inputs])
 
 
 def allgather_async(tensor: Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allgather (concatenation along dim 0 in rank order)."""
-    return _single(_gather_async([tensor], name, process_set, "allgather"))
+    return _start(_one(_gather([tensor], name, process_set, "allgather")))
 
 
 def allgather(tensor: Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenates every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    return _now(_one(_gather([tensor], name, process_set, "allgather")))
 
 
 def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allgather of a list of tensors negotiated as one unit."""
-    return _gather_async(list(tensors), name, process_set, "grouped_allgather")
+    return _start(_gather(list(tensors), name, process_set, "grouped_allgather"))
 
 
 def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
     """Allgathers a list of tensors as one unit."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return _now(_gather(list(tensors), name, process_set, "grouped_allgather"))
 
 
 # ----------------------------------------------------------------------------- broadcast
 
 
-def _broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str],
-                     process_set: ProcessSet, inplace: bool) -> Handle:
+def _broadcast(tensor: Tensor, root_rank: int, name: Optional[str],
+               process_set: ProcessSet, inplace: bool) -> _Pending:
     if not 0 <= int(root_rank) < size():
         raise InvalidArgumentError(
             f"broadcast received invalid root rank {root_rank}: the job has {size()} ranks")
@@ -669,31 +690,31 @@ def _broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str],
             return tensor
         return out
 
-    return _register(core, finish, [tensor, original, buf, out])
+    return _Pending(core, finish, [tensor, original, buf, out])
 
 
 def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts a broadcast from global rank ``root_rank`` into a new array."""
-    return _broadcast_async(tensor, root_rank, name, process_set, False)
+    return _start(_broadcast(tensor, root_rank, name, process_set, False))
 
 
 def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return _now(_broadcast(tensor, root_rank, name, process_set, False))
 
 
 def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an in-place broadcast."""
-    return _broadcast_async(tensor, root_rank, name, process_set, True)
+    return _start(_broadcast(tensor, root_rank, name, process_set, True))
 
 
 def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _now(_broadcast(tensor, root_rank, name, process_set, True))
 
 
 # ----------------------------------------------------------------------------- alltoall
@@ -703,6 +724,11 @@ def alltoall_async(tensor: Tensor, splits: Optional[Sequence[int]] = None,
                    name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an alltoall: ``splits[i]`` rows of dim 0 go to set rank i (default: equal)."""
+    return _start(_alltoall(tensor, splits, name, process_set))
+
+
+def _alltoall(tensor: Tensor, splits: Optional[Sequence[int]], name: Optional[str],
+              process_set: ProcessSet) -> _Pending:
     arr = _contiguous(_as_array(tensor))
     if arr.ndim == 0:
         raise InvalidArgumentError("alltoall: a 0-d (scalar) tensor has no first dimension")
@@ -722,22 +748,22 @@ def alltoall_async(tensor: Tensor, splits: Optional[Sequence[int]] = None,
             return out, np.asarray(received, dtype=np.int32)
         return out
 
-    return _register(core, finish, [tensor, arr])
+    return _Pending(core, finish, [tensor, arr])
 
 
 def alltoall(tensor: Tensor, splits: Optional[Sequence[int]] = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Scatters dim-0 slices to every rank and gathers theirs. Returns the output, or
     ``(output, received_splits)`` when ``splits`` is given."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    return _now(_alltoall(tensor, splits, name, process_set))
 
 
 # ----------------------------------------------------------------------------- reducescatter
 
 
-def _reducescatter_async(tensors: Sequence[Tensor], name: Optional[str], op: int,
-                         process_set: ProcessSet, prescale_factor: float,
-                         postscale_factor: float, kind_name: str) -> Handle:
+def _reducescatter(tensors: Sequence[Tensor], name: Optional[str], op: int,
+                   process_set: ProcessSet, prescale_factor: float,
+                   postscale_factor: float, kind_name: str) -> _Pending:
     if int(op) not in (Sum, Average):
         raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
     inputs = [_contiguous(_as_array(t)) for t in tensors]
@@ -749,15 +775,15 @@ def _reducescatter_async(tensors: Sequence[Tensor], name: Optional[str], op: int
         outs, _, _ = result
         return [_from_bytes(b, s, d) for (b, s), d in zip(outs, dtypes)]
 
-    return _register(core, finish, [tensors, inputs])
+    return _Pending(core, finish, [tensors, inputs])
 
 
 def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: int = Average,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Starts a reducescatter (Sum or Average)."""
-    return _single(_reducescatter_async([tensor], name, op, process_set, prescale_factor,
-                                        postscale_factor, "reducescatter"))
+    return _start(_one(_reducescatter([tensor], name, op, process_set, prescale_factor,
+                                      postscale_factor, "reducescatter")))
 
 
 def reducescatter(tensor: Tensor, name: Optional[str] = None, op: int = Average,
@@ -765,8 +791,8 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: int = Average,
                   postscale_factor: float = 1.0) -> np.ndarray:
     """Reduces across ranks and returns this rank's rows of dim 0 (the lowest ranks get one
     extra row when dim 0 does not divide evenly)."""
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
-                                           postscale_factor))
+    return _now(_one(_reducescatter([tensor], name, op, process_set, prescale_factor,
+                                    postscale_factor, "reducescatter")))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -775,8 +801,8 @@ def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] =
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
     """Starts a reducescatter of a list of tensors negotiated as one unit."""
-    return _reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
-                                postscale_factor, "grouped_reducescatter")
+    return _start(_reducescatter(list(tensors), name, op, process_set, prescale_factor,
+                                 postscale_factor, "grouped_reducescatter"))
 
 
 def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -784,8 +810,8 @@ def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[np.ndarray]:
     """Reducescatters a list of tensors as one unit."""
-    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    return _now(_reducescatter(list(tensors), name, op, process_set, prescale_factor,
+                               postscale_factor, "grouped_reducescatter"))
 
 
 # ----------------------------------------------------------------------------- barrier, join
@@ -794,7 +820,7 @@ def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Returns once every rank of ``process_set`` has called it."""
     core = _submit(_core.BARRIER, _auto_name("barrier", None), process_set, [], [])
-    synchronize(_register(core, lambda _: None, []))
+    _now(_Pending(core, lambda _: None))
 
 
 def join(device: int = -1) -> int:
@@ -802,8 +828,7 @@ def join(device: int = -1) -> int:
     part in the others' allreduces with zeros. Returns the last rank to join."""
     del device  # CPU only: zeros are made by the engine
     core = _core.join()
-    h = _register(core, lambda r: int(r[2]), [])
-    return int(synchronize(h))
+    return int(_now(_Pending(core, lambda r: int(r[2]))))
 
 
 # ----------------------------------------------------------------------------- objects
