@@ -22,7 +22,7 @@ use _core::bootstrap::tcp_store::{TcpStore, TcpStoreServer, MAX_STORE_FRAME};
 use _core::bootstrap::{authenticate, read_frame, write_frame, Store};
 use _core::engine::control::{ControlStream, FrameConn, MAX_FRAME};
 use _core::engine::message::{
-    FromCoordinator, Item, Request, Response, Submit, TensorMeta, ToCoordinator,
+    DeviceKind, FromCoordinator, Item, Request, Response, Submit, TensorMeta, ToCoordinator,
 };
 use _core::error::Error;
 use _core::wire::{Reader, Writer, MAX_FIELD};
@@ -144,18 +144,22 @@ fn arb_request() -> impl Strategy<Value = Request> {
             0..3,
         ),
         arb_usizes(4),
+        prop_oneof![Just(DeviceKind::Host), Just(DeviceKind::Cuda)],
     )
         .prop_map(
-            |((set_id, name, kind, op, root), (prescale, postscale), tensors, splits)| Request {
-                set_id,
-                name,
-                kind,
-                op,
-                root,
-                prescale,
-                postscale,
-                tensors,
-                splits,
+            |((set_id, name, kind, op, root), (prescale, postscale), tensors, splits, device)| {
+                Request {
+                    set_id,
+                    name,
+                    kind,
+                    op,
+                    root,
+                    prescale,
+                    postscale,
+                    tensors,
+                    splits,
+                    device,
+                }
             },
         )
 }

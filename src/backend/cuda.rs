@@ -105,7 +105,23 @@ struct CudaFns {
     event_query: unsafe extern "C" fn(cu::CUevent) -> c_int,
     event_destroy: unsafe extern "C" fn(cu::CUevent) -> c_int,
     stream_wait_event: unsafe extern "C" fn(cu::CUstream, cu::CUevent, c_uint) -> c_int,
+    stream_create: unsafe extern "C" fn(*mut cu::CUstream, c_uint) -> c_int,
+    stream_destroy: unsafe extern "C" fn(cu::CUstream) -> c_int,
     get_error_string: unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int,
+}
+
+/// How many GPUs the CUDA driver sees, or (`InvalidArgument`, "CUDA cannot be used: …") why
+/// it cannot be used: the probe's answer, asked before anything touches the driver.
+pub fn cuda_ready() -> Result<usize> {
+    match probe_cuda() {
+        CudaProbe::Ready { devices, .. } => Ok(devices.max(0) as usize),
+        CudaProbe::Unusable { reason } => Err(Error::InvalidArgument(format!(
+            "CUDA cannot be used: {reason}"
+        ))),
+        CudaProbe::Absent { detail } => Err(Error::InvalidArgument(format!(
+            "CUDA cannot be used: no CUDA driver ({detail})"
+        ))),
+    }
 }
 
 /// One device's primary context, retained for the life of the communicator.
@@ -119,20 +135,8 @@ pub(super) struct Device {
 impl Device {
     /// Checks with the probe that the driver works, then retains `ordinal`'s primary context.
     pub(super) fn open(ordinal: usize) -> Result<Device> {
-        let devices = match probe_cuda() {
-            CudaProbe::Ready { devices, .. } => devices,
-            CudaProbe::Unusable { reason } => {
-                return Err(Error::InvalidArgument(format!(
-                    "CUDA cannot be used: {reason}"
-                )))
-            }
-            CudaProbe::Absent { detail } => {
-                return Err(Error::InvalidArgument(format!(
-                    "CUDA cannot be used: no CUDA driver ({detail})"
-                )))
-            }
-        };
-        if ordinal >= devices.max(0) as usize {
+        let devices = cuda_ready()?;
+        if ordinal >= devices {
             return Err(Error::InvalidArgument(format!(
                 "CUDA device {ordinal} does not exist ({devices} visible)"
             )));
@@ -151,6 +155,8 @@ impl Device {
             event_query: resolve!(lib, "cuEventQuery").map_err(missing)?,
             event_destroy: resolve!(lib, "cuEventDestroy_v2").map_err(missing)?,
             stream_wait_event: resolve!(lib, "cuStreamWaitEvent").map_err(missing)?,
+            stream_create: resolve!(lib, "cuStreamCreate").map_err(missing)?,
+            stream_destroy: resolve!(lib, "cuStreamDestroy_v2").map_err(missing)?,
             get_error_string: resolve!(lib, "cuGetErrorString").map_err(missing)?,
         };
         let mut device: cu::CUdevice = 0;
@@ -202,6 +208,43 @@ impl Device {
         // SAFETY: a live event and the caller's stream.
         let rc = unsafe { (self.fns.stream_wait_event)(stream.driver(), event.event, 0) };
         check_cu(&self.fns, rc, "cuStreamWaitEvent")
+    }
+}
+
+impl Device {
+    /// A stream of this device's context that does not synchronise with the legacy default
+    /// stream (`CU_STREAM_NON_BLOCKING`): work on it is ordered only by the events it waits on.
+    pub(super) fn create_stream(&self) -> Result<OwnedStream> {
+        self.make_current()?;
+        let mut stream: cu::CUstream = std::ptr::null_mut();
+        // SAFETY: writes one stream handle; flag 1 = CU_STREAM_NON_BLOCKING.
+        let rc = unsafe { (self.fns.stream_create)(&mut stream, 1) };
+        check_cu(&self.fns, rc, "cuStreamCreate")?;
+        Ok(OwnedStream {
+            fns: self.fns,
+            stream,
+        })
+    }
+}
+
+/// A stream the backend created; destroyed on drop (CUDA releases it once its work is done).
+pub(super) struct OwnedStream {
+    fns: CudaFns,
+    stream: cu::CUstream,
+}
+
+impl OwnedStream {
+    /// The handle, for enqueueing.
+    pub(super) fn handle(&self) -> Stream {
+        Stream(self.stream as usize)
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        // SAFETY: a stream created by cuStreamCreate, destroyed once; pending work finishes
+        // first (the driver defers the release).
+        unsafe { (self.fns.stream_destroy)(self.stream) };
     }
 }
 

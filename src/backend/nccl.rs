@@ -24,12 +24,12 @@ use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys as nc;
 
-use super::cuda::{Device, DeviceBuf, Event, Stream};
+use super::cuda::{Device, DeviceBuf, Event, OwnedStream, Stream};
 use super::{c_text, function, Library};
 use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::gpu::loader::{self, NcclProbe};
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, OpKind, ReduceOp};
 
 /// `ncclResult_t` values, read as plain integers: a Rust enum may only hold the values it
 /// declares, and a newer NCCL may return one this build does not know.
@@ -186,6 +186,21 @@ impl Nccl {
         })
     }
 
+    /// The NCCL this process's device path uses, opened once: the library
+    /// `FERROVOD_NCCL_LIBRARY` names, else `libnccl.so.2` through the dynamic linker, else one
+    /// in `extra_dirs` (the Python layer passes the `nvidia-nccl` wheel's). Only success is
+    /// remembered, so a later call with better directories may still succeed.
+    pub fn for_process(extra_dirs: &[std::path::PathBuf]) -> Result<Nccl> {
+        static OPENED: std::sync::OnceLock<Nccl> = std::sync::OnceLock::new();
+        if let Some(n) = OPENED.get() {
+            return Ok(n.clone());
+        }
+        let explicit = crate::config::nccl_library();
+        let nccl = Nccl::open(&loader::probe_nccl(explicit.as_deref(), extra_dirs))?;
+        nccl.comm.clone().map_err(Error::InvalidArgument)?;
+        Ok(OPENED.get_or_init(|| nccl).clone())
+    }
+
     /// What the probe found: path and version.
     pub fn library(&self) -> &loader::Nccl {
         &self.library
@@ -337,6 +352,48 @@ pub fn nccl_reduce_dtype(dtype: DType) -> Result<u32> {
     } as u32)
 }
 
+/// Whether the device path can run this op on CUDA tensors as they are (`Ok`), or why not
+/// (`InvalidArgument`): allreduce and reducescatter where NCCL can do the reduction and its
+/// scaling (see the module doc) — reducescatter only when the first dimension splits evenly
+/// over the `size` ranks — and broadcast. Allgather and alltoall need outputs sized by the
+/// negotiation, which the caller allocates before it: they are staged through host memory.
+/// Every argument is the same on every rank once the negotiation has validated the op, so
+/// every rank decides alike.
+pub fn check_device_op(
+    kind: OpKind,
+    dtype: DType,
+    op: ReduceOp,
+    prescale: f64,
+    postscale: f64,
+    size: usize,
+    shape: &[usize],
+) -> Result<()> {
+    match kind {
+        OpKind::Broadcast => Ok(()),
+        OpKind::Allreduce => {
+            plan_reduction(dtype, op, prescale, postscale, size.max(1)).map(|_| ())
+        }
+        OpKind::Reducescatter => {
+            let Some(&rows) = shape.first() else {
+                return Err(Error::InvalidArgument(
+                    "a 0-d tensor has no first dimension to scatter".into(),
+                ));
+            };
+            if size == 0 || rows % size != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "NCCL's reducescatter splits evenly: a first dimension of {rows} does not \
+                     divide over {size} ranks"
+                )));
+            }
+            plan_reduction(dtype, op, prescale, postscale, size).map(|_| ())
+        }
+        other => Err(Error::InvalidArgument(format!(
+            "the NCCL path runs allreduce, broadcast and reducescatter, not {}",
+            other.name()
+        ))),
+    }
+}
+
 /// How a reduction runs: one of NCCL's operators, or a pre-multiplied sum by `scalar` (the
 /// factor in the tensor's own type, little-endian bytes).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -428,6 +485,9 @@ fn plan_reduction(
 pub struct DeviceComm {
     nccl: Nccl,
     fns: CommFns,
+    /// The communicator's own stream ([`DeviceComm::stream`]), created on first use. Declared
+    /// before `device`: fields drop in order, and the stream goes before its context.
+    stream: Option<OwnedStream>,
     device: Device,
     /// NULL once destroyed or aborted.
     comm: Comm,
@@ -521,6 +581,7 @@ impl DeviceComm {
         let mut c = DeviceComm {
             nccl: nccl.clone(),
             fns,
+            stream: None,
             device,
             comm,
             rank,
@@ -547,6 +608,17 @@ impl DeviceComm {
     /// The CUDA device ordinal.
     pub fn device(&self) -> usize {
         self.device.ordinal
+    }
+
+    /// A stream of the communicator's own (created on first use, destroyed with it), for
+    /// running collectives beside the framework's work: order it after the framework's stream
+    /// with [`DeviceComm::record`] and [`DeviceComm::stream_wait`].
+    pub fn stream(&mut self) -> Result<Stream> {
+        self.live()?;
+        if self.stream.is_none() {
+            self.stream = Some(self.device.create_stream()?);
+        }
+        Ok(self.stream.as_ref().expect("created above").handle())
     }
 
     /// Sum, average, min, max or product of `count` elements across ranks, `send` into `recv`
@@ -1097,6 +1169,41 @@ mod tests {
                 Err(Error::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
                 other => panic!("{dt:?} {op:?} {pre} {post}: {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn the_device_path_takes_what_nccl_can_run_as_it_is() {
+        let ok = |kind, dtype, op, pre, shape: &[usize]| {
+            check_device_op(kind, dtype, op, pre, 1.0, 4, shape).map_err(|e| e.to_string())
+        };
+        assert!(ok(OpKind::Allreduce, DType::F16, ReduceOp::Average, 0.5, &[3]).is_ok());
+        // Broadcast moves bytes: any dtype.
+        assert!(ok(OpKind::Broadcast, DType::Bool, ReduceOp::Sum, 1.0, &[3]).is_ok());
+        assert!(ok(
+            OpKind::Reducescatter,
+            DType::F32,
+            ReduceOp::Sum,
+            1.0,
+            &[8, 3]
+        )
+        .is_ok());
+        let refused = [
+            (
+                OpKind::Reducescatter,
+                DType::F32,
+                &[6, 3][..],
+                "6 does not divide over 4",
+            ),
+            (OpKind::Reducescatter, DType::F32, &[][..], "0-d"),
+            (OpKind::Allreduce, DType::Bool, &[4][..], "bool"),
+            (OpKind::Allgather, DType::F32, &[4][..], "not ALLGATHER"),
+            (OpKind::Alltoall, DType::F32, &[4][..], "not ALLTOALL"),
+            (OpKind::Barrier, DType::F32, &[][..], "not BARRIER"),
+        ];
+        for (kind, dtype, shape, needle) in refused {
+            let e = ok(kind, dtype, ReduceOp::Sum, 1.0, shape).unwrap_err();
+            assert!(e.contains(needle), "{kind:?} {shape:?}: {e}");
         }
     }
 

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 
 use super::handle::Output;
-use super::message::{Item, Request, Response};
+use super::message::{DeviceKind, Item, Request, Response};
 use super::tensor::TensorBuf;
 use super::timeline::{json_string, transfer_activity, Timeline};
 use super::worker::{Entry, Worker};
@@ -29,7 +29,7 @@ impl Worker {
                 self.remember(&item.request, id);
             }
         }
-        let entries: Vec<Option<Entry>> = resp
+        let mut entries: Vec<Option<Entry>> = resp
             .items
             .iter()
             .map(|i| {
@@ -73,6 +73,31 @@ impl Worker {
         };
         trace.end(); // negotiation
         trace.begin(resp.kind.name());
+        let on_device = resp.items[0].request.device == DeviceKind::Cuda;
+        if on_device
+            || entries
+                .iter()
+                .flatten()
+                .any(|e| e.request.device != DeviceKind::Host)
+        {
+            // Only CUDA ops fail on the device path's errors: the host path is unharmed.
+            trace.begin(device_activity(resp.kind));
+            let result = if on_device {
+                self.device
+                    .execute(self.rank, &members, &resp, &mut entries)
+            } else {
+                Err(Error::Io(
+                    "internal error: a host response for CUDA tensors".into(),
+                ))
+            };
+            trace.end();
+            trace.end_op(&resp.items);
+            for e in entries.into_iter().flatten() {
+                e.handle
+                    .complete(result.clone().map(|()| Output::default()));
+            }
+            return;
+        }
         let mut comm = Communicator::new(
             &mut *self.transport,
             &members,
@@ -80,7 +105,6 @@ impl Worker {
             self.tuning.clone(),
         )
         .with_hosts(&self.hosts);
-        let mut entries = entries;
         let transfer = transfer_activity(resp.kind);
         let result: Result<Vec<Output>> = match resp.kind {
             OpKind::Allreduce => allreduce(
@@ -134,6 +158,16 @@ impl Worker {
                 self.fail(err);
             }
         }
+    }
+}
+
+/// The timeline's name for a collective on the NCCL path (Horovod's).
+fn device_activity(kind: OpKind) -> &'static str {
+    match kind {
+        OpKind::Allreduce => "NCCL_ALLREDUCE",
+        OpKind::Broadcast => "NCCL_BCAST",
+        OpKind::Reducescatter => "NCCL_REDUCESCATTER",
+        _ => "NCCL",
     }
 }
 

@@ -29,6 +29,37 @@ impl TensorMeta {
     }
 }
 
+/// Where an op's tensors live. Every rank of a set must submit a name on the same kind of
+/// device (host tensors run over the host transports, CUDA tensors over NCCL); the ordinal of
+/// a rank's GPU is its own business and never travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    /// Host memory.
+    #[default]
+    Host = 0,
+    /// CUDA device memory.
+    Cuda = 1,
+}
+
+impl DeviceKind {
+    /// The name error messages use.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Host => "CPU",
+            DeviceKind::Cuda => "CUDA",
+        }
+    }
+
+    /// Decodes a wire code.
+    pub fn from_code(code: u8) -> Result<DeviceKind> {
+        match code {
+            0 => Ok(DeviceKind::Host),
+            1 => Ok(DeviceKind::Cuda),
+            c => Err(Error::Decode(format!("bad device kind {c}"))),
+        }
+    }
+}
+
 /// What one rank asks for under one name. Grouped ops carry several tensors and are
 /// negotiated as one unit.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +82,8 @@ pub struct Request {
     pub tensors: Vec<TensorMeta>,
     /// Alltoall: first-dimension rows sent to each set rank.
     pub splits: Vec<usize>,
+    /// Where the tensors live.
+    pub device: DeviceKind,
 }
 
 impl Request {
@@ -77,7 +110,7 @@ impl Request {
             .f64(self.prescale)
             .f64(self.postscale);
         encode_tensors(w, &self.tensors);
-        w.usizes(&self.splits);
+        w.usizes(&self.splits).u8(self.device as u8);
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Request> {
@@ -91,6 +124,7 @@ impl Request {
             postscale: r.f64()?,
             tensors: decode_tensors(r)?,
             splits: r.usizes()?,
+            device: DeviceKind::from_code(r.u8()?)?,
         })
     }
 }
@@ -497,6 +531,7 @@ mod tests {
                 },
             ],
             splits: vec![1, 2],
+            device: DeviceKind::Cuda,
         }
     }
 

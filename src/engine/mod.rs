@@ -8,6 +8,7 @@
 pub mod autotune;
 pub mod control;
 pub mod coordinator;
+mod device;
 mod execute;
 pub mod handle;
 pub mod message;
@@ -39,7 +40,7 @@ use crate::transport::tcp::TcpTransport;
 use crate::types::{OpKind, ReduceOp};
 
 pub use handle::{Handle, Output};
-pub use message::TensorMeta;
+pub use message::{DeviceKind, TensorMeta};
 pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;
@@ -421,6 +422,12 @@ impl Engine {
             shared.clone(),
             sets,
             host_indices(&hosts),
+            device::DeviceState::new(
+                launch.rendezvous_addr.clone().map(|a| (a, secret.clone())),
+                generation,
+                config.timeout,
+                config.start_timeout,
+            ),
         )?;
         let (thread, progress) = progress::start(
             w,

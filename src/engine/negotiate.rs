@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use crate::error::Error;
 use crate::types::OpKind;
 
-use super::message::{FromCoordinator, Item, Request, Response, Submit, ToCoordinator};
+use super::message::{DeviceKind, FromCoordinator, Item, Request, Response, Submit, ToCoordinator};
 
 /// How a rank went away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -588,7 +588,11 @@ fn can_fuse(a: &Response, b: &Response, threshold: usize) -> bool {
         return false;
     }
     let (ra, rb) = (&a.items[0].request, &b.items[0].request);
-    let same = ra.op == rb.op && ra.prescale == rb.prescale && ra.postscale == rb.postscale;
+    // Host and device tensors run on different communicators: never in one response.
+    let same = ra.op == rb.op
+        && ra.prescale == rb.prescale
+        && ra.postscale == rb.postscale
+        && ra.device == rb.device;
     let bytes: usize = a.items.iter().map(|i| i.request.nbytes()).sum::<usize>() + rb.nbytes();
     same && bytes <= threshold
 }
@@ -634,6 +638,15 @@ fn build_response(
         return fail(
             invalid,
             format!("{what} (tensor '{name}', joined ranks {joined:?})"),
+        );
+    }
+    if !joined.is_empty() && base.device == DeviceKind::Cuda {
+        return fail(
+            invalid,
+            format!(
+                "join() is not supported with CUDA tensors on the NCCL path: ranks {joined:?} \
+                 have joined, so they have no device memory to contribute to '{name}'"
+            ),
         );
     }
     if base.kind == OpKind::Broadcast && set.set_rank(base.root).is_none() {
@@ -798,6 +811,14 @@ fn validate(name: &str, submitted: &[(usize, &Request)]) -> Option<String> {
             return Some(tn(m));
         }
     }
+    // After dtypes and shapes, which say more when they differ too.
+    if let Some(m) = disagreement("devices", submitted, |r| r.device.name()) {
+        return Some(with_name(format!(
+            "{m}; a CUDA tensor runs on NCCL only where ferrovod finds NCCL and a working CUDA \
+             driver, and is staged through host memory elsewhere: give every rank the same \
+             setup"
+        )));
+    }
     match kind {
         OpKind::Allreduce | OpKind::Reducescatter => {
             if let Some(m) = disagreement("reduction operations", submitted, |r| r.op.name()) {
@@ -848,6 +869,7 @@ mod tests {
                 shape: shape.to_vec(),
             }],
             splits: vec![],
+            device: DeviceKind::Host,
         }
     }
 
@@ -964,6 +986,68 @@ mod tests {
             out[0].1,
             FromCoordinator::CacheMiss { id: 999, .. }
         ));
+    }
+
+    #[test]
+    fn host_and_cuda_allreduces_never_fuse_and_a_cached_name_may_change_device() {
+        let mut n = Negotiator::new(2, &[], 1 << 20, 16);
+        let mut out = Vec::new();
+        let cuda = |name: &str| Request {
+            device: DeviceKind::Cuda,
+            ..req(name, DType::F32, &[4])
+        };
+        for r in 0..2 {
+            n.handle(
+                r,
+                ToCoordinator::Submit(vec![
+                    Submit::Full(req("h1", DType::F32, &[4])),
+                    Submit::Full(cuda("d1")),
+                    Submit::Full(cuda("d2")),
+                    Submit::Full(req("h2", DType::F32, &[4])),
+                ]),
+                &mut out,
+            );
+        }
+        n.flush(&mut out);
+        let r = responses(&out, 0);
+        let groups: Vec<Vec<(&str, DeviceKind)>> = r
+            .iter()
+            .map(|resp| {
+                resp.items
+                    .iter()
+                    .map(|i| (i.request.name.as_str(), i.request.device))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            groups,
+            vec![
+                vec![("h1", DeviceKind::Host)],
+                vec![("d1", DeviceKind::Cuda), ("d2", DeviceKind::Cuda)],
+                vec![("h2", DeviceKind::Host)],
+            ]
+        );
+        // h1 is cached as a host request; the same name on CUDA is a different request, sent
+        // in full and validated again (rank 1 stays on the host: a mismatch).
+        let id = r[0].items[0].cache_id.expect("cached");
+        out.clear();
+        n.handle(
+            0,
+            ToCoordinator::Submit(vec![Submit::Full(cuda("h1"))]),
+            &mut out,
+        );
+        n.handle(
+            1,
+            ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id }]),
+            &mut out,
+        );
+        n.flush(&mut out);
+        let (_, msg) = responses(&out, 1)[0].error.clone().expect("mismatch");
+        assert!(
+            msg.contains("Mismatched devices: rank 0 sent CUDA, rank 1 sent CPU")
+                && msg.contains("'h1'"),
+            "{msg}"
+        );
     }
 
     #[test]

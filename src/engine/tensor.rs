@@ -1,5 +1,6 @@
 //! `TensorBuf`: memory an op reads or writes — either owned by the engine, or borrowed from
-//! the caller (a NumPy array, a torch tensor) through a raw pointer, zero-copy.
+//! the caller (a NumPy array, a torch tensor) through a raw pointer, zero-copy, or the
+//! caller's CUDA device memory, which only the NCCL backend touches.
 
 use std::ptr::NonNull;
 
@@ -19,6 +20,19 @@ pub enum TensorBuf {
         ptr: NonNull<u8>,
         /// Length in bytes.
         len: usize,
+    },
+    /// Caller memory on a CUDA device. See [`TensorBuf::device`] for the contract; the host
+    /// never reads or writes it.
+    Device {
+        /// Device address (0 only for an empty tensor).
+        ptr: usize,
+        /// Length in bytes.
+        len: usize,
+        /// CUDA device ordinal.
+        device: u32,
+        /// The raw stream (`CUstream`) the submitter's work on this memory was enqueued on:
+        /// the collective runs after it.
+        stream: usize,
     },
 }
 
@@ -42,6 +56,31 @@ impl TensorBuf {
         }
     }
 
+    /// Wraps caller memory on CUDA device `device`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` is memory of that device (or managed memory), `stream` is 0 or a live
+    /// stream of that device, both stay valid until the op completes (its handle reports
+    /// done), and nothing else writes the memory (or reads it, where the op writes it) in that
+    /// time. The torch adapter keeps the tensors referenced in its handle table until
+    /// `synchronize` returns.
+    pub unsafe fn device(ptr: usize, len: usize, device: u32, stream: usize) -> TensorBuf {
+        TensorBuf::Device {
+            ptr,
+            len,
+            device,
+            stream,
+        }
+    }
+
+    /// `(device ordinal, stream)` for CUDA memory, `None` for host memory.
+    pub fn cuda(&self) -> Option<(u32, usize)> {
+        match self {
+            TensorBuf::Device { device, stream, .. } => Some((*device, *stream)),
+            _ => None,
+        }
+    }
+
     /// Engine memory for a result of `len` bytes: on the C heap when small, from the page
     /// pool when large. Its bytes are unspecified: the caller overwrites all of them.
     pub fn engine(len: usize) -> Result<TensorBuf> {
@@ -57,7 +96,7 @@ impl TensorBuf {
         match self {
             TensorBuf::Owned(v) => v.len(),
             TensorBuf::Pages(p) => p.len(),
-            TensorBuf::Borrowed { len, .. } => *len,
+            TensorBuf::Borrowed { len, .. } | TensorBuf::Device { len, .. } => *len,
         }
     }
 
@@ -66,9 +105,11 @@ impl TensorBuf {
         self.len() == 0
     }
 
-    /// Read access.
+    /// Read access. Host memory only: the engine routes device buffers to the NCCL backend
+    /// and never asks for their bytes.
     pub fn as_slice(&self) -> &[u8] {
         match self {
+            TensorBuf::Device { .. } => no_host_view(),
             TensorBuf::Owned(v) => v,
             TensorBuf::Pages(p) => p.as_slice(),
             // SAFETY: `borrowed`'s contract: valid for `len` bytes, exclusively ours until done.
@@ -78,9 +119,10 @@ impl TensorBuf {
         }
     }
 
-    /// Write access.
+    /// Write access. Host memory only, as [`TensorBuf::as_slice`].
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         match self {
+            TensorBuf::Device { .. } => no_host_view(),
             TensorBuf::Owned(v) => v,
             TensorBuf::Pages(p) => p.as_mut_slice(),
             // SAFETY: as in `as_slice`; `&mut self` makes this the only live view.
@@ -94,7 +136,13 @@ impl TensorBuf {
     pub fn same_memory(&self, other: &TensorBuf) -> bool {
         match (self, other) {
             (TensorBuf::Borrowed { ptr: a, .. }, TensorBuf::Borrowed { ptr: b, .. }) => a == b,
+            (TensorBuf::Device { ptr: a, .. }, TensorBuf::Device { ptr: b, .. }) => a == b,
             _ => false,
         }
     }
+}
+
+#[cold]
+fn no_host_view() -> ! {
+    panic!("internal error: the host asked for the bytes of CUDA device memory")
 }

@@ -13,6 +13,7 @@ use crate::transport::Transport;
 use crate::types::{OpKind, ReduceOp};
 
 use super::control::FrameConn;
+use super::device::{op_device, DeviceState};
 use super::handle::Handle;
 use super::message::{FromCoordinator, Request, Submit, ToCoordinator};
 use super::sys::wait_readable;
@@ -53,6 +54,8 @@ pub(super) struct Worker {
     shutdown_requested: bool,
     /// The shutdown has been carried out; nothing runs any more.
     finished: bool,
+    /// NCCL communicators for CUDA tensors (see [`super::device`]).
+    pub device: DeviceState,
 }
 
 /// What one [`Worker::step`] did.
@@ -72,6 +75,7 @@ enum SetWaiter {
 }
 
 impl Worker {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
         rank: usize,
@@ -80,6 +84,7 @@ impl Worker {
         shared: Arc<Shared>,
         sets: HashMap<u32, Vec<usize>>,
         hosts: Vec<u32>,
+        device: DeviceState,
     ) -> Result<Worker> {
         Ok(Worker {
             rank,
@@ -101,6 +106,7 @@ impl Worker {
             control_open: true,
             shutdown_requested: false,
             finished: false,
+            device,
             timeline: match (&config.timeline, rank) {
                 (Some(path), 0) => match Timeline::start(path, config.timeline_mark_cycles) {
                     Ok(t) => Some(t),
@@ -128,6 +134,7 @@ impl Worker {
                 "ferrovod was shut down on this rank".into(),
             ));
             self.control.close();
+            self.device.close();
             self.finished = true;
             return Step::Finished;
         }
@@ -360,6 +367,7 @@ impl Worker {
                 )));
             }
         }
+        let device = op_device(&spec, n)?;
         let request = Request {
             set_id: spec.set_id,
             name: spec.name.clone(),
@@ -370,6 +378,7 @@ impl Worker {
             postscale: spec.postscale,
             tensors: spec.tensors.iter().map(|t| t.meta.clone()).collect(),
             splits: spec.splits.clone(),
+            device,
         };
         Ok((spec, request))
     }

@@ -184,9 +184,11 @@ fn topology() -> PyResult<(usize, usize, usize, usize, usize, usize, bool)> {
 /// shape, output pointer or 0 for "engine allocates").
 type PyTensor = (usize, usize, u8, Vec<usize>, usize);
 
-/// Queues a collective and returns its handle at once.
+/// Queues a collective and returns its handle at once. `device`: `(CUDA device ordinal, raw
+/// current stream)` when the tensors are CUDA memory for the NCCL path (outputs allocated by
+/// the caller: reducescatter's holds this rank's share); `None` for host memory.
 #[pyfunction]
-#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new()))]
+#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None))]
 #[allow(clippy::too_many_arguments)]
 fn enqueue(
     kind: u8,
@@ -198,14 +200,27 @@ fn enqueue(
     prescale: f64,
     postscale: f64,
     splits: Vec<usize>,
+    device: Option<(u32, usize)>,
 ) -> PyResult<CoreHandle> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
-    let tensors = tensors
-        .into_iter()
-        .map(tensor::spec_from_py)
-        .collect::<PyResult<Vec<_>>>()?;
     with_engine(|e| {
+        let tensors = tensors
+            .into_iter()
+            .map(|t| match device {
+                None => tensor::spec_from_py(t),
+                Some((ordinal, stream)) => {
+                    // An unknown set is refused by the engine, with its own message.
+                    let n = e.process_set(set_id).map_or(1, |m| m.len());
+                    let out = if kind == OpKind::Reducescatter {
+                        t.1 / n
+                    } else {
+                        t.1
+                    };
+                    tensor::device_spec_from_py(t, ordinal, stream, out)
+                }
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let handle = e.submit(OpSpec {
             set_id,
             name,
@@ -407,9 +422,64 @@ impl RendezvousServer {
     }
 }
 
-/// Whether the engine hands CUDA tensors to the NCCL backend (not yet: they are staged
-/// through host memory). `build_info`'s `gpu_operations` and `nccl_built()` follow it.
-const DEVICE_DISPATCH: bool = false;
+/// Whether the engine hands CUDA tensors to the NCCL backend (allreduce, broadcast and
+/// evenly split reducescatter; the torch adapter stages the rest, and everything where
+/// [`device_path`] says no, through host memory). `build_info`'s `gpu_operations` and
+/// `nccl_built()` follow it.
+const DEVICE_DISPATCH: bool = true;
+
+/// Whether CUDA tensors can take the engine's NCCL path in this process: `(True, what it
+/// runs on)`, or `(False, why not)` — no CUDA driver or GPU, no usable NCCL (searched as
+/// `gpu_probe` does, with `extra_dirs`). The NCCL it opens is the one the engine then uses.
+/// Loads the libraries: ask only once a CUDA tensor is at hand.
+#[pyfunction]
+fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
+    if !DEVICE_DISPATCH {
+        return (
+            false,
+            "this build does not dispatch CUDA tensors to NCCL".into(),
+        );
+    }
+    let dirs: Vec<std::path::PathBuf> = extra_dirs.into_iter().map(Into::into).collect();
+    let answer = py.detach(|| {
+        let devices = crate::backend::cuda::cuda_ready()?;
+        let nccl = crate::backend::nccl::Nccl::for_process(&dirs)?;
+        let lib = nccl.library();
+        let (a, b, c) = lib.version;
+        Ok::<_, Error>(format!(
+            "NCCL {a}.{b}.{c} ({}) on {devices} CUDA device(s)",
+            lib.path
+        ))
+    });
+    match answer {
+        Ok(what) => (true, what),
+        Err(e) => (false, e.to_string()),
+    }
+}
+
+/// Why the NCCL path cannot run this op on CUDA tensors as they are, or `None` when it can
+/// (kind, dtype and reduce-op codes; `set_size`: ranks of the process set). The torch
+/// adapter stages the op through host memory when it cannot.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn device_op_check(
+    kind: u8,
+    dtype: u8,
+    op: u8,
+    prescale: f64,
+    postscale: f64,
+    set_size: usize,
+    shape: Vec<usize>,
+) -> PyResult<Option<String>> {
+    let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
+    let dtype = crate::types::DType::from_code(dtype).map_err(to_pyerr)?;
+    let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    Ok(crate::backend::nccl::check_device_op(
+        kind, dtype, op, prescale, postscale, set_size, &shape,
+    )
+    .err()
+    .map(|e| e.to_string()))
+}
 
 /// What this build contains. `nccl`: the NCCL backend is compiled in (every build); whether
 /// it can be used on this machine is the run-time probe's answer (`gpu_probe`).
@@ -576,6 +646,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(device_path, m)?)?;
+    m.add_function(wrap_pyfunction!(device_op_check, m)?)?;
     m.add_function(wrap_pyfunction!(env_vars, m)?)?;
     m.add_function(wrap_pyfunction!(array_address, m)?)?;
     m.add_class::<CoreHandle>()?;

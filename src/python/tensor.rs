@@ -40,6 +40,29 @@ pub fn spec_from_py(t: super::PyTensor) -> PyResult<TensorSpec> {
     })
 }
 
+/// Builds a `TensorSpec` of CUDA memory from `(ptr, nbytes, dtype code, shape, out_ptr)` on
+/// device `device`, ordered after `stream`; the output holds `out_bytes` bytes.
+pub fn device_spec_from_py(
+    t: super::PyTensor,
+    device: u32,
+    stream: usize,
+    out_bytes: usize,
+) -> PyResult<TensorSpec> {
+    let (ptr, nbytes, dtype, shape, out_ptr) = t;
+    let mut spec = spec_from_py((0, nbytes, dtype, shape, 0))?;
+    // SAFETY: the torch adapter (ferrovod/torch/ops.py) passes the data pointers of
+    // contiguous tensors on CUDA device `device` holding `nbytes` (output: `out_bytes`) bytes,
+    // and that device's current stream, and keeps the tensors referenced in its handle table
+    // until `synchronize` returns, never exposing the outputs before — the contract of
+    // `TensorBuf::device`.
+    spec.input = unsafe { TensorBuf::device(ptr, nbytes, device, stream) };
+    if out_ptr != 0 {
+        // SAFETY: as above, for the output tensor.
+        spec.output = Some(unsafe { TensorBuf::device(out_ptr, out_bytes, device, stream) });
+    }
+    Ok(spec)
+}
+
 /// NumPy's `PyArrayInterface` (numpy/ndarraytypes.h), what `__array_struct__` points to.
 #[repr(C)]
 struct ArrayInterface {

@@ -168,6 +168,12 @@ def _gpu_section(info: Mapping[str, Any]) -> List[str]:
     elif not info.get("device_dispatch"):
         lines.append("    NCCL backend: built in (NCCL is loaded at run time); CUDA tensors are still "
                      "staged through host memory: the engine does not dispatch them to NCCL yet")
+    elif nccl.get("found") and cuda.get("found"):
+        lines.append("    NCCL backend: CUDA tensors of allreduce, broadcast and evenly split "
+                     "reducescatter run on NCCL; others are staged through host memory")
+    else:
+        lines.append("    NCCL backend: built in, but CUDA tensors are staged through host memory "
+                     "here (it needs both libraries above)")
     return [*lines, ""]
 
 

@@ -4,9 +4,12 @@ half) and the handle table they use.
 Every op hands the engine raw ``(data_ptr, nbytes, dtype, shape)`` descriptions through
 ``ferrovod._api._enqueue_raw``, so no NumPy view is needed (torch bfloat16 works) and a
 contiguous CPU tensor is never copied: the engine reads it, and in-place ops write it, where it
-lies. Non-contiguous tensors and tensors on another device (CUDA) are staged through a
-contiguous host copy; the result is copied back (in-place ops) or moved to the input's device
-(out-of-place ops). Handles are ints in the same table as the framework-free API, so
+lies. CUDA tensors of allreduce, broadcast and evenly split reducescatter go to the engine's
+NCCL path where it is usable in this process (NCCL found, CUDA driver working: asked once),
+with outputs allocated here on the same device and the device's current stream to order the
+collective after. Other non-contiguous tensors and tensors on another device are staged
+through a contiguous host copy (CUDA ones with a one-time warning saying why); the result is
+copied back (in-place ops) or moved to the input's device (out-of-place ops). Handles are ints in the same table as the framework-free API, so
 :func:`poll` and :func:`synchronize` are the same functions; the table keeps every tensor the
 engine touches alive until ``synchronize`` returns.
 """
@@ -58,15 +61,13 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
 def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
     """A C-contiguous CPU tensor holding ``t``'s values, and whether it is a copy.
 
-    A contiguous CPU tensor is returned as itself (a detached alias: zero-copy). CUDA tensors
-    are staged through host memory (with a one-time warning) until the engine dispatches them
-    to the NCCL backend.
+    A contiguous CPU tensor is returned as itself (a detached alias: zero-copy). Tensors on
+    another device are copied to host memory (CUDA ones after :func:`_cuda_target` said why).
     """
     _check_tensor(t, what)
     h = t.detach()
     copied = False
     if h.device.type != "cpu":
-        _warn_staging(h.device)
         h = h.to("cpu")
         copied = True
     if not h.is_contiguous():
@@ -75,24 +76,84 @@ def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
     return h, copied
 
 
-_staging_warned = False
+_staging_warned: set = set()
 
 
-def _warn_staging(device: torch.device) -> None:
-    """Says once per process that device tensors go through host memory, and why."""
-    global _staging_warned
-    if _staging_warned:
+def _warn_staging(device: torch.device, why: str) -> None:
+    """Says once per process and reason that device tensors go through host memory."""
+    if why in _staging_warned:
         return
-    _staging_warned = True
-    nccl = _api.gpu_libraries()["nccl"]
-    found = (f"NCCL {nccl.get('version')} was found but the engine does not dispatch CUDA "
-             f"tensors to NCCL yet"
-             if nccl.get("found") else f"no usable NCCL ({nccl.get('reason')})")
+    _staging_warned.add(why)
     warnings.warn(
-        f"ferrovod: {device.type} tensors are copied to host memory for every collective and "
-        f"back ({found}); expect host-memory speed, not NCCL's",
+        f"ferrovod: {device.type} tensors are copied to host memory for this collective and "
+        f"back ({why}); expect host-memory speed, not NCCL's",
         RuntimeWarning, stacklevel=4,
     )
+
+
+_device_path_answer: Optional[Tuple[bool, str]] = None
+
+
+def _device_path() -> Tuple[bool, str]:
+    """``(usable, why)``: whether CUDA tensors can take the engine's NCCL path in this process
+    (the native core's answer: NCCL found and accepted, CUDA driver working), asked once — the
+    first time a CUDA tensor is seen, so a CPU job never loads the GPU libraries."""
+    global _device_path_answer
+    if _device_path_answer is None:
+        usable, why = _core.device_path(_api._nccl_wheel_dirs())
+        _device_path_answer = (bool(usable), str(why))
+    return _device_path_answer
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    if process_set.process_set_id == 0 or not process_set.ranks:
+        return _api.size()
+    return len(process_set.ranks)
+
+
+def _cuda_target(tensors: Sequence[torch.Tensor], kind: int, what: str, op: int = Sum,
+                 prescale: float = 1.0, postscale: float = 1.0,
+                 process_set: ProcessSet = global_process_set) -> Optional[Tuple[int, int]]:
+    """``(device ordinal, current stream)`` when ``tensors`` go to the NCCL path as they are;
+    ``None`` when they are staged through host memory (CPU tensors; CUDA tensors with a
+    one-time warning saying why). Every rank decides alike from what the negotiation checks to
+    be the same everywhere (kind, dtype, shape, op, scale factors), so ranks never split
+    between the two paths unless their setups differ, which the negotiation reports."""
+    devices = {t.device for t in tensors}
+    if not any(d.type == "cuda" for d in devices):
+        return None
+    dev = next(d for d in devices if d.type == "cuda")
+    if len(devices) != 1:
+        _warn_staging(dev, "the tensors of one op are on different devices")
+        return None
+    usable, why = _device_path()
+    if not usable:
+        _warn_staging(dev, f"the NCCL path cannot be used: {why}")
+        return None
+    if any(t.numel() == 0 for t in tensors):
+        return None
+    n = _set_size(process_set)
+    for t in tensors:
+        reason = _core.device_op_check(int(kind), _code(t, what), int(op), float(prescale),
+                                       float(postscale), n, list(t.shape))
+        if reason is not None:
+            _warn_staging(dev, reason)
+            return None
+    return int(dev.index), int(torch.cuda.current_stream(dev).cuda_stream)
+
+
+def _on_device(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+    """A contiguous tensor on ``t``'s device holding its values, and whether it is a copy."""
+    h = t.detach()
+    if h.is_contiguous():
+        return h, False
+    return h.contiguous(), True
+
+
+def _ddesc(h: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Tuple[int, int, int, List[int], int]:
+    """A device tensor's description (never empty: empty ones are staged)."""
+    return (int(h.data_ptr()), h.numel() * h.element_size(), _code(h, what), list(h.shape),
+            0 if out is None else int(out.data_ptr()))
 
 
 def _addr(t: torch.Tensor) -> int:
@@ -157,6 +218,14 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
     rop = _api._resolve_op(op, average)
     if rop == Adasum:
         raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
+    for t in tensors:
+        _check_tensor(t, kind_name)
+    target = _cuda_target(tensors, _core.ALLREDUCE, kind_name, rop, prescale_factor,
+                          postscale_factor, process_set)
+    if target is not None:
+        return _device_inplace_or_new(_core.ALLREDUCE, tensors, inplace, name, kind_name,
+                                      process_set, target, op=rop, prescale=prescale_factor,
+                                      postscale=postscale_factor)
     staged = [_host(t, kind_name) for t in tensors]
     hosts = [h for h, _ in staged]
     outs = hosts if inplace else [torch.empty_like(h, memory_format=torch.contiguous_format)
@@ -177,6 +246,30 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
     return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, finish,
                              [list(tensors), hosts, outs], op=rop, prescale=prescale_factor,
                              postscale=postscale_factor)
+
+
+def _device_inplace_or_new(kind: int, tensors: Sequence[torch.Tensor], inplace: bool,
+                           name: Optional[str], kind_name: str, process_set: ProcessSet,
+                           target: Tuple[int, int], **params: Any) -> Handle:
+    """Allreduce or broadcast of CUDA tensors on the NCCL path: in place in the tensors (a
+    non-contiguous one through a contiguous copy on its device, copied back), or into new
+    tensors on the same device."""
+    srcs = [_on_device(t) for t in tensors]
+    hs = [h for h, _ in srcs]
+    outs = hs if inplace else [torch.empty_like(h, memory_format=torch.contiguous_format)
+                               for h in hs]
+    descs = [_ddesc(h, o, kind_name) for h, o in zip(hs, outs)]
+
+    def finish(_: Any) -> List[torch.Tensor]:
+        if not inplace:
+            return list(outs)
+        for t, (h, copied) in zip(tensors, srcs):
+            if copied:
+                _copy_back(t, h)
+        return list(tensors)
+
+    return _api._enqueue_raw(kind, name, kind_name, process_set, descs, finish,
+                             [list(tensors), hs, outs], device=target, **params)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -266,6 +359,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
 
 def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
                      process_set: ProcessSet, kind_name: str) -> Handle:
+    for t in tensors:
+        _check_tensor(t, kind_name)
+    _cuda_target(tensors, _core.ALLGATHER, kind_name, process_set=process_set)  # says why not
     hosts = [_host(t, kind_name)[0] for t in tensors]
     for h in hosts:
         if h.dim() == 0:
@@ -299,6 +395,12 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str],
                      process_set: ProcessSet, inplace: bool) -> Handle:
     root = _check_root(root_rank)
+    _check_tensor(tensor, "broadcast")
+    target = _cuda_target([tensor], _core.BROADCAST, "broadcast", process_set=process_set)
+    if target is not None:
+        h = _device_inplace_or_new(_core.BROADCAST, [tensor], inplace, name, "broadcast",
+                                   process_set, target, root=root)
+        return _api._single(h)
     h, copied = _host(tensor, "broadcast")
     out = h if inplace else torch.empty_like(h, memory_format=torch.contiguous_format)
 
@@ -336,6 +438,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
                     process_set: ProcessSet, want_splits: bool) -> Handle:
+    _check_tensor(tensor, "alltoall")
+    _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)  # says why not
     h, _ = _host(tensor, "alltoall")
     if h.dim() == 0:
         raise InvalidArgumentError("alltoall: a 0-d (scalar) tensor has no first dimension")
@@ -376,6 +480,20 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
                          postscale_factor: float, kind_name: str) -> Handle:
     if int(op) not in (Sum, Average):
         raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
+    for t in tensors:
+        _check_tensor(t, kind_name)
+    target = _cuda_target(tensors, _core.REDUCESCATTER, kind_name, int(op), prescale_factor,
+                          postscale_factor, process_set)
+    if target is not None:
+        n = _set_size(process_set)
+        srcs = [_on_device(t)[0] for t in tensors]
+        outs = [torch.empty((h.shape[0] // n,) + tuple(h.shape[1:]), dtype=h.dtype,
+                            device=h.device) for h in srcs]
+        descs = [_ddesc(h, o, kind_name) for h, o in zip(srcs, outs)]
+        return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs,
+                                 lambda _: list(outs), [list(tensors), srcs, outs],
+                                 op=int(op), prescale=prescale_factor,
+                                 postscale=postscale_factor, device=target)
     hosts = [_host(t, kind_name)[0] for t in tensors]
     descs = [_desc(h, None, kind_name) for h in hosts]
 
