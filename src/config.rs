@@ -42,6 +42,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_DYNAMIC_PROCESS_SETS", alias: Some("HOROVOD_DYNAMIC_PROCESS_SETS"), default: "0", doc: "Allow add_process_set/remove_process_set after init()." },
     Var { name: "FERROVOD_SPIN_US", alias: None, default: "250", doc: "Microseconds an idle wait (engine thread, coordinator, a caller driving its own op in synchronize) keeps polling, yielding the core between polls, before it blocks; also how long a caller that drove keeps the background threads asleep. A blocking wake-up costs 40-60 us on a VM. 0: block at once." },
     Var { name: "FERROVOD_NCCL_LIBRARY", alias: None, default: "unset", doc: "Path of the `libnccl.so.2` to use; when set, no other place is searched. Unset: the dynamic linker's search, then the `nvidia-nccl-*` wheel that torch installs." },
+    Var { name: "FERROVOD_NCCL_DISPATCH", alias: None, default: "0", doc: "1: CUDA tensors (torch) are reduced by NCCL on the device where the engine can (allreduce, broadcast, even reducescatter; the rest stays staged). 0: every CUDA tensor is staged through host memory, with a one-time warning. Off by default until the device path has run on GPU hardware: it is built and its CPU-side checks are tested, but it has not been executed on a GPU yet. Must be the same on every rank (a host/CUDA disagreement is a mismatch error)." },
     Var { name: "FERROVOD_SHM_DISABLE", alias: None, default: "0", doc: "Ranks on the same host talk over TCP instead of shared memory (memfd segments, which leave nothing behind even after SIGKILL), and ranks on rank 0's host send control messages over its Unix socket instead of shared-memory rings." },
     Var { name: "FERROVOD_SMALL_ALLREDUCE_BYTES", alias: None, default: "65536", doc: "Allreduce payloads up to this size use the latency-optimal algorithm." },
     Var { name: "FERROVOD_HIERARCHICAL_ALLREDUCE", alias: Some("HOROVOD_HIERARCHICAL_ALLREDUCE"), default: "unset (auto)", doc: "Allreduce in a process set that spans hosts, with more than one rank on some host: reduce inside each host (shared memory), allreduce across hosts, spread inside each host, so less crosses the network. Unset or `auto`: for payloads above FERROVOD_SMALL_ALLREDUCE_BYTES; 1: for every payload; 0: never. Sets on one host are not affected. Must be the same on every rank (init() checks, as for FERROVOD_SMALL_ALLREDUCE_BYTES and FERROVOD_CHUNK_BYTES)." },
@@ -208,6 +209,18 @@ pub fn nccl_library() -> Option<String> {
     std::env::var("FERROVOD_NCCL_LIBRARY")
         .ok()
         .filter(|s| !s.trim().is_empty())
+}
+
+/// `FERROVOD_NCCL_DISPATCH`: read apart from [`Config`], like [`nccl_library`], because the
+/// torch adapter asks before (and without) the engine.
+pub fn nccl_dispatch() -> bool {
+    // The same reading as every other flag: a positive integer, or true.
+    std::env::var("FERROVOD_NCCL_DISPATCH").is_ok_and(|v| {
+        let v = v.trim();
+        v.parse::<i64>()
+            .map(|x| x > 0)
+            .unwrap_or(v == "true" || v == "True")
+    })
 }
 
 impl Config {

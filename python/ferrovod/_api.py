@@ -942,9 +942,9 @@ def mpi_threads_supported() -> bool:
 def nccl_built() -> int:
     """As in Horovod, the NCCL version code (e.g. 23007) collectives of GPU tensors run on, 0 when
     none. ferrovod's NCCL backend is in every build and loads NCCL at run time, so this is the
-    code of the library ``gpu_libraries()`` found — once the engine dispatches CUDA tensors to
-    NCCL (``build_info()["device_dispatch"]``); until then it is 0: they are staged through host
-    memory."""
+    code of the library ``gpu_libraries()`` found — when the engine dispatches CUDA tensors to
+    NCCL (``build_info()["device_dispatch"]``, opted into with ``FERROVOD_NCCL_DISPATCH=1``);
+    otherwise 0: they are staged through host memory."""
     if not _core.build_info().get("device_dispatch"):
         return 0
     nccl = gpu_libraries()["nccl"]

@@ -452,6 +452,14 @@ fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
         ))
     });
     match answer {
+        // Checked last, so the reason says what the machine lacks before what the user chose.
+        Ok(what) if !crate::config::nccl_dispatch() => (
+            false,
+            format!(
+                "{what} could be used, but FERROVOD_NCCL_DISPATCH is not 1 (the device path \
+                 has not yet been run on GPU hardware, so it is opt-in)"
+            ),
+        ),
         Ok(what) => (true, what),
         Err(e) => (false, e.to_string()),
     }
@@ -491,10 +499,17 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("transports", vec!["tcp", "shm"])?;
     d.set_item("controllers", vec!["ferrovod"])?;
     d.set_item("cpu_operations", vec!["ferrovod"])?;
-    let gpu_operations: &[&str] = if DEVICE_DISPATCH { &["nccl"] } else { &[] };
+    let gpu_operations: &[&str] = if DEVICE_DISPATCH && crate::config::nccl_dispatch() {
+        &["nccl"]
+    } else {
+        &[]
+    };
     d.set_item("gpu_operations", gpu_operations)?;
     d.set_item("nccl", true)?;
-    d.set_item("device_dispatch", DEVICE_DISPATCH)?;
+    d.set_item(
+        "device_dispatch",
+        DEVICE_DISPATCH && crate::config::nccl_dispatch(),
+    )?;
     d.set_item("cuda", false)?;
     d.set_item("mpi", false)?;
     d.set_item("gloo", false)?;

@@ -116,3 +116,34 @@ def test_ranks_agree_on_an_nccl_unique_id_through_the_rendezvous_store():
     store; ferrovod's allgather of the bytes shows every member holds it (see the worker)."""
     res = run_job(3, "nccl_worker.py", timeout=120)
     assert_ok(res, 3, min_checks=8, same_count=False)
+
+
+def test_nccl_dispatch_is_opt_in_and_the_machine_is_asked_first(monkeypatch):
+    """Off by default (the device path has not run on GPU hardware); FERROVOD_NCCL_DISPATCH=1
+    turns it on, and where CUDA is missing the answer still says what the machine lacks."""
+    code = ("import ferrovod, json; from ferrovod import _core, _api; i = _core.build_info(); "
+            "print(json.dumps([i['device_dispatch'], i['gpu_operations'], ferrovod.nccl_built(), "
+            "_core.device_path(_api._nccl_wheel_dirs())]))")
+
+    def ask(value):
+        if value is None:
+            monkeypatch.delenv("FERROVOD_NCCL_DISPATCH", raising=False)
+        else:
+            monkeypatch.setenv("FERROVOD_NCCL_DISPATCH", value)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    nccl = _probe({}, monkeypatch)["nccl"]
+    off_dispatch, off_ops, off_built, (off_usable, off_why) = ask(None)
+    assert (off_dispatch, off_ops, off_built, off_usable) == (False, [], 0, False)
+    on_dispatch, on_ops, on_built, (on_usable, on_why) = ask("1")
+    assert (on_dispatch, on_ops) == (True, ["nccl"])
+    assert on_built == (nccl["code"] if nccl["found"] else 0)
+    cuda = _probe({}, monkeypatch)["cuda"]
+    if not cuda["found"]:
+        # No driver here: both answers name that, not the setting.
+        assert not on_usable and "CUDA cannot be used" in on_why and "CUDA cannot be used" in off_why
+    elif nccl["found"]:
+        assert "FERROVOD_NCCL_DISPATCH" in off_why, off_why

@@ -165,15 +165,15 @@ def _gpu_section(info: Mapping[str, Any]) -> List[str]:
         lines.append(f"    CUDA driver: {cuda.get('reason')}")
     if not info.get("nccl"):
         lines.append("    CUDA tensors are staged through host memory (no NCCL backend in this build)")
-    elif not info.get("device_dispatch"):
-        lines.append("    NCCL backend: built in (NCCL is loaded at run time); CUDA tensors are still "
-                     "staged through host memory: the engine does not dispatch them to NCCL yet")
-    elif nccl.get("found") and cuda.get("found"):
-        lines.append("    NCCL backend: CUDA tensors of allreduce, broadcast and evenly split "
-                     "reducescatter run on NCCL; others are staged through host memory")
-    else:
+    elif not (nccl.get("found") and cuda.get("found")):
         lines.append("    NCCL backend: built in, but CUDA tensors are staged through host memory "
                      "here (it needs both libraries above)")
+    elif not info.get("device_dispatch"):
+        lines.append("    NCCL backend: built in, off: CUDA tensors are staged through host memory; "
+                     "FERROVOD_NCCL_DISPATCH=1 runs them on NCCL (not yet run on GPU hardware)")
+    else:
+        lines.append("    NCCL backend: CUDA tensors of allreduce, broadcast and evenly split "
+                     "reducescatter run on NCCL; others are staged through host memory")
     return [*lines, ""]
 
 
