@@ -142,9 +142,23 @@ class Timing:
         return moved / self.seconds * bus_factor(self.op, self.n) / 1e9
 
 
-def time_calls(call: Callable[[], Any], reset: Callable[[], None], iters: int) -> float:
+#: Pause before timing each column, in seconds.
+SETTLE_S = 0.2
+
+
+#: Bytes every stack moves in warm-up calls before it is timed (up to WARMUP_MAX_CALLS):
+#: transports that map their buffers lazily (ferrovod's shared-memory rings, 4 MiB each way;
+#: Open MPI's) take a page fault the first time each page is used, which a training loop pays
+#: once and which would otherwise land in the timed calls of whichever size comes first.
+WARMUP_BYTES = 16 << 20
+WARMUP_MAX_CALLS = 5000
+
+
+def time_calls(call: Callable[[], Any], reset: Callable[[], None], iters: int,
+               nbytes: int) -> float:
     """This rank's median seconds of `call` over `iters` runs, after warm-up runs."""
-    for _ in range(max(2, iters // 10)):
+    warmup = min(WARMUP_MAX_CALLS, max(2, iters // 10, WARMUP_BYTES // max(nbytes, 1)))
+    for _ in range(warmup):
         reset()
         call()
     samples = []
@@ -655,7 +669,12 @@ def main() -> int:
                              else PEERS[column](count, rank, n))
                     tag = f"{stack.name}.{op}.{nbytes}"
                     if verify(stack, op, want, tag):
-                        seconds = time_calls(stack.call(op), stack.reset, iters)
+                        # Let the previous column's threads go idle first (gloo's and Open
+                        # MPI's poll for a while after their last call): whoever is timed
+                        # right after another stack otherwise shares the cores with it.
+                        time.sleep(SETTLE_S)
+                        fv.allgather_object(None, name=f"bench.settle.{tag}")
+                        seconds = time_calls(stack.call(op), stack.reset, iters, nbytes)
                         row[column] = Timing(slowest(seconds, tag), nbytes, op, n)
                     else:
                         row[column] = None
