@@ -14,7 +14,7 @@ use super::allgather::ring_allgather;
 use super::hierarchical;
 use super::reduce::{check_reducible, reduce_into};
 use super::reducescatter::ring_reduce_scatter;
-use super::{even_segments, split_blocks};
+use super::{even_segments, split_blocks, with_scratch};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::transport::Xfer;
@@ -94,12 +94,23 @@ pub fn small(
 }
 
 fn direct(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let (n, b) = (comm.size(), buf.len());
+    with_scratch(n * b, |all| direct_into(comm, buf, dtype, op, all))
+}
+
+/// [`direct`] with `all` (n·B bytes, any contents) as the landing area.
+fn direct_into(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    all: &mut [u8],
+) -> Result<()> {
     let (n, r, b) = (comm.size(), comm.rank(), buf.len());
-    let mut all = vec![0u8; n * b];
     all[r * b..(r + 1) * b].copy_from_slice(buf);
     {
         let ranges: Vec<_> = (0..n).map(|p| p * b..(p + 1) * b).collect();
-        let slots = split_blocks(&mut all, &ranges);
+        let slots = split_blocks(all, &ranges);
         let mut xfers = Vec::with_capacity(2 * (n - 1));
         for (p, slot) in slots.into_iter().enumerate() {
             if p != r {
@@ -144,10 +155,22 @@ fn recursive_doubling(
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
+    with_scratch(buf.len(), |theirs| {
+        recursive_doubling_into(comm, buf, dtype, op, theirs)
+    })
+}
+
+/// [`recursive_doubling`] with `theirs` (B bytes, any contents) for the partner's data.
+fn recursive_doubling_into(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    theirs: &mut [u8],
+) -> Result<()> {
     let (n, r) = (comm.size(), comm.rank());
     let p = 1usize << n.ilog2();
     let extra = n - p;
-    let mut theirs = vec![0u8; buf.len()];
     // Fold: among the first 2·extra ranks, even ones hand their data to the odd one above and
     // sit out; survivors get new ranks 0..p.
     let new_rank = if r < 2 * extra {
@@ -156,8 +179,8 @@ fn recursive_doubling(
             comm.recv(r + 1, buf)?;
             return Ok(());
         }
-        comm.recv(r - 1, &mut theirs)?;
-        combine(dtype, op, buf, &mut theirs, false)?;
+        comm.recv(r - 1, theirs)?;
+        combine(dtype, op, buf, theirs, false)?;
         r / 2
     } else {
         r - extra
@@ -166,8 +189,8 @@ fn recursive_doubling(
     let mut mask = 1;
     while mask < p {
         let partner = new_rank ^ mask;
-        comm.sendrecv(real(partner), buf, real(partner), &mut theirs)?;
-        combine(dtype, op, buf, &mut theirs, new_rank < partner)?;
+        comm.sendrecv(real(partner), buf, real(partner), theirs)?;
+        combine(dtype, op, buf, theirs, new_rank < partner)?;
         mask <<= 1;
     }
     if r < 2 * extra {

@@ -244,6 +244,33 @@ pub(crate) fn check_segments(
 }
 
 /// Checks a root or peer argument against the set size.
+/// Scratch buffers larger than this are allocated per call rather than kept per thread.
+const SCRATCH_KEEP: usize = 8 << 20;
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` bytes of scratch whose contents are whatever an earlier call left there:
+/// algorithms only read scratch bytes they have written. The buffer is kept per thread, so the
+/// hot path neither allocates nor zeroes — a fresh zeroed 1 MiB chunk buffer cost a memset of
+/// 1 MiB per large allreduce, and the small allreduce's n·B landing area one per small op. A
+/// nested call (or one above [`SCRATCH_KEEP`]) gets a fresh buffer instead.
+pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    if len > SCRATCH_KEEP {
+        return f(&mut vec![0u8; len]);
+    }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut kept) => {
+            if kept.len() < len {
+                kept.resize(len, 0);
+            }
+            f(&mut kept[..len])
+        }
+        Err(_) => f(&mut vec![0u8; len]),
+    })
+}
+
 pub(crate) fn check_rank(r: usize, n: usize, what: &str) -> Result<()> {
     if r >= n {
         return Err(Error::InvalidArgument(format!(

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use super::reduce::{check_reducible, reduce_into};
-use super::{blocks, check_segments, chunk_count, chunk_of, element_chunk};
+use super::{blocks, check_segments, chunk_count, chunk_of, element_chunk, with_scratch};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
@@ -74,17 +74,18 @@ pub fn ring_reduce_scatter(
     let chunk = element_chunk(comm.tuning.chunk_bytes, dtype.size());
     let nchunks = chunk_count(segs, chunk);
     let longest = segs.iter().map(|s| s.len()).max().unwrap_or(0);
-    let mut scratch = vec![0u8; chunk.min(longest)];
-    for s in 0..n - 1 {
-        let send_seg = &segs[(r + 2 * n - s - 1) % n];
-        let recv_seg = &segs[(r + 2 * n - s - 2) % n];
-        for c in 0..nchunks {
-            let sr = chunk_of(send_seg, c, chunk);
-            let rr = chunk_of(recv_seg, c, chunk);
-            let tmp = &mut scratch[..rr.len()];
-            comm.sendrecv(next, &buf[sr], prev, tmp)?;
-            reduce_into(dtype, op, &mut buf[rr], tmp)?;
+    with_scratch(chunk.min(longest), |scratch| {
+        for s in 0..n - 1 {
+            let send_seg = &segs[(r + 2 * n - s - 1) % n];
+            let recv_seg = &segs[(r + 2 * n - s - 2) % n];
+            for c in 0..nchunks {
+                let sr = chunk_of(send_seg, c, chunk);
+                let rr = chunk_of(recv_seg, c, chunk);
+                let tmp = &mut scratch[..rr.len()];
+                comm.sendrecv(next, &buf[sr], prev, tmp)?;
+                reduce_into(dtype, op, &mut buf[rr], tmp)?;
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
