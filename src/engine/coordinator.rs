@@ -341,13 +341,16 @@ impl State {
             wait_readable(&self.fds(), Duration::ZERO).unwrap_or_default()
         };
         let received = polled.iter().any(|&i| i > 0) || self.has_input();
-        let sent = self.turn(&polled, stopping);
+        let sent = self.turn(&polled, stopping, !assist);
         received || sent
     }
 
     /// One turn: accept, read what `readable` (indexes into [`State::fds`]) says arrived,
     /// negotiate, inspect for stalls, flush and send. Returns whether anything was sent.
-    fn turn(&mut self, readable: &[usize], stopping: bool) -> bool {
+    /// `owner`: the coordinator thread, the only one that may consume a ring's wake-up bytes
+    /// and clear its sleeping flag — the thread sleeps on them, so anyone else doing it could
+    /// leave it asleep while messages arrive (until its poll times out).
+    fn turn(&mut self, readable: &[usize], stopping: bool, owner: bool) -> bool {
         let ranks = self.ranks();
         let first = self.first_conn();
         if readable.iter().any(|&i| (1..first).contains(&i)) {
@@ -375,9 +378,9 @@ impl State {
         for (i, &rank) in ranks.iter().enumerate() {
             let rang = readable.contains(&(i + first));
             if let Some(c) = self.conns[rank].as_mut() {
-                if rang {
+                if rang && owner {
                     c.disarm(true);
-                } else if !stopping && !c.has_input() {
+                } else if !rang && !stopping && !c.has_input() {
                     continue;
                 }
             }
