@@ -259,3 +259,45 @@ fn a_rank_that_leaves_fails_the_ops_waiting_for_it_naming_it() {
         assert!(took < Duration::from_secs(5), "{took:?}");
     }
 }
+
+#[test]
+fn ops_nobody_drives_complete_promptly_after_rank_0_drove_the_coordinator() {
+    // Rank 0 alternates ops it waits on (its caller turns the worker and the coordinator) with
+    // ops it only polls (then the background threads must do everything), while rank 1
+    // submits late. A background thread that misses a wake-up sleeps until its poll times out
+    // (1 s); every op here takes a few milliseconds otherwise.
+    // 300 rounds: the lost wake-up this guards against showed up within that on 2 cores.
+    let worst = job(2, &[], |rank, e| {
+        let progress = e.progress();
+        let mut worst = Duration::ZERO;
+        for i in 0..300 {
+            let h = e.submit(allreduce_op(
+                &format!("driven.{i}"),
+                &[1.0],
+                ReduceOp::Sum,
+                0,
+            ));
+            let out = progress.wait(&h).expect("first wait").unwrap();
+            assert_eq!(f32_from(out.tensors[0].0.as_slice()), vec![2.0]);
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let start = Instant::now();
+            let h = e.submit(allreduce_op(
+                &format!("polled.{i}"),
+                &[rank as f32],
+                ReduceOp::Sum,
+                0,
+            ));
+            while !h.poll() {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            worst = worst.max(start.elapsed());
+            assert_eq!(result_f32(&h).unwrap(), vec![1.0]);
+        }
+        worst
+    });
+    for w in worst {
+        assert!(w < Duration::from_millis(500), "an op waited {w:?}");
+    }
+}

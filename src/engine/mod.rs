@@ -171,6 +171,9 @@ pub(crate) struct Shared {
     waker: Waker,
     /// Held by a caller driving the worker (see [`progress`]).
     lease: progress::Lease,
+    /// The engine thread is (about to be) blocked in its long idle poll: a submission must
+    /// wake it even while a caller holds the lease, or it sleeps on with the op unsent.
+    polling: std::sync::atomic::AtomicBool,
     sets: Mutex<HashMap<u32, Vec<usize>>>,
 }
 
@@ -412,6 +415,7 @@ impl Engine {
             queue: Mutex::new(Vec::new()),
             waker: Waker::new()?,
             lease: progress::Lease::default(),
+            polling: std::sync::atomic::AtomicBool::new(false),
             sets: Mutex::new(sets.clone()),
         });
         let w = worker::Worker::new(
@@ -531,9 +535,17 @@ impl Engine {
 
     fn push(&self, cmd: Command) {
         self.shared.queue.lock().push(cmd);
-        // A caller holding the lease drains the queue itself, and the engine thread wakes
-        // when the lease ends: no wake-up is lost by skipping it.
-        if self.shared.lease.remaining().is_none() {
+        // A caller holding the lease drains the queue itself, and an engine thread waiting out
+        // the lease wakes when it ends: no wake-up is lost by skipping it then. An engine
+        // thread in its long idle poll is woken regardless (it publishes `polling` and then
+        // looks at the queue; the fences pair with its own).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.shared.lease.remaining().is_none()
+            || self
+                .shared
+                .polling
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
             self.shared.waker.wake();
         }
     }

@@ -13,7 +13,7 @@
 //! work it did itself: when a caller did the work, the engine thread goes straight back to
 //! sleep rather than compete with that caller's next op.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -221,8 +221,17 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
             continue;
         }
         drop(guard);
+        // A submission made while a caller holds the lease does not write the waker unless it
+        // sees this flag: publish it, then look at the queue once more (see `Engine::push`).
+        shared.polling.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if !shared.queue.lock().is_empty() {
+            shared.polling.store(false, Ordering::Relaxed);
+            continue;
+        }
         // The descriptors stay open while we sleep: only this thread drops the worker.
         let woke = wait_readable(&fds, Duration::from_secs(1)).unwrap_or_default();
+        shared.polling.store(false, Ordering::Relaxed);
         shared.waker.clear();
         // Disarm at once if we can, or the coordinator rings for every message while a caller
         // turns the worker; otherwise on the next turn.
