@@ -159,6 +159,8 @@ impl Device {
             stream_destroy: resolve!(lib, "cuStreamDestroy_v2").map_err(missing)?,
             get_error_string: resolve!(lib, "cuGetErrorString").map_err(missing)?,
         };
+        // The resolved functions must stay valid: never close this handle.
+        lib.keep();
         let mut device: cu::CUdevice = 0;
         // SAFETY: writes one CUdevice; the ordinal was checked against the device count.
         let rc = unsafe { (fns.device_get)(&mut device, ordinal as c_int) };

@@ -26,50 +26,9 @@ macro_rules! resolve {
 pub mod cuda;
 pub mod nccl;
 
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, c_void, CStr};
 
-/// A `dlopen` handle that is never closed: unloading CUDA libraries is not safe, and the
-/// libraries opened here were already opened (and kept) by the probe, so opening them again
-/// returns the same loaded object.
-struct Library {
-    handle: *mut c_void,
-}
-
-impl Library {
-    fn open(name: &str) -> Result<Library, String> {
-        let c = CString::new(name).map_err(|_| "the name contains a NUL byte".to_string())?;
-        // SAFETY: `c` is a valid C string for the call; RTLD_LOCAL keeps the library's symbols
-        // out of the global namespace (as the probe opened it).
-        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
-            return Err(dl_error());
-        }
-        Ok(Library { handle })
-    }
-
-    /// The address of `name`, or `None` when the library does not export it.
-    fn symbol(&self, name: &str) -> Option<*mut c_void> {
-        let c = CString::new(name).ok()?;
-        // SAFETY: `handle` came from a successful dlopen and is never closed.
-        let sym = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
-        (!sym.is_null()).then_some(sym)
-    }
-}
-
-/// `dlerror()`'s message, copied.
-fn dl_error() -> String {
-    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call on
-    // this thread; it is copied at once.
-    let msg: *const c_char = unsafe { libc::dlerror() };
-    if msg.is_null() {
-        "unknown dlopen error".into()
-    } else {
-        // SAFETY: non-null and NUL-terminated (above).
-        unsafe { CStr::from_ptr(msg) }
-            .to_string_lossy()
-            .into_owned()
-    }
-}
+use crate::gpu::loader::Library;
 
 /// Resolves `name` from `lib` as a function pointer of type `F`.
 ///

@@ -179,6 +179,8 @@ impl Nccl {
             let (a, b, c) = library.version;
             format!("NCCL {a}.{b}.{c} ({path}) lacks {name}: device communicators need NCCL 2.14 or newer")
         });
+        // The resolved functions must stay valid: never close this handle.
+        lib.keep();
         Ok(Nccl {
             library,
             core,

@@ -226,13 +226,14 @@ fn cuda_result_name(rc: c_int) -> &'static str {
     }
 }
 
-/// A `dlopen` handle. Closed on drop unless [`Library::keep`] was called.
-struct Library {
+/// A `dlopen` handle. Closed on drop unless [`Library::keep`] was called. The device backend
+/// (`crate::backend`) opens the libraries the probe accepted through it too.
+pub(crate) struct Library {
     handle: *mut c_void,
 }
 
 impl Library {
-    fn open(name: &str) -> Result<Library, String> {
+    pub(crate) fn open(name: &str) -> Result<Library, String> {
         let c = CString::new(name).map_err(|_| "the name contains a NUL byte".to_string())?;
         // SAFETY: `c` is a valid C string for the call; RTLD_LOCAL keeps the library's
         // symbols out of the global namespace, so probing cannot change symbol resolution
@@ -244,7 +245,7 @@ impl Library {
         Ok(Library { handle })
     }
 
-    fn symbol(&self, name: &str) -> Option<*mut c_void> {
+    pub(crate) fn symbol(&self, name: &str) -> Option<*mut c_void> {
         let c = CString::new(name).ok()?;
         // SAFETY: `handle` came from a successful dlopen and is still open.
         let sym = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
@@ -252,7 +253,7 @@ impl Library {
     }
 
     /// Leaves the library loaded for the life of the process.
-    fn keep(self) {
+    pub(crate) fn keep(self) {
         std::mem::forget(self);
     }
 }
