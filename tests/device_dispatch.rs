@@ -6,53 +6,20 @@
 //! NCCL path cannot run is refused before it is negotiated, and that host ops keep working
 //! afterwards. The collectives themselves need a GPU (tests/nccl_backend.rs runs them there).
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use _core::bootstrap::tcp_store::TcpStoreServer;
-use _core::config::Config;
 use _core::engine::{Engine, Handle, OpSpec, TensorBuf, TensorMeta, TensorSpec};
 use _core::{DType, Error, OpKind, ReduceOp};
 
-const SECRET: &[u8] = b"device-dispatch-secret-0123456789";
-/// The engine's timeout: "promptly" means well inside it.
-const TIMEOUT_S: u64 = 10;
+mod common;
 
-fn config(rank: usize, size: usize, addr: SocketAddr) -> Config {
-    let hex: String = SECRET.iter().map(|b| format!("{b:02x}")).collect();
-    let vars: HashMap<&str, String> = [
-        ("FERROVOD_RANK", rank.to_string()),
-        ("FERROVOD_SIZE", size.to_string()),
-        ("FERROVOD_RENDEZVOUS_ADDR", addr.to_string()),
-        ("FERROVOD_SECRET", hex),
-        ("FERROVOD_HOSTNAME", format!("host{}", rank / 2)),
-        ("FERROVOD_TIMEOUT_SECONDS", TIMEOUT_S.to_string()),
-        ("FERROVOD_START_TIMEOUT", "20".into()),
-    ]
-    .into_iter()
-    .collect();
-    Config::from_lookup(|k| vars.get(k).cloned()).unwrap()
-}
+use common::jobs::TIMEOUT_S;
+
+const SECRET: &[u8] = b"device-dispatch-secret-0123456789";
 
 /// Runs `f(rank, engine)` on `n` engines at once and returns the results in rank order.
 fn job<R: Send>(n: usize, f: impl Fn(usize, &mut Engine) -> R + Sync) -> Vec<R> {
-    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), SECRET.to_vec()).unwrap();
-    let addr = server.local_addr();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let f = &f;
-                s.spawn(move || {
-                    let mut engine = Engine::start(&config(rank, n, addr), &[], 0).unwrap();
-                    let r = f(rank, &mut engine);
-                    engine.shutdown();
-                    r
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    common::jobs::job(n, &[], SECRET, f)
 }
 
 /// A made-up device address: never dereferenced (no GPU here, and no op gets that far).

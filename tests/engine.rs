@@ -3,56 +3,21 @@
 //! name matching across submission orders, fusion, the response-cache path, mismatch errors
 //! on every rank, join, process sets, and a rank leaving while others wait for it.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use _core::bootstrap::tcp_store::TcpStoreServer;
-use _core::config::Config;
 use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
 use _core::{DType, Error, OpKind, ReduceOp};
 
+mod common;
+
 const SECRET: &[u8] = b"engine-test-secret-0123456789abc";
 
-fn config(rank: usize, size: usize, addr: SocketAddr) -> Config {
-    let hex: String = SECRET.iter().map(|b| format!("{b:02x}")).collect();
-    let vars: HashMap<&str, String> = [
-        ("FERROVOD_RANK", rank.to_string()),
-        ("FERROVOD_SIZE", size.to_string()),
-        ("FERROVOD_RENDEZVOUS_ADDR", addr.to_string()),
-        ("FERROVOD_SECRET", hex),
-        ("FERROVOD_HOSTNAME", format!("host{}", rank / 2)),
-        ("FERROVOD_TIMEOUT_SECONDS", "10".into()),
-        ("FERROVOD_START_TIMEOUT", "20".into()),
-        ("FERROVOD_DYNAMIC_PROCESS_SETS", "1".into()),
-    ]
-    .into_iter()
-    .collect();
-    Config::from_lookup(|k| vars.get(k).cloned()).unwrap()
-}
-
-/// Runs `f(rank, engine)` on `n` engines at once and returns the results in rank order.
 fn job<R: Send>(
     n: usize,
     sets: &[Vec<usize>],
     f: impl Fn(usize, &mut Engine) -> R + Sync,
 ) -> Vec<R> {
-    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), SECRET.to_vec()).unwrap();
-    let addr = server.local_addr();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let f = &f;
-                s.spawn(move || {
-                    let mut engine = Engine::start(&config(rank, n, addr), sets, 0).unwrap();
-                    let r = f(rank, &mut engine);
-                    engine.shutdown();
-                    r
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    common::jobs::job(n, sets, SECRET, f)
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {

@@ -5,6 +5,8 @@
 //! Each test binary uses a different part of this.
 #![allow(dead_code)]
 
+pub mod jobs;
+
 use _core::comm::Communicator;
 use _core::{collective, DType, ReduceOp};
 use half::{bf16, f16};

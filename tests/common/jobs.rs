@@ -1,0 +1,59 @@
+//! In-process jobs for the engine suites: `n` engines, one per thread, each with its own
+//! coordinator connection and data mesh, meeting at a real rendezvous store on 127.0.0.1.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use _core::bootstrap::tcp_store::TcpStoreServer;
+use _core::config::Config;
+use _core::engine::Engine;
+
+/// Seconds a transfer may make no progress (`FERROVOD_TIMEOUT_SECONDS`): "promptly" in the
+/// suites means well inside it.
+pub const TIMEOUT_S: u64 = 10;
+
+/// Rank `rank` of `size`, two ranks per host name (so shared memory and the local control
+/// socket are used as on a real host).
+pub fn config(rank: usize, size: usize, addr: SocketAddr, secret: &[u8]) -> Config {
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let vars: HashMap<&str, String> = [
+        ("FERROVOD_RANK", rank.to_string()),
+        ("FERROVOD_SIZE", size.to_string()),
+        ("FERROVOD_RENDEZVOUS_ADDR", addr.to_string()),
+        ("FERROVOD_SECRET", hex),
+        ("FERROVOD_HOSTNAME", format!("host{}", rank / 2)),
+        ("FERROVOD_TIMEOUT_SECONDS", TIMEOUT_S.to_string()),
+        ("FERROVOD_START_TIMEOUT", "20".into()),
+        ("FERROVOD_DYNAMIC_PROCESS_SETS", "1".into()),
+    ]
+    .into_iter()
+    .collect();
+    Config::from_lookup(|k| vars.get(k).cloned()).unwrap()
+}
+
+/// Runs `f(rank, engine)` on `n` engines at once (with `sets` as `init(process_sets=...)`)
+/// and returns the results in rank order.
+pub fn job<R: Send>(
+    n: usize,
+    sets: &[Vec<usize>],
+    secret: &[u8],
+    f: impl Fn(usize, &mut Engine) -> R + Sync,
+) -> Vec<R> {
+    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), secret.to_vec()).unwrap();
+    let addr = server.local_addr();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let f = &f;
+                s.spawn(move || {
+                    let mut engine =
+                        Engine::start(&config(rank, n, addr, secret), sets, 0).unwrap();
+                    let r = f(rank, &mut engine);
+                    engine.shutdown();
+                    r
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
