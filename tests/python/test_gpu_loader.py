@@ -135,13 +135,13 @@ def test_nccl_dispatch_is_opt_in_and_the_machine_is_asked_first(monkeypatch):
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
-    nccl = _probe({}, monkeypatch)["nccl"]
+    found = _probe({}, monkeypatch)
+    nccl, cuda = found["nccl"], found["cuda"]
     off_dispatch, off_ops, off_built, (off_usable, off_why) = ask(None)
     assert (off_dispatch, off_ops, off_built, off_usable) == (False, [], 0, False)
     on_dispatch, on_ops, on_built, (on_usable, on_why) = ask("1")
     assert (on_dispatch, on_ops) == (True, ["nccl"])
     assert on_built == (nccl["code"] if nccl["found"] else 0)
-    cuda = _probe({}, monkeypatch)["cuda"]
     if not cuda["found"]:
         # No driver here: both answers name that, not the setting.
         assert not on_usable and "CUDA cannot be used" in on_why and "CUDA cannot be used" in off_why
