@@ -45,6 +45,9 @@ impl ControlStream {
     }
 }
 
+/// How long a thread with control output waiting may sleep before trying again.
+pub const OUTPUT_RETRY: Duration = Duration::from_micros(200);
+
 /// A ring's `PeerLost` as the I/O error a socket would give.
 fn ring_error(e: Error) -> io::Error {
     io::Error::new(ErrorKind::BrokenPipe, e.to_string())
@@ -119,6 +122,13 @@ impl Stream for ControlStream {
 pub const MAX_FRAME: usize = 256 << 20;
 
 /// One control connection to `peer`.
+///
+/// Sends never block: a frame the peer cannot take yet waits in `out` and goes out on later
+/// [`FrameConn::flush`] calls. Both ends send and read on one thread, so a side that blocked
+/// in a send could not read; with thousands of submissions in flight, the coordinator
+/// blocked writing answers to a rank that was blocked in a collective waiting for a second
+/// rank, itself blocked writing submissions to the coordinator: nobody moved until the
+/// timeout called a rank dead.
 #[derive(Debug)]
 pub struct FrameConn {
     stream: ControlStream,
@@ -129,6 +139,11 @@ pub struct FrameConn {
     /// Read buffer, zeroed once: a fresh 64 KiB array per read cost a memset on every poll, a
     /// fifth of a small op's CPU time.
     scratch: Box<[u8]>,
+    /// Frames accepted by `send` and not yet written, from `out_start` on.
+    out: Vec<u8>,
+    out_start: usize,
+    /// Since when the peer has taken none of `out`.
+    stalled_since: Option<Instant>,
 }
 
 impl FrameConn {
@@ -144,6 +159,9 @@ impl FrameConn {
             buf: Vec::with_capacity(4096),
             start: 0,
             scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
+            out: Vec::with_capacity(4096),
+            out_start: 0,
+            stalled_since: None,
         })
     }
 
@@ -152,29 +170,61 @@ impl FrameConn {
         self.stream.as_raw_fd()
     }
 
-    /// Sends one frame, waiting (bounded by `timeout`) while the socket buffer is full.
+    /// Queues one frame and writes as much of the queue as the connection takes now (see
+    /// [`FrameConn::flush`]).
     pub fn send(&mut self, payload: &[u8], timeout: Duration) -> Result<()> {
-        let mut frame = Vec::with_capacity(4 + payload.len());
-        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-        frame.extend_from_slice(payload);
-        let mut off = 0;
-        let deadline = Instant::now() + timeout;
-        while off < frame.len() {
-            match self.stream.write(&frame[off..]) {
+        self.out
+            .extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        self.out.extend_from_slice(payload);
+        self.flush(timeout).map(|_| ())
+    }
+
+    /// Writes queued frames until the connection takes no more, without blocking. Returns
+    /// whether any bytes went out. A peer that has taken nothing for `timeout` while frames
+    /// wait is `Timeout`.
+    pub fn flush(&mut self, timeout: Duration) -> Result<bool> {
+        let mut moved = false;
+        while self.out_start < self.out.len() {
+            match self.stream.write(&self.out[self.out_start..]) {
                 Ok(0) => return Err(self.lost("connection closed")),
-                Ok(n) => off += n,
+                Ok(n) => {
+                    self.out_start += n;
+                    self.stalled_since = None;
+                    moved = true;
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
+                    let since = *self.stalled_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= timeout {
                         return Err(Error::Timeout {
                             what: format!("sending a control message to rank {}", self.peer),
                             after: timeout,
                         });
                     }
-                    std::thread::sleep(Duration::from_micros(50));
+                    return Ok(moved);
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(Error::from_peer_io(self.peer, &e)),
             }
+        }
+        self.out.clear();
+        self.out_start = 0;
+        Ok(moved)
+    }
+
+    /// Whether frames wait to be written. Nothing tells a sleeper when the peer makes room:
+    /// a thread with output waiting sleeps at most [`OUTPUT_RETRY`].
+    pub fn has_output(&self) -> bool {
+        self.out_start < self.out.len()
+    }
+
+    /// Writes every queued frame before returning, waiting (bounded by `timeout` without
+    /// progress) while the peer's buffer is full; for a last message before closing.
+    pub fn flush_all(&mut self, timeout: Duration) -> Result<()> {
+        while {
+            self.flush(timeout)?;
+            self.has_output()
+        } {
+            std::thread::sleep(Duration::from_micros(50));
         }
         Ok(())
     }

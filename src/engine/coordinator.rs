@@ -18,7 +18,7 @@ use crate::bootstrap::{auth, net};
 use crate::error::{Error, Result};
 
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
-use super::control::{ControlStream, FrameConn};
+use super::control::{ControlStream, FrameConn, OUTPUT_RETRY};
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
 use super::progress::Lease;
@@ -294,14 +294,20 @@ impl State {
         2 + usize::from(self.local.is_some())
     }
 
-    /// How long an idle wait may block: until the batching window closes, if one is open.
+    /// How long an idle wait may block: until the batching window closes, if one is open, and
+    /// briefly while answers wait to be written.
     fn timeout(&self, stopping: bool) -> Duration {
         if stopping {
             Duration::ZERO
         } else {
-            match self.ready_since {
+            let window = match self.ready_since {
                 Some(t) => self.cycle_time.saturating_sub(t.elapsed()),
                 None => Duration::from_secs(1),
+            };
+            if self.has_output() {
+                window.min(OUTPUT_RETRY)
+            } else {
+                window
             }
         }
     }
@@ -419,8 +425,9 @@ impl State {
             }
         }
         let sent = !self.out.is_empty();
+        let flushed = self.flush_pending();
         self.send_out();
-        sent
+        sent || flushed
     }
 
     /// Reads and negotiates every complete message from `rank`; notices a closed connection.
@@ -476,19 +483,48 @@ impl State {
             let bytes = msg.encode();
             if let Some(conn) = self.conns[to].as_mut() {
                 if let Err(e) = conn.send(&bytes, self.cfg.timeout) {
-                    conn.close();
-                    self.conns[to] = None;
-                    let mut more = Vec::new();
-                    self.neg
-                        .rank_gone(to, gone(self.left[to]), e.to_string(), &mut more);
-                    // Notices about this failure go out on the next turn of the loop.
-                    self.neg.flush(&mut more);
-                    for (t, m) in more {
-                        if let Some(c) = self.conns[t].as_mut() {
-                            let _ = c.send(&m.encode(), self.cfg.timeout);
-                        }
-                    }
+                    self.drop_conn(to, e);
                 }
+            }
+        }
+    }
+
+    /// Writes answers that connections could not take on earlier turns. Returns whether any
+    /// bytes went out.
+    fn flush_pending(&mut self) -> bool {
+        let mut moved = false;
+        for to in 0..self.conns.len() {
+            let Some(conn) = self.conns[to].as_mut().filter(|c| c.has_output()) else {
+                continue;
+            };
+            match conn.flush(self.cfg.timeout) {
+                Ok(m) => moved |= m,
+                Err(e) => self.drop_conn(to, e),
+            }
+        }
+        moved
+    }
+
+    /// Whether some connection has answers waiting to be written.
+    fn has_output(&self) -> bool {
+        self.conns.iter().flatten().any(FrameConn::has_output)
+    }
+
+    /// Closes the connection to `to` after sending to it failed with `e`, and tells the
+    /// others.
+    fn drop_conn(&mut self, to: usize, e: Error) {
+        if let Some(conn) = self.conns[to].as_mut() {
+            conn.close();
+        }
+        self.conns[to] = None;
+        let mut more = Vec::new();
+        self.neg
+            .rank_gone(to, gone(self.left[to]), e.to_string(), &mut more);
+        // Notices about this failure go out on the next turn of the loop.
+        self.neg.flush(&mut more);
+        for (t, m) in more {
+            if let Some(c) = self.conns[t].as_mut() {
+                let _ = c.send(&m.encode(), self.cfg.timeout);
             }
         }
     }
@@ -496,6 +532,8 @@ impl State {
     fn close(&mut self) {
         self.stopped = true;
         for c in self.conns.iter_mut().flatten() {
+            // Last answers (a failure notice, the shutdown) before the hang-up.
+            let _ = c.flush_all(self.cfg.timeout);
             c.close();
         }
     }

@@ -210,7 +210,7 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
             }
             Step::Idle => {}
         }
-        let fds = worker.idle_fds();
+        let (fds, timeout) = (worker.idle_fds(), worker.idle_timeout());
         if busy_at.elapsed() < spin {
             drop(guard);
             std::thread::yield_now();
@@ -230,7 +230,7 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
             continue;
         }
         // The descriptors stay open while we sleep: only this thread drops the worker.
-        let woke = wait_readable(&fds, Duration::from_secs(1)).unwrap_or_default();
+        let woke = wait_readable(&fds, timeout).unwrap_or_default();
         shared.polling.store(false, Ordering::Relaxed);
         shared.waker.clear();
         // Disarm at once if we can, or the coordinator rings for every message while a caller

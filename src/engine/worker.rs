@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::transport::Transport;
 use crate::types::{OpKind, ReduceOp};
 
-use super::control::FrameConn;
+use super::control::{FrameConn, OUTPUT_RETRY};
 use super::device::{op_device, DeviceState};
 use super::handle::Handle;
 use super::message::{FromCoordinator, Request, Submit, ToCoordinator};
@@ -127,9 +127,14 @@ impl Worker {
         if self.finished {
             return Step::Finished;
         }
-        let mut busy = self.drain_queue();
+        let mut busy = self.flush_control();
+        busy |= self.drain_queue();
         if self.shutdown_requested {
             self.send(ToCoordinator::Leave);
+            if self.failed.is_none() {
+                // Closing drops what is still queued: the coordinator must hear that we left.
+                let _ = self.control.flush_all(self.timeout);
+            }
             self.fail_all(Error::Shutdown(
                 "ferrovod was shut down on this rank".into(),
             ));
@@ -143,6 +148,16 @@ impl Worker {
             Step::Busy
         } else {
             Step::Idle
+        }
+    }
+
+    /// How long an idle worker may block: short while submissions wait for the coordinator to
+    /// make room (nothing wakes us when it does).
+    pub fn idle_timeout(&self) -> Duration {
+        if self.control.has_output() {
+            OUTPUT_RETRY
+        } else {
+            Duration::from_secs(1)
         }
     }
 
@@ -388,21 +403,40 @@ impl Worker {
             return;
         }
         if let Err(e) = self.control.send(&msg.encode(), self.timeout) {
-            // The coordinator may have told us why before it closed (a Unix socket fails the
-            // write at once, before we have read that): its verdict names the real cause.
-            if let (Some(verdict), _) = self.verdict_in_flight() {
-                self.fail(verdict);
-                return;
-            }
-            let e = if self.coordinator_left {
-                Error::Shutdown(
-                    "rank 0 has shut down, so this job cannot run collectives any more".into(),
-                )
-            } else {
-                coordinator_lost(e)
-            };
-            self.fail(e);
+            self.control_failed(e);
         }
+    }
+
+    /// Writes submissions the coordinator could not take yet. Returns whether any went out.
+    fn flush_control(&mut self) -> bool {
+        if self.failed.is_some() || !self.control.has_output() {
+            return false;
+        }
+        match self.control.flush(self.timeout) {
+            Ok(moved) => moved,
+            Err(e) => {
+                self.control_failed(e);
+                true
+            }
+        }
+    }
+
+    /// Fails the worker after sending to the coordinator failed with `e`.
+    fn control_failed(&mut self, e: Error) {
+        // The coordinator may have told us why before it closed (a Unix socket fails the
+        // write at once, before we have read that): its verdict names the real cause.
+        if let (Some(verdict), _) = self.verdict_in_flight() {
+            self.fail(verdict);
+            return;
+        }
+        let e = if self.coordinator_left {
+            Error::Shutdown(
+                "rank 0 has shut down, so this job cannot run collectives any more".into(),
+            )
+        } else {
+            coordinator_lost(e)
+        };
+        self.fail(e);
     }
 
     /// Reads and handles control messages. Returns whether anything happened.

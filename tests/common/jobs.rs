@@ -15,6 +15,17 @@ pub const TIMEOUT_S: u64 = 10;
 /// Rank `rank` of `size`, two ranks per host name (so shared memory and the local control
 /// socket are used as on a real host).
 pub fn config(rank: usize, size: usize, addr: SocketAddr, secret: &[u8]) -> Config {
+    config_with(rank, size, addr, secret, &[])
+}
+
+/// [`config`] with more variables (`extra` wins over the defaults).
+pub fn config_with(
+    rank: usize,
+    size: usize,
+    addr: SocketAddr,
+    secret: &[u8],
+    extra: &[(&'static str, &str)],
+) -> Config {
     let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
     let vars: HashMap<&str, String> = [
         ("FERROVOD_RANK", rank.to_string()),
@@ -27,6 +38,7 @@ pub fn config(rank: usize, size: usize, addr: SocketAddr, secret: &[u8]) -> Conf
         ("FERROVOD_DYNAMIC_PROCESS_SETS", "1".into()),
     ]
     .into_iter()
+    .chain(extra.iter().map(|&(k, v)| (k, v.to_string())))
     .collect();
     Config::from_lookup(|k| vars.get(k).cloned()).unwrap()
 }
@@ -39,6 +51,17 @@ pub fn job<R: Send>(
     secret: &[u8],
     f: impl Fn(usize, &mut Engine) -> R + Sync,
 ) -> Vec<R> {
+    job_with(n, sets, secret, &[], f)
+}
+
+/// [`job`] with more configuration variables (see [`config_with`]).
+pub fn job_with<R: Send>(
+    n: usize,
+    sets: &[Vec<usize>],
+    secret: &[u8],
+    extra: &[(&'static str, &str)],
+    f: impl Fn(usize, &mut Engine) -> R + Sync,
+) -> Vec<R> {
     let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), secret.to_vec()).unwrap();
     let addr = server.local_addr();
     std::thread::scope(|s| {
@@ -47,7 +70,7 @@ pub fn job<R: Send>(
                 let f = &f;
                 s.spawn(move || {
                     let mut engine =
-                        Engine::start(&config(rank, n, addr, secret), sets, 0).unwrap();
+                        Engine::start(&config_with(rank, n, addr, secret, extra), sets, 0).unwrap();
                     let r = f(rank, &mut engine);
                     engine.shutdown();
                     r
