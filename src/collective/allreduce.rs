@@ -95,36 +95,51 @@ pub fn small(
 
 fn direct(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (n, b) = (comm.size(), buf.len());
-    with_scratch(n * b, |all| direct_into(comm, buf, dtype, op, all))
+    with_scratch((n - 1) * b, |others| {
+        direct_into(comm, buf, dtype, op, others)
+    })
 }
 
-/// [`direct`] with `all` (n·B bytes, any contents) as the landing area.
+/// [`direct`] with `others` ((n-1)·B bytes, any contents) as the landing area: the other ranks'
+/// buffers in rank order. The fold starts from rank 0's buffer: rank 0 folds into its own
+/// `buf` and copies nothing; the others fold into rank 0's received copy and copy the result
+/// once into `buf` (copying `buf` into a full n·B area first cost two more passes over it).
 fn direct_into(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
-    all: &mut [u8],
+    others: &mut [u8],
 ) -> Result<()> {
     let (n, r, b) = (comm.size(), comm.rank(), buf.len());
-    all[r * b..(r + 1) * b].copy_from_slice(buf);
+    let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
     {
-        let ranges: Vec<_> = (0..n).map(|p| p * b..(p + 1) * b).collect();
-        let slots = split_blocks(all, &ranges);
+        let ranges: Vec<_> = (0..n - 1).map(|i| i * b..(i + 1) * b).collect();
+        let slots = split_blocks(others, &ranges);
         let mut xfers = Vec::with_capacity(2 * (n - 1));
-        for (p, slot) in slots.into_iter().enumerate() {
-            if p != r {
-                xfers.push(Xfer::Send {
-                    peer: p,
-                    buf: &*buf,
-                });
-                xfers.push(Xfer::Recv { peer: p, buf: slot });
-            }
+        for (&p, slot) in peers.iter().zip(slots) {
+            xfers.push(Xfer::Send {
+                peer: p,
+                buf: &*buf,
+            });
+            xfers.push(Xfer::Recv { peer: p, buf: slot });
         }
         comm.exchange(&mut xfers)?;
     }
-    let (acc, rest) = all.split_at_mut(b);
-    for src in rest.chunks_exact(b) {
+    if r == 0 {
+        for src in others.chunks_exact(b) {
+            reduce_into(dtype, op, buf, src)?;
+        }
+        return Ok(());
+    }
+    // Slot i holds rank i for i < r and rank i+1 above; rank 0 is slot 0.
+    let (acc, rest) = others.split_at_mut(b);
+    for p in 1..n {
+        let src = match p.cmp(&r) {
+            std::cmp::Ordering::Less => &rest[(p - 1) * b..p * b],
+            std::cmp::Ordering::Equal => &*buf,
+            std::cmp::Ordering::Greater => &rest[(p - 2) * b..(p - 1) * b],
+        };
         reduce_into(dtype, op, acc, src)?;
     }
     buf.copy_from_slice(acc);

@@ -59,7 +59,7 @@ struct SetState {
     /// name → (cache id, validated request); `by_id` is its inverse.
     cache: HashMap<String, (u64, Request)>,
     by_id: HashMap<u64, String>,
-    lru: VecDeque<u64>,
+    lru: Lru,
 }
 
 impl SetState {
@@ -69,7 +69,7 @@ impl SetState {
             table: HashMap::new(),
             cache: HashMap::new(),
             by_id: HashMap::new(),
-            lru: VecDeque::new(),
+            lru: Lru::default(),
         }
     }
     fn set_rank(&self, global: usize) -> Option<usize> {
@@ -379,7 +379,7 @@ impl Negotiator {
                 let hit = self.sets.get_mut(&set_id).and_then(|s| {
                     let name = s.by_id.get(&id)?;
                     let req = s.cache.get(name)?.1.clone();
-                    touch(&mut s.lru, id);
+                    s.lru.touch(id);
                     Some(req)
                 });
                 match hit {
@@ -549,11 +549,39 @@ impl Negotiator {
     }
 }
 
-fn touch(lru: &mut VecDeque<u64>, id: u64) {
-    if let Some(pos) = lru.iter().position(|&x| x == id) {
-        lru.remove(pos);
+/// Cache ids by last use. Every cached op touches its id twice (its submission, its
+/// response), so a touch must not cost a pass over the cache: a model with a thousand
+/// gradients made the old queue scan a thousand ids per op on rank 0.
+#[derive(Default)]
+struct Lru {
+    /// use tick → id, oldest first.
+    by_tick: BTreeMap<u64, u64>,
+    /// id → its tick in `by_tick`.
+    tick_of: HashMap<u64, u64>,
+    next_tick: u64,
+}
+
+impl Lru {
+    /// Marks `id` (new or known) as used last.
+    fn touch(&mut self, id: u64) {
+        self.remove(id);
+        self.by_tick.insert(self.next_tick, id);
+        self.tick_of.insert(id, self.next_tick);
+        self.next_tick += 1;
     }
-    lru.push_back(id);
+
+    fn remove(&mut self, id: u64) {
+        if let Some(t) = self.tick_of.remove(&id) {
+            self.by_tick.remove(&t);
+        }
+    }
+
+    /// Takes the least recently used id.
+    fn pop_oldest(&mut self) -> Option<u64> {
+        let (_, id) = self.by_tick.pop_first()?;
+        self.tick_of.remove(&id);
+        Some(id)
+    }
 }
 
 fn plain_item(request: Request) -> Item {
@@ -685,16 +713,16 @@ fn build_response(
         match set.cache.get(&name) {
             Some((id, req)) if *req == base => {
                 let id = *id;
-                touch(&mut set.lru, id);
+                set.lru.touch(id);
                 Some(id)
             }
             _ => {
                 if let Some((old, _)) = set.cache.remove(&name) {
                     set.by_id.remove(&old);
-                    set.lru.retain(|&x| x != old);
+                    set.lru.remove(old);
                 }
                 while set.cache.len() >= capacity {
-                    let Some(victim) = set.lru.pop_front() else {
+                    let Some(victim) = set.lru.pop_oldest() else {
                         break;
                     };
                     if let Some(n) = set.by_id.remove(&victim) {
@@ -705,7 +733,7 @@ fn build_response(
                 *next_cache_id += 1;
                 set.cache.insert(name.clone(), (id, base.clone()));
                 set.by_id.insert(id, name.clone());
-                set.lru.push_back(id);
+                set.lru.touch(id);
                 Some(id)
             }
         }
@@ -986,6 +1014,33 @@ mod tests {
             out[0].1,
             FromCoordinator::CacheMiss { id: 999, .. }
         ));
+    }
+
+    #[test]
+    fn a_full_cache_evicts_the_least_recently_used_name() {
+        let mut n = Negotiator::new(1, &[], 1 << 20, 2);
+        let mut out = Vec::new();
+        let mut id_of = |n: &mut Negotiator, sub: Submit| {
+            out.clear();
+            n.handle(0, ToCoordinator::Submit(vec![sub]), &mut out);
+            n.flush(&mut out);
+            responses(&out, 0).first().and_then(|r| r.items[0].cache_id)
+        };
+        let a = id_of(&mut n, Submit::Full(req("a", DType::F32, &[1]))).unwrap();
+        let b = id_of(&mut n, Submit::Full(req("b", DType::F32, &[1]))).unwrap();
+        // `a` used again: `b` is now the oldest and goes when `c` needs room.
+        assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: a }), Some(a));
+        let c = id_of(&mut n, Submit::Full(req("c", DType::F32, &[1]))).unwrap();
+        assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: c }), Some(c));
+        assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: a }), Some(a));
+        assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: b }), None);
+        let mut miss = Vec::new();
+        n.handle(
+            0,
+            ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id: b }]),
+            &mut miss,
+        );
+        assert!(matches!(miss[0].1, FromCoordinator::CacheMiss { .. }));
     }
 
     #[test]
