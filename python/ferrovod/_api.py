@@ -344,9 +344,14 @@ def _as_array(tensor: Tensor) -> np.ndarray:
 
 
 def _contiguous(arr: np.ndarray) -> np.ndarray:
-    # np.ascontiguousarray turns a 0-d array into shape (1,): keep 0-d tensors 0-d.
+    """``arr`` itself when the engine can read it as it lies (C-contiguous, native byte order),
+    else a copy that is (the engine reduces raw bytes: a byte-swapped array would be summed as
+    garbage)."""
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     if arr.flags.c_contiguous:
         return arr
+    # np.ascontiguousarray turns a 0-d array into shape (1,): keep 0-d tensors 0-d.
     return np.ascontiguousarray(arr).reshape(arr.shape)
 
 
@@ -450,14 +455,20 @@ def _submit(
     postscale: float = 1.0,
     splits: Sequence[int] = (),
 ) -> Any:
+    set_id = _set_id(process_set)
+    op, root, prescale, postscale = int(op), int(root), float(prescale), float(postscale)
+    splits = [int(s) for s in splits]
+    # The engine reads plain arrays itself; it declines (None) those it cannot describe from
+    # __array_struct__ alone (bfloat16, say), which go the long way below.
+    core = _core.enqueue_arrays(kind, name, set_id, inputs, outputs, op, root, prescale,
+                                postscale, splits)
+    if core is not None:
+        return core
     tensors = []
     for arr, out in zip(inputs, outputs):
         code = _dtype_code(arr, name)
         tensors.append((_ptr(arr), arr.nbytes, code, list(arr.shape), 0 if out is None else _ptr(out)))
-    return _core.enqueue(
-        kind, name, _set_id(process_set), tensors, int(op), int(root), float(prescale),
-        float(postscale), [int(s) for s in splits],
-    )
+    return _core.enqueue(kind, name, set_id, tensors, op, root, prescale, postscale, splits)
 
 
 def _enqueue_raw(

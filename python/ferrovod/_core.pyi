@@ -53,6 +53,18 @@ def enqueue(
     postscale: float = ...,
     splits: Sequence[int] = ...,
 ) -> CoreHandle: ...
+def enqueue_arrays(
+    kind: int,
+    name: str,
+    set_id: int,
+    inputs: Sequence[object],
+    outputs: Sequence[Optional[object]],
+    op: int = ...,
+    root: int = ...,
+    prescale: float = ...,
+    postscale: float = ...,
+    splits: Sequence[int] = ...,
+) -> Optional[CoreHandle]: ...
 def join() -> CoreHandle: ...
 def add_process_set(ranks: Sequence[int]) -> int: ...
 def remove_process_set(id: int) -> bool: ...

@@ -262,6 +262,52 @@ fn enqueue(
     })
 }
 
+/// [`enqueue`] for NumPy arrays, described in Rust from `__array_struct__` rather than as
+/// tuples built in Python (about a fifth of a small op's Python time). `outputs[i]`: `None`
+/// (the engine allocates) or the array the result goes to, which may be the input itself.
+/// Returns `None`, queuing nothing, when an array is not one [`tensor::describe_array`]
+/// describes or an output does not match its input's size: the caller then uses `enqueue`.
+#[pyfunction]
+#[pyo3(signature = (kind, name, set_id, inputs, outputs, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new()))]
+#[allow(clippy::too_many_arguments)]
+fn enqueue_arrays(
+    kind: u8,
+    name: String,
+    set_id: u32,
+    inputs: Vec<Bound<'_, PyAny>>,
+    outputs: Vec<Option<Bound<'_, PyAny>>>,
+    op: u8,
+    root: usize,
+    prescale: f64,
+    postscale: f64,
+    splits: Vec<usize>,
+) -> PyResult<Option<CoreHandle>> {
+    if inputs.len() != outputs.len() {
+        return Ok(None);
+    }
+    let mut tensors = Vec::with_capacity(inputs.len());
+    for (input, output) in inputs.iter().zip(&outputs) {
+        // Written in place: the input must be writable too.
+        let in_place = output.as_ref().is_some_and(|o| o.is(input));
+        let Some((ptr, nbytes, dtype, shape)) = tensor::describe_array(input, in_place) else {
+            return Ok(None);
+        };
+        let out_ptr = match output {
+            None => 0,
+            Some(_) if in_place => ptr,
+            Some(o) => match tensor::describe_array(o, true) {
+                Some((p, n, _, _)) if n == nbytes => p,
+                _ => return Ok(None),
+            },
+        };
+        tensors.push((ptr, nbytes, dtype as u8, shape, out_ptr));
+    }
+    enqueue(
+        kind, name, set_id, tensors, op, root, prescale, postscale, splits, None,
+    )
+    .map(Some)
+}
+
 /// The data address of a NumPy array, or `None` when `obj` has no `__array_struct__`.
 #[pyfunction]
 fn array_address(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
@@ -677,6 +723,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(topology, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
+    m.add_function(wrap_pyfunction!(enqueue_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;

@@ -371,6 +371,15 @@ def sec_misc(c):
              "allreduce of a strided view")
     ck.array(fv.allreduce(bases[r].T, op=fv.Sum), T.ref_reduce([b.T.copy() for b in bases], SUM, np.float64, n),
              "allreduce of a transposed array")
+    # byte-swapped arrays are reduced by value, not by their raw bytes
+    other = ">" if np.little_endian else "<"
+    swapped = [b.astype(b.dtype.newbyteorder(other)) for b in bases]
+    ck.true(not swapped[r].dtype.isnative, "setup", "array should be byte-swapped")
+    ref = T.ref_reduce([b.copy() for b in bases], SUM, np.float64, n)
+    ck.array(fv.allreduce(swapped[r], op=fv.Sum), ref, "allreduce of a byte-swapped array")
+    y = swapped[r].copy()
+    ck.true(fv.allreduce_(y, op=fv.Sum) is y, "allreduce_ of a byte-swapped array", "must return its argument")
+    ck.array(y.astype(np.float64), ref, "allreduce_ of a byte-swapped array writes in place")
     ck.array(fv.allgather(bases[r][:, ::3]), np.concatenate([b[:, ::3] for b in bases]), "allgather of a view")
     ck.array(fv.broadcast(bases[r].T, 0), bases[0].T.copy(), "broadcast of a transposed array")
     k = c.key()
