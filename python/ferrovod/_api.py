@@ -321,8 +321,7 @@ class _Pending:
 
     __slots__ = ("core", "finish", "keepalive")
 
-    def __init__(self, core: Any, finish: Callable[[Any], Any],
-                 keepalive: Optional[List[Any]] = None) -> None:
+    def __init__(self, core: Any, finish: Callable[[Any], Any], keepalive: Any = None) -> None:
         self.core = core
         self.finish = finish
         self.keepalive = keepalive
@@ -409,7 +408,7 @@ def _resolve_op(op: Optional[int], average: Optional[bool], default: int = Avera
     return default if op is None else int(op)
 
 
-def _register(core: Any, finish: Callable[[Any], Any], keepalive: List[Any]) -> Handle:
+def _register(core: Any, finish: Callable[[Any], Any], keepalive: Any = None) -> Handle:
     return _start(_Pending(core, finish, keepalive))
 
 
@@ -478,7 +477,7 @@ def _enqueue_raw(
     process_set: ProcessSet,
     tensors: Sequence[Tuple[int, int, int, Sequence[int], int]],
     finish: Callable[[Any], Any],
-    keepalive: List[Any],
+    keepalive: Any,
     op: int = Sum,
     root: int = 0,
     prescale: float = 1.0,
@@ -489,8 +488,10 @@ def _enqueue_raw(
     """Private entry point for framework adapters (``ferrovod.torch``): submits tensors given as
     raw ``(data_ptr, nbytes, dtype_code, shape, out_ptr or 0)`` tuples, so memory NumPy cannot
     describe (e.g. torch bfloat16) needs no NumPy view. The caller guarantees every pointer
-    addresses C-contiguous memory of ``nbytes`` bytes owned by an object in ``keepalive``, which
-    the handle table holds until :func:`synchronize` returns; ``finish`` turns the engine's
+    addresses C-contiguous memory of ``nbytes`` bytes owned by an object that ``keepalive`` or
+    ``finish`` references (the handle table holds both until :func:`synchronize` returns; one
+    object per op keeps the garbage collector's work down, see :class:`_AllreduceResult`);
+    ``finish`` turns the engine's
     ``(outputs, received_splits, last_joined)`` into the handle's result. Unnamed ops share the
     ``<kind_name>.noname.<n>`` counters with this module. ``device``: ``(CUDA ordinal, raw
     current stream)`` when the pointers are CUDA memory for the engine's NCCL path (outputs
@@ -502,7 +503,7 @@ def _enqueue_raw(
         int(op), int(root), float(prescale), float(postscale), [int(s) for s in splits],
         device=None if device is None else (int(device[0]), int(device[1])),
     )
-    return _register(core, finish, list(keepalive))
+    return _register(core, finish, keepalive)
 
 
 def _from_bytes(buf: Any, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -536,10 +537,45 @@ def synchronize(handle: Handle) -> Any:
 # ----------------------------------------------------------------------------- allreduce
 
 
+class _AllreduceResult:
+    """What an allreduce hands back (its ``finish``), holding the arrays the engine uses until
+    then: one object per op. A pending op's objects outlive the garbage collector's young
+    generations (they wait through a backward pass), and their promotion to the oldest one is
+    what triggers its full collections, 95 ms each with torch loaded: with closures, their
+    cells and keepalive lists, 16 tracked objects per op made one every dozen steps of a
+    500-tensor model (two-thirds of the Python time per op)."""
+
+    __slots__ = ("tensors", "originals", "inputs", "outputs", "inplace", "single")
+
+    def __init__(self, tensors: Sequence[Tensor], originals: List[np.ndarray],
+                 inputs: List[np.ndarray], outputs: List[np.ndarray], inplace: bool,
+                 single: bool) -> None:
+        # A one-tensor op keeps its objects themselves: no list to track.
+        self.tensors: Any = tensors[0] if single else tensors
+        self.originals: Any = originals[0] if single else originals
+        self.inputs: Any = inputs[0] if single else inputs
+        self.outputs: Any = outputs[0] if single else outputs
+        self.inplace = inplace
+        self.single = single
+
+    def __call__(self, _: Any) -> Any:
+        if self.single:
+            return self._one(self.tensors, self.originals, self.inputs, self.outputs)
+        return [self._one(*parts)
+                for parts in zip(self.tensors, self.originals, self.inputs, self.outputs)]
+
+    def _one(self, tensor: Tensor, orig: np.ndarray, buf: np.ndarray, out: np.ndarray) -> Any:
+        if not self.inplace:
+            return out
+        if buf is not orig:
+            orig[...] = buf
+        return tensor
+
+
 def _allreduce(
     tensors: Sequence[Tensor], inplace: bool, average: Optional[bool], name: Optional[str],
     op: Optional[int], prescale_factor: float, postscale_factor: float,
-    process_set: ProcessSet, kind_name: str,
+    process_set: ProcessSet, kind_name: str, single: bool = False,
 ) -> _Pending:
     rop = _resolve_op(op, average)
     if rop == Adasum:
@@ -552,18 +588,7 @@ def _allreduce(
         outputs = [np.empty_like(a, order="C") for a in inputs]
     core = _submit(_core.ALLREDUCE, _auto_name(kind_name, name), process_set, inputs, outputs,
                    rop, 0, prescale_factor, postscale_factor)
-
-    def finish(_: Any) -> List[Any]:
-        if inplace:
-            results = []
-            for orig, tensor, buf in zip(originals, tensors, inputs):
-                if buf is not orig:
-                    orig[...] = buf
-                results.append(tensor)
-            return results
-        return list(outputs)
-
-    return _Pending(core, finish, [tensors, originals, inputs, outputs])
+    return _Pending(core, _AllreduceResult(tensors, originals, inputs, outputs, inplace, single))
 
 
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -571,8 +596,8 @@ def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Option
                     postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allreduce of ``tensor`` into a new array; returns a handle."""
-    return _start(_one(_allreduce([tensor], False, average, name, op, prescale_factor,
-                                  postscale_factor, process_set, "allreduce")))
+    return _start(_allreduce([tensor], False, average, name, op, prescale_factor,
+                             postscale_factor, process_set, "allreduce", single=True))
 
 
 def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -580,8 +605,8 @@ def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
-    return _now(_one(_allreduce([tensor], False, average, name, op, prescale_factor,
-                                postscale_factor, process_set, "allreduce")))
+    return _now(_allreduce([tensor], False, average, name, op, prescale_factor,
+                             postscale_factor, process_set, "allreduce", single=True))
 
 
 def allreduce_async_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -589,8 +614,8 @@ def allreduce_async_(tensor: Tensor, average: Optional[bool] = None, name: Optio
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an in-place allreduce of ``tensor``; returns a handle."""
-    return _start(_one(_allreduce([tensor], True, average, name, op, prescale_factor,
-                                  postscale_factor, process_set, "allreduce")))
+    return _start(_allreduce([tensor], True, average, name, op, prescale_factor,
+                             postscale_factor, process_set, "allreduce", single=True))
 
 
 def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -598,8 +623,8 @@ def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[st
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
-    return _now(_one(_allreduce([tensor], True, average, name, op, prescale_factor,
-                                postscale_factor, process_set, "allreduce")))
+    return _now(_allreduce([tensor], True, average, name, op, prescale_factor,
+                             postscale_factor, process_set, "allreduce", single=True))
 
 
 

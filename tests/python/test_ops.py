@@ -37,3 +37,9 @@ def test_worker_reports_a_wrong_result():
     assert res.returncode != 0, f"a failing check did not fail the job\n{describe(res)}"
     fails = [r for r in range(2) if lines_matching(res, r, r"^FAIL rank \d+: CheckFailure: .*allreduce")]
     assert fails, f"no FAIL line naming the op\n{describe(res)}"
+
+
+def test_a_pending_op_costs_the_garbage_collector_two_objects():
+    res = run_job(2, "pending_objects_worker.py", timeout=120)
+    assert_ok(res, 2, min_checks=4 * 2 * 300)
+    print("\n".join(m.group(0) for m in lines_matching(res, 0, r"^PENDING .*")))

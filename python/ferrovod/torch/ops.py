@@ -65,6 +65,9 @@ def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
     another device are copied to host memory (CUDA ones after :func:`_cuda_target` said why).
     """
     _check_tensor(t, what)
+    if t.device.type == "cpu" and t.is_contiguous():
+        # Only its memory is used: no detached alias to create (a Python object per op).
+        return t, False
     h = t.detach()
     copied = False
     if h.device.type != "cpu":
@@ -214,7 +217,8 @@ def synchronize(handle: Union[Handle, Callable[[], Any]]) -> Any:
 
 def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Optional[bool],
                      name: Optional[str], op: Optional[int], prescale_factor: float,
-                     postscale_factor: float, process_set: ProcessSet, kind_name: str) -> Handle:
+                     postscale_factor: float, process_set: ProcessSet, kind_name: str,
+                     single: bool = False) -> Handle:
     rop = _api._resolve_op(op, average)
     if rop == Adasum:
         raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
@@ -223,29 +227,50 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
     target = _cuda_target(tensors, _core.ALLREDUCE, kind_name, rop, prescale_factor,
                           postscale_factor, process_set)
     if target is not None:
-        return _device_inplace_or_new(_core.ALLREDUCE, tensors, inplace, name, kind_name,
-                                      process_set, target, op=rop, prescale=prescale_factor,
-                                      postscale=postscale_factor)
+        h = _device_inplace_or_new(_core.ALLREDUCE, tensors, inplace, name, kind_name,
+                                   process_set, target, op=rop, prescale=prescale_factor,
+                                   postscale=postscale_factor)
+        return _api._single(h) if single else h
     staged = [_host(t, kind_name) for t in tensors]
     hosts = [h for h, _ in staged]
     outs = hosts if inplace else [torch.empty_like(h, memory_format=torch.contiguous_format)
                                   for h in hosts]
     descs = [_desc(h, o, kind_name) for h, o in zip(hosts, outs)]
+    result = _HostAllreduce(tensors, hosts, [c for _, c in staged], outs, inplace, single)
+    return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, result, None,
+                             op=rop, prescale=prescale_factor, postscale=postscale_factor)
 
-    def finish(_: Any) -> List[torch.Tensor]:
-        results = []
-        for t, (h, copied), o in zip(tensors, staged, outs):
-            if inplace:
-                if copied:
-                    _copy_back(t, h)
-                results.append(t)
-            else:
-                results.append(o if t.device.type == "cpu" else o.to(t.device))
-        return results
 
-    return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, finish,
-                             [list(tensors), hosts, outs], op=rop, prescale=prescale_factor,
-                             postscale=postscale_factor)
+class _HostAllreduce:
+    """What a host-memory allreduce hands back (its ``finish``), holding the tensors the engine
+    uses until then: one object per op, for the garbage collector's sake (see
+    ``ferrovod._api._AllreduceResult``)."""
+
+    __slots__ = ("tensors", "hosts", "copied", "outs", "inplace", "single")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], hosts: List[torch.Tensor],
+                 copied: List[bool], outs: List[torch.Tensor], inplace: bool,
+                 single: bool) -> None:
+        # A one-tensor op keeps its objects themselves: no list to track.
+        self.tensors: Any = tensors[0] if single else tensors
+        self.hosts: Any = hosts[0] if single else hosts
+        self.copied: Any = copied[0] if single else copied
+        self.outs: Any = outs[0] if single else outs
+        self.inplace = inplace
+        self.single = single
+
+    def __call__(self, _: Any) -> Any:
+        if self.single:
+            return self._one(self.tensors, self.hosts, self.copied, self.outs)
+        return [self._one(*parts)
+                for parts in zip(self.tensors, self.hosts, self.copied, self.outs)]
+
+    def _one(self, t: torch.Tensor, h: torch.Tensor, copied: bool, o: torch.Tensor) -> Any:
+        if self.inplace:
+            if copied:
+                _copy_back(t, h)
+            return t
+        return o if t.device.type == "cpu" else o.to(t.device)
 
 
 def _device_inplace_or_new(kind: int, tensors: Sequence[torch.Tensor], inplace: bool,
@@ -278,8 +303,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allreduce of ``tensor`` into a new tensor; returns a handle. ``op`` defaults
     to Average; ``average`` is the deprecated boolean form."""
-    return _api._single(_allreduce_async([tensor], False, average, name, op, prescale_factor,
-                                         postscale_factor, process_set, "allreduce"))
+    return _allreduce_async([tensor], False, average, name, op, prescale_factor,
+                            postscale_factor, process_set, "allreduce", single=True)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -287,8 +312,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an in-place allreduce of ``tensor``; returns a handle."""
-    return _api._single(_allreduce_async([tensor], True, average, name, op, prescale_factor,
-                                         postscale_factor, process_set, "allreduce"))
+    return _allreduce_async([tensor], True, average, name, op, prescale_factor,
+                            postscale_factor, process_set, "allreduce", single=True)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
