@@ -9,7 +9,6 @@ use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
 use _core::{DType, Error, OpKind, ReduceOp};
 
 mod common;
-use common::jobs::TIMEOUT_S;
 
 const SECRET: &[u8] = b"engine-test-secret-0123456789abc";
 
@@ -270,18 +269,18 @@ fn ops_nobody_drives_complete_promptly_after_rank_0_drove_the_coordinator() {
 
 #[test]
 fn a_backlog_larger_than_the_control_buffers_completes() {
-    // 30,000 submissions with long names, made faster than the engine thread sends them:
+    // 12,000 submissions with long names, made faster than the engine thread sends them:
     // megabytes of requests go out in bursts while the answers to the first ones come back,
     // filling the control connection both ways (rings, or Unix sockets without shared
     // memory). A side that blocks in a send cannot read: the coordinator, blocked answering a
     // rank busy in a collective, stopped reading the other rank, blocked sending to it, so
     // the collective never met its peer; only the timeout ended it.
-    const OPS: usize = 30_000;
+    const OPS: usize = 12_000;
     let pad = "p".repeat(64);
     for shm_disable in ["0", "1"] {
         let extra = [("FERROVOD_SHM_DISABLE", shm_disable)];
-        let took = common::jobs::job_with(2, &[], SECRET, &extra, |rank, e| {
-            let start = Instant::now();
+        // The hang ended in the timeout's error, which `unwrap` turns into the failure.
+        common::jobs::job_with(2, &[], SECRET, &extra, |rank, e| {
             let handles: Vec<_> = (0..OPS)
                 .map(|i| {
                     let data = [(rank * OPS + i) as f32];
@@ -295,15 +294,10 @@ fn a_backlog_larger_than_the_control_buffers_completes() {
                 .collect();
             for (i, h) in handles.iter().enumerate() {
                 let want = (i + (OPS + i)) as f32;
-                assert_eq!(result_f32(h).unwrap(), vec![want], "rank {rank} op {i}");
+                let got = result_f32(h)
+                    .unwrap_or_else(|e| panic!("FERROVOD_SHM_DISABLE={shm_disable}: {e}"));
+                assert_eq!(got, vec![want], "rank {rank} op {i}");
             }
-            start.elapsed()
         });
-        for t in took {
-            assert!(
-                t < Duration::from_secs(TIMEOUT_S),
-                "the backlog took {t:?} (FERROVOD_SHM_DISABLE={shm_disable})"
-            );
-        }
     }
 }
