@@ -120,10 +120,16 @@ def sec_optimizer(run):
         run.same_on_all_ranks(flat(model), f"{make_opt.__name__}: parameters identical")
         run.close(flat(model), flat(run.reference(make_opt)), f"{make_opt.__name__}: equals "
                   "one process on the global batch")
-    # groups (int and explicit lists), gradient_predivide_factor, Sum
-    for kw in ({"groups": 2}, {"num_groups": 3}, {"gradient_predivide_factor": 2.0}):
+    # groups (int and explicit lists), buckets (240 bytes: the last layer's bias and weight,
+    # 216 bytes in float64, share one and the first layer's go alone; or none: one allreduce per
+    # gradient), gradient_predivide_factor, Sum
+    for kw in ({"groups": 2}, {"num_groups": 3}, {"bucket_cap_mb": 240 / 2**20},
+               {"bucket_cap_mb": 0}, {"groups": 0}, {"gradient_predivide_factor": 2.0}):
         model, opt = distributed(run, **kw) if "num_groups" not in kw else \
             _quiet(lambda: distributed(run, **kw))
+        if "bucket_cap_mb" in kw:
+            made = [len(g) for g in opt._groups]
+            run.ck.equal(made, [2] if kw["bucket_cap_mb"] else [], f"{kw}: bucket sizes")
         run.train(model, opt)
         run.close(flat(model), flat(run.reference(sgd)), f"{kw}: equals the reference")
     model = make_model(0)
