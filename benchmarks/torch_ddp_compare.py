@@ -5,6 +5,9 @@ Run under the launcher, e.g.::
 
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --model cnn --rounds 6
+    # many small tensors (202): buckets against one allreduce per gradient
+    ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --depth 100 --width 128
+    ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --depth 100 --width 128 --fv-bucket-mb 0
 
 Both paths train their own copy of the same model (same initial weights, same per-rank
 synthetic batches, SGD with momentum): ferrovod averages gradients with
@@ -241,6 +244,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds of each path")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--fv-bucket-mb", type=float, default=4.0,
+                    help="ferrovod DistributedOptimizer bucket_cap_mb (0: one allreduce per "
+                         "gradient, Horovod's way)")
     ap.add_argument("--breakdown-steps", type=int, default=10,
                     help="steps of each path timed phase by phase")
     ap.add_argument("--skip-single", action="store_true",
@@ -261,7 +267,8 @@ def main() -> None:
     fv_model = copy.deepcopy(base)
     fv_opt = hvd.DistributedOptimizer(torch.optim.SGD(fv_model.parameters(), lr=lr,
                                                       momentum=momentum),
-                                      named_parameters=fv_model.named_parameters())
+                                      named_parameters=fv_model.named_parameters(),
+                                      bucket_cap_mb=args.fv_bucket_mb)
     hvd.broadcast_parameters(fv_model.state_dict(), root_rank=0)
     fv = Trainer("ferrovod", fv_model, fv_opt, batches)
 
@@ -285,6 +292,7 @@ def main() -> None:
         print(f"ferrovod vs DDP(gloo): {size} ranks, model {args.model} ({nparams / 1e6:.2f} M "
               f"params, {nparams * 4 / 2**20:.1f} MiB of gradients), batch {args.batch_size}/rank, "
               f"{args.steps} steps x {args.rounds} rounds, {args.threads} thread(s)/rank, "
+              f"buckets: ferrovod {args.fv_bucket_mb:g} MiB, DDP {args.bucket_mb:g} MiB, "
               f"torch {torch.__version__}", flush=True)
         for var in ("FERROVOD_FUSION_THRESHOLD", "FERROVOD_CYCLE_TIME", "FERROVOD_SPIN_US",
                     "FERROVOD_TIMELINE"):
