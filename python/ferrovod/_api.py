@@ -490,7 +490,7 @@ def _enqueue_raw(
     describe (e.g. torch bfloat16) needs no NumPy view. The caller guarantees every pointer
     addresses C-contiguous memory of ``nbytes`` bytes owned by an object that ``keepalive`` or
     ``finish`` references (the handle table holds both until :func:`synchronize` returns; one
-    object per op keeps the garbage collector's work down, see :class:`_AllreduceResult`);
+    object per op keeps the garbage collector's work down, see :class:`_PerTensorResult`);
     ``finish`` turns the engine's
     ``(outputs, received_splits, last_joined)`` into the handle's result. Unnamed ops share the
     ``<kind_name>.noname.<n>`` counters with this module. ``device``: ``(CUDA ordinal, raw
@@ -537,32 +537,42 @@ def synchronize(handle: Handle) -> Any:
 # ----------------------------------------------------------------------------- allreduce
 
 
-class _AllreduceResult:
-    """What an allreduce hands back (its ``finish``), holding the arrays the engine uses until
-    then: one object per op. A pending op's objects outlive the garbage collector's young
-    generations (they wait through a backward pass), and their promotion to the oldest one is
-    what triggers its full collections, 95 ms each with torch loaded: with closures, their
-    cells and keepalive lists, 16 tracked objects per op made one every dozen steps of a
-    500-tensor model (two-thirds of the Python time per op)."""
+class _PerTensorResult:
+    """What an op over a list of tensors hands back (its ``finish``): per tensor, what
+    :meth:`_one` makes of that tensor's four columns (a one-tensor op returns it alone), and,
+    until then, every object whose memory the engine uses. One object per op: a pending op's
+    objects outlive the garbage collector's young generations (they wait through a backward
+    pass), and their promotion to the oldest one is what triggers its full collections, 95 ms
+    each with torch loaded. With closures, their cells and keepalive lists, 16 tracked objects
+    per op made one every dozen steps of a 500-tensor model (two-thirds of the Python time per
+    op)."""
 
-    __slots__ = ("tensors", "originals", "inputs", "outputs", "inplace", "single")
+    __slots__ = ("_c0", "_c1", "_c2", "_c3", "inplace", "single")
 
-    def __init__(self, tensors: Sequence[Tensor], originals: List[np.ndarray],
-                 inputs: List[np.ndarray], outputs: List[np.ndarray], inplace: bool,
-                 single: bool) -> None:
+    def __init__(self, c0: Sequence[Any], c1: Sequence[Any], c2: Sequence[Any],
+                 c3: Sequence[Any], inplace: bool, single: bool) -> None:
         # A one-tensor op keeps its objects themselves: no list to track.
-        self.tensors: Any = tensors[0] if single else tensors
-        self.originals: Any = originals[0] if single else originals
-        self.inputs: Any = inputs[0] if single else inputs
-        self.outputs: Any = outputs[0] if single else outputs
+        self._c0: Any = c0[0] if single else c0
+        self._c1: Any = c1[0] if single else c1
+        self._c2: Any = c2[0] if single else c2
+        self._c3: Any = c3[0] if single else c3
         self.inplace = inplace
         self.single = single
 
     def __call__(self, _: Any) -> Any:
         if self.single:
-            return self._one(self.tensors, self.originals, self.inputs, self.outputs)
-        return [self._one(*parts)
-                for parts in zip(self.tensors, self.originals, self.inputs, self.outputs)]
+            return self._one(self._c0, self._c1, self._c2, self._c3)
+        return [self._one(*row) for row in zip(self._c0, self._c1, self._c2, self._c3)]
+
+    def _one(self, c0: Any, c1: Any, c2: Any, c3: Any) -> Any:
+        raise NotImplementedError
+
+
+class _AllreduceResult(_PerTensorResult):
+    """Columns: the caller's tensor, its array, the contiguous array the engine used, the
+    output array."""
+
+    __slots__ = ()
 
     def _one(self, tensor: Tensor, orig: np.ndarray, buf: np.ndarray, out: np.ndarray) -> Any:
         if not self.inplace:

@@ -241,29 +241,11 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
                              op=rop, prescale=prescale_factor, postscale=postscale_factor)
 
 
-class _HostAllreduce:
-    """What a host-memory allreduce hands back (its ``finish``), holding the tensors the engine
-    uses until then: one object per op, for the garbage collector's sake (see
-    ``ferrovod._api._AllreduceResult``)."""
+class _HostAllreduce(_api._PerTensorResult):
+    """A host-memory allreduce's result (see ``ferrovod._api._PerTensorResult``). Columns: the
+    caller's tensor, the host tensor the engine used, whether that is a copy, the output."""
 
-    __slots__ = ("tensors", "hosts", "copied", "outs", "inplace", "single")
-
-    def __init__(self, tensors: Sequence[torch.Tensor], hosts: List[torch.Tensor],
-                 copied: List[bool], outs: List[torch.Tensor], inplace: bool,
-                 single: bool) -> None:
-        # A one-tensor op keeps its objects themselves: no list to track.
-        self.tensors: Any = tensors[0] if single else tensors
-        self.hosts: Any = hosts[0] if single else hosts
-        self.copied: Any = copied[0] if single else copied
-        self.outs: Any = outs[0] if single else outs
-        self.inplace = inplace
-        self.single = single
-
-    def __call__(self, _: Any) -> Any:
-        if self.single:
-            return self._one(self.tensors, self.hosts, self.copied, self.outs)
-        return [self._one(*parts)
-                for parts in zip(self.tensors, self.hosts, self.copied, self.outs)]
+    __slots__ = ()
 
     def _one(self, t: torch.Tensor, h: torch.Tensor, copied: bool, o: torch.Tensor) -> Any:
         if self.inplace:
