@@ -193,6 +193,12 @@ impl FrameConn {
                     moved = true;
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    // Drop what went out once it is most of the queue: under a steady flow
+                    // that never drains completely the queue would otherwise only grow.
+                    if self.out_start >= 64 * 1024 && 2 * self.out_start >= self.out.len() {
+                        self.out.drain(..self.out_start);
+                        self.out_start = 0;
+                    }
                     let since = *self.stalled_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= timeout {
                         return Err(Error::Timeout {
