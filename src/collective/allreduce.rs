@@ -132,13 +132,14 @@ fn direct_into(
         }
         return Ok(());
     }
-    // Slot i holds rank i for i < r and rank i+1 above; rank 0 is slot 0.
+    // Rank p (not this one) is at slot p - (p > r) of `others`; rank 0 at slot 0, the fold.
     let (acc, rest) = others.split_at_mut(b);
     for p in 1..n {
-        let src = match p.cmp(&r) {
-            std::cmp::Ordering::Less => &rest[(p - 1) * b..p * b],
-            std::cmp::Ordering::Equal => &*buf,
-            std::cmp::Ordering::Greater => &rest[(p - 2) * b..(p - 1) * b],
+        let src = if p == r {
+            &*buf
+        } else {
+            let i = p - usize::from(p > r) - 1;
+            &rest[i * b..(i + 1) * b]
         };
         reduce_into(dtype, op, acc, src)?;
     }

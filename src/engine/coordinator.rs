@@ -513,10 +513,9 @@ impl State {
     /// Closes the connection to `to` after sending to it failed with `e`, and tells the
     /// others.
     fn drop_conn(&mut self, to: usize, e: Error) {
-        if let Some(conn) = self.conns[to].as_mut() {
+        if let Some(mut conn) = self.conns[to].take() {
             conn.close();
         }
-        self.conns[to] = None;
         let mut more = Vec::new();
         self.neg
             .rank_gone(to, gone(self.left[to]), e.to_string(), &mut more);

@@ -95,7 +95,7 @@ class _DistributedMixin:
         return {p: f"allreduce.{by_param[p]}" for p in all_params}
 
     def _setup_groups(self, groups: Any) -> None:
-        if groups is None or (isinstance(groups, int) and groups == 0):
+        if groups is None or groups == 0:
             return
         if isinstance(groups, int):
             if groups < 0:
