@@ -453,6 +453,7 @@ def _submit(
     prescale: float = 1.0,
     postscale: float = 1.0,
     splits: Sequence[int] = (),
+    now: bool = False,
 ) -> Any:
     set_id = _set_id(process_set)
     op, root, prescale, postscale = int(op), int(root), float(prescale), float(postscale)
@@ -460,14 +461,15 @@ def _submit(
     # The engine reads plain arrays itself; it declines (None) those it cannot describe from
     # __array_struct__ alone (bfloat16, say), which go the long way below.
     core = _core.enqueue_arrays(kind, name, set_id, inputs, outputs, op, root, prescale,
-                                postscale, splits)
+                                postscale, splits, now)
     if core is not None:
         return core
     tensors = []
     for arr, out in zip(inputs, outputs):
         code = _dtype_code(arr, name)
         tensors.append((_ptr(arr), arr.nbytes, code, list(arr.shape), 0 if out is None else _ptr(out)))
-    return _core.enqueue(kind, name, set_id, tensors, op, root, prescale, postscale, splits)
+    return _core.enqueue(kind, name, set_id, tensors, op, root, prescale, postscale, splits,
+                         now=now)
 
 
 def _enqueue_raw(
@@ -585,8 +587,9 @@ class _AllreduceResult(_PerTensorResult):
 def _allreduce(
     tensors: Sequence[Tensor], inplace: bool, average: Optional[bool], name: Optional[str],
     op: Optional[int], prescale_factor: float, postscale_factor: float,
-    process_set: ProcessSet, kind_name: str, single: bool = False,
+    process_set: ProcessSet, kind_name: str, single: bool = False, now: bool = False,
 ) -> _Pending:
+    """``now``: the caller waits at once (see ``_submit``)."""
     rop = _resolve_op(op, average)
     if rop == Adasum:
         raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
@@ -597,7 +600,7 @@ def _allreduce(
     else:
         outputs = [np.empty_like(a, order="C") for a in inputs]
     core = _submit(_core.ALLREDUCE, _auto_name(kind_name, name), process_set, inputs, outputs,
-                   rop, 0, prescale_factor, postscale_factor)
+                   rop, 0, prescale_factor, postscale_factor, now=now)
     return _Pending(core, _AllreduceResult(tensors, originals, inputs, outputs, inplace, single))
 
 
@@ -616,7 +619,7 @@ def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
     return _now(_allreduce([tensor], False, average, name, op, prescale_factor,
-                             postscale_factor, process_set, "allreduce", single=True))
+                           postscale_factor, process_set, "allreduce", single=True, now=True))
 
 
 def allreduce_async_(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -634,7 +637,7 @@ def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[st
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
     return _now(_allreduce([tensor], True, average, name, op, prescale_factor,
-                             postscale_factor, process_set, "allreduce", single=True))
+                           postscale_factor, process_set, "allreduce", single=True, now=True))
 
 
 

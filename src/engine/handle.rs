@@ -1,7 +1,7 @@
 //! Handles: how a submitter learns that its op completed. `wait` spins briefly (a blocking
 //! wake-up costs 40-60 µs here) and then blocks on a condition variable; `poll` never blocks.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,8 @@ struct State {
     result: Mutex<Option<Result<Output>>>,
     cond: Condvar,
     done: AtomicBool,
+    /// Decremented on completion (the engine's count of ops in flight, see `engine::fast`).
+    count: Option<Arc<AtomicUsize>>,
 }
 
 /// Shared completion slot of one submitted op.
@@ -44,11 +46,22 @@ impl Default for Handle {
 impl Handle {
     /// A pending handle.
     pub fn new() -> Handle {
+        Handle::with_count(None)
+    }
+
+    /// A pending handle counted in `count` until it completes.
+    pub(crate) fn counted(count: &Arc<AtomicUsize>) -> Handle {
+        count.fetch_add(1, Ordering::AcqRel);
+        Handle::with_count(Some(count.clone()))
+    }
+
+    fn with_count(count: Option<Arc<AtomicUsize>>) -> Handle {
         Handle {
             state: Arc::new(State {
                 result: Mutex::new(None),
                 cond: Condvar::new(),
                 done: AtomicBool::new(false),
+                count,
             }),
         }
     }
@@ -61,6 +74,9 @@ impl Handle {
         }
         *slot = Some(result);
         self.state.done.store(true, Ordering::Release);
+        if let Some(c) = &self.state.count {
+            c.fetch_sub(1, Ordering::AcqRel);
+        }
         self.state.cond.notify_all();
     }
 

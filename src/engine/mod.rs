@@ -10,6 +10,7 @@ pub mod control;
 pub mod coordinator;
 mod device;
 mod execute;
+pub mod fast;
 pub mod handle;
 pub mod message;
 pub mod negotiate;
@@ -175,6 +176,8 @@ pub(crate) struct Shared {
     /// wake it even while a caller holds the lease, or it sleeps on with the op unsent.
     polling: std::sync::atomic::AtomicBool,
     sets: Mutex<HashMap<u32, Vec<usize>>>,
+    /// The fast path, which the worker closes when the engine fails.
+    fast: Arc<fast::FastPath>,
 }
 
 /// The pending answer to a process-set change.
@@ -199,6 +202,7 @@ pub struct Engine {
     store_server: Option<TcpStoreServer>,
     progress: Progress,
     dynamic: bool,
+    fast: Arc<fast::FastPath>,
 }
 
 impl Engine {
@@ -384,6 +388,16 @@ impl Engine {
         };
         let transport =
             HybridTransport::upgrade(transport, &local, &options, config.start_timeout)?;
+        let fast = Arc::new(fast::FastPath::new(
+            rank,
+            size,
+            transport.boards()?,
+            config.fast_path_bytes,
+            config.spin,
+            config.stall_check,
+        ));
+        // A timeline from the start records every op, so none may bypass the engine.
+        fast.set_timeline(config.timeline.is_some());
         let shm = transport.shm_peers();
         let links: Vec<String> = (0..size)
             .filter(|&r| r != rank)
@@ -417,6 +431,7 @@ impl Engine {
             lease: progress::Lease::default(),
             polling: std::sync::atomic::AtomicBool::new(false),
             sets: Mutex::new(sets.clone()),
+            fast: fast.clone(),
         });
         let w = worker::Worker::new(
             config,
@@ -447,6 +462,7 @@ impl Engine {
             store_server,
             progress,
             dynamic: config.dynamic_process_sets,
+            fast,
         })
     }
 
@@ -472,15 +488,30 @@ impl Engine {
 
     /// Queues an op; the handle completes when it is done.
     pub fn submit(&self, op: OpSpec) -> Handle {
-        let h = Handle::new();
+        if op.set_id == 0 {
+            self.fast.decline();
+        }
+        self.submit_unslotted(op)
+    }
+
+    /// Queues an op whose fast-path slot is already spent (see [`fast`]).
+    pub fn submit_unslotted(&self, op: OpSpec) -> Handle {
+        let h = Handle::counted(self.fast.outstanding());
         self.push(Command::Op(Box::new(op), h.clone()));
         h
+    }
+
+    /// The fast path, for a caller that will wait for its op at once (see [`fast`]).
+    pub fn fast_path(&self) -> Arc<fast::FastPath> {
+        self.fast.clone()
     }
 
     /// Declares this rank out of data; the handle completes (with `last_joined`) once every
     /// rank has joined.
     pub fn join(&self) -> Handle {
-        let h = Handle::new();
+        // Ranks that joined stop taking slots: the fast path is off from here on.
+        self.fast.close();
+        let h = Handle::counted(self.fast.outstanding());
         self.push(Command::Join(h.clone()));
         h
     }
@@ -499,6 +530,7 @@ impl Engine {
     /// Starts writing a timeline to `path` (rank 0 writes it; other ranks accept and ignore),
     /// replacing one already running.
     pub fn start_timeline(&self, path: String, mark_cycles: bool) -> Result<()> {
+        self.fast.set_timeline(true);
         let (tx, rx) = mpsc::channel();
         self.push(Command::Timeline(Some((path, mark_cycles)), tx));
         SetReply(rx).wait()
@@ -506,6 +538,7 @@ impl Engine {
 
     /// Stops the timeline and finishes its file.
     pub fn stop_timeline(&self) -> Result<()> {
+        self.fast.set_timeline(false);
         let (tx, rx) = mpsc::channel();
         self.push(Command::Timeline(None, tx));
         SetReply(rx).wait()
@@ -553,6 +586,7 @@ impl Engine {
     /// Stops the engine: pending ops fail with `Shutdown`, the coordinator (rank 0) tells the
     /// other ranks, threads are joined.
     pub fn shutdown(&mut self) {
+        self.fast.close();
         if self.thread.is_some() {
             self.push(Command::Shutdown);
             if let Some(t) = self.thread.take() {

@@ -639,6 +639,7 @@ impl Worker {
     pub fn fail(&mut self, err: Error) {
         if self.failed.is_none() {
             self.transport.abort();
+            self.shared.fast.fail(err.clone());
             self.failed = Some(err.clone());
         }
         self.fail_all(err);

@@ -14,6 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
 use crate::config::{Config, VARS};
+use crate::engine::fast::Outcome;
 use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
@@ -209,11 +210,14 @@ type PyTensor = (usize, usize, u8, Vec<usize>, usize);
 
 /// Queues a collective and returns its handle at once. `device`: `(CUDA device ordinal, raw
 /// current stream)` when the tensors are CUDA memory for the NCCL path (outputs allocated by
-/// the caller: reducescatter's holds this rank's share); `None` for host memory.
+/// the caller: reducescatter's holds this rank's share); `None` for host memory. `now`: the
+/// caller waits for the op at once, so a small allreduce may take the engine's fast path
+/// (`engine::fast`) and come back already completed.
 #[pyfunction]
-#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None))]
+#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None, now=false))]
 #[allow(clippy::too_many_arguments)]
 fn enqueue(
+    py: Python<'_>,
     kind: u8,
     name: String,
     set_id: u32,
@@ -224,10 +228,11 @@ fn enqueue(
     postscale: f64,
     splits: Vec<usize>,
     device: Option<(u32, usize)>,
+    now: bool,
 ) -> PyResult<CoreHandle> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
-    with_engine(|e| {
+    let mut spec = with_engine(|e| {
         let tensors = tensors
             .into_iter()
             .map(|t| match device {
@@ -244,7 +249,7 @@ fn enqueue(
                 }
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let handle = e.submit(OpSpec {
+        Ok(OpSpec {
             set_id,
             name,
             kind,
@@ -254,7 +259,35 @@ fn enqueue(
             postscale,
             tensors,
             splits,
-        });
+        })
+    })?;
+    // A caller that waits at once may take the fast path: outside the engine lock and with
+    // the GIL released, as it waits for the other ranks.
+    let mut slotted = true;
+    if now && kind == OpKind::Allreduce && set_id == 0 {
+        let fast = with_engine(|e| Ok(e.fast_path()))?;
+        match py.detach(|| fast.allreduce(&mut spec)) {
+            Ok(Outcome::Done) => {
+                let handle = Handle::new();
+                handle.complete(Ok(Output::default()));
+                return with_engine(|e| {
+                    Ok(CoreHandle {
+                        handle,
+                        progress: e.progress(),
+                    })
+                });
+            }
+            Ok(Outcome::Declined) => slotted = false,
+            Ok(Outcome::Ineligible) => {}
+            Err(e) => return Err(to_pyerr(e)),
+        }
+    }
+    with_engine(|e| {
+        let handle = if slotted {
+            e.submit(spec)
+        } else {
+            e.submit_unslotted(spec)
+        };
         Ok(CoreHandle {
             handle,
             progress: e.progress(),
@@ -268,9 +301,10 @@ fn enqueue(
 /// Returns `None`, queuing nothing, when an array is not one [`tensor::describe_array`]
 /// describes or an output does not match its input's size: the caller then uses `enqueue`.
 #[pyfunction]
-#[pyo3(signature = (kind, name, set_id, inputs, outputs, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new()))]
+#[pyo3(signature = (kind, name, set_id, inputs, outputs, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), now=false))]
 #[allow(clippy::too_many_arguments)]
 fn enqueue_arrays(
+    py: Python<'_>,
     kind: u8,
     name: String,
     set_id: u32,
@@ -281,6 +315,7 @@ fn enqueue_arrays(
     prescale: f64,
     postscale: f64,
     splits: Vec<usize>,
+    now: bool,
 ) -> PyResult<Option<CoreHandle>> {
     if inputs.len() != outputs.len() {
         return Ok(None);
@@ -303,7 +338,7 @@ fn enqueue_arrays(
         tensors.push((ptr, nbytes, dtype as u8, shape, out_ptr));
     }
     enqueue(
-        kind, name, set_id, tensors, op, root, prescale, postscale, splits, None,
+        py, kind, name, set_id, tensors, op, root, prescale, postscale, splits, None, now,
     )
     .map(Some)
 }
@@ -312,6 +347,13 @@ fn enqueue_arrays(
 #[pyfunction]
 fn array_address(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
     tensor::array_address(obj)
+}
+
+/// `(ops reduced on the fast path, offers that went to the engine after all)` on this rank
+/// (see `engine::fast`).
+#[pyfunction]
+fn fast_path_stats() -> PyResult<(u64, u64)> {
+    with_engine(|e| Ok(e.fast_path().stats()))
 }
 
 /// Declares this rank out of data; the handle's result is the last rank to join.
@@ -724,6 +766,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(topology, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue_arrays, m)?)?;
+    m.add_function(wrap_pyfunction!(fast_path_stats, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;

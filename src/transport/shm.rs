@@ -1,8 +1,10 @@
 //! Shared-memory links between two ranks on the same host, used by
 //! [`super::hybrid::HybridTransport`] in place of their TCP connection.
 //!
-//! **Segment.** One segment per pair of ranks: a 4 KiB header, then two single-producer /
-//! single-consumer byte rings, one per direction (ring 0 carries lower rank → higher rank).
+//! **Segment.** One segment per pair of ranks: a 4 KiB header, the pair's *board* (one
+//! record per side, for the engine's fast path: see `engine::fast` and [`BoardView`]), then
+//! two single-producer / single-consumer byte rings, one per direction (ring 0 carries lower
+//! rank → higher rank).
 //! Each ring has a `tail` (bytes ever published, written by its producer) and a `head` (bytes
 //! ever consumed, written by its consumer), monotonic `u64`s on cache lines of their own,
 //! stored with `Release` and loaded with `Acquire`. Transfers stream through the ring in chunks
@@ -37,10 +39,10 @@
 //! create and unlink. When the socket cannot be reached (ranks that share a host name but not
 //! a network namespace) or memfd is unavailable, both sides agree to keep TCP for the pair.
 //!
-//! **Memory.** A pair maps `4 KiB + 2 × ring_bytes` (8 MiB by default), with pages allocated
-//! only as transfers first reach them; `n` ranks on a host have `n·(n-1)/2` pairs. memfd pages
-//! live on the kernel's internal tmpfs, so the size of a container's `/dev/shm` mount (64 MiB
-//! by default under Docker) does not limit them; they count against the memory cgroup.
+//! **Memory.** A pair maps `4 KiB + 136 KiB (board) + 2 × ring_bytes` (8 MiB by default), with
+//! pages allocated only as transfers first reach them; `n` ranks on a host have `n·(n-1)/2` pairs.
+//! memfd pages live on the kernel's internal tmpfs, so the size of a container's `/dev/shm` mount
+//! (64 MiB by default under Docker) does not limit them; they count against the memory cgroup.
 //!
 //! All raw-pointer, `mmap` and `sendmsg`/`recvmsg` code is in the private `sys` module below.
 
@@ -49,7 +51,8 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Xfer;
@@ -105,20 +108,54 @@ const fn off_closed(side: usize) -> usize {
     LINE * (7 + side)
 }
 const _: () = assert!(off_closed(1) + LINE <= HEADER);
+const _: () = assert!(LINE * (BoardWord::Waiting as usize + 1) <= OFF_DESC_LEN);
 
 fn ring_stride(cap: usize) -> usize {
     cap.div_ceil(PAGE) * PAGE
 }
 
+// ---- board (see `engine::fast`): one record per side, after the header ----
+/// Payload bytes one side of a pair's board holds: the fast path's largest op.
+pub const BOARD_DATA_BYTES: usize = 64 << 10;
+/// A side's record: a page of words and descriptor, then the payload.
+const BOARD_SIDE: usize = PAGE + BOARD_DATA_BYTES;
+const BOARD: usize = HEADER;
+const RINGS: usize = BOARD + 2 * BOARD_SIDE;
+/// Offset of a board word (`BoardWord as usize` lines into a side's record).
+const fn off_board(side: usize, word: BoardWord) -> usize {
+    BOARD + side * BOARD_SIDE + LINE * word as usize
+}
+/// The descriptor: its length word, then its bytes up to the end of the record's first page.
+const OFF_DESC_LEN: usize = LINE * 6;
+const OFF_DESC: usize = LINE * 6 + 8;
+/// Largest descriptor a board record holds.
+pub const BOARD_DESC_BYTES: usize = PAGE - OFF_DESC;
+
+/// The words of a side's board record, each on its own line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BoardWord {
+    /// Slots this side has taken (`u64::MAX`: never again).
+    Posted = 0,
+    /// 1 + the slot of this side's current offer (0: none yet).
+    Offer = 1,
+    /// Slots below this one this side will never read again.
+    Done = 2,
+    /// Changes with every store above; its low 32 bits are the futex word peers sleep on.
+    Bell = 3,
+    /// This side sleeps on the other side's bell.
+    Waiting = 4,
+}
+
 fn segment_len(cap: usize) -> usize {
-    HEADER + 2 * ring_stride(cap)
+    RINGS + 2 * ring_stride(cap)
 }
 
 /// One end of a shared-memory link with one peer. Side 0 is the lower rank.
 pub struct ShmLink {
     peer: usize,
     side: usize,
-    map: sys::Mapping,
+    /// Shared with this pair's [`BoardView`], which touches only the board.
+    map: Arc<sys::Mapping>,
     cap: u64,
     chunk: usize,
     /// Byte offsets of the outbound and inbound rings' data.
@@ -327,11 +364,11 @@ impl ShmLink {
         Ok(ShmLink {
             peer,
             side,
-            map,
+            map: Arc::new(map),
             cap: cap as u64,
             chunk: CHUNK_BYTES.min(cap.div_ceil(4)),
-            out_base: HEADER + side * stride,
-            in_base: HEADER + (1 - side) * stride,
+            out_base: RINGS + side * stride,
+            in_base: RINGS + (1 - side) * stride,
             tail: 0,
             head_seen: 0,
             head: 0,
@@ -724,6 +761,132 @@ impl ShmLink {
     }
 }
 
+impl ShmLink {
+    /// This pair's board, for the engine's fast path (see `engine::fast`): usable from any
+    /// thread, alive as long as the view even after the link is dropped.
+    pub(crate) fn board(&self) -> Result<BoardView> {
+        Ok(BoardView {
+            peer: self.peer,
+            side: self.side,
+            map: self.map.clone(),
+            hangup: self.doorbell.try_clone()?,
+        })
+    }
+}
+
+/// One pair's board as this rank sees it: its own record (written only by this rank's fast
+/// path, under its lock) and the peer's (read only). The peer's words are untrusted: lengths
+/// are range-checked before use.
+pub(crate) struct BoardView {
+    peer: usize,
+    side: usize,
+    map: Arc<sys::Mapping>,
+    /// A second descriptor of the doorbell, only ever polled for hang-up (never read: the
+    /// link owns the wake-up bytes).
+    hangup: UnixStream,
+}
+
+impl std::fmt::Debug for BoardView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoardView")
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+impl BoardView {
+    /// The peer's global rank.
+    pub(crate) fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// One of this rank's words.
+    pub(crate) fn mine(&self, w: BoardWord) -> &AtomicU64 {
+        self.map.atomic(off_board(self.side, w))
+    }
+
+    /// One of the peer's words.
+    pub(crate) fn theirs(&self, w: BoardWord) -> &AtomicU64 {
+        self.map.atomic(off_board(1 - self.side, w))
+    }
+
+    /// Writes this rank's descriptor and payload (before it publishes `Offer` and `Posted`).
+    pub(crate) fn write_offer(&self, desc: &[u8], data: &[u8]) {
+        assert!(desc.len() <= BOARD_DESC_BYTES && data.len() <= BOARD_DATA_BYTES);
+        let base = BOARD + self.side * BOARD_SIDE;
+        self.map.write(base + OFF_DESC, desc);
+        self.map
+            .atomic(base + OFF_DESC_LEN)
+            .store(desc.len() as u64, Ordering::Relaxed);
+        self.map.write(base + PAGE, data);
+    }
+
+    /// Whether the peer's descriptor equals `desc` (read after its `Posted` was seen with
+    /// `Acquire`).
+    pub(crate) fn same_desc(&self, desc: &[u8], scratch: &mut [u8]) -> bool {
+        let base = BOARD + (1 - self.side) * BOARD_SIDE;
+        let len = self.map.atomic(base + OFF_DESC_LEN).load(Ordering::Relaxed);
+        if len != desc.len() as u64 || desc.len() > scratch.len() {
+            return false;
+        }
+        self.map.read(base + OFF_DESC, &mut scratch[..desc.len()]);
+        scratch[..desc.len()] == *desc
+    }
+
+    /// Copies the first `dst.len()` bytes of the peer's payload.
+    pub(crate) fn read_data(&self, dst: &mut [u8]) {
+        assert!(dst.len() <= BOARD_DATA_BYTES);
+        self.map
+            .read(BOARD + (1 - self.side) * BOARD_SIDE + PAGE, dst);
+    }
+
+    /// Bumps this rank's bell after its words changed and wakes the peer if it sleeps on it.
+    /// The `SeqCst` fence pairs with the one in [`BoardView::sleep`]: either the peer sees
+    /// the new words before sleeping, or this side sees its `Waiting` flag.
+    pub(crate) fn ring(&self) {
+        let bell = self.mine(BoardWord::Bell);
+        bell.fetch_add(1, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if self.theirs(BoardWord::Waiting).swap(0, Ordering::Relaxed) != 0 {
+            sys::futex_wake(self.bell_word(self.side));
+        }
+    }
+
+    /// The low half of a side's bell, as a futex word.
+    fn bell_word(&self, side: usize) -> &AtomicU32 {
+        self.map.atomic32(off_board(side, BoardWord::Bell))
+    }
+
+    /// Sleeps until the peer rings (or `timeout`), unless `ready` turns true once this rank
+    /// has announced its sleep. Returns whether the peer's process is gone (its doorbell
+    /// hung up or it set its `closed` flag).
+    pub(crate) fn sleep(&self, ready: impl Fn() -> bool, timeout: Duration) -> bool {
+        let seen = self.bell_word(1 - self.side).load(Ordering::Acquire);
+        self.mine(BoardWord::Waiting).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if !ready() {
+            sys::futex_wait(self.bell_word(1 - self.side), seen, timeout);
+        }
+        self.mine(BoardWord::Waiting).store(0, Ordering::Relaxed);
+        self.peer_gone()
+    }
+
+    /// The peer's process has gone (or dropped its link): nothing more will come.
+    pub(crate) fn peer_gone(&self) -> bool {
+        if self
+            .map
+            .atomic(off_closed(1 - self.side))
+            .load(Ordering::Acquire)
+            != 0
+        {
+            return true;
+        }
+        let mut fds = [poll_fd(&self.hangup, 0)];
+        matches!(poll(&mut fds, Some(Duration::ZERO)), Ok(n) if n > 0)
+            && fds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
 impl Drop for ShmLink {
     fn drop(&mut self) {
         // A peer spinning on our rings notices the flag without a system call; one blocked in
@@ -740,7 +903,8 @@ mod sys {
     use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
     use std::os::unix::net::UnixStream;
     use std::ptr::NonNull;
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicU32, AtomicU64};
+    use std::time::Duration;
 
     fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
         if rc < 0 {
@@ -752,8 +916,8 @@ mod sys {
 
     /// A shared, read-write mapping of a whole memfd segment, unmapped on drop.
     ///
-    /// Not `Sync`: within this process only the owning thread touches the memory, so the
-    /// copies below never race with each other. The *other* process writes the same pages
+    /// Within this process the link's thread touches the rings and the pair's board view the
+    /// board (see the `Sync` impl), so the copies below never race with each other. The *other* process writes the same pages
     /// concurrently, but only regions the ring protocol gives it (the other ring half and
     /// its own header words): the bytes we copy are ones the peer published and will not
     /// touch until we advance our head. A misbehaving peer could only corrupt payload bytes
@@ -766,6 +930,11 @@ mod sys {
     // SAFETY: the mapping is plain memory owned by this value (like a `Box<[u8]>`); moving it
     // to another thread moves the only handle to it.
     unsafe impl Send for Mapping {}
+    // SAFETY: shared between a link (its owning thread touches only the rings and the header)
+    // and that pair's board view (touched only by the fast path, under its lock): the two
+    // never copy into or out of the same bytes, and the words they share are atomics. That
+    // is the same discipline the two processes follow with each other (see above).
+    unsafe impl Sync for Mapping {}
 
     impl Mapping {
         /// A new sealed memfd of `len` zero bytes, and its mapping.
@@ -844,6 +1013,13 @@ mod sys {
             unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() }
         }
 
+        /// The 4-byte word at `off` (a futex word).
+        pub(super) fn atomic32(&self, off: usize) -> &AtomicU32 {
+            assert!(off % 4 == 0 && off + 4 <= self.len, "header offset {off}");
+            // SAFETY: as for `atomic`, with a 4-aligned in-bounds u32.
+            unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() }
+        }
+
         /// Copies `src` into the mapping at `off`.
         pub(super) fn write(&self, off: usize, src: &[u8]) {
             assert!(
@@ -882,6 +1058,44 @@ mod sys {
             // `atomic` borrow `self` and so are gone.
             unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         }
+    }
+
+    /// Blocks while `word` holds `seen`, at most `timeout` (a shared futex: the word is in a
+    /// mapping other processes share). Spurious returns are fine: callers re-check.
+    pub(super) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: FUTEX_WAIT reads the aligned u32 behind `word` (alive for the call) and
+        // sleeps; `ts` outlives the call; the unused arguments are null/0.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                seen,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0u32,
+            )
+        };
+    }
+
+    /// Wakes every thread (of any process) sleeping on `word`.
+    pub(super) fn futex_wake(word: &AtomicU32) {
+        // SAFETY: FUTEX_WAKE only uses the address as a key; the other arguments are plain.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            )
+        };
     }
 
     /// Sends `payload` with one descriptor attached (SCM_RIGHTS).

@@ -1,0 +1,213 @@
+"""The fast path of blocking allreduces (ranks agree through shared memory, no coordinator),
+checked against NumPy and against the engine's own counts of what took it.
+
+usage: fast_path_worker.py SEED SECTION[,SECTION...]
+
+Sections:
+  reduce    every dtype x op x shape class, in place and not, scale factors, both sides of the
+            size limit: every result against the NumPy reference, and every op that should
+            take the fast path did (no offer went to the engine: all ranks ran in lock-step)
+  orders    ranks submit in different orders, mixing async ops with blocking ones, so that
+            offers meet declines; every result checked, and the fast path works again after
+  mismatch  ranks offer one name with different shapes: the error names the tensor on every
+            rank, and the next op is fast again
+  threads   two threads per rank submit blocking ops concurrently (their slots interleave
+            differently on each rank)
+  join      a rank joins: the fast path is off for the rest of the job, results stay right
+"""
+
+import sys
+import threading
+
+import numpy as np
+
+import fvtest as T
+from fvtest import AVERAGE, MAX, MIN, PRODUCT, SUM
+
+import ferrovod as fv
+from ferrovod import _core
+
+OPS = {SUM: fv.Sum, AVERAGE: fv.Average, MIN: fv.Min, MAX: fv.Max, PRODUCT: fv.Product}
+SHAPES = [(), (0,), (1,), (7,), (3, 5, 7), (1023,)]
+LIMIT = 64 * 1024
+
+
+class Ctx:
+    def __init__(self, seed):
+        self.seed = seed
+        self.case = 0
+        self.rank = fv.rank()
+        self.n = fv.size()
+        self.ck = T.Checker(self.rank)
+
+    def key(self):
+        self.case += 1
+        return (self.seed, self.case)
+
+    def inputs(self, key, dt, shape, mode="normal"):
+        return [T.gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+
+    def stats(self):
+        return _core.fast_path_stats()
+
+
+def reduce_section(c):
+    before = c.stats()
+    fast = 0
+    for dt in T.REDUCE_DTYPES:
+        for opname, op in OPS.items():
+            for shape in SHAPES:
+                for inplace in (False, True):
+                    key = c.key()
+                    xs = c.inputs(key, dt, shape, T.input_mode(opname, dt))
+                    exp = T.ref_reduce(xs, opname, dt, c.n)
+                    what = f"allreduce {opname} {dt} {shape} inplace={inplace}"
+                    name = f"fp.{dt}.{opname}.{len(shape)}.{inplace}"
+                    if inplace:
+                        x = xs[c.rank].copy()
+                        got = fv.allreduce_(x, name=name, op=op)
+                        c.ck.true(got is x, what, "in-place result is not the input")
+                    else:
+                        got = fv.allreduce(xs[c.rank], name=name, op=op)
+                    c.ck.array(got, exp, what)
+                    fast += 1
+    # Scale factors: float sum with pre/post factors, integers with small inputs.
+    for dt in (np.dtype("float32"), np.dtype("float64"), np.dtype("int32"), T.BF16):
+        key = c.key()
+        mode = "tiny" if not T.is_float(dt) else "normal"
+        xs = c.inputs(key, dt, (5, 3), mode)
+        exp = T.ref_reduce(xs, SUM, dt, c.n, pre=2.0, post=0.5)
+        got = fv.allreduce(xs[c.rank], name=f"fp.scaled.{dt}", op=fv.Sum,
+                           prescale_factor=2.0, postscale_factor=0.5)
+        c.ck.array(got, exp, f"scaled allreduce {dt}")
+        fast += 1
+    # The size limit: exactly LIMIT bytes is fast, one element more goes through the engine.
+    for count, is_fast in ((LIMIT // 4, True), (LIMIT // 4 + 1, False), (LIMIT // 4 - 3, True)):
+        key = c.key()
+        xs = c.inputs(key, "float32", (count,))
+        got = fv.allreduce(xs[c.rank], name=f"fp.limit.{count}", op=fv.Sum)
+        c.ck.array(got, T.ref_reduce(xs, SUM, "float32", c.n), f"allreduce of {count} float32")
+        fast += is_fast
+    # Repeating one name many times (the benchmark's pattern): every call is fast.
+    x = np.arange(5, dtype=np.float64) + c.rank
+    for i in range(2000):
+        got = fv.allreduce(x, name="fp.repeat", op=fv.Sum)
+        fast += 1
+    exp = sum(np.arange(5, dtype=np.float64) + r for r in range(c.n))
+    c.ck.array(got, exp, "repeated allreduce")
+    after = c.stats()
+    c.ck.equal(after[0] - before[0], fast, "ops reduced on the fast path")
+    c.ck.equal(after[1] - before[1], 0, "offers that went to the engine")
+
+
+def orders_section(c):
+    before = c.stats()
+
+    def check(name, got, key, dt="float32", shape=(6,)):
+        xs = c.inputs(key, dt, shape)
+        c.ck.array(got, T.ref_reduce(xs, SUM, dt, c.n), f"{name} (orders)")
+
+    def mine(key, dt="float32", shape=(6,)):
+        return c.inputs(key, dt, shape)[c.rank]
+
+    for rnd in range(20):
+        ka, kb, kc = c.key(), c.key(), c.key()
+        a, b, cc = f"ord.a.{rnd}", f"ord.b.{rnd}", f"ord.c.{rnd}"
+        if c.rank % 2 == 0:
+            # async a, then blocking b while a is pending, then blocking c
+            h = fv.allreduce_async(mine(ka), name=a, op=fv.Sum)
+            check(b, fv.allreduce(mine(kb), name=b, op=fv.Sum), kb)
+            check(a, fv.synchronize(h), ka)
+            check(cc, fv.allreduce(mine(kc), name=cc, op=fv.Sum), kc)
+        else:
+            # blocking b first (its offer meets the other ranks' async a), then a, then c
+            hb = None
+            if rnd % 2:
+                check(b, fv.allreduce(mine(kb), name=b, op=fv.Sum), kb)
+            else:
+                hb = fv.allreduce_async(mine(kb), name=b, op=fv.Sum)
+            check(a, fv.allreduce(mine(ka), name=a, op=fv.Sum), ka)
+            if hb is not None:
+                check(b, fv.synchronize(hb), kb)
+            check(cc, fv.allreduce(mine(kc), name=cc, op=fv.Sum), kc)
+    # In lock-step again: the next op is fast on every rank.
+    mid = c.stats()
+    key = c.key()
+    check("ord.after", fv.allreduce(mine(key), name="ord.after", op=fv.Sum), key)
+    after = c.stats()
+    c.ck.equal(after[0] - mid[0], 1, "fast ops after the mixed orders")
+    met = fv.allreduce(np.array([mid[1] - before[1]], np.int64), name="ord.met", op=fv.Sum)[0]
+    c.ck.true(met > 0, "mixed orders",
+              "no offer met a decline on any rank: the section did not exercise the fallback")
+
+
+def mismatch_section(c):
+    shape = (3 + c.rank,)
+    c.ck.raises(Exception, lambda: fv.allreduce(np.ones(shape, np.float32), name="fp.mismatch"),
+                "allreduce with a different shape on every rank", contains=("fp.mismatch",))
+    before = c.stats()
+    key = c.key()
+    xs = c.inputs(key, "float64", (4,))
+    got = fv.allreduce(xs[c.rank], name="fp.after_mismatch", op=fv.Sum)
+    c.ck.array(got, T.ref_reduce(xs, SUM, "float64", c.n), "allreduce after a mismatch")
+    c.ck.equal(c.stats()[0] - before[0], 1, "fast ops after a mismatch")
+
+
+def threads_section(c):
+    errors = []
+
+    def run(tag):
+        try:
+            for i in range(200):
+                x = np.full(3, float(c.rank + i), np.float64)
+                got = fv.allreduce(x, name=f"thr.{tag}.{i}", op=fv.Sum)
+                exp = np.full(3, float(sum(r + i for r in range(c.n))))
+                if not np.array_equal(got, exp):
+                    errors.append(f"thread {tag} op {i}: got {got}, expected {exp}")
+        except Exception as e:  # noqa: BLE001 - reported below, on this rank
+            errors.append(f"thread {tag}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+        c.ck.true(not t.is_alive(), "threads", "a submitting thread never finished")
+    c.ck.equal(errors, [], "concurrent blocking allreduces")
+
+
+def join_section(c):
+    # Rank 0 joins at once; the others reduce one more tensor, to which it adds zeros.
+    if c.rank == 0:
+        fv.join()
+    else:
+        x = np.full(4, float(c.rank), np.float32)
+        got = fv.allreduce(x, name="join.extra", op=fv.Sum)
+        c.ck.array(got, np.full(4, float(sum(range(1, c.n))), np.float32), "allreduce beside a join")
+        fv.join()
+    before = c.stats()
+    key = c.key()
+    xs = c.inputs(key, "float32", (9,))
+    got = fv.allreduce(xs[c.rank], name="join.after", op=fv.Sum)
+    c.ck.array(got, T.ref_reduce(xs, SUM, "float32", c.n), "allreduce after join")
+    c.ck.equal(c.stats()[0] - before[0], 0, "fast ops after a join (the path is off)")
+
+
+SECTIONS = {"reduce": reduce_section, "orders": orders_section, "mismatch": mismatch_section,
+            "threads": threads_section, "join": join_section}
+
+
+def main():
+    seed = int(sys.argv[1])
+    sections = sys.argv[2].split(",")
+    fv.init()
+    c = Ctx(seed)
+    for s in sections:
+        SECTIONS[s](c)
+        print(f"section {s}: {c.ck.count} checks", flush=True)
+    fv.shutdown()
+    return c.ck.count
+
+
+if __name__ == "__main__":
+    T.run_main(main)
