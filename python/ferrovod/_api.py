@@ -604,6 +604,18 @@ def _allreduce(
     return _Pending(core, _AllreduceResult(tensors, originals, inputs, outputs, inplace, single))
 
 
+def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[int],
+                   average: Optional[bool], prescale: float, postscale: float) -> bool:
+    """The blocking one-array allreduce done in one call into the engine (which may take its
+    fast path): no handle, result holder or pending op. False, having done nothing, for what
+    it does not take (non-contiguous, byte-swapped or bfloat16 arrays, Adasum): the general
+    path then runs, under the same name."""
+    rop = _resolve_op(op, average)
+    if rop == Adasum:
+        return False
+    return _core.allreduce_now(tensor, out, name, int(rop), float(prescale), float(postscale))
+
+
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -618,6 +630,11 @@ def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
+    name = _auto_name("allreduce", name)
+    if type(tensor) is np.ndarray and process_set is global_process_set:
+        out = np.empty_like(tensor, order="C")
+        if _allreduce_now(tensor, out, name, op, average, prescale_factor, postscale_factor):
+            return out
     return _now(_allreduce([tensor], False, average, name, op, prescale_factor,
                            postscale_factor, process_set, "allreduce", single=True, now=True))
 
@@ -636,6 +653,10 @@ def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[st
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
+    name = _auto_name("allreduce", name)
+    if type(tensor) is np.ndarray and process_set is global_process_set:
+        if _allreduce_now(tensor, tensor, name, op, average, prescale_factor, postscale_factor):
+            return tensor
     return _now(_allreduce([tensor], True, average, name, op, prescale_factor,
                            postscale_factor, process_set, "allreduce", single=True, now=True))
 

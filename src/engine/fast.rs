@@ -49,6 +49,8 @@ use crate::types::{OpKind, ReduceOp};
 use super::tensor::TensorBuf;
 use super::OpSpec;
 
+/// How long a wait polls without yielding the core before it polls between yields.
+const PURE_SPIN: Duration = Duration::from_micros(20);
 /// How long one sleep on a peer's bell lasts before the liveness and shutdown checks.
 const SLEEP_SLICE: Duration = Duration::from_millis(20);
 
@@ -370,6 +372,16 @@ impl FastPath {
             return Ok(());
         }
         let start = Instant::now();
+        // First without yielding: a peer on another core usually posts within a few
+        // microseconds, and a yield is a system call that costs a good part of that.
+        while start.elapsed() < PURE_SPIN.min(self.spin) {
+            for _ in 0..32 {
+                if ready(b) {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
+            }
+        }
         while start.elapsed() < self.spin {
             if ready(b) {
                 return Ok(());

@@ -232,7 +232,7 @@ fn enqueue(
 ) -> PyResult<CoreHandle> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
-    let mut spec = with_engine(|e| {
+    let spec = with_engine(|e| {
         let tensors = tensors
             .into_iter()
             .map(|t| match device {
@@ -261,38 +261,110 @@ fn enqueue(
             splits,
         })
     })?;
-    // A caller that waits at once may take the fast path: outside the engine lock and with
-    // the GIL released, as it waits for the other ranks.
-    let mut slotted = true;
-    if now && kind == OpKind::Allreduce && set_id == 0 {
-        let fast = with_engine(|e| Ok(e.fast_path()))?;
-        match py.detach(|| fast.allreduce(&mut spec)) {
-            Ok(Outcome::Done) => {
+    if now {
+        return match offer_then_submit(py, spec)? {
+            Now::Done => {
                 let handle = Handle::new();
                 handle.complete(Ok(Output::default()));
-                return with_engine(|e| {
+                with_engine(|e| {
                     Ok(CoreHandle {
                         handle,
                         progress: e.progress(),
                     })
-                });
+                })
             }
-            Ok(Outcome::Declined) => slotted = false,
-            Ok(Outcome::Ineligible) => {}
-            Err(e) => return Err(to_pyerr(e)),
-        }
+            Now::Submitted(handle, progress) => Ok(CoreHandle { handle, progress }),
+        };
     }
+    with_engine(|e| {
+        Ok(CoreHandle {
+            handle: e.submit(spec),
+            progress: e.progress(),
+        })
+    })
+}
+
+/// What became of an op whose caller waits at once.
+enum Now {
+    /// Reduced on the fast path.
+    Done,
+    /// In the engine.
+    Submitted(Handle, Progress),
+}
+
+/// Offers `spec` to the fast path (outside the engine lock and with the GIL released, as it
+/// waits for the other ranks), and submits it to the engine unless that reduced it.
+fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
+    let fast = with_engine(|e| Ok(e.fast_path()))?;
+    let slotted = match py.detach(|| fast.allreduce(&mut spec)) {
+        Ok(Outcome::Done) => return Ok(Now::Done),
+        Ok(Outcome::Declined) => false,
+        Ok(Outcome::Ineligible) => true,
+        Err(e) => return Err(to_pyerr(e)),
+    };
     with_engine(|e| {
         let handle = if slotted {
             e.submit(spec)
         } else {
             e.submit_unslotted(spec)
         };
-        Ok(CoreHandle {
-            handle,
-            progress: e.progress(),
-        })
+        Ok(Now::Submitted(handle, e.progress()))
     })
+}
+
+/// A blocking allreduce of one NumPy array into `output` (which may be `input` itself), done
+/// before returning: the fast path when it applies, else the engine. Returns False, doing
+/// nothing, when an array is not one [`tensor::describe_array`] describes or the output does
+/// not match: the caller then takes the general path.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn allreduce_now(
+    py: Python<'_>,
+    input: Bound<'_, PyAny>,
+    output: Bound<'_, PyAny>,
+    name: String,
+    op: u8,
+    prescale: f64,
+    postscale: f64,
+) -> PyResult<bool> {
+    let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    let in_place = output.is(&input);
+    let Some((ptr, nbytes, dtype, shape)) = tensor::describe_array(&input, in_place) else {
+        return Ok(false);
+    };
+    let out_ptr = if in_place {
+        ptr
+    } else {
+        match tensor::describe_array(&output, true) {
+            Some((p, n, _, _)) if n == nbytes => p,
+            _ => return Ok(false),
+        }
+    };
+    let spec = OpSpec {
+        set_id: 0,
+        name,
+        kind: OpKind::Allreduce,
+        op,
+        root: 0,
+        prescale,
+        postscale,
+        tensors: vec![tensor::spec_from_py((
+            ptr,
+            nbytes,
+            dtype as u8,
+            shape,
+            out_ptr,
+        ))?],
+        splits: Vec::new(),
+    };
+    match offer_then_submit(py, spec)? {
+        Now::Done => Ok(true),
+        Now::Submitted(handle, progress) => match py.detach(move || progress.wait(&handle)) {
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) => Err(to_pyerr(e)),
+            None => unreachable!("a handle no one else holds was not waited for"),
+        },
+    }
 }
 
 /// [`enqueue`] for NumPy arrays, described in Rust from `__array_struct__` rather than as
@@ -767,6 +839,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(fast_path_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce_now, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
