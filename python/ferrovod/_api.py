@@ -486,6 +486,7 @@ def _enqueue_raw(
     postscale: float = 1.0,
     splits: Sequence[int] = (),
     device: Optional[Tuple[int, int]] = None,
+    now: bool = False,
 ) -> Handle:
     """Private entry point for framework adapters (``ferrovod.torch``): submits tensors given as
     raw ``(data_ptr, nbytes, dtype_code, shape, out_ptr or 0)`` tuples, so memory NumPy cannot
@@ -497,13 +498,14 @@ def _enqueue_raw(
     ``(outputs, received_splits, last_joined)`` into the handle's result. Unnamed ops share the
     ``<kind_name>.noname.<n>`` counters with this module. ``device``: ``(CUDA ordinal, raw
     current stream)`` when the pointers are CUDA memory for the engine's NCCL path (outputs
-    allocated by the caller).
+    allocated by the caller). ``now``: the caller synchronizes at once, so a small allreduce
+    may take the engine's fast path (the handle is then complete on return).
     """
     core = _core.enqueue(
         int(kind), _auto_name(kind_name, name), _set_id(process_set),
         [(int(p), int(nb), int(c), [int(d) for d in shape], int(o)) for p, nb, c, shape, o in tensors],
         int(op), int(root), float(prescale), float(postscale), [int(s) for s in splits],
-        device=None if device is None else (int(device[0]), int(device[1])),
+        device=None if device is None else (int(device[0]), int(device[1])), now=now,
     )
     return _register(core, finish, keepalive)
 

@@ -392,7 +392,13 @@ impl Engine {
             rank,
             size,
             transport.boards()?,
-            config.fast_path_bytes,
+            // A fast op cannot be given up on one rank alone (a peer may be reading its
+            // offer), so a job that asks for stalled ops to fail keeps every op in the engine.
+            if config.stall_shutdown.is_some() {
+                0
+            } else {
+                config.fast_path_bytes
+            },
             config.spin,
             config.stall_check,
         ));

@@ -56,13 +56,13 @@ class HorovodAllreduce(torch.autograd.Function):
                 op: Optional[int], prescale_factor: float, postscale_factor: float,
                 process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (average, name, op, prescale_factor, postscale_factor, process_set)
-        return ops.synchronize(ops.allreduce_async(tensor, average, name, op, prescale_factor,
-                                                   postscale_factor, process_set))
+        return ops._allreduce_blocking(tensor, False, average, name, op, prescale_factor,
+                                       postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, ...]:
         average, name, op, pre, post, ps = ctx.args
-        g = ops.synchronize(ops.allreduce_async(grad, average, _grad_name(name), op, pre, post, ps))
+        g = ops._allreduce_blocking(grad, False, average, _grad_name(name), op, pre, post, ps)
         return (g,) + (None,) * 6
 
 

@@ -218,7 +218,8 @@ def synchronize(handle: Union[Handle, Callable[[], Any]]) -> Any:
 def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Optional[bool],
                      name: Optional[str], op: Optional[int], prescale_factor: float,
                      postscale_factor: float, process_set: ProcessSet, kind_name: str,
-                     single: bool = False) -> Handle:
+                     single: bool = False, now: bool = False) -> Handle:
+    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
     rop = _api._resolve_op(op, average)
     if rop == Adasum:
         raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
@@ -238,7 +239,8 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
     descs = [_desc(h, o, kind_name) for h, o in zip(hosts, outs)]
     result = _HostAllreduce(tensors, hosts, [c for _, c in staged], outs, inplace, single)
     return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, result, None,
-                             op=rop, prescale=prescale_factor, postscale=postscale_factor)
+                             op=rop, prescale=prescale_factor, postscale=postscale_factor,
+                             now=now)
 
 
 class _HostAllreduce(_api._PerTensorResult):
@@ -303,8 +305,18 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return _allreduce_blocking(tensor, True, average, name, op, prescale_factor,
+                               postscale_factor, process_set)
+
+
+def _allreduce_blocking(tensor: torch.Tensor, inplace: bool, average: Optional[bool],
+                        name: Optional[str], op: Optional[int], prescale_factor: float,
+                        postscale_factor: float, process_set: ProcessSet) -> torch.Tensor:
+    """A one-tensor allreduce waited for at once, so a small one on one host may take the
+    engine's fast path (no negotiation through the coordinator)."""
+    return synchronize(_allreduce_async([tensor], inplace, average, name, op, prescale_factor,
+                                        postscale_factor, process_set, "allreduce",
+                                        single=True, now=True))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
