@@ -241,7 +241,7 @@ impl FastPath {
         }
         let t = &op.tensors[0];
         let n = t.meta.nbytes();
-        let host = |b: &TensorBuf| matches!(b, TensorBuf::Borrowed { .. });
+        let host = |b: &TensorBuf| !matches!(b, TensorBuf::Device { .. });
         let out = t.output.as_ref()?;
         (host(&t.input)
             && host(out)

@@ -1,0 +1,129 @@
+//! The fast path of small blocking allreduces (`engine::fast`), on in-process jobs: ranks on
+//! one host reduce without the coordinator, an offer that meets another rank's engine op goes
+//! to the engine (and still completes, with the right sum), and ranks on two hosts never offer.
+
+use std::time::Duration;
+
+use _core::engine::fast::Outcome;
+use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
+use _core::{DType, OpKind, ReduceOp};
+
+mod common;
+
+const SECRET: &[u8] = b"fast-path-test-secret-0123456789";
+
+fn op(name: &str, data: &[f32]) -> OpSpec {
+    let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+    OpSpec {
+        set_id: 0,
+        name: name.into(),
+        kind: OpKind::Allreduce,
+        op: ReduceOp::Sum,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: vec![TensorSpec {
+            meta: TensorMeta {
+                dtype: DType::F32,
+                shape: vec![data.len()],
+            },
+            output: Some(TensorBuf::Owned(vec![0; bytes.len()])),
+            input: TensorBuf::Owned(bytes),
+        }],
+        splits: vec![],
+    }
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// What the Python layer does for a blocking allreduce: offer, then the engine unless the
+/// fast path reduced it. Returns the outcome of the offer and the result.
+fn blocking(e: &Engine, mut spec: OpSpec) -> (Outcome, Vec<f32>) {
+    let outcome = e.fast_path().allreduce(&mut spec).expect("offer");
+    if outcome == Outcome::Done {
+        let out = spec.tensors[0].output.as_ref().unwrap().as_slice().to_vec();
+        return (outcome, floats(&out));
+    }
+    let h = if outcome == Outcome::Declined {
+        e.submit_unslotted(spec)
+    } else {
+        e.submit(spec)
+    };
+    // An engine op hands an owned output back through its handle.
+    (outcome, wait_sum(&h))
+}
+
+fn wait_sum(h: &_core::engine::Handle) -> Vec<f32> {
+    let out = h.wait(Duration::ZERO).expect("first wait").expect("op");
+    floats(out.tensors[0].0.as_slice())
+}
+
+#[test]
+fn blocking_allreduces_on_one_host_take_the_fast_path_and_fall_back_when_ranks_differ() {
+    // Two ranks: both on host0 (see common::jobs::config).
+    let results = common::jobs::job(2, &[], SECRET, |rank, e| {
+        let mut outcomes = Vec::new();
+        for i in 0..600usize {
+            let data: Vec<f32> = (0..7).map(|k| (rank * 100 + i + k) as f32).collect();
+            let expect: Vec<f32> = (0..7).map(|k| (100 + 2 * (i + k)) as f32).collect();
+            if i % 10 == 9 {
+                // Rank 0 has an engine op in flight when it reaches the blocking one, so it
+                // declines; rank 1 offers first and meets that decline.
+                let x = op(&format!("x{i}"), &data);
+                if rank == 0 {
+                    let hx = e.submit(x);
+                    let (o, got) = blocking(e, op(&format!("y{i}"), &data));
+                    assert_eq!((o, &got), (Outcome::Ineligible, &expect));
+                    hx.wait(Duration::ZERO).unwrap().unwrap();
+                } else {
+                    let (o, got) = blocking(e, op(&format!("y{i}"), &data));
+                    assert_eq!((o, &got), (Outcome::Declined, &expect));
+                    e.submit(x).wait(Duration::ZERO).unwrap().unwrap();
+                }
+                outcomes.push(o_marker(rank));
+                continue;
+            }
+            let (o, got) = blocking(e, op(&format!("a{}", i % 3), &data));
+            assert_eq!(o, Outcome::Done, "rank {rank} op {i}");
+            assert_eq!(got, expect, "rank {rank} op {i}");
+            outcomes.push(o);
+        }
+        (outcomes, e.fast_path().stats())
+    });
+    for (rank, (outcomes, (taken, declined))) in results.into_iter().enumerate() {
+        let done = outcomes.iter().filter(|&&o| o == Outcome::Done).count() as u64;
+        assert_eq!(done, 540, "rank {rank}");
+        assert_eq!(taken, 540, "rank {rank}");
+        // Rank 1's offers met rank 0's declines; rank 0 never offered then.
+        assert_eq!(declined, if rank == 1 { 60 } else { 0 }, "rank {rank}");
+    }
+}
+
+fn o_marker(rank: usize) -> Outcome {
+    if rank == 0 {
+        Outcome::Ineligible
+    } else {
+        Outcome::Declined
+    }
+}
+
+#[test]
+fn ranks_on_two_hosts_never_offer() {
+    // Ranks 0 and 1 share host0, rank 2 is alone on host1: no rank reaches every other over
+    // shared memory, so every blocking allreduce goes through the engine.
+    let results = common::jobs::job(3, &[], SECRET, |rank, e| {
+        for i in 0..50usize {
+            let data = vec![(rank + i) as f32; 3];
+            let mut spec = op(&format!("b{i}"), &data);
+            let o = e.fast_path().allreduce(&mut spec).expect("offer");
+            assert_eq!(o, Outcome::Ineligible, "rank {rank} op {i}");
+            e.submit(spec).wait(Duration::ZERO).unwrap().unwrap();
+        }
+        e.fast_path().stats()
+    });
+    assert!(results.iter().all(|&s| s == (0, 0)), "{results:?}");
+}
