@@ -214,10 +214,10 @@ fn garbage_does_not_kill_the_server() {
 
 #[test]
 fn client_waits_for_a_late_server() {
-    let addr: SocketAddr = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    // A free port below the kernel's ephemeral range: a port from bind(0), once released,
+    // can be taken by another test of this binary running beside this one before the server
+    // binds it, and the client then talks to a stranger.
+    let addr = free_port_below_ephemeral_range();
     let h = thread::spawn(move || TcpStore::connect(addr, SECRET, LONG));
     thread::sleep(Duration::from_millis(300));
     let s = TcpStoreServer::start(addr, SECRET.to_vec()).unwrap();
@@ -226,12 +226,23 @@ fn client_waits_for_a_late_server() {
     assert_eq!(client(&s).get("k", LONG).unwrap(), b"v");
 }
 
+fn free_port_below_ephemeral_range() -> SocketAddr {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let seed = std::process::id() as u16;
+    (0..2000u16)
+        .map(|i| {
+            10000 + (seed.wrapping_add(i.wrapping_mul(7919))) % (low.saturating_sub(10000)).max(1)
+        })
+        .find_map(|p| TcpListener::bind(("127.0.0.1", p)).ok()?.local_addr().ok())
+        .expect("a free port below the ephemeral range")
+}
+
 #[test]
 fn connect_times_out_without_a_server() {
-    let addr = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let addr = free_port_below_ephemeral_range();
     let start = Instant::now();
     let res = TcpStore::connect(addr, SECRET, Duration::from_millis(300));
     assert!(matches!(res, Err(Error::Timeout { .. })), "{res:?}");

@@ -342,6 +342,12 @@ impl TcpStore {
                 });
             for a in resolved {
                 match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))) {
+                    // With no listener yet on a port in the ephemeral range, the kernel can
+                    // pick that very port as the source and connect the socket to itself
+                    // (TCP simultaneous open): that is "not listening yet", not a store.
+                    Ok(s) if s.local_addr().ok() == s.peer_addr().ok() => {
+                        last_error = format!("{a}: connected to itself (no listener yet)");
+                    }
                     Ok(mut s) => {
                         let left = deadline.saturating_duration_since(Instant::now());
                         prepare(&mut s, secret, left)?;
