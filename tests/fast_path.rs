@@ -43,7 +43,7 @@ fn floats(b: &[u8]) -> Vec<f32> {
 /// What the Python layer does for a blocking allreduce: offer, then the engine unless the
 /// fast path reduced it. Returns the outcome of the offer and the result.
 fn blocking(e: &Engine, mut spec: OpSpec) -> (Outcome, Vec<f32>) {
-    let outcome = e.fast_path().allreduce(&mut spec).expect("offer");
+    let outcome = e.fast_path().offer(&mut spec).expect("offer");
     if outcome == Outcome::Done {
         let out = spec.tensors[0].output.as_ref().unwrap().as_slice().to_vec();
         return (outcome, floats(&out));
@@ -119,7 +119,7 @@ fn ranks_on_two_hosts_never_offer() {
         for i in 0..50usize {
             let data = vec![(rank + i) as f32; 3];
             let mut spec = op(&format!("b{i}"), &data);
-            let o = e.fast_path().allreduce(&mut spec).expect("offer");
+            let o = e.fast_path().offer(&mut spec).expect("offer");
             assert_eq!(o, Outcome::Ineligible, "rank {rank} op {i}");
             e.submit(spec).wait(Duration::ZERO).unwrap().unwrap();
         }

@@ -749,7 +749,8 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
 
 
 def _broadcast(tensor: Tensor, root_rank: int, name: Optional[str],
-               process_set: ProcessSet, inplace: bool) -> _Pending:
+               process_set: ProcessSet, inplace: bool, now: bool = False) -> _Pending:
+    """``now``: the caller waits at once (see ``_submit``)."""
     if not 0 <= int(root_rank) < size():
         raise InvalidArgumentError(
             f"broadcast received invalid root rank {root_rank}: the job has {size()} ranks")
@@ -757,7 +758,7 @@ def _broadcast(tensor: Tensor, root_rank: int, name: Optional[str],
     buf = _contiguous(original)
     out = buf if inplace else np.empty_like(buf, order="C")
     core = _submit(_core.BROADCAST, _auto_name("broadcast", name), process_set, [buf], [out],
-                   root=int(root_rank))
+                   root=int(root_rank), now=now)
 
     def finish(_: Any) -> Any:
         if inplace:
@@ -778,7 +779,7 @@ def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
 def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
-    return _now(_broadcast(tensor, root_rank, name, process_set, False))
+    return _now(_broadcast(tensor, root_rank, name, process_set, False, now=True))
 
 
 def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
@@ -790,7 +791,7 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
 def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
-    return _now(_broadcast(tensor, root_rank, name, process_set, True))
+    return _now(_broadcast(tensor, root_rank, name, process_set, True, now=True))
 
 
 # ----------------------------------------------------------------------------- alltoall

@@ -1,5 +1,5 @@
-//! The fast path: a blocking allreduce of a small tensor, agreed and reduced by the ranks
-//! themselves through shared memory, without the coordinator.
+//! The fast path: a blocking allreduce (or broadcast) of a small tensor, agreed and carried
+//! out by the ranks themselves through shared memory, without the coordinator.
 //!
 //! **Why.** Through the engine a 4-byte allreduce costs about 10 µs on two ranks: the request
 //! goes to the coordinator, the answer comes back, and only then do the ranks exchange data,
@@ -8,12 +8,14 @@
 //! to reduce and go ahead when all show the same op.
 //!
 //! **Slots.** Every op a rank submits in the global process set takes the next *slot*
-//! (0, 1, 2, …): a blocking allreduce that qualifies *offers* (it writes its descriptor and
-//! its pre-scaled input into its board record, then publishes `Offer = slot + 1` and
-//! `Posted = slot + 1`), any other op *declines* (it publishes only `Posted`). An offering rank
+//! (0, 1, 2, …): a blocking allreduce or broadcast that qualifies *offers* (it writes its
+//! descriptor and its pre-scaled input into its board record, then publishes
+//! `Offer = slot + 1` and `Posted = slot + 1`), any other op *declines* (it publishes only
+//! `Posted`). An offering rank
 //! waits until every peer has posted that slot; the slot is fast when every rank offered the
-//! same descriptor (name, dtype, shape, reduction, scale factors), and then each rank sums
-//! all inputs in rank order itself, so every rank gets the same bits. Otherwise every offering
+//! same descriptor (kind, name, dtype, shape, reduction, root, scale factors), and then each
+//! rank sums all inputs in rank order itself, so every rank gets the same bits (a broadcast's
+//! root offers its tensor, the others copy it). Otherwise every offering
 //! rank hands its op to the engine as usual (the slot is spent either way), where the
 //! coordinator matches it, or reports what disagreed, as for any op. Every rank decides from
 //! the same published records, so all decide alike.
@@ -233,28 +235,33 @@ impl FastPath {
         if !self.complete
             || self.max_bytes == 0
             || op.set_id != 0
-            || op.kind != OpKind::Allreduce
             || op.tensors.len() != 1
             || self.timeline.load(Ordering::Relaxed)
         {
             return None;
         }
         let t = &op.tensors[0];
+        let kind_ok = match op.kind {
+            OpKind::Allreduce => check_reducible(t.meta.dtype, op.op).is_ok(),
+            OpKind::Broadcast => op.root < self.size,
+            _ => false,
+        };
         let n = t.meta.nbytes();
         let host = |b: &TensorBuf| !matches!(b, TensorBuf::Device { .. });
         let out = t.output.as_ref()?;
-        (host(&t.input)
+        (kind_ok
+            && host(&t.input)
             && host(out)
             && t.input.len() == n
             && out.len() == n
-            && n <= self.max_bytes
-            && check_reducible(t.meta.dtype, op.op).is_ok())
-        .then_some((&t.input, n))
+            && n <= self.max_bytes)
+            .then_some((&t.input, n))
     }
 
-    /// Offers a blocking op. `Err`: a peer died or this rank shut down while waiting; the
-    /// op did not happen.
-    pub fn allreduce(&self, op: &mut OpSpec) -> Result<Outcome> {
+    /// Offers a blocking allreduce or broadcast of one host tensor (anything else is
+    /// `Ineligible`). `Err`: a peer died or this rank shut down while waiting; the op did not
+    /// happen.
+    pub fn offer(&self, op: &mut OpSpec) -> Result<Outcome> {
         if let Some(e) = &*self.failed.lock() {
             return Err(e.clone());
         }
@@ -270,8 +277,13 @@ impl FastPath {
         }
         let dtype = op.tensors[0].meta.dtype;
         sc.own.clear();
-        sc.own.extend_from_slice(input.as_slice());
-        scale(dtype, &mut sc.own, op.prescale)?;
+        // A broadcast's payload is the root's alone; the others offer only the descriptor.
+        if op.kind == OpKind::Allreduce || op.root == self.rank {
+            sc.own.extend_from_slice(input.as_slice());
+        }
+        if op.kind == OpKind::Allreduce {
+            scale(dtype, &mut sc.own, op.prescale)?;
+        }
         let mut st = self.state.lock();
         if st.closed || st.busy || self.outstanding.load(Ordering::Acquire) != 0 {
             return Ok(Outcome::Ineligible);
@@ -335,6 +347,19 @@ impl FastPath {
             .as_mut()
             .expect("checked by eligible")
             .as_mut_slice();
+        if op.kind == OpKind::Broadcast {
+            if op.root == self.rank {
+                out.copy_from_slice(&sc.own);
+            } else {
+                let b = self
+                    .boards
+                    .iter()
+                    .find(|b| b.peer() == op.root)
+                    .expect("a board per peer");
+                b.read_data(out);
+            }
+            return Ok(Outcome::Done);
+        }
         sc.data.resize(n, 0);
         // Every rank sums in rank order, so every rank gets the same bits.
         let mut first = true;
@@ -426,10 +451,13 @@ impl FastPath {
     }
 }
 
-/// The bytes every rank's offer must match: reduction, dtype, shape, scale factors, name.
+/// The bytes every rank's offer must match: kind, reduction, root, dtype, shape, scale
+/// factors, name.
 fn describe(op: &OpSpec, out: &mut Vec<u8>) {
     let meta = &op.tensors[0].meta;
+    out.push(op.kind as u8);
     out.push(op.op as u8);
+    out.extend_from_slice(&(op.root as u64).to_le_bytes());
     out.push(meta.dtype as u8);
     out.extend_from_slice(&(meta.shape.len() as u32).to_le_bytes());
     for d in &meta.shape {

@@ -296,7 +296,7 @@ enum Now {
 /// waits for the other ranks), and submits it to the engine unless that reduced it.
 fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
     let fast = with_engine(|e| Ok(e.fast_path()))?;
-    let slotted = match py.detach(|| fast.allreduce(&mut spec)) {
+    let slotted = match py.detach(|| fast.offer(&mut spec)) {
         Ok(Outcome::Done) => return Ok(Now::Done),
         Ok(Outcome::Declined) => false,
         Ok(Outcome::Ineligible) => true,

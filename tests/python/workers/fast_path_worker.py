@@ -14,6 +14,8 @@ Sections:
   threads   two threads per rank submit blocking ops concurrently (their slots interleave
             differently on each rank)
   join      a rank joins: the fast path is off for the rest of the job, results stay right
+  broadcast blocking broadcasts from every root, every dtype (bool included), in place and
+            not, both sides of the size limit, against the root's tensor
   torch     ferrovod.torch's blocking allreduce (and its autograd form) of CPU tensors of
             several dtypes, bfloat16 included, against NumPy, all on the fast path
 """
@@ -230,8 +232,39 @@ def torch_section(c):
     c.ck.equal(c.stats()[0] - before[0], fast, "torch ops reduced on the fast path")
 
 
+def broadcast_section(c):
+    before = c.stats()
+    fast = 0
+    for dt in T.ALL_DTYPES:
+        for shape in ((), (1,), (7,), (3, 5)):
+            for root in range(c.n):
+                key = c.key()
+                xs = c.inputs(key, dt, shape)
+                name = f"fpb.{dt}.{len(shape)}.{root}"
+                got = fv.broadcast(xs[c.rank], root, name=name)
+                c.ck.array(got, xs[root], f"broadcast {dt} {shape} from {root}")
+                mine = xs[c.rank].copy()
+                got_ = fv.broadcast_(mine, root, name=name + "_")
+                c.ck.true(got_ is mine, f"broadcast_ {dt}", "in-place result is not the input")
+                c.ck.array(got_, xs[root], f"broadcast_ {dt} {shape} from {root}")
+                fast += 2
+    for count, is_fast in ((LIMIT // 8, True), (LIMIT // 8 + 1, False)):
+        key = c.key()
+        xs = c.inputs(key, "float64", (count,))
+        got = fv.broadcast(xs[c.rank], c.n - 1, name=f"fpb.limit.{count}")
+        c.ck.array(got, xs[c.n - 1], f"broadcast of {count} float64")
+        fast += is_fast
+    obj = fv.broadcast_object({"rank": c.rank, "list": list(range(c.rank + 3))}, c.n - 1)
+    c.ck.equal(obj, {"rank": c.n - 1, "list": list(range(c.n + 2))}, "broadcast_object")
+    fast += 2
+    after = c.stats()
+    c.ck.equal(after[0] - before[0], fast, "broadcasts done on the fast path")
+    c.ck.equal(after[1] - before[1], 0, "broadcast offers that went to the engine")
+
+
 SECTIONS = {"reduce": reduce_section, "orders": orders_section, "mismatch": mismatch_section,
-            "threads": threads_section, "join": join_section, "torch": torch_section}
+            "threads": threads_section, "join": join_section, "torch": torch_section,
+            "broadcast": broadcast_section}
 
 
 def main():
