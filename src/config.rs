@@ -40,7 +40,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_TIMEOUT_SECONDS", alias: Some("HOROVOD_GLOO_TIMEOUT_SECONDS"), default: "30", doc: "A peer that makes no progress in a collective for this long is an error (a dead peer is detected at once)." },
     Var { name: "FERROVOD_START_TIMEOUT", alias: Some("HOROVOD_START_TIMEOUT"), default: "60", doc: "Seconds init() waits for every rank to rendezvous." },
     Var { name: "FERROVOD_DYNAMIC_PROCESS_SETS", alias: Some("HOROVOD_DYNAMIC_PROCESS_SETS"), default: "0", doc: "Allow add_process_set/remove_process_set after init()." },
-    Var { name: "FERROVOD_FAST_PATH_BYTES", alias: None, default: "65536", doc: "Largest blocking allreduce or broadcast (bytes) that takes the fast path when every rank is on one host over shared memory: the ranks agree through shared memory, without the coordinator, and each sums the others' inputs (or copies the root's) itself. An op the ranks do not all offer alike (or any rank with other ops pending) goes the usual way. 0: off. At most 65536. Off while FERROVOD_STALL_SHUTDOWN_TIME_SECONDS is set (a fast op cannot be abandoned by one rank alone)." },
+    Var { name: "FERROVOD_FAST_PATH_BYTES", alias: None, default: "65536", doc: "Largest blocking allreduce, broadcast or allgather (bytes, per rank) that takes the fast path when every rank is on one host over shared memory: the ranks agree through shared memory, without the coordinator, and each sums (or copies) the others' inputs itself. An op the ranks do not all offer alike (or any rank with other ops pending) goes the usual way. 0: off. At most 65536. Off while FERROVOD_STALL_SHUTDOWN_TIME_SECONDS is set (a fast op cannot be abandoned by one rank alone)." },
     Var { name: "FERROVOD_SPIN_US", alias: None, default: "250", doc: "Microseconds an idle wait (engine thread, coordinator, a caller driving its own op in synchronize) keeps polling, yielding the core between polls, before it blocks; also how long a caller that drove keeps the background threads asleep. A blocking wake-up costs 40-60 us on a VM. 0: block at once." },
     Var { name: "FERROVOD_NCCL_LIBRARY", alias: None, default: "unset", doc: "Path of the `libnccl.so.2` to use; when set, no other place is searched. Unset: the dynamic linker's search, then the `nvidia-nccl-*` wheel that torch installs." },
     Var { name: "FERROVOD_NCCL_DISPATCH", alias: None, default: "0", doc: "1: CUDA tensors (torch) are reduced by NCCL on the device where the engine can (allreduce, broadcast, even reducescatter; the rest stays staged). 0: every CUDA tensor is staged through host memory, with a one-time warning. Off by default until the device path has run on GPU hardware: it is built and its CPU-side checks are tested, but it has not been executed on a GPU yet. Must be the same on every rank (a host/CUDA disagreement is a mismatch error)." },
@@ -186,7 +186,8 @@ pub struct Config {
     pub spin: Duration,
     /// Keep ranks on the same host on TCP instead of shared memory.
     pub shm_disable: bool,
-    /// Largest blocking allreduce or broadcast the fast path takes (0: off); see `engine::fast`.
+    /// Largest blocking allreduce, broadcast or allgather part the fast path takes (0: off);
+    /// see `engine::fast`.
     pub fast_path_bytes: usize,
     /// Algorithm thresholds.
     pub tuning: crate::comm::Tuning,

@@ -704,14 +704,15 @@ def grouped_allreduce_(tensors: Sequence[Tensor], average: Optional[bool] = None
 
 
 def _gather(tensors: Sequence[Tensor], name: Optional[str], process_set: ProcessSet,
-            kind_name: str) -> _Pending:
+            kind_name: str, now: bool = False) -> _Pending:
+    """``now``: the caller waits at once (see ``_submit``)."""
     inputs = [_contiguous(_as_array(t)) for t in tensors]
     for a in inputs:
         if a.ndim == 0:
             raise InvalidArgumentError(
                 f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
     core = _submit(_core.ALLGATHER, _auto_name(kind_name, name), process_set, inputs,
-                   [None] * len(inputs))
+                   [None] * len(inputs), now=now)
     dtypes = [a.dtype for a in inputs]
 
     def finish(result: Any) -> List[np.ndarray]:
@@ -730,7 +731,7 @@ def allgather_async(tensor: Tensor, name: Optional[str] = None,
 def allgather(tensor: Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenates every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
-    return _now(_one(_gather([tensor], name, process_set, "allgather")))
+    return _now(_one(_gather([tensor], name, process_set, "allgather", now=True)))
 
 
 def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = None,

@@ -1,5 +1,5 @@
-//! The fast path: a blocking allreduce (or broadcast) of a small tensor, agreed and carried
-//! out by the ranks themselves through shared memory, without the coordinator.
+//! The fast path: a blocking allreduce, broadcast or allgather of a small tensor, agreed and
+//! carried out by the ranks themselves through shared memory, without the coordinator.
 //!
 //! **Why.** Through the engine a 4-byte allreduce costs about 10 µs on two ranks: the request
 //! goes to the coordinator, the answer comes back, and only then do the ranks exchange data,
@@ -8,14 +8,15 @@
 //! to reduce and go ahead when all show the same op.
 //!
 //! **Slots.** Every op a rank submits in the global process set takes the next *slot*
-//! (0, 1, 2, …): a blocking allreduce or broadcast that qualifies *offers* (it writes its
-//! descriptor and its pre-scaled input into its board record, then publishes
+//! (0, 1, 2, …): a blocking allreduce, broadcast or allgather that qualifies *offers* (it
+//! writes its descriptor and its pre-scaled input into its board record, then publishes
 //! `Offer = slot + 1` and `Posted = slot + 1`), any other op *declines* (it publishes only
 //! `Posted`). An offering rank
 //! waits until every peer has posted that slot; the slot is fast when every rank offered the
 //! same descriptor (kind, name, dtype, shape, reduction, root, scale factors), and then each
 //! rank sums all inputs in rank order itself, so every rank gets the same bits (a broadcast's
-//! root offers its tensor, the others copy it). Otherwise every offering
+//! root offers its tensor, the others copy it; an allgather's rows travel beside the
+//! descriptor, and each rank concatenates). Otherwise every offering
 //! rank hands its op to the engine as usual (the slot is spent either way), where the
 //! coordinator matches it, or reports what disagreed, as for any op. Every rank decides from
 //! the same published records, so all decide alike.
@@ -241,24 +242,22 @@ impl FastPath {
             return None;
         }
         let t = &op.tensors[0];
-        let kind_ok = match op.kind {
-            OpKind::Allreduce => check_reducible(t.meta.dtype, op.op).is_ok(),
-            OpKind::Broadcast => op.root < self.size,
-            _ => false,
-        };
         let n = t.meta.nbytes();
         let host = |b: &TensorBuf| !matches!(b, TensorBuf::Device { .. });
-        let out = t.output.as_ref()?;
-        (kind_ok
-            && host(&t.input)
-            && host(out)
-            && t.input.len() == n
-            && out.len() == n
-            && n <= self.max_bytes)
+        let out_ok = match (op.kind, t.output.as_ref()) {
+            (OpKind::Allreduce, Some(out)) => {
+                check_reducible(t.meta.dtype, op.op).is_ok() && host(out) && out.len() == n
+            }
+            (OpKind::Broadcast, Some(out)) => op.root < self.size && host(out) && out.len() == n,
+            // The gathered tensor is allocated here, once every rank's row count is known.
+            (OpKind::Allgather, None) => !t.meta.shape.is_empty(),
+            _ => false,
+        };
+        (out_ok && host(&t.input) && t.input.len() == n && n <= self.max_bytes)
             .then_some((&t.input, n))
     }
 
-    /// Offers a blocking allreduce or broadcast of one host tensor (anything else is
+    /// Offers a blocking allreduce, broadcast or allgather of one host tensor (anything else is
     /// `Ineligible`). `Err`: a peer died or this rank shut down while waiting; the op did not
     /// happen.
     pub fn offer(&self, op: &mut OpSpec) -> Result<Outcome> {
@@ -276,9 +275,10 @@ impl FastPath {
             return Ok(Outcome::Ineligible);
         }
         let dtype = op.tensors[0].meta.dtype;
+        let rows = op.tensors[0].meta.shape.first().copied().unwrap_or(1) as u64;
         sc.own.clear();
         // A broadcast's payload is the root's alone; the others offer only the descriptor.
-        if op.kind == OpKind::Allreduce || op.root == self.rank {
+        if op.kind != OpKind::Broadcast || op.root == self.rank {
             sc.own.extend_from_slice(input.as_slice());
         }
         if op.kind == OpKind::Allreduce {
@@ -298,6 +298,7 @@ impl FastPath {
         let slot = st.posted;
         for b in &self.boards {
             b.write_offer(&sc.desc, &sc.own);
+            b.mine(BoardWord::Rows).store(rows, Ordering::Relaxed);
         }
         st.posted = slot + 1;
         st.last_offer = slot + 1;
@@ -340,8 +341,11 @@ impl FastPath {
                 return Ok(Outcome::Declined);
             }
         }
+        let dtype = op.tensors[0].meta.dtype;
+        if op.kind == OpKind::Allgather {
+            return self.gather(op, sc);
+        }
         let t = &mut op.tensors[0];
-        let dtype = t.meta.dtype;
         let out = t
             .output
             .as_mut()
@@ -386,6 +390,52 @@ impl FastPath {
             op.postscale
         };
         scale(dtype, out, post)?;
+        Ok(Outcome::Done)
+    }
+
+    /// The allgather's result, in rank order, into a new buffer that becomes the op's output
+    /// (its first dimension the total row count). Peers' row counts are checked against the
+    /// board's capacity before any byte is read.
+    fn gather(&self, op: &mut OpSpec, sc: &Scratch) -> Result<Outcome> {
+        let t = &mut op.tensors[0];
+        let row_bytes = t.meta.row_elems() * t.meta.dtype.size();
+        let mut rows = Vec::with_capacity(self.size);
+        let mut peers = self.boards.iter();
+        for r in 0..self.size {
+            if r == self.rank {
+                rows.push(t.meta.shape[0]);
+                continue;
+            }
+            let b = peers.next().expect("one board per peer");
+            let n = b.theirs(BoardWord::Rows).load(Ordering::Relaxed);
+            match usize::try_from(n)
+                .ok()
+                .filter(|&n| n.saturating_mul(row_bytes) <= BOARD_DATA_BYTES)
+            {
+                Some(n) => rows.push(n),
+                None => {
+                    return Err(Error::Decode(format!(
+                        "rank {r} offered {n} rows of {row_bytes} bytes for allgather '{}'",
+                        op.name
+                    )))
+                }
+            }
+        }
+        let total: usize = rows.iter().sum();
+        let mut out = vec![0u8; total * row_bytes];
+        let mut at = 0;
+        let mut peers = self.boards.iter();
+        for (r, &n) in rows.iter().enumerate() {
+            let dst = &mut out[at..at + n * row_bytes];
+            if r == self.rank {
+                dst.copy_from_slice(&sc.own);
+            } else {
+                peers.next().expect("one board per peer").read_data(dst);
+            }
+            at += dst.len();
+        }
+        t.meta.shape[0] = total;
+        t.output = Some(TensorBuf::Owned(out));
         Ok(Outcome::Done)
     }
 
@@ -460,7 +510,9 @@ fn describe(op: &OpSpec, out: &mut Vec<u8>) {
     out.extend_from_slice(&(op.root as u64).to_le_bytes());
     out.push(meta.dtype as u8);
     out.extend_from_slice(&(meta.shape.len() as u32).to_le_bytes());
-    for d in &meta.shape {
+    // An allgather's first dimension may differ per rank: it travels in `Rows`.
+    let skip = usize::from(op.kind == OpKind::Allgather);
+    for d in &meta.shape[skip.min(meta.shape.len())..] {
         out.extend_from_slice(&(*d as u64).to_le_bytes());
     }
     out.extend_from_slice(&op.prescale.to_bits().to_le_bytes());

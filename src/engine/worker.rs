@@ -638,8 +638,11 @@ impl Worker {
     /// so peers blocked on this rank fail fast too.
     pub fn fail(&mut self, err: Error) {
         if self.failed.is_none() {
-            self.transport.abort();
+            // The fast path first: a peer waiting there on this rank then sees it decline
+            // and asks the engine, which names the rank that really died, instead of
+            // blaming this one when its links close.
             self.shared.fast.fail(err.clone());
+            self.transport.abort();
             self.failed = Some(err.clone());
         }
         self.fail_all(err);

@@ -263,9 +263,9 @@ fn enqueue(
     })?;
     if now {
         return match offer_then_submit(py, spec)? {
-            Now::Done => {
+            Now::Done(out) => {
                 let handle = Handle::new();
-                handle.complete(Ok(Output::default()));
+                handle.complete(Ok(out));
                 with_engine(|e| {
                     Ok(CoreHandle {
                         handle,
@@ -286,8 +286,8 @@ fn enqueue(
 
 /// What became of an op whose caller waits at once.
 enum Now {
-    /// Reduced on the fast path.
-    Done,
+    /// Done on the fast path: what its handle would have handed back.
+    Done(Output),
     /// In the engine.
     Submitted(Handle, Progress),
 }
@@ -297,7 +297,16 @@ enum Now {
 fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
     let fast = with_engine(|e| Ok(e.fast_path()))?;
     let slotted = match py.detach(|| fast.offer(&mut spec)) {
-        Ok(Outcome::Done) => return Ok(Now::Done),
+        Ok(Outcome::Done) => {
+            // An output the fast path allocated (allgather) goes back as the engine's would.
+            let mut out = Output::default();
+            for t in spec.tensors {
+                if let Some(buf @ (TensorBuf::Owned(_) | TensorBuf::Pages(_))) = t.output {
+                    out.tensors.push((buf, t.meta.shape));
+                }
+            }
+            return Ok(Now::Done(out));
+        }
         Ok(Outcome::Declined) => false,
         Ok(Outcome::Ineligible) => true,
         Err(e) => return Err(to_pyerr(e)),
@@ -358,7 +367,7 @@ fn allreduce_now(
         splits: Vec::new(),
     };
     match offer_then_submit(py, spec)? {
-        Now::Done => Ok(true),
+        Now::Done(_) => Ok(true),
         Now::Submitted(handle, progress) => match py.detach(move || progress.wait(&handle)) {
             Some(Ok(_)) => Ok(true),
             Some(Err(e)) => Err(to_pyerr(e)),

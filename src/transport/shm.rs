@@ -108,7 +108,7 @@ const fn off_closed(side: usize) -> usize {
     LINE * (7 + side)
 }
 const _: () = assert!(off_closed(1) + LINE <= HEADER);
-const _: () = assert!(LINE * (BoardWord::Waiting as usize + 1) <= OFF_DESC_LEN);
+const _: () = assert!(LINE * (BoardWord::Rows as usize + 1) <= OFF_DESC_LEN);
 
 fn ring_stride(cap: usize) -> usize {
     cap.div_ceil(PAGE) * PAGE
@@ -144,6 +144,8 @@ pub(crate) enum BoardWord {
     Bell = 3,
     /// This side sleeps on the other side's bell.
     Waiting = 4,
+    /// Rows of the payload (an allgather's first dimension; written with the offer).
+    Rows = 5,
 }
 
 fn segment_len(cap: usize) -> usize {

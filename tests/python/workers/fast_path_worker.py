@@ -16,6 +16,8 @@ Sections:
   join      a rank joins: the fast path is off for the rest of the job, results stay right
   broadcast blocking broadcasts from every root, every dtype (bool included), in place and
             not, both sides of the size limit, against the root's tensor
+  allgather blocking allgathers with a different first dimension on every rank (zero rows
+            included), every dtype, against NumPy's concatenation; allgather_object
   torch     ferrovod.torch's blocking allreduce (and its autograd form) of CPU tensors of
             several dtypes, bfloat16 included, against NumPy, all on the fast path
 """
@@ -262,9 +264,36 @@ def broadcast_section(c):
     c.ck.equal(after[1] - before[1], 0, "broadcast offers that went to the engine")
 
 
+def allgather_section(c):
+    before = c.stats()
+    fast = 0
+    for dt in T.ALL_DTYPES:
+        for trailing in ((), (3,), (2, 5), (0,)):
+            key = c.key()
+            parts = [T.gen(key, r, dt, ((r + len(trailing)) % 3,) + trailing) for r in range(c.n)]
+            got = fv.allgather(parts[c.rank], name=f"fpg.{dt}.{len(trailing)}.{trailing[:1]}")
+            c.ck.array(got, np.concatenate(parts), f"allgather {dt} {trailing}")
+            fast += 1
+    # The limit is per rank's part: one rank over it sends the op through the engine.
+    key = c.key()
+    rows = [LIMIT // 8 + (1 if r == 0 else 0) for r in range(c.n)]
+    parts = [T.gen(key, r, "float64", (rows[r],)) for r in range(c.n)]
+    got = fv.allgather(parts[c.rank], name="fpg.limit")
+    c.ck.array(got, np.concatenate(parts), "allgather beside the limit")
+    objs = fv.allgather_object({"r": c.rank, "pad": "x" * c.rank})
+    c.ck.equal(objs, [{"r": r, "pad": "x" * r} for r in range(c.n)], "allgather_object")
+    after = c.stats()
+    c.ck.true(after[0] - before[0] >= fast, "allgathers done on the fast path",
+              f"{after[0] - before[0]} of at least {fast}")
+    declined = fv.allreduce(np.array([after[1] - before[1]], np.int64), name="fpg.declined",
+                            op=fv.Sum)[0]
+    # Only the op over the limit can meet a decline (rank 0 declines it; the others offer).
+    c.ck.true(declined <= c.n - 1, "allgather offers that went to the engine", str(declined))
+
+
 SECTIONS = {"reduce": reduce_section, "orders": orders_section, "mismatch": mismatch_section,
             "threads": threads_section, "join": join_section, "torch": torch_section,
-            "broadcast": broadcast_section}
+            "broadcast": broadcast_section, "allgather": allgather_section}
 
 
 def main():
