@@ -615,7 +615,8 @@ def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[
     rop = _resolve_op(op, average)
     if rop == Adasum:
         return False
-    return _core.allreduce_now(tensor, out, name, int(rop), float(prescale), float(postscale))
+    return bool(_core.op_now(_core.ALLREDUCE, tensor, out, name, int(rop), 0, float(prescale),
+                             float(postscale)))
 
 
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -731,6 +732,12 @@ def allgather_async(tensor: Tensor, name: Optional[str] = None,
 def allgather(tensor: Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenates every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
+    name = _auto_name("allgather", name)
+    if type(tensor) is np.ndarray and process_set is global_process_set:
+        # One call into the engine (see _allreduce_now); False: the general path.
+        got = _core.op_now(_core.ALLGATHER, tensor, None, name)
+        if got is not False:
+            return _from_bytes(got[0], got[1], tensor.dtype)
     return _now(_one(_gather([tensor], name, process_set, "allgather", now=True)))
 
 
@@ -780,6 +787,12 @@ def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
 def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
+    name = _auto_name("broadcast", name)
+    if type(tensor) is np.ndarray and process_set is global_process_set and root_rank >= 0:
+        out = np.empty_like(tensor, order="C")
+        # One call into the engine (see _allreduce_now); False: the general path.
+        if _core.op_now(_core.BROADCAST, tensor, out, name, root=int(root_rank)):
+            return out
     return _now(_broadcast(tensor, root_rank, name, process_set, False, now=True))
 
 
@@ -792,6 +805,11 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
 def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
+    name = _auto_name("broadcast", name)
+    if type(tensor) is np.ndarray and process_set is global_process_set and root_rank >= 0:
+        # One call into the engine (see _allreduce_now); False: the general path.
+        if _core.op_now(_core.BROADCAST, tensor, tensor, name, root=int(root_rank)):
+            return tensor
     return _now(_broadcast(tensor, root_rank, name, process_set, True, now=True))
 
 

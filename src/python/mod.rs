@@ -321,40 +321,57 @@ fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
     })
 }
 
-/// A blocking allreduce of one NumPy array into `output` (which may be `input` itself), done
-/// before returning: the fast path when it applies, else the engine. Returns False, doing
-/// nothing, when an array is not one [`tensor::describe_array`] describes or the output does
-/// not match: the caller then takes the general path.
+/// A blocking allreduce, broadcast or allgather of one NumPy array, done before returning:
+/// the fast path when it applies, else the engine. `output`: the array the result goes to
+/// (may be `input` itself; `None` for allgather, whose result is new). Returns False, doing
+/// nothing, when an array is not one [`tensor::describe_array`] describes, the output does not
+/// match, or the op is malformed (a broadcast root outside the job, a 0-d allgather): the
+/// caller then takes the general path, with its own errors. Otherwise True, or for allgather
+/// `(buffer, shape)` as [`CoreHandle::wait`] returns them.
 #[pyfunction]
+#[pyo3(signature = (kind, input, output, name, op=1, root=0, prescale=1.0, postscale=1.0))]
 #[allow(clippy::too_many_arguments)]
-fn allreduce_now(
-    py: Python<'_>,
-    input: Bound<'_, PyAny>,
-    output: Bound<'_, PyAny>,
+fn op_now<'py>(
+    py: Python<'py>,
+    kind: u8,
+    input: Bound<'py, PyAny>,
+    output: Option<Bound<'py, PyAny>>,
     name: String,
     op: u8,
+    root: usize,
     prescale: f64,
     postscale: f64,
-) -> PyResult<bool> {
+) -> PyResult<Bound<'py, PyAny>> {
+    let no = || Ok(false.into_pyobject(py)?.to_owned().into_any());
+    let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
-    let in_place = output.is(&input);
+    let in_place = output.as_ref().is_some_and(|o| o.is(&input));
     let Some((ptr, nbytes, dtype, shape)) = tensor::describe_array(&input, in_place) else {
-        return Ok(false);
+        return no();
     };
-    let out_ptr = if in_place {
-        ptr
-    } else {
-        match tensor::describe_array(&output, true) {
+    let out_ptr = match &output {
+        None => 0,
+        Some(_) if in_place => ptr,
+        Some(o) => match tensor::describe_array(o, true) {
             Some((p, n, _, _)) if n == nbytes => p,
-            _ => return Ok(false),
-        }
+            _ => return no(),
+        },
     };
+    let well_formed = match kind {
+        OpKind::Allreduce => out_ptr != 0,
+        OpKind::Broadcast => out_ptr != 0 && root < with_engine(|e| Ok(e.topology().size))?,
+        OpKind::Allgather => out_ptr == 0 && !shape.is_empty(),
+        _ => false,
+    };
+    if !well_formed {
+        return no();
+    }
     let spec = OpSpec {
         set_id: 0,
         name,
-        kind: OpKind::Allreduce,
+        kind,
         op,
-        root: 0,
+        root,
         prescale,
         postscale,
         tensors: vec![tensor::spec_from_py((
@@ -366,13 +383,22 @@ fn allreduce_now(
         ))?],
         splits: Vec::new(),
     };
-    match offer_then_submit(py, spec)? {
-        Now::Done(_) => Ok(true),
+    let out = match offer_then_submit(py, spec)? {
+        Now::Done(out) => out,
         Now::Submitted(handle, progress) => match py.detach(move || progress.wait(&handle)) {
-            Some(Ok(_)) => Ok(true),
-            Some(Err(e)) => Err(to_pyerr(e)),
+            Some(Ok(out)) => out,
+            Some(Err(e)) => return Err(to_pyerr(e)),
             None => unreachable!("a handle no one else holds was not waited for"),
         },
+    };
+    match out.tensors.into_iter().next() {
+        None => Ok(true.into_pyobject(py)?.to_owned().into_any()),
+        Some((buf, shape)) => {
+            let data = EngineBytes::from(buf);
+            Ok((Py::new(py, OwnedBuffer { data })?, shape)
+                .into_pyobject(py)?
+                .into_any())
+        }
     }
 }
 
@@ -521,11 +547,7 @@ impl CoreHandle {
         };
         let list = PyList::empty(py);
         for (buf, shape) in out.tensors {
-            let data = match buf {
-                TensorBuf::Owned(v) => EngineBytes::Heap(v),
-                TensorBuf::Pages(p) => EngineBytes::Pages(p),
-                other => EngineBytes::Heap(other.as_slice().to_vec()),
-            };
+            let data = EngineBytes::from(buf);
             list.append((Py::new(py, OwnedBuffer { data })?, shape))?;
         }
         Ok((list, out.received_splits, out.last_joined)
@@ -548,6 +570,17 @@ struct OwnedBuffer {
 enum EngineBytes {
     Heap(Vec<u8>),
     Pages(PageBuf),
+}
+
+impl From<TensorBuf> for EngineBytes {
+    /// An engine result, without a copy where it is engine memory already.
+    fn from(buf: TensorBuf) -> EngineBytes {
+        match buf {
+            TensorBuf::Owned(v) => EngineBytes::Heap(v),
+            TensorBuf::Pages(p) => EngineBytes::Pages(p),
+            other => EngineBytes::Heap(other.as_slice().to_vec()),
+        }
+    }
 }
 
 impl EngineBytes {
@@ -848,7 +881,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(enqueue, m)?)?;
     m.add_function(wrap_pyfunction!(enqueue_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(fast_path_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(allreduce_now, m)?)?;
+    m.add_function(wrap_pyfunction!(op_now, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
