@@ -479,6 +479,10 @@ impl FastPath {
                 });
             }
             if self.closing.load(Ordering::Acquire) {
+                // Closed by the engine's failure: that is the error, as through the engine.
+                if let Some(e) = &*self.failed.lock() {
+                    return Err(e.clone());
+                }
                 return Err(Error::Shutdown(format!(
                     "ferrovod shut down while allreduce '{name}' waited for rank {}",
                     b.peer()
