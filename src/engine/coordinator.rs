@@ -513,8 +513,14 @@ impl State {
     /// Closes the connection to `to` after sending to it failed with `e`, and tells the
     /// others.
     fn drop_conn(&mut self, to: usize, e: Error) {
-        if let Some(mut conn) = self.conns[to].take() {
-            conn.close();
+        // What the rank sent before it went decides whether it left or died: a rank that
+        // shut down while an answer to it was being written has its `Leave` unread yet (a
+        // clean shutdown was reported as "rank N is gone" then).
+        self.receive(to);
+        match self.conns[to].take() {
+            Some(mut conn) => conn.close(),
+            // `receive` saw the connection close and recorded how.
+            None => return,
         }
         let mut more = Vec::new();
         self.neg

@@ -26,6 +26,17 @@ def test_shutdown_then_init_again():
     assert_ok(res, 2, min_checks=100)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_clean_shutdowns_report_no_lost_rank(n):
+    """A rank that shuts down while the coordinator writes it an answer has left, not died:
+    no "rank N is gone" warning, however the shutdowns interleave."""
+    res = run_job(n, "lifecycle_worker.py", "cycles", 25, timeout=180)
+    assert_ok(res, n, min_checks=25 * 50)
+    lost = [ln for r in range(n) for ln in res.ranks.get(r, []) if "is gone" in ln]
+    lost += [ln for ln in res.stderr.splitlines() if "is gone" in ln]
+    assert not lost, f"clean shutdowns reported as lost ranks: {lost[:5]}\n{describe(res)}"
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_join_with_uneven_steps(n):
     res = run_job(n, "lifecycle_worker.py", "join", timeout=120)

@@ -184,10 +184,24 @@ def case_topology(n):
     return ck.count
 
 
+def case_cycles(count):
+    """Many init/shutdown cycles in a row, each ending right after the ranks' last op (so
+    that shutdowns overlap the coordinator's last answers): every one must be clean."""
+    ck = T.Checker(int(os.environ.get("FERROVOD_RANK", "-1")))
+    for cycle in range(int(count)):
+        fv.init()
+        n = fv.size()
+        for i in range(50):
+            got = fv.allreduce(np.full(2, fv.rank() + i, np.float32), op=fv.Sum, name=f"cy.{i}")
+            ck.array(got, np.full(2, n * (n - 1) / 2 + n * i, np.float32), f"cycle {cycle} op {i}")
+        fv.shutdown()
+    return ck.count
+
+
 def main():
     case, args = sys.argv[1], sys.argv[2:]
     return {"single": case_single, "reinit": case_reinit, "join": case_join, "joinerr": case_joinerr,
-            "topology": case_topology}[case](*args)
+            "topology": case_topology, "cycles": case_cycles}[case](*args)
 
 
 if __name__ == "__main__":
