@@ -737,6 +737,8 @@ def allgather(tensor: Tensor, name: Optional[str] = None,
         # One call into the engine (see _allreduce_now); False: the general path.
         got = _core.op_now(_core.ALLGATHER, tensor, None, name)
         if got is not False:
+            if type(got[0]) is bytearray:
+                return np.frombuffer(got[0], dtype=tensor.dtype).reshape(got[1])
             return _from_bytes(got[0], got[1], tensor.dtype)
     return _now(_one(_gather([tensor], name, process_set, "allgather", now=True)))
 

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
 use crate::config::{Config, VARS};
@@ -321,13 +321,17 @@ fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
     })
 }
 
+/// Results up to this size that [`op_now`] hands back are copied into a `bytearray`.
+const SMALL_RESULT_BYTES: usize = 256 << 10;
+
 /// A blocking allreduce, broadcast or allgather of one NumPy array, done before returning:
 /// the fast path when it applies, else the engine. `output`: the array the result goes to
 /// (may be `input` itself; `None` for allgather, whose result is new). Returns False, doing
 /// nothing, when an array is not one [`tensor::describe_array`] describes, the output does not
 /// match, or the op is malformed (a broadcast root outside the job, a 0-d allgather): the
 /// caller then takes the general path, with its own errors. Otherwise True, or for allgather
-/// `(buffer, shape)` as [`CoreHandle::wait`] returns them.
+/// `(buffer, shape)`: a `bytearray` for a small result, else a buffer as [`CoreHandle::wait`]
+/// returns them.
 #[pyfunction]
 #[pyo3(signature = (kind, input, output, name, op=1, root=0, prescale=1.0, postscale=1.0))]
 #[allow(clippy::too_many_arguments)]
@@ -393,6 +397,13 @@ fn op_now<'py>(
     };
     match out.tensors.into_iter().next() {
         None => Ok(true.into_pyobject(py)?.to_owned().into_any()),
+        // A small result goes back as a bytearray: NumPy reads one through the buffer protocol
+        // in a third of the time `__array_interface__` takes, which outweighs the copy.
+        Some((buf, shape)) if buf.len() <= SMALL_RESULT_BYTES => {
+            Ok((PyByteArray::new(py, buf.as_slice()), shape)
+                .into_pyobject(py)?
+                .into_any())
+        }
         Some((buf, shape)) => {
             let data = EngineBytes::from(buf);
             Ok((Py::new(py, OwnedBuffer { data })?, shape)
