@@ -5,8 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
-use _core::{DType, Error, OpKind, ReduceOp};
+use _core::engine::Engine;
+use _core::{Error, ReduceOp};
+use common::jobs::{allreduce_op, f32_from};
 
 mod common;
 
@@ -18,38 +19,6 @@ fn job<R: Send>(
     f: impl Fn(usize, &mut Engine) -> R + Sync,
 ) -> Vec<R> {
     common::jobs::job(n, sets, SECRET, f)
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn f32_from(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
-fn allreduce_op(name: &str, data: &[f32], op: ReduceOp, set_id: u32) -> OpSpec {
-    let bytes = f32_bytes(data);
-    OpSpec {
-        set_id,
-        name: name.into(),
-        kind: OpKind::Allreduce,
-        op,
-        root: 0,
-        prescale: 1.0,
-        postscale: 1.0,
-        tensors: vec![TensorSpec {
-            meta: TensorMeta {
-                dtype: DType::F32,
-                shape: vec![data.len()],
-            },
-            output: Some(TensorBuf::Owned(vec![0; bytes.len()])),
-            input: TensorBuf::Owned(bytes),
-        }],
-        splits: vec![],
-    }
 }
 
 fn result_f32(h: &_core::engine::Handle) -> Result<Vec<f32>, Error> {

@@ -5,39 +5,16 @@
 use std::time::Duration;
 
 use _core::engine::fast::Outcome;
-use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
-use _core::{DType, OpKind, ReduceOp};
+use _core::engine::{Engine, OpSpec};
+use _core::ReduceOp;
+use common::jobs::{allreduce_op, f32_from};
 
 mod common;
 
 const SECRET: &[u8] = b"fast-path-test-secret-0123456789";
 
 fn op(name: &str, data: &[f32]) -> OpSpec {
-    let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
-    OpSpec {
-        set_id: 0,
-        name: name.into(),
-        kind: OpKind::Allreduce,
-        op: ReduceOp::Sum,
-        root: 0,
-        prescale: 1.0,
-        postscale: 1.0,
-        tensors: vec![TensorSpec {
-            meta: TensorMeta {
-                dtype: DType::F32,
-                shape: vec![data.len()],
-            },
-            output: Some(TensorBuf::Owned(vec![0; bytes.len()])),
-            input: TensorBuf::Owned(bytes),
-        }],
-        splits: vec![],
-    }
-}
-
-fn floats(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    allreduce_op(name, data, ReduceOp::Sum, 0)
 }
 
 /// What the Python layer does for a blocking allreduce: offer, then the engine unless the
@@ -46,7 +23,7 @@ fn blocking(e: &Engine, mut spec: OpSpec) -> (Outcome, Vec<f32>) {
     let outcome = e.fast_path().offer(&mut spec).expect("offer");
     if outcome == Outcome::Done {
         let out = spec.tensors[0].output.as_ref().unwrap().as_slice().to_vec();
-        return (outcome, floats(&out));
+        return (outcome, f32_from(&out));
     }
     let h = if outcome == Outcome::Declined {
         e.submit_unslotted(spec)
@@ -59,7 +36,7 @@ fn blocking(e: &Engine, mut spec: OpSpec) -> (Outcome, Vec<f32>) {
 
 fn wait_sum(h: &_core::engine::Handle) -> Vec<f32> {
     let out = h.wait(Duration::ZERO).expect("first wait").expect("op");
-    floats(out.tensors[0].0.as_slice())
+    f32_from(out.tensors[0].0.as_slice())
 }
 
 #[test]

@@ -6,7 +6,8 @@ use std::net::SocketAddr;
 
 use _core::bootstrap::tcp_store::TcpStoreServer;
 use _core::config::Config;
-use _core::engine::Engine;
+use _core::engine::{Engine, OpSpec, TensorBuf, TensorMeta, TensorSpec};
+use _core::{DType, OpKind, ReduceOp};
 
 /// Seconds a transfer may make no progress (`FERROVOD_TIMEOUT_SECONDS`): "promptly" in the
 /// suites means well inside it.
@@ -79,4 +80,37 @@ pub fn job_with<R: Send>(
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn f32_from(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// An allreduce of `data` (float32) into an engine-owned output of the same size.
+pub fn allreduce_op(name: &str, data: &[f32], op: ReduceOp, set_id: u32) -> OpSpec {
+    let bytes = f32_bytes(data);
+    OpSpec {
+        set_id,
+        name: name.into(),
+        kind: OpKind::Allreduce,
+        op,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: vec![TensorSpec {
+            meta: TensorMeta {
+                dtype: DType::F32,
+                shape: vec![data.len()],
+            },
+            output: Some(TensorBuf::Owned(vec![0; bytes.len()])),
+            input: TensorBuf::Owned(bytes),
+        }],
+        splits: vec![],
+    }
 }

@@ -40,18 +40,9 @@ def run(mode, fn, *args):
     return tf.function(fn, autograph=False)(*args)
 
 
-class Ctx:
+class Ctx(T.Cases):
     def __init__(self, seed):
-        self.seed, self.case = seed, 0
-        self.rank, self.n = hvd.rank(), hvd.size()
-        self.ck = T.Checker(self.rank)
-
-    def key(self):
-        self.case += 1
-        return (self.seed, self.case)
-
-    def inputs(self, key, dt, shape, mode="normal"):
-        return [T.gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+        super().__init__(seed, hvd.rank(), hvd.size())
 
     def close(self, got, exp, what, tol=1e-5):
         """float32 arithmetic against a float64 reference: values within ``tol``."""

@@ -42,18 +42,9 @@ def to_numpy(t, dt):
     return out
 
 
-class Ctx:
+class Ctx(T.Cases):
     def __init__(self, seed):
-        self.seed, self.case = seed, 0
-        self.rank, self.n = hvd.rank(), hvd.size()
-        self.ck = T.Checker(self.rank)
-
-    def key(self):
-        self.case += 1
-        return (self.seed, self.case)
-
-    def inputs(self, key, dt, shape, mode="normal"):
-        return [T.gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+        super().__init__(seed, hvd.rank(), hvd.size())
 
     def tensor(self, got, exp, what, like=None):
         """``got`` must be a torch tensor equal to the NumPy ``exp`` (dtype, shape, values)."""

@@ -38,20 +38,9 @@ SHAPES = [(), (0,), (1,), (7,), (3, 5, 7), (1023,)]
 LIMIT = 64 * 1024
 
 
-class Ctx:
+class Ctx(T.Cases):
     def __init__(self, seed):
-        self.seed = seed
-        self.case = 0
-        self.rank = fv.rank()
-        self.n = fv.size()
-        self.ck = T.Checker(self.rank)
-
-    def key(self):
-        self.case += 1
-        return (self.seed, self.case)
-
-    def inputs(self, key, dt, shape, mode="normal"):
-        return [T.gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+        super().__init__(seed, fv.rank(), fv.size())
 
     def stats(self):
         return _core.fast_path_stats()

@@ -204,6 +204,24 @@ class Checker:
         self.fail(what, f"did not raise {excs}")
 
 
+class Cases:
+    """A worker's sequence of cases: a fresh key per case (the same on every rank, since every
+    rank runs the same cases in the same order), every rank's input for a case, and the
+    checker. Workers subclass it with their framework's rank and size."""
+
+    def __init__(self, seed, rank, n):
+        self.seed, self.case = seed, 0
+        self.rank, self.n = rank, n
+        self.ck = Checker(rank)
+
+    def key(self):
+        self.case += 1
+        return (self.seed, self.case)
+
+    def inputs(self, key, dt, shape, mode="normal"):
+        return [gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+
+
 def run_main(body):
     """Run ``body() -> n_checks``; print ``OK n`` or a FAIL line and exit non-zero."""
     rank = os.environ.get("FERROVOD_RANK", "?")

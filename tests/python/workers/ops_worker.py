@@ -23,20 +23,9 @@ BIG_BYTES = 3 * 1024 * 1024 + 40  # a few MiB, not a power of two
 MODES = ["out", "inplace", "async", "async_inplace"]
 
 
-class Ctx:
+class Ctx(T.Cases):
     def __init__(self, seed):
-        self.seed = seed
-        self.case = 0
-        self.rank = fv.rank()
-        self.n = fv.size()
-        self.ck = T.Checker(self.rank)
-
-    def key(self):
-        self.case += 1
-        return (self.seed, self.case)
-
-    def inputs(self, key, dt, shape, mode="normal"):
-        return [T.gen(key, j, dt, shape, mode, self.n) for j in range(self.n)]
+        super().__init__(seed, fv.rank(), fv.size())
 
 
 def wait(h):
