@@ -367,15 +367,13 @@ impl FastPath {
         sc.data.resize(n, 0);
         // Every rank sums in rank order, so every rank gets the same bits.
         let mut first = true;
-        let mut peers = self.boards.iter().peekable();
-        for r in 0..self.size {
-            let src: &[u8] = if r == self.rank {
-                &sc.own
-            } else {
-                let b = peers.next().expect("one board per peer");
-                debug_assert_eq!(b.peer(), r);
-                b.read_data(&mut sc.data);
-                &sc.data
+        for board in self.ranks() {
+            let src: &[u8] = match board {
+                None => &sc.own,
+                Some(b) => {
+                    b.read_data(&mut sc.data);
+                    &sc.data
+                }
             };
             if first {
                 out.copy_from_slice(src);
@@ -393,6 +391,14 @@ impl FastPath {
         Ok(Outcome::Done)
     }
 
+    /// Every rank in order: `None` for this one, its board for a peer (only called when the
+    /// boards reach every peer, in ascending order).
+    fn ranks(&self) -> impl Iterator<Item = Option<&BoardView>> {
+        let mut peers = self.boards.iter();
+        (0..self.size)
+            .map(move |r| (r != self.rank).then(|| peers.next().expect("one board per peer")))
+    }
+
     /// The allgather's result, in rank order, into a new buffer that becomes the op's output
     /// (its first dimension the total row count). Peers' row counts are checked against the
     /// board's capacity before any byte is read.
@@ -400,13 +406,11 @@ impl FastPath {
         let t = &mut op.tensors[0];
         let row_bytes = t.meta.row_elems() * t.meta.dtype.size();
         let mut rows = Vec::with_capacity(self.size);
-        let mut peers = self.boards.iter();
-        for r in 0..self.size {
-            if r == self.rank {
+        for (r, board) in self.ranks().enumerate() {
+            let Some(b) = board else {
                 rows.push(t.meta.shape[0]);
                 continue;
-            }
-            let b = peers.next().expect("one board per peer");
+            };
             let n = b.theirs(BoardWord::Rows).load(Ordering::Relaxed);
             match usize::try_from(n)
                 .ok()
@@ -424,13 +428,11 @@ impl FastPath {
         let total: usize = rows.iter().sum();
         let mut out = vec![0u8; total * row_bytes];
         let mut at = 0;
-        let mut peers = self.boards.iter();
-        for (r, &n) in rows.iter().enumerate() {
+        for (board, &n) in self.ranks().zip(&rows) {
             let dst = &mut out[at..at + n * row_bytes];
-            if r == self.rank {
-                dst.copy_from_slice(&sc.own);
-            } else {
-                peers.next().expect("one board per peer").read_data(dst);
+            match board {
+                None => dst.copy_from_slice(&sc.own),
+                Some(b) => b.read_data(dst),
             }
             at += dst.len();
         }
