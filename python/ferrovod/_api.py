@@ -793,7 +793,7 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     if type(tensor) is np.ndarray and process_set is global_process_set and root_rank >= 0:
         out = np.empty_like(tensor, order="C")
         # One call into the engine (see _allreduce_now); False: the general path.
-        if _core.op_now(_core.BROADCAST, tensor, out, name, root=int(root_rank)):
+        if _core.op_now(_core.BROADCAST, tensor, out, name, Sum, int(root_rank)):
             return out
     return _now(_broadcast(tensor, root_rank, name, process_set, False, now=True))
 
@@ -810,7 +810,7 @@ def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     name = _auto_name("broadcast", name)
     if type(tensor) is np.ndarray and process_set is global_process_set and root_rank >= 0:
         # One call into the engine (see _allreduce_now); False: the general path.
-        if _core.op_now(_core.BROADCAST, tensor, tensor, name, root=int(root_rank)):
+        if _core.op_now(_core.BROADCAST, tensor, tensor, name, Sum, int(root_rank)):
             return tensor
     return _now(_broadcast(tensor, root_rank, name, process_set, True, now=True))
 
