@@ -202,7 +202,6 @@ pub struct Engine {
     store_server: Option<TcpStoreServer>,
     progress: Progress,
     dynamic: bool,
-    fast: Arc<fast::FastPath>,
 }
 
 impl Engine {
@@ -437,7 +436,7 @@ impl Engine {
             lease: progress::Lease::default(),
             polling: std::sync::atomic::AtomicBool::new(false),
             sets: Mutex::new(sets.clone()),
-            fast: fast.clone(),
+            fast,
         });
         let w = worker::Worker::new(
             config,
@@ -468,7 +467,6 @@ impl Engine {
             store_server,
             progress,
             dynamic: config.dynamic_process_sets,
-            fast,
         })
     }
 
@@ -495,29 +493,29 @@ impl Engine {
     /// Queues an op; the handle completes when it is done.
     pub fn submit(&self, op: OpSpec) -> Handle {
         if op.set_id == 0 {
-            self.fast.decline();
+            self.shared.fast.decline();
         }
         self.submit_unslotted(op)
     }
 
     /// Queues an op whose fast-path slot is already spent (see [`fast`]).
     pub fn submit_unslotted(&self, op: OpSpec) -> Handle {
-        let h = Handle::counted(self.fast.outstanding());
+        let h = Handle::counted(self.shared.fast.outstanding());
         self.push(Command::Op(Box::new(op), h.clone()));
         h
     }
 
     /// The fast path, for a caller that will wait for its op at once (see [`fast`]).
     pub fn fast_path(&self) -> Arc<fast::FastPath> {
-        self.fast.clone()
+        self.shared.fast.clone()
     }
 
     /// Declares this rank out of data; the handle completes (with `last_joined`) once every
     /// rank has joined.
     pub fn join(&self) -> Handle {
         // Ranks that joined stop taking slots: the fast path is off from here on.
-        self.fast.close();
-        let h = Handle::counted(self.fast.outstanding());
+        self.shared.fast.close();
+        let h = Handle::counted(self.shared.fast.outstanding());
         self.push(Command::Join(h.clone()));
         h
     }
@@ -536,7 +534,7 @@ impl Engine {
     /// Starts writing a timeline to `path` (rank 0 writes it; other ranks accept and ignore),
     /// replacing one already running.
     pub fn start_timeline(&self, path: String, mark_cycles: bool) -> Result<()> {
-        self.fast.set_timeline(true);
+        self.shared.fast.set_timeline(true);
         let (tx, rx) = mpsc::channel();
         self.push(Command::Timeline(Some((path, mark_cycles)), tx));
         SetReply(rx).wait()
@@ -544,7 +542,7 @@ impl Engine {
 
     /// Stops the timeline and finishes its file.
     pub fn stop_timeline(&self) -> Result<()> {
-        self.fast.set_timeline(false);
+        self.shared.fast.set_timeline(false);
         let (tx, rx) = mpsc::channel();
         self.push(Command::Timeline(None, tx));
         SetReply(rx).wait()
@@ -592,7 +590,7 @@ impl Engine {
     /// Stops the engine: pending ops fail with `Shutdown`, the coordinator (rank 0) tells the
     /// other ranks, threads are joined.
     pub fn shutdown(&mut self) {
-        self.fast.close();
+        self.shared.fast.close();
         if self.thread.is_some() {
             self.push(Command::Shutdown);
             if let Some(t) = self.thread.take() {

@@ -321,6 +321,24 @@ fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
     })
 }
 
+/// One NumPy array and its output (`None`: the engine allocates; may be the input itself,
+/// which must then be writable) as an engine tensor, read from `__array_struct__`. `None`
+/// when an array is not one [`tensor::describe_array`] describes or the output does not
+/// match the input's size.
+fn array_tensor(input: &Bound<'_, PyAny>, output: Option<&Bound<'_, PyAny>>) -> Option<PyTensor> {
+    let in_place = output.is_some_and(|o| o.is(input));
+    let (ptr, nbytes, dtype, shape) = tensor::describe_array(input, in_place)?;
+    let out_ptr = match output {
+        None => 0,
+        Some(_) if in_place => ptr,
+        Some(o) => match tensor::describe_array(o, true) {
+            Some((p, n, _, _)) if n == nbytes => p,
+            _ => return None,
+        },
+    };
+    Some((ptr, nbytes, dtype as u8, shape, out_ptr))
+}
+
 /// Results up to this size that [`op_now`] hands back are copied into a `bytearray`.
 const SMALL_RESULT_BYTES: usize = 256 << 10;
 
@@ -349,18 +367,10 @@ fn op_now<'py>(
     let no = || Ok(false.into_pyobject(py)?.to_owned().into_any());
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
-    let in_place = output.as_ref().is_some_and(|o| o.is(&input));
-    let Some((ptr, nbytes, dtype, shape)) = tensor::describe_array(&input, in_place) else {
+    let Some(t) = array_tensor(&input, output.as_ref()) else {
         return no();
     };
-    let out_ptr = match &output {
-        None => 0,
-        Some(_) if in_place => ptr,
-        Some(o) => match tensor::describe_array(o, true) {
-            Some((p, n, _, _)) if n == nbytes => p,
-            _ => return no(),
-        },
-    };
+    let (out_ptr, shape) = (t.4, &t.3);
     let well_formed = match kind {
         OpKind::Allreduce => out_ptr != 0,
         OpKind::Broadcast => out_ptr != 0 && root < with_engine(|e| Ok(e.topology().size))?,
@@ -378,13 +388,7 @@ fn op_now<'py>(
         root,
         prescale,
         postscale,
-        tensors: vec![tensor::spec_from_py((
-            ptr,
-            nbytes,
-            dtype as u8,
-            shape,
-            out_ptr,
-        ))?],
+        tensors: vec![tensor::spec_from_py(t)?],
         splits: Vec::new(),
     };
     let out = match offer_then_submit(py, spec)? {
@@ -440,20 +444,10 @@ fn enqueue_arrays(
     }
     let mut tensors = Vec::with_capacity(inputs.len());
     for (input, output) in inputs.iter().zip(&outputs) {
-        // Written in place: the input must be writable too.
-        let in_place = output.as_ref().is_some_and(|o| o.is(input));
-        let Some((ptr, nbytes, dtype, shape)) = tensor::describe_array(input, in_place) else {
+        let Some(t) = array_tensor(input, output.as_ref()) else {
             return Ok(None);
         };
-        let out_ptr = match output {
-            None => 0,
-            Some(_) if in_place => ptr,
-            Some(o) => match tensor::describe_array(o, true) {
-                Some((p, n, _, _)) if n == nbytes => p,
-                _ => return Ok(None),
-            },
-        };
-        tensors.push((ptr, nbytes, dtype as u8, shape, out_ptr));
+        tensors.push(t);
     }
     enqueue(
         py, kind, name, set_id, tensors, op, root, prescale, postscale, splits, None, now,

@@ -45,6 +45,15 @@ class Ctx(T.Cases):
     def stats(self):
         return _core.fast_path_stats()
 
+    def fast_ops_in_one_more(self, name, dt, shape):
+        """One more blocking allreduce, checked against NumPy; how many ops took the fast path
+        meanwhile (0 or 1)."""
+        before = self.stats()
+        xs = self.inputs(self.key(), dt, shape)
+        got = fv.allreduce(xs[self.rank], name=name, op=fv.Sum)
+        self.ck.array(got, T.ref_reduce(xs, SUM, dt, self.n), f"allreduce {name}")
+        return self.stats()[0] - before[0]
+
 
 def reduce_section(c):
     before = c.stats()
@@ -140,12 +149,8 @@ def mismatch_section(c):
     shape = (3 + c.rank,)
     c.ck.raises(Exception, lambda: fv.allreduce(np.ones(shape, np.float32), name="fp.mismatch"),
                 "allreduce with a different shape on every rank", contains=("fp.mismatch",))
-    before = c.stats()
-    key = c.key()
-    xs = c.inputs(key, "float64", (4,))
-    got = fv.allreduce(xs[c.rank], name="fp.after_mismatch", op=fv.Sum)
-    c.ck.array(got, T.ref_reduce(xs, SUM, "float64", c.n), "allreduce after a mismatch")
-    c.ck.equal(c.stats()[0] - before[0], 1, "fast ops after a mismatch")
+    c.ck.equal(c.fast_ops_in_one_more("fp.after_mismatch", "float64", (4,)), 1,
+               "fast ops after a mismatch")
 
 
 def threads_section(c):
@@ -180,12 +185,8 @@ def join_section(c):
         got = fv.allreduce(x, name="join.extra", op=fv.Sum)
         c.ck.array(got, np.full(4, float(sum(range(1, c.n))), np.float32), "allreduce beside a join")
         fv.join()
-    before = c.stats()
-    key = c.key()
-    xs = c.inputs(key, "float32", (9,))
-    got = fv.allreduce(xs[c.rank], name="join.after", op=fv.Sum)
-    c.ck.array(got, T.ref_reduce(xs, SUM, "float32", c.n), "allreduce after join")
-    c.ck.equal(c.stats()[0] - before[0], 0, "fast ops after a join (the path is off)")
+    c.ck.equal(c.fast_ops_in_one_more("join.after", "float32", (9,)), 0,
+               "fast ops after a join (the path is off)")
 
 
 def torch_section(c):
