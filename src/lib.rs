@@ -8,7 +8,8 @@
 //! - [`bootstrap`] — job secret, authenticated connections, rendezvous store;
 //! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
 //! - [`backend`] — device collectives ([`backend::nccl`]) on the libraries [`gpu`] found;
-//! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`].
+//! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`],
+//!   `spin` (how every idle wait polls before it blocks).
 #![deny(missing_docs)]
 
 pub mod backend;
@@ -19,6 +20,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+mod spin;
 pub mod transport;
 pub mod types;
 pub mod wire;

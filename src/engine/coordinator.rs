@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::bootstrap::{auth, net};
 use crate::error::{Error, Result};
+use crate::spin::Spin;
 
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
 use super::control::{ControlStream, FrameConn, OUTPUT_RETRY};
@@ -149,7 +150,7 @@ impl Assist {
 /// VMs we measure; a small op's negotiation is a few of them in a row.
 fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
     let spin = state.lock().cfg.spin;
-    let mut busy_at = Instant::now();
+    let mut idle = Spin::new(spin);
     loop {
         let stopping = stop.load(Ordering::Acquire);
         if let (false, Some(left)) = (stopping, lease.remaining()) {
@@ -161,22 +162,16 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
             let st = state.lock();
             (st.fds(), st.timeout(stopping))
         };
-        let spin_for = if busy_at.elapsed() < spin {
-            spin.min(timeout)
-        } else {
-            Duration::ZERO
-        };
         let start = Instant::now();
         let mut input = false;
-        while start.elapsed() < spin_for {
+        while !idle.over() && start.elapsed() < timeout {
             input = state.lock().has_input()
                 || !wait_readable(&fds, Duration::ZERO)
                     .unwrap_or_default()
                     .is_empty();
-            if input {
+            if input || !idle.yield_core() {
                 break;
             }
-            std::thread::yield_now();
         }
         if !input && !timeout.is_zero() && state.lock().arm() {
             let _ = wait_readable(&fds, timeout);
@@ -186,7 +181,7 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
         st.disarm();
         // Another thread may have turned the coordinator while we waited: poll afresh.
         if st.poll_and_turn(stopping, false) {
-            busy_at = Instant::now();
+            idle = Spin::new(spin);
         }
         if stopping {
             st.close();

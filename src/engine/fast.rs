@@ -46,6 +46,7 @@ use parking_lot::Mutex;
 
 use crate::collective::reduce::{check_reducible, reduce_into, scale};
 use crate::error::{Error, Result};
+use crate::spin::Spin;
 use crate::transport::shm::{BoardView, BoardWord, BOARD_DATA_BYTES, BOARD_DESC_BYTES};
 use crate::types::{OpKind, ReduceOp};
 
@@ -459,11 +460,14 @@ impl FastPath {
                 std::hint::spin_loop();
             }
         }
-        while start.elapsed() < self.spin {
-            if ready(b) {
-                return Ok(());
+        let mut spin = Spin::new(self.spin.saturating_sub(start.elapsed()));
+        while !ready(b) {
+            if !spin.yield_core() {
+                break;
             }
-            std::thread::yield_now();
+        }
+        if ready(b) {
+            return Ok(());
         }
         let mut warned = false;
         loop {

@@ -3,11 +3,12 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::Result;
+use crate::spin::Spin;
 
 use super::tensor::TensorBuf;
 
@@ -88,11 +89,9 @@ impl Handle {
     /// Waits for completion, spinning up to `spin` first. Returns the result (once; later
     /// calls get `None`).
     pub fn wait(&self, spin: Duration) -> Option<Result<Output>> {
-        let start = Instant::now();
+        let mut spin = Spin::new(spin);
         // Yield while spinning: the engine thread completing this op may share our core.
-        while !self.poll() && start.elapsed() < spin {
-            std::thread::yield_now();
-        }
+        while !self.poll() && spin.yield_core() {}
         let mut slot = self.state.result.lock();
         while !self.state.done.load(Ordering::Acquire) {
             self.state.cond.wait(&mut slot);

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::spin::Spin;
 
 use super::coordinator::Assist;
 use super::handle::{Handle, Output};
@@ -92,7 +93,7 @@ impl Progress {
     /// Waits for `handle`, turning the worker meanwhile when no one else is. Returns the op's
     /// result (once; later calls get `None`).
     pub fn wait(&self, handle: &Handle) -> Option<Result<Output>> {
-        let start = Instant::now();
+        let mut spin = Spin::new(self.spin);
         while !handle.poll() {
             if let Some(mut guard) = self.slot.try_lock() {
                 if let Some(worker) = guard.as_mut() {
@@ -118,10 +119,9 @@ impl Progress {
                 }
                 break;
             }
-            if start.elapsed() >= self.spin {
+            if !spin.yield_core() {
                 break;
             }
-            std::thread::yield_now();
         }
         handle.wait(Duration::ZERO)
     }
@@ -136,18 +136,18 @@ fn drive(
     lease: &Lease,
     coordinator: Option<&Assist>,
 ) -> bool {
-    let mut idle_since = Instant::now();
+    let mut idle = Spin::new(spin);
     while !handle.poll() {
         match worker.step() {
             Step::Busy => {
-                idle_since = Instant::now();
+                idle = Spin::new(spin);
                 lease.renew(spin);
             }
             Step::Idle if coordinator.is_some_and(|c| c.turn(spin)) => {
-                idle_since = Instant::now();
+                idle = Spin::new(spin);
                 lease.renew(spin);
             }
-            Step::Idle if idle_since.elapsed() < spin => std::thread::yield_now(),
+            Step::Idle if idle.yield_core() => {}
             Step::Idle | Step::Finished => return handle.poll(),
         }
     }
@@ -182,7 +182,7 @@ pub(super) fn start(
 /// was its own, then block until a submission or a control message arrives. While a caller
 /// holds the lease, sleep instead.
 fn run(slot: &Slot, shared: &Shared, spin: Duration) {
-    let mut busy_at = Instant::now();
+    let mut idle = Spin::new(spin);
     // Slept armed and not yet disarmed (a caller held the worker when we woke): the control
     // descriptor's readiness then.
     let mut armed: Option<bool> = None;
@@ -201,7 +201,7 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
         }
         match worker.step() {
             Step::Busy => {
-                busy_at = Instant::now();
+                idle = Spin::new(spin);
                 continue;
             }
             Step::Finished => {
@@ -211,9 +211,10 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
             Step::Idle => {}
         }
         let (fds, timeout) = (worker.idle_fds(), worker.idle_timeout());
-        if busy_at.elapsed() < spin {
+        if !idle.over() {
             drop(guard);
-            std::thread::yield_now();
+            // A contended yield ends the spin: the next turn arms and blocks.
+            idle.yield_core();
             continue;
         }
         if !worker.arm() {

@@ -12,7 +12,7 @@ pub mod hybrid;
 pub mod shm;
 pub mod tcp;
 
-use std::thread;
+use crate::spin::Spin;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -92,7 +92,8 @@ pub(crate) struct Pacer {
     spin: Duration,
     idle_timeout: Duration,
     last_progress: Instant,
-    spin_until: Option<Instant>,
+    /// The spin after the last pass that moved bytes; `None` until a pass moves none.
+    spinning: Option<Spin>,
 }
 
 impl Pacer {
@@ -101,7 +102,7 @@ impl Pacer {
             spin,
             idle_timeout,
             last_progress: Instant::now(),
-            spin_until: None,
+            spinning: None,
         }
     }
 
@@ -110,24 +111,25 @@ impl Pacer {
         let now = Instant::now();
         if moved {
             self.last_progress = now;
-            self.spin_until = None;
+            self.spinning = None;
             return Pace::Again;
         }
-        match self.spin_until {
+        match &mut self.spinning {
             None => {
-                self.spin_until = Some(now + self.spin);
+                self.spinning = Some(Spin::new(self.spin));
                 return Pace::Again;
             }
-            Some(t) if now < t => {
-                // Yield rather than pause: when ranks outnumber free cores the peer we wait
-                // for may be queued on this very core (measured: 4-byte round trip 15 µs with
-                // yield, 80-105 µs with a pure spin, on a loaded 2-core VM).
-                thread::yield_now();
-                return Pace::Again;
+            // Yield rather than pause: when ranks outnumber free cores the peer we wait for
+            // may be queued on this very core (measured: 4-byte round trip 15 µs with yield,
+            // 80-105 µs with a pure spin, on a loaded 2-core VM).
+            Some(spin) => {
+                if spin.yield_core() {
+                    return Pace::Again;
+                }
             }
-            // Spun long enough (or just woke from poll with nothing to do): block.
-            Some(_) => {}
         }
+        // Spun long enough, the core is wanted, or we just woke from poll with nothing to do:
+        // block.
         let left = self.idle_timeout.saturating_sub(now - self.last_progress);
         if left.is_zero() {
             Pace::TimedOut
