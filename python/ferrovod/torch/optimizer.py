@@ -6,6 +6,14 @@ accumulated ``backward_passes_per_step`` times, the hook submits its in-place al
 for parameters in a bucket (the default) or group, the bucket's grouped allreduce once its
 last gradient is in, so communication overlaps the rest of the backward pass; ``step()`` only
 waits for what is still in flight and then runs the wrapped optimizer's step.
+
+Overlap needs a core to overlap on. When every rank is on one host, its gradients are on the
+CPU and the ranks' compute threads already fill every core, the allreduces' copies and sums
+take the core from some rank's backward pass, and running them beside it only adds thread
+switches and cache misses: 2 ranks on 2 cores trained 7-15 % faster (the MLP of
+``benchmarks/torch_ddp_compare.py``) with the hooks only noting the order in which gradients
+came in and ``step()`` submitting them in that order. That is the default there
+(``overlap=None``); ``FERROVOD_OVERLAP`` or the ``overlap`` argument decide otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ class _DistributedMixin:
     def __init__(self, params: Any, named_parameters: Optional[Sequence[Tuple[str, torch.Tensor]]],
                  compression: Compressor, backward_passes_per_step: int, op: int,
                  gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
-                 process_set: ProcessSet, bucket_cap_mb: float) -> None:
+                 process_set: ProcessSet, bucket_cap_mb: float,
+                 overlap: Optional[bool]) -> None:
         super().__init__(params)  # type: ignore[call-arg]
         self._compression = compression
         self.op = op
@@ -55,6 +64,9 @@ class _DistributedMixin:
         self._group_of: Dict[torch.Tensor, int] = {}
         self._groups: List[List[torch.Tensor]] = []
         self._group_ready: Dict[int, set] = {}
+        # Parameters whose gradient is ready, in hook order, while submission waits for step().
+        self._deferred: List[torch.Tensor] = []
+        self.overlap = _overlap_wanted(overlap, self._requires_update)
         # Buckets made here (groups=None), rather than groups the user chose: a parameter
         # whose gradient turns out sparse leaves its bucket instead of failing the step.
         self._auto_groups = groups is None
@@ -160,22 +172,28 @@ class _DistributedMixin:
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
                     "locally.")
             self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] > 0:
+            if self._allreduce_delay[p] > 0 or not self.overlap:
                 self._handles.setdefault(p, (None, None))
+                if self._allreduce_delay[p] == 0:
+                    self._deferred.append(p)
                 return
-            gi = self._group_of.get(p)
-            if gi is not None and self._auto_groups and p.grad is not None \
-                    and p.grad.is_sparse and not self.sparse_as_dense:
-                self._leave_bucket(p, gi)
-                gi = None
-            if gi is None:
-                self._handles[p] = self._allreduce_grad_async(p)
-                return
-            ready = self._group_ready[gi]
-            ready.add(p)
-            if len(ready) == len(self._groups[gi]):
-                self._submit_group(gi)
+            self._dispatch(p)
         return hook
+
+    def _dispatch(self, p: torch.Tensor) -> None:
+        """Submits ``p``'s allreduce, or its bucket's once the bucket is complete."""
+        gi = self._group_of.get(p)
+        if gi is not None and self._auto_groups and p.grad is not None \
+                and p.grad.is_sparse and not self.sparse_as_dense:
+            self._leave_bucket(p, gi)
+            gi = None
+        if gi is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+            return
+        ready = self._group_ready[gi]
+        ready.add(p)
+        if len(ready) == len(self._groups[gi]):
+            self._submit_group(gi)
 
     def _leave_bucket(self, p: torch.Tensor, gi: int) -> None:
         """Takes ``p`` (its gradient is sparse) out of bucket ``gi`` for good; it is reduced on
@@ -250,6 +268,9 @@ class _DistributedMixin:
         if not self._active:
             self._synchronized = True
             return
+        deferred, self._deferred = self._deferred, []
+        for p in deferred:
+            self._dispatch(p)
         for gi, group in enumerate(self._groups):
             if group and tuple(group) not in self._handles:
                 self._submit_group(gi)
@@ -271,6 +292,7 @@ class _DistributedMixin:
                     self._write_back(key, ops.synchronize(handle), ctx[1], self._compression)
         finally:
             self._handles.clear()
+            self._deferred.clear()
             for p in self._allreduce_delay:
                 self._allreduce_delay[p] = self.backward_passes_per_step
             for ready in self._group_ready.values():
@@ -319,6 +341,7 @@ class _DistributedMixin:
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
+        self._deferred.clear()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
@@ -332,7 +355,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          groups: Optional[Union[int, List[List[torch.Tensor]]]] = None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set,
-                         bucket_cap_mb: float = 4.0) -> torch.optim.Optimizer:
+                         bucket_cap_mb: float = 4.0,
+                         overlap: Optional[bool] = None) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that every gradient is allreduced across ``process_set`` before
     the parameters are updated (Horovod's ``hvd.DistributedOptimizer``).
 
@@ -355,6 +379,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     and 25 MiB buckets. ``groups=0`` or ``bucket_cap_mb=0`` reduces each gradient on its own,
     as Horovod does by default. A parameter whose gradient comes out sparse leaves its bucket
     for good and is reduced alone.
+
+    ``overlap`` says whether allreduces go out during backward (True) or all at ``step()``
+    (or ``synchronize()``), in the order the gradients came in (False). None (the default)
+    reads ``FERROVOD_OVERLAP`` (``1``, ``0`` or ``auto``, the default), and ``auto`` overlaps
+    unless every rank is on this host, the gradients are on the CPU and the ranks' compute
+    threads (``local_size() x torch.get_num_threads()``) fill every core this process may run
+    on: there no core is free to overlap on, and waiting for ``step()`` trained faster. The
+    choice is in the optimizer's ``overlap`` attribute.
     """
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by ferrovod yet")
@@ -369,7 +401,28 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             groups = num_groups
     cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb)
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb,
+               overlap)
+
+
+def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool:
+    """Whether gradients' allreduces overlap backward (see :func:`DistributedOptimizer`)."""
+    if overlap is not None:
+        return bool(overlap)
+    setting = os.environ.get("FERROVOD_OVERLAP", "auto").strip().lower()
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting != "auto":
+        raise ValueError(f"FERROVOD_OVERLAP={setting!r}: expected 1, 0 or auto")
+    if _api.local_size() < _api.size() or any(p.device.type != "cpu" for p in params):
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return _api.local_size() * torch.get_num_threads() < cores
 
 
 def _buckets(params: List[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:

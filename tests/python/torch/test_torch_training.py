@@ -14,9 +14,12 @@ pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_training_matches_single_process(n):
-    res = run_job(n, HERE / "torch_train_worker.py", 40 + n, timeout=180)
+@pytest.mark.parametrize("n,overlap", [(1, None), (2, "1"), (2, "0"), (3, "1"), (3, "0")])
+def test_training_matches_single_process(n, overlap):
+    """Both ways of submitting gradients (during backward, or all at step()), whichever this
+    machine's cores would pick by themselves."""
+    env = {"FERROVOD_OVERLAP": overlap} if overlap else None
+    res = run_job(n, HERE / "torch_train_worker.py", 40 + n, timeout=180, env=env)
     assert_ok(res, n, min_checks=50, same_count=False)
     expect = ["optimizer", "semantics", "sparse", "syncbn", "state"] + (["psets"] if n > 1 else [])
     for r in range(n):

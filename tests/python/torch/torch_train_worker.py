@@ -174,6 +174,12 @@ def _in_flight_checks(run):
     model, opt = distributed(run)
     x, y = batch(run.seed, 0, run.r)
     torch.nn.functional.mse_loss(model(x), y).backward()
+    # FERROVOD_OVERLAP (the test sets 1 or 0): submitted during backward, or only at step()
+    submitted = sum(1 for h, _ in opt._handles.values() if h is not None)
+    mode = os.environ.get("FERROVOD_OVERLAP")
+    if mode in ("1", "0"):
+        ck.equal((opt.overlap, submitted > 0), (mode == "1",) * 2,
+                 f"FERROVOD_OVERLAP={mode}: (overlap, allreduces submitted during backward)")
     ck.raises(AssertionError, opt.zero_grad, "zero_grad with allreduces in flight",
               contains=("zero_grad",))
     e = ck.raises(Exception, lambda: torch.nn.functional.mse_loss(model(x), y).backward(),
@@ -189,6 +195,20 @@ def _in_flight_checks(run):
 
 def _other_semantics(run):
     ck = run.ck
+    # the overlap argument wins over FERROVOD_OVERLAP; a bad value is refused on every rank
+    for want in (True, False):
+        ck.equal(hvd.DistributedOptimizer(sgd(make_model(0)), overlap=want).overlap, want,
+                 f"overlap={want}")
+    saved = os.environ.get("FERROVOD_OVERLAP")
+    os.environ["FERROVOD_OVERLAP"] = "sometimes"
+    try:
+        ck.raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(make_model(0))),
+                  "FERROVOD_OVERLAP=sometimes", contains=("FERROVOD_OVERLAP",))
+    finally:
+        if saved is None:
+            del os.environ["FERROVOD_OVERLAP"]
+        else:
+            os.environ["FERROVOD_OVERLAP"] = saved
     # a parameter only rank 0 uses: the others submit zeros, nothing hangs
     model = make_model(0)
     extra = torch.nn.Linear(DOUT, DOUT)
