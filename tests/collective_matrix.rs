@@ -168,6 +168,26 @@ fn allreduce_large() {
     }
 }
 
+/// The engine's post-scale folded into the allreduce gives the same bits as scaling after it,
+/// on every path (small, ring with one or several chunks per step, one rank), and every rank
+/// gets them.
+#[test]
+fn allreduce_scaled_equals_allreduce_then_scale() {
+    for n in 1usize..=4 {
+        for (tname, tuning) in [
+            ("default", Tuning::default()),
+            ("tiny", tiny()),
+            ("medium", medium()),
+        ] {
+            // Many exchanges of 36-byte chunks add up: the tiny tuning stays small.
+            let large = if tname == "tiny" { 257 } else { 100_003 };
+            let cases = scale_cases(&[0, 1, n + 1, 1023, large]);
+            let results = run(n, &tuning, |c| scaled_and_after(c, &cases));
+            check_scaled(&results, &cases, &format!("n={n} {tname}"));
+        }
+    }
+}
+
 /// Inputs whose float sums depend on the order of addition (wide magnitudes, signed zeros for
 /// min/max): ranks must still agree bit for bit, on every algorithm path.
 #[test]

@@ -168,6 +168,19 @@ fn every_layout_dtype_op_and_size_matches_the_reference_bitwise_on_every_rank() 
     }
 }
 
+/// The post-scale folded into the step across hosts (both shapes and the flat fallback) gives
+/// the same bits as scaling after the allreduce.
+#[test]
+fn folded_scale_equals_scaling_after_on_every_layout() {
+    let small = 256;
+    let t = tuning(Hierarchical::Always, small, 100);
+    let cases = scale_cases(&[0, 1, 61, 1001]);
+    for (name, hosts) in LAYOUTS {
+        let (results, _) = run(hosts, &t, |c| scaled_and_after(c, &cases));
+        check_scaled(&results, &cases, name);
+    }
+}
+
 /// Float inputs whose sums depend on the order of addition (wide magnitudes, signed zeros):
 /// every rank must still hold the same bits, on both shapes and the flat path.
 #[test]

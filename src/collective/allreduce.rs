@@ -12,7 +12,7 @@
 
 use super::allgather::ring_allgather;
 use super::hierarchical;
-use super::reduce::{check_reducible, reduce_into};
+use super::reduce::{check_reducible, reduce_into, scale};
 use super::reducescatter::ring_reduce_scatter;
 use super::{even_segments, split_blocks, with_scratch};
 use crate::comm::Communicator;
@@ -24,35 +24,39 @@ use crate::types::{DType, ReduceOp};
 /// instead of recursive doubling (`log2 n` round trips).
 const DIRECT_MAX_RANKS: usize = 3;
 
-/// In-place allreduce; picks [`hierarchical::allreduce`] when `comm.tuning.hierarchical`
-/// asks for it on this size and the set spans hosts with more than one member on some host,
-/// else [`small`] up to `comm.tuning.small_allreduce_bytes` and [`ring`] above. Bool, Adasum
-/// and buffers of partial elements are `InvalidArgument` on every size.
+/// In-place allreduce, the result multiplied by `factor`; picks [`hierarchical::allreduce`]
+/// when `comm.tuning.hierarchical` asks for it on this size and the set spans hosts with more
+/// than one member on some host, else [`small`] up to `comm.tuning.small_allreduce_bytes` and
+/// [`ring`] above (which scales each segment where it is reduced). Bool, Adasum and buffers of
+/// partial elements are `InvalidArgument` on every size.
 pub fn allreduce(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
 ) -> Result<()> {
     // Every path validates and short-circuits a single rank itself.
     if hierarchical::wanted(comm, buf.len()) {
-        hierarchical::allreduce(comm, buf, dtype, op)
+        hierarchical::allreduce(comm, buf, dtype, op, factor)
     } else {
-        flat(comm, buf, dtype, op)
+        flat(comm, buf, dtype, op, factor)
     }
 }
 
-/// [`small`] or [`ring`] by size, whatever the hosts.
+/// [`small`] or [`ring`] by size, whatever the hosts, the result multiplied by `factor`.
 pub(crate) fn flat(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
 ) -> Result<()> {
     if buf.len() <= comm.tuning.small_allreduce_bytes {
-        small(comm, buf, dtype, op)
+        small(comm, buf, dtype, op)?;
+        scale(dtype, buf, factor)
     } else {
-        ring(comm, buf, dtype, op)
+        ring_scaled(comm, buf, dtype, op, factor)
     }
 }
 
@@ -220,11 +224,23 @@ fn recursive_doubling_into(
 /// [`ring_allgather`] of the reduced segments. `2·(n-1)` steps; bytes sent per rank
 /// `2·(n-1)/n·B`. The reduce-scatter half is chunked by `comm.tuning.chunk_bytes`.
 pub fn ring(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    ring_scaled(comm, buf, dtype, op, 1.0)
+}
+
+/// [`ring`], each rank multiplying its reduced segment by `factor` before the allgather
+/// shares it.
+fn ring_scaled(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
     check(buf, dtype, op)?;
     if comm.size() == 1 || buf.is_empty() {
-        return Ok(());
+        return scale(dtype, buf, factor);
     }
     let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
-    ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
+    ring_reduce_scatter(comm, buf, &segs, dtype, op, factor)?;
     ring_allgather(comm, buf, &segs)
 }

@@ -32,7 +32,7 @@ use std::collections::HashMap;
 
 use super::allgather::ring_allgather;
 use super::allreduce::{check, flat};
-use super::reduce::reduce_into;
+use super::reduce::{reduce_into, scale};
 use super::reducescatter::ring_reduce_scatter;
 use super::{even_segments, split_blocks};
 use crate::comm::{Communicator, Hierarchical};
@@ -93,25 +93,29 @@ pub(crate) fn wanted(comm: &Communicator<'_>, len: usize) -> bool {
 
 /// In-place hierarchical allreduce (see the module doc for both shapes); a set that no
 /// [`Layout`] fits (one host, one member per host, hosts unknown) runs the flat algorithms.
-/// Bool, Adasum and buffers of partial elements are `InvalidArgument`.
+/// The result is multiplied by `factor`. Bool, Adasum and buffers of partial elements are
+/// `InvalidArgument`.
 pub fn allreduce(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
 ) -> Result<()> {
     check(buf, dtype, op)?;
     if comm.size() == 1 || buf.is_empty() {
-        return Ok(());
+        return scale(dtype, buf, factor);
     }
     let Some(layout) = Layout::of(comm) else {
-        return flat(comm, buf, dtype, op);
+        return flat(comm, buf, dtype, op, factor);
     };
     let small = buf.len() <= comm.tuning.small_allreduce_bytes;
+    // The step across hosts is the last reduction: it applies `factor`, and the hosts share
+    // the scaled result.
     if layout.uniform() && !small {
-        two_d(comm, &layout, buf, dtype, op)
+        two_d(comm, &layout, buf, dtype, op, factor)
     } else {
-        leaders(comm, &layout, buf, dtype, op, small)
+        leaders(comm, &layout, buf, dtype, op, small, factor)
     }
 }
 
@@ -121,6 +125,7 @@ fn two_d(
     buf: &mut [u8],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
 ) -> Result<()> {
     let host = &layout.hosts[layout.mine];
     let segs = even_segments(buf.len() / dtype.size(), host.len(), dtype.size());
@@ -131,6 +136,7 @@ fn two_d(
         &segs,
         dtype,
         op,
+        1.0,
     )?;
     let column: Vec<usize> = layout.hosts.iter().map(|g| g[layout.local]).collect();
     let mine = segs[layout.local].clone();
@@ -139,6 +145,7 @@ fn two_d(
         &mut buf[mine],
         dtype,
         op,
+        factor,
     )?;
     ring_allgather(&mut comm.subgroup(host, &mut scratch), buf, &segs)
 }
@@ -150,6 +157,7 @@ fn leaders(
     dtype: DType,
     op: ReduceOp,
     small: bool,
+    factor: f64,
 ) -> Result<()> {
     let host = &layout.hosts[layout.mine];
     let mut scratch = Vec::new();
@@ -159,7 +167,13 @@ fn leaders(
     }
     if layout.local == 0 {
         let firsts: Vec<usize> = layout.hosts.iter().map(|g| g[0]).collect();
-        flat(&mut comm.subgroup(&firsts, &mut scratch), buf, dtype, op)?;
+        flat(
+            &mut comm.subgroup(&firsts, &mut scratch),
+            buf,
+            dtype,
+            op,
+            factor,
+        )?;
     }
     if host.len() > 1 {
         let mut local = comm.subgroup(host, &mut scratch);
@@ -200,7 +214,7 @@ fn reduce_to_first(
         return Ok(());
     }
     let segs = even_segments(b / dtype.size(), n, dtype.size());
-    ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
+    ring_reduce_scatter(comm, buf, &segs, dtype, op, 1.0)?;
     if comm.rank() != 0 {
         let mine = segs[comm.rank()].clone();
         return comm.send(0, &buf[mine]);

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use super::reduce::{check_reducible, reduce_into};
+use super::reduce::{check_reducible, reduce_into, scale};
 use super::{blocks, check_segments, chunk_count, chunk_of, element_chunk, with_scratch};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -38,7 +38,7 @@ pub fn reducescatter(
             mine.len()
         )));
     }
-    ring_reduce_scatter(comm, buf, &segs, dtype, op)?;
+    ring_reduce_scatter(comm, buf, &segs, dtype, op, 1.0)?;
     output.copy_from_slice(&buf[mine]);
     Ok(())
 }
@@ -55,19 +55,22 @@ pub fn reducescatter(
 /// lockstep. Bytes sent per rank: the sum of all segments but its own.
 ///
 /// Every segment is reduced in exactly one place along one chain, so the result is the same
-/// whichever rank later reads it.
+/// whichever rank later reads it. Each chunk of this rank's own segment is multiplied by
+/// `factor` right after its last reduction, while it is in cache (1.0: left alone); with one
+/// rank, the whole segment.
 pub fn ring_reduce_scatter(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     segs: &[Range<usize>],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
 ) -> Result<()> {
     let n = comm.size();
     check_reducible(dtype, op)?;
     check_segments(segs, n, buf.len(), dtype.size())?;
     if n == 1 {
-        return Ok(());
+        return scale(dtype, &mut buf[segs[0].clone()], factor);
     }
     let r = comm.rank();
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -83,7 +86,11 @@ pub fn ring_reduce_scatter(
                 let rr = chunk_of(recv_seg, c, chunk);
                 let tmp = &mut scratch[..rr.len()];
                 comm.sendrecv(next, &buf[sr], prev, tmp)?;
-                reduce_into(dtype, op, &mut buf[rr], tmp)?;
+                reduce_into(dtype, op, &mut buf[rr.clone()], tmp)?;
+                if s == n - 2 {
+                    // The last step reduces this rank's own segment: it is final now.
+                    scale(dtype, &mut buf[rr], factor)?;
+                }
             }
         }
         Ok(())

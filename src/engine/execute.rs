@@ -345,10 +345,9 @@ fn fused_allreduce(
     reduce::scale(dtype, buf, pre)?;
     trace.end();
     trace.begin("TCP_ALLREDUCE");
-    collective::allreduce(comm, buf, dtype, op)?;
+    collective::allreduce_scaled(comm, buf, dtype, op, post)?;
     trace.end();
     trace.begin("MEMCPY_OUT_FUSION_BUFFER");
-    reduce::scale(dtype, buf, post)?;
     let mut off = 0;
     for slot @ &(i, t) in chunk {
         let len = len_of(slot);
@@ -400,9 +399,9 @@ fn reduce_in_place(
     let buf = out.as_mut_slice();
     reduce::scale(dtype, buf, pre)?;
     trace.begin("TCP_ALLREDUCE");
-    collective::allreduce(comm, buf, dtype, op)?;
+    collective::allreduce_scaled(comm, buf, dtype, op, post)?;
     trace.end();
-    reduce::scale(dtype, buf, post)
+    Ok(())
 }
 
 fn allgather(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Result<Output> {

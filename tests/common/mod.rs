@@ -189,6 +189,74 @@ pub fn allreduce_one(
     buf
 }
 
+/// `(dtype, op, count, factor)`: dtypes of every kind, ops, `counts`, and factors below, at
+/// and above one.
+pub fn scale_cases(counts: &[usize]) -> Vec<(DType, ReduceOp, usize, f64)> {
+    let mut out = Vec::new();
+    for dtype in [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::I32,
+        DType::U8,
+    ] {
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Product] {
+            for &count in counts {
+                for factor in [0.5, 1.0 / 3.0, 1.0, 3.0] {
+                    out.push((dtype, op, count, factor));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// This rank's `(allreduce_scaled, allreduce then scale)` bytes for every case.
+pub fn scaled_and_after(
+    c: &mut Communicator<'_>,
+    cases: &[(DType, ReduceOp, usize, f64)],
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let (n, r) = (c.size(), c.rank());
+    cases
+        .iter()
+        .map(|&(dtype, op, count, factor)| {
+            let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
+            let mut folded = encode(dtype, &vals);
+            collective::allreduce_scaled(c, &mut folded, dtype, op, factor).unwrap();
+            let mut after = encode(dtype, &vals);
+            collective::allreduce(c, &mut after, dtype, op).unwrap();
+            collective::reduce::scale(dtype, &mut after, factor).unwrap();
+            (folded, after)
+        })
+        .collect()
+}
+
+/// Every rank's folded result equals scaling after the allreduce, and rank 0's, bit for bit.
+pub fn check_scaled(
+    results: &[Vec<(Vec<u8>, Vec<u8>)>],
+    cases: &[(DType, ReduceOp, usize, f64)],
+    what: &str,
+) {
+    for (k, (dtype, op, count, factor)) in cases.iter().enumerate() {
+        let what = format!(
+            "{what} {} {} count={count} factor={factor}",
+            dtype.name(),
+            op.name()
+        );
+        for (r, res) in results.iter().enumerate() {
+            assert!(
+                res[k].0 == res[k].1,
+                "{what}: rank {r} differs from scaling after"
+            );
+            assert!(
+                res[k].0 == results[0][k].0,
+                "{what}: rank {r} differs from rank 0"
+            );
+        }
+    }
+}
+
 /// Rank `r`'s element `i` of an input whose float sums depend on the order of addition: wide
 /// magnitudes, and signed zeros for min/max.
 pub fn messy(dtype: DType, r: usize, i: usize) -> f64 {
