@@ -32,7 +32,8 @@ ferrovod and gloo on one flat tensor); each step split into forward, backward, w
 time per step of each rank's training thread and of all its other threads (communication:
 ferrovod's engine thread, gloo's threads), from ``/proc/self/task/*/schedstat``. Add
 ``FERROVOD_TIMELINE=path`` for rank 0's Chrome-trace timeline of every allreduce, and try
-``FERROVOD_FUSION_THRESHOLD`` / ``FERROVOD_CYCLE_TIME`` (they are echoed in the header).
+``FERROVOD_FUSION_THRESHOLD`` / ``FERROVOD_CYCLE_TIME`` / ``FERROVOD_OVERLAP`` (they are echoed
+in the header, with whether ferrovod submits gradients during backward or at ``step()``).
 
 Each rank uses one intra-op thread (``torch.set_num_threads(1)``) unless ``--threads`` says
 otherwise. This is a benchmark, not a test: it prints numbers.
@@ -293,9 +294,10 @@ def main() -> None:
               f"params, {nparams * 4 / 2**20:.1f} MiB of gradients), batch {args.batch_size}/rank, "
               f"{args.steps} steps x {args.rounds} rounds, {args.threads} thread(s)/rank, "
               f"buckets: ferrovod {args.fv_bucket_mb:g} MiB, DDP {args.bucket_mb:g} MiB, "
+              f"ferrovod submits {'during backward' if fv_opt.overlap else 'at step()'}, "
               f"torch {torch.__version__}", flush=True)
         for var in ("FERROVOD_FUSION_THRESHOLD", "FERROVOD_CYCLE_TIME", "FERROVOD_SPIN_US",
-                    "FERROVOD_TIMELINE"):
+                    "FERROVOD_OVERLAP", "FERROVOD_TIMELINE"):
             if var in os.environ:
                 print(f"  {var}={os.environ[var]}", flush=True)
 
