@@ -56,7 +56,7 @@ pub(crate) fn flat(
         small(comm, buf, dtype, op)?;
         scale(dtype, buf, factor)
     } else {
-        ring_scaled(comm, buf, dtype, op, factor)
+        ring(comm, buf, dtype, op, factor)
     }
 }
 
@@ -222,14 +222,9 @@ fn recursive_doubling_into(
 /// Bandwidth-optimal allreduce: [`ring_reduce_scatter`] over `n` segments of whole elements
 /// (as even as possible; some empty when there are fewer elements than ranks), then
 /// [`ring_allgather`] of the reduced segments. `2·(n-1)` steps; bytes sent per rank
-/// `2·(n-1)/n·B`. The reduce-scatter half is chunked by `comm.tuning.chunk_bytes`.
-pub fn ring(comm: &mut Communicator<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    ring_scaled(comm, buf, dtype, op, 1.0)
-}
-
-/// [`ring`], each rank multiplying its reduced segment by `factor` before the allgather
-/// shares it.
-fn ring_scaled(
+/// `2·(n-1)/n·B`. The reduce-scatter half is chunked by `comm.tuning.chunk_bytes`. Each rank
+/// multiplies its reduced segment by `factor` before the allgather shares it.
+pub fn ring(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,

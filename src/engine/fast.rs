@@ -461,13 +461,13 @@ impl FastPath {
             }
         }
         let mut spin = Spin::new(self.spin.saturating_sub(start.elapsed()));
-        while !ready(b) {
+        loop {
+            if ready(b) {
+                return Ok(());
+            }
             if !spin.yield_core() {
                 break;
             }
-        }
-        if ready(b) {
-            return Ok(());
         }
         let mut warned = false;
         loop {
