@@ -188,6 +188,74 @@ fn allreduce_scaled_equals_allreduce_then_scale() {
     }
 }
 
+/// The ring allreduce shares each chunk of a rank's segment as soon as it is final; that must
+/// give the bits of the reduce-scatter and the allgather run one after the other, with uneven
+/// and empty segments, one chunk or many per step, and a post-scale.
+#[test]
+fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
+    let cases = [
+        (DType::F32, ReduceOp::Sum, 0.5),
+        (DType::BF16, ReduceOp::Sum, 1.0 / 3.0),
+        (DType::F64, ReduceOp::Product, 1.0),
+        (DType::I32, ReduceOp::Max, 1.0),
+    ];
+    for n in 2usize..=5 {
+        for (tname, tuning) in [("tiny", tiny()), ("medium", medium())] {
+            let counts = [n - 1, n + 1, 257, 10_007];
+            let results = run(n, &tuning, |c| {
+                let mut out = Vec::new();
+                for (dtype, op, factor) in cases {
+                    for count in counts {
+                        let vals: Vec<V> = (0..count)
+                            .map(|i| match dtype {
+                                DType::I32 => input(dtype, op, c.rank(), i, n),
+                                _ => V::F(messy(dtype, c.rank(), i)),
+                            })
+                            .collect();
+                        let mut fused = encode(dtype, &vals);
+                        collective::allreduce::ring(c, &mut fused, dtype, op, factor).unwrap();
+                        // Horovod's split: the lowest `count % n` segments hold one more.
+                        let es = dtype.size();
+                        let mut segs = Vec::new();
+                        let mut at = 0;
+                        for r in 0..n {
+                            let len = (count / n + usize::from(r < count % n)) * es;
+                            segs.push(at..at + len);
+                            at += len;
+                        }
+                        let mut apart = encode(dtype, &vals);
+                        collective::reducescatter::ring_reduce_scatter(
+                            c, &mut apart, &segs, dtype, op, factor,
+                        )
+                        .unwrap();
+                        collective::allgather::ring_allgather(c, &mut apart, &segs).unwrap();
+                        out.push((fused, apart));
+                    }
+                }
+                out
+            });
+            let mut k = 0;
+            for (dtype, op, _) in cases {
+                for count in counts {
+                    let what =
+                        format!("n={n} {tname} {} {} count={count}", dtype.name(), op.name());
+                    for (r, res) in results.iter().enumerate() {
+                        assert_eq!(
+                            res[k].0, res[k].1,
+                            "{what}: rank {r} fused differs from apart"
+                        );
+                        assert_eq!(
+                            res[k].0, results[0][k].0,
+                            "{what}: rank {r} differs from rank 0"
+                        );
+                    }
+                    k += 1;
+                }
+            }
+        }
+    }
+}
+
 /// Inputs whose float sums depend on the order of addition (wide magnitudes, signed zeros for
 /// min/max): ranks must still agree bit for bit, on every algorithm path.
 #[test]

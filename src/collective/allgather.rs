@@ -65,6 +65,17 @@ pub fn ring_allgather(
     buf: &mut [u8],
     segs: &[Range<usize>],
 ) -> Result<()> {
+    ring_allgather_from(comm, buf, segs, 0)
+}
+
+/// The steps of [`ring_allgather`] from step `first` on: the earlier ones are done (after
+/// [`super::reducescatter::ring_reduce_scatter_and_share`], `first` is 1).
+pub fn ring_allgather_from(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    first: usize,
+) -> Result<()> {
     let n = comm.size();
     check_segments(segs, n, buf.len(), 1)?;
     if n == 1 {
@@ -72,7 +83,7 @@ pub fn ring_allgather(
     }
     let r = comm.rank();
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    for s in 0..n - 1 {
+    for s in first..n - 1 {
         let send_seg = segs[(r + n - s) % n].clone();
         let recv_seg = segs[(r + 2 * n - s - 1) % n].clone();
         let (sb, rb) = split_pair(buf, send_seg, recv_seg);

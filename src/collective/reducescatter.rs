@@ -3,7 +3,9 @@
 use std::ops::Range;
 
 use super::reduce::{check_reducible, reduce_into, scale};
-use super::{blocks, check_segments, chunk_count, chunk_of, element_chunk, with_scratch};
+use super::{
+    blocks, check_segments, chunk_count, chunk_of, element_chunk, split_pair, with_scratch,
+};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
@@ -66,6 +68,39 @@ pub fn ring_reduce_scatter(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
+    reduce_scatter_steps(comm, buf, segs, dtype, op, factor, false)
+}
+
+/// [`ring_reduce_scatter`] fused with the first step of [`super::allgather::ring_allgather`]:
+/// each chunk of this rank's own segment goes to the next rank as soon as it is final (reduced
+/// and scaled), while it is still in cache, and the matching chunk of the previous rank's
+/// segment comes in, instead of a second pass that reads the whole segment back from memory.
+/// On return `buf[segs[rank]]` and `buf[segs[rank - 1]]` hold their final values; the
+/// allgather goes on from its second step ([`super::allgather::ring_allgather_from`]). Same
+/// bytes, same order of reductions, so the same bits as the two halves run one after the
+/// other.
+pub fn ring_reduce_scatter_and_share(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    reduce_scatter_steps(comm, buf, segs, dtype, op, factor, true)
+}
+
+/// The steps of [`ring_reduce_scatter`]; `share`: also the allgather's first step, chunk by
+/// chunk (see [`ring_reduce_scatter_and_share`]).
+fn reduce_scatter_steps(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+    share: bool,
+) -> Result<()> {
     let n = comm.size();
     check_reducible(dtype, op)?;
     check_segments(segs, n, buf.len(), dtype.size())?;
@@ -89,7 +124,14 @@ pub fn ring_reduce_scatter(
                 reduce_into(dtype, op, &mut buf[rr.clone()], tmp)?;
                 if s == n - 2 {
                     // The last step reduces this rank's own segment: it is final now.
-                    scale(dtype, &mut buf[rr], factor)?;
+                    scale(dtype, &mut buf[rr.clone()], factor)?;
+                    if share {
+                        // The previous rank's chunk lands where, with two ranks, `sr` was
+                        // read from: that send completed in the exchange above.
+                        let pr = chunk_of(&segs[prev], c, chunk);
+                        let (mine, theirs) = split_pair(buf, rr, pr);
+                        comm.sendrecv(next, mine, prev, theirs)?;
+                    }
                 }
             }
         }
