@@ -15,6 +15,15 @@ switches and cache misses: 2 ranks on 2 cores trained the MLP of
 0.73-0.80 overlapped, with the hooks only noting the order in which gradients came in and
 ``step()`` submitting them in that order. That is the default there
 (``overlap=None``); ``FERROVOD_OVERLAP`` or the ``overlap`` argument decide otherwise.
+
+When allreduces wait for ``step()`` anyway, the gradients live in one flat buffer (each
+``p.grad`` a view of it, as DistributedDataParallel's ``gradient_as_bucket_view``) and one
+in-place allreduce reduces them all: no copy into a fusion buffer and back, and the reduced
+gradients are where the update reads them. A gradient that backward created elsewhere (after
+``zero_grad(set_to_none=True)``) is moved into its view by its hook, while it is still in
+cache. Any rank with a sparse gradient (without ``sparse_as_dense``) makes every rank take the
+per-bucket path for that step. In paired steps of that MLP (12.6 MB of gradients) a step took
+0.4-1.5 ms less than with 4 MiB buckets.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import numpy as np
 import torch
 
 from .. import _api
-from .._api import Adasum, Average, allgather_object
+from .._api import Adasum, Average, Sum, allgather_object
 from .._groups import split_evenly
 from ..process_sets import ProcessSet, global_process_set
 from . import ops
@@ -73,6 +82,10 @@ class _DistributedMixin:
         self._auto_groups = groups is None
         self._setup_groups(groups if groups is not None
                            else _buckets(self._requires_update, int(bucket_cap_mb * 2**20)))
+        # The flat gradient buffer (see the module doc), its views by parameter, its op's name.
+        self._flat: Optional[torch.Tensor] = None
+        self._views: Dict[torch.Tensor, torch.Tensor] = {}
+        self._flat_name = ""
         self._hook_handles: List[Any] = []
         self._grad_accs: List[Any] = []
         self._synchronized = False
@@ -81,7 +94,15 @@ class _DistributedMixin:
             len(process_set.ranks) > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
         if self._active:
             self._check_same_parameters(next(_instances))
+            if not self.overlap:
+                self._make_flat()
             self._register_hooks()
+
+    @property
+    def flat_gradients(self) -> bool:
+        """Whether the gradients live in one flat buffer reduced by one in-place allreduce at
+        ``step()`` (see the module doc)."""
+        return self._flat is not None
 
     # ------------------------------------------------------------------ set-up
 
@@ -127,6 +148,62 @@ class _DistributedMixin:
                     raise ValueError("a parameter appears in more than one group")
                 self._group_of[p] = i
             self._group_ready[i] = set()
+
+    def _make_flat(self) -> None:
+        """Sets up the flat gradient buffer when every gradient can live in it: dense,
+        contiguous parameters of one floating dtype on the CPU, no compression (it makes new
+        tensors), Average or Sum. Gradients that exist already move in; the others are
+        adopted by their hooks."""
+        params = self._requires_update
+        if (not params or self._compression is not Compression.none
+                or self.op not in (Average, Sum)):
+            return
+        dtype = params[0].dtype
+        if not dtype.is_floating_point or any(
+                p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous()
+                or p.dtype != dtype for p in params):
+            return
+        self._flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        offset = 0
+        for p in params:
+            self._views[p] = self._flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is not None:
+                self._adopt(p)
+        self._flat_name = f"allreduce.flat_grads.{self._parameter_names[params[0]]}"
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        """Moves ``p``'s gradient into its view of the flat buffer, unless it is there already
+        or is sparse (then this step takes the per-bucket path, see ``_flat_ready``)."""
+        g = p.grad
+        v = self._views[p]
+        if g is None or (g.is_sparse and not self.sparse_as_dense):
+            return
+        if not g.is_sparse and g.data_ptr() == v.data_ptr() and g.shape == v.shape:
+            return
+        with torch.no_grad():
+            v.copy_(g.to_dense() if g.is_sparse else g)
+        p.grad = v
+
+    def _flat_ready(self) -> bool:
+        """Whether every rank can reduce this step's gradients in the flat buffer; if so, every
+        gradient is in its view (zeros for a parameter this pass did not reach, as the
+        per-bucket path sends). The ranks agree in a one-element allreduce (min), so that a
+        sparse gradient on one rank sends them all down the per-bucket path together."""
+        ok = all(p.grad is None or not p.grad.is_sparse or self.sparse_as_dense
+                 for p in self._requires_update)
+        agreed = _api.allreduce(np.array([int(ok)], dtype=np.int32), op=_api.Min,
+                                name=f"{self._flat_name}.ok", process_set=self.process_set)
+        if not int(agreed[0]):
+            return False
+        for p in self._requires_update:
+            if p.grad is None:
+                v = self._views[p]
+                v.zero_()
+                p.grad = v
+            else:
+                self._adopt(p)
+        return True
 
     def _check_same_parameters(self, instance: int) -> None:
         """Fails on every rank, naming the difference, when ranks registered different
@@ -174,6 +251,8 @@ class _DistributedMixin:
                     "locally.")
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] > 0 or not self.overlap:
+                if self._flat is not None:
+                    self._adopt(p)
                 self._handles.setdefault(p, (None, None))
                 if self._allreduce_delay[p] == 0:
                     self._deferred.append(p)
@@ -269,8 +348,27 @@ class _DistributedMixin:
         if not self._active:
             self._synchronized = True
             return
-        deferred, self._deferred = self._deferred, []
-        for p in deferred:
+        try:
+            if self._flat is not None and self._flat_ready():
+                pre, post = self._scale()
+                ops.synchronize(ops.allreduce_async_(
+                    self._flat, name=self._flat_name, op=self.op, prescale_factor=pre,
+                    postscale_factor=post, process_set=self.process_set))
+            else:
+                self._reduce_per_bucket()
+        finally:
+            self._handles.clear()
+            self._deferred.clear()
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+            for ready in self._group_ready.values():
+                ready.clear()
+        self._synchronized = True
+
+    def _reduce_per_bucket(self) -> None:
+        """Submits what the hooks left (deferred gradients, incomplete buckets, parameters this
+        pass did not reach), waits for every allreduce and writes the results into ``p.grad``."""
+        for p in self._deferred:
             self._dispatch(p)
         for gi, group in enumerate(self._groups):
             if group and tuple(group) not in self._handles:
@@ -281,24 +379,15 @@ class _DistributedMixin:
             h = self._handles.get(p)
             if h is None or h[0] is None:
                 self._handles[p] = self._allreduce_grad_async(p)
-        try:
-            for key, (handle, ctx) in self._handles.items():
-                if isinstance(key, tuple):
-                    outs = ops.synchronize(handle)
-                    for p, out, (_, cctx) in zip(key, outs, ctx):
-                        self._write_back(p, out, cctx, self._compression)
-                elif ctx == "sparse":
-                    key.grad = ops.synchronize(handle)
-                else:
-                    self._write_back(key, ops.synchronize(handle), ctx[1], self._compression)
-        finally:
-            self._handles.clear()
-            self._deferred.clear()
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
-            for ready in self._group_ready.values():
-                ready.clear()
-        self._synchronized = True
+        for key, (handle, ctx) in self._handles.items():
+            if isinstance(key, tuple):
+                outs = ops.synchronize(handle)
+                for p, out, (_, cctx) in zip(key, outs, ctx):
+                    self._write_back(p, out, cctx, self._compression)
+            elif ctx == "sparse":
+                key.grad = ops.synchronize(handle)
+            else:
+                self._write_back(key, ops.synchronize(handle), ctx[1], self._compression)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -387,7 +476,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     unless every rank is on this host, the gradients are on the CPU and the ranks' compute
     threads (``local_size() x torch.get_num_threads()``) fill every core this process may run
     on: there no core is free to overlap on, and waiting for ``step()`` trained faster. The
-    choice is in the optimizer's ``overlap`` attribute.
+    choice is in the optimizer's ``overlap`` attribute. Without overlap, dense CPU gradients of
+    one dtype live in one flat buffer reduced by one in-place allreduce (``flat_gradients``).
     """
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by ferrovod yet")

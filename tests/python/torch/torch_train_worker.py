@@ -180,6 +180,8 @@ def _in_flight_checks(run):
     if mode in ("1", "0"):
         ck.equal((opt.overlap, submitted > 0), (mode == "1",) * 2,
                  f"FERROVOD_OVERLAP={mode}: (overlap, allreduces submitted during backward)")
+        # at step(): every gradient lives in the flat buffer, reduced by one allreduce
+        ck.equal(opt.flat_gradients, mode == "0", f"FERROVOD_OVERLAP={mode}: flat gradients")
     ck.raises(AssertionError, opt.zero_grad, "zero_grad with allreduces in flight",
               contains=("zero_grad",))
     e = ck.raises(Exception, lambda: torch.nn.functional.mse_loss(model(x), y).backward(),
@@ -190,6 +192,14 @@ def _in_flight_checks(run):
         opt.step()
     ck.true(any("skip_synchronize" in str(x.message) for x in w), "warning: step after synchronize")
     del e
+    if opt.flat_gradients:
+        base = opt._flat.data_ptr()
+        end = base + opt._flat.numel() * opt._flat.element_size()
+        ck.true(all(base <= p.grad.data_ptr() < end for p in model.parameters()),
+                "flat gradients: every p.grad is a view of the flat buffer after step()")
+        for comp in (hvd.Compression.fp16, hvd.Compression.bf16):
+            ck.equal(hvd.DistributedOptimizer(sgd(make_model(0)), compression=comp)
+                     .flat_gradients, False, f"{comp.__name__}: no flat buffer (casts copy)")
     opt.zero_grad()
 
 
@@ -225,6 +235,23 @@ def _other_semantics(run):
         opt.zero_grad()
     run.same_on_all_ranks(flat(extra), "unused-on-some-ranks parameter identical")
     ck.true(not torch.equal(flat(extra), before) or run.n == 1, "it was updated")
+    # one process: the mean of every rank's loss, only rank 0's through `extra` (so the other
+    # ranks' zeros count in its average)
+    ref, ref_extra = make_model(0), torch.nn.Linear(DOUT, DOUT)
+    ref_extra.weight.data.copy_(before[:DOUT * DOUT].view(DOUT, DOUT))
+    ref_extra.bias.data.copy_(before[DOUT * DOUT:])
+    ref_params = list(ref.parameters()) + list(ref_extra.parameters())
+    ref_opt = torch.optim.SGD(ref_params, lr=0.1)
+    for s in range(2):
+        losses = []
+        for r in range(run.n):
+            out = ref(batch(run.seed, s, r)[0])
+            losses.append((ref_extra(out) if r == 0 else out).pow(2).mean())
+        (sum(losses) / run.n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    run.close(flat(extra), flat(ref_extra), "unused-on-some-ranks parameter equals the reference")
+    run.close(flat(model), flat(ref), "the used parameters equal the reference")
     # named_parameters checks
     m = make_model(0)
     ck.raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(m), named_parameters=[
