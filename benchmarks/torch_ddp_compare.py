@@ -24,8 +24,15 @@ barrier) for the scaling efficiency: samples/s on n ranks / (n x single-process 
 After the warm-up the parameters of each path are gathered and compared across ranks: they
 must be bitwise identical, or the benchmark stops (a wrong result cannot look fast).
 
+The default model is an MLP of three 1024-wide hidden layers: 3.16 M parameters, 12.6 MB of
+gradients, the model of the speed issue's efficiency target.
+
 To say where the time goes it also prints: a "no-comm" row (both ranks train at once with no
-communication: what sharing the machine costs before any gradient is averaged); the time to
+communication: what sharing the machine costs before any gradient is averaged); a
+"sync-only" row (no gradients exchanged, but the ranks meet once per step before the update
+in a 4-byte allreduce: a synchronous job whose communication is free, so the ceiling of the
+scaling efficiency for any synchronous trainer here, since the faster rank waits for the
+slower one and both then update at once on one memory bus); the time to
 average the gradients alone (ferrovod per tensor as DistributedOptimizer submits them,
 ferrovod and gloo on one flat tensor); each step split into forward, backward, waiting in
 ``step()`` for allreduces still in flight, and the update, per rank; and, on Linux, the CPU
@@ -49,7 +56,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -108,17 +115,23 @@ class Trainer:
     """One training path: ``step(i)`` runs forward, backward and the optimizer on batch i."""
 
     def __init__(self, name: str, model: nn.Module, opt: torch.optim.Optimizer,
-                 batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+                 batches: List[Tuple[torch.Tensor, torch.Tensor]],
+                 meet: Callable[[], None] | None = None) -> None:
         self.name = name
         self.model = model
         self.opt = opt
         self.batches = batches
+        #: Called between backward and the update: where the ranks of a synchronous job wait
+        #: for each other (the sync-only path; the others synchronize in their optimizer).
+        self.meet = meet
 
     def step(self, i: int) -> None:
         x, y = self.batches[i % len(self.batches)]
         self.opt.zero_grad(set_to_none=False)
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
+        if self.meet is not None:
+            self.meet()
         self.opt.step()
 
     def timed_step(self, i: int) -> Tuple[float, float, float, float]:
@@ -136,6 +149,10 @@ class Trainer:
             t3 = time.perf_counter()
             with self.opt.skip_synchronize():
                 self.opt.step()
+        elif self.meet is not None:
+            self.meet()
+            t3 = time.perf_counter()
+            self.opt.step()
         else:
             t3 = t2
             self.opt.step()
@@ -239,7 +256,8 @@ def main() -> None:
     ap.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     ap.add_argument("--width", type=int, default=1024,
                     help="MLP hidden width (cnn: 64 x its first layer's channels)")
-    ap.add_argument("--depth", type=int, default=4, help="MLP hidden layers")
+    ap.add_argument("--depth", type=int, default=3,
+                    help="MLP hidden layers (3: 3.16 M parameters, 12.6 MB of gradients)")
     ap.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds of each path")
@@ -284,6 +302,17 @@ def main() -> None:
     local = Trainer("no-comm", local_model,
                     torch.optim.SGD(local_model.parameters(), lr=lr, momentum=momentum), batches)
 
+    # Both ranks train with no gradient exchange but meet once per step, between backward and
+    # the update, in a 4-byte allreduce (ferrovod's shared-memory fast path, 1-3 us): a
+    # synchronous data-parallel job whose communication costs nothing. What it loses against
+    # no-comm is the price of running in lockstep (the faster rank waits; both update at once,
+    # on one memory bus): the ceiling for any synchronous trainer on this machine.
+    token = torch.zeros(1)
+    sync_model = copy.deepcopy(base)
+    sync_only = Trainer("sync-only", sync_model,
+                        torch.optim.SGD(sync_model.parameters(), lr=lr, momentum=momentum),
+                        batches, meet=lambda: hvd.allreduce_(token, name="ddp_compare.meet"))
+
     single_model = copy.deepcopy(base)
     single = Trainer("single", single_model,
                      torch.optim.SGD(single_model.parameters(), lr=lr, momentum=momentum),
@@ -312,10 +341,12 @@ def main() -> None:
               f"max |ferrovod - DDP| = {drift:.3g}", flush=True)
 
     time_steps(local, max(3, args.steps // 4))
-    times: Dict[str, List[float]] = {"ferrovod": [], "ddp": [], "no-comm": []}
+    time_steps(sync_only, max(3, args.steps // 4))
+    paths = (fv, ddp, sync_only, local)
+    times: Dict[str, List[float]] = {t.name: [] for t in paths}
     meters = {k: CpuMeter() for k in times}
     for r in range(args.rounds):
-        order = (fv, ddp, local) if r % 2 == 0 else (local, ddp, fv)
+        order = paths if r % 2 == 0 else paths[::-1]
         for t in order:
             times[t.name].append(time_steps(t, args.steps, meters[t.name]))
         if rank == 0:
@@ -325,7 +356,7 @@ def main() -> None:
 
     # Where a step's time goes, per rank (medians over the steps).
     phases: Dict[str, List[float]] = {}
-    for t in (fv, ddp, local):
+    for t in paths:
         dist.barrier()
         rows = [t.timed_step(i) for i in range(args.breakdown_steps)]
         phases[t.name] = [statistics.median(c) for c in zip(*rows)]
@@ -361,7 +392,7 @@ def main() -> None:
         best = {k: args.steps * global_batch / min(v) for k, v in times.items()}
         print()
         print(f"{'path':<10} {'ms/step':>9} {'samples/s':>11} {'best':>11} {'efficiency':>11}")
-        for k in ("ferrovod", "ddp", "no-comm"):
+        for k in times:
             eff = f"{100 * rate[k] / (size * single_rate):.0f} %" if single_rate else "-"
             print(f"{k:<10} {1e3 * statistics.median(times[k]) / args.steps:>9.1f} "
                   f"{rate[k]:>11.0f} {best[k]:>11.0f} {eff:>11}")
@@ -369,9 +400,10 @@ def main() -> None:
             print(f"{'1 process':<10} {1e3 * args.batch_size / single_rate:>9.1f} "
                   f"{single_rate:>11.0f} {'':>11} {'100 %':>11}")
         print(f"\nper-step phases, median ms over {args.breakdown_steps} steps "
-              "(wait: ferrovod's synchronize() in step(); DDP waits inside backward)")
+              "(wait: ferrovod's synchronize() in step(), sync-only's meeting; DDP waits "
+              "inside backward)")
         print(f"{'path':<10} {'rank':>4} {'forward':>8} {'backward':>9} {'wait':>7} {'update':>7}")
-        for k in ("ferrovod", "ddp", "no-comm"):
+        for k in times:
             for r, ph in enumerate(every_phases):
                 print(f"{k:<10} {r:>4} " + " ".join(
                     f"{1e3 * v:>{w}.1f}" for v, w in zip(ph[k], (8, 9, 7, 7))))
@@ -379,7 +411,7 @@ def main() -> None:
             print("\nCPU per step over the timed rounds, ms (main: the training thread; "
                   "other: every other thread of the rank, i.e. communication)")
             print(f"{'path':<10} {'rank':>4} {'wall':>7} {'main':>7} {'other':>7}")
-            for k in ("ferrovod", "ddp", "no-comm"):
+            for k in times:
                 for r, c in enumerate(every_cpu):
                     main_ms, other_ms, wall_ms = c[k]
                     print(f"{k:<10} {r:>4} {wall_ms:>7.1f} {main_ms:>7.1f} {other_ms:>7.1f}")
