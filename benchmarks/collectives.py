@@ -153,17 +153,31 @@ SETTLE_S = 0.2
 WARMUP_BYTES = 16 << 20
 WARMUP_MAX_CALLS = 5000
 
+#: Inputs from this size up are restored by a copy that takes longer than the call itself
+#: (a 256 MiB copy takes 15-25 ms here, at a speed that differs between the ranks), so
+#: without a barrier after it one rank starts the call milliseconds before the other and its
+#: timing holds that skew. Each stack meets in its own barrier, so that no other stack's
+#: threads are woken. Smaller inputs are timed back to back, as a training loop calls them.
+SYNC_MIN_BYTES = 1 << 20
 
-def time_calls(call: Callable[[], Any], reset: Callable[[], None], iters: int,
-               nbytes: int) -> float:
-    """This rank's median seconds of `call` over `iters` runs, after warm-up runs."""
+
+def time_calls(call: Callable[[], Any], reset: Callable[[], None], sync: Callable[[], None],
+               iters: int, nbytes: int) -> float:
+    """This rank's median seconds of `call` over `iters` runs, after warm-up runs. Before
+    each call the input is restored and, for inputs of SYNC_MIN_BYTES and up, the ranks meet
+    in the stack's own barrier, both untimed (see SYNC_MIN_BYTES)."""
     warmup = min(WARMUP_MAX_CALLS, max(2, iters // 10, WARMUP_BYTES // max(nbytes, 1)))
+    meet = nbytes >= SYNC_MIN_BYTES
     for _ in range(warmup):
         reset()
+        if meet:
+            sync()
         call()
     samples = []
     for _ in range(iters):
         reset()
+        if meet:
+            sync()
         start = time.perf_counter()
         call()
         samples.append(time.perf_counter() - start)
@@ -189,6 +203,10 @@ class FerrovodStack:
     def reset(self) -> None:
         """Restores the input that an in-place op overwrote (untimed)."""
         np.copyto(self.buf, self.source)
+
+    def sync(self) -> None:
+        """The ranks meet in this stack's own barrier (untimed)."""
+        fv.barrier()
 
     def call(self, op: str) -> Callable[[], Any]:
         """The call to time, with a fixed name per op and size, as a training loop would."""
@@ -227,6 +245,10 @@ class MpiStack:
         """Restores the input that an in-place op overwrote (untimed)."""
         np.copyto(self.buf, self.source)
 
+    def sync(self) -> None:
+        """The ranks meet in this stack's own barrier (untimed)."""
+        self.comm.Barrier()
+
     def call(self, op: str) -> Callable[[], Any]:
         """The matching mpi4py call."""
         mpi, comm = self.mpi, self.comm
@@ -261,6 +283,10 @@ class HorovodStack:
     def reset(self) -> None:
         """Restores the input that an in-place op overwrote (untimed)."""
         self.buf.copy_(self.source)
+
+    def sync(self) -> None:
+        """The ranks meet in this stack's own barrier (untimed)."""
+        self.hvd.barrier()
 
     def call(self, op: str) -> Callable[[], Any]:
         """The matching horovod.torch call (each one returns when its result is ready)."""
@@ -479,6 +505,10 @@ class TorchStack:
         """Restores the input that an in-place op overwrote (untimed)."""
         self.buf.copy_(self.source)
 
+    def sync(self) -> None:
+        """The ranks meet in this stack's own barrier (untimed)."""
+        dist.barrier()
+
     def call(self, op: str) -> Callable[[], Any]:
         """The matching torch.distributed call."""
         dist = self.dist
@@ -674,7 +704,8 @@ def main() -> int:
                         # right after another stack otherwise shares the cores with it.
                         time.sleep(SETTLE_S)
                         fv.allgather_object(None, name=f"bench.settle.{tag}")
-                        seconds = time_calls(stack.call(op), stack.reset, iters, nbytes)
+                        seconds = time_calls(stack.call(op), stack.reset, stack.sync, iters,
+                                             nbytes)
                         row[column] = Timing(slowest(seconds, tag), nbytes, op, n)
                     else:
                         row[column] = None
