@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::{blocks, check_segments, split_blocks, split_pair};
+use super::{blocks, check_segments, chunk_count, chunk_of, split_blocks, split_pair};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::transport::Xfer;
@@ -14,7 +14,8 @@ use crate::transport::Xfer;
 /// Totals up to `comm.tuning.small_allreduce_bytes`: one exchange in which every rank sends its
 /// block to every other rank and receives theirs straight into `output` (one round trip; bytes
 /// sent per rank: `(n-1)·B_rank`). Larger totals: [`ring_allgather`], `n-1` steps, bytes sent per
-/// rank: every block but the one it receives last.
+/// rank: every block but the one it receives last; with large blocks its first step also puts
+/// this rank's block in place (see [`FOLD_OWN_COPY_CHUNKS`]).
 pub fn allgatherv(
     comm: &mut Communicator<'_>,
     input: &[u8],
@@ -31,11 +32,21 @@ pub fn allgatherv(
             segs[r].len()
         )));
     }
-    output[segs[r].clone()].copy_from_slice(input);
+    let small = output.len() <= comm.tuning.small_allreduce_bytes;
+    // Every rank takes the same path: the longest block is the same everywhere.
+    let fold_min = FOLD_OWN_COPY_CHUNKS * comm.tuning.chunk_bytes.max(1);
+    let fold = !small && n > 1 && segs.iter().any(|s| s.len() >= fold_min);
+    if !fold {
+        output[segs[r].clone()].copy_from_slice(input);
+    }
     if n == 1 {
         return Ok(());
     }
-    if output.len() <= comm.tuning.small_allreduce_bytes {
+    if fold {
+        first_step_with_own_copy(comm, input, output, &segs)?;
+        return ring_allgather_from(comm, output, &segs, 1);
+    }
+    if small {
         let slots = split_blocks(output, &segs);
         let mut xfers = Vec::with_capacity(2 * (n - 1));
         for (p, slot) in slots.into_iter().enumerate() {
@@ -51,6 +62,37 @@ pub fn allgatherv(
     } else {
         ring_allgather(comm, output, &segs)
     }
+}
+
+/// From a longest block of this many chunks (`comm.tuning.chunk_bytes`, 1 MiB by default) up,
+/// the ring's first step copies this rank's own block into place chunk by chunk as it sends it
+/// ([`first_step_with_own_copy`]). Smaller blocks are still in cache when the ring reads them,
+/// and one exchange per step moved them faster (2 ranks: 0.75-0.98x at 2-4 MiB per rank
+/// folded, 1.06-1.16x from 8 MiB up).
+const FOLD_OWN_COPY_CHUNKS: usize = 8;
+
+/// The first step of [`ring_allgather`] with the copy of this rank's own block into place
+/// folded in, chunk by chunk: each chunk of `input` goes to the next rank and then into
+/// `output` while it is still in cache, and the matching chunk of the previous rank's block
+/// comes in. Copying the whole block first read `input` from memory twice. Every rank runs the
+/// same number of exchanges (set by the longest block).
+fn first_step_with_own_copy(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    segs: &[Range<usize>],
+) -> Result<()> {
+    let (n, r) = (comm.size(), comm.rank());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let chunk = comm.tuning.chunk_bytes.max(1);
+    let own = segs[r].start;
+    for c in 0..chunk_count(segs, chunk) {
+        let sc = chunk_of(&(0..input.len()), c, chunk);
+        let rc = chunk_of(&segs[prev], c, chunk);
+        comm.sendrecv(next, &input[sc.clone()], prev, &mut output[rc])?;
+        output[own + sc.start..own + sc.end].copy_from_slice(&input[sc]);
+    }
+    Ok(())
 }
 
 /// Ring allgather in place: on entry `buf[segs[rank]]` holds this rank's block; on return every
