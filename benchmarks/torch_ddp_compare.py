@@ -20,6 +20,8 @@ these VMs) hits both alike; each round is bracketed by the same gloo barrier. Th
 the median over rounds of the global samples/s and the ratio ferrovod / DDP (> 1: ferrovod is
 faster), plus the throughput of one process training alone (the other ranks idle in a
 barrier) for the scaling efficiency: samples/s on n ranks / (n x single-process samples/s).
+The single process trains in every round too, so each round's efficiency compares runs made
+under the same machine load; the efficiency column is the median of those.
 
 After the warm-up the parameters of each path are gathered and compared across ranks: they
 must be bitwise identical, or the benchmark stops (a wrong result cannot look fast).
@@ -206,6 +208,20 @@ def time_steps(trainer: Trainer, steps: int, meter: CpuMeter | None = None) -> f
     return elapsed
 
 
+def time_alone(trainer: Trainer, steps: int, rank: int) -> float:
+    """Seconds for ``steps`` steps of ``trainer`` on rank 0 alone (0.0 elsewhere), while the
+    other ranks wait in the closing barrier."""
+    dist.barrier()
+    elapsed = 0.0
+    if rank == 0:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            trainer.step(i)
+        elapsed = time.perf_counter() - t0
+    dist.barrier()
+    return elapsed
+
+
 def time_comm(grads: List[torch.Tensor], reps: int) -> Dict[str, float]:
     """Median seconds to average the gradients alone, with no computation beside it: ferrovod
     one allreduce per parameter (what DistributedOptimizer submits), ferrovod one flat
@@ -345,14 +361,24 @@ def main() -> None:
     paths = (fv, ddp, sync_only, local)
     times: Dict[str, List[float]] = {t.name: [] for t in paths}
     meters = {k: CpuMeter() for k in times}
+    # Rank 0 trains alone (the others wait in the closing barrier, so it has a core to itself
+    # as a 1-rank job would), in every round: each round's efficiency is then a paired figure.
+    single_times: List[float] = []
+    if not args.skip_single:
+        time_alone(single, max(3, args.steps // 4), rank)
     for r in range(args.rounds):
         order = paths if r % 2 == 0 else paths[::-1]
+        if not args.skip_single and r % 2 == 0:
+            single_times.append(time_alone(single, args.steps, rank))
         for t in order:
             times[t.name].append(time_steps(t, args.steps, meters[t.name]))
+        if not args.skip_single and r % 2 == 1:
+            single_times.append(time_alone(single, args.steps, rank))
         if rank == 0:
             print(f"  round {r}: " + ", ".join(
-                f"{k} {1e3 * v[-1] / args.steps:.1f} ms/step" for k, v in times.items()),
-                flush=True)
+                f"{k} {1e3 * v[-1] / args.steps:.1f} ms/step" for k, v in times.items())
+                + (f", 1 process {1e3 * single_times[-1] / args.steps:.1f} ms/step"
+                   if single_times else ""), flush=True)
 
     # Where a step's time goes, per rank (medians over the steps).
     phases: Dict[str, List[float]] = {}
@@ -367,21 +393,6 @@ def main() -> None:
              1e3 * sum(times[k]) / nsteps) for k, m in meters.items()},
         name="ddp_compare.cpu")
 
-    single_rate = None
-    if not args.skip_single:
-        # Rank 0 trains alone; the others wait in the closing barrier, so it has a core to
-        # itself as a 1-rank job would.
-        dist.barrier()
-        if rank == 0:
-            for i in range(max(3, args.steps // 4)):
-                single.step(i)
-            t0 = time.perf_counter()
-            for _ in range(args.rounds):
-                for i in range(args.steps):
-                    single.step(i)
-            single_rate = args.rounds * args.steps * args.batch_size / (time.perf_counter() - t0)
-        dist.barrier()
-
     comm = time_comm([p.grad.detach().clone() for p in fv_model.parameters()], 10)
 
     if rank == 0:
@@ -393,12 +404,16 @@ def main() -> None:
         print()
         print(f"{'path':<10} {'ms/step':>9} {'samples/s':>11} {'best':>11} {'efficiency':>11}")
         for k in times:
-            eff = f"{100 * rate[k] / (size * single_rate):.0f} %" if single_rate else "-"
+            # Per round: (n x b / t_path) / (n x b / t_alone) = t_alone / t_path.
+            eff = (f"{100 * statistics.median(a / t for a, t in zip(single_times, times[k])):.0f} %"
+                   if single_times else "-")
             print(f"{k:<10} {1e3 * statistics.median(times[k]) / args.steps:>9.1f} "
                   f"{rate[k]:>11.0f} {best[k]:>11.0f} {eff:>11}")
-        if single_rate:
-            print(f"{'1 process':<10} {1e3 * args.batch_size / single_rate:>9.1f} "
-                  f"{single_rate:>11.0f} {'':>11} {'100 %':>11}")
+        if single_times:
+            alone = statistics.median(single_times)
+            print(f"{'1 process':<10} {1e3 * alone / args.steps:>9.1f} "
+                  f"{args.steps * args.batch_size / alone:>11.0f} "
+                  f"{args.steps * args.batch_size / min(single_times):>11.0f} {'100 %':>11}")
         print(f"\nper-step phases, median ms over {args.breakdown_steps} steps "
               "(wait: ferrovod's synchronize() in step(), sync-only's meeting; DDP waits "
               "inside backward)")
