@@ -507,7 +507,7 @@ class TorchStack:
 
     def sync(self) -> None:
         """The ranks meet in this stack's own barrier (untimed)."""
-        dist.barrier()
+        self.dist.barrier()
 
     def call(self, op: str) -> Callable[[], Any]:
         """The matching torch.distributed call."""
