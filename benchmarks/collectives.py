@@ -147,7 +147,7 @@ SETTLE_S = 0.2
 
 
 #: Bytes every stack moves in warm-up calls before it is timed (up to WARMUP_MAX_CALLS):
-#: transports that map their buffers lazily (ferrovod's shared-memory rings, 4 MiB each way;
+#: transports that map their buffers lazily (ferrovod's shared-memory rings, 1 MiB each way;
 #: Open MPI's) take a page fault the first time each page is used, which a training loop pays
 #: once and which would otherwise land in the timed calls of whichever size comes first.
 WARMUP_BYTES = 16 << 20
