@@ -172,12 +172,16 @@ class _DistributedMixin:
                 self._adopt(p)
         self._flat_name = f"allreduce.flat_grads.{self._parameter_names[params[0]]}"
 
+    def _stays_sparse(self, grad: Optional[torch.Tensor]) -> bool:
+        """Whether ``grad`` is reduced as a sparse gradient (allgathered), not densified."""
+        return grad is not None and grad.is_sparse and not self.sparse_as_dense
+
     def _adopt(self, p: torch.Tensor) -> None:
         """Moves ``p``'s gradient into its view of the flat buffer, unless it is there already
         or is sparse (then this step takes the per-bucket path, see ``_flat_ready``)."""
         g = p.grad
         v = self._views[p]
-        if g is None or (g.is_sparse and not self.sparse_as_dense):
+        if g is None or self._stays_sparse(g):
             return
         if not g.is_sparse and g.data_ptr() == v.data_ptr() and g.shape == v.shape:
             return
@@ -190,8 +194,7 @@ class _DistributedMixin:
         gradient is in its view (zeros for a parameter this pass did not reach, as the
         per-bucket path sends). The ranks agree in a one-element allreduce (min), so that a
         sparse gradient on one rank sends them all down the per-bucket path together."""
-        ok = all(p.grad is None or not p.grad.is_sparse or self.sparse_as_dense
-                 for p in self._requires_update)
+        ok = not any(self._stays_sparse(p.grad) for p in self._requires_update)
         agreed = _api.allreduce(np.array([int(ok)], dtype=np.int32), op=_api.Min,
                                 name=f"{self._flat_name}.ok", process_set=self.process_set)
         if not int(agreed[0]):
@@ -263,8 +266,7 @@ class _DistributedMixin:
     def _dispatch(self, p: torch.Tensor) -> None:
         """Submits ``p``'s allreduce, or its bucket's once the bucket is complete."""
         gi = self._group_of.get(p)
-        if gi is not None and self._auto_groups and p.grad is not None \
-                and p.grad.is_sparse and not self.sparse_as_dense:
+        if gi is not None and self._auto_groups and self._stays_sparse(p.grad):
             self._leave_bucket(p, gi)
             gi = None
         if gi is None:
