@@ -190,7 +190,9 @@ fn allreduce_scaled_equals_allreduce_then_scale() {
 
 /// The ring allreduce shares each chunk of a rank's segment as soon as it is final; that must
 /// give the bits of the reduce-scatter and the allgather run one after the other, with uneven
-/// and empty segments, one chunk or many per step, and a post-scale.
+/// and empty segments, one chunk or many per step, and a post-scale. The reduce-scatter that
+/// reads its input in place (the public reducescatter's) must give the in-place ring's bits
+/// for this rank's segment and leave its input as it was.
 #[test]
 fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
     let cases = [
@@ -228,6 +230,31 @@ fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
                             c, &mut apart, &segs, dtype, op, factor,
                         )
                         .unwrap();
+                        let original = encode(dtype, &vals);
+                        let mine = &segs[c.rank()];
+                        let mut into = vec![0x5Au8; mine.len()];
+                        let mut scratch = vec![0xA5u8; original.len()];
+                        collective::reducescatter::ring_reduce_scatter_into(
+                            c,
+                            &original,
+                            &mut scratch,
+                            &segs,
+                            dtype,
+                            op,
+                            factor,
+                            &mut into,
+                        )
+                        .unwrap();
+                        assert_eq!(original, encode(dtype, &vals), "input was written");
+                        assert_eq!(
+                            into,
+                            &apart[mine.clone()],
+                            "n={n} {tname} {} {} count={count}: reduce-scatter into an \
+                             output differs from the in-place ring on rank {}",
+                            dtype.name(),
+                            op.name(),
+                            c.rank()
+                        );
                         collective::allgather::ring_allgather(c, &mut apart, &segs).unwrap();
                         out.push((fused, apart));
                     }
@@ -410,11 +437,22 @@ fn reducescatter_variable_segments() {
                     for (dtype, op) in cases {
                         let count: usize = layout.iter().sum();
                         let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
-                        let mut buf = encode(dtype, &vals);
+                        let buf = encode(dtype, &vals);
                         let bytes: Vec<usize> = layout.iter().map(|e| e * dtype.size()).collect();
                         let mut mine = vec![0u8; bytes[r]];
-                        collective::reducescatter(c, &mut buf, &bytes, dtype, op, &mut mine)
-                            .unwrap();
+                        let mut scratch = vec![0xEEu8; buf.len()];
+                        collective::reducescatter(
+                            c,
+                            &buf,
+                            &mut scratch,
+                            &bytes,
+                            dtype,
+                            op,
+                            1.0,
+                            &mut mine,
+                        )
+                        .unwrap();
+                        assert_eq!(buf, encode(dtype, &vals), "reducescatter wrote its input");
                         out.push(mine);
                     }
                 }
@@ -523,14 +561,45 @@ fn subset_communicators_run_side_by_side() {
 fn bad_arguments_are_errors_not_hangs() {
     let errs = run(3, &Tuning::default(), |c| {
         let mut b = vec![0u8; 4];
+        let mut b2 = vec![0u8; 4];
         let mut out = vec![0u8; 4];
+        let mut out2 = vec![0u8; if c.rank() == 1 { 4 } else { 0 }];
         vec![
             collective::broadcast(c, &mut b, 3),
             collective::allgatherv(c, &b, &mut out, &[4, 0]),
             collective::allgatherv(c, &b[..2], &mut out, &[4, 0, 0]),
             collective::alltoallv(c, &b, &[4, 0, 0], &mut out, &[0, 4]),
-            collective::reducescatter(c, &mut b, &[2, 2, 0], DType::F32, ReduceOp::Sum, &mut out),
-            collective::reducescatter(c, &mut b, &[4, 0, 0], DType::Bool, ReduceOp::Sum, &mut out),
+            collective::reducescatter(
+                c,
+                &b,
+                &mut b2,
+                &[2, 2, 0],
+                DType::F32,
+                ReduceOp::Sum,
+                1.0,
+                &mut out,
+            ),
+            collective::reducescatter(
+                c,
+                &b,
+                &mut b2,
+                &[4, 0, 0],
+                DType::Bool,
+                ReduceOp::Sum,
+                1.0,
+                &mut out,
+            ),
+            // Three ranks need room for partial sums in transit.
+            collective::reducescatter(
+                c,
+                &b,
+                &mut [],
+                &[0, 4, 0],
+                DType::F32,
+                ReduceOp::Sum,
+                1.0,
+                &mut out2,
+            ),
         ]
     });
     for (r, es) in errs.iter().enumerate() {

@@ -508,11 +508,13 @@ fn check_collectives(ts: &mut [HybridTransport], what: &str) {
             collective::alltoallv(&mut c, &input, &send, &mut o, &recv).unwrap();
             out.push(o);
             let total: usize = layout.iter().sum();
-            let mut buf: Vec<u8> = (0..total).flat_map(|i| elem(DType::I32, r, i)).collect();
+            let buf: Vec<u8> = (0..total).flat_map(|i| elem(DType::I32, r, i)).collect();
             let bytes: Vec<usize> = layout.iter().map(|e| e * 4).collect();
             let mut mine = vec![0u8; bytes[r]];
-            let op = ReduceOp::Sum;
-            collective::reducescatter(&mut c, &mut buf, &bytes, DType::I32, op, &mut mine).unwrap();
+            let mut scratch = vec![0u8; buf.len()];
+            let (dt, op) = (DType::I32, ReduceOp::Sum);
+            collective::reducescatter(&mut c, &buf, &mut scratch, &bytes, dt, op, 1.0, &mut mine)
+                .unwrap();
             out.push(mine);
             thread::sleep(Duration::from_millis((r * 15) as u64));
             arrived.fetch_add(1, Ordering::SeqCst);

@@ -98,19 +98,23 @@ pub fn alltoallv(
     alltoall::alltoallv(comm, input, send_counts, output, recv_counts)
 }
 
-/// Reduces `buf` (the full tensor, used as scratch) across ranks and writes this rank's segment
-/// into `output`. Segment r has `byte_counts[r]` bytes, segments laid out in rank order.
+/// Reduces `input` across ranks and writes this rank's segment, multiplied by `factor`, into
+/// `output`. Segment r has `byte_counts[r]` bytes, segments laid out in rank order; `scratch`
+/// (as long as `input`; unused with two ranks or fewer) holds partial sums in transit.
 ///
 /// See [`reducescatter::reducescatter`] for the algorithm.
+#[allow(clippy::too_many_arguments)] // as reducescatter::reducescatter
 pub fn reducescatter(
     comm: &mut Communicator<'_>,
-    buf: &mut [u8],
+    input: &[u8],
+    scratch: &mut [u8],
     byte_counts: &[usize],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
     output: &mut [u8],
 ) -> Result<()> {
-    reducescatter::reducescatter(comm, buf, byte_counts, dtype, op, output)
+    reducescatter::reducescatter(comm, input, scratch, byte_counts, dtype, op, factor, output)
 }
 
 /// Returns once every rank of the set has entered.

@@ -10,22 +10,27 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
 
-/// Reduces `buf` across ranks and copies this rank's segment (`byte_counts[rank]` bytes, segments
-/// in rank order) into `output`; `buf` is used as scratch and left partly reduced.
+/// Reduces `input` across ranks and writes this rank's segment (`byte_counts[rank]` bytes,
+/// segments in rank order), multiplied by `factor`, into `output`. `input` is only read, so
+/// the caller's tensor needs no copy; `scratch` (as long as `input`) holds the partial sums
+/// of the segments that pass through this rank, and is untouched with two ranks or fewer.
 ///
-/// Steps: [`ring_reduce_scatter`] (`n-1` ring steps), then one local copy. Bytes sent per rank:
-/// `B - B_rank`, where `B` is the whole tensor. Segments may have any size, including zero.
+/// Steps: [`ring_reduce_scatter_into`] (`n-1` ring steps). Bytes sent per rank: `B - B_rank`,
+/// where `B` is the whole tensor. Segments may have any size, including zero.
+#[allow(clippy::too_many_arguments)] // the ring's three buffers and the reduction's three terms
 pub fn reducescatter(
     comm: &mut Communicator<'_>,
-    buf: &mut [u8],
+    input: &[u8],
+    scratch: &mut [u8],
     byte_counts: &[usize],
     dtype: DType,
     op: ReduceOp,
+    factor: f64,
     output: &mut [u8],
 ) -> Result<()> {
     check_reducible(dtype, op)?;
     let n = comm.size();
-    let segs = blocks(byte_counts, n, buf.len(), "reducescatter")?;
+    let segs = blocks(byte_counts, n, input.len(), "reducescatter")?;
     if let Some(bad) = byte_counts.iter().find(|&&c| c % dtype.size() != 0) {
         return Err(Error::InvalidArgument(format!(
             "reducescatter: segment of {bad} bytes does not hold whole {} elements",
@@ -40,9 +45,79 @@ pub fn reducescatter(
             mine.len()
         )));
     }
-    ring_reduce_scatter(comm, buf, &segs, dtype, op, 1.0)?;
-    output.copy_from_slice(&buf[mine]);
-    Ok(())
+    if n > 2 && scratch.len() < input.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reducescatter: scratch holds {} bytes, the input {}",
+            scratch.len(),
+            input.len()
+        )));
+    }
+    ring_reduce_scatter_into(comm, input, scratch, &segs, dtype, op, factor, output)
+}
+
+/// The ring of [`ring_reduce_scatter`], reading the rank's own contribution from `input`
+/// instead of reducing in place: each received chunk is reduced with the matching chunk of
+/// `input` into `scratch` (a segment that travels on) or, at the last step, into `output`
+/// (this rank's segment, `segs[rank].len()` bytes), where it is also multiplied by `factor`.
+/// A segment first leaves a rank straight from `input`. Every element sees the same operands
+/// in the same order as in the in-place ring, so the bits are the same; with two ranks the
+/// only step sends from `input` and lands in `output`, and `scratch` is not used.
+#[allow(clippy::too_many_arguments)] // as reducescatter
+pub fn ring_reduce_scatter_into(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    scratch: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+    output: &mut [u8],
+) -> Result<()> {
+    let n = comm.size();
+    check_reducible(dtype, op)?;
+    check_segments(segs, n, input.len(), dtype.size())?;
+    let r = comm.rank();
+    let mine = segs[r].clone();
+    if output.len() != mine.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reduce-scatter: output holds {} bytes, this rank's segment {}",
+            output.len(),
+            mine.len()
+        )));
+    }
+    if n == 1 {
+        output.copy_from_slice(&input[mine]);
+        return scale(dtype, output, factor);
+    }
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let chunk = element_chunk(comm.tuning.chunk_bytes, dtype.size());
+    let nchunks = chunk_count(segs, chunk);
+    let longest = segs.iter().map(|s| s.len()).max().unwrap_or(0);
+    with_scratch(chunk.min(longest), |tmp| {
+        for s in 0..n - 1 {
+            let send_seg = &segs[(r + 2 * n - s - 1) % n];
+            let recv_seg = &segs[(r + 2 * n - s - 2) % n];
+            let last = s == n - 2;
+            for c in 0..nchunks {
+                let sr = chunk_of(send_seg, c, chunk);
+                let rr = chunk_of(recv_seg, c, chunk);
+                let t = &mut tmp[..rr.len()];
+                let src = if s == 0 { &input[sr] } else { &scratch[sr] };
+                comm.sendrecv(next, src, prev, t)?;
+                let dst = if last {
+                    &mut output[rr.start - mine.start..rr.end - mine.start]
+                } else {
+                    &mut scratch[rr.clone()]
+                };
+                dst.copy_from_slice(&input[rr]);
+                reduce_into(dtype, op, dst, t)?;
+                if last {
+                    scale(dtype, dst, factor)?;
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Ring reduce-scatter in place: afterwards `buf[segs[rank]]` holds the reduction of that

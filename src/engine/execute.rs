@@ -478,14 +478,32 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
         let counts: Vec<usize> = (0..n)
             .map(|r| (rows / n + usize::from(r < rows % n)) * row_bytes)
             .collect();
-        let mut scratch = TensorBuf::engine(spec.input.len())?;
-        let scratch = scratch.as_mut_slice();
-        scratch.copy_from_slice(spec.input.as_slice());
-        reduce::scale(meta.dtype, scratch, pre)?;
+        // The ring reads the caller's tensor in place; only a pre-scale needs a copy of it,
+        // and only more than two ranks need room for partial sums in transit.
+        let scaled = if pre == 1.0 {
+            None
+        } else {
+            let mut b = TensorBuf::engine(spec.input.len())?;
+            b.as_mut_slice().copy_from_slice(spec.input.as_slice());
+            reduce::scale(meta.dtype, b.as_mut_slice(), pre)?;
+            Some(b)
+        };
+        let input = scaled
+            .as_ref()
+            .map_or(spec.input.as_slice(), |b| b.as_slice());
+        let mut scratch = TensorBuf::engine(if n > 2 { input.len() } else { 0 })?;
         let mut result = TensorBuf::engine(counts[me])?;
         let res = result.as_mut_slice();
-        collective::reducescatter(comm, scratch, &counts, meta.dtype, req.op, res)?;
-        reduce::scale(meta.dtype, res, post)?;
+        collective::reducescatter(
+            comm,
+            input,
+            scratch.as_mut_slice(),
+            &counts,
+            meta.dtype,
+            req.op,
+            post,
+            res,
+        )?;
         let mut shape = meta.shape.clone();
         shape[0] = counts[me] / row_bytes.max(1);
         if row_bytes == 0 {

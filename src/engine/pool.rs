@@ -9,10 +9,13 @@
 //! memory crept for as long as a job ran. Mapping and unmapping every buffer instead costs a
 //! page fault per page on every op (several µs each on a VM).
 //!
-//! So free buffers are kept and reused (by size class, within a quarter octave), but only up to
-//! the peak of live pooled bytes over the last one or two [`WINDOW`]s: a job whose sizes repeat
-//! (training) reuses its buffers forever, and a job whose sizes wander keeps what it recently
-//! needed, not the most it ever needed.
+//! So free buffers are kept and reused (by size class, within a quarter octave), but only while
+//! what is mapped (live and free) stays within twice the peak of live pooled bytes over the
+//! last one or two [`WINDOW`]s: a job whose sizes repeat (training) reuses its buffers forever,
+//! and a job whose sizes wander keeps what it recently needed, not the most it ever needed.
+//! Twice, not once: a step often alternates between classes that are never live together (a
+//! reduce-scatter's share, then an allgather's whole), and a bound of one peak would unmap the
+//! larger each time the smaller is taken, so every op would map, and fault in, fresh pages.
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
@@ -147,9 +150,9 @@ impl Pool {
         }
     }
 
-    /// Mapped bytes (live and free) the pool may hold now.
+    /// Mapped bytes (live and free) the pool may hold now (see the module's notes).
     fn limit(&self) -> usize {
-        self.peak.max(self.prev_peak)
+        2 * self.peak.max(self.prev_peak)
     }
 
     /// Unmaps the oldest free mappings until live and free bytes fit the limit.
@@ -272,26 +275,40 @@ mod tests {
         let big = p.take(8 * MB, t0).unwrap();
         p.give(big, 8 * MB, t0);
         assert_eq!((p.free_bytes, p.live_bytes), (8 * MB, 0));
-        // Another class: mapping it next to the free 8 MB would exceed the peak, so the free
-        // mapping goes first.
+        // A class never live together with it (a reduce-scatter's share, an allgather's
+        // whole): both stay mapped, so alternating between them maps nothing new.
         let mid = p.take(4 * MB, t0).unwrap();
-        assert_eq!((p.free_bytes, p.live_bytes), (0, 4 * MB));
+        assert_eq!((p.free_bytes, p.live_bytes), (8 * MB, 4 * MB));
         p.give(mid, 4 * MB, t0);
-        assert_eq!(p.free, vec![(mid, 4 * MB)]);
-        // A window later it is still reused.
+        assert_eq!(p.take(8 * MB, t0).unwrap(), big);
+        p.give(big, 8 * MB, t0);
+        assert_eq!(p.take(4 * MB, t0).unwrap(), mid);
+        p.give(mid, 4 * MB, t0);
+        assert_eq!(p.free, vec![(big, 8 * MB), (mid, 4 * MB)]);
+        // A third class would take the mapped bytes past twice the peak: the least recently
+        // freed mapping goes first.
+        let six = p.take(6 * MB, t0).unwrap();
+        assert_eq!(
+            (p.free.clone(), p.live_bytes),
+            (vec![(mid, 4 * MB)], 6 * MB)
+        );
+        p.give(six, 6 * MB, t0);
+        // A window later they are still reused.
         let t1 = t0 + WINDOW + Duration::from_millis(1);
-        assert_eq!(p.take(4 * MB, t1).unwrap(), mid);
-        p.give(mid, 4 * MB, t1);
-        // Once the 4 MB peak is a window old, a smaller class evicts it.
+        assert_eq!(p.take(6 * MB, t1).unwrap(), six);
+        p.give(six, 6 * MB, t1);
+        // Once the 8 MB peak is two windows old, only the 6 MB one counts.
         let t2 = t1 + WINDOW + Duration::from_millis(1);
         let small = p.take(MB, t2).unwrap();
         p.give(small, MB, t2);
-        assert_eq!((p.free.clone(), p.live_bytes), (vec![(small, MB)], 0));
+        assert_eq!(p.limit(), 12 * MB);
+        let free = vec![(mid, 4 * MB), (six, 6 * MB), (small, MB)];
+        assert_eq!((p.free.clone(), p.live_bytes), (free, 0));
         // After two idle windows only the current window's peak counts.
         let t3 = t2 + 3 * WINDOW;
         assert_eq!(p.take(MB, t3).unwrap(), small);
         p.give(small, MB, t3);
-        assert_eq!((p.free_bytes, p.limit()), (MB, MB));
+        assert_eq!((p.free_bytes, p.limit()), (MB, 2 * MB));
         while let Some((addr, cap)) = p.free.pop() {
             unmap(addr, cap);
         }
