@@ -5,16 +5,19 @@ Run under the launcher, e.g.::
     ferrovodrun -np 2 python benchmarks/collectives.py
     ferrovodrun -np 2 python benchmarks/collectives.py --compare torch --ops allreduce
 
-For each op (allreduce, allgather, broadcast) and each float32 message size, every rank times
-each call on its own (warm-up calls first, untimed); a row shows the median over the calls of
-the slowest rank. Bus bandwidth follows nccl-tests: algbw = bytes / time, with bytes the
-per-rank buffer (allgather: the whole gathered output), and busbw = algbw x 2(n-1)/n for
-allreduce, x (n-1)/n for allgather and x 1 for broadcast, so that it can be compared with a
-link's bandwidth whatever the number of ranks.
+For each op (allreduce, allgather, broadcast, reducescatter, alltoall) and each float32 message
+size, every rank times each call on its own (warm-up calls first, untimed); a row shows the
+median over the calls of the slowest rank. The size is each rank's input; reducescatter and
+alltoall split it into one equal block per rank (sizes that do not divide are skipped).
+Bus bandwidth follows nccl-tests: algbw = bytes / time, with bytes the per-rank input
+(allgather: the whole gathered output), and busbw = algbw x 2(n-1)/n for allreduce,
+x (n-1)/n for allgather, reducescatter and alltoall, and x 1 for broadcast, so that it can be
+compared with a link's bandwidth whatever the number of ranks.
 
 With ``--compare torch`` the same run also sets up ``torch.distributed`` with the gloo backend
 on loopback and times the same ops on tensors of the same sizes; with ``--compare mpi4py`` it
-times mpi4py's buffer calls (``Allreduce`` in place, ``Allgather``, ``Bcast``) — which needs
+times mpi4py's buffer calls (``Allreduce`` in place, ``Allgather``, ``Bcast``,
+``Reduce_scatter_block``, ``Alltoall``) — which needs
 the job started by ``mpirun`` (ferrovod then finds its peers over MPI too)::
 
     mpirun -np 2 --bind-to none python benchmarks/collectives.py --compare torch,mpi4py
@@ -65,7 +68,9 @@ import numpy as np
 
 import ferrovod as fv
 
-OPS = ("allreduce", "allgather", "broadcast")
+OPS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall")
+#: Ops that split the input into one block per rank: sizes that do not divide are skipped.
+SPLIT_OPS = ("reducescatter", "alltoall")
 DEFAULT_MAX_SIZE = 256 << 20
 # Bytes each rank should move per size and op, to size the repeat count: small messages get
 # many repetitions, large ones few (but never fewer than MIN_ITERS).
@@ -103,7 +108,7 @@ def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for an op on n ranks (nccl-tests' convention)."""
     if op == "allreduce":
         return 2.0 * (n - 1) / n
-    if op == "allgather":
+    if op in ("allgather", "reducescatter", "alltoall"):
         return (n - 1) / n
     return 1.0
 
@@ -123,6 +128,14 @@ def expected(op: str, count: int, n: int, root: int) -> np.ndarray:
         return base * np.float32(n) + np.float32(100 * n * (n - 1) // 2)
     if op == "allgather":
         return np.concatenate([pattern(count, r) for r in range(n)])
+    if op in SPLIT_OPS:
+        # Every rank's part: reducescatter's block of the sum, alltoall's block from each rank.
+        block = count // n
+        if op == "reducescatter":
+            total = expected("allreduce", count, n, root)
+            return np.stack([total[r * block:(r + 1) * block] for r in range(n)])
+        return np.stack([np.concatenate([pattern(count, q)[r * block:(r + 1) * block]
+                                         for q in range(n)]) for r in range(n)])
     return pattern(count, root)
 
 
@@ -219,11 +232,23 @@ class FerrovodStack:
                 self.out = fv.allgather(self.buf, name=name)
 
             return gather
+        if op == "reducescatter":
+
+            def scatter() -> None:
+                self.out = fv.reducescatter(self.buf, op=fv.Sum, name=name)
+
+            return scatter
+        if op == "alltoall":
+
+            def exchange() -> None:
+                self.out = fv.alltoall(self.buf, name=name)
+
+            return exchange
         return lambda: fv.broadcast_(self.buf, root_rank=0, name=name)
 
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`, as NumPy."""
-        return self.out if op == "allgather" else self.buf
+        return self.out if op in ("allgather", *SPLIT_OPS) else self.buf
 
 
 class MpiStack:
@@ -240,6 +265,8 @@ class MpiStack:
         self.source = pattern(count, rank)
         self.buf = self.source.copy()
         self.out = np.empty(count * n, dtype=np.float32)
+        self.part = np.empty(count // n, dtype=np.float32)
+        self.exchanged = np.empty(count // n * n, dtype=np.float32)
 
     def reset(self) -> None:
         """Restores the input that an in-place op overwrote (untimed)."""
@@ -256,11 +283,16 @@ class MpiStack:
             return lambda: comm.Allreduce(mpi.IN_PLACE, self.buf, op=mpi.SUM)
         if op == "allgather":
             return lambda: comm.Allgather(self.buf, self.out)
+        if op == "reducescatter":
+            return lambda: comm.Reduce_scatter_block(self.buf, self.part, op=mpi.SUM)
+        if op == "alltoall":
+            return lambda: comm.Alltoall(self.buf, self.exchanged)
         return lambda: comm.Bcast(self.buf, root=0)
 
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`."""
-        return self.out if op == "allgather" else self.buf
+        return {"allgather": self.out, "reducescatter": self.part,
+                "alltoall": self.exchanged}.get(op, self.buf)
 
 
 class HorovodStack:
@@ -299,11 +331,23 @@ class HorovodStack:
                 self.out = hvd.allgather(self.buf, name=name)
 
             return gather
+        if op == "reducescatter":
+
+            def scatter() -> None:
+                self.out = hvd.reducescatter(self.buf, op=hvd.Sum, name=name)
+
+            return scatter
+        if op == "alltoall":
+
+            def exchange() -> None:
+                self.out = hvd.alltoall(self.buf, name=name)
+
+            return exchange
         return lambda: hvd.broadcast_(self.buf, root_rank=0, name=name)
 
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`, as NumPy."""
-        return (self.out if op == "allgather" else self.buf).numpy()
+        return (self.out if op in ("allgather", *SPLIT_OPS) else self.buf).numpy()
 
 
 # Variables by which each MPI launcher tells a process its rank and the world's size.
@@ -500,6 +544,8 @@ class TorchStack:
         self.buf = self.source.clone()
         self.out = torch.empty(count * n, dtype=torch.float32)
         self.out_list = list(self.out.chunk(n)) if count else [self.out] * n
+        self.part = torch.empty(count // n, dtype=torch.float32)
+        self.exchanged = torch.empty(count // n * n, dtype=torch.float32)
 
     def reset(self) -> None:
         """Restores the input that an in-place op overwrote (untimed)."""
@@ -518,11 +564,16 @@ class TorchStack:
             if hasattr(dist, "all_gather_into_tensor") and _gloo_has_allgather_into_tensor:
                 return lambda: dist.all_gather_into_tensor(self.out, self.buf)
             return lambda: dist.all_gather(self.out_list, self.buf)
+        if op == "reducescatter":
+            return lambda: dist.reduce_scatter_tensor(self.part, self.buf)
+        if op == "alltoall":
+            return lambda: dist.all_to_all_single(self.exchanged, self.buf)
         return lambda: dist.broadcast(self.buf, src=0)
 
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`, as NumPy."""
-        return (self.out if op == "allgather" else self.buf).numpy()
+        return {"allgather": self.out, "reducescatter": self.part,
+                "alltoall": self.exchanged}.get(op, self.buf).numpy()
 
 
 _gloo_has_allgather_into_tensor = False
@@ -691,8 +742,12 @@ def main() -> int:
         for op in ops:
             for nbytes in sizes:
                 count = nbytes // 4
+                if op in SPLIT_OPS and count % n:
+                    continue  # no equal block per rank (MPI's calls need one)
                 iters = iterations(nbytes, args.iters)
                 want = expected(op, count, n, root=0)
+                if op in SPLIT_OPS:
+                    want = want[rank]
                 row = timings.setdefault((op, nbytes), {})
                 for column in phase:
                     stack = (FerrovodStack(count, rank) if column == "ferrovod"

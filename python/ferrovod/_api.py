@@ -723,6 +723,22 @@ def _gather(tensors: Sequence[Tensor], name: Optional[str], process_set: Process
     return _Pending(core, finish, [tensors, inputs])
 
 
+def _one_call(kind: int, tensor: Tensor, name: str, process_set: ProcessSet, op: int = Sum,
+              prescale: float = 1.0, postscale: float = 1.0) -> Optional[np.ndarray]:
+    """A blocking op with a new result (allgather, reducescatter, evenly split alltoall) of
+    one plain array in the global set, as one call into the engine (see _allreduce_now).
+    None: the general path (another kind of tensor or set, or an op the engine's single call
+    leaves to it, such as a malformed one, whose error the general path gives)."""
+    if type(tensor) is not np.ndarray or process_set is not global_process_set:
+        return None
+    got = _core.op_now(kind, tensor, None, name, op, 0, prescale, postscale)
+    if got is False:
+        return None
+    if type(got[0]) is bytearray:
+        return np.frombuffer(got[0], dtype=tensor.dtype).reshape(got[1])
+    return _from_bytes(got[0], got[1], tensor.dtype)
+
+
 def allgather_async(tensor: Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Starts an allgather (concatenation along dim 0 in rank order)."""
@@ -733,13 +749,9 @@ def allgather(tensor: Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenates every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
     name = _auto_name("allgather", name)
-    if type(tensor) is np.ndarray and process_set is global_process_set:
-        # One call into the engine (see _allreduce_now); False: the general path.
-        got = _core.op_now(_core.ALLGATHER, tensor, None, name)
-        if got is not False:
-            if type(got[0]) is bytearray:
-                return np.frombuffer(got[0], dtype=tensor.dtype).reshape(got[1])
-            return _from_bytes(got[0], got[1], tensor.dtype)
+    got = _one_call(_core.ALLGATHER, tensor, name, process_set)
+    if got is not None:
+        return got
     return _now(_one(_gather([tensor], name, process_set, "allgather", now=True)))
 
 
@@ -826,7 +838,8 @@ def alltoall_async(tensor: Tensor, splits: Optional[Sequence[int]] = None,
 
 
 def _alltoall(tensor: Tensor, splits: Optional[Sequence[int]], name: Optional[str],
-              process_set: ProcessSet) -> _Pending:
+              process_set: ProcessSet, now: bool = False) -> _Pending:
+    """``now``: the caller waits at once (see ``_submit``)."""
     arr = _contiguous(_as_array(tensor))
     if arr.ndim == 0:
         raise InvalidArgumentError("alltoall: a 0-d (scalar) tensor has no first dimension")
@@ -836,7 +849,7 @@ def _alltoall(tensor: Tensor, splits: Optional[Sequence[int]], name: Optional[st
         if any(s < 0 for s in split_list):
             raise InvalidArgumentError(f"alltoall: splits must be non-negative, got {split_list}")
     core = _submit(_core.ALLTOALL, _auto_name("alltoall", name), process_set, [arr], [None],
-                   splits=split_list)
+                   splits=split_list, now=now)
     want_splits = splits is not None
 
     def finish(result: Any) -> Any:
@@ -853,7 +866,12 @@ def alltoall(tensor: Tensor, splits: Optional[Sequence[int]] = None, name: Optio
              process_set: ProcessSet = global_process_set) -> Any:
     """Scatters dim-0 slices to every rank and gathers theirs. Returns the output, or
     ``(output, received_splits)`` when ``splits`` is given."""
-    return _now(_alltoall(tensor, splits, name, process_set))
+    name = _auto_name("alltoall", name)
+    if splits is None:
+        got = _one_call(_core.ALLTOALL, tensor, name, process_set)
+        if got is not None:
+            return got
+    return _now(_alltoall(tensor, splits, name, process_set, now=True))
 
 
 # ----------------------------------------------------------------------------- reducescatter
@@ -861,12 +879,13 @@ def alltoall(tensor: Tensor, splits: Optional[Sequence[int]] = None, name: Optio
 
 def _reducescatter(tensors: Sequence[Tensor], name: Optional[str], op: int,
                    process_set: ProcessSet, prescale_factor: float,
-                   postscale_factor: float, kind_name: str) -> _Pending:
+                   postscale_factor: float, kind_name: str, now: bool = False) -> _Pending:
+    """``now``: the caller waits at once (see ``_submit``)."""
     if int(op) not in (Sum, Average):
         raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
     inputs = [_contiguous(_as_array(t)) for t in tensors]
     core = _submit(_core.REDUCESCATTER, _auto_name(kind_name, name), process_set, inputs,
-                   [None] * len(inputs), op, 0, prescale_factor, postscale_factor)
+                   [None] * len(inputs), op, 0, prescale_factor, postscale_factor, now=now)
     dtypes = [a.dtype for a in inputs]
 
     def finish(result: Any) -> List[np.ndarray]:
@@ -889,8 +908,13 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: int = Average,
                   postscale_factor: float = 1.0) -> np.ndarray:
     """Reduces across ranks and returns this rank's rows of dim 0 (the lowest ranks get one
     extra row when dim 0 does not divide evenly)."""
+    name = _auto_name("reducescatter", name)
+    got = _one_call(_core.REDUCESCATTER, tensor, name, process_set, int(op), prescale_factor,
+                    postscale_factor)
+    if got is not None:
+        return got
     return _now(_one(_reducescatter([tensor], name, op, process_set, prescale_factor,
-                                    postscale_factor, "reducescatter")))
+                                    postscale_factor, "reducescatter", now=True)))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,

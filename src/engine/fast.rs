@@ -1,5 +1,6 @@
-//! The fast path: a blocking allreduce, broadcast or allgather of a small tensor, agreed and
-//! carried out by the ranks themselves through shared memory, without the coordinator.
+//! The fast path: a blocking allreduce, broadcast, allgather, reducescatter or evenly split
+//! alltoall of a small tensor, agreed and carried out by the ranks themselves through shared
+//! memory, without the coordinator.
 //!
 //! **Why.** Through the engine a 4-byte allreduce costs about 10 µs on two ranks: the request
 //! goes to the coordinator, the answer comes back, and only then do the ranks exchange data,
@@ -8,7 +9,7 @@
 //! to reduce and go ahead when all show the same op.
 //!
 //! **Slots.** Every op a rank submits in the global process set takes the next *slot*
-//! (0, 1, 2, …): a blocking allreduce, broadcast or allgather that qualifies *offers* (it
+//! (0, 1, 2, …): a blocking op of those kinds that qualifies *offers* (it
 //! writes its descriptor and its pre-scaled input into its board record, then publishes
 //! `Offer = slot + 1` and `Posted = slot + 1`), any other op *declines* (it publishes only
 //! `Posted`). An offering rank
@@ -16,7 +17,9 @@
 //! same descriptor (kind, name, dtype, shape, reduction, root, scale factors), and then each
 //! rank sums all inputs in rank order itself, so every rank gets the same bits (a broadcast's
 //! root offers its tensor, the others copy it; an allgather's rows travel beside the
-//! descriptor, and each rank concatenates). Otherwise every offering
+//! descriptor, and each rank concatenates; a reducescatter's rank sums its own rows of every
+//! input, in rank order, and an alltoall's rank copies its block of every input). Otherwise
+//! every offering
 //! rank hands its op to the engine as usual (the slot is spent either way), where the
 //! coordinator matches it, or reports what disagreed, as for any op. Every rank decides from
 //! the same published records, so all decide alike.
@@ -252,13 +255,27 @@ impl FastPath {
             (OpKind::Broadcast, Some(out)) => op.root < self.size && host(out) && out.len() == n,
             // The gathered tensor is allocated here, once every rank's row count is known.
             (OpKind::Allgather, None) => !t.meta.shape.is_empty(),
+            // Other reductions, and dims that do not split, are the engine's to refuse.
+            (OpKind::Reducescatter, None) => {
+                matches!(op.op, ReduceOp::Sum | ReduceOp::Average)
+                    && check_reducible(t.meta.dtype, op.op).is_ok()
+                    && !t.meta.shape.is_empty()
+            }
+            (OpKind::Alltoall, None) => {
+                op.splits.is_empty() && t.meta.shape.first().is_some_and(|&d| d % self.size == 0)
+            }
             _ => false,
         };
         (out_ok && host(&t.input) && t.input.len() == n && n <= self.max_bytes)
             .then_some((&t.input, n))
     }
 
-    /// Offers a blocking allreduce, broadcast or allgather of one host tensor (anything else is
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Offers a blocking op of one host tensor (see the module's notes; anything else is
     /// `Ineligible`). `Err`: a peer died or this rank shut down while waiting; the op did not
     /// happen.
     pub fn offer(&self, op: &mut OpSpec) -> Result<Outcome> {
@@ -282,7 +299,7 @@ impl FastPath {
         if op.kind != OpKind::Broadcast || op.root == self.rank {
             sc.own.extend_from_slice(input.as_slice());
         }
-        if op.kind == OpKind::Allreduce {
+        if matches!(op.kind, OpKind::Allreduce | OpKind::Reducescatter) {
             scale(dtype, &mut sc.own, op.prescale)?;
         }
         let mut st = self.state.lock();
@@ -343,9 +360,13 @@ impl FastPath {
             }
         }
         let dtype = op.tensors[0].meta.dtype;
-        if op.kind == OpKind::Allgather {
-            return self.gather(op, sc);
+        match op.kind {
+            OpKind::Allgather => return self.gather(op, sc),
+            OpKind::Reducescatter => return self.scatter_reduced(op, sc),
+            OpKind::Alltoall => return self.exchange(op, sc),
+            _ => {}
         }
+        let factor = self.post_factor(op);
         let t = &mut op.tensors[0];
         let out = t
             .output
@@ -383,12 +404,67 @@ impl FastPath {
                 reduce_into(dtype, op.op, out, src)?;
             }
         }
-        let post = if op.op == ReduceOp::Average {
+        scale(dtype, out, factor)?;
+        Ok(Outcome::Done)
+    }
+
+    /// The factor a reduction's result is multiplied by (Average's 1/n and the post-scale).
+    fn post_factor(&self, op: &OpSpec) -> f64 {
+        if op.op == ReduceOp::Average {
             op.postscale / self.size as f64
         } else {
             op.postscale
-        };
-        scale(dtype, out, post)?;
+        }
+    }
+
+    /// The reducescatter's result: this rank's rows (Horovod's split: the lowest
+    /// `rows % n` ranks get one more) of the sum of every rank's input, summed in rank order,
+    /// into a new buffer that becomes the op's output. Every rank offered the same shape.
+    fn scatter_reduced(&self, op: &mut OpSpec, sc: &mut Scratch) -> Result<Outcome> {
+        let factor = self.post_factor(op);
+        let t = &mut op.tensors[0];
+        let dtype = t.meta.dtype;
+        let row_bytes = t.meta.row_elems() * dtype.size();
+        let (rows, n, me) = (t.meta.shape[0], self.size, self.rank);
+        let mine = rows / n + usize::from(me < rows % n);
+        let start = (me * (rows / n) + me.min(rows % n)) * row_bytes;
+        let len = mine * row_bytes;
+        let mut out = vec![0u8; len];
+        sc.data.resize(len, 0);
+        for (r, board) in self.ranks().enumerate() {
+            let src: &[u8] = match board {
+                None => &sc.own[start..start + len],
+                Some(b) => {
+                    b.read_data_at(start, &mut sc.data);
+                    &sc.data
+                }
+            };
+            if r == 0 {
+                out.copy_from_slice(src);
+            } else {
+                reduce_into(dtype, op.op, &mut out, src)?;
+            }
+        }
+        scale(dtype, &mut out, factor)?;
+        t.meta.shape[0] = mine;
+        t.output = Some(TensorBuf::Owned(out));
+        Ok(Outcome::Done)
+    }
+
+    /// The alltoall's result (an even split: every rank offered the same shape): block `r`
+    /// is this rank's block of rank `r`'s input, into a new buffer that becomes the output.
+    fn exchange(&self, op: &mut OpSpec, sc: &Scratch) -> Result<Outcome> {
+        let t = &mut op.tensors[0];
+        let block = t.meta.nbytes() / self.size;
+        let from = self.rank * block;
+        let mut out = vec![0u8; block * self.size];
+        for (board, dst) in self.ranks().zip(out.chunks_mut(block.max(1))) {
+            match board {
+                None => dst.copy_from_slice(&sc.own[from..from + block]),
+                Some(b) => b.read_data_at(from, dst),
+            }
+        }
+        t.output = Some(TensorBuf::Owned(out));
         Ok(Outcome::Done)
     }
 

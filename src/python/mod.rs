@@ -298,8 +298,14 @@ fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
     let fast = with_engine(|e| Ok(e.fast_path()))?;
     let slotted = match py.detach(|| fast.offer(&mut spec)) {
         Ok(Outcome::Done) => {
-            // An output the fast path allocated (allgather) goes back as the engine's would.
+            // An output the fast path allocated (allgather, reducescatter, alltoall) goes back
+            // as the engine's would; an (even) alltoall received one block from each rank.
             let mut out = Output::default();
+            if spec.kind == OpKind::Alltoall {
+                let n = fast.size();
+                let rows = spec.tensors[0].meta.shape[0];
+                out.received_splits = vec![rows / n; n];
+            }
             for t in spec.tensors {
                 if let Some(buf @ (TensorBuf::Owned(_) | TensorBuf::Pages(_))) = t.output {
                     out.tensors.push((buf, t.meta.shape));
@@ -342,14 +348,15 @@ fn array_tensor(input: &Bound<'_, PyAny>, output: Option<&Bound<'_, PyAny>>) -> 
 /// Results up to this size that [`op_now`] hands back are copied into a `bytearray`.
 const SMALL_RESULT_BYTES: usize = 256 << 10;
 
-/// A blocking allreduce, broadcast or allgather of one NumPy array, done before returning:
-/// the fast path when it applies, else the engine. `output`: the array the result goes to
-/// (may be `input` itself; `None` for allgather, whose result is new). Returns False, doing
-/// nothing, when an array is not one [`tensor::describe_array`] describes, the output does not
-/// match, or the op is malformed (a broadcast root outside the job, a 0-d allgather): the
-/// caller then takes the general path, with its own errors. Otherwise True, or for allgather
-/// `(buffer, shape)`: a `bytearray` for a small result, else a buffer as [`CoreHandle::wait`]
-/// returns them.
+/// A blocking allreduce, broadcast, allgather, reducescatter or evenly split alltoall of one
+/// NumPy array, done before returning: the fast path when it applies, else the engine.
+/// `output`: the array the result goes to (may be `input` itself; `None` for the ops whose
+/// result is new). Returns False, doing nothing, when an array is not one
+/// [`tensor::describe_array`] describes, the output does not match, or the op is malformed (a
+/// broadcast root outside the job, a 0-d input to gather or split, a reducescatter that is not
+/// Sum or Average): the caller then takes the general path, with its own errors. Otherwise
+/// True, or for a new result `(buffer, shape)`: a `bytearray` for a small result, else a
+/// buffer as [`CoreHandle::wait`] returns them.
 #[pyfunction]
 #[pyo3(signature = (kind, input, output, name, op=1, root=0, prescale=1.0, postscale=1.0))]
 #[allow(clippy::too_many_arguments)]
@@ -374,7 +381,10 @@ fn op_now<'py>(
     let well_formed = match kind {
         OpKind::Allreduce => out_ptr != 0,
         OpKind::Broadcast => out_ptr != 0 && root < with_engine(|e| Ok(e.topology().size))?,
-        OpKind::Allgather => out_ptr == 0 && !shape.is_empty(),
+        OpKind::Allgather | OpKind::Alltoall => out_ptr == 0 && !shape.is_empty(),
+        OpKind::Reducescatter => {
+            out_ptr == 0 && !shape.is_empty() && matches!(op, ReduceOp::Sum | ReduceOp::Average)
+        }
         _ => false,
     };
     if !well_formed {

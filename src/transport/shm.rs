@@ -841,9 +841,14 @@ impl BoardView {
 
     /// Copies the first `dst.len()` bytes of the peer's payload.
     pub(crate) fn read_data(&self, dst: &mut [u8]) {
-        assert!(dst.len() <= BOARD_DATA_BYTES);
+        self.read_data_at(0, dst);
+    }
+
+    /// Copies `dst.len()` bytes of the peer's payload from byte `at` on.
+    pub(crate) fn read_data_at(&self, at: usize, dst: &mut [u8]) {
+        assert!(at.saturating_add(dst.len()) <= BOARD_DATA_BYTES);
         self.map
-            .read(BOARD + (1 - self.side) * BOARD_SIDE + PAGE, dst);
+            .read(BOARD + (1 - self.side) * BOARD_SIDE + PAGE + at, dst);
     }
 
     /// Bumps this rank's bell after its words changed and wakes the peer if it sleeps on it.

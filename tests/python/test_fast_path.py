@@ -1,4 +1,4 @@
-"""The fast path of small blocking allreduces, broadcasts and allgathers (ranks on one host agree through shared memory,
+"""The fast path of small blocking allreduces, broadcasts, allgathers, reducescatters and alltoalls (ranks on one host agree through shared memory,
 without the coordinator): results against NumPy, the engine's own count of the ops that took
 it, offers that meet declines, mismatches, threads, join, and a peer that dies mid-wait."""
 
@@ -8,12 +8,12 @@ from conftest import assert_ok, describe, lines_matching, run_job
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
-ALL = "reduce,broadcast,allgather,orders,torch,mismatch,threads,join"
+ALL = "reduce,broadcast,allgather,scatter,orders,torch,mismatch,threads,join"
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_fast_path_against_numpy_and_its_fallbacks(n):
-    sections = "reduce,broadcast,allgather,torch,join" if n == 1 else ALL
+    sections = "reduce,broadcast,allgather,scatter,torch,join" if n == 1 else ALL
     res = run_job(n, "fast_path_worker.py", 40 + n, sections, timeout=240)
     assert_ok(res, n, min_checks=500, same_count=False)
     for r in range(n):

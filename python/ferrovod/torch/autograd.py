@@ -92,7 +92,9 @@ class HorovodAllgather(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str],
                 process_set: ProcessSet) -> torch.Tensor:
         ctx.rows, ctx.name, ctx.process_set = int(tensor.shape[0]) if tensor.dim() else 0, name, process_set
-        return ops.synchronize(ops.allgather_async(tensor, name, process_set))
+        # Waited for at once: a small one may take the engine's fast path.
+        return ops.synchronize(_api._single(ops._allgather_async([tensor], name, process_set,
+                                                                      "allgather", now=True)))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, ...]:
@@ -147,7 +149,7 @@ class HorovodAlltoall(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str],
                 process_set: ProcessSet) -> Tuple[torch.Tensor, torch.Tensor]:
         out, received = ops.synchronize(ops._alltoall_async(tensor, splits, name, process_set,
-                                                            True))
+                                                            True, now=True))
         ctx.received, ctx.name, ctx.process_set = received, name, process_set
         ctx.mark_non_differentiable(received)
         return out, received
@@ -167,8 +169,9 @@ class HorovodReducescatter(torch.autograd.Function):
                 process_set: ProcessSet, prescale_factor: float,
                 postscale_factor: float) -> torch.Tensor:
         ctx.args = (name, op, process_set, prescale_factor * postscale_factor)
-        return ops.synchronize(ops.reducescatter_async(tensor, name, op, process_set,
-                                                       prescale_factor, postscale_factor))
+        return ops.synchronize(_api._single(ops._reducescatter_async(
+            [tensor], name, op, process_set, prescale_factor, postscale_factor, "reducescatter",
+            now=True)))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, ...]:

@@ -377,7 +377,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
 
 
 def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
-                     process_set: ProcessSet, kind_name: str) -> Handle:
+                     process_set: ProcessSet, kind_name: str, now: bool = False) -> Handle:
+    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
     for t in tensors:
         _check_tensor(t, kind_name)
     _cuda_target(tensors, _core.ALLGATHER, kind_name, process_set=process_set)  # says why not
@@ -393,7 +394,7 @@ def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
         return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
 
     return _api._enqueue_raw(_core.ALLGATHER, name, kind_name, process_set, descs, finish,
-                             [list(tensors), hosts])
+                             [list(tensors), hosts], now=now)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -456,7 +457,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 
 def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
-                    process_set: ProcessSet, want_splits: bool) -> Handle:
+                    process_set: ProcessSet, want_splits: bool, now: bool = False) -> Handle:
+    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
     _check_tensor(tensor, "alltoall")
     _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)  # says why not
     h, _ = _host(tensor, "alltoall")
@@ -480,7 +482,7 @@ def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
 
     return _api._enqueue_raw(_core.ALLTOALL, name, "alltoall", process_set,
                              [_desc(h, None, "alltoall")], finish, [tensor, h],
-                             splits=split_list)
+                             splits=split_list, now=now)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
@@ -496,7 +498,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
 
 def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], op: int,
                          process_set: ProcessSet, prescale_factor: float,
-                         postscale_factor: float, kind_name: str) -> Handle:
+                         postscale_factor: float, kind_name: str, now: bool = False) -> Handle:
+    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
     if int(op) not in (Sum, Average):
         raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
     for t in tensors:
@@ -522,7 +525,7 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
 
     return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
                              [list(tensors), hosts], op=int(op), prescale=prescale_factor,
-                             postscale=postscale_factor)
+                             postscale=postscale_factor, now=now)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,

@@ -20,6 +20,9 @@ Sections:
             included), every dtype, against NumPy's concatenation; allgather_object
   torch     ferrovod.torch's blocking allreduce (and its autograd form) of CPU tensors of
             several dtypes, bfloat16 included, against NumPy, all on the fast path
+  scatter   blocking reducescatters (Sum and Average, scale factors, first dimensions that
+            do not divide, zero rows) and evenly split alltoalls (every dtype), NumPy and
+            torch, against NumPy; each on the fast path, and one over the size limit not
 """
 
 import sys
@@ -281,9 +284,68 @@ def allgather_section(c):
     c.ck.true(declined <= c.n - 1, "allgather offers that went to the engine", str(declined))
 
 
+def scatter_section(c):
+    import torch
+
+    import ferrovod.torch as hvd
+
+    before = c.stats()
+    fast = 0
+    for dt in T.REDUCE_DTYPES:
+        for opname, op in ((SUM, fv.Sum), (AVERAGE, fv.Average)):
+            for shape in ((0,), (1,), (c.n + 1,), (7, 3), (2 * c.n, 5)):
+                for pre, post in ((1.0, 1.0), (2.0, 0.5)):
+                    if pre != 1.0 and not T.is_float(np.dtype(dt)):
+                        continue
+                    key = c.key()
+                    xs = c.inputs(key, dt, shape, T.input_mode(opname, dt))
+                    start, count = T.split_rows(shape[0], c.n)[c.rank]
+                    exp = T.ref_reduce(xs, opname, dt, c.n, pre, post)[start:start + count]
+                    got = fv.reducescatter(xs[c.rank], op=op, prescale_factor=pre,
+                                           postscale_factor=post,
+                                           name=f"fps.{dt}.{opname}.{shape}.{pre}")
+                    c.ck.array(got, exp, f"reducescatter {opname} {dt} {shape} x{pre}x{post}")
+                    fast += 1
+    for dt in T.ALL_DTYPES:
+        for shape in ((0,), (c.n,), (3 * c.n, 2), (c.n, 0)):
+            key = c.key()
+            xs = c.inputs(key, dt, shape)
+            block = shape[0] // c.n
+            exp = np.concatenate([x[c.rank * block:(c.rank + 1) * block] for x in xs])
+            got = fv.alltoall(xs[c.rank], name=f"fpa.{dt}.{shape}")
+            c.ck.array(got, exp, f"alltoall {dt} {shape}")
+            fast += 1
+    # torch's forms (autograd functions whose forward is blocking) and its received splits.
+    key = c.key()
+    xs = [torch.from_numpy(x) for x in c.inputs(key, "float32", (2 * c.n + 1, 3))]
+    start, count = T.split_rows(2 * c.n + 1, c.n)[c.rank]
+    got = hvd.reducescatter(xs[c.rank], op=hvd.Sum, name="fpt.rs")
+    exp = torch.stack([x.double() for x in xs]).sum(0)[start:start + count]
+    c.ck.true(torch.allclose(got.double(), exp, rtol=1e-6, atol=1e-6), "torch reducescatter",
+              f"got {got}, expected {exp}")
+    xs = [torch.from_numpy(x) for x in c.inputs(c.key(), "int64", (2 * c.n, 2))]
+    got = hvd.alltoall(xs[c.rank], name="fpt.a2a")
+    exp = torch.cat([x[2 * c.rank:2 * c.rank + 2] for x in xs])
+    c.ck.true(torch.equal(got, exp), "torch alltoall", f"got {got}, expected {exp}")
+    y = hvd.allgather(xs[c.rank], name="fpt.ag")
+    c.ck.true(torch.equal(y, torch.cat(xs)), "torch allgather", f"got {y}")
+    fast += 3
+    # Over the limit (every rank's input): through the engine, still right.
+    key = c.key()
+    xs = c.inputs(key, "float64", (LIMIT // 8 + c.n,))
+    start, count = T.split_rows(LIMIT // 8 + c.n, c.n)[c.rank]
+    got = fv.reducescatter(xs[c.rank], op=fv.Sum, name="fps.limit")
+    c.ck.array(got, T.ref_reduce(xs, SUM, "float64", c.n)[start:start + count],
+               "reducescatter over the limit")
+    after = c.stats()
+    c.ck.equal(after[0] - before[0], fast, "reducescatters and alltoalls on the fast path")
+    c.ck.equal(after[1] - before[1], 0, "their offers that went to the engine")
+
+
 SECTIONS = {"reduce": reduce_section, "orders": orders_section, "mismatch": mismatch_section,
             "threads": threads_section, "join": join_section, "torch": torch_section,
-            "broadcast": broadcast_section, "allgather": allgather_section}
+            "broadcast": broadcast_section, "allgather": allgather_section,
+            "scatter": scatter_section}
 
 
 def main():
