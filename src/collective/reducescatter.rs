@@ -89,35 +89,87 @@ pub fn ring_reduce_scatter_into(
         output.copy_from_slice(&input[mine]);
         return scale(dtype, output, factor);
     }
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let chunk = element_chunk(comm.tuning.chunk_bytes, dtype.size());
-    let nchunks = chunk_count(segs, chunk);
-    let longest = segs.iter().map(|s| s.len()).max().unwrap_or(0);
-    with_scratch(chunk.min(longest), |tmp| {
-        for s in 0..n - 1 {
-            let send_seg = &segs[(r + 2 * n - s - 1) % n];
-            let recv_seg = &segs[(r + 2 * n - s - 2) % n];
-            let last = s == n - 2;
-            for c in 0..nchunks {
-                let sr = chunk_of(send_seg, c, chunk);
-                let rr = chunk_of(recv_seg, c, chunk);
-                let t = &mut tmp[..rr.len()];
-                let src = if s == 0 { &input[sr] } else { &scratch[sr] };
-                comm.sendrecv(next, src, prev, t)?;
-                let dst = if last {
-                    &mut output[rr.start - mine.start..rr.end - mine.start]
-                } else {
-                    &mut scratch[rr.clone()]
-                };
-                dst.copy_from_slice(&input[rr]);
-                reduce_into(dtype, op, dst, t)?;
-                if last {
-                    scale(dtype, dst, factor)?;
-                }
+    let ring = Ring::new(comm, segs, dtype);
+    with_scratch(ring.tmp_len, |tmp| {
+        for Exchange {
+            step, send, recv, ..
+        } in ring.exchanges(segs)
+        {
+            let last = step == n - 2;
+            let t = &mut tmp[..recv.len()];
+            let src = if step == 0 {
+                &input[send]
+            } else {
+                &scratch[send]
+            };
+            comm.sendrecv(ring.next, src, ring.prev, t)?;
+            let dst = if last {
+                &mut output[recv.start - mine.start..recv.end - mine.start]
+            } else {
+                &mut scratch[recv.clone()]
+            };
+            dst.copy_from_slice(&input[recv]);
+            reduce_into(dtype, op, dst, t)?;
+            if last {
+                scale(dtype, dst, factor)?;
             }
         }
         Ok(())
     })
+}
+
+/// The schedule both reduce-scatter rings follow: for `step` in `0..n-1`, rank `r` sends
+/// segment `r-step-1` to `r+1` while receiving segment `r-step-2` from `r-1` (mod `n`), each
+/// step cut into the same number of chunks on every rank (set by the longest segment).
+struct Ring {
+    rank: usize,
+    size: usize,
+    next: usize,
+    prev: usize,
+    chunk: usize,
+    nchunks: usize,
+    /// Bytes of the receive buffer one chunk needs.
+    tmp_len: usize,
+}
+
+/// One chunk's exchange: the byte ranges sent and received, at step `step`, chunk `chunk`.
+struct Exchange {
+    step: usize,
+    chunk: usize,
+    send: Range<usize>,
+    recv: Range<usize>,
+}
+
+impl Ring {
+    /// The ring of `comm` (two ranks or more) over `segs`, chunked by its tuning.
+    fn new(comm: &Communicator<'_>, segs: &[Range<usize>], dtype: DType) -> Ring {
+        let (r, n) = (comm.rank(), comm.size());
+        let chunk = element_chunk(comm.tuning.chunk_bytes, dtype.size());
+        let longest = segs.iter().map(|s| s.len()).max().unwrap_or(0);
+        Ring {
+            rank: r,
+            size: n,
+            next: (r + 1) % n,
+            prev: (r + n - 1) % n,
+            chunk,
+            nchunks: chunk_count(segs, chunk),
+            tmp_len: chunk.min(longest),
+        }
+    }
+
+    fn exchanges<'a>(&'a self, segs: &'a [Range<usize>]) -> impl Iterator<Item = Exchange> + 'a {
+        let (r, n) = (self.rank, self.size);
+        (0..n - 1).flat_map(move |step| {
+            let send_seg = &segs[(r + 2 * n - step - 1) % n];
+            let recv_seg = &segs[(r + 2 * n - step - 2) % n];
+            (0..self.nchunks).map(move |c| Exchange {
+                step,
+                chunk: c,
+                send: chunk_of(send_seg, c, self.chunk),
+                recv: chunk_of(recv_seg, c, self.chunk),
+            })
+        })
+    }
 }
 
 /// Ring reduce-scatter in place: afterwards `buf[segs[rank]]` holds the reduction of that
@@ -182,31 +234,27 @@ fn reduce_scatter_steps(
     if n == 1 {
         return scale(dtype, &mut buf[segs[0].clone()], factor);
     }
-    let r = comm.rank();
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let chunk = element_chunk(comm.tuning.chunk_bytes, dtype.size());
-    let nchunks = chunk_count(segs, chunk);
-    let longest = segs.iter().map(|s| s.len()).max().unwrap_or(0);
-    with_scratch(chunk.min(longest), |scratch| {
-        for s in 0..n - 1 {
-            let send_seg = &segs[(r + 2 * n - s - 1) % n];
-            let recv_seg = &segs[(r + 2 * n - s - 2) % n];
-            for c in 0..nchunks {
-                let sr = chunk_of(send_seg, c, chunk);
-                let rr = chunk_of(recv_seg, c, chunk);
-                let tmp = &mut scratch[..rr.len()];
-                comm.sendrecv(next, &buf[sr], prev, tmp)?;
-                reduce_into(dtype, op, &mut buf[rr.clone()], tmp)?;
-                if s == n - 2 {
-                    // The last step reduces this rank's own segment: it is final now.
-                    scale(dtype, &mut buf[rr.clone()], factor)?;
-                    if share {
-                        // The previous rank's chunk lands where, with two ranks, `sr` was
-                        // read from: that send completed in the exchange above.
-                        let pr = chunk_of(&segs[prev], c, chunk);
-                        let (mine, theirs) = split_pair(buf, rr, pr);
-                        comm.sendrecv(next, mine, prev, theirs)?;
-                    }
+    let ring = Ring::new(comm, segs, dtype);
+    with_scratch(ring.tmp_len, |scratch| {
+        for Exchange {
+            step,
+            chunk,
+            send,
+            recv,
+        } in ring.exchanges(segs)
+        {
+            let tmp = &mut scratch[..recv.len()];
+            comm.sendrecv(ring.next, &buf[send], ring.prev, tmp)?;
+            reduce_into(dtype, op, &mut buf[recv.clone()], tmp)?;
+            if step == n - 2 {
+                // The last step reduces this rank's own segment: it is final now.
+                scale(dtype, &mut buf[recv.clone()], factor)?;
+                if share {
+                    // The previous rank's chunk lands where, with two ranks, `send` was
+                    // read from: that send completed in the exchange above.
+                    let pr = chunk_of(&segs[ring.prev], chunk, ring.chunk);
+                    let (mine, theirs) = split_pair(buf, recv, pr);
+                    comm.sendrecv(ring.next, mine, ring.prev, theirs)?;
                 }
             }
         }
