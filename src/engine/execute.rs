@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 
 use super::handle::Output;
-use super::message::{DeviceKind, Item, Request, Response};
+use super::message::{DeviceKind, Item, Response};
 use super::tensor::TensorBuf;
 use super::timeline::{json_string, transfer_activity, Timeline};
 use super::worker::{Entry, Worker};
@@ -220,13 +220,23 @@ fn owned_outputs(e: &mut Entry) -> Output {
     out
 }
 
-/// The factor applied after the reduction: the user's post-scale, and 1/n for Average.
-fn post_factor(req: &Request, n: usize) -> f64 {
-    if req.op == ReduceOp::Average {
-        req.postscale / n as f64
+/// The factor applied after the reduction: the user's post-scale, and 1/n for Average (the
+/// engine's and the fast path's).
+pub(crate) fn post_factor(op: ReduceOp, postscale: f64, n: usize) -> f64 {
+    if op == ReduceOp::Average {
+        postscale / n as f64
     } else {
-        req.postscale
+        postscale
     }
+}
+
+/// Rank `r`'s rows of a reducescatter over `n` ranks, as (first row, row count): Horovod's
+/// split, the lowest `rows % n` ranks get one extra row (the engine's and the fast path's).
+pub(crate) fn split_rows(rows: usize, n: usize, r: usize) -> (usize, usize) {
+    (
+        r * (rows / n) + r.min(rows % n),
+        rows / n + usize::from(r < rows % n),
+    )
 }
 
 /// Fused allreduce: tensors of one dtype are packed into the fusion buffer (a single tensor is
@@ -239,7 +249,11 @@ fn allreduce(
     trace: &Trace<'_>,
 ) -> Result<()> {
     let req0 = &items[0].request;
-    let (op, pre, post) = (req0.op, req0.prescale, post_factor(req0, comm.size()));
+    let (op, pre, post) = (
+        req0.op,
+        req0.prescale,
+        post_factor(req0.op, req0.postscale, comm.size()),
+    );
     // (item index, tensor index) grouped by dtype, in order of first appearance.
     let mut groups: Vec<(DType, Vec<(usize, usize)>)> = Vec::new();
     for (i, item) in items.iter().enumerate() {
@@ -468,15 +482,14 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
     let n = comm.size();
     let me = comm.rank();
     let req = &entry.request;
-    let (pre, post) = (req.prescale, post_factor(req, n));
+    let (pre, post) = (req.prescale, post_factor(req.op, req.postscale, n));
     let mut out = Output::default();
     for spec in &entry.spec.tensors {
         let meta = &spec.meta;
         let rows = meta.shape[0];
         let row_bytes = meta.row_elems() * meta.dtype.size();
-        // Horovod's split: the lowest `rows % n` ranks get one extra row.
         let counts: Vec<usize> = (0..n)
-            .map(|r| (rows / n + usize::from(r < rows % n)) * row_bytes)
+            .map(|r| split_rows(rows, n, r).1 * row_bytes)
             .collect();
         // The ring reads the caller's tensor in place; only a pre-scale needs a copy of it,
         // and only more than two ranks need room for partial sums in transit.

@@ -51,8 +51,9 @@ use crate::collective::reduce::{check_reducible, reduce_into, scale};
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 use crate::transport::shm::{BoardView, BoardWord, BOARD_DATA_BYTES, BOARD_DESC_BYTES};
-use crate::types::{OpKind, ReduceOp};
+use crate::types::{DType, OpKind, ReduceOp};
 
+use super::execute::{post_factor, split_rows};
 use super::tensor::TensorBuf;
 use super::OpSpec;
 
@@ -235,8 +236,8 @@ impl FastPath {
         self.close();
     }
 
-    /// The tensor of `op` if it is an op the fast path takes, with its byte count.
-    fn eligible<'a>(&self, op: &'a OpSpec) -> Option<(&'a TensorBuf, usize)> {
+    /// The tensor of `op` if it is an op the fast path takes.
+    fn eligible<'a>(&self, op: &'a OpSpec) -> Option<&'a TensorBuf> {
         if !self.complete
             || self.max_bytes == 0
             || op.set_id != 0
@@ -266,8 +267,7 @@ impl FastPath {
             }
             _ => false,
         };
-        (out_ok && host(&t.input) && t.input.len() == n && n <= self.max_bytes)
-            .then_some((&t.input, n))
+        (out_ok && host(&t.input) && t.input.len() == n && n <= self.max_bytes).then_some(&t.input)
     }
 
     /// The number of ranks.
@@ -282,7 +282,7 @@ impl FastPath {
         if let Some(e) = &*self.failed.lock() {
             return Err(e.clone());
         }
-        let Some((input, n)) = self.eligible(op) else {
+        let Some(input) = self.eligible(op) else {
             return Ok(Outcome::Ineligible);
         };
         let mut guard = self.scratch.lock();
@@ -326,7 +326,7 @@ impl FastPath {
         drop(st);
         self.ring();
 
-        let result = self.decide_and_reduce(op, slot, n, sc);
+        let result = self.decide_and_reduce(op, slot, sc);
         let mut st = self.state.lock();
         st.busy = false;
         let done = if st.closed { u64::MAX } else { st.posted };
@@ -340,13 +340,7 @@ impl FastPath {
         result
     }
 
-    fn decide_and_reduce(
-        &self,
-        op: &mut OpSpec,
-        slot: u64,
-        n: usize,
-        sc: &mut Scratch,
-    ) -> Result<Outcome> {
+    fn decide_and_reduce(&self, op: &mut OpSpec, slot: u64, sc: &mut Scratch) -> Result<Outcome> {
         for b in &self.boards {
             self.wait(b, &op.name, |b| {
                 b.theirs(BoardWord::Posted).load(Ordering::Acquire) > slot
@@ -366,7 +360,7 @@ impl FastPath {
             OpKind::Alltoall => return self.exchange(op, sc),
             _ => {}
         }
-        let factor = self.post_factor(op);
+        let factor = post_factor(op.op, op.postscale, self.size);
         let t = &mut op.tensors[0];
         let out = t
             .output
@@ -386,66 +380,52 @@ impl FastPath {
             }
             return Ok(Outcome::Done);
         }
-        sc.data.resize(n, 0);
-        // Every rank sums in rank order, so every rank gets the same bits.
-        let mut first = true;
-        for board in self.ranks() {
-            let src: &[u8] = match board {
-                None => &sc.own,
-                Some(b) => {
-                    b.read_data(&mut sc.data);
-                    &sc.data
-                }
-            };
-            if first {
-                out.copy_from_slice(src);
-                first = false;
-            } else {
-                reduce_into(dtype, op.op, out, src)?;
-            }
-        }
-        scale(dtype, out, factor)?;
+        self.sum_in_rank_order(dtype, op.op, factor, 0, sc, out)?;
         Ok(Outcome::Done)
     }
 
-    /// The factor a reduction's result is multiplied by (Average's 1/n and the post-scale).
-    fn post_factor(&self, op: &OpSpec) -> f64 {
-        if op.op == ReduceOp::Average {
-            op.postscale / self.size as f64
-        } else {
-            op.postscale
-        }
-    }
-
-    /// The reducescatter's result: this rank's rows (Horovod's split: the lowest
-    /// `rows % n` ranks get one more) of the sum of every rank's input, summed in rank order,
-    /// into a new buffer that becomes the op's output. Every rank offered the same shape.
-    fn scatter_reduced(&self, op: &mut OpSpec, sc: &mut Scratch) -> Result<Outcome> {
-        let factor = self.post_factor(op);
-        let t = &mut op.tensors[0];
-        let dtype = t.meta.dtype;
-        let row_bytes = t.meta.row_elems() * dtype.size();
-        let (rows, n, me) = (t.meta.shape[0], self.size, self.rank);
-        let mine = rows / n + usize::from(me < rows % n);
-        let start = (me * (rows / n) + me.min(rows % n)) * row_bytes;
-        let len = mine * row_bytes;
-        let mut out = vec![0u8; len];
+    /// `out` = the bytes `at..at + out.len()` of every rank's offered input, reduced in rank
+    /// order (so every rank that reads the same bytes gets the same bits) and multiplied by
+    /// `factor`.
+    fn sum_in_rank_order(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        factor: f64,
+        at: usize,
+        sc: &mut Scratch,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let len = out.len();
         sc.data.resize(len, 0);
         for (r, board) in self.ranks().enumerate() {
             let src: &[u8] = match board {
-                None => &sc.own[start..start + len],
+                None => &sc.own[at..at + len],
                 Some(b) => {
-                    b.read_data_at(start, &mut sc.data);
+                    b.read_data_at(at, &mut sc.data);
                     &sc.data
                 }
             };
             if r == 0 {
                 out.copy_from_slice(src);
             } else {
-                reduce_into(dtype, op.op, &mut out, src)?;
+                reduce_into(dtype, op, out, src)?;
             }
         }
-        scale(dtype, &mut out, factor)?;
+        scale(dtype, out, factor)
+    }
+
+    /// The reducescatter's result: this rank's rows (Horovod's split: the lowest
+    /// `rows % n` ranks get one more) of the sum of every rank's input, summed in rank order,
+    /// into a new buffer that becomes the op's output. Every rank offered the same shape.
+    fn scatter_reduced(&self, op: &mut OpSpec, sc: &mut Scratch) -> Result<Outcome> {
+        let factor = post_factor(op.op, op.postscale, self.size);
+        let t = &mut op.tensors[0];
+        let dtype = t.meta.dtype;
+        let row_bytes = t.meta.row_elems() * dtype.size();
+        let (first, mine) = split_rows(t.meta.shape[0], self.size, self.rank);
+        let mut out = vec![0u8; mine * row_bytes];
+        self.sum_in_rank_order(dtype, op.op, factor, first * row_bytes, sc, &mut out)?;
         t.meta.shape[0] = mine;
         t.output = Some(TensorBuf::Owned(out));
         Ok(Outcome::Done)
