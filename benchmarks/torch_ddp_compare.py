@@ -29,6 +29,10 @@ must be bitwise identical, or the benchmark stops (a wrong result cannot look fa
 The default model is an MLP of three 1024-wide hidden layers: 3.16 M parameters, 12.6 MB of
 gradients, the model of the speed issue's efficiency target.
 
+A "sharded" row trains a third copy with ``DistributedOptimizer(sharded=True)``: each rank
+reduce-scatters the gradients, updates its shard of the parameters and allgathers them (its
+parameters must equal the ferrovod row's after the warm-up: on two ranks bit for bit).
+
 To say where the time goes it also prints: a "no-comm" row (both ranks train at once with no
 communication: what sharing the machine costs before any gradient is averaged); a
 "sync-only" row (no gradients exchanged, but the ranks meet once per step before the update
@@ -146,7 +150,14 @@ class Trainer:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        if hasattr(self.opt, "skip_synchronize"):
+        if getattr(self.opt, "sharded", False):
+            # Its own wait: the reduce-scatter that step() would run (synchronize() would
+            # reduce the whole gradients, for clipping).
+            self.opt._reduce_shards()
+            t3 = time.perf_counter()
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        elif hasattr(self.opt, "skip_synchronize"):
             self.opt.synchronize()
             t3 = time.perf_counter()
             with self.opt.skip_synchronize():
@@ -307,6 +318,14 @@ def main() -> None:
     hvd.broadcast_parameters(fv_model.state_dict(), root_rank=0)
     fv = Trainer("ferrovod", fv_model, fv_opt, batches)
 
+    # The same, with each rank updating only its shard (DistributedOptimizer(sharded=True)).
+    sh_model = copy.deepcopy(base)
+    sh_opt = hvd.DistributedOptimizer(torch.optim.SGD(sh_model.parameters(), lr=lr,
+                                                      momentum=momentum),
+                                      named_parameters=sh_model.named_parameters(),
+                                      sharded=True)
+    sharded = Trainer("sharded", sh_model, sh_opt, batches)
+
     ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
                                                     bucket_cap_mb=args.bucket_mb)
     ddp = Trainer("ddp", ddp_model,
@@ -348,17 +367,21 @@ def main() -> None:
 
     # Warm-up: allocator, autograd graph, DDP buckets, ferrovod's response cache.
     time_steps(fv, max(3, args.steps // 4))
+    time_steps(sharded, max(3, args.steps // 4))
     time_steps(ddp, max(3, args.steps // 4))
     check_identical(fv, rank, size)
+    check_identical(sharded, rank, size)
     check_identical(ddp, rank, size)
     drift = float((fv.params() - ddp.params()).abs().max())
+    drift_sharded = float((fv.params() - sharded.params()).abs().max())
     if rank == 0:
-        print(f"parameters identical across ranks for both paths after warm-up; "
-              f"max |ferrovod - DDP| = {drift:.3g}", flush=True)
+        print(f"parameters identical across ranks for every path after warm-up; "
+              f"max |ferrovod - DDP| = {drift:.3g}, max |ferrovod - sharded| = "
+              f"{drift_sharded:.3g}", flush=True)
 
     time_steps(local, max(3, args.steps // 4))
     time_steps(sync_only, max(3, args.steps // 4))
-    paths = (fv, ddp, sync_only, local)
+    paths = (fv, sharded, ddp, sync_only, local)
     times: Dict[str, List[float]] = {t.name: [] for t in paths}
     meters = {k: CpuMeter() for k in times}
     # Rank 0 trains alone (the others wait in the closing barrier, so it has a core to itself
@@ -432,12 +455,14 @@ def main() -> None:
                     print(f"{k:<10} {r:>4} {wall_ms:>7.1f} {main_ms:>7.1f} {other_ms:>7.1f}")
         # Each round times both paths back to back, so its ratio is a paired comparison
         # under the same machine load; their median is the headline figure.
-        ratios = [d / f for f, d in zip(times["ferrovod"], times["ddp"])]
-        print(f"\nratio ferrovod / DDP (samples/s): median over rounds "
-              f"{statistics.median(ratios):.3f}, of median rates "
-              f"{rate['ferrovod'] / rate['ddp']:.3f}; ferrovod faster in "
-              f"{sum(x > 1 for x in ratios)} of {len(ratios)} rounds "
-              f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
+        print()
+        for k in ("ferrovod", "sharded"):
+            ratios = [d / f for f, d in zip(times[k], times["ddp"])]
+            print(f"ratio {k} / DDP (samples/s): median over rounds "
+                  f"{statistics.median(ratios):.3f}, of median rates "
+                  f"{rate[k] / rate['ddp']:.3f}; {k} faster in "
+                  f"{sum(x > 1 for x in ratios)} of {len(ratios)} rounds "
+                  f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
 
     dist.destroy_process_group()
     hvd.shutdown()

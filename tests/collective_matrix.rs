@@ -337,6 +337,12 @@ fn allgatherv_broadcast_alltoallv() {
                     let mut out = vec![0u8; counts.iter().sum()];
                     let input = block(r, counts[r], k as u64);
                     collective::allgatherv(c, &input, &mut out, counts).unwrap();
+                    // In place: garbage everywhere but this rank's block.
+                    let mut inplace = vec![0xEEu8; out.len()];
+                    let own: usize = counts[..r].iter().sum();
+                    inplace[own..own + counts[r]].copy_from_slice(&input);
+                    collective::allgatherv_in_place(c, &mut inplace, counts).unwrap();
+                    assert!(inplace == out, "rank {r}: allgatherv_in_place pattern {k}");
                     gathered.push(out);
                 }
                 let mut bcast = Vec::new();
@@ -453,6 +459,15 @@ fn reducescatter_variable_segments() {
                         )
                         .unwrap();
                         assert_eq!(buf, encode(dtype, &vals), "reducescatter wrote its input");
+                        // In place: the same bits in this rank's segment of the buffer.
+                        let mut inplace = buf.clone();
+                        collective::reducescatter_in_place(c, &mut inplace, &bytes, dtype, op, 1.0)
+                            .unwrap();
+                        let own: usize = bytes[..r].iter().sum();
+                        assert!(
+                            inplace[own..own + bytes[r]] == mine[..],
+                            "rank {r}: reducescatter_in_place differs"
+                        );
                         out.push(mine);
                     }
                 }

@@ -487,6 +487,7 @@ def _enqueue_raw(
     splits: Sequence[int] = (),
     device: Optional[Tuple[int, int]] = None,
     now: bool = False,
+    out_bytes: Optional[Sequence[int]] = None,
 ) -> Handle:
     """Private entry point for framework adapters (``ferrovod.torch``): submits tensors given as
     raw ``(data_ptr, nbytes, dtype_code, shape, out_ptr or 0)`` tuples, so memory NumPy cannot
@@ -506,6 +507,7 @@ def _enqueue_raw(
         [(int(p), int(nb), int(c), [int(d) for d in shape], int(o)) for p, nb, c, shape, o in tensors],
         int(op), int(root), float(prescale), float(postscale), [int(s) for s in splits],
         device=None if device is None else (int(device[0]), int(device[1])), now=now,
+        out_bytes=None if out_bytes is None else [int(b) for b in out_bytes],
     )
     return _register(core, finish, keepalive)
 

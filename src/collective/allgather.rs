@@ -64,6 +64,37 @@ pub fn allgatherv(
     }
 }
 
+/// [`allgatherv`] in place: on entry `buf`'s block of this rank (blocks in rank order,
+/// `byte_counts[r]` bytes each) holds its contribution; on return every block is filled. The
+/// same paths by size as [`allgatherv`] minus the copy of the rank's own block, which is
+/// already where it belongs: a sharded optimizer gathers its updated parameters this way
+/// straight into the flat buffer the model's parameters view.
+pub fn allgatherv_in_place(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    byte_counts: &[usize],
+) -> Result<()> {
+    let n = comm.size();
+    let r = comm.rank();
+    let segs = blocks(byte_counts, n, buf.len(), "allgatherv")?;
+    if n == 1 {
+        return Ok(());
+    }
+    if buf.len() > comm.tuning.small_allreduce_bytes {
+        return ring_allgather(comm, buf, &segs);
+    }
+    let mut slots = split_blocks(buf, &segs);
+    let own: &[u8] = std::mem::take::<&mut [u8]>(&mut slots[r]);
+    let mut xfers = Vec::with_capacity(2 * (n - 1));
+    for (p, slot) in slots.into_iter().enumerate() {
+        if p != r {
+            xfers.push(Xfer::Send { peer: p, buf: own });
+            xfers.push(Xfer::Recv { peer: p, buf: slot });
+        }
+    }
+    comm.exchange(&mut xfers)
+}
+
 /// From a longest block of this many chunks (`comm.tuning.chunk_bytes`, 1 MiB by default) up,
 /// the ring's first step copies this rank's own block into place chunk by chunk as it sends it
 /// ([`first_step_with_own_copy`]). Smaller blocks are still in cache when the ring reads them,

@@ -77,6 +77,17 @@ pub fn allgatherv(
     allgather::allgatherv(comm, input, output, byte_counts)
 }
 
+/// [`allgatherv`] in place: `buf` holds the whole result, this rank's block already in it.
+///
+/// See [`allgather::allgatherv_in_place`] for the algorithm.
+pub fn allgatherv_in_place(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    byte_counts: &[usize],
+) -> Result<()> {
+    allgather::allgatherv_in_place(comm, buf, byte_counts)
+}
+
 /// Copies `root`'s `buf` into every rank's `buf` (same length everywhere).
 ///
 /// See [`broadcast::broadcast`] for the algorithm.
@@ -115,6 +126,21 @@ pub fn reducescatter(
     output: &mut [u8],
 ) -> Result<()> {
     reducescatter::reducescatter(comm, input, scratch, byte_counts, dtype, op, factor, output)
+}
+
+/// [`reducescatter`] in place: this rank's segment of `buf` ends reduced and multiplied by
+/// `factor`; the other segments are left with partial sums.
+///
+/// See [`reducescatter::reducescatter_in_place`] for the algorithm.
+pub fn reducescatter_in_place(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    byte_counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    reducescatter::reducescatter_in_place(comm, buf, byte_counts, dtype, op, factor)
 }
 
 /// Returns once every rank of the set has entered.

@@ -55,6 +55,30 @@ pub fn reducescatter(
     ring_reduce_scatter_into(comm, input, scratch, &segs, dtype, op, factor, output)
 }
 
+/// [`reducescatter`] in place: `buf` is reduced across ranks and this rank's segment of it
+/// (`byte_counts[rank]` bytes, segments in rank order) ends multiplied by `factor`; the other
+/// segments are left with partial sums. No input to keep, so no scratch: the ring reduces
+/// into `buf` itself ([`ring_reduce_scatter`]), which is how a sharded optimizer reduces its
+/// flat gradient buffer and finds its shard where its update reads it.
+pub fn reducescatter_in_place(
+    comm: &mut Communicator<'_>,
+    buf: &mut [u8],
+    byte_counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    check_reducible(dtype, op)?;
+    let segs = blocks(byte_counts, comm.size(), buf.len(), "reducescatter")?;
+    if let Some(bad) = byte_counts.iter().find(|&&c| c % dtype.size() != 0) {
+        return Err(Error::InvalidArgument(format!(
+            "reducescatter: segment of {bad} bytes does not hold whole {} elements",
+            dtype.name()
+        )));
+    }
+    ring_reduce_scatter(comm, buf, &segs, dtype, op, factor)
+}
+
 /// The ring of [`ring_reduce_scatter`], reading the rank's own contribution from `input`
 /// instead of reducing in place: each received chunk is reduced with the matching chunk of
 /// `input` into `scratch` (a segment that travels on) or, at the last step, into `output`

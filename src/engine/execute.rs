@@ -378,6 +378,25 @@ fn fused_allreduce(
     Ok(())
 }
 
+/// A caller's output of the wrong size is refused before any byte moves. The sizes follow
+/// from the negotiated request, so every rank whose caller computed them the same way agrees.
+fn check_output_len(name: &str, kind: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "{kind} '{name}': the output given holds {got} bytes, the result needs {want}"
+    )))
+}
+
+/// An output that shares memory with its input anywhere but where the in-place form puts
+/// it: the ring would read bytes it has already overwritten.
+fn misplaced(name: &str, kind: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{kind} '{name}': the output overlaps the input other than as this rank's block of it"
+    ))
+}
+
 /// (item index, tensor index) of one tensor of a response.
 type Slot = (usize, usize);
 
@@ -419,12 +438,33 @@ fn reduce_in_place(
 }
 
 fn allgather(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Result<Output> {
+    let me = comm.rank();
     let mut out = Output::default();
-    for (t, spec) in entry.spec.tensors.iter().enumerate() {
+    for (t, spec) in entry.spec.tensors.iter_mut().enumerate() {
         let meta = &spec.meta;
         let row_bytes = meta.row_elems() * meta.dtype.size();
         let dims = &item.first_dims[t];
         let counts: Vec<usize> = dims.iter().map(|d| d * row_bytes).collect();
+        if let Some(result) = spec.output.as_mut() {
+            // The caller's memory for the whole result: in place when the input is already
+            // this rank's block of it.
+            let total: usize = counts.iter().sum();
+            check_output_len(&entry.request.name, "allgather", result.len(), total)?;
+            let own = counts[..me].iter().sum::<usize>();
+            if result.contains_at(&spec.input, own) {
+                collective::allgatherv_in_place(comm, result.as_mut_slice(), &counts)?;
+            } else if result.overlaps(&spec.input) {
+                return Err(misplaced(&entry.request.name, "allgather"));
+            } else {
+                collective::allgatherv(
+                    comm,
+                    spec.input.as_slice(),
+                    result.as_mut_slice(),
+                    &counts,
+                )?;
+            }
+            continue;
+        }
         let mut result = TensorBuf::engine(counts.iter().sum())?;
         collective::allgatherv(comm, spec.input.as_slice(), result.as_mut_slice(), &counts)?;
         let mut shape = meta.shape.clone();
@@ -484,13 +524,28 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
     let req = &entry.request;
     let (pre, post) = (req.prescale, post_factor(req.op, req.postscale, n));
     let mut out = Output::default();
-    for spec in &entry.spec.tensors {
+    for spec in entry.spec.tensors.iter_mut() {
         let meta = &spec.meta;
         let rows = meta.shape[0];
         let row_bytes = meta.row_elems() * meta.dtype.size();
         let counts: Vec<usize> = (0..n)
             .map(|r| split_rows(rows, n, r).1 * row_bytes)
             .collect();
+        if let Some(result) = spec.output.as_ref() {
+            check_output_len(&req.name, "reducescatter", result.len(), counts[me])?;
+            let own = counts[..me].iter().sum::<usize>();
+            if spec.input.contains_at(result, own) {
+                // In place: the caller gave its tensor up, so the ring reduces in it (partial
+                // sums are left in the other ranks' rows) and its share lands where it lies.
+                let buf = spec.input.as_mut_slice();
+                reduce::scale(meta.dtype, buf, pre)?;
+                collective::reducescatter_in_place(comm, buf, &counts, meta.dtype, req.op, post)?;
+                continue;
+            }
+            if result.overlaps(&spec.input) {
+                return Err(misplaced(&req.name, "reducescatter"));
+            }
+        }
         // The ring reads the caller's tensor in place; only a pre-scale needs a copy of it,
         // and only more than two ranks need room for partial sums in transit.
         let scaled = if pre == 1.0 {
@@ -505,8 +560,11 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
             .as_ref()
             .map_or(spec.input.as_slice(), |b| b.as_slice());
         let mut scratch = TensorBuf::engine(if n > 2 { input.len() } else { 0 })?;
-        let mut result = TensorBuf::engine(counts[me])?;
-        let res = result.as_mut_slice();
+        let mut owned = None;
+        let result = match spec.output.as_mut() {
+            Some(caller) => caller,
+            None => owned.insert(TensorBuf::engine(counts[me])?),
+        };
         collective::reducescatter(
             comm,
             input,
@@ -515,8 +573,11 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
             meta.dtype,
             req.op,
             post,
-            res,
+            result.as_mut_slice(),
         )?;
+        let Some(result) = owned else {
+            continue;
+        };
         let mut shape = meta.shape.clone();
         shape[0] = counts[me] / row_bytes.max(1);
         if row_bytes == 0 {

@@ -132,6 +132,29 @@ impl TensorBuf {
         }
     }
 
+    /// Whether `inner` is host memory lying inside this buffer exactly `offset` bytes from its
+    /// start (an in-place allgather's input, a reducescatter's share of its input).
+    pub fn contains_at(&self, inner: &TensorBuf, offset: usize) -> bool {
+        match (self, inner) {
+            (TensorBuf::Borrowed { ptr, len }, TensorBuf::Borrowed { ptr: i, len: il }) => {
+                (ptr.as_ptr() as usize).checked_add(offset) == Some(i.as_ptr() as usize)
+                    && offset.checked_add(*il).is_some_and(|end| end <= *len)
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether two host buffers share any byte.
+    pub fn overlaps(&self, other: &TensorBuf) -> bool {
+        match (self, other) {
+            (TensorBuf::Borrowed { ptr: a, len: al }, TensorBuf::Borrowed { ptr: b, len: bl }) => {
+                let (a, b) = (a.as_ptr() as usize, b.as_ptr() as usize);
+                *al > 0 && *bl > 0 && a < b + bl && b < a + al
+            }
+            _ => false,
+        }
+    }
+
     /// Whether two buffers are the same memory (an in-place op).
     pub fn same_memory(&self, other: &TensorBuf) -> bool {
         match (self, other) {

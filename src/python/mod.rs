@@ -212,9 +212,12 @@ type PyTensor = (usize, usize, u8, Vec<usize>, usize);
 /// current stream)` when the tensors are CUDA memory for the NCCL path (outputs allocated by
 /// the caller: reducescatter's holds this rank's share); `None` for host memory. `now`: the
 /// caller waits for the op at once, so a small allreduce may take the engine's fast path
-/// (`engine::fast`) and come back already completed.
+/// (`engine::fast`) and come back already completed. `out_bytes`: the byte length of each
+/// host output when it is not the input's: the whole result of an allgather into caller
+/// memory, this rank's share of a reducescatter (in place when the input holds the output,
+/// or the output the input, as this rank's block).
 #[pyfunction]
-#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None, now=false))]
+#[pyo3(signature = (kind, name, set_id, tensors, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None, now=false, out_bytes=None))]
 #[allow(clippy::too_many_arguments)]
 fn enqueue(
     py: Python<'_>,
@@ -229,14 +232,22 @@ fn enqueue(
     splits: Vec<usize>,
     device: Option<(u32, usize)>,
     now: bool,
+    out_bytes: Option<Vec<usize>>,
 ) -> PyResult<CoreHandle> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    if out_bytes.as_ref().is_some_and(|o| o.len() != tensors.len()) {
+        return Err(to_pyerr(Error::InvalidArgument(format!(
+            "{} '{name}': out_bytes gives one length per tensor",
+            kind.name()
+        ))));
+    }
     let spec = with_engine(|e| {
         let tensors = tensors
             .into_iter()
-            .map(|t| match device {
-                None => tensor::spec_from_py(t),
+            .enumerate()
+            .map(|(i, t)| match device {
+                None => tensor::spec_from_py(t, out_bytes.as_ref().map(|o| o[i])),
                 Some((ordinal, stream)) => {
                     // An unknown set is refused by the engine, with its own message.
                     let n = e.process_set(set_id).map_or(1, |m| m.len());
@@ -398,7 +409,7 @@ fn op_now<'py>(
         root,
         prescale,
         postscale,
-        tensors: vec![tensor::spec_from_py(t)?],
+        tensors: vec![tensor::spec_from_py(t, None)?],
         splits: Vec::new(),
     };
     let out = match offer_then_submit(py, spec)? {
@@ -460,7 +471,7 @@ fn enqueue_arrays(
         tensors.push(t);
     }
     enqueue(
-        py, kind, name, set_id, tensors, op, root, prescale, postscale, splits, None, now,
+        py, kind, name, set_id, tensors, op, root, prescale, postscale, splits, None, now, None,
     )
     .map(Some)
 }

@@ -9,8 +9,9 @@ use crate::types::DType;
 
 use super::errors::to_pyerr;
 
-/// Builds a `TensorSpec` from `(ptr, nbytes, dtype code, shape, out_ptr)`.
-pub fn spec_from_py(t: super::PyTensor) -> PyResult<TensorSpec> {
+/// Builds a `TensorSpec` from `(ptr, nbytes, dtype code, shape, out_ptr)`; the output holds
+/// `out_bytes` bytes (`None`: as many as the input).
+pub fn spec_from_py(t: super::PyTensor, out_bytes: Option<usize>) -> PyResult<TensorSpec> {
     let (ptr, nbytes, dtype, shape, out_ptr) = t;
     let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
     let meta = TensorMeta { dtype, shape };
@@ -30,8 +31,9 @@ pub fn spec_from_py(t: super::PyTensor) -> PyResult<TensorSpec> {
     let output = if out_ptr == 0 {
         None
     } else {
-        // SAFETY: as above; the output array has the same size as the input.
-        Some(unsafe { TensorBuf::borrowed(out_ptr as *mut u8, nbytes) })
+        // SAFETY: as above; the output array holds `out_bytes` bytes (the input's size
+        // unless the caller said otherwise).
+        Some(unsafe { TensorBuf::borrowed(out_ptr as *mut u8, out_bytes.unwrap_or(nbytes)) })
     };
     Ok(TensorSpec {
         meta,
@@ -49,7 +51,7 @@ pub fn device_spec_from_py(
     out_bytes: usize,
 ) -> PyResult<TensorSpec> {
     let (ptr, nbytes, dtype, shape, out_ptr) = t;
-    let mut spec = spec_from_py((0, nbytes, dtype, shape, 0))?;
+    let mut spec = spec_from_py((0, nbytes, dtype, shape, 0), None)?;
     // SAFETY: the torch adapter (ferrovod/torch/ops.py) passes the data pointers of
     // contiguous tensors on CUDA device `device` holding `nbytes` (output: `out_bytes`) bytes,
     // and that device's current stream, and keeps the tensors referenced in its handle table

@@ -55,11 +55,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     0 loaded a checkpoint) ends up with the root's. Unlike Horovod, an optimizer without state
     is not stepped with zero gradients first (that step would advance e.g. Adam's step count):
     the root's empty state is simply copied. ``model`` is accepted for compatibility and not
-    needed. ``torch.optim.LBFGS`` is rejected.
+    needed. ``torch.optim.LBFGS`` is rejected. A sharded ``DistributedOptimizer`` keeps each
+    shard's state on one rank, so only the hyper-parameters are broadcast.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     del model  # Horovod needs it to build sparse zero gradients; nothing is stepped here
+    if getattr(optimizer, "sharded", False):
+        # Each shard's state lives on one rank only, so there is no copy to make equal; the
+        # hyper-parameters are the root's.
+        groups = broadcast_object(
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            root_rank, name="broadcast_optimizer_state.groups", process_set=process_set)
+        for group, opts in zip(optimizer.param_groups, groups):
+            group.update(opts)
+        return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     me = _api.rank() == int(root_rank)
     layout: Optional[Dict[str, Any]] = None

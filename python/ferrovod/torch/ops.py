@@ -528,6 +528,64 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
                              postscale=postscale_factor, now=now)
 
 
+def _set_rank(process_set: ProcessSet) -> int:
+    if process_set.process_set_id == 0 or not process_set.ranks:
+        return _api.rank()
+    return process_set.ranks.index(_api.rank())
+
+
+def _shard(rows: int, n: int, r: int) -> Tuple[int, int]:
+    """Rank ``r``'s rows of ``rows`` split over ``n`` ranks, as (first row, row count):
+    Horovod's reducescatter split, the lowest ``rows % n`` ranks one row more."""
+    return r * (rows // n) + min(r, rows % n), rows // n + int(r < rows % n)
+
+
+def _flat_host(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    _check_tensor(tensor, what)
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dim() == 0:
+        raise InvalidArgumentError(
+            f"{what}: in-place ops take a contiguous CPU tensor of at least one dimension, got "
+            f"{tensor.device.type} tensor of shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _reducescatter_in_place_async(tensor: torch.Tensor, name: str, op: int,
+                                  process_set: ProcessSet = global_process_set,
+                                  prescale_factor: float = 1.0,
+                                  postscale_factor: float = 1.0) -> Handle:
+    """Reduces ``tensor`` across the set in place: afterwards this rank's rows of dim 0
+    (:func:`_shard`) hold the reduction, the other rows partial sums. The handle's result is
+    the view of this rank's rows. No copy of the input, no output allocated: a sharded
+    optimizer reduces its flat gradient buffer this way."""
+    if int(op) not in (Sum, Average):
+        raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
+    t = _flat_host(tensor, "reducescatter")
+    first, count = _shard(t.shape[0], _set_size(process_set), _set_rank(process_set))
+    share = t[first:first + count]
+    nbytes = share.numel() * share.element_size()
+    desc = (_addr(t), t.numel() * t.element_size(), _code(t, "reducescatter"), list(t.shape),
+            _addr(share) if nbytes else 0)
+    return _api._enqueue_raw(_core.REDUCESCATTER, name, "reducescatter", process_set, [desc],
+                             lambda _: share, [t, share], op=int(op),
+                             prescale=prescale_factor, postscale=postscale_factor,
+                             out_bytes=[nbytes])
+
+
+def _allgather_in_place_async(tensor: torch.Tensor, name: str,
+                              process_set: ProcessSet = global_process_set) -> Handle:
+    """Fills ``tensor`` from every rank of the set: on entry this rank's rows of dim 0
+    (:func:`_shard`) hold its contribution, on return every rank's rows are in place. The
+    handle's result is ``tensor``. A sharded optimizer gathers its updated parameters this
+    way straight into the flat buffer the model's parameters view."""
+    t = _flat_host(tensor, "allgather")
+    first, count = _shard(t.shape[0], _set_size(process_set), _set_rank(process_set))
+    share = t[first:first + count]
+    desc = _desc(share, t, "allgather")
+    return _api._enqueue_raw(_core.ALLGATHER, name, "allgather", process_set, [desc],
+                             lambda _: t, [t, share],
+                             out_bytes=[t.numel() * t.element_size()])
+
+
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
                         process_set: ProcessSet = global_process_set,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:

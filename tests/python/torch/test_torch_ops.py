@@ -11,7 +11,7 @@ pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ["allreduce", "grouped", "allgather", "broadcast", "alltoall", "reducescatter",
-            "misc", "autograd"]
+            "inplace", "misc", "autograd"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -21,7 +21,8 @@ def test_training_matches_single_process(n, overlap):
     env = {"FERROVOD_OVERLAP": overlap} if overlap else None
     res = run_job(n, HERE / "torch_train_worker.py", 40 + n, timeout=180, env=env)
     assert_ok(res, n, min_checks=50, same_count=False)
-    expect = ["optimizer", "semantics", "sparse", "syncbn", "state"] + (["psets"] if n > 1 else [])
+    expect = ["optimizer", "semantics", "sparse", "syncbn", "state", "sharded"] + (
+        ["psets"] if n > 1 else [])
     for r in range(n):
         done = [m.group(1) for m in lines_matching(res, r, r"^section (\w+):")]
         assert done == expect, f"rank {r} ran sections {done}\n{describe(res)}"

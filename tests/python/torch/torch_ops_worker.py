@@ -19,6 +19,7 @@ import fvtest as T  # noqa: E402
 from fvtest import AVERAGE, MAX, MIN, PRODUCT, SUM  # noqa: E402
 
 import ferrovod.torch as hvd  # noqa: E402
+from ferrovod.torch import ops  # noqa: E402
 
 OPS = {SUM: hvd.Sum, AVERAGE: hvd.Average, MIN: hvd.Min, MAX: hvd.Max, PRODUCT: hvd.Product}
 SHAPES = [(), (0,), (7,), (3, 5)]
@@ -214,6 +215,46 @@ def sec_reducescatter(c):
                 "reducescatter Max", contains=("AVERAGE",))
 
 
+def sec_inplace(c):
+    """The sharded optimizer's in-place reducescatter and allgather (``ops._*_in_place_async``):
+    the share lands in the caller's tensor, the gathered rows too, every dtype, odd and tiny
+    row counts (fewer rows than ranks: empty shares), rows of several elements, large enough
+    for the ring as well as the direct exchange."""
+    n = c.n
+    for dt in T.REDUCE_DTYPES + [T.BF16]:
+        # Scale factors on floats (integers truncate at each scaling: see fvtest.ref_reduce).
+        pre, post = (2.0, 0.5) if T.is_float(np.dtype(dt)) else (1.0, 1.0)
+        for opn in (SUM, AVERAGE):
+            for shape in ((2 * n + 1, 3), (n - 1 if n > 1 else 1,), (300_001,)):
+                k = c.key()
+                xs = c.inputs(k, dt, shape, T.input_mode(opn, dt))
+                full = T.ref_reduce(xs, opn, dt, n, pre=pre, post=post)
+                s, cnt = T.split_rows(shape[0], n)[c.rank]
+                x = to_torch(xs[c.rank]).clone()
+                share = hvd.synchronize(ops._reducescatter_in_place_async(
+                    x, f"inplace.rs.{k}", OPS[opn], prescale_factor=pre, postscale_factor=post))
+                what = f"in-place reducescatter {dt} {opn} {shape}"
+                c.tensor(share, full[s:s + cnt], what, like=x)
+                c.ck.true(cnt == 0 or share.data_ptr() == x[s:].data_ptr(), what,
+                          "the share is not a view of the input")
+                c.tensor(x[s:s + cnt], full[s:s + cnt], f"{what}: in the input's rows")
+    for dt in T.ALL_DTYPES + [T.BF16]:
+        for shape in ((2 * n + 1, 2), (n - 1 if n > 1 else 1,), (1_000_003,)):
+            k = c.key()
+            xs = c.inputs(k, dt, shape)
+            exp = np.concatenate([xs[r][a:a + m] for r, (a, m) in enumerate(T.split_rows(shape[0], n))])
+            s, cnt = T.split_rows(shape[0], n)[c.rank]
+            x = torch.zeros(shape, dtype=to_torch(xs[c.rank]).dtype)
+            x[s:s + cnt] = to_torch(xs[c.rank])[s:s + cnt]
+            got = hvd.synchronize(ops._allgather_in_place_async(x, f"inplace.ag.{k}"))
+            c.ck.true(got is x, f"in-place allgather {dt} {shape}", "result is not the tensor")
+            c.tensor(x, exp, f"in-place allgather {dt} {shape}")
+    c.ck.raises(ValueError, lambda: ops._reducescatter_in_place_async(torch.ones(3)[::2], "x", hvd.Sum),
+                "in-place reducescatter of a strided view", contains=("contiguous",))
+    c.ck.raises(ValueError, lambda: ops._allgather_in_place_async(torch.tensor(1.0), "x"),
+                "in-place allgather of a 0-d tensor", contains=("dimension",))
+
+
 def sec_misc(c):
     ck = c.ck
     ck.raises(ValueError, lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)),
@@ -328,7 +369,8 @@ def sec_autograd(c):
 
 SECTIONS = {"allreduce": sec_allreduce, "grouped": sec_grouped, "allgather": sec_allgather,
             "broadcast": sec_broadcast, "alltoall": sec_alltoall,
-            "reducescatter": sec_reducescatter, "misc": sec_misc, "autograd": sec_autograd}
+            "reducescatter": sec_reducescatter, "inplace": sec_inplace, "misc": sec_misc,
+            "autograd": sec_autograd}
 
 
 def main():

@@ -350,6 +350,103 @@ def sec_state(run):
     run.ck.equal(float(opt.state[next(model.parameters())]["step"]), 2.0, "Adam step count")
 
 
+def two_groups(make):
+    """``make(groups)`` over two parameter groups with different learning rates (each group's
+    range straddles shards: 83 float64 parameters split 42/41, 28/28/27)."""
+    def build(model):
+        ps = list(model.parameters())
+        return make([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.03}])
+    build.__name__ = make.__name__ if hasattr(make, "__name__") else "two_groups"
+    return build
+
+
+def adamw_groups(groups):
+    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+
+
+def sgd_groups(groups):
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+
+
+def sec_sharded(run):
+    """DistributedOptimizer(sharded=True) against the unsharded one (bit for bit: the same
+    sums, then the same elementwise update on a slice) and single-process torch on the global
+    batch; its state_dict in the unsharded format both ways; clipping through synchronize();
+    accumulation; the refusals."""
+    n = run.n
+
+    def same(got, exp, what):
+        # Bit for bit on two ranks (a sum of two is the same either way round); with more,
+        # the reduce-scatter ring and the allreduce add in different orders.
+        if n <= 2:
+            run.ck.true(torch.equal(got, exp), what, "not bitwise equal: max abs diff "
+                        f"{float((got - exp).abs().max()):.3g}")
+        else:
+            run.close(got, exp, what)
+
+    for make_opt in (sgd, adam, two_groups(adamw_groups), two_groups(sgd_groups)):
+        name = make_opt.__name__
+        model, opt = distributed(run, make_opt, sharded=True)
+        run.ck.equal(opt.sharded, n > 1, f"{name}: sharded")
+        plain_model, plain_opt = distributed(run, make_opt)
+        run.train(model, opt)
+        run.train(plain_model, plain_opt)
+        run.same_on_all_ranks(flat(model), f"{name} sharded: parameters identical")
+        # Bit for bit on two ranks (a sum of two is the same either way); with more, the
+        # reduce-scatter ring and the allreduce add in different orders.
+        same(flat(model), flat(plain_model), f"{name} sharded: equals unsharded")
+        run.close(flat(model), flat(run.reference(make_opt)), f"{name} sharded: equals one "
+                  "process on the global batch")
+        if n > 1:
+            base = opt._shards.flat
+            run.ck.true(all(base.data_ptr() <= p.data_ptr() < base.data_ptr() + base.numel() * 8
+                            for p in model.parameters()), f"{name}: parameters",
+                        "not views of the flat buffer")
+        sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
+        run.ck.equal(sd["param_groups"], plain_sd["param_groups"], f"{name}: state_dict groups")
+        run.ck.equal(sorted(sd["state"]), sorted(plain_sd["state"]), f"{name}: state_dict keys")
+        for i, st in plain_sd["state"].items():
+            for k, v in st.items():
+                same(torch.as_tensor(sd["state"][i][k]), torch.as_tensor(v),
+                     f"{name}: state_dict[{i}][{k}]")
+        # Each loads the other's state and both train on: still equal.
+        m2, o2 = distributed(run, make_opt, sharded=True)
+        m2.load_state_dict(plain_model.state_dict())
+        o2.load_state_dict(plain_sd)
+        plain_opt.load_state_dict(sd)
+        run.train(m2, o2, seed_off=5)
+        run.train(plain_model, plain_opt, seed_off=5)
+        same(flat(m2), flat(plain_model), f"{name}: after load_state_dict")
+    # clipping: synchronize() reduces whole gradients; accumulation; zero_grad to zeros
+    model, opt = distributed(run, sharded=True)
+    run.train(model, opt, clip=0.05)
+    run.close(flat(model), flat(run.reference(sgd, clip=0.05)), "sharded with clipping")
+    model, opt = distributed(run, sharded=True, backward_passes_per_step=2)
+    run.train(model, opt, micro=2)
+    run.close(flat(model), flat(run.reference(sgd, micro=2)), "sharded, 2 backward passes")
+    model, opt = distributed(run, sharded=True)
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        x, y = batch(run.seed, s, run.r)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    run.close(flat(model), flat(run.reference(sgd)), "sharded, zero_grad(set_to_none=False)")
+    # broadcast_optimizer_state: the root's hyper-parameters
+    if run.r == 0:
+        opt.param_groups[0]["lr"] = 0.007
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    run.ck.equal(opt.param_groups[0]["lr"], 0.007, "sharded: lr from rank 0")
+    # what cannot be sharded is refused, naming why
+    model = make_model(0)
+    for what, build, kw, words in (
+            ("LBFGS", lambda m: torch.optim.LBFGS(m.parameters()), {}, ("elementwise",)),
+            ("compression", sgd, {"compression": hvd.Compression.fp16}, ("compress",)),
+            ("overlap", sgd, {"overlap": True}, ("overlap",))):
+        run.ck.raises(ValueError, lambda: hvd.DistributedOptimizer(
+            build(model), named_parameters=model.named_parameters(), sharded=True, **kw),
+            f"sharded with {what}", contains=words)
+
+
 def sec_psets(run):
     n, r = run.n, run.r
     ps = PAIR
@@ -381,7 +478,8 @@ def sec_psets(run):
 
 
 SECTIONS = {"optimizer": sec_optimizer, "semantics": sec_semantics, "sparse": sec_sparse,
-            "syncbn": sec_syncbn, "state": sec_state, "psets": sec_psets}
+            "syncbn": sec_syncbn, "state": sec_state, "sharded": sec_sharded,
+            "psets": sec_psets}
 PAIR = hvd.ProcessSet([0, 1])
 
 
