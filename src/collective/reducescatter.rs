@@ -28,15 +28,8 @@ pub fn reducescatter(
     factor: f64,
     output: &mut [u8],
 ) -> Result<()> {
-    check_reducible(dtype, op)?;
     let n = comm.size();
-    let segs = blocks(byte_counts, n, input.len(), "reducescatter")?;
-    if let Some(bad) = byte_counts.iter().find(|&&c| c % dtype.size() != 0) {
-        return Err(Error::InvalidArgument(format!(
-            "reducescatter: segment of {bad} bytes does not hold whole {} elements",
-            dtype.name()
-        )));
-    }
+    let segs = segments(n, byte_counts, input.len(), dtype, op)?;
     let mine = segs[comm.rank()].clone();
     if output.len() != mine.len() {
         return Err(Error::InvalidArgument(format!(
@@ -68,15 +61,28 @@ pub fn reducescatter_in_place(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
+    let segs = segments(comm.size(), byte_counts, buf.len(), dtype, op)?;
+    ring_reduce_scatter(comm, buf, &segs, dtype, op, factor)
+}
+
+/// The segments of a reducescatter's `len`-byte buffer, checking the reduction and that
+/// every segment holds whole elements (both forms of [`reducescatter`]).
+fn segments(
+    n: usize,
+    byte_counts: &[usize],
+    len: usize,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<Vec<Range<usize>>> {
     check_reducible(dtype, op)?;
-    let segs = blocks(byte_counts, comm.size(), buf.len(), "reducescatter")?;
+    let segs = blocks(byte_counts, n, len, "reducescatter")?;
     if let Some(bad) = byte_counts.iter().find(|&&c| c % dtype.size() != 0) {
         return Err(Error::InvalidArgument(format!(
             "reducescatter: segment of {bad} bytes does not hold whole {} elements",
             dtype.name()
         )));
     }
-    ring_reduce_scatter(comm, buf, &segs, dtype, op, factor)
+    Ok(segs)
 }
 
 /// The ring of [`ring_reduce_scatter`], reading the rank's own contribution from `input`

@@ -79,8 +79,7 @@ class _DistributedMixin:
         self._deferred: List[torch.Tensor] = []
         self._shards: Optional[Shards] = None
         if sharded:
-            check_shardable(type(self), self._requires_update, compression is Compression.none,
-                            op, overlap)
+            check_shardable(type(self), self._why_not_flat(), overlap)
             overlap = False
         self.overlap = _overlap_wanted(overlap, self._requires_update)
         # Buckets made here (groups=None), rather than groups the user chose: a parameter
@@ -163,20 +162,34 @@ class _DistributedMixin:
                 self._group_of[p] = i
             self._group_ready[i] = set()
 
+    def _why_not_flat(self) -> Optional[str]:
+        """Why the gradients cannot live in one flat buffer, or None when they can."""
+        params = self._requires_update
+        if not params:
+            return "no parameter requires a gradient"
+        if self._compression is not Compression.none:
+            return "compression makes new tensors"
+        if self.op not in (Average, Sum):
+            return "the op is neither Average nor Sum"
+        dtype = params[0].dtype
+        bad = [tuple(p.shape) for p in params
+               if p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous()
+               or p.dtype != dtype]
+        if bad or not dtype.is_floating_point:
+            return ("the parameters must be dense, contiguous, on the CPU and of one floating "
+                    f"dtype (the first is {dtype}); parameters of these shapes are not: "
+                    f"{bad[:4]}")
+        return None
+
     def _make_flat(self) -> None:
         """Sets up the flat gradient buffer when every gradient can live in it: dense,
         contiguous parameters of one floating dtype on the CPU, no compression (it makes new
         tensors), Average or Sum. Gradients that exist already move in; the others are
         adopted by their hooks."""
+        if self._why_not_flat() is not None:
+            return
         params = self._requires_update
-        if (not params or self._compression is not Compression.none
-                or self.op not in (Average, Sum)):
-            return
         dtype = params[0].dtype
-        if not dtype.is_floating_point or any(
-                p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous()
-                or p.dtype != dtype for p in params):
-            return
         self._flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
         offset = 0
         for p in params:

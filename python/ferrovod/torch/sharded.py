@@ -18,11 +18,11 @@ factored moments, LBFGS) would see a slice of it, and is refused.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .._api import Average, Sum, allgather_object
+from .._api import allgather_object
 from . import ops
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and
@@ -31,10 +31,10 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "A
                "Adadelta", "ASGD", "Rprop")
 
 
-def check_shardable(cls: type, params: List[torch.Tensor], compression_is_none: bool,
-                    op: int, overlap: Any) -> None:
+def check_shardable(cls: type, why_not_flat: Optional[str], overlap: Any) -> None:
     """Raises ``ValueError`` naming what keeps the sharded update from an optimizer of class
-    ``cls`` over ``params``."""
+    ``cls`` whose gradients cannot live in one flat buffer for ``why_not_flat`` (None: they
+    can)."""
     base = next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("torch.optim")),
                 cls.__name__)
     if base not in ELEMENTWISE:
@@ -45,20 +45,8 @@ def check_shardable(cls: type, params: List[torch.Tensor], compression_is_none: 
     if overlap:
         raise ValueError("sharded=True reduces every gradient at step(): overlap=True cannot "
                          "apply")
-    if not compression_is_none:
-        raise ValueError("sharded=True reduces gradients in place and cannot compress them")
-    if op not in (Average, Sum):
-        raise ValueError("sharded=True supports op=Average or op=Sum")
-    if not params:
-        raise ValueError("sharded=True needs at least one parameter that requires a gradient")
-    dtype = params[0].dtype
-    bad = [tuple(p.shape) for p in params
-           if p.device.type != "cpu" or p.layout != torch.strided or not p.is_contiguous()
-           or p.dtype != dtype]
-    if bad or not dtype.is_floating_point:
-        raise ValueError(
-            "sharded=True needs dense contiguous CPU parameters of one floating dtype (first "
-            f"is {dtype}); these differ: {bad[:4]}")
+    if why_not_flat is not None:
+        raise ValueError(f"sharded=True needs the gradients in one flat buffer: {why_not_flat}")
 
 
 class Shards:
