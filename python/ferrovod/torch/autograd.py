@@ -30,21 +30,11 @@ def _grad_name(name: Optional[str]) -> Optional[str]:
     return None if name is None else f"{name}.grad"
 
 
-def _set_size(process_set: ProcessSet) -> int:
-    return len(process_set.ranks) if process_set.process_set_id != 0 else _api.size()
-
-
-def _set_rank(process_set: ProcessSet) -> int:
-    if process_set.process_set_id == 0:
-        return _api.rank()
-    return process_set.ranks.index(_api.rank())
-
-
 def _row_offsets(rows: Sequence[int], process_set: ProcessSet) -> List[int]:
     """This rank's first row in each gathered tensor, from every rank's row counts."""
     counts = ops.synchronize(ops.allgather_async(torch.tensor([list(rows)], dtype=torch.int64),
                                                  process_set=process_set))
-    r = _set_rank(process_set)
+    r = ops._set_rank(process_set)
     return [int(v) for v in counts[:r].sum(0).tolist()] if r else [0] * len(rows)
 
 
@@ -178,7 +168,7 @@ class HorovodReducescatter(torch.autograd.Function):
         name, op, ps, scale = ctx.args
         g = ops.synchronize(ops.allgather_async(grad, _grad_name(name), ps))
         if int(op) == Average:
-            scale /= _set_size(ps)
+            scale /= ops._set_size(ps)
         return (g * scale if scale != 1.0 else g), None, None, None, None, None
 
 
@@ -198,7 +188,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         name, op, ps, scale = ctx.args
         gs = ops.synchronize(ops.grouped_allgather_async(list(grads), _grad_name(name), ps))
         if int(op) == Average:
-            scale /= _set_size(ps)
+            scale /= ops._set_size(ps)
         return (None,) * 5 + tuple(g * scale if scale != 1.0 else g for g in gs)
 
 

@@ -61,21 +61,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     del model  # Horovod needs it to build sparse zero gradients; nothing is stepped here
-    if getattr(optimizer, "sharded", False):
-        # Each shard's state lives on one rank only, so there is no copy to make equal; the
-        # hyper-parameters are the root's.
-        groups = broadcast_object(
-            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            root_rank, name="broadcast_optimizer_state.groups", process_set=process_set)
-        for group, opts in zip(optimizer.param_groups, groups):
-            group.update(opts)
-        return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     me = _api.rank() == int(root_rank)
     layout: Optional[Dict[str, Any]] = None
     if me:
         entries = []
-        for i, p in enumerate(params):
+        # A sharded optimizer's shards differ by rank and each one's state lives on that rank
+        # alone: there is no copy to make equal, only the hyper-parameters are the root's.
+        for i, p in enumerate([] if getattr(optimizer, "sharded", False) else params):
             for key, v in sorted(optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                 if isinstance(v, torch.Tensor):
                     entries.append((i, key, "tensor", (tuple(v.shape), str(v.dtype),

@@ -114,6 +114,12 @@ def _set_size(process_set: ProcessSet) -> int:
     return len(process_set.ranks)
 
 
+def _set_rank(process_set: ProcessSet) -> int:
+    if process_set.process_set_id == 0 or not process_set.ranks:
+        return _api.rank()
+    return process_set.ranks.index(_api.rank())
+
+
 def _cuda_target(tensors: Sequence[torch.Tensor], kind: int, what: str, op: int = Sum,
                  prescale: float = 1.0, postscale: float = 1.0,
                  process_set: ProcessSet = global_process_set) -> Optional[Tuple[int, int]]:
@@ -526,12 +532,6 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
     return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
                              [list(tensors), hosts], op=int(op), prescale=prescale_factor,
                              postscale=postscale_factor, now=now)
-
-
-def _set_rank(process_set: ProcessSet) -> int:
-    if process_set.process_set_id == 0 or not process_set.ranks:
-        return _api.rank()
-    return process_set.ranks.index(_api.rank())
 
 
 def _shard(rows: int, n: int, r: int) -> Tuple[int, int]:

@@ -67,8 +67,8 @@ class Shards:
                 offsets[p] = at
                 at += p.numel()
         self.offsets = offsets
-        first, count = ops._shard(at, n, rank)
-        self.lo, self.hi = first, first + count
+        lo, count = ops._shard(at, n, rank)
+        hi = lo + count
         # Per group: its range of the flat buffer (its parameters that need gradients are
         # consecutive there) and its part of this rank's shard.
         self.ranges: List[Tuple[int, int]] = []
@@ -79,7 +79,7 @@ class Shards:
             start = offsets[mine[0]] if mine else 0
             end = start + sum(p.numel() for p in mine)
             self.ranges.append((start, end))
-            a, b = max(start, self.lo), min(end, self.hi)
+            a, b = max(start, lo), min(end, hi)
             b = max(a, b)
             self.starts.append(a)
             self.views.append(self.flat[a:b])
