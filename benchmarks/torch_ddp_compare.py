@@ -30,16 +30,20 @@ The default model is an MLP of three 1024-wide hidden layers: 3.16 M parameters,
 gradients, the model of the speed issue's efficiency target.
 
 A "sharded" row trains a third copy with ``DistributedOptimizer(sharded=True)``: each rank
-reduce-scatters the gradients, updates its shard of the parameters and allgathers them (its
-parameters must equal the ferrovod row's after the warm-up: on two ranks bit for bit).
+reduces its shard of the gradients and updates its shard of the parameters (its parameters
+must equal the ferrovod row's after the warm-up: on two ranks bit for bit). With the ranks on
+one host they share memory (one copy of the parameters, each shard summed straight from the
+other ranks' gradient buffers); ``FERROVOD_SHM_DISABLE=1`` shows the reduce-scatter and
+allgather rings instead. Its "wait" phase is the reduction of its shard.
 
 To say where the time goes it also prints: a "no-comm" row (both ranks train at once with no
 communication: what sharing the machine costs before any gradient is averaged); a
 "sync-only" row (no gradients exchanged, but the ranks meet once per step before the update
 in a 4-byte allreduce: a synchronous job whose communication is free, so the ceiling of the
-scaling efficiency for any synchronous trainer here, since the faster rank waits for the
-slower one and both then update at once on one memory bus); the time to
-average the gradients alone (ferrovod per tensor as DistributedOptimizer submits them,
+scaling efficiency for any synchronous trainer that updates every parameter on every rank,
+since the faster rank waits for the slower one and both then update at once on one memory
+bus; the sharded update, half of it per rank, can pass it); the time to average the
+gradients alone (ferrovod per tensor as DistributedOptimizer submits them,
 ferrovod and gloo on one flat tensor); each step split into forward, backward, waiting in
 ``step()`` for allreduces still in flight, and the update, per rank; and, on Linux, the CPU
 time per step of each rank's training thread and of all its other threads (communication:

@@ -143,6 +143,20 @@ pub fn reducescatter_in_place(
     reducescatter::reducescatter_in_place(comm, buf, byte_counts, dtype, op, factor)
 }
 
+/// This rank's shard of a reduce-scatter over inputs that lie in host memory, read straight
+/// from the other ranks' segments.
+///
+/// See [`reducescatter::reduce_shard_in_host_memory`] for the algorithm and its protocol.
+pub fn reduce_shard_in_host_memory(
+    mem: &crate::transport::host_memory::HostMemory,
+    range: std::ops::Range<usize>,
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    reducescatter::reduce_shard_in_host_memory(mem, range, dtype, op, factor)
+}
+
 /// Returns once every rank of the set has entered.
 ///
 /// See [`barrier::barrier`] for the algorithm.

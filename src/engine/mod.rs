@@ -10,6 +10,8 @@ pub mod control;
 pub mod coordinator;
 mod device;
 mod execute;
+#[cfg(feature = "python")]
+pub(crate) use execute::post_factor;
 pub mod fast;
 pub mod handle;
 pub mod message;

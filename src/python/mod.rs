@@ -3,6 +3,7 @@
 //! submissions, and maps engine errors onto the exception classes of `ferrovod.exceptions`.
 
 mod errors;
+mod host_memory;
 mod tensor;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -899,6 +900,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
+    host_memory::register(m)?;
     m.add_function(wrap_pyfunction!(launch_info, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;

@@ -3,11 +3,14 @@
 //!
 //! - [`tcp::TcpTransport`]: the authenticated full mesh every job starts with;
 //! - [`hybrid::HybridTransport`]: that mesh with the peers on this host moved to
-//!   shared-memory links ([`shm`]), chosen per peer, progressed together.
+//!   shared-memory links ([`shm`]), chosen per peer, progressed together;
+//! - [`host_memory`]: not a link but memory of each rank that the other ranks of its host map,
+//!   for algorithms that read their peers' buffers where they lie.
 //!
 //! Peers are identified by **global** rank here; [`crate::comm::Communicator`] maps process-set
 //! ranks onto them.
 
+pub mod host_memory;
 pub mod hybrid;
 pub mod shm;
 pub mod tcp;

@@ -908,7 +908,7 @@ impl Drop for ShmLink {
 
 /// The only `unsafe` of the shared-memory transport: memfd + mmap, copies into and out of the
 /// mapping, and descriptor passing.
-mod sys {
+pub(super) mod sys {
     use std::fs::File;
     use std::io;
     use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -933,7 +933,7 @@ mod sys {
     /// its own header words): the bytes we copy are ones the peer published and will not
     /// touch until we advance our head. A misbehaving peer could only corrupt payload bytes
     /// (any bit pattern is a valid `u8`); indices it writes are range-checked by the caller.
-    pub(super) struct Mapping {
+    pub(in crate::transport) struct Mapping {
         ptr: NonNull<u8>,
         len: usize,
     }
@@ -948,8 +948,17 @@ mod sys {
     unsafe impl Sync for Mapping {}
 
     impl Mapping {
-        /// A new sealed memfd of `len` zero bytes, and its mapping.
-        pub(super) fn create(len: usize) -> io::Result<(OwnedFd, Mapping)> {
+        /// A new sealed memfd of `len` zero bytes, and its mapping (not inherited by a fork).
+        pub(in crate::transport) fn create(len: usize) -> io::Result<(OwnedFd, Mapping)> {
+            Self::create_with(len, false)
+        }
+
+        /// [`Mapping::create`]; `inherit`: a forked child keeps the mapping (memory that
+        /// torch tensors view, which a data-loader worker's copy of them may touch).
+        pub(in crate::transport) fn create_with(
+            len: usize,
+            inherit: bool,
+        ) -> io::Result<(OwnedFd, Mapping)> {
             let name = std::ffi::CString::new(super::NAME_PREFIX).expect("no NUL in the prefix");
             // SAFETY: `name` is a valid NUL-terminated string that outlives the call; the flags
             // are plain integers. A negative return is handled.
@@ -962,14 +971,23 @@ mod sys {
             let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
             // SAFETY: fcntl on our own open descriptor with an integer argument.
             cvt(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) })?;
-            let map = Self::map(file.as_fd(), len)?;
+            let map = Self::map(file.as_fd(), len, inherit)?;
             Ok((OwnedFd::from(file), map))
         }
 
         /// Maps a segment received from a peer, after checking that it is exactly `len` bytes
         /// and sealed against shrinking (a shrink would turn our accesses into SIGBUS). The
         /// descriptor is closed on return; the mapping keeps the memory alive.
-        pub(super) fn open(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
+        pub(in crate::transport) fn open(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
+            Self::open_with(fd, len, false)
+        }
+
+        /// [`Mapping::open`]; `inherit` as for [`Mapping::create_with`].
+        pub(in crate::transport) fn open_with(
+            fd: OwnedFd,
+            len: usize,
+            inherit: bool,
+        ) -> io::Result<Mapping> {
             let file = File::from(fd);
             let size = file.metadata()?.len();
             if size != len as u64 {
@@ -983,10 +1001,10 @@ mod sys {
             if seals & need != need {
                 return Err(io::Error::other("segment is not sealed against resizing"));
             }
-            Self::map(file.as_fd(), len)
+            Self::map(file.as_fd(), len, inherit)
         }
 
-        fn map(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        fn map(fd: BorrowedFd<'_>, len: usize, inherit: bool) -> io::Result<Mapping> {
             // SAFETY: a fresh shared mapping chosen by the kernel (null hint) of an open
             // descriptor whose size is at least `len` (set or checked by the callers, and
             // sealed); it aliases no Rust object. MAP_FAILED is handled.
@@ -1007,11 +1025,23 @@ mod sys {
                 ptr: NonNull::new(p.cast()).expect("mmap returned null without MAP_FIXED"),
                 len,
             };
-            // A forked child (a data-loader worker) must not inherit a writable view of the
-            // rings. Advice only: failure changes nothing else.
-            // SAFETY: the range is exactly the mapping created above.
-            unsafe { libc::madvise(p, len, libc::MADV_DONTFORK) };
+            if !inherit {
+                // A forked child (a data-loader worker) must not inherit a writable view of
+                // the rings. Advice only: failure changes nothing else.
+                // SAFETY: the range is exactly the mapping created above.
+                unsafe { libc::madvise(p, len, libc::MADV_DONTFORK) };
+            }
             Ok(map)
+        }
+
+        /// Bytes mapped.
+        pub(in crate::transport) fn len(&self) -> usize {
+            self.len
+        }
+
+        /// The first mapped byte (the mapping lives as long as `self`).
+        pub(in crate::transport) fn as_ptr(&self) -> *mut u8 {
+            self.ptr.as_ptr()
         }
 
         /// The 8-byte header word at `off`.
@@ -1110,7 +1140,11 @@ mod sys {
     }
 
     /// Sends `payload` with one descriptor attached (SCM_RIGHTS).
-    pub(super) fn send_with_fd(sock: &UnixStream, payload: &[u8], fd: &OwnedFd) -> io::Result<()> {
+    pub(in crate::transport) fn send_with_fd(
+        sock: &UnixStream,
+        payload: &[u8],
+        fd: &OwnedFd,
+    ) -> io::Result<()> {
         let mut iov = libc::iovec {
             iov_base: payload.as_ptr() as *mut libc::c_void,
             iov_len: payload.len(),
@@ -1149,7 +1183,7 @@ mod sys {
 
     /// Receives one message without waiting: (bytes, the first descriptor attached). Any
     /// other descriptors are closed. `WouldBlock` when nothing is queued.
-    pub(super) fn recv_with_fd(
+    pub(in crate::transport) fn recv_with_fd(
         sock: &UnixStream,
         buf: &mut [u8],
     ) -> io::Result<(usize, Option<OwnedFd>)> {

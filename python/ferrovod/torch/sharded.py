@@ -10,6 +10,20 @@ writes 1/n of the parameters, gradients and state: on CPU ranks that share one m
 update is memory-bound and all ranks run it at the same moment, so halving it on two ranks
 is what lifts a step past allreduce-then-update.
 
+**Host memory.** When every rank of the process set is on one host (and shared memory is not
+off), the flat gradient buffer of each rank lives in a segment every other rank maps, and
+the flat parameter buffer is one buffer in set rank 0's segment that every rank's model
+views (:mod:`ferrovod._host_memory`). A step then needs no ring at all: once every rank's
+gradients are final (a one-element allreduce, the ranks' meeting), each rank sums its shard
+straight from its peers' buffers into its own, updates its shard of the one copy of the
+parameters, and meets the others again, after which every rank sees every updated shard and
+none reads another's gradients any more. Each rank reads its shard of every gradient
+buffer once and writes its own: against the reduce-scatter and allgather rings, which copy
+every byte into a shared ring and out again, that is about half the memory traffic. The
+ranks of a host then hold one copy of the parameters: set rank 0's values at construction
+(as after ``broadcast_parameters``), and whatever any rank writes into a parameter, every
+rank sees.
+
 The shard of a rank is its rows of the flat buffer under Horovod's reducescatter split; a
 parameter may straddle two shards. This is right for optimizers whose update is elementwise
 (:data:`ELEMENTWISE`): an update that looks at a whole tensor (LAMB's trust ratio, Adafactor's
@@ -22,7 +36,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _host_memory
 from .._api import allgather_object
+from ..process_sets import ProcessSet
 from . import ops
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and
@@ -49,26 +65,53 @@ def check_shardable(cls: type, why_not_flat: Optional[str], overlap: Any) -> Non
         raise ValueError(f"sharded=True needs the gradients in one flat buffer: {why_not_flat}")
 
 
+def share_host_memory(flat: torch.Tensor, process_set: ProcessSet, n: int, rank: int,
+                      name: str) -> Optional[Tuple[Any, torch.Tensor, torch.Tensor]]:
+    """Host memory for the sharded update of the flat gradient buffer ``flat`` (see the module
+    doc), a collective: the memory, this rank's gradient buffer in it and the one parameter
+    buffer, or None on every rank when the ranks cannot share memory."""
+    if n < 2:
+        return None
+    nbytes = flat.numel() * flat.element_size()
+    params_at = -(-nbytes // 4096) * 4096
+    mem = _host_memory.share(params_at + nbytes, name, process_set, rank)
+    if mem is None:
+        return None
+    own = torch.from_numpy(_host_memory.view(mem, rank))
+    lead = torch.from_numpy(_host_memory.view(mem, 0))
+    return (mem, own[:nbytes].view(flat.dtype),
+            lead[params_at:params_at + nbytes].view(flat.dtype))
+
+
 class Shards:
     """The flat parameter buffer, the rank's shard of it per parameter group, and the
-    layout that maps shard state to and from the unsharded ``state_dict`` format."""
+    layout that maps shard state to and from the unsharded ``state_dict`` format.
+
+    ``host``: the host memory and the parameter buffer in it from :func:`share_host_memory`
+    (set rank 0 fills it; the caller then lets the ranks meet before anyone reads it)."""
 
     def __init__(self, groups: List[Dict[str, Any]], params: List[torch.Tensor],
-                 grad_flat: torch.Tensor, n: int, rank: int) -> None:
+                 grad_flat: torch.Tensor, n: int, rank: int,
+                 host: Optional[Tuple[Any, torch.Tensor]] = None) -> None:
         self.groups_params = [list(g["params"]) for g in groups]
         self.grad_flat = grad_flat
-        self.flat = torch.empty(grad_flat.numel(), dtype=grad_flat.dtype)
+        self.host = host[0] if host is not None else None
+        self.flat = (host[1] if host is not None
+                     else torch.empty(grad_flat.numel(), dtype=grad_flat.dtype))
+        fill = host is None or rank == 0
         offsets: Dict[torch.Tensor, int] = {}
         at = 0
         with torch.no_grad():
             for p in params:
-                self.flat[at:at + p.numel()].copy_(p.reshape(-1))
+                if fill:
+                    self.flat[at:at + p.numel()].copy_(p.reshape(-1))
                 p.data = self.flat[at:at + p.numel()].view_as(p)
                 offsets[p] = at
                 at += p.numel()
         self.offsets = offsets
         lo, count = ops._shard(at, n, rank)
         hi = lo + count
+        self.bytes = (lo * grad_flat.element_size(), count * grad_flat.element_size())
         # Per group: its range of the flat buffer (its parameters that need gradients are
         # consecutive there) and its part of this rank's shard.
         self.ranges: List[Tuple[int, int]] = []
@@ -89,6 +132,14 @@ class Shards:
         optimizer's ``zero_grad`` may have cleared it)."""
         for v, start in zip(self.views, self.starts):
             v.grad = self.grad_flat[start:start + v.numel()]
+
+    def reduce_in_host_memory(self, op: int, postscale: float) -> None:
+        """Sums this rank's shard of every rank's gradient buffer into its own (Average
+        divides by the ranks), times ``postscale``. Every rank's gradients must be final."""
+        assert self.host is not None
+        offset, nbytes = self.bytes
+        self.host.reduce_shard(offset, nbytes, ops._code(self.grad_flat, "sharded"), op,
+                               postscale)
 
     # ------------------------------------------------------------------ state_dict
 
@@ -175,4 +226,4 @@ def _copy(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) else x
 
 
-__all__ = ["ELEMENTWISE", "Shards", "check_shardable"]
+__all__ = ["ELEMENTWISE", "Shards", "check_shardable", "share_host_memory"]

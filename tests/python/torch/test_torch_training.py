@@ -50,3 +50,27 @@ def test_digits_example_reaches_95_percent():
         assert (HERE / "_digits_checkpoint.pt").exists(), "rank 0 wrote no checkpoint"
     finally:
         (HERE / "_digits_checkpoint.pt").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sharded_through_rings_without_host_memory(n):
+    """With shared memory off the sharded update reduce-scatters and allgathers through the
+    engine (the path ranks on several hosts take); the default runs above share host memory."""
+    res = run_job(n, HERE / "torch_train_worker.py", 60 + n, "sharded", timeout=180,
+                  env={"FERROVOD_SHM_DISABLE": "1"})
+    assert_ok(res, n, min_checks=50)
+
+
+@pytest.mark.parametrize("where", ["before_step", "after_reduce"])
+def test_killed_rank_in_a_sharded_step_is_reported(where):
+    """A rank SIGKILLed while the others wait in one of the sharded step's meetings: each
+    survivor raises RankFailureError naming it within 2 s."""
+    res = run_job(3, HERE / "torch_kill_worker.py", where, timeout=120,
+                  env={"FERROVOD_TIMEOUT_SECONDS": "30"})
+    assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"
+    assert lines_matching(res, 1, r"^killing myself"), describe(res)
+    for r in (0, 2):
+        got = lines_matching(res, r, r"^RANKFAIL step=3 rank_attr=(\S+) elapsed=([\d.]+)")
+        assert got, f"rank {r} did not report RankFailureError\n{describe(res)}"
+        assert got[0].group(1) == "1", describe(res)
+        assert float(got[0].group(2)) < 2.0, f"rank {r} took {got[0].group(2)} s\n{describe(res)}"

@@ -397,6 +397,9 @@ def sec_sharded(run):
         same(flat(model), flat(plain_model), f"{name} sharded: equals unsharded")
         run.close(flat(model), flat(run.reference(make_opt)), f"{name} sharded: equals one "
                   "process on the global batch")
+        host = n > 1 and os.environ.get("FERROVOD_SHM_DISABLE") != "1"
+        run.ck.equal(opt._shards.host is not None if n > 1 else False, host,
+                     f"{name}: one copy of the parameters in host memory")
         if n > 1:
             base = opt._shards.flat
             run.ck.true(all(base.data_ptr() <= p.data_ptr() < base.data_ptr() + base.numel() * 8

@@ -1,0 +1,154 @@
+//! Host memory for Python (see `transport::host_memory`): segments every rank of a host maps,
+//! which NumPy and torch view without a copy, and the reduce that reads them in place.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::errors::to_pyerr;
+use crate::config::Config;
+use crate::engine::post_factor;
+use crate::error::Error;
+use crate::transport::host_memory::{Exposed, HostMemory, Segment};
+use crate::types::{DType, ReduceOp};
+
+/// This rank's new segment and the socket that hands it to the other ranks, until `share`.
+#[pyclass(module = "ferrovod._core")]
+struct HostExposed {
+    inner: Option<Exposed>,
+}
+
+/// A new segment of `nbytes` zero bytes to share with the other ranks of this host, or `None`
+/// when shared memory is off (`FERROVOD_SHM_DISABLE`).
+#[pyfunction]
+fn expose_host_memory(nbytes: usize) -> PyResult<Option<HostExposed>> {
+    if Config::from_env().map_err(to_pyerr)?.shm_disable {
+        return Ok(None);
+    }
+    let inner = Exposed::new(nbytes).map_err(to_pyerr)?;
+    Ok(Some(HostExposed { inner: Some(inner) }))
+}
+
+#[pymethods]
+impl HostExposed {
+    /// The bytes the other ranks need to map this segment (exchange them by an allgather).
+    fn address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let e = self.inner.as_ref().ok_or_else(shared_already)?;
+        Ok(PyBytes::new(py, &e.address()))
+    }
+
+    /// Maps every reachable rank's segment (`addresses` in rank order, `rank` this one's),
+    /// handing this one to every rank that asks; the GIL is released meanwhile. Every rank
+    /// must call it (a collective). Once only.
+    fn share(
+        &mut self,
+        py: Python<'_>,
+        addresses: Vec<Vec<u8>>,
+        rank: usize,
+        timeout_s: f64,
+    ) -> PyResult<PyHostMemory> {
+        let e = self.inner.take().ok_or_else(shared_already)?;
+        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        let mem = py
+            .detach(move || e.share(&addresses, rank, timeout))
+            .map_err(to_pyerr)?;
+        Ok(PyHostMemory {
+            inner: Arc::new(mem),
+        })
+    }
+}
+
+fn shared_already() -> PyErr {
+    to_pyerr(Error::InvalidArgument(
+        "this host memory was shared already".into(),
+    ))
+}
+
+/// The segments of the ranks of one host, this rank's among them.
+#[pyclass(module = "ferrovod._core", name = "HostMemory")]
+struct PyHostMemory {
+    inner: Arc<HostMemory>,
+}
+
+#[pymethods]
+impl PyHostMemory {
+    /// Which ranks' segments are mapped here, in rank order.
+    fn mapped(&self) -> Vec<bool> {
+        self.inner.mapped()
+    }
+
+    /// Rank `rank`'s segment, for `numpy.asarray` (which keeps it mapped).
+    fn segment(&self, rank: usize) -> PyResult<HostSegment> {
+        self.inner
+            .segment(rank)
+            .map(|seg| HostSegment { seg })
+            .ok_or_else(|| {
+                to_pyerr(Error::InvalidArgument(format!(
+                    "host memory: rank {rank}'s segment is not mapped here"
+                )))
+            })
+    }
+
+    /// Reduces bytes `offset..offset + nbytes` of every rank's segment into this rank's
+    /// (`dtype`, `op` as the engine's codes; Average divides by the number of ranks), then
+    /// multiplies by `postscale`; the GIL is released meanwhile. The caller keeps the protocol
+    /// of `collective::reduce_shard_in_host_memory` (barriers before and after).
+    fn reduce_shard(
+        &self,
+        py: Python<'_>,
+        offset: usize,
+        nbytes: usize,
+        dtype: u8,
+        op: u8,
+        postscale: f64,
+    ) -> PyResult<()> {
+        let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
+        let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+        let mem = self.inner.clone();
+        let factor = post_factor(op, postscale, mem.mapped().len());
+        let end = offset.checked_add(nbytes).ok_or_else(|| {
+            to_pyerr(Error::InvalidArgument(format!(
+                "host memory: {nbytes} bytes from {offset}"
+            )))
+        })?;
+        py.detach(move || {
+            crate::collective::reduce_shard_in_host_memory(&mem, offset..end, dtype, op, factor)
+        })
+        .map_err(to_pyerr)
+    }
+}
+
+/// One rank's segment as NumPy sees it: `__array_interface__`, a writable 1-d uint8 view;
+/// NumPy keeps this object, and so the mapping, alive as the array's base.
+#[pyclass(module = "ferrovod._core")]
+struct HostSegment {
+    seg: Segment,
+}
+
+#[pymethods]
+impl HostSegment {
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("data", (self.seg.as_ptr() as usize, false))?;
+        d.set_item("shape", (self.seg.len(),))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("version", 3)?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.seg.len()
+    }
+}
+
+/// Adds this module's classes and functions to `ferrovod._core`.
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<HostExposed>()?;
+    m.add_class::<PyHostMemory>()?;
+    m.add_class::<HostSegment>()?;
+    m.add_function(wrap_pyfunction!(expose_host_memory, m)?)?;
+    Ok(())
+}
