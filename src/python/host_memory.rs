@@ -131,12 +131,7 @@ struct HostSegment {
 impl HostSegment {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("data", (self.seg.as_ptr() as usize, false))?;
-        d.set_item("shape", (self.seg.len(),))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("version", 3)?;
-        Ok(d)
+        super::array_interface(py, self.seg.as_ptr(), self.seg.len())
     }
 
     fn __len__(&self) -> usize {

@@ -624,17 +624,28 @@ impl OwnedBuffer {
     /// NumPy's array interface (version 3): a writable 1-d uint8 view of the bytes.
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("data", (self.data.as_slice().as_ptr() as usize, false))?;
-        d.set_item("shape", (self.data.as_slice().len(),))?;
-        d.set_item("typestr", "|u1")?;
-        d.set_item("version", 3)?;
-        Ok(d)
+        let bytes = self.data.as_slice();
+        array_interface(py, bytes.as_ptr(), bytes.len())
     }
 
     fn __len__(&self) -> usize {
         self.data.as_slice().len()
     }
+}
+
+/// NumPy's array interface (version 3) of `len` writable bytes at `ptr`: the object that
+/// returns it must keep them alive and in place (NumPy holds it as the array's base).
+fn array_interface<'py>(
+    py: Python<'py>,
+    ptr: *const u8,
+    len: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("data", (ptr as usize, false))?;
+    d.set_item("shape", (len,))?;
+    d.set_item("typestr", "|u1")?;
+    d.set_item("version", 3)?;
+    Ok(d)
 }
 
 /// The rendezvous store a launcher runs for its workers.

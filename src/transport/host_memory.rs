@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::shm::random_name_with;
 use super::shm::sys::{self, Mapping};
 use crate::bootstrap::net::{poll, poll_fd, POLL_IN};
 use crate::error::{Error, Result};
@@ -58,9 +59,10 @@ impl std::fmt::Debug for Mapping {
     }
 }
 
-fn socket_addr(name: &[u8]) -> std::io::Result<UnixAddr> {
-    let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
-    UnixAddr::from_abstract_name(format!("{NAME_PREFIX}-{hex}").as_bytes())
+/// The socket named by the first 16 bytes of an address.
+fn socket_addr(address: &[u8]) -> std::io::Result<UnixAddr> {
+    let token: &[u8; 16] = address[..16].try_into().expect("addresses are checked");
+    UnixAddr::from_abstract_name(random_name_with(NAME_PREFIX, token).as_bytes())
 }
 
 impl Exposed {
@@ -73,7 +75,7 @@ impl Exposed {
         // copies of them must not point at unmapped pages.
         let (fd, map) = Mapping::create_with(len.max(1), true)
             .map_err(|e| Error::Io(format!("host memory segment of {len} bytes: {e}")))?;
-        let listener = socket_addr(&address[..16])
+        let listener = socket_addr(&address)
             .and_then(|a| UnixListener::bind_addr(&a))
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| Error::Io(format!("host memory: binding a Unix socket: {e}")))?;
@@ -122,7 +124,7 @@ impl Exposed {
         // then serve the others before it waits for its own answers.
         let mut asked = Vec::new();
         for (p, a) in addresses.iter().enumerate().filter(|&(p, _)| p != rank) {
-            let sock = socket_addr(&a[..16]).and_then(|addr| UnixStream::connect_addr(&addr));
+            let sock = socket_addr(a).and_then(|addr| UnixStream::connect_addr(&addr));
             match sock.and_then(|mut s| s.write_all(&a[16..]).map(|()| s)) {
                 Ok(s) => asked.push((p, s)),
                 Err(e) => log::debug!(

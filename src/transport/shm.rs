@@ -247,7 +247,8 @@ fn abstract_name(token: &[u8; 16]) -> String {
     random_name_with(NAME_PREFIX, token)
 }
 
-fn random_name_with(prefix: &str, token: &[u8; 16]) -> String {
+/// `prefix` and `token` in hex: a name for an abstract Unix socket.
+pub(super) fn random_name_with(prefix: &str, token: &[u8; 16]) -> String {
     let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
     format!("{prefix}-{hex}")
 }
