@@ -51,6 +51,10 @@ pub enum Error {
     /// The engine has shut down, or the job was shut down because of an error elsewhere.
     #[error("{0}")]
     Shutdown(String),
+    /// The caller stopped waiting (a signal such as Ctrl-C); the op was left pending or, on
+    /// the fast path, abandoned by this rank.
+    #[error("interrupted while {0}")]
+    Interrupted(String),
 }
 
 impl Error {
@@ -80,6 +84,7 @@ impl Error {
             Error::Auth(_) => 6,
             Error::NotInitialized(_) => 7,
             Error::Shutdown(_) => 8,
+            Error::Interrupted(_) => 9,
         }
     }
 }

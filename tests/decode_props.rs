@@ -224,8 +224,11 @@ fn arb_from() -> impl Strategy<Value = FromCoordinator> {
             prop_oneof![any::<u32>().prop_map(Ok), ".{0,20}".prop_map(Err)]
         )
             .prop_map(|(ranks, result)| FromCoordinator::SetAdded { ranks, result }),
-        (any::<u32>(), any::<bool>())
-            .prop_map(|(id, removed)| FromCoordinator::SetRemoved { id, removed }),
+        (
+            any::<u32>(),
+            prop_oneof![any::<bool>().prop_map(Ok), ".{0,20}".prop_map(Err)]
+        )
+            .prop_map(|(id, result)| FromCoordinator::SetRemoved { id, result }),
         any::<usize>().prop_map(|rank| FromCoordinator::RankLeft { rank }),
         (any::<usize>(), ".{0,20}", any::<bool>()).prop_map(|(rank, detail, stalled)| {
             FromCoordinator::RankFailed {

@@ -92,8 +92,11 @@ fn wait_err(h: &Handle) -> Error {
 /// A host allreduce after the device ops: every rank contributes `rank*10 + i`.
 fn host_sum_works(rank: usize, n: usize, e: &Engine, name: &str) {
     let data: Vec<f32> = (0..7).map(|i| (rank * 10 + i) as f32).collect();
-    let got = result_f32(&e.submit(op(name, OpKind::Allreduce, vec![host_tensor(&data)])))
-        .unwrap_or_else(|err| panic!("rank {rank}: host allreduce {name} failed: {err}"));
+    let got = result_f32(
+        &e.submit(op(name, OpKind::Allreduce, vec![host_tensor(&data)]))
+            .unwrap(),
+    )
+    .unwrap_or_else(|err| panic!("rank {rank}: host allreduce {name} failed: {err}"));
     let want: Vec<f32> = (0..7)
         .map(|i| (0..n).map(|r| (r * 10 + i) as f32).sum())
         .collect();
@@ -109,7 +112,7 @@ fn host_vs_cuda_disagreement_is_a_mismatch_on_every_rank_naming_who_sent_what() 
         } else {
             host_tensor(&[1.0; 4])
         };
-        let err = wait_err(&e.submit(op("grad.w", OpKind::Allreduce, vec![t])));
+        let err = wait_err(&e.submit(op("grad.w", OpKind::Allreduce, vec![t])).unwrap());
         host_sum_works(rank, n, e, "after_mismatch");
         err
     });
@@ -136,14 +139,20 @@ fn cuda_ops_fail_promptly_and_alike_where_cuda_cannot_be_used_and_host_ops_go_on
         let start = Instant::now();
         // A lone allreduce, then two fused ones and a broadcast: the first creates (tries to
         // create) the communicator, the later ones get the same verdict.
-        let first = wait_err(&e.submit(op("a", OpKind::Allreduce, vec![cuda_tensor(8)])));
+        let first = wait_err(
+            &e.submit(op("a", OpKind::Allreduce, vec![cuda_tensor(8)]))
+                .unwrap(),
+        );
         let hs: Vec<Handle> = ["b", "c"]
             .iter()
-            .map(|name| e.submit(op(name, OpKind::Allreduce, vec![cuda_tensor(3)])))
+            .map(|name| {
+                e.submit(op(name, OpKind::Allreduce, vec![cuda_tensor(3)]))
+                    .unwrap()
+            })
             .collect();
         let mut bcast = op("d", OpKind::Broadcast, vec![cuda_tensor(5)]);
         bcast.root = 2;
-        let hb = e.submit(bcast);
+        let hb = e.submit(bcast).unwrap();
         let later: Vec<Error> = hs.iter().chain([&hb]).map(wait_err).collect();
         let elapsed = start.elapsed();
         host_sum_works(rank, n, e, "after_cuda");
@@ -174,31 +183,40 @@ fn what_the_nccl_path_cannot_run_is_refused_before_negotiation() {
         // Host input, CUDA output.
         let mut mixed = host_tensor(&[1.0; 4]);
         mixed.output = cuda_tensor(4).output;
-        errs.push(("mixed", e.submit(op("m", OpKind::Allreduce, vec![mixed]))));
+        errs.push((
+            "mixed",
+            e.submit(op("m", OpKind::Allreduce, vec![mixed])).unwrap(),
+        ));
         // Allgather's output is sized by the negotiation: staged, never sent to NCCL.
         let mut gather = cuda_tensor(4);
         gather.output = None;
         errs.push((
             "allgather",
-            e.submit(op("g", OpKind::Allgather, vec![gather])),
+            e.submit(op("g", OpKind::Allgather, vec![gather])).unwrap(),
         ));
         // 5 rows do not split evenly over 2 ranks.
         let mut rs = cuda_tensor(5);
         rs.output = cuda_tensor(2).output;
-        errs.push(("uneven", e.submit(op("r", OpKind::Reducescatter, vec![rs]))));
+        errs.push((
+            "uneven",
+            e.submit(op("r", OpKind::Reducescatter, vec![rs])).unwrap(),
+        ));
         // NCCL has no int16.
         let mut i16s = cuda_tensor(4);
         i16s.meta = TensorMeta {
             dtype: DType::I16,
             shape: vec![8],
         };
-        errs.push(("int16", e.submit(op("i", OpKind::Allreduce, vec![i16s]))));
+        errs.push((
+            "int16",
+            e.submit(op("i", OpKind::Allreduce, vec![i16s])).unwrap(),
+        ));
         // The engine allocates no device memory.
         let mut no_out = cuda_tensor(4);
         no_out.output = None;
         errs.push((
             "no output",
-            e.submit(op("o", OpKind::Allreduce, vec![no_out])),
+            e.submit(op("o", OpKind::Allreduce, vec![no_out])).unwrap(),
         ));
         // Two devices in one op.
         let mut two = cuda_tensor(4);
@@ -206,7 +224,7 @@ fn what_the_nccl_path_cannot_run_is_refused_before_negotiation() {
         two.output = Some(unsafe { TensorBuf::device(FAKE_DEVICE_PTR, 16, 1, 0) });
         errs.push((
             "two devices",
-            e.submit(op("t", OpKind::Allreduce, vec![two])),
+            e.submit(op("t", OpKind::Allreduce, vec![two])).unwrap(),
         ));
         let errs: Vec<(&str, Error)> = errs.into_iter().map(|(w, h)| (w, wait_err(&h))).collect();
         host_sum_works(rank, n, e, "after_refusals");

@@ -43,7 +43,8 @@ fn named_ops_match_across_orders_fuse_and_replay_from_cache() {
                         .collect();
                     (
                         i,
-                        e.submit(allreduce_op(&format!("grad{i}"), &data, ReduceOp::Sum, 0)),
+                        e.submit(allreduce_op(&format!("grad{i}"), &data, ReduceOp::Sum, 0))
+                            .unwrap(),
                     )
                 })
                 .collect();
@@ -65,10 +66,16 @@ fn named_ops_match_across_orders_fuse_and_replay_from_cache() {
 fn mismatch_is_reported_on_every_rank_and_the_job_goes_on() {
     let results = job(3, &[], |rank, e| {
         let len = if rank == 1 { 5 } else { 4 };
-        let err = result_f32(&e.submit(allreduce_op("w", &vec![1.0; len], ReduceOp::Sum, 0)))
-            .unwrap_err();
-        let after =
-            result_f32(&e.submit(allreduce_op("ok", &[rank as f32], ReduceOp::Max, 0))).unwrap();
+        let err = result_f32(
+            &e.submit(allreduce_op("w", &vec![1.0; len], ReduceOp::Sum, 0))
+                .unwrap(),
+        )
+        .unwrap_err();
+        let after = result_f32(
+            &e.submit(allreduce_op("ok", &[rank as f32], ReduceOp::Max, 0))
+                .unwrap(),
+        )
+        .unwrap();
         (err, after)
     });
     for (err, after) in results {
@@ -93,12 +100,14 @@ fn joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
         let mut sums = Vec::new();
         if rank != 0 {
             for step in 0..4 {
-                let h = e.submit(allreduce_op(
-                    &format!("s{step}"),
-                    &[3.0, rank as f32],
-                    ReduceOp::Average,
-                    0,
-                ));
+                let h = e
+                    .submit(allreduce_op(
+                        &format!("s{step}"),
+                        &[3.0, rank as f32],
+                        ReduceOp::Average,
+                        0,
+                    ))
+                    .unwrap();
                 sums.push(result_f32(&h).unwrap());
             }
         }
@@ -128,12 +137,15 @@ fn disjoint_process_sets_do_not_wait_for_each_other() {
             std::thread::sleep(Duration::from_millis(1500));
         }
         for i in 0..30 {
-            let got = result_f32(&e.submit(allreduce_op(
-                &format!("x{i}"),
-                &[rank as f32],
-                ReduceOp::Sum,
-                set,
-            )))
+            let got = result_f32(
+                &e.submit(allreduce_op(
+                    &format!("x{i}"),
+                    &[rank as f32],
+                    ReduceOp::Sum,
+                    set,
+                ))
+                .unwrap(),
+            )
             .unwrap();
             let want = if set == 1 { 1.0 } else { 5.0 };
             assert_eq!(got, vec![want]);
@@ -155,7 +167,9 @@ fn process_sets_can_be_added_and_removed_and_foreign_sets_are_rejected() {
             e.add_process_set(vec![0, 2]).wait().is_err(),
             "duplicate set"
         );
-        let h = e.submit(allreduce_op("p", &[rank as f32 + 1.0], ReduceOp::Sum, id));
+        let h = e
+            .submit(allreduce_op("p", &[rank as f32 + 1.0], ReduceOp::Sum, id))
+            .unwrap();
         let r = result_f32(&h);
         if rank == 1 {
             assert!(
@@ -180,7 +194,9 @@ fn a_rank_that_leaves_fails_the_ops_waiting_for_it_naming_it() {
         if rank == 2 {
             return None;
         }
-        let h = e.submit(allreduce_op("never", &[1.0], ReduceOp::Sum, 0));
+        let h = e
+            .submit(allreduce_op("never", &[1.0], ReduceOp::Sum, 0))
+            .unwrap();
         let start = Instant::now();
         let r = result_f32(&h);
         let took = start.elapsed();
@@ -205,24 +221,28 @@ fn ops_nobody_drives_complete_promptly_after_rank_0_drove_the_coordinator() {
         let progress = e.progress();
         let mut worst = Duration::ZERO;
         for i in 0..300 {
-            let h = e.submit(allreduce_op(
-                &format!("driven.{i}"),
-                &[1.0],
-                ReduceOp::Sum,
-                0,
-            ));
+            let h = e
+                .submit(allreduce_op(
+                    &format!("driven.{i}"),
+                    &[1.0],
+                    ReduceOp::Sum,
+                    0,
+                ))
+                .unwrap();
             let out = progress.wait(&h).expect("first wait").unwrap();
             assert_eq!(f32_from(out.tensors[0].0.as_slice()), vec![2.0]);
             if rank == 1 {
                 std::thread::sleep(Duration::from_millis(2));
             }
             let start = Instant::now();
-            let h = e.submit(allreduce_op(
-                &format!("polled.{i}"),
-                &[rank as f32],
-                ReduceOp::Sum,
-                0,
-            ));
+            let h = e
+                .submit(allreduce_op(
+                    &format!("polled.{i}"),
+                    &[rank as f32],
+                    ReduceOp::Sum,
+                    0,
+                ))
+                .unwrap();
             while !h.poll() {
                 std::thread::sleep(Duration::from_micros(200));
             }
@@ -259,6 +279,7 @@ fn a_backlog_larger_than_the_control_buffers_completes() {
                         ReduceOp::Sum,
                         0,
                     ))
+                    .unwrap()
                 })
                 .collect();
             for (i, h) in handles.iter().enumerate() {

@@ -20,16 +20,13 @@ fn op(name: &str, data: &[f32]) -> OpSpec {
 /// What the Python layer does for a blocking allreduce: offer, then the engine unless the
 /// fast path reduced it. Returns the outcome of the offer and the result.
 fn blocking(e: &Engine, mut spec: OpSpec) -> (Outcome, Vec<f32>) {
+    let claim = e.claim(&spec).expect("name free");
     let outcome = e.fast_path().offer(&mut spec).expect("offer");
     if outcome == Outcome::Done {
         let out = spec.tensors[0].output.as_ref().unwrap().as_slice().to_vec();
         return (outcome, f32_from(&out));
     }
-    let h = if outcome == Outcome::Declined {
-        e.submit_unslotted(spec)
-    } else {
-        e.submit(spec)
-    };
+    let h = e.submit_claimed(spec, claim, outcome != Outcome::Declined);
     // An engine op hands an owned output back through its handle.
     (outcome, wait_sum(&h))
 }
@@ -52,14 +49,14 @@ fn blocking_allreduces_on_one_host_take_the_fast_path_and_fall_back_when_ranks_d
                 // declines; rank 1 offers first and meets that decline.
                 let x = op(&format!("x{i}"), &data);
                 if rank == 0 {
-                    let hx = e.submit(x);
+                    let hx = e.submit(x).unwrap();
                     let (o, got) = blocking(e, op(&format!("y{i}"), &data));
                     assert_eq!((o, &got), (Outcome::Ineligible, &expect));
                     hx.wait(Duration::ZERO).unwrap().unwrap();
                 } else {
                     let (o, got) = blocking(e, op(&format!("y{i}"), &data));
                     assert_eq!((o, &got), (Outcome::Declined, &expect));
-                    e.submit(x).wait(Duration::ZERO).unwrap().unwrap();
+                    e.submit(x).unwrap().wait(Duration::ZERO).unwrap().unwrap();
                 }
                 outcomes.push(o_marker(rank));
                 continue;
@@ -98,7 +95,11 @@ fn ranks_on_two_hosts_never_offer() {
             let mut spec = op(&format!("b{i}"), &data);
             let o = e.fast_path().offer(&mut spec).expect("offer");
             assert_eq!(o, Outcome::Ineligible, "rank {rank} op {i}");
-            e.submit(spec).wait(Duration::ZERO).unwrap().unwrap();
+            e.submit(spec)
+                .unwrap()
+                .wait(Duration::ZERO)
+                .unwrap()
+                .unwrap();
         }
         e.fast_path().stats()
     });

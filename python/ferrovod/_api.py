@@ -327,19 +327,63 @@ class _Pending:
         self.keepalive = keepalive
 
 
+class _BadArgument(InvalidArgumentError):
+    """An argument this rank cannot submit an op with. Raised only before anything is
+    submitted; the op functions then refuse the op through the engine (:func:`_refuse`), so
+    that the other members of the set fail it too instead of waiting for it."""
+
+
+def _refuse(kind: int, name: str, process_set: ProcessSet, reason: str, now: bool) -> "_Pending":
+    """This rank's part in an op it refuses: the engine negotiates the name as a rejection,
+    and every member of the set fails the op with ``reason``. A blocking caller (``now``)
+    waits for that and raises the error every rank gets; an async one raises at once, as
+    Horovod does at submission (the others still learn of it through the engine)."""
+    core = _core.reject(kind, name, _set_id(process_set), reason)
+    if not now:
+        raise InvalidArgumentError(f"{reason} (every rank of the set fails this op)")
+    return _Pending(core, lambda _: None)
+
+
 def _as_array(tensor: Tensor) -> np.ndarray:
     """A NumPy view of ``tensor`` (zero-copy for arrays and CPU DLPack objects)."""
     if isinstance(tensor, np.ndarray):
         return tensor
+    if tensor is None:
+        raise _BadArgument("expected an array or a tensor, got None")
     if hasattr(tensor, "__dlpack__"):
         try:
             return np.from_dlpack(tensor)
         except (TypeError, RuntimeError, BufferError) as e:
-            raise InvalidArgumentError(
+            raise _BadArgument(
                 f"cannot read a {type(tensor).__name__} through DLPack ({e}); pass a CPU tensor "
                 "or a NumPy array"
             ) from e
-    return np.asarray(tensor)
+    arr = np.asarray(tensor)
+    if arr.dtype == object:
+        raise _BadArgument(f"expected an array or a tensor, got {type(tensor).__name__}")
+    return arr
+
+
+def _writable(tensor: Tensor, arr: np.ndarray, what: str) -> None:
+    """Refuses an in-place op on memory it cannot write back into: a read-only array, or an
+    object (a list, bytes) that ``arr`` is a copy of."""
+    if not (isinstance(tensor, np.ndarray) or hasattr(tensor, "__dlpack__")):
+        raise _BadArgument(
+            f"{what} writes its result into its input, which must be an array or a tensor; "
+            f"got a {type(tensor).__name__} (use the out-of-place {what.rstrip('_')})")
+    if not arr.flags.writeable:
+        raise _BadArgument(f"{what} writes its result into its input, which is read-only")
+
+
+def _root(root_rank: Any) -> int:
+    """``root_rank`` as a global rank of this job, or refused."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise _BadArgument(f"root_rank must be an integer rank, got {root_rank!r} "
+                           f"({type(root_rank).__name__})")
+    if not 0 <= int(root_rank) < size():
+        raise _BadArgument(
+            f"broadcast received invalid root rank {int(root_rank)}: the job has {size()} ranks")
+    return int(root_rank)
 
 
 def _contiguous(arr: np.ndarray) -> np.ndarray:
@@ -365,7 +409,7 @@ def _dtype_code(arr: np.ndarray, what: str) -> int:
         return code
     code = _DTYPES.get(arr.dtype.name)
     if code is None:
-        raise InvalidArgumentError(
+        raise _BadArgument(
             f"{what}: dtype {arr.dtype} is not supported (supported: {', '.join(_DTYPES)})"
         )
     _DTYPE_CODES[arr.dtype] = code
@@ -400,12 +444,22 @@ def _set_id(process_set: ProcessSet) -> int:
     return int(process_set.process_set_id)
 
 
+_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
+             Product: "Product"}
+
+
 def _resolve_op(op: Optional[int], average: Optional[bool], default: int = Average) -> int:
+    """The reduction's code, or refused (a float, a string or an unknown code is not one)."""
     if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        raise _BadArgument("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
         return Average if average else Sum
-    return default if op is None else int(op)
+    if op is None:
+        return default
+    if isinstance(op, bool) or not isinstance(op, (int, np.integer)) or int(op) not in _OP_NAMES:
+        raise _BadArgument(f"op={op!r} is not a reduction: use Sum, Average, Min, Max or Product "
+                           "(ferrovod.Sum, ...)")
+    return int(op)
 
 
 def _register(core: Any, finish: Callable[[Any], Any], keepalive: Any = None) -> Handle:
@@ -594,17 +648,24 @@ def _allreduce(
     process_set: ProcessSet, kind_name: str, single: bool = False, now: bool = False,
 ) -> _Pending:
     """``now``: the caller waits at once (see ``_submit``)."""
-    rop = _resolve_op(op, average)
-    if rop == Adasum:
-        raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
-    originals = [_as_array(t) for t in tensors]
-    inputs = [_contiguous(a) for a in originals]
-    if inplace:
-        outputs = inputs
-    else:
-        outputs = [np.empty_like(a, order="C") for a in inputs]
-    core = _submit(_core.ALLREDUCE, _auto_name(kind_name, name), process_set, inputs, outputs,
-                   rop, 0, prescale_factor, postscale_factor, now=now)
+    name = _auto_name(kind_name, name)
+    try:
+        rop = _resolve_op(op, average)
+        if rop == Adasum:
+            raise _BadArgument("Adasum is not supported by ferrovod yet")
+        originals = [_as_array(t) for t in tensors]
+        if inplace:
+            for t, a in zip(tensors, originals):
+                _writable(t, a, kind_name + "_")
+        inputs = [_contiguous(a) for a in originals]
+        if inplace:
+            outputs = inputs
+        else:
+            outputs = [np.empty_like(a, order="C") for a in inputs]
+        core = _submit(_core.ALLREDUCE, name, process_set, inputs, outputs, rop, 0,
+                       prescale_factor, postscale_factor, now=now)
+    except _BadArgument as e:
+        return _refuse(_core.ALLREDUCE, name, process_set, str(e), now)
     return _Pending(core, _AllreduceResult(tensors, originals, inputs, outputs, inplace, single))
 
 
@@ -614,7 +675,10 @@ def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[
     fast path): no handle, result holder or pending op. False, having done nothing, for what
     it does not take (non-contiguous, byte-swapped or bfloat16 arrays, Adasum): the general
     path then runs, under the same name."""
-    rop = _resolve_op(op, average)
+    try:
+        rop = _resolve_op(op, average)
+    except _BadArgument:
+        return False
     if rop == Adasum:
         return False
     return bool(_core.op_now(_core.ALLREDUCE, tensor, out, name, int(rop), 0, float(prescale),
@@ -682,7 +746,7 @@ def grouped_allreduce(tensors: Sequence[Tensor], average: Optional[bool] = None,
                       process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
     """Reduces a list of tensors as one unit; returns the list of results."""
     return _now(_allreduce(list(tensors), False, average, name, op, prescale_factor,
-                           postscale_factor, process_set, "grouped_allreduce"))
+                           postscale_factor, process_set, "grouped_allreduce", now=True))
 
 
 def grouped_allreduce_async_(tensors: Sequence[Tensor], average: Optional[bool] = None,
@@ -700,7 +764,7 @@ def grouped_allreduce_(tensors: Sequence[Tensor], average: Optional[bool] = None
                        process_set: ProcessSet = global_process_set) -> List[Tensor]:
     """Reduces a list of tensors in place as one unit; returns them."""
     return _now(_allreduce(list(tensors), True, average, name, op, prescale_factor,
-                           postscale_factor, process_set, "grouped_allreduce"))
+                           postscale_factor, process_set, "grouped_allreduce", now=True))
 
 
 # ----------------------------------------------------------------------------- allgather
@@ -709,13 +773,16 @@ def grouped_allreduce_(tensors: Sequence[Tensor], average: Optional[bool] = None
 def _gather(tensors: Sequence[Tensor], name: Optional[str], process_set: ProcessSet,
             kind_name: str, now: bool = False) -> _Pending:
     """``now``: the caller waits at once (see ``_submit``)."""
-    inputs = [_contiguous(_as_array(t)) for t in tensors]
-    for a in inputs:
-        if a.ndim == 0:
-            raise InvalidArgumentError(
-                f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
-    core = _submit(_core.ALLGATHER, _auto_name(kind_name, name), process_set, inputs,
-                   [None] * len(inputs), now=now)
+    name = _auto_name(kind_name, name)
+    try:
+        inputs = [_contiguous(_as_array(t)) for t in tensors]
+        for a in inputs:
+            if a.ndim == 0:
+                raise _BadArgument(
+                    f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
+        core = _submit(_core.ALLGATHER, name, process_set, inputs, [None] * len(inputs), now=now)
+    except _BadArgument as e:
+        return _refuse(_core.ALLGATHER, name, process_set, str(e), now)
     dtypes = [a.dtype for a in inputs]
 
     def finish(result: Any) -> List[np.ndarray]:
@@ -766,7 +833,7 @@ def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = Non
 def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> List[np.ndarray]:
     """Allgathers a list of tensors as one unit."""
-    return _now(_gather(list(tensors), name, process_set, "grouped_allgather"))
+    return _now(_gather(list(tensors), name, process_set, "grouped_allgather", now=True))
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -775,14 +842,17 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
 def _broadcast(tensor: Tensor, root_rank: int, name: Optional[str],
                process_set: ProcessSet, inplace: bool, now: bool = False) -> _Pending:
     """``now``: the caller waits at once (see ``_submit``)."""
-    if not 0 <= int(root_rank) < size():
-        raise InvalidArgumentError(
-            f"broadcast received invalid root rank {root_rank}: the job has {size()} ranks")
-    original = _as_array(tensor)
-    buf = _contiguous(original)
-    out = buf if inplace else np.empty_like(buf, order="C")
-    core = _submit(_core.BROADCAST, _auto_name("broadcast", name), process_set, [buf], [out],
-                   root=int(root_rank), now=now)
+    name = _auto_name("broadcast", name)
+    try:
+        root = _root(root_rank)
+        original = _as_array(tensor)
+        if inplace:
+            _writable(tensor, original, "broadcast_")
+        buf = _contiguous(original)
+        out = buf if inplace else np.empty_like(buf, order="C")
+        core = _submit(_core.BROADCAST, name, process_set, [buf], [out], root=root, now=now)
+    except _BadArgument as e:
+        return _refuse(_core.BROADCAST, name, process_set, str(e), now)
 
     def finish(_: Any) -> Any:
         if inplace:
@@ -804,7 +874,8 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
     name = _auto_name("broadcast", name)
-    if type(tensor) is np.ndarray and process_set is global_process_set and root_rank >= 0:
+    if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
+            and root_rank >= 0:
         out = np.empty_like(tensor, order="C")
         # One call into the engine (see _allreduce_now); False: the general path.
         if _core.op_now(_core.BROADCAST, tensor, out, name, Sum, int(root_rank)):
@@ -822,7 +893,8 @@ def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
     name = _auto_name("broadcast", name)
-    if type(tensor) is np.ndarray and process_set is global_process_set and root_rank >= 0:
+    if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
+            and root_rank >= 0:
         # One call into the engine (see _allreduce_now); False: the general path.
         if _core.op_now(_core.BROADCAST, tensor, tensor, name, Sum, int(root_rank)):
             return tensor
@@ -842,16 +914,23 @@ def alltoall_async(tensor: Tensor, splits: Optional[Sequence[int]] = None,
 def _alltoall(tensor: Tensor, splits: Optional[Sequence[int]], name: Optional[str],
               process_set: ProcessSet, now: bool = False) -> _Pending:
     """``now``: the caller waits at once (see ``_submit``)."""
-    arr = _contiguous(_as_array(tensor))
-    if arr.ndim == 0:
-        raise InvalidArgumentError("alltoall: a 0-d (scalar) tensor has no first dimension")
-    split_list: List[int] = []
-    if splits is not None:
-        split_list = [int(s) for s in np.asarray(_as_array(splits)).reshape(-1)]
-        if any(s < 0 for s in split_list):
-            raise InvalidArgumentError(f"alltoall: splits must be non-negative, got {split_list}")
-    core = _submit(_core.ALLTOALL, _auto_name("alltoall", name), process_set, [arr], [None],
-                   splits=split_list, now=now)
+    name = _auto_name("alltoall", name)
+    try:
+        arr = _contiguous(_as_array(tensor))
+        if arr.ndim == 0:
+            raise _BadArgument("alltoall: a 0-d (scalar) tensor has no first dimension")
+        split_list: List[int] = []
+        if splits is not None:
+            raw = np.asarray(_as_array(splits)).reshape(-1)
+            if raw.dtype.kind not in "iu":
+                raise _BadArgument(f"alltoall: splits must be integers, got {raw.tolist()}")
+            split_list = [int(s) for s in raw]
+            if any(s < 0 for s in split_list):
+                raise _BadArgument(f"alltoall: splits must be non-negative, got {split_list}")
+        core = _submit(_core.ALLTOALL, name, process_set, [arr], [None], splits=split_list,
+                       now=now)
+    except _BadArgument as e:
+        return _refuse(_core.ALLTOALL, name, process_set, str(e), now)
     want_splits = splits is not None
 
     def finish(result: Any) -> Any:
@@ -883,11 +962,16 @@ def _reducescatter(tensors: Sequence[Tensor], name: Optional[str], op: int,
                    process_set: ProcessSet, prescale_factor: float,
                    postscale_factor: float, kind_name: str, now: bool = False) -> _Pending:
     """``now``: the caller waits at once (see ``_submit``)."""
-    if int(op) not in (Sum, Average):
-        raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
-    inputs = [_contiguous(_as_array(t)) for t in tensors]
-    core = _submit(_core.REDUCESCATTER, _auto_name(kind_name, name), process_set, inputs,
-                   [None] * len(inputs), op, 0, prescale_factor, postscale_factor, now=now)
+    name = _auto_name(kind_name, name)
+    try:
+        rop = _resolve_op(op, None)
+        if rop not in (Sum, Average):
+            raise _BadArgument("Reducescatter currently only supports AVERAGE and SUM.")
+        inputs = [_contiguous(_as_array(t)) for t in tensors]
+        core = _submit(_core.REDUCESCATTER, name, process_set, inputs, [None] * len(inputs),
+                       rop, 0, prescale_factor, postscale_factor, now=now)
+    except _BadArgument as e:
+        return _refuse(_core.REDUCESCATTER, name, process_set, str(e), now)
     dtypes = [a.dtype for a in inputs]
 
     def finish(result: Any) -> List[np.ndarray]:
@@ -911,10 +995,11 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: int = Average,
     """Reduces across ranks and returns this rank's rows of dim 0 (the lowest ranks get one
     extra row when dim 0 does not divide evenly)."""
     name = _auto_name("reducescatter", name)
-    got = _one_call(_core.REDUCESCATTER, tensor, name, process_set, int(op), prescale_factor,
-                    postscale_factor)
-    if got is not None:
-        return got
+    if type(op) is int:
+        got = _one_call(_core.REDUCESCATTER, tensor, name, process_set, op, prescale_factor,
+                        postscale_factor)
+        if got is not None:
+            return got
     return _now(_one(_reducescatter([tensor], name, op, process_set, prescale_factor,
                                     postscale_factor, "reducescatter", now=True)))
 
@@ -935,7 +1020,7 @@ def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
                           postscale_factor: float = 1.0) -> List[np.ndarray]:
     """Reducescatters a list of tensors as one unit."""
     return _now(_reducescatter(list(tensors), name, op, process_set, prescale_factor,
-                               postscale_factor, "grouped_reducescatter"))
+                               postscale_factor, "grouped_reducescatter", now=True))
 
 
 # ----------------------------------------------------------------------------- barrier, join
@@ -958,21 +1043,36 @@ def join(device: int = -1) -> int:
 # ----------------------------------------------------------------------------- objects
 
 
+def _pickled(obj: Any) -> Tuple[int, bytes]:
+    """``(0, cloudpickle bytes)``, or ``(1, why it failed)``: a rank whose object does not
+    pickle still takes part in the exchange, so that every rank raises instead of waiting."""
+    import cloudpickle
+
+    try:
+        return 0, cloudpickle.dumps(obj)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is reported on every rank
+        return 1, f"{type(e).__name__}: {e}".encode()
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Sends a picklable object from ``root_rank`` to every rank (cloudpickle)."""
+    """Sends a picklable object from ``root_rank`` to every rank (cloudpickle). An object the
+    root cannot pickle raises on every rank, naming the root and the reason."""
     import cloudpickle
 
     name = _auto_name("broadcast_object", name)
+    header = np.zeros(2, dtype=np.int64)
+    payload = b""
     if rank() == root_rank:
-        payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
-        length = np.array([payload.size], dtype=np.int64)
-    else:
-        payload = None
-        length = np.zeros(1, dtype=np.int64)
-    broadcast_(length, root_rank, name=f"{name}.size", process_set=process_set)
-    buf = payload.copy() if payload is not None else np.zeros(int(length[0]), dtype=np.uint8)
+        status, payload = _pickled(obj)
+        header[:] = (status, len(payload))
+    broadcast_(header, root_rank, name=f"{name}.size", process_set=process_set)
+    buf = (np.frombuffer(payload, dtype=np.uint8).copy() if rank() == root_rank
+           else np.zeros(int(header[1]), dtype=np.uint8))
     broadcast_(buf, root_rank, name=f"{name}.data", process_set=process_set)
+    if header[0] != 0:
+        raise InvalidArgumentError(f"broadcast_object '{name}': rank {root_rank} could not "
+                                   f"pickle its object: {buf.tobytes().decode(errors='replace')}")
     if rank() == root_rank:
         return obj
     return cloudpickle.loads(buf.tobytes())
@@ -980,19 +1080,27 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
-    """Gathers a picklable object from every rank; returns them in rank order."""
+    """Gathers a picklable object from every rank; returns them in rank order. An object some
+    rank cannot pickle raises on every rank, naming those ranks and the reasons."""
     import cloudpickle
 
     name = _auto_name("allgather_object", name)
-    payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
-    sizes = allgather(np.array([payload.size], dtype=np.int64), name=f"{name}.sizes",
-                      process_set=process_set)
-    data = allgather(payload, name=f"{name}.data", process_set=process_set)
-    out, off = [], 0
-    for n in sizes.tolist():
-        out.append(cloudpickle.loads(data[off:off + n].tobytes()))
+    status, payload = _pickled(obj)
+    headers = allgather(np.array([[status, len(payload)]], dtype=np.int64),
+                        name=f"{name}.sizes", process_set=process_set)
+    data = allgather(np.frombuffer(payload, dtype=np.uint8), name=f"{name}.data",
+                     process_set=process_set)
+    chunks, off = [], 0
+    for n in headers[:, 1].tolist():
+        chunks.append(data[off:off + n].tobytes())
         off += n
-    return out
+    members = process_set.ranks
+    failed = [f"rank {members[i]}: {c.decode(errors='replace')}"
+              for i, (st, c) in enumerate(zip(headers[:, 0].tolist(), chunks)) if st != 0]
+    if failed:
+        raise InvalidArgumentError(f"allgather_object '{name}': some ranks could not pickle "
+                                   f"their objects: {'; '.join(failed)}")
+    return [cloudpickle.loads(c) for c in chunks]
 
 
 # ----------------------------------------------------------------------------- queries

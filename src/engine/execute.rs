@@ -17,10 +17,13 @@ impl Worker {
     pub(super) fn execute(&mut self, resp: Response) {
         if resp.kind == OpKind::Join {
             if let Some(h) = self.join.take() {
-                h.complete(Ok(Output {
-                    last_joined: Some(resp.last_joined),
-                    ..Output::default()
-                }));
+                h.complete(match &resp.error {
+                    Some((code, msg)) => Err(Error::from_code(*code, msg, "join")),
+                    None => Ok(Output {
+                        last_joined: Some(resp.last_joined),
+                        ..Output::default()
+                    }),
+                });
             }
             return;
         }

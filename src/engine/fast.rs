@@ -279,6 +279,14 @@ impl FastPath {
     /// `Ineligible`). `Err`: a peer died or this rank shut down while waiting; the op did not
     /// happen.
     pub fn offer(&self, op: &mut OpSpec) -> Result<Outcome> {
+        self.offer_or(op, &|| false)
+    }
+
+    /// [`FastPath::offer`] that gives up with `Interrupted` when `stop` says so, asked between
+    /// sleeps while the op waits on a peer (a signal for the caller's thread). A slot already
+    /// taken stays taken and this rank's offer stays readable: the peers complete the op
+    /// without this rank's result, as they would with a rank that died after offering.
+    pub fn offer_or(&self, op: &mut OpSpec, stop: &dyn Fn() -> bool) -> Result<Outcome> {
         if let Some(e) = &*self.failed.lock() {
             return Err(e.clone());
         }
@@ -309,7 +317,7 @@ impl FastPath {
         // Nobody may still be reading this rank's previous offer.
         let last = st.last_offer;
         for b in &self.boards {
-            self.wait(b, &op.name, |b| {
+            self.wait(b, &op.name, stop, |b| {
                 b.theirs(BoardWord::Done).load(Ordering::Acquire) >= last
             })?;
         }
@@ -326,7 +334,7 @@ impl FastPath {
         drop(st);
         self.ring();
 
-        let result = self.decide_and_reduce(op, slot, sc);
+        let result = self.decide_and_reduce(op, slot, sc, stop);
         let mut st = self.state.lock();
         st.busy = false;
         let done = if st.closed { u64::MAX } else { st.posted };
@@ -340,9 +348,15 @@ impl FastPath {
         result
     }
 
-    fn decide_and_reduce(&self, op: &mut OpSpec, slot: u64, sc: &mut Scratch) -> Result<Outcome> {
+    fn decide_and_reduce(
+        &self,
+        op: &mut OpSpec,
+        slot: u64,
+        sc: &mut Scratch,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Outcome> {
         for b in &self.boards {
-            self.wait(b, &op.name, |b| {
+            self.wait(b, &op.name, stop, |b| {
                 b.theirs(BoardWord::Posted).load(Ordering::Acquire) > slot
             })?;
             // A peer that offered this slot and has since closed (it finished the op and
@@ -501,7 +515,13 @@ impl FastPath {
     /// Waits until `ready(b)`: spins, then sleeps on the peer's bell in slices, failing when
     /// the peer dies or this rank shuts down, and warning once if it takes longer than the
     /// stall-check time.
-    fn wait(&self, b: &BoardView, name: &str, ready: impl Fn(&BoardView) -> bool) -> Result<()> {
+    fn wait(
+        &self,
+        b: &BoardView,
+        name: &str,
+        stop: &dyn Fn() -> bool,
+        ready: impl Fn(&BoardView) -> bool,
+    ) -> Result<()> {
         if ready(b) {
             return Ok(());
         }
@@ -539,6 +559,12 @@ impl FastPath {
                         self.rank
                     ),
                 });
+            }
+            if stop() {
+                return Err(Error::Interrupted(format!(
+                    "'{name}' waited for rank {}",
+                    b.peer()
+                )));
             }
             if self.closing.load(Ordering::Acquire) {
                 // Closed by the engine's failure: that is the error, as through the engine.

@@ -10,6 +10,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::Result;
 use crate::spin::Spin;
 
+use super::names::NameClaim;
 use super::tensor::TensorBuf;
 
 /// What a completed op hands back.
@@ -30,6 +31,8 @@ struct State {
     done: AtomicBool,
     /// Decremented on completion (the engine's count of ops in flight, see `engine::fast`).
     count: Option<Arc<AtomicUsize>>,
+    /// The op's name, released on completion (see `engine::names`).
+    claim: Mutex<Option<NameClaim>>,
 }
 
 /// Shared completion slot of one submitted op.
@@ -63,8 +66,15 @@ impl Handle {
                 cond: Condvar::new(),
                 done: AtomicBool::new(false),
                 count,
+                claim: Mutex::new(None),
             }),
         }
+    }
+
+    /// Holds `claim` until the op completes.
+    pub(crate) fn hold(self, claim: NameClaim) -> Handle {
+        *self.state.claim.lock() = Some(claim);
+        self
     }
 
     /// Completes the op (first completion wins).
@@ -73,6 +83,8 @@ impl Handle {
         if self.state.done.load(Ordering::Acquire) {
             return;
         }
+        // Released before anyone can see the result, so the name is free again by then.
+        drop(self.state.claim.lock().take());
         *slot = Some(result);
         self.state.done.store(true, Ordering::Release);
         if let Some(c) = &self.state.count {
@@ -84,6 +96,16 @@ impl Handle {
     /// True once completed. Never blocks.
     pub fn poll(&self) -> bool {
         self.state.done.load(Ordering::Acquire)
+    }
+
+    /// Waits at most `limit` (no spin): `None` when the op has not completed by then,
+    /// otherwise what [`Handle::wait`] returns.
+    pub fn wait_for(&self, limit: Duration) -> Option<Option<Result<Output>>> {
+        let mut slot = self.state.result.lock();
+        if !self.state.done.load(Ordering::Acquire) {
+            self.state.cond.wait_for(&mut slot, limit);
+        }
+        self.state.done.load(Ordering::Acquire).then(|| slot.take())
     }
 
     /// Waits for completion, spinning up to `spin` first. Returns the result (once; later

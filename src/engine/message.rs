@@ -164,6 +164,15 @@ pub enum Submit {
         /// Cache id assigned by the coordinator.
         id: u64,
     },
+    /// This rank refused the op (bad arguments, an uneven split...). It still takes part in
+    /// the negotiation, so that every member fails the op with `reason` instead of waiting
+    /// for it forever. `request` holds what the rank could describe (no tensors, perhaps).
+    Rejected {
+        /// The op as far as it is known.
+        request: Request,
+        /// Why this rank refused it.
+        reason: String,
+    },
 }
 
 /// Rank → coordinator.
@@ -258,8 +267,8 @@ pub enum FromCoordinator {
     SetRemoved {
         /// Id.
         id: u32,
-        /// Whether it existed.
-        removed: bool,
+        /// Whether it existed, or why it was not removed.
+        result: std::result::Result<bool, String>,
     },
     /// A rank shut down cleanly.
     RankLeft {
@@ -295,6 +304,11 @@ impl ToCoordinator {
                         }
                         Submit::Cached { set_id, id } => {
                             w.u8(1).u32(*set_id).u64(*id);
+                        }
+                        Submit::Rejected { request, reason } => {
+                            w.u8(2);
+                            request.encode(&mut w);
+                            w.str(reason);
                         }
                     }
                 }
@@ -335,6 +349,10 @@ impl ToCoordinator {
                         1 => Submit::Cached {
                             set_id: r.u32()?,
                             id: r.u64()?,
+                        },
+                        2 => Submit::Rejected {
+                            request: Request::decode(&mut r)?,
+                            reason: r.str()?.to_string(),
                         },
                         t => return Err(Error::Decode(format!("bad submission tag {t}"))),
                     });
@@ -445,8 +463,12 @@ impl FromCoordinator {
                     Err(msg) => w.u8(1).str(msg),
                 };
             }
-            FromCoordinator::SetRemoved { id, removed } => {
-                w.u8(3).u32(*id).bool(*removed);
+            FromCoordinator::SetRemoved { id, result } => {
+                w.u8(3).u32(*id);
+                match result {
+                    Ok(removed) => w.u8(0).bool(*removed),
+                    Err(msg) => w.u8(1).str(msg),
+                };
             }
             FromCoordinator::RankLeft { rank } => {
                 w.u8(4).usize(*rank);
@@ -489,10 +511,15 @@ impl FromCoordinator {
                 };
                 FromCoordinator::SetAdded { ranks, result }
             }
-            3 => FromCoordinator::SetRemoved {
-                id: r.u32()?,
-                removed: r.bool()?,
-            },
+            3 => {
+                let id = r.u32()?;
+                let result = if r.bool()? {
+                    Err(r.str()?.to_string())
+                } else {
+                    Ok(r.bool()?)
+                };
+                FromCoordinator::SetRemoved { id, result }
+            }
             4 => FromCoordinator::RankLeft { rank: r.usize()? },
             6 => FromCoordinator::Ready,
             5 => FromCoordinator::RankFailed {
@@ -576,7 +603,11 @@ mod tests {
             },
             FromCoordinator::SetRemoved {
                 id: 2,
-                removed: true,
+                result: Ok(true),
+            },
+            FromCoordinator::SetRemoved {
+                id: 3,
+                result: Err("busy".into()),
             },
             FromCoordinator::RankLeft { rank: 1 },
             FromCoordinator::Ready,

@@ -15,6 +15,7 @@ pub(crate) use execute::post_factor;
 pub mod fast;
 pub mod handle;
 pub mod message;
+pub mod names;
 pub mod negotiate;
 pub mod pool;
 pub mod progress;
@@ -44,6 +45,7 @@ use crate::types::{OpKind, ReduceOp};
 
 pub use handle::{Handle, Output};
 pub use message::{DeviceKind, TensorMeta};
+pub use names::NameClaim;
 pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;
@@ -161,6 +163,8 @@ pub struct OpSpec {
 
 pub(crate) enum Command {
     Op(Box<OpSpec>, Handle),
+    /// An op this rank refuses, with the reason (see [`Engine::reject`]).
+    Reject(Box<OpSpec>, String, Handle),
     Join(Handle),
     AddSet(Vec<usize>, mpsc::Sender<Result<u32>>),
     RemoveSet(u32, mpsc::Sender<Result<bool>>),
@@ -180,6 +184,8 @@ pub(crate) struct Shared {
     sets: Mutex<HashMap<u32, Vec<usize>>>,
     /// The fast path, which the worker closes when the engine fails.
     fast: Arc<fast::FastPath>,
+    /// Names of this rank's ops in flight.
+    in_flight: Arc<names::InFlight>,
 }
 
 /// The pending answer to a process-set change.
@@ -327,7 +333,14 @@ impl Engine {
                 } else {
                     None
                 };
-                let settings = config.tuning.shared_settings();
+                // Process sets are registered by position (ids 1, 2, ...) and added or removed
+                // in dynamic mode by every rank alike: a rank that differs would get other ids
+                // or wait alone for a change the others refuse.
+                let settings = format!(
+                    "{} process_sets={process_sets:?} dynamic_process_sets={}",
+                    config.tuning.shared_settings(),
+                    u8::from(config.dynamic_process_sets)
+                );
                 let me = format!("{}\n{}\n{settings}", data.local_addr()?, config.hostname);
                 store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
                 let mut addrs = Vec::with_capacity(size);
@@ -354,7 +367,8 @@ impl Engine {
                     return Err(Error::InvalidArgument(format!(
                         "ranks disagree on settings every rank must share: rank {rank} has \
                          `{settings}`, rank {r} has `{theirs}`; set them the same everywhere \
-                         (ferrovodrun passes its environment, and `-x VAR=value`, to every rank)"
+                         (ferrovodrun passes its environment, and `-x VAR=value`, to every rank; \
+                         every rank must pass the same init(process_sets=...))"
                     )));
                 }
                 let coord = store.get(&key("coordinator"), deadline)?;
@@ -439,6 +453,7 @@ impl Engine {
             polling: std::sync::atomic::AtomicBool::new(false),
             sets: Mutex::new(sets.clone()),
             fast,
+            in_flight: Arc::default(),
         });
         let w = worker::Worker::new(
             config,
@@ -492,19 +507,42 @@ impl Engine {
         self.shared.sets.lock().clone()
     }
 
-    /// Queues an op; the handle completes when it is done.
-    pub fn submit(&self, op: OpSpec) -> Handle {
+    /// Queues an op; the handle completes when it is done. Fails at once, queuing nothing,
+    /// when an op under the same name is still in flight in its process set.
+    pub fn submit(&self, op: OpSpec) -> Result<Handle> {
+        let claim = self.claim(&op)?;
+        Ok(self.submit_claimed(op, claim, true))
+    }
+
+    /// Claims the name of `op` until the claim drops or moves into its handle (see [`names`]).
+    pub fn claim(&self, op: &OpSpec) -> Result<NameClaim> {
+        self.shared.in_flight.claim(op.set_id, &op.name, op.kind)
+    }
+
+    /// Queues an op whose name `claim` holds. `slotted`: false when its fast-path slot is
+    /// already spent (see [`fast`]).
+    pub fn submit_claimed(&self, op: OpSpec, claim: NameClaim, slotted: bool) -> Handle {
+        if slotted && op.set_id == 0 {
+            self.shared.fast.decline();
+        }
+        let h = Handle::counted(self.shared.fast.outstanding()).hold(claim);
+        self.push(Command::Op(Box::new(op), h.clone()));
+        h
+    }
+
+    /// Takes part in the negotiation of an op this rank refuses (arguments it cannot describe
+    /// to the engine: an unknown reduction, an unsupported dtype...), so that every member of
+    /// the set fails it with `reason` instead of waiting for it. `op` holds what is known of
+    /// it (its tensors may be empty). The handle completes with that error once every member
+    /// has submitted the name.
+    pub fn reject(&self, op: OpSpec, reason: String) -> Result<Handle> {
+        let claim = self.claim(&op)?;
         if op.set_id == 0 {
             self.shared.fast.decline();
         }
-        self.submit_unslotted(op)
-    }
-
-    /// Queues an op whose fast-path slot is already spent (see [`fast`]).
-    pub fn submit_unslotted(&self, op: OpSpec) -> Handle {
-        let h = Handle::counted(self.shared.fast.outstanding());
-        self.push(Command::Op(Box::new(op), h.clone()));
-        h
+        let h = Handle::counted(self.shared.fast.outstanding()).hold(claim);
+        self.push(Command::Reject(Box::new(op), reason, h.clone()));
+        Ok(h)
     }
 
     /// The fast path, for a caller that will wait for its op at once (see [`fast`]).
@@ -534,20 +572,20 @@ impl Engine {
     }
 
     /// Starts writing a timeline to `path` (rank 0 writes it; other ranks accept and ignore),
-    /// replacing one already running.
-    pub fn start_timeline(&self, path: String, mark_cycles: bool) -> Result<()> {
+    /// replacing one already running. The reply comes once the engine has opened it.
+    pub fn start_timeline(&self, path: String, mark_cycles: bool) -> SetReply<()> {
         self.shared.fast.set_timeline(true);
         let (tx, rx) = mpsc::channel();
         self.push(Command::Timeline(Some((path, mark_cycles)), tx));
-        SetReply(rx).wait()
+        SetReply(rx)
     }
 
-    /// Stops the timeline and finishes its file.
-    pub fn stop_timeline(&self) -> Result<()> {
+    /// Stops the timeline; the reply comes once its file is finished.
+    pub fn stop_timeline(&self) -> SetReply<()> {
         self.shared.fast.set_timeline(false);
         let (tx, rx) = mpsc::channel();
         self.push(Command::Timeline(None, tx));
-        SetReply(rx).wait()
+        SetReply(rx)
     }
 
     fn check_dynamic(&self) -> Result<()> {

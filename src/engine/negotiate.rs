@@ -46,6 +46,8 @@ pub type Outbox = Vec<(usize, FromCoordinator)>;
 
 struct Pending {
     reqs: Vec<Option<Request>>,
+    /// (global rank, reason) of members that refused the op (see [`Submit::Rejected`]).
+    rejected: Vec<(usize, String)>,
     all_cached: bool,
     /// When the first rank submitted it (the stall inspector's clock).
     since: Instant,
@@ -167,6 +169,9 @@ impl Negotiator {
             ToCoordinator::Join => {
                 self.joined[from] = true;
                 self.last_joined = from;
+                if self.fail_join() {
+                    return;
+                }
                 if self.live_ranks().all(|r| self.joined[r]) {
                     let last = self.last_joined;
                     self.joined.iter_mut().for_each(|j| *j = false);
@@ -232,7 +237,42 @@ impl Negotiator {
         for (id, name) in waiting {
             self.check_ready(id, &name);
         }
+        self.fail_join();
         self.process_set_ops(out);
+    }
+
+    /// A `join()` needs every rank: once one has gone without joining, the ranks that joined
+    /// would wait forever. Fails their join, naming it, and returns whether it did.
+    fn fail_join(&mut self) -> bool {
+        let Some(gone) = (0..self.size).find(|&r| self.gone[r].is_some() && !self.joined[r]) else {
+            return false;
+        };
+        if !self.live_ranks().any(|r| self.joined[r]) {
+            return false;
+        }
+        let detail = self.gone[gone].clone().unwrap_or_default();
+        let (code, why) = if detail == LEFT {
+            (
+                Error::Shutdown(String::new()).kind_code(),
+                format!("rank {gone} has shut down without joining"),
+            )
+        } else {
+            let lost = Error::PeerLost {
+                rank: gone,
+                detail: String::new(),
+            };
+            (lost.kind_code(), format!("rank {gone} failed: {detail}"))
+        };
+        self.joined.iter_mut().for_each(|j| *j = false);
+        self.ready.push(Response {
+            set_id: 0,
+            kind: OpKind::Join,
+            items: Vec::new(),
+            joined: Vec::new(),
+            last_joined: self.last_joined,
+            error: Some((code, format!("join() cannot complete: {why}"))),
+        });
+        true
     }
 
     /// Sends every ready response to the members of its set, in order.
@@ -373,8 +413,13 @@ impl Negotiator {
     }
 
     fn submit(&mut self, from: usize, sub: Submit, out: &mut Outbox) {
+        let mut rejected = None;
         let (request, cached) = match sub {
             Submit::Full(req) => (req, false),
+            Submit::Rejected { request, reason } => {
+                rejected = Some(reason);
+                (request, false)
+            }
             Submit::Cached { set_id, id } => {
                 let hit = self.sets.get_mut(&set_id).and_then(|s| {
                     let name = s.by_id.get(&id)?;
@@ -413,6 +458,7 @@ impl Negotiator {
         let n = set.ranks.len();
         let p = set.table.entry(name.clone()).or_insert_with(|| Pending {
             reqs: vec![None; n],
+            rejected: Vec::new(),
             all_cached: true,
             since: Instant::now(),
             warned: None,
@@ -424,6 +470,9 @@ impl Negotiator {
         }
         p.reqs[idx] = Some(request);
         p.all_cached &= cached;
+        if let Some(reason) = rejected {
+            p.rejected.push((from, reason));
+        }
         self.check_ready(set_id, &name);
     }
 
@@ -489,6 +538,17 @@ impl Negotiator {
         self.ready.push(resp);
     }
 
+    /// Names of set `id` submitted and not yet answered (some ranks wait on them), if any.
+    fn busy_set(&self, id: u32) -> Option<Vec<String>> {
+        let set = self.sets.get(&id)?;
+        let mut names: Vec<String> = set.table.keys().cloned().collect();
+        for r in self.ready.iter().filter(|r| r.set_id == id) {
+            names.extend(r.items.iter().map(|i| i.request.name.clone()));
+        }
+        names.sort();
+        (!names.is_empty()).then_some(names)
+    }
+
     fn process_set_ops(&mut self, out: &mut Outbox) {
         loop {
             let live: Vec<usize> = self.live_ranks().collect();
@@ -525,8 +585,14 @@ impl Negotiator {
                     }
                 }
                 (ToCoordinator::RemoveSet { id }, true) => {
-                    let removed = *id != 0 && self.sets.remove(id).is_some();
-                    FromCoordinator::SetRemoved { id: *id, removed }
+                    let result = match self.busy_set(*id) {
+                        Some(names) => Err(format!(
+                            "process set {id} cannot be removed while ops on it are pending: \
+                             {names:?}; synchronize them first"
+                        )),
+                        None => Ok(*id != 0 && self.sets.remove(id).is_some()),
+                    };
+                    FromCoordinator::SetRemoved { id: *id, result }
                 }
                 (ToCoordinator::AddSet { ranks }, false) => FromCoordinator::SetAdded {
                     ranks: ranks.clone(),
@@ -538,7 +604,11 @@ impl Negotiator {
                 },
                 (ToCoordinator::RemoveSet { id }, false) => FromCoordinator::SetRemoved {
                     id: *id,
-                    removed: false,
+                    result: Err(
+                        "ranks disagree on add_process_set/remove_process_set: every rank must \
+                         call them with the same arguments in the same order"
+                            .into(),
+                    ),
                 },
                 _ => unreachable!("only set operations are queued"),
             };
@@ -591,6 +661,34 @@ fn plain_item(request: Request) -> Item {
         first_dims: Vec::new(),
         split_matrix: Vec::new(),
     }
+}
+
+/// Every member's error for an op some refused: who refused it and why, the ranks that gave
+/// the same reason together, so that every rank learns the reason from the one that had it.
+fn rejection_message(request: &Request, rejected: &[(usize, String)]) -> String {
+    let mut by_reason: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (rank, reason) in rejected {
+        match by_reason.iter_mut().find(|(r, _)| r == reason) {
+            Some((_, ranks)) => ranks.push(*rank),
+            None => by_reason.push((reason, vec![*rank])),
+        }
+    }
+    let parts: Vec<String> = by_reason
+        .into_iter()
+        .map(|(reason, mut ranks)| {
+            ranks.sort_unstable();
+            match ranks.as_slice() {
+                [one] => format!("rank {one} rejected it: {reason}"),
+                many => format!("ranks {many:?} rejected it: {reason}"),
+            }
+        })
+        .collect();
+    format!(
+        "{} of tensor '{}' failed on every rank: {}",
+        request.kind.name(),
+        request.name,
+        parts.join("; ")
+    )
 }
 
 fn error_response(request: Request, code: u8, message: String) -> Response {
@@ -650,6 +748,9 @@ fn build_response(
     .kind_code();
     let invalid = Error::InvalidArgument(String::new()).kind_code();
 
+    if !p.rejected.is_empty() {
+        return fail(invalid, rejection_message(&base, &p.rejected));
+    }
     if !p.all_cached {
         if let Some(msg) = validate(&name, &submitted) {
             return fail(mismatch, msg);

@@ -29,6 +29,10 @@ use super::sys::wait_readable;
 use super::worker::{Step, Worker};
 use super::Shared;
 
+/// How often a blocked caller asks whether to stop waiting ([`Progress::wait_or`]): well
+/// below what a person pressing Ctrl-C notices.
+pub const STOP_CHECK: Duration = Duration::from_millis(50);
+
 /// The worker, shared by the engine thread and waiting callers. `None` once it has shut
 /// down: the engine thread drops it then, so its sockets and mappings go at shutdown even
 /// while Python still holds handles.
@@ -93,6 +97,13 @@ impl Progress {
     /// Waits for `handle`, turning the worker meanwhile when no one else is. Returns the op's
     /// result (once; later calls get `None`).
     pub fn wait(&self, handle: &Handle) -> Option<Result<Output>> {
+        self.wait_or(handle, &|| false)
+    }
+
+    /// [`Progress::wait`] that asks `stop` every [`STOP_CHECK`] while the op waits on other
+    /// ranks, and returns `Interrupted` when it says so (a signal for the caller's thread):
+    /// the op stays in the engine and completes unseen.
+    pub fn wait_or(&self, handle: &Handle, stop: &dyn Fn() -> bool) -> Option<Result<Output>> {
         let mut spin = Spin::new(self.spin);
         while !handle.poll() {
             if let Some(mut guard) = self.slot.try_lock() {
@@ -123,7 +134,14 @@ impl Progress {
                 break;
             }
         }
-        handle.wait(Duration::ZERO)
+        loop {
+            if let Some(result) = handle.wait_for(STOP_CHECK) {
+                return result;
+            }
+            if stop() {
+                return Some(Err(Error::Interrupted("waiting for an op".into())));
+            }
+        }
     }
 }
 

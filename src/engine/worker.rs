@@ -15,11 +15,27 @@ use crate::types::{OpKind, ReduceOp};
 use super::control::{FrameConn, OUTPUT_RETRY};
 use super::device::{op_device, DeviceState};
 use super::handle::Handle;
-use super::message::{FromCoordinator, Request, Submit, ToCoordinator};
+use super::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
 use super::sys::wait_readable;
 use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, Shared};
 use std::os::fd::RawFd;
+
+/// What the coordinator is told of `spec`.
+fn request_of(spec: &OpSpec, device: DeviceKind) -> Request {
+    Request {
+        set_id: spec.set_id,
+        name: spec.name.clone(),
+        kind: spec.kind,
+        op: spec.op,
+        root: spec.root,
+        prescale: spec.prescale,
+        postscale: spec.postscale,
+        tensors: spec.tensors.iter().map(|t| t.meta.clone()).collect(),
+        splits: spec.splits.clone(),
+        device,
+    }
+}
 
 pub(super) struct Entry {
     pub spec: OpSpec,
@@ -130,10 +146,21 @@ impl Worker {
         let mut busy = self.flush_control();
         busy |= self.drain_queue();
         if self.shutdown_requested {
-            self.send(ToCoordinator::Leave);
-            if self.failed.is_none() {
+            // Said even after a failure elsewhere (the control connection may well be fine):
+            // otherwise the coordinator reports this clean exit as a rank gone, rank 0 even
+            // about itself. A failed engine waits for it only briefly.
+            let wait = if self.failed.is_none() {
+                self.timeout
+            } else {
+                self.timeout.min(Duration::from_millis(100))
+            };
+            if self
+                .control
+                .send(&ToCoordinator::Leave.encode(), wait)
+                .is_ok()
+            {
                 // Closing drops what is still queued: the coordinator must hear that we left.
-                let _ = self.control.flush_all(self.timeout);
+                let _ = self.control.flush_all(wait);
             }
             self.fail_all(Error::Shutdown(
                 "ferrovod was shut down on this rank".into(),
@@ -211,34 +238,28 @@ impl Worker {
                     handle.complete(Err(e.clone()));
                     return;
                 }
-                match self.prepare(*spec) {
-                    Err(e) => handle.complete(Err(e)),
-                    Ok((spec, request)) => {
-                        let key = (request.set_id, request.name.clone());
-                        if self.pending.contains_key(&key) {
-                            handle.complete(Err(Error::InvalidArgument(format!(
-                                "Requested to {} a tensor with the same name as another tensor \
-                                 that is currently being processed: '{}'. Give each in-flight \
-                                 op a unique name.",
-                                request.kind.name().to_lowercase(),
-                                request.name
-                            ))));
-                            return;
-                        }
-                        submits.push(self.submission(&request));
-                        if let Some(t) = &self.timeline {
-                            t.begin(&request.name, timeline::negotiate_activity(request.kind));
-                        }
-                        self.pending.insert(
-                            key,
-                            Entry {
-                                spec,
-                                handle,
-                                request,
-                            },
-                        );
+                let members = match self.membership(&spec) {
+                    Ok(m) => m,
+                    Err(e) => return handle.complete(Err(e)),
+                };
+                let mut spec = *spec;
+                match self.check(&mut spec, &members) {
+                    Ok(request) => {
+                        let submit = self.submission(&request);
+                        self.track(spec, handle, request, submit, submits);
                     }
+                    Err(e) => self.reject(spec, e.to_string(), handle, submits),
                 }
+            }
+            Command::Reject(spec, reason, handle) => {
+                if let Some(e) = &self.failed {
+                    handle.complete(Err(e.clone()));
+                    return;
+                }
+                if let Err(e) = self.membership(&spec) {
+                    return handle.complete(Err(e));
+                }
+                self.reject(*spec, reason, handle, submits);
             }
             Command::Join(handle) => {
                 if let Some(e) = &self.failed {
@@ -296,8 +317,52 @@ impl Worker {
         Submit::Full(request.clone())
     }
 
-    /// Checks an op locally (errors every rank would hit alike) and builds its request.
-    fn prepare(&self, mut spec: OpSpec) -> Result<(OpSpec, Request)> {
+    /// Sends `submit` for `request` and keeps the op until its response comes.
+    fn track(
+        &mut self,
+        spec: OpSpec,
+        handle: Handle,
+        request: Request,
+        submit: Submit,
+        submits: &mut Vec<Submit>,
+    ) {
+        let key = (request.set_id, request.name.clone());
+        if self.pending.contains_key(&key) {
+            // The engine's name claim (`names`) keeps a second op under a pending name out.
+            handle.complete(Err(Error::Io(format!(
+                "internal error: a second op '{}' reached the engine while one is pending",
+                request.name
+            ))));
+            return;
+        }
+        submits.push(submit);
+        if let Some(t) = &self.timeline {
+            t.begin(&request.name, timeline::negotiate_activity(request.kind));
+        }
+        self.pending.insert(
+            key,
+            Entry {
+                spec,
+                handle,
+                request,
+            },
+        );
+    }
+
+    /// An op this rank refuses still goes to the coordinator, as a rejection: the other
+    /// members wait for it otherwise, and this way all of them fail it with `reason`.
+    fn reject(&mut self, spec: OpSpec, reason: String, handle: Handle, submits: &mut Vec<Submit>) {
+        let request = request_of(&spec, DeviceKind::Host);
+        let submit = Submit::Rejected {
+            request: request.clone(),
+            reason,
+        };
+        self.track(spec, handle, request, submit, submits);
+    }
+
+    /// The members of the op's process set, or why this rank cannot submit to it (errors the
+    /// other members do not wait on: the set does not exist, or this rank is not in it).
+    fn membership(&self, spec: &OpSpec) -> Result<Vec<usize>> {
         let members = self.sets.get(&spec.set_id).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "{}: process set {} does not exist, or has not been registered",
@@ -314,6 +379,12 @@ impl Worker {
                 members
             )));
         }
+        Ok(members.clone())
+    }
+
+    /// Checks an op locally and builds its request (an error: the op is refused, see
+    /// [`Worker::reject`]).
+    fn check(&self, spec: &mut OpSpec, members: &[usize]) -> Result<Request> {
         let n = members.len();
         let reducing = matches!(spec.kind, OpKind::Allreduce | OpKind::Reducescatter);
         if reducing && spec.op == ReduceOp::Adasum {
@@ -382,20 +453,8 @@ impl Worker {
                 )));
             }
         }
-        let device = op_device(&spec, n)?;
-        let request = Request {
-            set_id: spec.set_id,
-            name: spec.name.clone(),
-            kind: spec.kind,
-            op: spec.op,
-            root: spec.root,
-            prescale: spec.prescale,
-            postscale: spec.postscale,
-            tensors: spec.tensors.iter().map(|t| t.meta.clone()).collect(),
-            splits: spec.splits.clone(),
-            device,
-        };
-        Ok((spec, request))
+        let device = op_device(spec, n)?;
+        Ok(request_of(spec, device))
     }
 
     fn send(&mut self, msg: ToCoordinator) {
@@ -530,14 +589,14 @@ impl Worker {
                     let _ = tx.send(result.map_err(Error::InvalidArgument));
                 }
             }
-            FromCoordinator::SetRemoved { id, removed } => {
-                if removed {
+            FromCoordinator::SetRemoved { id, result } => {
+                if result == Ok(true) {
                     self.sets.remove(&id);
                     self.shared.sets.lock().remove(&id);
                     self.cache.retain(|(s, _), _| *s != id);
                 }
                 if let Some(SetWaiter::Remove(tx)) = self.set_waiters.pop_front() {
-                    let _ = tx.send(Ok(removed));
+                    let _ = tx.send(result.map_err(Error::InvalidArgument));
                 }
             }
             FromCoordinator::Ready => {}

@@ -15,6 +15,7 @@ pub fn to_pyerr(e: Error) -> PyErr {
         Error::InvalidArgument(_) => "InvalidArgumentError",
         Error::NotInitialized(_) => "NotInitializedError",
         Error::Shutdown(_) => "ShutdownError",
+        Error::Interrupted(_) => "FerrovodError",
         Error::Auth(_) | Error::Decode(_) | Error::Io(_) => "HorovodInternalError",
     };
     let msg = e.to_string();

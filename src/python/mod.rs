@@ -102,14 +102,26 @@ fn init(
 ) -> PyResult<()> {
     let config =
         Config::from_env_with(rendezvous_addr.as_deref(), secret.as_deref()).map_err(to_pyerr)?;
-    let mut guard = slot().lock();
-    if let Some(s) = guard.as_ref() {
-        if s.forks == forks() {
-            return Ok(());
+    // One init at a time, but the engine slot stays free while the rendezvous runs (up to the
+    // start timeout): a thread blocked on the slot holds the GIL, which the starting engine's
+    // log records need. Taken without the GIL for the same reason.
+    static STARTING: Mutex<()> = Mutex::new(());
+    let _starting = loop {
+        if let Some(g) = STARTING.try_lock() {
+            break g;
         }
-        // A forked child inherits the parent's slot but not its threads: forget it without
-        // running any destructor that would wait for threads that do not exist here.
-        std::mem::forget(guard.take());
+        py.detach(|| drop(STARTING.lock()));
+    };
+    {
+        let mut guard = slot().lock();
+        if let Some(s) = guard.as_ref() {
+            if s.forks == forks() {
+                return Ok(());
+            }
+            // A forked child inherits the parent's slot but not its threads: forget it without
+            // running any destructor that would wait for threads that do not exist here.
+            std::mem::forget(guard.take());
+        }
     }
     let mut config = config;
     config.dynamic_process_sets |= dynamic;
@@ -121,7 +133,7 @@ fn init(
         (Some(addr), Some(secret)) => Some((addr.clone(), secret.clone())),
         _ => None,
     };
-    *guard = Some(Slot {
+    *slot().lock() = Some(Slot {
         engine,
         forks: forks(),
         generation,
@@ -236,7 +248,7 @@ fn enqueue(
     out_bytes: Option<Vec<usize>>,
 ) -> PyResult<CoreHandle> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
-    let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    let op = reduce_op(op)?;
     if out_bytes.as_ref().is_some_and(|o| o.len() != tensors.len()) {
         return Err(to_pyerr(Error::InvalidArgument(format!(
             "{} '{name}': out_bytes gives one length per tensor",
@@ -290,10 +302,32 @@ fn enqueue(
     }
     with_engine(|e| {
         Ok(CoreHandle {
-            handle: e.submit(spec),
+            handle: e.submit(spec).map_err(to_pyerr)?,
             progress: e.progress(),
         })
     })
+}
+
+/// Runs a wait on other ranks without the GIL, handing it a `stop` check that runs Python's
+/// signal handlers: a blocked op must not make Ctrl-C wait for it. The exception a handler
+/// raised (KeyboardInterrupt) is returned beside the wait's result, which is then an
+/// `Interrupted` error, and is what the caller raises.
+fn interruptible<T: Send>(
+    py: Python<'_>,
+    wait: impl FnOnce(&dyn Fn() -> bool) -> T + Send,
+) -> (T, Option<PyErr>) {
+    let raised: Mutex<Option<PyErr>> = Mutex::new(None);
+    let stop = || {
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                *raised.lock() = Some(e);
+                true
+            }
+        })
+    };
+    let out = py.detach(|| wait(&stop));
+    (out, raised.into_inner())
 }
 
 /// What became of an op whose caller waits at once.
@@ -307,8 +341,13 @@ enum Now {
 /// Offers `spec` to the fast path (outside the engine lock and with the GIL released, as it
 /// waits for the other ranks), and submits it to the engine unless that reduced it.
 fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
-    let fast = with_engine(|e| Ok(e.fast_path()))?;
-    let slotted = match py.detach(|| fast.offer(&mut spec)) {
+    // The name is held from here, the fast path included, until the op is done.
+    let (fast, claim) = with_engine(|e| Ok((e.fast_path(), e.claim(&spec).map_err(to_pyerr)?)))?;
+    let (offered, raised) = interruptible(py, |stop| fast.offer_or(&mut spec, stop));
+    if let Some(e) = raised {
+        return Err(e);
+    }
+    let slotted = match offered {
         Ok(Outcome::Done) => {
             // An output the fast path allocated (allgather, reducescatter, alltoall) goes back
             // as the engine's would; an (even) alltoall received one block from each rank.
@@ -330,12 +369,42 @@ fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
         Err(e) => return Err(to_pyerr(e)),
     };
     with_engine(|e| {
-        let handle = if slotted {
-            e.submit(spec)
-        } else {
-            e.submit_unslotted(spec)
-        };
+        let handle = e.submit_claimed(spec, claim, slotted);
         Ok(Now::Submitted(handle, e.progress()))
+    })
+}
+
+/// Refuses an op on this rank while taking part in its negotiation: the other members of
+/// process set `set_id` get the error too, instead of waiting for this rank's op. The
+/// handle's `wait` raises every member's error (once all of them have submitted `name`).
+#[pyfunction]
+fn reject(kind: u8, name: String, set_id: u32, reason: String) -> PyResult<CoreHandle> {
+    let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
+    let op = OpSpec {
+        set_id,
+        name,
+        kind,
+        op: ReduceOp::Sum,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: Vec::new(),
+        splits: Vec::new(),
+    };
+    with_engine(|e| {
+        Ok(CoreHandle {
+            handle: e.reject(op, reason).map_err(to_pyerr)?,
+            progress: e.progress(),
+        })
+    })
+}
+
+/// A reduction code from Python, or an error that names it.
+fn reduce_op(code: u8) -> PyResult<ReduceOp> {
+    ReduceOp::from_code(code).map_err(|_| {
+        to_pyerr(Error::InvalidArgument(format!(
+            "op={code} is not a reduction: use Sum, Average, Min, Max or Product"
+        )))
     })
 }
 
@@ -385,7 +454,7 @@ fn op_now<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let no = || Ok(false.into_pyobject(py)?.to_owned().into_any());
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
-    let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    let op = reduce_op(op)?;
     let Some(t) = array_tensor(&input, output.as_ref()) else {
         return no();
     };
@@ -415,11 +484,14 @@ fn op_now<'py>(
     };
     let out = match offer_then_submit(py, spec)? {
         Now::Done(out) => out,
-        Now::Submitted(handle, progress) => match py.detach(move || progress.wait(&handle)) {
-            Some(Ok(out)) => out,
-            Some(Err(e)) => return Err(to_pyerr(e)),
-            None => unreachable!("a handle no one else holds was not waited for"),
-        },
+        Now::Submitted(handle, progress) => {
+            match interruptible(py, move |stop| progress.wait_or(&handle, stop)) {
+                (_, Some(e)) => return Err(e),
+                (Some(Ok(out)), None) => out,
+                (Some(Err(e)), None) => return Err(to_pyerr(e)),
+                (None, None) => unreachable!("a handle no one else holds was not waited for"),
+            }
+        }
     };
     match out.tensors.into_iter().next() {
         None => Ok(true.into_pyobject(py)?.to_owned().into_any()),
@@ -520,16 +592,17 @@ fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<bool> {
 #[pyfunction]
 #[pyo3(signature = (path, mark_cycles=false))]
 fn start_timeline(py: Python<'_>, path: String, mark_cycles: bool) -> PyResult<()> {
-    with_engine(|e| {
-        py.detach(|| e.start_timeline(path, mark_cycles))
-            .map_err(to_pyerr)
-    })
+    // Waited for outside the engine lock, as every wait is: a thread that blocks on that lock
+    // holds the GIL, which the engine may need meanwhile (its log records go to Python).
+    let reply = with_engine(|e| Ok(e.start_timeline(path, mark_cycles)))?;
+    py.detach(|| reply.wait()).map_err(to_pyerr)
 }
 
 /// Stops the timeline and finishes its file.
 #[pyfunction]
 fn stop_timeline(py: Python<'_>) -> PyResult<()> {
-    with_engine(|e| py.detach(|| e.stop_timeline()).map_err(to_pyerr))
+    let reply = with_engine(|e| Ok(e.stop_timeline()))?;
+    py.detach(|| reply.wait()).map_err(to_pyerr)
 }
 
 /// Registered process sets: {id: [ranks]}.
@@ -562,7 +635,10 @@ impl CoreHandle {
     fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let h = self.handle.clone();
         let progress = self.progress.clone();
-        let res = py.detach(move || progress.wait(&h));
+        let (res, raised) = interruptible(py, move |stop| progress.wait_or(&h, stop));
+        if let Some(e) = raised {
+            return Err(e);
+        }
         let out: Output = match res {
             Some(Ok(o)) => o,
             Some(Err(e)) => return Err(to_pyerr(e)),
@@ -659,11 +735,15 @@ struct RendezvousServer {
 impl RendezvousServer {
     #[new]
     #[pyo3(signature = (secret, host="127.0.0.1"))]
-    fn new(secret: Vec<u8>, host: &str) -> PyResult<Self> {
+    fn new(py: Python<'_>, secret: Vec<u8>, host: &str) -> PyResult<Self> {
         let bind = format!("{host}:0")
             .parse()
             .map_err(|e| to_pyerr(Error::InvalidArgument(format!("bad host {host:?}: {e}"))))?;
-        let server = TcpStoreServer::start(bind, secret).map_err(to_pyerr)?;
+        // Without the GIL: nothing here needs Python, and the store's threads may log (which
+        // takes the GIL) from the moment they exist.
+        let server = py
+            .detach(|| TcpStoreServer::start(bind, secret))
+            .map_err(to_pyerr)?;
         let addr = server.local_addr().to_string();
         Ok(RendezvousServer {
             server: Some(server),
@@ -677,9 +757,26 @@ impl RendezvousServer {
         self.addr.clone()
     }
 
-    /// Stops serving.
-    fn close(&mut self) {
+    /// Stops serving. The store's threads are joined with the GIL released: a connection
+    /// thread may be logging (e.g. a half-authenticated connection dropped by the shutdown),
+    /// and logging goes to Python; joining it with the GIL held would never return.
+    fn close(&mut self, py: Python<'_>) {
         if let Some(mut s) = self.server.take() {
+            py.detach(move || s.shutdown());
+        }
+    }
+}
+
+impl Drop for RendezvousServer {
+    /// A server never closed is shut down when Python frees it: also without the GIL (see
+    /// `close`), where the GIL can be released.
+    fn drop(&mut self) {
+        let mut server = self.server.take();
+        if server.is_none() {
+            return;
+        }
+        Python::try_attach(|py| py.detach(|| server.take().map(|mut s| s.shutdown())));
+        if let Some(mut s) = server {
             s.shutdown();
         }
     }
@@ -744,7 +841,7 @@ fn device_op_check(
 ) -> PyResult<Option<String>> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let dtype = crate::types::DType::from_code(dtype).map_err(to_pyerr)?;
-    let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+    let op = reduce_op(op)?;
     Ok(crate::backend::nccl::check_device_op(
         kind, dtype, op, prescale, postscale, set_size, &shape,
     )
@@ -921,6 +1018,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(enqueue_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(fast_path_stats, m)?)?;
     m.add_function(wrap_pyfunction!(op_now, m)?)?;
+    m.add_function(wrap_pyfunction!(reject, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;

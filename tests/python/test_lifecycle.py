@@ -37,6 +37,16 @@ def test_clean_shutdowns_report_no_lost_rank(n):
     assert not lost, f"clean shutdowns reported as lost ranks: {lost[:5]}\n{describe(res)}"
 
 
+def test_rank_0_never_reports_itself_gone_on_its_own_exit():
+    """Rank 1 is killed; the RankFailureError ends rank 0's script, whose exit shuts ferrovod
+    down (atexit). Rank 0 reports rank 1 gone, and never itself: its own coordinator must
+    hear its engine leave."""
+    res = run_job(3, "survivor_worker.py", 0, timeout=60)
+    assert "rank 1 is gone" in res.stderr, describe(res)
+    self_gone = [ln for ln in res.stderr.splitlines() if "rank 0: WARNING] rank 0 is gone" in ln]
+    assert not self_gone, f"rank 0 reported itself gone: {self_gone}\n{describe(res)}"
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_join_with_uneven_steps(n):
     res = run_job(n, "lifecycle_worker.py", "join", timeout=120)

@@ -1,0 +1,311 @@
+"""Hostile input and lifecycle misuse: every case is a clear error on every rank involved,
+within bounded time, and the job goes on (or ends) cleanly.
+
+usage: hostile_worker.py CASE [ARGS...]
+  dupname          a second op under a name still pending: ValueError at submission
+  threads N        threads of one rank running blocking ops under one name: one runs, the
+                   others are refused at once
+  reject           one rank's arguments are bad: that rank refuses, every rank raises
+  objects          broadcast_object / allgather_object whose pickling fails on one rank
+  join_left        a rank shuts down without joining while the others wait in join()
+  psets_init       ranks pass different process sets to init(): init fails on every rank
+  pset_busy        remove_process_set while an op on the set is pending: refused
+  sigint FILE      rank 0 is blocked in an op (rank 1 never submits it); SIGINT must
+                   raise KeyboardInterrupt in rank 0 at once
+"""
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import fvtest as T
+
+import ferrovod as fv
+
+LIMIT = 10.0  # seconds any error may take to reach every rank
+
+
+def names_rank(msg, rank):
+    return re.search(rf"rank[s]?\b[^\n]{{0,60}}?(?<![\d.]){rank}(?![\d.])", msg, re.I) is not None
+
+
+def timed_raise(ck, exc, fn, what):
+    t0 = time.monotonic()
+    e = ck.raises(exc, fn, what)
+    ck.true(time.monotonic() - t0 < LIMIT, what, f"took {time.monotonic() - t0:.1f} s")
+    return e
+
+
+def still_works(ck, tag):
+    n = fv.size()
+    x = np.full(5, fv.rank() + 1, np.float64)
+    ck.array(fv.allreduce(x, op=fv.Sum, name=f"after.{tag}"), np.full(5, n * (n + 1) / 2),
+             f"allreduce after {tag}")
+    ck.array(fv.allreduce(x, op=fv.Sum), np.full(5, n * (n + 1) / 2), f"unnamed allreduce after {tag}")
+
+
+def case_dupname():
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    x = np.full(17, r + 1.0, np.float32)
+    want = np.full(17, n * (n + 1) / 2, np.float32)
+    kinds = [
+        ("allreduce", lambda name: fv.allreduce_async(x, name=name, op=fv.Sum)),
+        ("allgather", lambda name: fv.allgather_async(x, name=name)),
+        ("broadcast", lambda name: fv.broadcast_async(x, 0, name=name)),
+        ("reducescatter", lambda name: fv.reducescatter_async(np.ones((2 * n, 3), np.float32),
+                                                               name=name)),
+    ]
+    for kind, submit in kinds:
+        # Horovod's test: each rank's second submission under a pending name raises at once,
+        # and the first one still completes with its peers'.
+        name = f"dup.{kind}"
+        first = submit(name)
+        t0 = time.monotonic()
+        try:
+            submit(name)
+            ck.true(False, kind, "a second op under a pending name was accepted")
+        except ValueError as e:
+            ck.true("same name" in str(e) and name in str(e), kind, f"message: {e}")
+        ck.true(time.monotonic() - t0 < 1.0, kind, "the refusal must not wait for other ranks")
+        got = fv.synchronize(first)
+        if kind == "allreduce":
+            ck.array(got, want, "first allreduce completes")
+        # Synchronized: the name is free again.
+        again = fv.synchronize(submit(name))
+        if kind == "allreduce":
+            ck.array(again, want, "name reused after synchronize")
+    # A blocking op under a pending async op's name is refused too.
+    h = fv.allreduce_async(x, name="dup.blocking", op=fv.Sum)
+    ck.raises(ValueError, lambda: fv.allreduce(x, name="dup.blocking", op=fv.Sum), "blocking dup")
+    ck.array(fv.synchronize(h), want, "async op under the refused name")
+    fv.barrier()
+    still_works(ck, "duplicate names")
+    return ck.count
+
+
+def case_threads(nthreads):
+    """In each round one rank (the early one) starts ``nthreads`` threads at once, each a
+    blocking allreduce under one name; its peers submit that name from one thread half a second
+    later. On the early rank exactly one thread's op runs (and meets the peers' op), the others
+    are refused at once; nothing waits for an op no peer submits."""
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    nthreads = int(nthreads)
+    for early in range(n):
+        name = f"threads.same.{early}"
+        fv.barrier()
+        if r != early:
+            time.sleep(0.5)
+            got = fv.allreduce(np.full(4, 100.0 * (r + 1)), name=name, op=fv.Sum)
+            ck.true(got[0] % 100 < nthreads, "late rank", f"result {got}")
+            continue
+        outcomes = []
+        gate = threading.Barrier(nthreads)
+
+        def run(t):
+            gate.wait()
+            t0 = time.monotonic()
+            try:
+                got = fv.allreduce(np.full(4, float(t)), name=name, op=fv.Sum)
+                outcomes.append(("ok", t, got[0], time.monotonic() - t0))
+            except ValueError as e:
+                outcomes.append(("dup" if "same name" in str(e) else str(e), t, None,
+                                 time.monotonic() - t0))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(nthreads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        ck.true(not any(t.is_alive() for t in threads), "threads", "a thread hung")
+        ok = [o for o in outcomes if o[0] == "ok"]
+        dup = [o for o in outcomes if o[0] == "dup"]
+        ck.true(len(ok) == 1 and len(dup) == nthreads - 1, "threads", f"outcomes {outcomes}")
+        peers = sum(100.0 * (q + 1) for q in range(n) if q != early)
+        ck.true(ok[0][2] == peers + ok[0][1], "threads", f"result {ok[0]} (peers {peers})")
+        ck.true(all(o[3] < 0.4 for o in dup), "threads", f"refusals waited: {dup}")
+    still_works(ck, "threads")
+    return ck.count
+
+
+def case_reject():
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    bad = n - 1
+    x = np.ones((2 * n, 3), np.float32)
+
+    def one_rank(what, good, wrong, errtype=fv.InvalidArgumentError):
+        fn = wrong if r == bad else good
+        e = timed_raise(ck, errtype, fn, what)
+        msg = str(e)
+        ck.true(names_rank(msg, bad), what, f"message does not name rank {bad}: {msg!r}")
+        print(f"caught {what}: {msg}", flush=True)
+
+    one_rank("alltoall uneven rows", lambda: fv.alltoall(x, name="rj.a2a"),
+             lambda: fv.alltoall(np.ones((2 * n + 1, 3), np.float32), name="rj.a2a"))
+    one_rank("alltoall bad splits", lambda: fv.alltoall(x, splits=[2] * n, name="rj.spl"),
+             lambda: fv.alltoall(x, splits=[1] * (n + 1), name="rj.spl"))
+    one_rank("broadcast root out of range", lambda: fv.broadcast(x, 0, name="rj.root"),
+             lambda: fv.broadcast(x, n + 3, name="rj.root"))
+    one_rank("broadcast root as a string", lambda: fv.broadcast(x, 0, name="rj.rstr"),
+             lambda: fv.broadcast(x, "0", name="rj.rstr"))
+    one_rank("broadcast root as a float", lambda: fv.broadcast(x, 0, name="rj.rflt"),
+             lambda: fv.broadcast(x, 0.5, name="rj.rflt"))
+    for op in (99, -1, 1.5, "Sum"):
+        one_rank(f"op={op!r}", lambda: fv.allreduce(x, op=fv.Sum, name=f"rj.op{op}"),
+                 lambda: fv.allreduce(x, op=op, name=f"rj.op{op}"))
+    one_rank("unsupported dtype", lambda: fv.allreduce(x, name="rj.dt"),
+             lambda: fv.allreduce(np.ones((2 * n, 3), np.complex64), name="rj.dt"))
+    one_rank("None tensor", lambda: fv.allreduce(x, name="rj.none"),
+             lambda: fv.allreduce(None, name="rj.none"))
+    ro = x.copy()
+    ro.flags.writeable = False
+    one_rank("allreduce_ into a read-only array", lambda: fv.allreduce_(x.copy(), name="rj.ro"),
+             lambda: fv.allreduce_(ro, name="rj.ro"))
+    one_rank("broadcast_ into a read-only array", lambda: fv.broadcast_(x.copy(), 0, name="rj.bro"),
+             lambda: fv.broadcast_(ro, 0, name="rj.bro"))
+    one_rank("allreduce_ of a list", lambda: fv.allreduce_(x.copy(), name="rj.list"),
+             lambda: fv.allreduce_([1.0, 2.0], name="rj.list"))
+    one_rank("allreduce_ of bytes", lambda: fv.allreduce_(np.ones(4, np.uint8), name="rj.bytes"),
+             lambda: fv.allreduce_(b"\x01\x01\x01\x01", name="rj.bytes"))
+    one_rank("grouped_allreduce_ with a read-only member",
+             lambda: fv.grouped_allreduce_([x.copy(), x.copy()], name="rj.grp"),
+             lambda: fv.grouped_allreduce_([x.copy(), ro], name="rj.grp"))
+    one_rank("reducescatter op=Max", lambda: fv.reducescatter(x, name="rj.rs"),
+             lambda: fv.reducescatter(x, op=fv.Max, name="rj.rs"))
+    # Unnamed: the name counters stay in step although one rank refused.
+    one_rank("unnamed alltoall", lambda: fv.alltoall(x),
+             lambda: fv.alltoall(np.ones((2 * n + 1, 3), np.float32)))
+    # Async: the refusing rank raises at submission, the others at synchronize.
+    if r == bad:
+        timed_raise(ck, fv.InvalidArgumentError,
+                    lambda: fv.allreduce_async(x, op=99, name="rj.async"), "async refusal")
+    else:
+        h = fv.allreduce_async(x, op=fv.Sum, name="rj.async")
+        e = timed_raise(ck, fv.InvalidArgumentError, lambda: fv.synchronize(h), "async peer")
+        ck.true(names_rank(str(e), bad), "async peer", f"message: {e}")
+    # Every rank refusing alike needs nobody else.
+    timed_raise(ck, fv.InvalidArgumentError, lambda: fv.allreduce(x, op=99, name="rj.all"),
+                "every rank refuses")
+    still_works(ck, "refusals")
+    return ck.count
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this object refuses to be pickled")
+
+
+def case_objects():
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    root = n - 1
+    obj = Unpicklable() if r == root else {"rank": r}
+    e = timed_raise(ck, fv.InvalidArgumentError,
+                    lambda: fv.broadcast_object(obj, root_rank=root, name="obj.b"),
+                    "broadcast_object")
+    ck.true(names_rank(str(e), root) and "refuses to be pickled" in str(e), "broadcast_object",
+            f"message: {e}")
+    e = timed_raise(ck, fv.InvalidArgumentError, lambda: fv.allgather_object(obj, name="obj.g"),
+                    "allgather_object")
+    ck.true(names_rank(str(e), root) and "refuses to be pickled" in str(e), "allgather_object",
+            f"message: {e}")
+    ck.true(fv.broadcast_object({"v": r}, root_rank=root) == {"v": root}, "broadcast_object", "after")
+    ck.true(fv.allgather_object(r * 2) == [2 * i for i in range(n)], "allgather_object", "after")
+    still_works(ck, "objects")
+    return ck.count
+
+
+def case_join_left():
+    fv.init()
+    r, n = fv.rank(), fv.size()
+    ck = T.Checker(r)
+    if r == n - 1:
+        # Out of data, and gone without joining.
+        fv.shutdown()
+        return ck.count + 1
+    e = timed_raise(ck, fv.ShutdownError, fv.join, "join with a rank gone")
+    ck.true(names_rank(str(e), n - 1), "join", f"message does not name rank {n - 1}: {e}")
+    # Asked again, it fails again at once.
+    timed_raise(ck, fv.ShutdownError, fv.join, "join again")
+    return ck.count + 1
+
+
+def case_psets_init():
+    r = int(os.environ["FERROVOD_RANK"])
+    ck = T.Checker(r)
+    sets = [fv.ProcessSet([0, 1])] if r == 0 else [fv.ProcessSet([0, 1]), fv.ProcessSet([1, 2])]
+    e = timed_raise(ck, fv.InvalidArgumentError, lambda: fv.init(process_sets=sets), "init sets")
+    ck.true("process_sets" in str(e), "init sets", f"message: {e}")
+    e = timed_raise(ck, fv.InvalidArgumentError,
+                    lambda: fv.init(process_sets="dynamic" if r == 1 else None), "init dynamic")
+    ck.true("dynamic" in str(e), "init dynamic", f"message: {e}")
+    return ck.count
+
+
+def case_pset_busy():
+    fv.init(process_sets="dynamic")
+    r, n = fv.rank(), fv.size()
+    assert n >= 3, "run with at least 3 ranks: the set must not be the global one"
+    ck = T.Checker(r)
+    ps = fv.add_process_set([0, 1])
+    h = None
+    if r == 0:
+        h = fv.allreduce_async(np.ones(3), name="busy.op", op=fv.Sum, process_set=ps)
+    fv.barrier()
+    e = timed_raise(ck, fv.InvalidArgumentError, lambda: fv.remove_process_set(ps), "remove busy")
+    ck.true("busy.op" in str(e), "remove busy", f"message: {e}")
+    if r == 1:
+        h = fv.allreduce_async(np.ones(3), name="busy.op", op=fv.Sum, process_set=ps)
+    elif r != 0:
+        ck.count += 1
+    if h is not None:
+        ck.array(fv.synchronize(h), np.full(3, 2.0), "the pending op completes")
+    fv.barrier()
+    ck.true(fv.remove_process_set(ps), "remove", "idle set removed")
+    still_works(ck, "process sets")
+    return ck.count
+
+
+def case_sigint(ready_file):
+    fv.init()
+    r = fv.rank()
+    ck = T.Checker(r)
+    if r == 0:
+        with open(ready_file, "w") as f:
+            f.write(str(os.getpid()))
+        t0 = time.monotonic()
+        try:
+            fv.allreduce(np.ones(4), name="never.on.rank1")
+            ck.true(False, "sigint", "the op completed")
+        except KeyboardInterrupt:
+            print(f"interrupted after {time.monotonic() - t0:.2f} s", flush=True)
+            ck.count += 1
+        # Exits without shutdown(): the op it left pending has no partner.
+        print(f"OK {ck.count}", flush=True)
+        os._exit(0 if ck.count else 1)
+    # Rank 1 waits for rank 0 to be gone.
+    try:
+        fv.barrier()
+    except fv.FerrovodError:
+        pass
+    os._exit(0)
+
+
+def main():
+    case, args = sys.argv[1], sys.argv[2:]
+    return globals()[f"case_{case}"](*args)
+
+
+if __name__ == "__main__":
+    T.run_main(main)
