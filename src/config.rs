@@ -31,14 +31,14 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_CROSS_RANK", alias: Some("HOROVOD_CROSS_RANK"), default: "from host grouping", doc: "Index of this host among hosts with this local rank." },
     Var { name: "FERROVOD_CROSS_SIZE", alias: Some("HOROVOD_CROSS_SIZE"), default: "from host grouping", doc: "Number of hosts with this local rank." },
     Var { name: "FERROVOD_HOSTNAME", alias: Some("HOROVOD_HOSTNAME"), default: "the host name", doc: "Host identity used to group ranks into hosts." },
-    Var { name: "FERROVOD_RENDEZVOUS_ADDR", alias: None, default: "unset", doc: "host:port of the rendezvous store (set by ferrovodrun)." },
+    Var { name: "FERROVOD_RENDEZVOUS_ADDR", alias: None, default: "unset", doc: "host:port of the rendezvous store (set by ferrovodrun), an IPv6 host best in brackets (`[fd00::1]:29500`). Anything else is refused at once." },
     Var { name: "FERROVOD_IFACE", alias: Some("HOROVOD_GLOO_IFACE"), default: "unset", doc: "Network interface (e.g. `eth0`) whose IPv4 address the engine's listeners bind to, so that other ranks connect through it (the rendezvous store rank 0 hosts still listens on every interface). Unset: the address of the route to the rendezvous store." },
     Var { name: "FERROVOD_SECRET", alias: None, default: "unset", doc: "Hex job secret every connection must prove (set by ferrovodrun; never put it on a command line)." },
     Var { name: "FERROVOD_FUSION_THRESHOLD", alias: Some("HOROVOD_FUSION_THRESHOLD"), default: "134217728", doc: "Bytes of allreduce tensors fused into one collective; 0 disables fusion." },
     Var { name: "FERROVOD_CYCLE_TIME", alias: Some("HOROVOD_CYCLE_TIME"), default: "0", doc: "Milliseconds the coordinator may wait after a tensor is ready to gather more for fusion. 0: respond at once (fusing whatever is ready together)." },
     Var { name: "FERROVOD_CACHE_CAPACITY", alias: Some("HOROVOD_CACHE_CAPACITY"), default: "1024", doc: "Response-cache entries per process set (names seen before travel as small ids); 0 disables it." },
-    Var { name: "FERROVOD_TIMEOUT_SECONDS", alias: Some("HOROVOD_GLOO_TIMEOUT_SECONDS"), default: "30", doc: "A peer that makes no progress in a collective for this long is an error (a dead peer is detected at once)." },
-    Var { name: "FERROVOD_START_TIMEOUT", alias: Some("HOROVOD_START_TIMEOUT"), default: "60", doc: "Seconds init() waits for every rank to rendezvous." },
+    Var { name: "FERROVOD_TIMEOUT_SECONDS", alias: Some("HOROVOD_GLOO_TIMEOUT_SECONDS"), default: "30", doc: "Seconds a peer may make no progress in a collective before the op fails (a dead peer is detected at once). Must be above 0: there is no \"never\"." },
+    Var { name: "FERROVOD_START_TIMEOUT", alias: Some("HOROVOD_START_TIMEOUT"), default: "60", doc: "Seconds init() waits for every rank to rendezvous. Must be above 0." },
     Var { name: "FERROVOD_DYNAMIC_PROCESS_SETS", alias: Some("HOROVOD_DYNAMIC_PROCESS_SETS"), default: "0", doc: "Allow add_process_set/remove_process_set after init()." },
     Var { name: "FERROVOD_FAST_PATH_BYTES", alias: None, default: "65536", doc: "Largest blocking allreduce, broadcast, allgather, reducescatter (Sum, Average) or alltoall without splits (bytes, per rank) that takes the fast path when every rank is on one host over shared memory: the ranks agree through shared memory, without the coordinator, and each sums (or copies) the others' inputs itself. An op the ranks do not all offer alike (or any rank with other ops pending) goes the usual way. 0: off. At most 65536. Off while FERROVOD_STALL_SHUTDOWN_TIME_SECONDS is set (a fast op cannot be abandoned by one rank alone)." },
     Var { name: "FERROVOD_OVERLAP", alias: None, default: "auto", doc: "Whether torch's DistributedOptimizer submits gradients' allreduces during backward (1) or all at step() (0: in the order they came in, or, for dense CPU gradients of one dtype, kept in one flat buffer reduced by one in-place allreduce). auto: overlap, unless every rank is on one host, the gradients are on the CPU and local_size x torch threads fill every core (then the allreduces only take cores from the backward pass: on 2 ranks with 2 cores an MLP trained at 0.80-0.86 of its speed without communication, against 0.73-0.80 overlapped). The optimizer's `overlap` argument wins." },
@@ -58,8 +58,8 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_AUTOTUNE_WARMUP_SAMPLES", alias: Some("HOROVOD_AUTOTUNE_WARMUP_SAMPLES"), default: "3", doc: "Samples discarded before autotune scores." },
     Var { name: "FERROVOD_AUTOTUNE_STEPS_PER_SAMPLE", alias: Some("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"), default: "10", doc: "Training steps per autotune sample." },
     Var { name: "FERROVOD_STALL_CHECK_DISABLE", alias: Some("HOROVOD_STALL_CHECK_DISABLE"), default: "0", doc: "Turn the stall inspector off." },
-    Var { name: "FERROVOD_STALL_CHECK_TIME_SECONDS", alias: Some("HOROVOD_STALL_CHECK_TIME_SECONDS"), default: "60", doc: "Rank 0 warns, naming each tensor and the ranks that have not submitted it, when some ranks have waited this long." },
-    Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "If above the check time: a tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never." },
+    Var { name: "FERROVOD_STALL_CHECK_TIME_SECONDS", alias: Some("HOROVOD_STALL_CHECK_TIME_SECONDS"), default: "60", doc: "Rank 0 warns, naming each tensor and the ranks that have not submitted it, when some ranks have waited this long. Must be above 0 (FERROVOD_STALL_CHECK_DISABLE turns the check off)." },
+    Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "A tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never. Otherwise it must be above the check time, with the stall check on: init() refuses anything else rather than never shut down." },
 ];
 
 /// Which launcher started this process (DESIGN.md, "Launch and bootstrap", in this order).
@@ -269,6 +269,23 @@ impl Config {
                 },
             }
         };
+        // Seconds that must be above 0 (with what to do instead in `hint`); a value too large
+        // for a Duration is refused too rather than panicking.
+        let seconds = |name: &str, hint: &str| -> Result<Option<Duration>> {
+            match lookup(name) {
+                None => Ok(None),
+                Some((key, v)) => match v.parse::<f64>().ok().filter(|x| *x > 0.0) {
+                    Some(x) => Duration::try_from_secs_f64(x).map(Some).map_err(|_| {
+                        Error::InvalidArgument(format!(
+                            "{key}={v:?} is too large a number of seconds"
+                        ))
+                    }),
+                    None => Err(Error::InvalidArgument(format!(
+                        "{key}={v:?} is not a positive number of seconds{hint}"
+                    ))),
+                },
+            }
+        };
         let int = |name: &str| -> Result<Option<usize>> {
             match lookup(name) {
                 None => Ok(None),
@@ -310,35 +327,27 @@ impl Config {
             chunk_bytes: int("FERROVOD_CHUNK_BYTES")?.unwrap_or(1 << 20).max(64),
             hierarchical,
         };
-        let stall_check = (!flag("FERROVOD_STALL_CHECK_DISABLE")).then(|| {
-            Duration::from_secs_f64(
-                num("FERROVOD_STALL_CHECK_TIME_SECONDS")
-                    .ok()
-                    .flatten()
-                    .unwrap_or(60.0)
-                    .max(0.001),
-            )
-        });
-        // As in Horovod: a shutdown time not above the warning time is ignored.
-        let stall_shutdown = match (num("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS")?, stall_check) {
-            (Some(t), Some(check)) if Duration::from_secs_f64(t) > check => {
-                Some(Duration::from_secs_f64(t))
-            }
-            _ => None,
-        };
+        let (stall_check, stall_shutdown) = stall_limits(&lookup, &seconds, flag)?;
         Ok(Config {
             launch,
             hostname,
             iface: lookup("FERROVOD_IFACE").map(|(_, v)| v),
             fusion_threshold: int("FERROVOD_FUSION_THRESHOLD")?.unwrap_or(128 << 20),
-            cycle_time: Duration::from_secs_f64(num("FERROVOD_CYCLE_TIME")?.unwrap_or(0.0) / 1e3),
+            cycle_time: match num("FERROVOD_CYCLE_TIME")? {
+                None => Duration::ZERO,
+                Some(ms) => Duration::try_from_secs_f64(ms / 1e3).map_err(|_| {
+                    let (key, v) = lookup("FERROVOD_CYCLE_TIME").unwrap_or_default();
+                    Error::InvalidArgument(format!("{key}={v:?} is too many milliseconds"))
+                })?,
+            },
             cache_capacity: int("FERROVOD_CACHE_CAPACITY")?.unwrap_or(1024),
-            timeout: Duration::from_secs_f64(
-                num("FERROVOD_TIMEOUT_SECONDS")?.unwrap_or(30.0).max(0.001),
-            ),
-            start_timeout: Duration::from_secs_f64(
-                num("FERROVOD_START_TIMEOUT")?.unwrap_or(60.0).max(0.001),
-            ),
+            timeout: seconds(
+                "FERROVOD_TIMEOUT_SECONDS",
+                " (how long a peer may make no progress before the op fails; there is no \"never\")",
+            )?
+            .unwrap_or(Duration::from_secs(30)),
+            start_timeout: seconds("FERROVOD_START_TIMEOUT", "")?
+                .unwrap_or(Duration::from_secs(60)),
             dynamic_process_sets: flag("FERROVOD_DYNAMIC_PROCESS_SETS"),
             spin: Duration::from_micros(int("FERROVOD_SPIN_US")?.unwrap_or(250) as u64),
             shm_disable: flag("FERROVOD_SHM_DISABLE"),
@@ -376,6 +385,91 @@ impl Config {
 }
 
 type Lookup<'a> = dyn Fn(&str) -> Option<(String, String)> + 'a;
+type Seconds<'a> = dyn Fn(&str, &str) -> Result<Option<Duration>> + 'a;
+
+/// The stall inspector's (warning, shutdown) times. A shutdown time that could never act (not
+/// above the warning time, or with the inspector off) is refused: taken silently, it leaves a
+/// stalled job hanging when the user asked for it to end.
+fn stall_limits(
+    lookup: &Lookup<'_>,
+    seconds: &Seconds<'_>,
+    flag: impl Fn(&str) -> bool,
+) -> Result<(Option<Duration>, Option<Duration>)> {
+    let check_time = seconds(
+        "FERROVOD_STALL_CHECK_TIME_SECONDS",
+        " (FERROVOD_STALL_CHECK_DISABLE=1 turns the stall check off)",
+    )?;
+    let check = (!flag("FERROVOD_STALL_CHECK_DISABLE"))
+        .then(|| check_time.unwrap_or(Duration::from_secs(60)));
+    let Some((key, v)) = lookup("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS") else {
+        return Ok((check, None));
+    };
+    let shutdown = match v.parse::<f64>() {
+        Ok(0.0) => return Ok((check, None)),
+        Ok(x) if x > 0.0 => Duration::try_from_secs_f64(x).ok(),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{key}={v:?} is not a number of seconds (0: never shut down)"
+        ))
+    })?;
+    let Some(check) = check else {
+        let (dkey, dv) = lookup("FERROVOD_STALL_CHECK_DISABLE").unwrap_or_default();
+        return Err(Error::InvalidArgument(format!(
+            "{key}={v:?} cannot take effect while {dkey}={dv:?} turns the stall check off: \
+             unset one of them"
+        )));
+    };
+    if shutdown <= check {
+        let check_source = match lookup("FERROVOD_STALL_CHECK_TIME_SECONDS") {
+            Some((ckey, cv)) => format!("{ckey}={cv:?}"),
+            None => "60 s (the default of FERROVOD_STALL_CHECK_TIME_SECONDS)".into(),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{key}={v:?} is not above the stall check time, {check_source}: a stalled tensor \
+             would be warned about but never failed. Set it above the check time (or lower \
+             the check time), or to 0 to never shut down"
+        )));
+    }
+    Ok((Some(check), Some(shutdown)))
+}
+
+/// Checks that `addr` (from `source`, which the error names) is `host:port` with a port from 1
+/// to 65535. Whether the host resolves is not checked here: a name may resolve only later (a
+/// service still coming up), so connecting retries it.
+fn check_rendezvous_addr(source: &str, addr: &str) -> Result<()> {
+    let bad = |why: String| {
+        Err(Error::InvalidArgument(format!(
+            "{source}={addr:?} is not a rendezvous address: {why}; expected host:port, e.g. \
+             10.0.0.1:29500, node-0:29500 or [fd00::1]:29500"
+        )))
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return bad("it has no port".into());
+    };
+    if host.is_empty() {
+        return bad("it has no host".into());
+    }
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        // An IPv6 address without brackets ("fd00::1:29500") is read as connecting reads it,
+        // the port after the last colon; it has always worked, from torchrun's MASTER_ADDR too.
+        None => {
+            host.parse::<std::net::Ipv6Addr>().is_ok()
+                || host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        }
+    };
+    if !host_ok {
+        return bad(format!("{host:?} is not a host name or IP address"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => bad(format!("port {port:?} is not a number from 1 to 65535")),
+    }
+}
 
 /// Works out the launch environment (DESIGN.md order: ferrovodrun, MPI launchers, Slurm,
 /// torchrun/PyTorchJob, none). A half-set environment is an error naming what is missing.
@@ -492,6 +586,9 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
         ),
     };
     let explicit_addr = lookup("FERROVOD_RENDEZVOUS_ADDR").map(|(_, v)| v);
+    if let Some(addr) = &explicit_addr {
+        check_rendezvous_addr("FERROVOD_RENDEZVOUS_ADDR", addr)?;
+    }
     let agent_store = match (
         launcher,
         &explicit_addr,
@@ -573,7 +670,14 @@ fn detect_launch(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> R
                     } else {
                         port
                     };
-                    format!("{host}:{port}")
+                    let addr = format!("{host}:{port}");
+                    let source = if under_torchrun.is_some() {
+                        "MASTER_ADDR:MASTER_PORT+1 (torchrun's agent has MASTER_PORT)"
+                    } else {
+                        "MASTER_ADDR:MASTER_PORT"
+                    };
+                    check_rendezvous_addr(source, &addr)?;
+                    addr
                 }
             };
             // Local and cross ranks come from grouping the ranks' host names, which agrees with
@@ -881,17 +985,137 @@ mod tests {
         assert_eq!(c.stall_shutdown, Some(Duration::from_secs(5)));
         assert_eq!(c.log_level, "debug");
         let c = cfg(&[
-            ("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5"),
+            ("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0"),
             ("FERROVOD_LOG_LEVEL", "chatty"),
         ])
         .unwrap();
-        assert_eq!(
-            c.stall_shutdown, None,
-            "below the 60 s warning time: ignored"
-        );
+        assert_eq!(c.stall_shutdown, None, "0: never");
+        assert_eq!(c.stall_check, Some(Duration::from_secs(60)));
         assert_eq!(c.log_level, "warning");
         let c = cfg(&[("FERROVOD_STALL_CHECK_DISABLE", "1")]).unwrap();
         assert_eq!(c.stall_check, None);
+    }
+
+    #[test]
+    fn a_stall_shutdown_that_could_never_act_is_refused() {
+        let err = |pairs: &[(&str, &str)]| cfg(pairs).unwrap_err().to_string();
+        // Not above the default check time: it used to be dropped without a word.
+        let e = err(&[("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5")]);
+        assert!(
+            e.contains("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS=\"5\"")
+                && e.contains("not above the stall check time")
+                && e.contains("60 s (the default of FERROVOD_STALL_CHECK_TIME_SECONDS)"),
+            "{e}"
+        );
+        // Equal to an explicit check time, through the Horovod names.
+        let e = err(&[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "10"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "10"),
+        ]);
+        assert!(
+            e.contains("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=\"10\"")
+                && e.contains("HOROVOD_STALL_CHECK_TIME_SECONDS=\"10\""),
+            "{e}"
+        );
+        let e = err(&[
+            ("FERROVOD_STALL_CHECK_DISABLE", "1"),
+            ("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", "120"),
+        ]);
+        assert!(
+            e.contains("FERROVOD_STALL_CHECK_DISABLE=\"1\"") && e.contains("stall check off"),
+            "{e}"
+        );
+        for bad in ["-5", "soon", "nan"] {
+            let e = err(&[("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", bad)]);
+            assert!(
+                e.contains(&format!("FERROVOD_STALL_SHUTDOWN_TIME_SECONDS={bad:?}")),
+                "{e}"
+            );
+        }
+        for bad in ["0", "-1", "x"] {
+            let e = err(&[("FERROVOD_STALL_CHECK_TIME_SECONDS", bad)]);
+            assert!(
+                e.contains(&format!("FERROVOD_STALL_CHECK_TIME_SECONDS={bad:?}"))
+                    && e.contains("FERROVOD_STALL_CHECK_DISABLE"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn timeouts_must_be_positive() {
+        for (name, bad) in [
+            ("FERROVOD_TIMEOUT_SECONDS", "0"),
+            ("FERROVOD_TIMEOUT_SECONDS", "-3"),
+            ("HOROVOD_GLOO_TIMEOUT_SECONDS", "0.0"),
+            ("FERROVOD_TIMEOUT_SECONDS", "inf"),
+            ("FERROVOD_START_TIMEOUT", "0"),
+            ("HOROVOD_START_TIMEOUT", "-1"),
+            ("FERROVOD_CYCLE_TIME", "1e300"),
+        ] {
+            let e = cfg(&[(name, bad)]).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{name}=")) && e.contains(bad),
+                "{name}={bad}: {e}"
+            );
+        }
+        let c = cfg(&[
+            ("FERROVOD_TIMEOUT_SECONDS", "0.5"),
+            ("HOROVOD_START_TIMEOUT", "7"),
+        ])
+        .unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(500));
+        assert_eq!(c.start_timeout, Duration::from_secs(7));
+    }
+
+    #[test]
+    fn malformed_rendezvous_addresses_are_refused_at_once() {
+        let job = |addr: &str| {
+            cfg(&[
+                ("FERROVOD_RANK", "0"),
+                ("FERROVOD_SIZE", "2"),
+                ("FERROVOD_RENDEZVOUS_ADDR", addr),
+            ])
+        };
+        for (bad, why) in [
+            ("nohost:notaport", "port \"notaport\""),
+            ("1.2.3.4", "no port"),
+            (":99999", "no host"),
+            ("h:99999", "port \"99999\""),
+            ("h:0", "port \"0\""),
+            ("fd00::zz:5000", "\"fd00::zz\" is not a host name"),
+            ("[::zz]:5000", "not a host name"),
+            ("a b:5000", "not a host name"),
+        ] {
+            let e = job(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("FERROVOD_RENDEZVOUS_ADDR={bad:?}")) && e.contains(why),
+                "{bad}: {e}"
+            );
+        }
+        for good in [
+            "127.0.0.1:5",
+            "node-0.svc_x:29500",
+            "[fd00::1]:65535",
+            "fd00::1:29500",
+            "h:1",
+        ] {
+            assert_eq!(
+                job(good).unwrap().launch.rendezvous_addr.as_deref(),
+                Some(good)
+            );
+        }
+        // An address put together from torchrun's variables is checked too.
+        let e = cfg(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "65535"),
+            ("TORCHELASTIC_RUN_ID", "x"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_PORT") && e.contains("65536"), "{e}");
     }
 
     #[test]

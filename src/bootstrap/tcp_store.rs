@@ -121,6 +121,9 @@ impl TcpStoreServer {
 
     /// Stops serving: closes the listener and every client connection, wakes waiting `get`s
     /// (their clients get an error) and joins the server's threads. Idempotent.
+    ///
+    /// Blocks until every client thread has ended; a thread may be logging, which under Python
+    /// takes the GIL, so a caller holding the GIL must release it around this call.
     pub fn shutdown(&mut self) {
         let Some(acceptor) = self.acceptor.take() else {
             return;
@@ -196,6 +199,11 @@ fn accept_loop(listener: TcpListener, wake: UnixStream, shared: Arc<Shared>) {
 fn serve_client(shared: &Shared, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     if let Err(e) = authenticate(&mut stream, &shared.secret, false, SERVER_AUTH_TIMEOUT) {
+        // Closed by our own shutdown: nothing to report, and the log (bridged to Python
+        // logging, so it takes the GIL) must not be a reason for `shutdown` to wait.
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
         log::warn!(
             target: crate::LOG_TARGET,
             "rendezvous store dropped a connection from {}: {e}",
@@ -333,13 +341,20 @@ impl TcpStore {
                     after: timeout,
                 });
             }
-            let resolved = addr
-                .to_socket_addrs()
-                .map(|a| a.collect::<Vec<_>>())
-                .unwrap_or_else(|e| {
+            let resolved = match addr.to_socket_addrs() {
+                Ok(a) => a.collect::<Vec<_>>(),
+                // Not "host:port" at all (no port, a port out of range): no retry can fix it.
+                Err(e) if e.kind() == ErrorKind::InvalidInput => {
+                    return Err(Error::InvalidArgument(format!(
+                        "rendezvous store address {addr:?} is not host:port ({e})"
+                    )));
+                }
+                // A name that does not resolve yet may resolve later (a service coming up).
+                Err(e) => {
                     last_error = format!("resolving: {e}");
                     Vec::new()
-                });
+                }
+            };
             for a in resolved {
                 match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))) {
                     // With no listener yet on a port in the ephemeral range, the kernel can
@@ -455,5 +470,39 @@ impl Store for TcpStore {
         let v = r.i64()?;
         r.finish()?;
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connect_refuses_what_is_not_host_port_at_once() {
+        for bad in ["nohost:notaport", "1.2.3.4", "h:99999"] {
+            let t0 = Instant::now();
+            let e = TcpStore::connect(bad, b"secret", Duration::from_secs(30)).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(bad),
+                "{bad}: {e}"
+            );
+            assert!(t0.elapsed() < Duration::from_secs(1), "{bad}: retried");
+        }
+    }
+
+    #[test]
+    fn shutdown_with_a_silent_connection_open_returns() {
+        let mut server =
+            TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), b"secret".to_vec()).unwrap();
+        let silent = TcpStream::connect(server.local_addr()).unwrap();
+        // Let the acceptor hand it to a client thread, which waits for the handshake.
+        let t0 = Instant::now();
+        while server.shared.clients.lock().is_empty() && t0.elapsed() < Duration::from_secs(5) {
+            thread::sleep(Duration::from_millis(5));
+        }
+        let t0 = Instant::now();
+        server.shutdown();
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        drop(silent);
     }
 }

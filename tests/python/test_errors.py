@@ -66,6 +66,55 @@ def test_killed_rank_is_reported_by_every_survivor(n, link):
     assert not left, f"processes left behind: {left}\n{describe(res)}"
 
 
+def test_launcher_lets_every_survivor_report_the_killed_rank():
+    """A rank SIGKILLed mid-collective: the launcher sees its exit at once, but must leave the
+    survivors (default SIGTERM action, error not caught, a short cleanup before Python prints
+    it) the moment they need to print their RankFailureError naming it. Several runs: a
+    launcher that terminates the survivors as soon as the rank dies loses their lines."""
+    n, runs = 3, 3
+    for attempt in range(runs):
+        res = run_job(n, "survivor_worker.py", 0.3, timeout=60)
+        assert res.returncode == 137, f"run {attempt}: the killed rank's status\n{describe(res)}"
+        assert "the first was rank 1" in res.stderr, describe(res)
+        assert lines_matching(res, 1, r"^killing myself"), describe(res)
+        for r in range(n):
+            if r == 1:
+                continue
+            got = lines_matching(res, r, r"RankFailureError: (.*)")
+            assert got, f"run {attempt}: rank {r}'s error is not in the output\n{describe(res)}"
+            assert re.search(r"\brank 1\b", got[0].group(1)), f"not naming rank 1: {got[0].group(0)}"
+        assert res.elapsed < 20, f"run {attempt} took {res.elapsed:.1f} s\n{describe(res)}"
+
+
+_RANK1_OF_2 = {"FERROVOD_RANK": "1", "FERROVOD_SIZE": "2", "FERROVOD_START_TIMEOUT": "15"}
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"FERROVOD_TIMEOUT_SECONDS": "0"}, 'FERROVOD_TIMEOUT_SECONDS="0"'),
+    ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "-1"}, 'HOROVOD_GLOO_TIMEOUT_SECONDS="-1"'),
+    ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"}, 'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="30"'),
+    ({"FERROVOD_STALL_CHECK_TIME_SECONDS": "10", "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10"},
+     'FERROVOD_STALL_SHUTDOWN_TIME_SECONDS="10"'),
+    (dict(_RANK1_OF_2, FERROVOD_RENDEZVOUS_ADDR="nohost:notaport"),
+     'FERROVOD_RENDEZVOUS_ADDR="nohost:notaport"'),
+    (dict(_RANK1_OF_2, FERROVOD_RENDEZVOUS_ADDR="1.2.3.4"), 'FERROVOD_RENDEZVOUS_ADDR="1.2.3.4"'),
+    (dict(_RANK1_OF_2, FERROVOD_RENDEZVOUS_ADDR=":99999"), 'FERROVOD_RENDEZVOUS_ADDR=":99999"'),
+], ids=["timeout-0", "timeout-negative", "stall-shutdown-below-default-check",
+        "stall-shutdown-equal-check", "addr-no-port-number", "addr-no-port", "addr-no-host"])
+def test_bad_settings_are_refused_by_init_at_once(env, named):
+    """A setting that cannot work is an InvalidArgumentError (a ValueError) naming the variable
+    and its value, raised by init() at once: not taken as something else (a 0 timeout as 1 ms),
+    not ignored (a stall shutdown that would never act), not retried for the whole start
+    timeout (an address that is not host:port)."""
+    res = run_plain("init_error_worker.py", env=env, timeout=40)
+    got = [m for m in (re.match(r"INIT-ERROR (\S+) ([\d.]+) (.*)", ln) for ln in res.ranks[0]) if m]
+    assert got, f"init() accepted {env}\n{describe(res)}"
+    cls, elapsed, msg = got[0].group(1), float(got[0].group(2)), got[0].group(3)
+    assert cls == "InvalidArgumentError", f"{cls}: {msg}"
+    assert named in msg, f"the message does not name {named}: {msg}"
+    assert elapsed < 3, f"init() took {elapsed} s to refuse {env}"
+
+
 def test_forked_child_gets_not_initialized_and_parent_goes_on():
     res = run_job(2, "errors_worker.py", "fork", timeout=60)
     assert_ok(res, 2, min_checks=6)

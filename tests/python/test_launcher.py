@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -295,6 +296,44 @@ def test_real_job_through_rendezvous(base_env: Dict[str, str]) -> None:
         1: {"topology": [1, 3, 1, 2, 0, 1], "sum": expected_sum},
         2: {"topology": [2, 3, 0, 1, 1, 2], "sum": expected_sum},
     }
+
+
+def test_silent_connection_to_the_rendezvous_port_does_not_block_exit(
+    base_env: Dict[str, str], tmp_path: Path
+) -> None:
+    """A port scanner or health check holding a silent connection to the store as the job ends:
+    closing the store drops it, and the launcher still exits at once (it used to deadlock
+    there, waiting with the GIL held for a thread that needed the GIL to log the drop)."""
+    if not _core_available(base_env):
+        pytest.skip("the native core (ferrovod._core) is not built")
+    go = tmp_path / "go"
+    launcher = subprocess.Popen(
+        launcher_argv("-np", "1", *script("wait_for_file.py", str(go))),
+        env=base_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()
+        m = re.search(r"RENDEZVOUS (\S+):(\d+)$", line.strip())
+        assert m, f"no rendezvous address in {line!r}"
+        with socket.create_connection((m.group(1), int(m.group(2))), timeout=5):
+            go.touch()
+            start = time.monotonic()
+            try:
+                _, err = launcher.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                pytest.fail("ferrovodrun did not exit with a silent connection to its store open")
+            elapsed = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()  # a deadlocked launcher ignores SIGTERM
+            launcher.communicate()
+    assert launcher.returncode == 0, err
+    assert elapsed < 5, elapsed
 
 
 def test_secrets_differ_between_jobs(base_env: Dict[str, str]) -> None:
@@ -593,6 +632,72 @@ def test_too_many_processes(base_env: Dict[str, str], tmp_path: Path) -> None:
     hostfile.write_text("localhost slots=notanumber\n")
     proc = run(base_env, "-np", "1", "--hostfile", str(hostfile), "true")
     assert proc.returncode == 2 and f"{hostfile}:1" in proc.stderr
+
+
+def test_binary_hostfile_is_named_with_its_line(base_env: Dict[str, str], tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.bin"
+    hostfile.write_bytes(b"localhost slots=1\n\x89PNG\r\n\x1a\n")
+    proc = run(base_env, "-np", "1", "--hostfile", str(hostfile), "true")
+    assert proc.returncode == 2, proc.stderr
+    assert f"{hostfile}:2: not a text hostfile (byte 0x89 is not UTF-8)" in proc.stderr, proc.stderr
+    hostfile.write_bytes(b"# hosts\nlocalhost\x00slots=1\n")
+    proc = run(base_env, "-np", "1", "--hostfile", str(hostfile), "true")
+    assert proc.returncode == 2 and f"{hostfile}:2: not a text hostfile" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--start-timeout", "0"),
+        ("--start-timeout", "-5"),
+        ("--gloo-timeout-seconds", "0"),
+        ("--stall-check-warning-time-seconds", "0"),
+    ],
+)
+def test_timeouts_of_zero_or_less_are_refused(
+    base_env: Dict[str, str], flag: str, value: str
+) -> None:
+    proc = run(base_env, "-np", "1", flag, value, "true")
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(rf"argument {flag}: must .* got {re.escape(value)}$", proc.stderr, re.M), (
+        proc.stderr
+    )
+
+
+def test_start_timeout_of_zero_from_the_environment_is_refused(base_env: Dict[str, str]) -> None:
+    proc = run(base_env, "-np", "1", "true", extra_env={"HOROVOD_START_TIMEOUT": "0"})
+    assert proc.returncode == 2, proc.stderr
+    assert "HOROVOD_START_TIMEOUT must be a whole number of seconds above 0, got '0'" in proc.stderr
+
+
+def test_stall_shutdown_that_could_never_act_is_refused(base_env: Dict[str, str]) -> None:
+    shutdown = "--stall-check-shutdown-time-seconds"
+    for flags, env, wording in [
+        ([shutdown, "30"], {}, "not above the stall warning time (the default warning time: 60 s)"),
+        (
+            ["--stall-check-warning-time-seconds", "10", shutdown, "10"],
+            {},
+            "(--stall-check-warning-time-seconds: 10 s)",
+        ),
+        (
+            [shutdown, "20"],
+            {"HOROVOD_STALL_CHECK_TIME_SECONDS": "20"},
+            "(HOROVOD_STALL_CHECK_TIME_SECONDS: 20 s)",
+        ),
+        (["--no-stall-check", shutdown, "120"], {}, "while --no-stall-check turns the stall"),
+        ([shutdown, "120"], {"FERROVOD_STALL_CHECK_DISABLE": "1"}, "_STALL_CHECK_DISABLE=1 turns"),
+    ]:
+        proc = run(base_env, "-np", "1", *flags, "true", extra_env=env)
+        assert proc.returncode == 2, (flags, env, proc.stderr)
+        assert wording in proc.stderr and f"{shutdown} " in proc.stderr, proc.stderr
+    # Above the warning time, or 0 (never): accepted.
+    accepted = [
+        ([shutdown, "30"], {"HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}),
+        ([shutdown, "0"], {}),
+    ]
+    for flags, env in accepted:
+        proc = run(base_env, "-np", "1", *flags, "true", extra_env=env)
+        assert proc.returncode == 0, (flags, env, proc.stderr)
 
 
 def test_fewer_processes_than_slots(base_env: Dict[str, str]) -> None:

@@ -134,10 +134,24 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> List[HostInfo]
 def parse_hostfile(path: str) -> List[HostInfo]:
     """Reads and parses a hostfile (see :func:`parse_hostfile_text`)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
         raise HostSpecError(f"cannot read hostfile {path!r}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise HostSpecError(
+            f"{path}:{lineno}: not a text hostfile (byte 0x{data[exc.start]:02x} is not UTF-8); "
+            "expected lines of '<host> slots=<n>'"
+        ) from None
+    if "\0" in text:
+        lineno = text.count("\n", 0, text.index("\0")) + 1
+        raise HostSpecError(
+            f"{path}:{lineno}: not a text hostfile (it holds a NUL byte); "
+            "expected lines of '<host> slots=<n>'"
+        )
     return parse_hostfile_text(text, source=path)
 
 

@@ -7,8 +7,9 @@ The launcher checks every remote host first (reachable over ssh, ferrovod instal
 directory and network interface present) and names the ones that are not, before anything
 starts. Then it creates a random job secret, starts the rendezvous store, starts one worker per
 rank with its topology in the environment (over ssh on remote hosts, see :mod:`.remote`),
-forwards their output line by line, and ends the job as a whole: the first worker to fail (or a
-Ctrl-C) stops all the others on every host, and the launcher exits with that worker's status.
+forwards their output line by line, and ends the job as a whole: the first worker to fail (after
+a moment for the others to end by themselves and report it) or a Ctrl-C stops all the others
+on every host, and the launcher exits with that worker's status.
 Elastic launches are not supported yet.
 """
 
@@ -63,6 +64,9 @@ __all__ = ["LaunchError", "LaunchPlan", "build_parser", "main", "plan_job", "run
 
 PROG = "ferrovodrun"
 GRACE_S = 3.0
+# After a worker fails, how long the others may take to exit by themselves (and print the error
+# their ranks raise about it) before they are terminated.
+SETTLE_S = 2.0
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 # Flags accepted for horovodrun compatibility that change nothing here:
@@ -137,11 +141,18 @@ def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = _non_negative(int)(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return int(value)
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = _non_negative(kind)(text)
+        if value == 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_positive_int = _positive(int)
 
 
 def _log_level(text: str) -> str:
@@ -223,7 +234,7 @@ def _add_general(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--start-timeout",
-        type=_non_negative(int),
+        type=_positive_int,
         help="Seconds the job has to start (default: 30, or HOROVOD_START_TIMEOUT).",
     )
     parser.add_argument(
@@ -295,8 +306,12 @@ def _add_tunables(parser: argparse.ArgumentParser) -> None:
         const=False,
         help=argparse.SUPPRESS,
     )
-    group.add_argument("--stall-check-warning-time-seconds", type=_non_negative(int))
-    group.add_argument("--stall-check-shutdown-time-seconds", type=_non_negative(int))
+    group.add_argument("--stall-check-warning-time-seconds", type=_positive_int)
+    group.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        type=_non_negative(int),
+        help="Fail a tensor stalled this long on every rank (0: never); above the warning time.",
+    )
     _bool_pair(group, "mpi-threads-disable", "mpi_threads_disable", hidden_negative=True)
     group.add_argument("--mpi-args")
     group.add_argument("--tcp", dest="tcp_flag", action="store_true", default=None)
@@ -305,7 +320,7 @@ def _add_tunables(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--thread-affinity", type=_non_negative(int))
     group.add_argument(
         "--gloo-timeout-seconds",
-        type=_non_negative(int),
+        type=_positive_int,
         help="Seconds without progress before an op fails.",
     )
 
@@ -436,6 +451,48 @@ def _notes(args: argparse.Namespace, remote: List[str]) -> List[str]:
     return notes
 
 
+def _check_stall_flags(args: argparse.Namespace, environ: Dict[str, str]) -> None:
+    """Refuses a stall shutdown time given on the command line that could never act: the
+    workers would refuse it only once started, and ignoring it would leave a stalled job
+    hanging."""
+    shutdown = getattr(args, "stall_check_shutdown_time_seconds", None)
+    if not shutdown:
+        return
+    flag = f"--stall-check-shutdown-time-seconds {shutdown}"
+    disabled, by = args.no_stall_check, "--no-stall-check"
+    if disabled is None:
+        for name in ("FERROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"):
+            text = environ.get(name, "").strip()
+            if text:
+                # As the engine reads a flag: a positive integer, or true.
+                disabled = text in ("true", "True") or (
+                    text.lstrip("-").isdigit() and int(text) > 0
+                )
+                by = f"{name}={text}"
+                break
+    if disabled:
+        raise LaunchError(
+            f"{flag} cannot take effect while {by} turns the stall check off; drop one of them"
+        )
+    check, source = args.stall_check_warning_time_seconds, "--stall-check-warning-time-seconds"
+    if check is None:
+        check, source = 60.0, "the default warning time"
+        for name in ("FERROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"):
+            text = environ.get(name, "").strip()
+            if text:
+                try:
+                    check, source = float(text), name
+                except ValueError:
+                    return  # the workers refuse it, naming it
+                break
+    if shutdown <= check:
+        raise LaunchError(
+            f"{flag} is not above the stall warning time ({source}: {check:g} s): a stalled "
+            "tensor would be warned about but never failed; give a longer shutdown time, a "
+            "shorter warning time, or 0 to never shut down"
+        )
+
+
 def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None) -> LaunchPlan:
     """Validates the parsed flags and decides hosts, ranks and tunables; starts nothing.
 
@@ -456,6 +513,7 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
         slots = get_host_assignments(hosts, num_proc, num_proc)
         used = {slot.hostname for slot in slots}
         remote = [h for h in remote_hosts(hosts) if h in used]
+        _check_stall_flags(args, environ)
         tunables = tunable_env(args, environ)
         exports, warnings = parse_exports(args.exports, environ)
     except (HostSpecError, ValueError) as exc:
@@ -666,7 +724,14 @@ def launch(
     base_env.update(plan.exports)
     secret = secrets.token_bytes(32)
     supervisor = Supervisor(
-        out_sink, err_sink, log, GRACE_S, plan.timestamp, plan.verbose, adopt_orphans
+        out_sink,
+        err_sink,
+        log,
+        GRACE_S,
+        plan.timestamp,
+        plan.verbose,
+        adopt_orphans,
+        settle_s=SETTLE_S,
     )
     previous = _install_signal_handlers(supervisor)
     server = None

@@ -6,8 +6,10 @@ Guarantees:
   ``PR_SET_PDEATHSIG(SIGKILL)`` on Linux, so it dies if the launcher is SIGKILLed;
 * a watchdog process (:mod:`._watchdog`) kills the workers' groups, children included, if the
   launcher dies without cleaning up;
-* when a worker fails, or the launcher gets SIGINT/SIGTERM/SIGHUP, every group gets SIGTERM,
-  then SIGKILL after a grace period; a second signal skips the grace period;
+* when a worker fails, the others get a short settle time to exit on their own (a rank that
+  died makes its peers raise an error naming it, which they should get to print); then, or at
+  once when the launcher gets SIGINT/SIGTERM/SIGHUP, every group gets SIGTERM, then SIGKILL
+  after a grace period; a further signal skips what is left of either wait;
 * when the job ends, nothing started by it is left running; as the ``ferrovodrun`` process the
   launcher is also a child subreaper, so orphaned grandchildren are reaped rather than left as
   zombies under a container's PID 1.
@@ -232,11 +234,13 @@ class Supervisor:
         timestamp: bool = False,
         verbose: bool = False,
         adopt_orphans: bool = False,
+        settle_s: float = 2.0,
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self._log = log
         self._grace_s = grace_s
+        self._settle_s = settle_s
         self._timestamp = timestamp
         self._verbose = verbose
         self._adopt = adopt_orphans
@@ -359,8 +363,26 @@ class Supervisor:
     def run(self) -> JobOutcome:
         """Waits until every worker exits 0, one fails, or a signal arrives; then cleans up."""
         outcome = self._watch()
+        if outcome.failed_rank is not None:
+            self._settle()
         self._stop()
         return outcome
+
+    def _settle(self) -> None:
+        """Gives the other workers up to ``settle_s`` to exit by themselves after a failure.
+
+        Their engines see the failed rank within milliseconds and raise an error naming it;
+        terminating them at once would often kill them before they print it, leaving the log
+        with no survivor's view of what happened. A signal to the launcher ends the wait.
+        """
+        deadline = time.monotonic() + self._settle_s
+        running = [w for w in self._workers if w.returncode is None]
+        if running and self._verbose:
+            self._log(f"giving {len(running)} worker(s) up to {self._settle_s:g} s to exit")
+        while any(w.returncode is None for w in self._workers):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._wait_events(min(left, _POLL_S)):
+                return
 
     def _record_exit(self, rank: int, returncode: int) -> _Worker:
         worker = next(w for w in self._workers if w.spec.rank == rank)

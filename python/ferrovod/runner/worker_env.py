@@ -81,11 +81,14 @@ def start_timeout(flag_value: Optional[int], environ: Mapping[str, str]) -> int:
         text = environ.get(name, "").strip()
         if text:
             try:
-                return int(text)
+                value = int(text)
             except ValueError:
+                value = 0
+            if value <= 0:
                 raise ValueError(
-                    f"{name} must be an integer number of seconds, got {text!r}"
-                ) from None
+                    f"{name} must be a whole number of seconds above 0, got {text!r}"
+                )
+            return value
     return DEFAULT_START_TIMEOUT
 
 
