@@ -9,8 +9,11 @@ Gradients follow Horovod 0.28.1:
 * broadcast: the average of the incoming gradients on the root, zeros elsewhere (allgather and
   broadcast thus differentiate the mean of the ranks' losses, as Horovod does since #2687);
 * alltoall: an alltoall of the gradient with the received splits;
-* reducescatter: an allgather of the gradient, times the scale factors (and 1/size for
-  Average): the exact gradient of the sum of every rank's loss.
+* reducescatter: an allgather of the incoming gradients, times the scale factors and, for Sum,
+  the set size (Average: 1): ``size`` times the exact gradient of the sum of the ranks' losses,
+  the counterpart of allgather's averaging, so that an allgather of a reducescatter
+  differentiates as the allreduce it computes (Horovod's convention, kept so that code written
+  against Horovod trains the same).
 """
 
 from __future__ import annotations
@@ -151,6 +154,12 @@ class HorovodAlltoall(torch.autograd.Function):
         return g, None, None, None
 
 
+def _reducescatter_grad_scale(op: int, process_set: ProcessSet, scale: float) -> float:
+    """The factor on the allgathered gradient of a reducescatter: the scale factors, times the
+    set size for Sum (see the module doc)."""
+    return scale * ops._set_size(process_set) if int(op) == Sum else scale
+
+
 class HorovodReducescatter(torch.autograd.Function):
     """Differentiable reducescatter."""
 
@@ -167,8 +176,7 @@ class HorovodReducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Any, ...]:
         name, op, ps, scale = ctx.args
         g = ops.synchronize(ops.allgather_async(grad, _grad_name(name), ps))
-        if int(op) == Average:
-            scale /= ops._set_size(ps)
+        scale = _reducescatter_grad_scale(op, ps, scale)
         return (g * scale if scale != 1.0 else g), None, None, None, None, None
 
 
@@ -187,8 +195,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Any, ...]:
         name, op, ps, scale = ctx.args
         gs = ops.synchronize(ops.grouped_allgather_async(list(grads), _grad_name(name), ps))
-        if int(op) == Average:
-            scale /= ops._set_size(ps)
+        scale = _reducescatter_grad_scale(op, ps, scale)
         return (None,) * 5 + tuple(g * scale if scale != 1.0 else g for g in gs)
 
 

@@ -52,16 +52,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 
     Scalars and the layout of the root's state travel as one pickled object; tensors are then
     broadcast in place, so a rank whose state is missing or differently shaped (e.g. only rank
-    0 loaded a checkpoint) ends up with the root's. Unlike Horovod, an optimizer without state
-    is not stepped with zero gradients first (that step would advance e.g. Adam's step count):
-    the root's empty state is simply copied. ``model`` is accepted for compatibility and not
-    needed. ``torch.optim.LBFGS`` is rejected. A sharded ``DistributedOptimizer`` keeps each
-    shard's state on one rank, so only the hyper-parameters are broadcast.
+    0 loaded a checkpoint) ends up with the root's. ``torch.optim.LBFGS`` is rejected. A
+    sharded ``DistributedOptimizer`` keeps each shard's state on one rank, so only the
+    hyper-parameters are broadcast.
+
+    As in Horovod, a rank whose optimizer has no state yet leaves every parameter that requires
+    a gradient with a zero gradient (scripts go on to use ``p.grad``): sparse for
+    ``SparseAdam``, and for ``SGD`` on the parameters of ``model``'s sparse embeddings, dense
+    otherwise. Unlike Horovod, the optimizer is not stepped with those gradients to create its
+    state (the step would advance e.g. Adam's step count and move parameters under weight
+    decay): the root's state is copied as it is.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    del model  # Horovod needs it to build sparse zero gradients; nothing is stepped here
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not optimizer.state and not getattr(optimizer, "sharded", False):
+        _zero_grads(optimizer, params, model)
     me = _api.rank() == int(root_rank)
     layout: Optional[Dict[str, Any]] = None
     if me:
@@ -104,3 +110,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                                             process_set=process_set))
     for h in handles:
         ops.synchronize(h)
+
+
+def _zero_grads(optimizer: torch.optim.Optimizer, params: List[torch.Tensor],
+                model: Optional[torch.nn.Module]) -> None:
+    """Gives every parameter that requires a gradient a zero one, as Horovod's
+    state-initialising step leaves them: sparse where that step needed sparse gradients
+    (``SparseAdam``; ``SGD`` on sparse embeddings, which only ``model`` can name)."""
+    sparse_ids = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                sparse_ids.update(id(p) for p in m.parameters())
+    every_sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    by_sgd = isinstance(optimizer, torch.optim.SGD)
+    for p in params:
+        if not p.requires_grad:
+            continue
+        zero = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        p.grad = zero.to_sparse() if every_sparse or (by_sgd and id(p) in sparse_ids) else zero

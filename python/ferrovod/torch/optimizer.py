@@ -77,6 +77,9 @@ class _DistributedMixin:
         self._group_ready: Dict[int, set] = {}
         # Parameters whose gradient is ready, in hook order, while submission waits for step().
         self._deferred: List[torch.Tensor] = []
+        # sparse_as_dense: the sparse dimensions of the gradients densified for this step's
+        # reduction, which go back to sparse before the update (see _resparsify).
+        self._densified: Dict[torch.Tensor, int] = {}
         self._shards: Optional[Shards] = None
         if sharded:
             check_shardable(type(self), self._why_not_flat(), overlap)
@@ -252,6 +255,8 @@ class _DistributedMixin:
             return
         if not g.is_sparse and g.data_ptr() == v.data_ptr() and g.shape == v.shape:
             return
+        if g.is_sparse:
+            self._densified[p] = g.sparse_dim()
         with torch.no_grad():
             v.copy_(g.to_dense() if g.is_sparse else g)
         p.grad = v
@@ -374,8 +379,24 @@ class _DistributedMixin:
             # Not used in this pass here, but other ranks may have a gradient for it.
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self.sparse_as_dense:
+            self._densified[p] = p.grad.sparse_dim()
             p.grad = p.grad.to_dense()
         return p.grad
+
+    def _resparsify(self) -> None:
+        """Turns the gradients that ``sparse_as_dense`` densified back into sparse tensors once
+        reduced, as Horovod does, so that optimizers that take only sparse gradients
+        (``SparseAdam``) work and sparse-aware ones update only the rows that have a gradient.
+
+        Each keeps the sparse dimensions backward gave it (an embedding's gradient is sparse in
+        its rows, dense within a row), so a row is updated whole, as it would be for the summed
+        sparse gradient; Horovod's ``to_sparse()`` keeps single elements, which differs only
+        where an element of such a row reduced to exactly zero. A row that every rank left out,
+        or whose reduction is exactly zero, has no entry (the dense sum cannot tell them apart).
+        """
+        for p, sparse_dim in self._densified.items():
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(sparse_dim)
 
     def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
         grad = self._dense_grad(p)
@@ -429,6 +450,9 @@ class _DistributedMixin:
                     postscale_factor=post, process_set=self.process_set))
             else:
                 self._reduce_per_bucket()
+            # A sharded step updates shards of the flat buffer, which must stay dense.
+            if self._shards is None:
+                self._resparsify()
         finally:
             self._reset_accumulation()
         self._synchronized = True
@@ -457,6 +481,7 @@ class _DistributedMixin:
     def _reset_accumulation(self) -> None:
         self._handles.clear()
         self._deferred.clear()
+        self._densified.clear()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         for ready in self._group_ready.values():
@@ -569,6 +594,7 @@ class _DistributedMixin:
         self._synchronized = False
         self._should_synchronize = True
         self._deferred.clear()
+        self._densified.clear()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         if self._shards is not None:
@@ -601,7 +627,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     locally before reducing; ``op`` is Average or Sum (Adasum is not supported yet);
     ``gradient_predivide_factor`` f splits Average into a 1/f pre-scale and f/size post-scale;
     ``groups`` (an int, or lists of parameters; ``num_groups`` is its deprecated alias) reduces
-    parameters in fused groups; sparse gradients are allgathered unless ``sparse_as_dense``.
+    parameters in fused groups; sparse gradients are allgathered unless ``sparse_as_dense``,
+    which allreduces them as dense tensors and turns the results back into sparse gradients
+    before the update (as Horovod does; ``SparseAdam`` needs them sparse).
 
     Without ``groups``, parameters are reduced in buckets, as DistributedDataParallel does:
     consecutive parameters in reverse order (about the order backward produces their

@@ -344,27 +344,51 @@ def sec_autograd(c):
     (out * torch.from_numpy(ws[r])).sum().backward()
     exp = np.concatenate([ws[j][sum(sp[i][j] for i in range(r)):][:sp[r][j]] for j in range(n)])
     c.ck.array(x.grad.numpy(), exp, "alltoall grad")
-    # reducescatter: grad = pre*post*(1/n for Average) * concatenation of every rank's w
-    for opn, scale in ((SUM, 1.5), (AVERAGE, 1.5 / n)):
-        k = c.key()
-        d0 = 2 * n + 1
-        xs = c.inputs(k, f64, (d0, 2))
-        ws = [T.gen(k + (1,), j, f64, (T.split_rows(d0, n)[j][1], 2)) for j in range(n)]
-        x = leaf(xs[r])
-        out = hvd.reducescatter(x, op=OPS[opn], prescale_factor=3.0, postscale_factor=0.5)
-        (out * torch.from_numpy(ws[r])).sum().backward()
-        c.ck.array(x.grad.numpy(), np.concatenate(ws) * scale, f"reducescatter grad {opn}")
-        y = leaf(xs[r])
-        outs = hvd.grouped_reducescatter([y], op=OPS[opn], prescale_factor=3.0,
-                                         postscale_factor=0.5)
-        (outs[0] * torch.from_numpy(ws[r])).sum().backward()
-        c.ck.array(y.grad.numpy(), np.concatenate(ws) * scale, f"grouped_reducescatter grad {opn}")
+    reducescatter_grads(c)
     # compression: the fp16 round trip keeps the input dtype and is differentiable
     x = leaf(np.full(3, 1.0 + r))
     out = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
     c.ck.equal(out.dtype, torch.float64, "fp16-compressed allreduce keeps the dtype")
     out.sum().backward()
     c.ck.array(x.grad.numpy(), np.full(3, float(n)), "fp16-compressed allreduce grad")
+
+
+def reducescatter_grads(c):
+    """Horovod's convention: the gradient of a reducescatter is the allgather of the incoming
+    gradients times pre*post and, for Sum, the set size (Average: 1), the counterpart of
+    allgather's averaging. Reference: every rank's weights w_j concatenated in NumPy. Odd and
+    even row counts, 1-3 dims, every float dtype, with and without scale factors."""
+    n, r = c.n, c.rank
+    for dt in T.FLOAT_DTYPES:
+        for opn, pre, post in ((SUM, 1.0, 1.0), (AVERAGE, 1.0, 1.0), (SUM, 3.0, 0.5),
+                               (AVERAGE, 3.0, 0.5)):
+            factor = pre * post * (n if opn == SUM else 1)
+            for shape in ((2 * n + 1,), (2 * n, 3), (n + 1, 2, 3)):
+                k = c.key()
+                xs = c.inputs(k, dt, shape)
+                ws = [T.gen(k + (1,), j, dt, (T.split_rows(shape[0], n)[j][1],) + shape[1:])
+                      for j in range(n)]
+                x = to_torch(xs[r]).requires_grad_()
+                out = hvd.reducescatter(x, op=OPS[opn], prescale_factor=pre,
+                                        postscale_factor=post)
+                (out * to_torch(ws[r])).sum().backward()
+                exp = (np.concatenate(ws).astype(np.float64) * factor).astype(dt)
+                c.tensor(x.grad, exp, f"reducescatter grad {dt} {opn} x{pre * post} {shape}")
+        # grouped: two tensors of different shapes in one op
+        for opn in (SUM, AVERAGE):
+            k = c.key()
+            shapes = ((2 * n + 1, 2), (n,))
+            xs = [c.inputs(k + (i,), dt, sh) for i, sh in enumerate(shapes)]
+            ws = [[T.gen(k + (5 + i,), j, dt, (T.split_rows(sh[0], n)[j][1],) + sh[1:])
+                   for j in range(n)] for i, sh in enumerate(shapes)]
+            leaves = [to_torch(x[r]).requires_grad_() for x in xs]
+            outs = hvd.grouped_reducescatter(leaves, op=OPS[opn], prescale_factor=2.0,
+                                             postscale_factor=0.25)
+            sum(((o * to_torch(w[r])).sum() for o, w in zip(outs, ws))).backward()
+            factor = 0.5 * (n if opn == SUM else 1)
+            for i in range(2):
+                exp = (np.concatenate(ws[i]).astype(np.float64) * factor).astype(dt)
+                c.tensor(leaves[i].grad, exp, f"grouped_reducescatter grad {dt} {opn} #{i}")
 
 
 SECTIONS = {"allreduce": sec_allreduce, "grouped": sec_grouped, "allgather": sec_allgather,

@@ -291,6 +291,66 @@ def sec_sparse(run):
             opt.step()
             opt.zero_grad()
         run.close(flat(model), flat(ref), f"sparse gradients (sparse_as_dense={as_dense})")
+    _sparse_adam(run)
+
+
+def _sparse_adam(run):
+    """SparseAdam takes only sparse gradients: with sparse_as_dense the reduced gradients go
+    back to sparse before the update, as in Horovod. Two sparse embeddings (one bucket when
+    gradients go out during backward, the flat buffer when they wait for step()), float64 and
+    float32, one or two backward passes per step; the reference is one process on the global
+    batch, gradients (layout and values) and parameters."""
+    proj = torch.randn(4, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def make(dtype):
+        torch.manual_seed(3)
+        return torch.nn.ModuleList([torch.nn.Embedding(20, 4, sparse=True, dtype=dtype),
+                                    torch.nn.Embedding(9, 4, sparse=True, dtype=dtype)])
+
+    def loss(model, s, rs, m):
+        xs, ys = [], []
+        for r in rs:
+            g = torch.Generator().manual_seed(run.seed + 31 * s + 1000 * r + 7 * m)
+            xs.append((torch.randint(0, 20, (B, 3), generator=g),
+                       torch.randint(0, 9, (B, 2), generator=g)))
+            ys.append(torch.randn(B, 2, generator=g))
+        h = model[0](torch.cat([x[0] for x in xs])).sum(1) + model[1](
+            torch.cat([x[1] for x in xs])).sum(1)
+        return torch.nn.functional.mse_loss(h @ proj.to(h.dtype), torch.cat(ys).to(h.dtype))
+
+    for dtype, tol, micro in ((torch.float64, TOL, 1), (torch.float32, 1e-5, 2)):
+        ref = make(dtype)
+        ropt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.05)
+        ref_grads = []
+        for s in range(3):
+            for m in range(micro):
+                loss(ref, s, range(run.n), m).backward()
+            ref_grads.append([q.grad.to_dense() for q in ref.parameters()])
+            ropt.step()
+            ropt.zero_grad()
+        for as_dense in (True, False):
+            model = make(dtype)
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SparseAdam(list(model.parameters()), lr=0.05),
+                named_parameters=model.named_parameters(), sparse_as_dense=as_dense,
+                backward_passes_per_step=micro)
+            what = f"SparseAdam {dtype} micro={micro} sparse_as_dense={as_dense}"
+            if run.n > 1:  # both ways to reduce: buckets during backward, flat at step()
+                run.ck.equal(opt.flat_gradients, not opt.overlap, f"{what}: flat iff no overlap")
+            for s in range(3):
+                for m in range(micro):
+                    loss(model, s, [run.r], m).backward()
+                opt.synchronize()
+                for p, exp in zip(model.parameters(), ref_grads[s]):
+                    run.ck.true(p.grad.is_sparse and p.grad.sparse_dim() == 1,
+                                f"{what}: reduced gradient sparse in its rows",
+                                f"layout {p.grad.layout}, sparse_dim "
+                                f"{p.grad.sparse_dim() if p.grad.is_sparse else '-'}")
+                    run.close(p.grad.to_dense(), exp, f"{what}: gradient step {s}", tol)
+                with opt.skip_synchronize():
+                    opt.step()
+                opt.zero_grad()
+            run.close(flat(model), flat(ref), f"{what}: parameters", tol)
 
 
 def sec_syncbn(run):
@@ -348,6 +408,65 @@ def sec_state(run):
     run.same_on_all_ranks(st, "Adam state identical after broadcast_optimizer_state")
     run.same_on_all_ranks(flat(model), "parameters identical after broadcast_parameters")
     run.ck.equal(float(opt.state[next(model.parameters())]["step"]), 2.0, "Adam step count")
+    # only the fresh ranks got zero gradients (Horovod initialises state where there is none)
+    for p in model.parameters():
+        if run.r == 0:
+            run.ck.true(p.grad is None, "rank 0 had state: its gradients untouched")
+        else:
+            run.ck.true(p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)),
+                        "a fresh rank's gradients are zero", f"got {p.grad}")
+    _fresh_state_grads(run)
+
+
+def _fresh_state_grads(run):
+    """On fresh optimizers broadcast_optimizer_state leaves what Horovod's state-initialising
+    step leaves: a zero gradient on every parameter that requires one (sparse for SparseAdam,
+    and for SGD on the sparse embeddings of ``model``), None elsewhere; scripts then broadcast
+    them. Nothing is stepped: the parameters stay as they were."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.index = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32),
+                                            requires_grad=False)
+            self.b = torch.nn.Parameter(torch.rand(4, dtype=torch.float32))
+            self.emb = torch.nn.Embedding(6, 3, sparse=True)
+            self.lin = torch.nn.Linear(3, 2)
+
+    def sgd_wd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1,
+                               nesterov=True)
+
+    def sparse_adam(m):
+        return torch.optim.SparseAdam([p for p in m.parameters() if p.requires_grad])
+
+    for make_opt, give_model, wrap in ((sgd_wd, True, True), (sgd_wd, False, True),
+                                       (sgd_wd, True, False), (sparse_adam, False, True),
+                                       (adam, True, True)):
+        torch.manual_seed(11)
+        model = Net()
+        opt = make_opt(model)
+        if wrap:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        what = (f"{make_opt.__name__}{' wrapped' if wrap else ''} "
+                f"model={'given' if give_model else 'not given'}")
+        hvd.broadcast_optimizer_state(opt, root_rank=0, model=model if give_model else None)
+        for (name, p), old in zip(model.named_parameters(), before):
+            run.ck.true(torch.equal(p.detach(), old), f"{what}: {name} not stepped")
+            if not p.requires_grad:
+                run.ck.true(p.grad is None, f"{what}: {name} (frozen) has no gradient")
+                continue
+            sparse = make_opt is sparse_adam or (make_opt is sgd_wd and give_model and
+                                                 name.startswith("emb."))
+            run.ck.true(p.grad is not None and p.grad.is_sparse == sparse
+                        and p.grad.shape == p.shape and p.grad.dtype == p.dtype,
+                        f"{what}: {name} has a {'sparse' if sparse else 'dense'} gradient",
+                        f"got {None if p.grad is None else (p.grad.layout, p.grad.shape)}")
+            run.close(p.grad.to_dense() if sparse else p.grad, torch.zeros_like(p),
+                      f"{what}: {name}'s gradient is zero")
+            if not sparse:  # as Horovod's test_broadcast_state_no_grad does
+                run.close(hvd.broadcast(p.grad, root_rank=0, name=f"{what}.{name}"), p.grad,
+                          f"{what}: {name}'s gradient broadcast")
 
 
 def two_groups(make):
@@ -459,6 +578,15 @@ def sec_psets(run):
         run.close(hvd.allreduce(x, op=hvd.Sum, process_set=ps), torch.full((3,), 3.0), "set allreduce")
         run.close(hvd.allgather(x[:1], process_set=ps), torch.tensor([1.0, 2.0]), "set allgather")
         run.close(hvd.broadcast(x, 1, process_set=ps), torch.full((3,), 2.0), "set broadcast")
+        # a Sum reducescatter's gradient is the set's size (2), not the job's, times the
+        # gathered incoming gradients (Horovod's convention, see ferrovod.torch.autograd)
+        ws = [torch.randn(3 - j, 2, generator=torch.Generator().manual_seed(run.seed + j))
+              for j in range(2)]
+        for opn, factor in (("Sum", 2.0), ("Average", 1.0)):
+            leaf = torch.randn(5, 2).requires_grad_()
+            out = hvd.reducescatter(leaf, op=getattr(hvd, opn), process_set=ps)
+            (out * ws[ps.rank()]).sum().backward()
+            run.close(leaf.grad, torch.cat(ws) * factor, f"set reducescatter grad {opn}")
     else:
         run.ck.raises(ValueError, lambda: hvd.allreduce(x, process_set=ps), "foreign set")
     # training on the set: members train together, the others alone
