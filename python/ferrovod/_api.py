@@ -340,7 +340,8 @@ def _refuse(kind: int, name: str, process_set: ProcessSet, reason: str, now: boo
     Horovod does at submission (the others still learn of it through the engine)."""
     core = _core.reject(kind, name, _set_id(process_set), reason)
     if not now:
-        raise InvalidArgumentError(f"{reason} (every rank of the set fails this op)")
+        raise InvalidArgumentError(f"{reason} (rank {rank()} refused this op; every rank of the "
+                                   "set fails it)")
     return _Pending(core, lambda _: None)
 
 

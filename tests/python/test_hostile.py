@@ -32,6 +32,13 @@ def test_arguments_one_rank_refuses_fail_the_op_on_every_rank(n):
         assert len(lines_matching(res, r, r"^caught ")) == 18, describe(res)
 
 
+def test_torch_arguments_one_rank_refuses_fail_the_op_on_every_rank():
+    res = run_job(2, "hostile_worker.py", "torch_reject", timeout=120)
+    assert_ok(res, 2, min_checks=15)
+    for r in range(2):
+        assert len(lines_matching(res, r, r"^caught ")) == 7, describe(res)
+
+
 def test_unpicklable_objects_fail_every_rank():
     assert_ok(run_job(3, "hostile_worker.py", "objects", timeout=90), 3, min_checks=10)
 

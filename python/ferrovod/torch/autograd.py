@@ -84,7 +84,9 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str],
                 process_set: ProcessSet) -> torch.Tensor:
-        ctx.rows, ctx.name, ctx.process_set = int(tensor.shape[0]) if tensor.dim() else 0, name, process_set
+        # Anything but a tensor is refused by the op itself, on every rank.
+        rows = int(tensor.shape[0]) if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
+        ctx.rows, ctx.name, ctx.process_set = rows, name, process_set
         # Waited for at once: a small one may take the engine's fast path.
         return ops.synchronize(_api._single(ops._allgather_async([tensor], name, process_set,
                                                                       "allgather", now=True)))
@@ -104,7 +106,8 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: Optional[str], process_set: ProcessSet,
                 *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        ctx.rows = [int(t.shape[0]) if t.dim() else 0 for t in tensors]
+        ctx.rows = [int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() else 0
+                    for t in tensors]
         ctx.name, ctx.process_set = name, process_set
         return tuple(ops.synchronize(ops.grouped_allgather_async(tensors, name, process_set)))
 

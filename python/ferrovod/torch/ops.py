@@ -44,15 +44,15 @@ def _code(t: torch.Tensor, what: str) -> int:
     code = _CODES.get(t.dtype)
     if code is None:
         names = ", ".join(str(d).replace("torch.", "") for d in _CODES)
-        raise InvalidArgumentError(f"{what}: dtype {t.dtype} is not supported (supported: {names})")
+        raise _api._BadArgument(f"{what}: dtype {t.dtype} is not supported (supported: {names})")
     return code
 
 
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+        raise _api._BadArgument(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise InvalidArgumentError(
+        raise _api._BadArgument(
             f"{what}: {t.layout} tensors are not supported here (sparse gradients go through "
             "sparse_allreduce_async)")
     return t
@@ -194,10 +194,16 @@ def _copy_back(t: torch.Tensor, h: torch.Tensor) -> None:
 
 
 def _check_root(root_rank: int) -> int:
-    if not 0 <= int(root_rank) < _api.size():
-        raise InvalidArgumentError(
-            f"broadcast received invalid root rank {root_rank}: the job has {_api.size()} ranks")
-    return int(root_rank)
+    if isinstance(root_rank, torch.Tensor) and root_rank.numel() == 1 and \
+            not root_rank.is_floating_point():
+        root_rank = int(root_rank.item())
+    return _api._root(root_rank)
+
+
+def _refused(kind: int, name: str, process_set: ProcessSet, e: Exception, now: bool) -> Handle:
+    """An op whose arguments this rank refuses, negotiated as a refusal so that every member of
+    the set fails it (see ``ferrovod._api._refuse``): its handle, whose synchronize raises."""
+    return _api._start(_api._refuse(kind, name, process_set, str(e), now))
 
 
 # ----------------------------------------------------------------------------- handles
@@ -226,27 +232,31 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
                      postscale_factor: float, process_set: ProcessSet, kind_name: str,
                      single: bool = False, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
-    rop = _api._resolve_op(op, average)
-    if rop == Adasum:
-        raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
-    for t in tensors:
-        _check_tensor(t, kind_name)
-    target = _cuda_target(tensors, _core.ALLREDUCE, kind_name, rop, prescale_factor,
-                          postscale_factor, process_set)
-    if target is not None:
-        h = _device_inplace_or_new(_core.ALLREDUCE, tensors, inplace, name, kind_name,
-                                   process_set, target, op=rop, prescale=prescale_factor,
-                                   postscale=postscale_factor)
-        return _api._single(h) if single else h
-    staged = [_host(t, kind_name) for t in tensors]
-    hosts = [h for h, _ in staged]
-    outs = hosts if inplace else [torch.empty_like(h, memory_format=torch.contiguous_format)
-                                  for h in hosts]
-    descs = [_desc(h, o, kind_name) for h, o in zip(hosts, outs)]
-    result = _HostAllreduce(tensors, hosts, [c for _, c in staged], outs, inplace, single)
-    return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, result, None,
-                             op=rop, prescale=prescale_factor, postscale=postscale_factor,
-                             now=now)
+    name = _api._auto_name(kind_name, name)
+    try:
+        rop = _api._resolve_op(op, average)
+        if rop == Adasum:
+            raise _api._BadArgument("Adasum is not supported by ferrovod yet")
+        for t in tensors:
+            _check_tensor(t, kind_name)
+        target = _cuda_target(tensors, _core.ALLREDUCE, kind_name, rop, prescale_factor,
+                              postscale_factor, process_set)
+        if target is not None:
+            h = _device_inplace_or_new(_core.ALLREDUCE, tensors, inplace, name, kind_name,
+                                       process_set, target, op=rop, prescale=prescale_factor,
+                                       postscale=postscale_factor)
+            return _api._single(h) if single else h
+        staged = [_host(t, kind_name) for t in tensors]
+        hosts = [h for h, _ in staged]
+        outs = hosts if inplace else [torch.empty_like(h, memory_format=torch.contiguous_format)
+                                      for h in hosts]
+        descs = [_desc(h, o, kind_name) for h, o in zip(hosts, outs)]
+        result = _HostAllreduce(tensors, hosts, [c for _, c in staged], outs, inplace, single)
+        return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, result, None,
+                                 op=rop, prescale=prescale_factor, postscale=postscale_factor,
+                                 now=now)
+    except _api._BadArgument as e:
+        return _refused(_core.ALLREDUCE, name, process_set, e, now)
 
 
 class _HostAllreduce(_api._PerTensorResult):
@@ -385,22 +395,26 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
 def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
                      process_set: ProcessSet, kind_name: str, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
-    for t in tensors:
-        _check_tensor(t, kind_name)
-    _cuda_target(tensors, _core.ALLGATHER, kind_name, process_set=process_set)  # says why not
-    hosts = [_host(t, kind_name)[0] for t in tensors]
-    for h in hosts:
-        if h.dim() == 0:
-            raise InvalidArgumentError(
-                f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
-    descs = [_desc(h, None, kind_name) for h in hosts]
-
-    def finish(result: Any) -> List[torch.Tensor]:
-        outs, _, _ = result
-        return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
-
-    return _api._enqueue_raw(_core.ALLGATHER, name, kind_name, process_set, descs, finish,
-                             [list(tensors), hosts], now=now)
+    name = _api._auto_name(kind_name, name)
+    try:
+        for t in tensors:
+            _check_tensor(t, kind_name)
+        _cuda_target(tensors, _core.ALLGATHER, kind_name, process_set=process_set)  # says why not
+        hosts = [_host(t, kind_name)[0] for t in tensors]
+        for h in hosts:
+            if h.dim() == 0:
+                raise _api._BadArgument(
+                    f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
+        descs = [_desc(h, None, kind_name) for h in hosts]
+    
+        def finish(result: Any) -> List[torch.Tensor]:
+            outs, _, _ = result
+            return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
+    
+        return _api._enqueue_raw(_core.ALLGATHER, name, kind_name, process_set, descs, finish,
+                                 [list(tensors), hosts], now=now)
+    except _api._BadArgument as e:
+        return _refused(_core.ALLGATHER, name, process_set, e, now)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
@@ -419,26 +433,30 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 
 
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str],
-                     process_set: ProcessSet, inplace: bool) -> Handle:
-    root = _check_root(root_rank)
-    _check_tensor(tensor, "broadcast")
-    target = _cuda_target([tensor], _core.BROADCAST, "broadcast", process_set=process_set)
-    if target is not None:
-        h = _device_inplace_or_new(_core.BROADCAST, [tensor], inplace, name, "broadcast",
-                                   process_set, target, root=root)
-        return _api._single(h)
-    h, copied = _host(tensor, "broadcast")
-    out = h if inplace else torch.empty_like(h, memory_format=torch.contiguous_format)
-
-    def finish(_: Any) -> torch.Tensor:
-        if inplace:
-            if copied:
-                _copy_back(tensor, h)
-            return tensor
-        return out if tensor.device.type == "cpu" else out.to(tensor.device)
-
-    return _api._enqueue_raw(_core.BROADCAST, name, "broadcast", process_set,
-                             [_desc(h, out, "broadcast")], finish, [tensor, h, out], root=root)
+                     process_set: ProcessSet, inplace: bool, now: bool = False) -> Handle:
+    name = _api._auto_name("broadcast", name)
+    try:
+        root = _check_root(root_rank)
+        _check_tensor(tensor, "broadcast")
+        target = _cuda_target([tensor], _core.BROADCAST, "broadcast", process_set=process_set)
+        if target is not None:
+            h = _device_inplace_or_new(_core.BROADCAST, [tensor], inplace, name, "broadcast",
+                                       process_set, target, root=root)
+            return _api._single(h)
+        h, copied = _host(tensor, "broadcast")
+        out = h if inplace else torch.empty_like(h, memory_format=torch.contiguous_format)
+    
+        def finish(_: Any) -> torch.Tensor:
+            if inplace:
+                if copied:
+                    _copy_back(tensor, h)
+                return tensor
+            return out if tensor.device.type == "cpu" else out.to(tensor.device)
+    
+        return _api._enqueue_raw(_core.BROADCAST, name, "broadcast", process_set,
+                                 [_desc(h, out, "broadcast")], finish, [tensor, h, out], root=root)
+    except _api._BadArgument as e:
+        return _refused(_core.BROADCAST, name, process_set, e, now)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -456,7 +474,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(_broadcast_async(tensor, root_rank, name, process_set, True, now=True))
 
 
 # ----------------------------------------------------------------------------- alltoall
@@ -465,30 +483,34 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
                     process_set: ProcessSet, want_splits: bool, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
-    _check_tensor(tensor, "alltoall")
-    _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)  # says why not
-    h, _ = _host(tensor, "alltoall")
-    if h.dim() == 0:
-        raise InvalidArgumentError("alltoall: a 0-d (scalar) tensor has no first dimension")
-    split_list: List[int] = []
-    if splits is not None:
-        if isinstance(splits, torch.Tensor):
-            split_list = [int(s) for s in splits.detach().cpu().reshape(-1).tolist()]
-        else:
-            split_list = [int(s) for s in np.asarray(splits).reshape(-1).tolist()]
-        if any(s < 0 for s in split_list):
-            raise InvalidArgumentError(f"alltoall: splits must be non-negative, got {split_list}")
-
-    def finish(result: Any) -> Any:
-        outs, received, _ = result
-        out = _from_owned(outs[0][0], outs[0][1], tensor.dtype, tensor.device)
-        if want_splits:
-            return out, torch.tensor(list(received), dtype=torch.int32)
-        return out
-
-    return _api._enqueue_raw(_core.ALLTOALL, name, "alltoall", process_set,
-                             [_desc(h, None, "alltoall")], finish, [tensor, h],
-                             splits=split_list, now=now)
+    name = _api._auto_name("alltoall", name)
+    try:
+        _check_tensor(tensor, "alltoall")
+        _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)  # says why not
+        h, _ = _host(tensor, "alltoall")
+        if h.dim() == 0:
+            raise _api._BadArgument("alltoall: a 0-d (scalar) tensor has no first dimension")
+        split_list: List[int] = []
+        if splits is not None:
+            if isinstance(splits, torch.Tensor):
+                split_list = [int(s) for s in splits.detach().cpu().reshape(-1).tolist()]
+            else:
+                split_list = [int(s) for s in np.asarray(splits).reshape(-1).tolist()]
+            if any(s < 0 for s in split_list):
+                raise _api._BadArgument(f"alltoall: splits must be non-negative, got {split_list}")
+    
+        def finish(result: Any) -> Any:
+            outs, received, _ = result
+            out = _from_owned(outs[0][0], outs[0][1], tensor.dtype, tensor.device)
+            if want_splits:
+                return out, torch.tensor(list(received), dtype=torch.int32)
+            return out
+    
+        return _api._enqueue_raw(_core.ALLTOALL, name, "alltoall", process_set,
+                                 [_desc(h, None, "alltoall")], finish, [tensor, h],
+                                 splits=split_list, now=now)
+    except _api._BadArgument as e:
+        return _refused(_core.ALLTOALL, name, process_set, e, now)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
@@ -506,32 +528,37 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
                          process_set: ProcessSet, prescale_factor: float,
                          postscale_factor: float, kind_name: str, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
-    if int(op) not in (Sum, Average):
-        raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
-    for t in tensors:
-        _check_tensor(t, kind_name)
-    target = _cuda_target(tensors, _core.REDUCESCATTER, kind_name, int(op), prescale_factor,
-                          postscale_factor, process_set)
-    if target is not None:
-        n = _set_size(process_set)
-        srcs = [_on_device(t)[0] for t in tensors]
-        outs = [torch.empty((h.shape[0] // n,) + tuple(h.shape[1:]), dtype=h.dtype,
-                            device=h.device) for h in srcs]
-        descs = [_ddesc(h, o, kind_name) for h, o in zip(srcs, outs)]
-        return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs,
-                                 lambda _: list(outs), [list(tensors), srcs, outs],
-                                 op=int(op), prescale=prescale_factor,
-                                 postscale=postscale_factor, device=target)
-    hosts = [_host(t, kind_name)[0] for t in tensors]
-    descs = [_desc(h, None, kind_name) for h in hosts]
-
-    def finish(result: Any) -> List[torch.Tensor]:
-        outs, _, _ = result
-        return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
-
-    return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
-                             [list(tensors), hosts], op=int(op), prescale=prescale_factor,
-                             postscale=postscale_factor, now=now)
+    name = _api._auto_name(kind_name, name)
+    try:
+        op = _api._resolve_op(op, None)
+        if op not in (Sum, Average):
+            raise _api._BadArgument("Reducescatter currently only supports AVERAGE and SUM.")
+        for t in tensors:
+            _check_tensor(t, kind_name)
+        target = _cuda_target(tensors, _core.REDUCESCATTER, kind_name, int(op), prescale_factor,
+                              postscale_factor, process_set)
+        if target is not None:
+            n = _set_size(process_set)
+            srcs = [_on_device(t)[0] for t in tensors]
+            outs = [torch.empty((h.shape[0] // n,) + tuple(h.shape[1:]), dtype=h.dtype,
+                                device=h.device) for h in srcs]
+            descs = [_ddesc(h, o, kind_name) for h, o in zip(srcs, outs)]
+            return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs,
+                                     lambda _: list(outs), [list(tensors), srcs, outs],
+                                     op=int(op), prescale=prescale_factor,
+                                     postscale=postscale_factor, device=target)
+        hosts = [_host(t, kind_name)[0] for t in tensors]
+        descs = [_desc(h, None, kind_name) for h in hosts]
+    
+        def finish(result: Any) -> List[torch.Tensor]:
+            outs, _, _ = result
+            return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
+    
+        return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
+                                 [list(tensors), hosts], op=int(op), prescale=prescale_factor,
+                                 postscale=postscale_factor, now=now)
+    except _api._BadArgument as e:
+        return _refused(_core.REDUCESCATTER, name, process_set, e, now)
 
 
 def _shard(rows: int, n: int, r: int) -> Tuple[int, int]:

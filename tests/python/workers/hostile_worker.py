@@ -200,6 +200,42 @@ def case_reject():
     return ck.count
 
 
+def case_torch_reject():
+    """The torch adapter's refusals reach every rank as the NumPy API's do."""
+    import torch
+
+    import ferrovod.torch as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    ck = T.Checker(r)
+    bad = n - 1
+    x = torch.ones(2 * n, 3)
+
+    def one_rank(what, good, wrong):
+        e = timed_raise(ck, fv.InvalidArgumentError, wrong if r == bad else good, what)
+        ck.true(names_rank(str(e), bad), what, f"message does not name rank {bad}: {e}")
+        print(f"caught {what}: {e}", flush=True)
+
+    one_rank("torch alltoall uneven rows", lambda: hvd.alltoall(x, name="tr.a2a"),
+             lambda: hvd.alltoall(torch.ones(2 * n + 1, 3), name="tr.a2a"))
+    one_rank("torch broadcast root", lambda: hvd.broadcast_(x.clone(), 0, name="tr.root"),
+             lambda: hvd.broadcast_(x.clone(), n + 1, name="tr.root"))
+    one_rank("torch op=99", lambda: hvd.allreduce(x, op=hvd.Sum, name="tr.op"),
+             lambda: hvd.allreduce(x, op=99, name="tr.op"))
+    one_rank("torch complex dtype", lambda: hvd.allreduce(x, name="tr.dt"),
+             lambda: hvd.allreduce(torch.ones(2 * n, 3, dtype=torch.complex64), name="tr.dt"))
+    one_rank("torch not a tensor", lambda: hvd.allgather(x, name="tr.nt"),
+             lambda: hvd.allgather([1, 2], name="tr.nt"))
+    one_rank("torch reducescatter Max", lambda: hvd.reducescatter(x, name="tr.rs"),
+             lambda: hvd.reducescatter(x, op=hvd.Max, name="tr.rs"))
+    one_rank("torch unnamed grouped allreduce", lambda: hvd.grouped_allreduce([x, x]),
+             lambda: hvd.grouped_allreduce([x, torch.ones(2, dtype=torch.complex64)]))
+    y = hvd.allreduce(torch.full((5,), float(r + 1)), op=hvd.Sum)
+    ck.array(y.numpy(), np.full(5, n * (n + 1) / 2, np.float32), "torch allreduce after")
+    return ck.count
+
+
 class Unpicklable:
     def __reduce__(self):
         raise TypeError("this object refuses to be pickled")
