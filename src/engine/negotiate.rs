@@ -251,18 +251,7 @@ impl Negotiator {
             return false;
         }
         let detail = self.gone[gone].clone().unwrap_or_default();
-        let (code, why) = if detail == LEFT {
-            (
-                Error::Shutdown(String::new()).kind_code(),
-                format!("rank {gone} has shut down without joining"),
-            )
-        } else {
-            let lost = Error::PeerLost {
-                rank: gone,
-                detail: String::new(),
-            };
-            (lost.kind_code(), format!("rank {gone} failed: {detail}"))
-        };
+        let (code, why) = gone_error(gone, &detail, " without joining");
         self.joined.iter_mut().for_each(|j| *j = false);
         self.ready.push(Response {
             set_id: 0,
@@ -492,18 +481,7 @@ impl Negotiator {
         if let Some((g, detail)) = missing_gone {
             let p = set.table.remove(name).expect("present above");
             let request = p.reqs.into_iter().flatten().next().expect("non-empty");
-            let (code, why) = if detail == LEFT {
-                (
-                    Error::Shutdown(String::new()).kind_code(),
-                    format!("rank {g} has shut down"),
-                )
-            } else {
-                let lost = Error::PeerLost {
-                    rank: g,
-                    detail: String::new(),
-                };
-                (lost.kind_code(), format!("rank {g} failed: {detail}"))
-            };
+            let (code, why) = gone_error(g, &detail, "");
             let msg = format!(
                 "{} of tensor '{name}' cannot complete: {why}",
                 request.kind.name()
@@ -660,6 +638,23 @@ fn plain_item(request: Request) -> Item {
         cache_id: None,
         first_dims: Vec::new(),
         split_matrix: Vec::new(),
+    }
+}
+
+/// The error code and reason for what waits on `rank`, gone with `detail` (what `gone`
+/// records); `clean` is appended to the reason of a clean shutdown.
+fn gone_error(rank: usize, detail: &str, clean: &str) -> (u8, String) {
+    if detail == LEFT {
+        (
+            Error::Shutdown(String::new()).kind_code(),
+            format!("rank {rank} has shut down{clean}"),
+        )
+    } else {
+        let lost = Error::PeerLost {
+            rank,
+            detail: String::new(),
+        };
+        (lost.kind_code(), format!("rank {rank} failed: {detail}"))
     }
 }
 
