@@ -802,3 +802,18 @@ def test_check_build_does_not_import_frameworks(base_env: Dict[str, str], tmp_pa
     else:
         assert proc.returncode == 0, proc.stderr
         assert "Available Tensor Operations:" in proc.stdout
+
+
+def test_horovod_runner_util_threads_in_thread():
+    """Horovod's ``runner.util.threads.in_thread``, which its own test helpers import."""
+    from ferrovod.runner.util.threads import in_thread
+
+    got = []
+    t = in_thread(got.append, (7,), name="fv-in-thread")
+    t.join(5)
+    assert got == [7] and t.name == "fv-in-thread" and t.daemon
+    quiet = in_thread(lambda: 1 / 0, silent=True, daemon=False)
+    quiet.join(5)
+    assert not quiet.is_alive() and not quiet.daemon
+    with pytest.raises(ValueError):
+        in_thread(got.append, 7)
