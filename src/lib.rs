@@ -5,7 +5,8 @@
 //! - [`engine`] — one background thread per process: queue → negotiate → fuse → execute;
 //! - [`collective`] — algorithms (one file per collective), written against [`comm::Communicator`];
 //! - [`transport`] — point-to-point links ([`transport::tcp`]); algorithms never see which;
-//! - [`bootstrap`] — job secret, authenticated connections, rendezvous store;
+//! - [`bootstrap`] — launch environment, job secret, authenticated connections, rendezvous
+//!   store, host grouping, and [`bootstrap::form`], which forms a job for the engine;
 //! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
 //! - [`backend`] — device collectives ([`backend::nccl`]) on the libraries [`gpu`] found;
 //! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`],

@@ -1,12 +1,20 @@
-//! Bootstrap: job secret, authenticated connections, the rendezvous store.
+//! Bootstrap: everything that turns a set of processes into a job — the launch environment
+//! ([`launch`]), the job secret and authenticated connections ([`auth`]), the rendezvous store
+//! ([`tcp_store`]), host grouping ([`topology`]), and [`form`], the one entry that forms a job
+//! (rendezvous, data mesh, shared-memory upgrade, control connection) for the engine.
 
 pub mod auth;
+pub mod job;
+pub mod launch;
 pub mod net;
 pub mod tcp_store;
+pub mod topology;
 
 pub use auth::{authenticate, random_secret, secret_from_hex, secret_to_hex};
+pub use job::{form, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership};
 pub use net::{read_frame, read_frame_until, write_frame};
 pub use tcp_store::{TcpStore, TcpStoreServer};
+pub use topology::Topology;
 
 use std::time::Duration;
 

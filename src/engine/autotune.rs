@@ -12,22 +12,7 @@ use std::fs::File;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-/// Autotune settings.
-#[derive(Debug, Clone)]
-pub struct AutotuneConfig {
-    /// Tune the fusion threshold (the user did not set it).
-    pub tune_fusion: bool,
-    /// Tune the cycle time (the user did not set it).
-    pub tune_cycle: bool,
-    /// Samples thrown away before scoring starts.
-    pub warmup_samples: usize,
-    /// Steps per sample.
-    pub steps_per_sample: usize,
-    /// Samples per candidate (their median is its score).
-    pub samples_per_candidate: usize,
-    /// CSV log of every sample, if wanted.
-    pub log_path: Option<String>,
-}
+pub use crate::config::AutotuneConfig;
 
 /// The knob values in force.
 #[derive(Debug, Clone, Copy, PartialEq)]

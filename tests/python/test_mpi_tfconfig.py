@@ -182,7 +182,7 @@ def test_tf_config_errors(tf_config, message):
 
 
 def test_rank0_picks_an_address_every_host_can_reach():
-    from ferrovod._api import _rendezvous_ip
+    from ferrovod._rendezvous import rendezvous_ip as _rendezvous_ip
     from ferrovod.exceptions import InvalidArgumentError
 
     lo = ("lo", "127.0.0.1", 8)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, BinaryIO, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
+from .._defaults import default as engine_default
 from . import check_build as _check_build
 from .hosts import (
     HostInfo,
@@ -235,7 +236,8 @@ def _add_general(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--start-timeout",
         type=_positive_int,
-        help="Seconds the job has to start (default: 30, or HOROVOD_START_TIMEOUT).",
+        help="Seconds the job has to start (default: FERROVOD_START_TIMEOUT or "
+        f"HOROVOD_START_TIMEOUT, else {engine_default('FERROVOD_START_TIMEOUT')}).",
     )
     parser.add_argument(
         "--network-interfaces",
@@ -476,7 +478,8 @@ def _check_stall_flags(args: argparse.Namespace, environ: Dict[str, str]) -> Non
         )
     check, source = args.stall_check_warning_time_seconds, "--stall-check-warning-time-seconds"
     if check is None:
-        check, source = 60.0, "the default warning time"
+        check = float(engine_default("FERROVOD_STALL_CHECK_TIME_SECONDS"))
+        source = "the default warning time"
         for name in ("FERROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"):
             text = environ.get(name, "").strip()
             if text:

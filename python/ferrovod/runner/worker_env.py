@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from .._defaults import default as engine_default
 from .hosts import SlotInfo
 
 __all__ = [
-    "DEFAULT_START_TIMEOUT",
     "THREAD_VARS",
     "SECRET_VAR",
     "JobInfo",
@@ -27,8 +27,6 @@ __all__ = [
 ]
 
 SECRET_VAR = "FERROVOD_SECRET"
-# The same default as the engine (config.rs): importing a framework can take most of 30 s.
-DEFAULT_START_TIMEOUT = 60
 
 _MIB = 1024 * 1024
 
@@ -74,7 +72,7 @@ _TUNABLES: List[Tuple[str, str, Callable[[Any], str]]] = [
 
 def start_timeout(flag_value: Optional[int], environ: Mapping[str, str]) -> int:
     """The start timeout in seconds: the flag, else ``FERROVOD_START_TIMEOUT``, else
-    ``HOROVOD_START_TIMEOUT``, else 60."""
+    ``HOROVOD_START_TIMEOUT``, else the engine's default."""
     if flag_value is not None:
         return flag_value
     for name in ("FERROVOD_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
@@ -89,7 +87,7 @@ def start_timeout(flag_value: Optional[int], environ: Mapping[str, str]) -> int:
                     f"{name} must be a whole number of seconds above 0, got {text!r}"
                 )
             return value
-    return DEFAULT_START_TIMEOUT
+    return int(engine_default("FERROVOD_START_TIMEOUT"))
 
 
 def tunable_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, str]:

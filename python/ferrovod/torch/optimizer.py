@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from .. import _api
+from .. import _api, _defaults
 from .._api import Adasum, Average, Sum, allgather_object
 from .._groups import split_evenly
 from ..process_sets import ProcessSet, global_process_set
@@ -689,7 +689,7 @@ def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool
     """Whether gradients' allreduces overlap backward (see :func:`DistributedOptimizer`)."""
     if overlap is not None:
         return bool(overlap)
-    setting = os.environ.get("FERROVOD_OVERLAP", "auto").strip().lower()
+    setting = os.environ.get("FERROVOD_OVERLAP", _defaults.default("FERROVOD_OVERLAP")).strip().lower()
     if setting in ("1", "true", "yes", "on"):
         return True
     if setting in ("0", "false", "no", "off"):

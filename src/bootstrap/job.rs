@@ -1,0 +1,464 @@
+//! Forming a job: [`form`] takes the settings ([`Config`], whose `launch` says who this rank is)
+//! and a [`Membership`], and does everything that comes before the engine's threads, in this
+//! order on every rank:
+//!
+//! 1. check the membership, pick the address to listen on and the job secret;
+//! 2. when no launcher of ours serves the rendezvous store, rank 0 serves it;
+//! 3. rank 0 starts the coordinator and publishes where it listens;
+//! 4. every rank publishes its data address, its host name and the settings every rank must
+//!    share, and reads everyone else's (a difference fails every rank alike);
+//! 5. the TCP mesh, then the move of each same-host pair to shared memory;
+//! 6. the control connection to the coordinator, which completes once every rank has joined.
+//!
+//! The coordinator and the messages on the control connection are the engine's (the
+//! coordinator negotiates ops), so bootstrap does not build them: the engine hands [`form`] a
+//! [`ControlPlane`] whose two hooks it calls at steps 3 and 6, on the listeners and the address
+//! bootstrap chose. That keeps the start-up order in one place without bootstrap knowing any
+//! engine type; the engine in turn knows nothing of stores, meshes or host names.
+//!
+//! Everything a forming creates is owned by the [`Job`] it returns (or dropped when it fails),
+//! and its rendezvous keys carry the membership's generation. So the same process can form a
+//! job again — after a shutdown, or with other members — and nothing of an earlier forming
+//! (threads, sockets, segments, store entries) takes part or stays behind.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+
+use super::auth;
+use super::net::interfaces;
+use super::tcp_store::{TcpStore, TcpStoreServer};
+use super::topology::{host_indices, Topology};
+use super::Store;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::transport::hybrid::{HybridTransport, ShmOptions};
+use crate::transport::tcp::TcpTransport;
+
+/// What a forming needs beyond the launch environment (`config.launch`: this rank, the job's
+/// size, the rendezvous address and secret).
+#[derive(Debug, Clone, Copy)]
+pub struct Membership<'a> {
+    /// Process sets registered at start-up, as ids 1, 2, ... in this order; each is sorted,
+    /// distinct global ranks.
+    pub process_sets: &'a [Vec<usize>],
+    /// Which forming of a job this is in this process. The rendezvous keys carry it, so a
+    /// forming never reads an earlier one's entries from a store that outlived it.
+    pub generation: u64,
+}
+
+/// The sockets the coordinator accepts control connections on.
+#[derive(Debug)]
+pub struct CoordinatorListeners {
+    /// TCP, on the address this rank listens on.
+    pub tcp: TcpListener,
+    /// An abstract Unix socket for ranks on rank 0's host (`None` where the host forbids it).
+    pub local: Option<UnixListener>,
+}
+
+/// Where a rank reaches the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoordinatorAddr {
+    /// The coordinator's TCP address.
+    pub tcp: SocketAddr,
+    /// The abstract name of its Unix socket, given only to ranks on rank 0's host (others
+    /// could not reach it).
+    pub local: Option<String>,
+}
+
+/// The job's control plane, which the engine defines: rank 0's coordinator and each rank's
+/// connection to it. [`form`] calls the hooks; see the module doc for when.
+pub trait ControlPlane {
+    /// A running coordinator (rank 0's).
+    type Coordinator;
+    /// This rank's connection to the coordinator.
+    type Control;
+
+    /// Starts the coordinator on `listeners` (rank 0 only), before their address is
+    /// published. `secret` is the job secret every control connection must prove.
+    fn start_coordinator(
+        &mut self,
+        listeners: CoordinatorListeners,
+        secret: &[u8],
+    ) -> Result<Self::Coordinator>;
+
+    /// Connects this rank (`rank`) to the coordinator at `at`, once the data links are up,
+    /// and returns when every rank has connected: forming a job is collective.
+    fn connect(
+        &mut self,
+        at: &CoordinatorAddr,
+        rank: usize,
+        secret: &[u8],
+    ) -> Result<Self::Control>;
+}
+
+/// A formed job: what the engine's threads run on. Dropping it closes every connection and
+/// stops the coordinator and the store it holds.
+pub struct Job<P: ControlPlane> {
+    /// Where this rank sits.
+    pub topology: Topology,
+    /// A host index per rank, for the collectives (see [`host_indices`]).
+    pub hosts: Vec<u32>,
+    /// Data links to every other rank: shared memory on this host, TCP otherwise.
+    pub transport: HybridTransport,
+    /// The job secret every connection proved.
+    pub secret: Vec<u8>,
+    /// Rank 0's coordinator.
+    pub coordinator: Option<P::Coordinator>,
+    /// The connection to the coordinator.
+    pub control: P::Control,
+    /// The rendezvous store, when rank 0 serves it (launchers other than ferrovodrun).
+    pub store_server: Option<TcpStoreServer>,
+}
+
+/// Forms the job `config.launch` describes with `membership` (see the module doc for the
+/// steps). Collective: every rank of the job calls it with the same generation and process
+/// sets, and it returns once every rank is connected, or fails within about
+/// `config.start_timeout` (`Timeout`, naming what it waited for). A membership or setting
+/// ranks disagree on, a bad process set, a missing rendezvous address or secret, or a wrong
+/// `FERROVOD_IFACE` are `InvalidArgument`, before anything is connected where possible.
+pub fn form<P: ControlPlane>(
+    config: &Config,
+    membership: &Membership<'_>,
+    plane: &mut P,
+) -> Result<Job<P>> {
+    let launch = &config.launch;
+    let (rank, size) = (launch.rank, launch.size);
+    for ps in membership.process_sets {
+        if ps.is_empty() || ps.iter().any(|&r| r >= size) || ps.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(Error::InvalidArgument(format!(
+                "invalid process set {ps:?} for a job of {size} ranks"
+            )));
+        }
+    }
+    launch.require_rendezvous()?;
+    // FERROVOD_IFACE pins the data and coordinator listeners to one interface; a wrong name
+    // fails here, before anything is bound or published.
+    let bind_ip = match &config.iface {
+        Some(name) => {
+            let ip = iface_ip(name, &config.hostname)?;
+            log::debug!(
+                target: crate::LOG_TARGET,
+                "rank {rank}: listening on {ip} (FERROVOD_IFACE={name})"
+            );
+            Some(ip)
+        }
+        None => None,
+    };
+    let secret = match &launch.secret {
+        Some(s) => s.clone(),
+        None if size == 1 => auth::random_secret(),
+        None => {
+            return Err(Error::InvalidArgument(
+                "FERROVOD_SECRET is not set: start the job with ferrovodrun".into(),
+            ))
+        }
+    };
+    log::debug!(
+        target: crate::LOG_TARGET,
+        "rank {rank}/{size}: launch environment: {}{}",
+        launch.launcher.describe(),
+        match &launch.rendezvous_addr {
+            Some(addr) if launch.rank0_hosts_store => format!(", rendezvous store on rank 0 at {addr}"),
+            Some(addr) => format!(", rendezvous at {addr}"),
+            None => String::new(),
+        }
+    );
+    if launch.secret_derived && rank == 0 {
+        log::info!(
+            target: crate::LOG_TARGET,
+            "no FERROVOD_SECRET from the launcher: the job secret is derived from the job's \
+             identity, which keeps other jobs out but not someone who can read this job's \
+             environment; set FERROVOD_SECRET (hex) on every rank for a real secret"
+        );
+    }
+    // Without ferrovodrun, rank 0 serves the rendezvous store itself.
+    let store_server = match (&launch.rendezvous_addr, launch.rank0_hosts_store, rank) {
+        (Some(addr), true, 0) => Some(host_store(addr, &secret)?),
+        _ => None,
+    };
+
+    let (mut tcp, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
+        None => alone(config, bind_ip, &secret, plane)?,
+        Some(rdv) => meet(config, membership, rdv, bind_ip, &secret, plane)?,
+    };
+    tcp.spin = config.spin;
+    // Peers that published this rank's host name move to shared memory. Every rank derives
+    // the lists from the same host table, so they are symmetric, as the handshake needs; a
+    // pair that cannot share memory (same name, different machines or network namespaces)
+    // stays on TCP.
+    let local: Vec<usize> = (0..size)
+        .filter(|&r| r != rank && !hosts[rank].is_empty() && hosts[r] == hosts[rank])
+        .collect();
+    let options = ShmOptions {
+        disabled: config.shm_disable,
+        ..ShmOptions::default()
+    };
+    let transport = HybridTransport::upgrade(tcp, &local, &options, config.start_timeout)?;
+    let shm = transport.shm_peers();
+    let links: Vec<String> = (0..size)
+        .filter(|&r| r != rank)
+        .map(|r| format!("{r} {}", if shm.contains(&r) { "shm" } else { "tcp" }))
+        .collect();
+    log::debug!(
+        target: crate::LOG_TARGET,
+        "rank {rank}: transport to each peer: {}; coordinator at {}{}",
+        if links.is_empty() { "none (one rank)".to_string() } else { links.join(", ") },
+        coord_addr.tcp,
+        if coord_addr.local.is_some() { " (reached over a local socket)" } else { "" }
+    );
+    let mut topology = Topology::from_hosts(rank, &hosts);
+    if let Some((lr, ls, cr, cs)) = launch.local {
+        topology.local_rank = lr;
+        topology.local_size = ls;
+        topology.cross_rank = cr;
+        topology.cross_size = cs;
+    }
+    let control = plane.connect(&coord_addr, rank, &secret)?;
+    Ok(Job {
+        topology,
+        hosts: host_indices(&hosts),
+        transport,
+        secret,
+        coordinator,
+        control,
+        store_server,
+    })
+}
+
+/// What steps 3 and 4 leave: the TCP mesh, the coordinator (rank 0), where it listens, and
+/// each rank's host name.
+type Met<P> = (
+    TcpTransport,
+    Option<<P as ControlPlane>::Coordinator>,
+    CoordinatorAddr,
+    Vec<String>,
+);
+
+/// A job of one rank with no rendezvous: its own coordinator, and a mesh of itself.
+fn alone<P: ControlPlane>(
+    config: &Config,
+    bind_ip: Option<IpAddr>,
+    secret: &[u8],
+    plane: &mut P,
+) -> Result<Met<P>> {
+    let ip = bind_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let listener = TcpListener::bind((ip, 0))?;
+    let addr = listener.local_addr()?;
+    let (local, local_name) = bind_local_control().unzip();
+    let coordinator = plane.start_coordinator(
+        CoordinatorListeners {
+            tcp: listener,
+            local,
+        },
+        secret,
+    )?;
+    let data = TcpListener::bind((ip, 0))?;
+    let tcp = TcpTransport::connect_mesh(
+        0,
+        1,
+        &data,
+        &[data.local_addr()?],
+        secret,
+        config.start_timeout,
+    )?;
+    let at = CoordinatorAddr {
+        tcp: addr,
+        local: local_name,
+    };
+    Ok((tcp, Some(coordinator), at, vec![config.hostname.clone()]))
+}
+
+/// Steps 3 and 4 through the rendezvous store at `rdv`, then the TCP mesh. The store client is
+/// closed on return: nothing later needs it.
+fn meet<P: ControlPlane>(
+    config: &Config,
+    membership: &Membership<'_>,
+    rdv: &str,
+    bind_ip: Option<IpAddr>,
+    secret: &[u8],
+    plane: &mut P,
+) -> Result<Met<P>> {
+    let (rank, size) = (config.launch.rank, config.launch.size);
+    let deadline = config.start_timeout;
+    let process_sets = membership.process_sets;
+    let store = TcpStore::connect(rdv, secret, deadline)?;
+    let ip = match bind_ip {
+        Some(ip) => ip,
+        None => advertised_ip(rdv)?,
+    };
+    let data = TcpListener::bind((ip, 0))?;
+    let key = |k: &str| format!("g{}/{k}", membership.generation);
+    let coordinator = if rank == 0 {
+        let listener = TcpListener::bind((ip, 0))?;
+        let addr = listener.local_addr()?;
+        let (local, local_name) = bind_local_control().unzip();
+        let c = plane.start_coordinator(
+            CoordinatorListeners {
+                tcp: listener,
+                local,
+            },
+            secret,
+        )?;
+        let published = format!("{addr}\n{}", local_name.unwrap_or_default());
+        store.set(&key("coordinator"), published.as_bytes())?;
+        Some(c)
+    } else {
+        None
+    };
+    // Process sets are registered by position (ids 1, 2, ...) and added or removed in dynamic
+    // mode by every rank alike: a rank that differs would get other ids or wait alone for a
+    // change the others refuse.
+    let settings = format!(
+        "{} process_sets={process_sets:?} dynamic_process_sets={}",
+        config.tuning.shared_settings(),
+        u8::from(config.dynamic_process_sets)
+    );
+    let me = format!("{}\n{}\n{settings}", data.local_addr()?, config.hostname);
+    store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
+    let mut addrs = Vec::with_capacity(size);
+    let mut hosts = Vec::with_capacity(size);
+    let mut disagree = None;
+    for r in 0..size {
+        let v = store.get(&key(&format!("peer/{r}")), deadline)?;
+        let text = String::from_utf8_lossy(&v).to_string();
+        let mut lines = text.splitn(3, '\n');
+        let a = lines.next().unwrap_or_default();
+        let h = lines.next().unwrap_or_default();
+        let theirs = lines.next().unwrap_or_default();
+        addrs.push(
+            a.parse::<SocketAddr>().map_err(|e| {
+                Error::Decode(format!("rank {r} published a bad address {a:?}: {e}"))
+            })?,
+        );
+        hosts.push(h.to_string());
+        if theirs != settings && disagree.is_none() {
+            disagree = Some((r, theirs.to_string()));
+        }
+    }
+    // Every rank reads every entry, so every rank fails here alike, before any collective
+    // could hang on the difference.
+    if let Some((r, theirs)) = disagree {
+        return Err(Error::InvalidArgument(format!(
+            "ranks disagree on settings every rank must share: rank {rank} has `{settings}`, \
+             rank {r} has `{theirs}`; set them the same everywhere (ferrovodrun passes its \
+             environment, and `-x VAR=value`, to every rank; every rank must pass the same \
+             init(process_sets=...))"
+        )));
+    }
+    let coord = store.get(&key("coordinator"), deadline)?;
+    let coord = String::from_utf8_lossy(&coord).to_string();
+    let (tcp, local) = coord.split_once('\n').unwrap_or((coord.as_str(), ""));
+    let at = CoordinatorAddr {
+        tcp: tcp
+            .parse::<SocketAddr>()
+            .map_err(|e| Error::Decode(format!("bad coordinator address: {e}")))?,
+        // Only a rank on rank 0's host can reach its abstract socket; a rank whose host merely
+        // has the same name falls back to TCP when connecting fails.
+        local: (!local.is_empty() && !hosts[0].is_empty() && hosts[rank] == hosts[0])
+            .then(|| local.to_string()),
+    };
+    let tcp = TcpTransport::connect_mesh(rank, size, &data, &addrs, secret, deadline)?;
+    Ok((tcp, coordinator, at, hosts))
+}
+
+/// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other
+/// ranks reach it through whatever `addr`'s host name resolves to on their side).
+fn host_store(addr: &str, secret: &[u8]) -> Result<TcpStoreServer> {
+    let port = addr
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!("rendezvous address {addr:?} has no port"))
+        })?;
+    TcpStoreServer::start(SocketAddr::from(([0, 0, 0, 0], port)), secret.to_vec()).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "rank 0 cannot serve the rendezvous store on port {port} ({e}); pick a free port \
+             with FERROVOD_RENDEZVOUS_ADDR=<host>:<port>"
+        ))
+    })
+}
+
+/// The IPv4 address of interface `name` (`FERROVOD_IFACE`), or an error naming it, this host
+/// and the interfaces it has.
+pub fn iface_ip(name: &str, hostname: &str) -> Result<IpAddr> {
+    let all = interfaces()?;
+    if let Some(i) = all.iter().find(|i| i.name == name) {
+        return Ok(IpAddr::V4(i.addr));
+    }
+    let have: Vec<String> = all
+        .iter()
+        .map(|i| format!("{} {}/{}", i.name, i.addr, i.prefix))
+        .collect();
+    Err(Error::InvalidArgument(format!(
+        "FERROVOD_IFACE={name}: host {hostname} has no network interface {name:?} with an IPv4 \
+         address; its interfaces: {}",
+        if have.is_empty() {
+            "none".to_string()
+        } else {
+            have.join(", ")
+        }
+    )))
+}
+
+/// The address other ranks can reach this process on: the local address of the route to the
+/// rendezvous store (a UDP "connect" sends nothing; it only picks the route).
+fn advertised_ip(rendezvous: &str) -> Result<IpAddr> {
+    let target = rendezvous
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("bad rendezvous address {rendezvous:?}: {e}")))?
+        .next()
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "rendezvous address {rendezvous:?} does not resolve"
+            ))
+        })?;
+    if target.ip().is_loopback() {
+        return Ok(target.ip());
+    }
+    let bind = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    let s = UdpSocket::bind(bind)?;
+    s.connect(target)?;
+    Ok(s.local_addr()?.ip())
+}
+
+/// Binds the coordinator's local control socket under a random abstract name (no file to
+/// clean up; other jobs cannot guess it, and connections are authenticated anyway). `None`
+/// when this host does not allow it: every rank then uses TCP.
+fn bind_local_control() -> Option<(UnixListener, String)> {
+    let bound = crate::transport::shm::random_name("ferrovod-control").and_then(|name| {
+        let addr = UnixAddr::from_abstract_name(name.as_bytes())?;
+        Ok((UnixListener::bind_addr(&addr)?, name))
+    });
+    match bound {
+        Ok(l) => Some(l),
+        Err(e) => {
+            log::debug!(target: crate::LOG_TARGET, "no local control socket ({e}); using TCP");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iface_names_resolve_or_fail_clearly() {
+        let lo = interfaces()
+            .unwrap()
+            .into_iter()
+            .find(|i| i.addr.is_loopback())
+            .expect("a loopback interface");
+        assert_eq!(iface_ip(&lo.name, "h").unwrap(), IpAddr::V4(lo.addr));
+        let e = iface_ip("nosuch0", "hostA").unwrap_err().to_string();
+        assert!(
+            e.contains("nosuch0") && e.contains("hostA") && e.contains(&lo.name),
+            "{e}"
+        );
+    }
+}
