@@ -6,11 +6,14 @@ nothing compiled: the same names, arguments and semantics (``hvd.init()``, ``hvd
 anything ``tf.convert_to_tensor`` accepts) and return tensors, eagerly and inside
 ``tf.function``; see :mod:`ferrovod.tensorflow.mpi_ops` for how they run and how they are
 named. Every engine dtype works: uint8, int8, int16, int32, int64, float16, bfloat16, float32,
-float64, and bool for allgather, broadcast and alltoall.
+float64, and bool, uint16, uint32, uint64 for allgather, broadcast and alltoall.
 
-Errors: eagerly, the ferrovod exception itself (``MismatchError``, ``RankFailureError``, ...);
-inside ``tf.function`` TensorFlow reports a failed host op as a ``tf.errors.OpError``
-(``UnknownError`` / ``InvalidArgumentError``) whose message carries the ferrovod error's.
+Errors are the classes Horovod raises: ranks that disagree ->
+``tf.errors.FailedPreconditionError``, invalid arguments -> ``tf.errors.InvalidArgumentError``
+(eagerly these are also ``ferrovod.MismatchError`` / ``ferrovod.InvalidArgumentError``); a
+lost peer eagerly raises ferrovod's ``RankFailureError`` (a ``HorovodInternalError``), inside
+a graph a ``tf.errors.UnknownError`` carrying its message. In TF1 graphs (``tf.compat.v1.Session``) the
+collectives run in the order they were created (see ``mpi_ops._tf1_predecessor``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ import tensorflow as tf
 
 from .. import _api
 from .._api import build_info
+from ..common.util import (
+    get_average_backwards_compatibility_fun,
+    gpu_available,
+    num_rank_is_power_2,
+    split_list,
+)
 from ..exceptions import (
     FerrovodError,
     FerrovodTimeoutError,
@@ -43,8 +52,13 @@ from .functions import (
     broadcast_object_fn,
     broadcast_variables,
 )
+from . import util
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
+    _allreduce,
+    _grouped_allreduce,
+    _grouped_reducescatter,
+    _reducescatter,
     Adasum,
     Average,
     Max,
@@ -86,6 +100,11 @@ from .mpi_ops import (
     start_timeline,
     stop_timeline,
 )
+from .util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars_to_refs
+
+#: Horovod's rule for the deprecated ``average`` argument (``op`` wins; both is an error).
+handle_average_backwards_compatibility = get_average_backwards_compatibility_fun(_api)
+check_num_rank_power_of_2 = num_rank_is_power_2
 
 __all__ = [
     "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline",
@@ -97,6 +116,8 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "broadcast_object",
     "broadcast_object_fn", "allgather_object",
     "Compression", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "BroadcastGlobalVariablesHook", "handle_average_backwards_compatibility",
+    "check_num_rank_power_of_2", "split_list", "gpu_available",
     "DistributedOptimizer", "SyncBatchNormalization",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "FerrovodError", "HorovodInternalError", "HostsUpdatedInterrupt", "RankFailureError",
@@ -108,29 +129,40 @@ __all__ = [
 
 
 def _resolve_op(op: Optional[int], average: Optional[bool]) -> int:
-    rop = _api._resolve_op(op, average)
-    if rop == Adasum:
-        raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
-    return rop
+    return int(_api._resolve_op(op, average))
 
 
-def _sparse_allreduce(t: tf.IndexedSlices, op: int, prescale_factor: float,
-                      postscale_factor: float, name: Optional[str], ignore_name_scope: bool,
-                      process_set: ProcessSet) -> tf.IndexedSlices:
-    """``tf.IndexedSlices``: allgather of values and indices (one group), values divided by
-    the set size for Average — duplicates across ranks add up when densified."""
+def _reject_adasum(op: int) -> None:
+    if op == Adasum:
+        raise _ops.TFInvalidArgumentError("Adasum is not supported by ferrovod yet")
+
+
+def _check_sparse(op: int, prescale_factor: float, postscale_factor: float) -> None:
+    """Horovod's rules (and exception classes) for ``tf.IndexedSlices``."""
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction does not currently support sparse "
+                                  "tensors. As a workaround please pass sparse_as_dense=True")
     if op not in (Average, Sum):
         raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
     if prescale_factor != 1.0 or postscale_factor != 1.0:
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+
+
+def _average_values(values: tf.Tensor, n: int) -> tf.Tensor:
+    """``values / n`` with TensorFlow's true division, as Horovod averages sparse values:
+    floats keep their dtype, integers become floats (int8/16, uint8 -> float32; int32/64 ->
+    float64) rather than being truncated."""
+    return tf.math.truediv(values, tf.cast(n, values.dtype))
+
+
+def _sparse_allreduce(t: tf.IndexedSlices, op: int, name: Optional[str],
+                      ignore_name_scope: bool, process_set: ProcessSet) -> tf.IndexedSlices:
+    """``tf.IndexedSlices``: allgather of values and indices (one group), values divided by
+    the set size for Average — duplicates across ranks add up when densified."""
     values, indices = _ops._gather([t.values, t.indices], name, ignore_name_scope, process_set,
                                    False)
     if op == Average:
-        n = _ops._set_size(process_set)
-        if values.dtype.is_floating:
-            values = values / tf.cast(n, values.dtype)
-        else:
-            values = tf.math.truncatediv(values, tf.cast(n, values.dtype))
+        values = _average_values(values, _ops._set_size(process_set))
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
@@ -152,8 +184,9 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     del device_dense, device_sparse
     rop = _resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, rop, prescale_factor, postscale_factor, name,
-                                 ignore_name_scope, process_set)
+        _check_sparse(rop, prescale_factor, postscale_factor)
+        return _sparse_allreduce(tensor, rop, name, ignore_name_scope, process_set)
+    _reject_adasum(rop)
     t = _ops._to_tensor(tensor)
     compressed, ctx = compression.compress(t)
     out = _ops._allreduce(compressed, name=name, op=rop, prescale_factor=prescale_factor,
@@ -176,10 +209,13 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
     tensors = list(tensors)
     out: List[Any] = [None] * len(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    if len(dense) < len(tensors):
+        _check_sparse(rop, prescale_factor, postscale_factor)
+    if dense:
+        _reject_adasum(rop)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            out[i] = _sparse_allreduce(t, rop, prescale_factor, postscale_factor,
-                                       None if name is None else f"{name}.{i}",
+            out[i] = _sparse_allreduce(t, rop, None if name is None else f"{name}.{i}",
                                        ignore_name_scope, process_set)
     pairs = [compression.compress(_ops._to_tensor(tensors[i])) for i in dense]
     reduced = _ops._grouped_allreduce([c for c, _ in pairs], name=name, op=rop,
@@ -190,6 +226,29 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
     for i, r, (_, ctx) in zip(dense, reduced, pairs):
         out[i] = compression.decompress(r, ctx)
     return out
+
+
+def _takes_part(process_set: ProcessSet) -> bool:
+    return bool(process_set.included()) and _ops._set_size(process_set) > 1
+
+
+def _allreduce_cond(tensor: Any, *args: Any, process_set: ProcessSet = global_process_set,
+                    **kwargs: Any) -> Any:
+    """Horovod's helper: :func:`allreduce` when this rank is in ``process_set`` and the set has
+    more than one rank, else ``tensor`` unchanged."""
+    if not _takes_part(process_set):
+        return tensor
+    return allreduce(tensor, *args, process_set=process_set, **kwargs)
+
+
+def _grouped_allreduce_cond(tensors: Sequence[Any], *args: Any,
+                            process_set: ProcessSet = global_process_set,
+                            **kwargs: Any) -> Any:
+    """Horovod's helper: :func:`grouped_allreduce` when this rank is in ``process_set`` and the
+    set has more than one rank, else ``tensors`` unchanged."""
+    if not _takes_part(process_set):
+        return tensors
+    return grouped_allreduce(tensors, *args, process_set=process_set, **kwargs)
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
@@ -345,10 +404,37 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
                      f"Keras optimizer: {optimizer}")
 
 
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1 ``SessionRunHook`` (``MonitoredTrainingSession``): when the session is created,
+    sets every global variable to ``root_rank``'s value (Horovod's hook). ``device`` is
+    accepted and ignored (the broadcast runs on the host)."""
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op: Any = None
+        self.device = device
+
+    def begin(self) -> None:
+        """Builds the broadcast op in the graph being finalized."""
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        """Runs the broadcast once the variables are initialized or restored."""
+        del coord
+        session.run(self.bcast_op)
+
+
 def __getattr__(name: str) -> Any:
-    # SyncBatchNormalization is a Keras layer: import Keras only when it is asked for.
+    # SyncBatchNormalization is a Keras layer and elastic reaches Keras' state: import Keras
+    # only when they are asked for.
     if name == "SyncBatchNormalization":
         from .sync_batch_norm import SyncBatchNormalization
 
         return SyncBatchNormalization
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(".elastic", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -191,9 +191,7 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
         values = _ops._with_shape(results[nd + 2 * k], _ops._rest_shape(g.values))
         indices = _ops._with_shape(results[nd + 2 * k + 1], tf.TensorShape([None]))
         if op == Average:
-            if values.dtype.is_floating:
-                values = values / tf.cast(n, values.dtype)
-            else:
-                values = tf.math.truncatediv(values, tf.cast(n, values.dtype))
+            # True division, as Horovod's sparse allreduce (integers become floats).
+            values = tf.math.truediv(values, tf.cast(n, values.dtype))
         out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
     return out

@@ -3,7 +3,7 @@ whose ``gradient()`` returns gradients reduced across ranks (Horovod's TF2 train
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -47,6 +47,24 @@ class _DistributedTapeMixin:
             scale_local_gradients=o["scale_local_gradients"],
             name_prefix="DistributedGradientTape")
         return tf.nest.pack_sequence_as(grads, reduced)
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None,
+                                       use_generic_names: bool = False
+                                       ) -> Tuple[List[Tuple[Any, Any]], List[Tuple[Any, Any]]]:
+        """:meth:`gradient`, split into ``(local, global)`` lists of ``(source, gradient)``
+        pairs in ``sources`` order: ``local`` holds the registered local sources (their
+        gradients not reduced, scaled as :meth:`gradient` scales them), ``global`` the
+        others (reduced)."""
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local_keys: Set[int] = set()
+        for s in self._fv_local:
+            local_keys |= variable_keys(s)
+        local: List[Tuple[Any, Any]] = []
+        global_: List[Tuple[Any, Any]] = []
+        for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
+            (local if variable_keys(s) & local_keys else global_).append((s, g))
+        return local, global_
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",

@@ -9,6 +9,10 @@ on NumPy arrays.
   program order: every rank then submits them in the same order, and two blocking host ops
   never race for TensorFlow's inter-op threads. Static output shapes are set where known
   (allreduce, broadcast: the input's; allgather, alltoall, reducescatter: all but dim 0).
+* In a TF1 graph (``tf.compat.v1.Session``) nothing orders stateful ops, so each collective
+  gets a control dependency on the one created before it (see :func:`_tf1_predecessor`).
+* Errors: a mismatch between ranks is ``tf.errors.FailedPreconditionError``, an invalid
+  argument ``tf.errors.InvalidArgumentError``, eagerly and in graphs (see :func:`_execute`).
 
 Names: ops are matched across ranks by name. Inside a graph an unnamed op gets a name derived
 at trace time from its input tensor's name (``HorovodAllreduce_<tensor name>``, under the
@@ -21,11 +25,12 @@ Gradients follow Horovod 0.28.1 and ``ferrovod.torch`` (registered with ``tf.cus
 eager and graph): allreduce -> allreduce of the gradient with the same op and scale factors;
 allgather -> Average-allreduce of the gradient, this rank's rows; broadcast -> Average-allreduce
 on the root, zeros elsewhere; alltoall -> alltoall back with the received splits;
-reducescatter -> allgather of the gradient times the scale factors (and 1/size for Average).
+reducescatter -> allgather of the gradient times the scale factors (and the set size for Sum).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -64,7 +69,7 @@ from .._api import (
     start_timeline,
     stop_timeline,
 )
-from ..exceptions import InvalidArgumentError
+from ..exceptions import InvalidArgumentError, MismatchError
 from ..process_sets import ProcessSet, global_process_set
 
 __all__ = [
@@ -77,6 +82,39 @@ __all__ = [
     "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "cuda_built", "ddl_built", "ccl_built", "rocm_built",
 ]
+
+class TFMismatchError(MismatchError, tf.errors.FailedPreconditionError):
+    """Ranks disagreed about a collective: ``ferrovod.MismatchError`` and TensorFlow's
+    ``FailedPreconditionError`` (what Horovod raises then), so either ``except`` catches it."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+        self.args = (message,)
+
+
+class TFInvalidArgumentError(InvalidArgumentError, tf.errors.InvalidArgumentError):
+    """Arguments no rank could satisfy: ``ferrovod.InvalidArgumentError`` (a ValueError) and
+    TensorFlow's ``InvalidArgumentError``, as Horovod raises."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+        self.args = (message,)
+
+
+def tf_error(error: BaseException) -> BaseException:
+    """``error`` as the class TensorFlow code expects (see :class:`TFMismatchError`,
+    :class:`TFInvalidArgumentError`); other errors are returned unchanged."""
+    if isinstance(error, tf.errors.OpError):
+        return error
+    if isinstance(error, MismatchError):
+        new: BaseException = TFMismatchError(str(error))
+    elif isinstance(error, InvalidArgumentError):
+        new = TFInvalidArgumentError(str(error))
+    else:
+        return error
+    new.__dict__.update({k: v for k, v in error.__dict__.items() if not k.startswith("_")})
+    return new
+
 
 _NUMERIC = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
             tf.float32, tf.float64)
@@ -151,14 +189,34 @@ def _label(tensor: Any, name: Optional[str]) -> str:
         return f"<eager tensor of shape {list(tensor.shape)}>"
 
 
+# Data-movement ops (allgather, broadcast, alltoall) only copy bytes, so they also take bool
+# and the unsigned types the engine has no reduction for: those travel as the signed type of
+# the same width (a NumPy view, no copy) and come back as themselves.
+_MOVE_ONLY = (tf.bool, tf.uint16, tf.uint32, tf.uint64)
+_SIGNED_VIEW = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32),
+                np.dtype(np.uint64): np.dtype(np.int64)}
+
+
 def _check_dtype(tensor: tf.Tensor, kind: str, label: str, allow_bool: bool = False) -> None:
+    """Raises unless ``tensor``'s dtype can go through ``kind``: the engine's numeric types,
+    plus (``allow_bool``: a data-movement op) bool, uint16, uint32 and uint64."""
     dt = tensor.dtype
-    if dt in _NUMERIC or (allow_bool and dt == tf.bool):
+    if dt in _NUMERIC or (allow_bool and dt in _MOVE_ONLY):
         return
-    extra = ", bool" if allow_bool else ""
-    raise InvalidArgumentError(
+    extra = ", bool, uint16, uint32, uint64" if allow_bool else ""
+    raise TFInvalidArgumentError(
         f"{kind} of tensor '{label}': dtype {dt.name} is not supported "
         f"(supported: {_SUPPORTED_TEXT}{extra})")
+
+
+def _to_wire(a: np.ndarray) -> np.ndarray:
+    """``a`` as the engine can move it (see :data:`_SIGNED_VIEW`)."""
+    signed = _SIGNED_VIEW.get(a.dtype)
+    return a if signed is None else a.view(signed)
+
+
+def _from_wire(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return a if a.dtype == dtype else a.view(dtype)
 
 
 def _normalize_name(name: str) -> str:
@@ -215,22 +273,167 @@ def _as_arrays(values: Sequence[Any]) -> List[np.ndarray]:
     return [v if isinstance(v, np.ndarray) else np.asarray(v) for v in values]
 
 
+# Op types whose output is data fed to or streamed into a TF1 session run: running a
+# collective that depends on one needs a feed or consumes input.
+_INPUT_OP_TYPES = frozenset({
+    "Placeholder", "PlaceholderV2", "IteratorGetNext", "IteratorGetNextSync",
+    "IteratorGetNextAsOptional", "MultiDeviceIteratorGetNextFromShard", "QueueDequeue",
+    "QueueDequeueV2", "QueueDequeueMany", "QueueDequeueManyV2", "QueueDequeueUpTo",
+    "QueueDequeueUpToV2", "ReaderRead", "ReaderReadV2", "ReaderReadUpTo", "ReaderReadUpToV2",
+})
+
+
+class _Tf1Order:
+    """Per TF1 graph: the last collective host op created and which input ops
+    (:data:`_INPUT_OP_TYPES`) it needs, with a memo of every op's input ops."""
+
+    def __init__(self) -> None:
+        self.last: Optional[Tuple[Any, frozenset]] = None
+        self.inputs_of: Dict[str, frozenset] = {}
+
+    def input_ops(self, tensors: Sequence[tf.Tensor]) -> frozenset:
+        """Names of the input ops that ``tensors`` (transitively) depend on."""
+        found: set = set()
+        for t in tensors:
+            found |= self._of(t.op)
+        return frozenset(found)
+
+    def _of(self, op: Any) -> frozenset:
+        memo = self.inputs_of
+        if op.name in memo:
+            return memo[op.name]
+        # Iterative post-order walk: graphs can be deeper than Python's recursion limit.
+        stack = [(op, False)]
+        while stack:
+            cur, expanded = stack.pop()
+            if cur.name in memo:
+                continue
+            deps = [i.op for i in cur.inputs] + list(cur.control_inputs)
+            if not expanded:
+                stack.append((cur, True))
+                stack.extend((d, False) for d in deps if d.name not in memo)
+                continue
+            acc: set = {cur.name} if cur.type in _INPUT_OP_TYPES else set()
+            for d in deps:
+                acc |= memo.get(d.name, frozenset())
+            memo[cur.name] = frozenset(acc)
+        return memo[op.name]
+
+
+_tf1_orders: "weakref.WeakKeyDictionary[Any, _Tf1Order]" = weakref.WeakKeyDictionary()
+
+
+def _tf1_predecessor(graph: Any, inputs: Sequence[tf.Tensor]
+                     ) -> Tuple[Optional[Any], _Tf1Order, frozenset]:
+    """The collective host op that a new one in a TF1 graph must run after, if any.
+
+    ``tf.function`` orders stateful ops itself (automatic control dependencies); a TF1 graph
+    does not, and a collective is a host op that holds one of TensorFlow's inter-op threads
+    until every rank has submitted it. With several collectives in one ``Session.run`` in no
+    fixed order, ranks can fill their (few) threads with different collectives and wait on
+    each other forever. So each new collective runs after the previous one of its graph, the
+    order every rank creates them in. Running a collective therefore also runs the ones
+    created before it (in its chain), except:
+
+    * one that depends on an input (placeholder, dataset iterator, queue, reader) that the
+      new one does not need: the chain is cut there, so that running the new one never needs
+      a feed or consumes a batch it would not otherwise need (a ``broadcast_global_variables``
+      built after the training op stays runnable on its own);
+    * ones created before a collective of the graph failed: a script that caught the error
+      goes on with a new chain;
+    * one in another control-flow context (a TF1 ``while_loop`` / ``cond`` body).
+    """
+    order = _tf1_orders.get(graph)
+    if order is None:
+        order = _tf1_orders[graph] = _Tf1Order()
+    mine = order.input_ops(inputs)
+    prev = order.last
+    if prev is None:
+        return None, order, mine
+    op, needs = prev
+    if not needs <= mine:
+        return None, order, mine
+    if op._get_control_flow_context() is not graph._get_control_flow_context():
+        return None, order, mine
+    return op, order, mine
+
+
+def _gate_failure(status: tf.Tensor) -> Any:
+    """An op that raises ``tf.errors.FailedPreconditionError`` carrying ``status`` when
+    ``status`` is not empty.
+
+    Horovod raises FailedPreconditionError when ranks disagree about a collective, and
+    scripts catch that class. A host op can only fail with the few codes TensorFlow maps
+    Python exceptions to (ValueError/TypeError -> InvalidArgument, NotImplementedError ->
+    Unimplemented, everything else -> Unknown), so the host op returns the failure instead
+    and a kernel that fails with the right code raises it: reading a path below a file
+    (``/dev/null/<message>``) fails with ENOTDIR, which TensorFlow reports as
+    FailedPrecondition with the path -- the message -- in the text. It runs only on failure.
+    """
+    return tf.cond(tf.equal(status, ""), lambda: tf.constant(""),
+                   lambda: tf.io.read_file(status), name="FerrovodCheck")
+
+
+def _failure_path(error: BaseException) -> bytes:
+    # Linux rejects paths of 4096 bytes or more (ENAMETOOLONG, another code): keep it shorter.
+    text = f"{type(error).__name__}: {error}".replace("\0", " ")
+    raw = text.encode("utf-8", "replace")[:3800].decode("utf-8", "ignore")
+    # The message's first line is what TensorFlow's own log line about the failed op shows.
+    return f"{os.devnull}/ferrovod: {raw}\n".encode("utf-8")
+
+
 def _execute(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
-             touts: Sequence[tf.DType], node: str) -> List[Any]:
+             touts: Sequence[tf.DType], node: str, collective: bool = True) -> List[Any]:
     """Runs ``body(*arrays) -> [array, ...]``: now (eager), or as one stateful
     ``tf.numpy_function`` of the current graph. Returns the outputs as tensors (graph mode
-    with no outputs: ``[op]``)."""
+    with no outputs: ``[op]``).
+
+    Errors are TensorFlow's classes as in Horovod: ranks that disagree raise
+    ``tf.errors.FailedPreconditionError`` (also a ``ferrovod.MismatchError`` when eager),
+    invalid arguments ``tf.errors.InvalidArgumentError`` (also a
+    ``ferrovod.InvalidArgumentError`` when eager). In a TF1 graph a ``collective`` op is
+    ordered after the previous one (see :func:`_tf1_predecessor`).
+    """
     if tf.executing_eagerly():
-        outs = body(*_as_arrays([t.numpy() for t in inputs]))
+        try:
+            outs = body(*_as_arrays([t.numpy() for t in inputs]))
+        except (MismatchError, InvalidArgumentError) as e:
+            raise tf_error(e) from e
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
 
-    def run(*arrays: Any) -> List[np.ndarray]:
-        return list(body(*_as_arrays(arrays)))
+    order: Optional[_Tf1Order] = None
 
-    result = tf.numpy_function(run, list(inputs), list(touts), stateful=True, name=node)
-    if not touts:
-        return [result]
-    return list(result)
+    def run(*arrays: Any) -> List[Any]:
+        try:
+            outs = list(body(*_as_arrays(arrays)))
+        except MismatchError as e:
+            if order is not None:
+                order.last = None  # see _tf1_predecessor: a failure starts a new chain
+            empty = [np.zeros((0,), dtype=d.as_numpy_dtype) for d in touts]
+            return empty + [np.asarray(_failure_path(e), dtype=object)]
+        except BaseException:
+            if order is not None:
+                order.last = None
+            raise
+        return outs + [np.asarray(b"", dtype=object)]
+
+    graph = tf.compat.v1.get_default_graph()
+    tf1 = collective and not getattr(graph, "_add_control_dependencies", False)
+    prev, needs = None, frozenset()
+    if tf1:
+        prev, order, needs = _tf1_predecessor(graph, inputs)
+    with tf.control_dependencies([prev] if prev is not None else []):
+        result = tf.numpy_function(run, list(inputs), list(touts) + [tf.string], stateful=True,
+                                   name=node)
+    if order is not None:
+        order.last = (result[0].op, needs)
+    status = result[-1]
+    status.set_shape([])
+    check = _gate_failure(status)
+    with tf.control_dependencies([check]):
+        if not touts:
+            return [tf.group(check, name=f"{node}Done")]
+        return [tf.identity(o) for o in result[:-1]]
 
 
 def _set_size(process_set: ProcessSet) -> int:
@@ -308,7 +511,7 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
     ts = [_to_tensor(t) for t in tensors]
     kind = "allreduce" if single else "grouped_allreduce"
     if int(op) == Adasum:
-        raise InvalidArgumentError("Adasum is not supported by ferrovod yet")
+        raise TFInvalidArgumentError("Adasum is not supported by ferrovod yet")
     for t in ts:
         _check_dtype(t, kind, _label(t, name if single else None))
     if not ts:
@@ -339,9 +542,12 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
 def _allgather_raw(tensors: List[tf.Tensor], name: Optional[str], process_set: ProcessSet,
                    grouped: bool) -> List[tf.Tensor]:
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
+        wire = [_to_wire(a) for a in arrays]
         if grouped:
-            return _api.grouped_allgather(list(arrays), name=name, process_set=process_set)
-        return [_api.allgather(arrays[0], name=name, process_set=process_set)]
+            outs = _api.grouped_allgather(wire, name=name, process_set=process_set)
+        else:
+            outs = [_api.allgather(wire[0], name=name, process_set=process_set)]
+        return [_from_wire(o, a.dtype) for o, a in zip(outs, arrays)]
 
     outs = _execute(body, tensors, [t.dtype for t in tensors],
                     "FerrovodGroupedAllgather" if grouped else "FerrovodAllgather")
@@ -376,7 +582,7 @@ def _gather(tensors: Sequence[Any], name: Optional[str], ignore_name_scope: bool
         label = _label(t, name if single else None)
         _check_dtype(t, kind, label, allow_bool=True)
         if t.shape.rank == 0:
-            raise InvalidArgumentError(
+            raise TFInvalidArgumentError(
                 f"{kind} of tensor '{label}': a 0-d (scalar) tensor cannot be gathered; "
                 "reshape it to (1,)")
     if not ts:
@@ -421,7 +627,8 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
 def _broadcast_raw(t: tf.Tensor, root_rank: int, name: Optional[str],
                    process_set: ProcessSet) -> tf.Tensor:
     def body(a: np.ndarray) -> List[np.ndarray]:
-        return [_api.broadcast(a, root_rank, name=name, process_set=process_set)]
+        out = _api.broadcast(_to_wire(a), root_rank, name=name, process_set=process_set)
+        return [_from_wire(out, a.dtype)]
 
     out = _execute(body, [t], [t.dtype], "FerrovodBroadcast")[0]
     return _on_device(_with_shape(out, t.shape), t)
@@ -430,7 +637,7 @@ def _broadcast_raw(t: tf.Tensor, root_rank: int, name: Optional[str],
 def _check_root(root_rank: int) -> int:
     r = int(root_rank)
     if _api.is_initialized() and not 0 <= r < _api.size():
-        raise InvalidArgumentError(
+        raise TFInvalidArgumentError(
             f"broadcast received invalid root rank {r}: the job has {_api.size()} ranks")
     return r
 
@@ -455,7 +662,10 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
             dy = tf.zeros_like(y) if dy is None else dy
             g = _allreduce_raw([dy], _grad_name(engine_name, "HorovodBroadcast", dy), Average,
                                1.0, 1.0, process_set, False)[0]
-            return g if _api.rank() == root else tf.zeros_like(g)
+            # g * 0, not zeros_like(g): TensorFlow builds zeros_like of a tensor with a known
+            # shape without reading it, and a TF1 session would then prune this rank's
+            # allreduce while the root waits for it.
+            return g if _api.rank() == root else g * tf.constant(0, g.dtype)
 
         return y, grad
 
@@ -489,7 +699,7 @@ def _variables_check(arrays: Sequence[np.ndarray], labels: Sequence[str], base: 
         lines.append(f"rank {r} has {len(d)} variables, rank {ranks[0]} has {len(every[0])}; "
                      f"first difference at position {diff}: rank {r} {theirs} vs rank "
                      f"{ranks[0]} {first}")
-    raise InvalidArgumentError(
+    raise TFInvalidArgumentError(
         f"{what}: the ranks passed different variables (number, shapes or dtypes), so "
         "their broadcasts could never match: " + "; ".join(lines))
 
@@ -503,10 +713,11 @@ def _broadcast_values(values: List[tf.Tensor], labels: List[str], root_rank: int
 
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         _variables_check(arrays, labels, base, what, process_set)
-        handles = [_api.broadcast_async(a, root, name=None if base is None else f"{base}.{i}",
+        handles = [_api.broadcast_async(_to_wire(a), root,
+                                        name=None if base is None else f"{base}.{i}",
                                         process_set=process_set)
                    for i, a in enumerate(arrays)]
-        return [_api.synchronize(h) for h in handles]
+        return [_from_wire(_api.synchronize(h), a.dtype) for h, a in zip(handles, arrays)]
 
     outs = _execute(body, values, [v.dtype for v in values], "FerrovodBroadcastVariables")
     if not values:
@@ -533,7 +744,7 @@ def _assign_broadcast(variables: Sequence[Any], root_rank: int, name: Optional[s
     values, labels = [], []
     for i, v in enumerate(variables):
         if not hasattr(v, "assign"):
-            raise InvalidArgumentError(f"{what}: entry {i} is a {type(v).__name__}, not a "
+            raise TFInvalidArgumentError(f"{what}: entry {i} is a {type(v).__name__}, not a "
                                        "variable (it has no assign())")
         t = _to_tensor(v)
         _check_dtype(t, what, _var_label(v, i), allow_bool=True)
@@ -569,7 +780,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     label = _label(t, name)
     _check_dtype(t, "alltoall", label, allow_bool=True)
     if t.shape.rank == 0:
-        raise InvalidArgumentError(f"alltoall of tensor '{label}': a 0-d (scalar) tensor has "
+        raise TFInvalidArgumentError(f"alltoall of tensor '{label}': a 0-d (scalar) tensor has "
                                    "no first dimension")
     want_splits = splits is not None
     if splits is None:
@@ -583,8 +794,9 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
 
     def raw(x: tf.Tensor, s: tf.Tensor, nm: Optional[str]) -> Tuple[tf.Tensor, tf.Tensor]:
         def body(a: np.ndarray, sp: np.ndarray) -> List[np.ndarray]:
-            out, received = _api.alltoall(a, splits=sp, name=nm, process_set=process_set)
-            return [out, np.asarray(received, dtype=np.int32)]
+            out, received = _api.alltoall(_to_wire(a), splits=sp, name=nm,
+                                          process_set=process_set)
+            return [_from_wire(out, a.dtype), np.asarray(received, dtype=np.int32)]
 
         out, received = _execute(body, [x, s], [x.dtype, tf.int32], "FerrovodAlltoall")
         return (_on_device(_with_shape(out, _rest_shape(x)), x),
@@ -629,18 +841,18 @@ def _reducescatter_raw(tensors: List[tf.Tensor], name: Optional[str], op: int, p
     return [_on_device(_with_shape(o, _rest_shape(t)), t) for o, t in zip(outs, tensors)]
 
 
-def _reducescatter(tensors: Sequence[Any], name: Optional[str], op: int,
+def _reducescatter_impl(tensors: Sequence[Any], name: Optional[str], op: int,
                    ignore_name_scope: bool, process_set: ProcessSet, prescale_factor: float,
                    postscale_factor: float, single: bool) -> List[tf.Tensor]:
     ts = [_to_tensor(t) for t in tensors]
     kind = "reducescatter" if single else "grouped_reducescatter"
     if int(op) not in (Sum, Average):
-        raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
+        raise TFInvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
     for t in ts:
         label = _label(t, name if single else None)
         _check_dtype(t, kind, label)
         if t.shape.rank == 0:
-            raise InvalidArgumentError(f"{kind} of tensor '{label}': a 0-d (scalar) tensor "
+            raise TFInvalidArgumentError(f"{kind} of tensor '{label}': a 0-d (scalar) tensor "
                                        "has no first dimension to scatter")
     if not ts:
         return []
@@ -659,7 +871,9 @@ def _reducescatter(tensors: Sequence[Any], name: Optional[str], op: int,
             dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]
             gs = _allgather_raw(list(dys), _grad_name(engine_name, prefix, dys[0]),
                                 process_set, not single)
-            s = scale / _set_size(process_set) if int(op) == Average else scale
+            # Horovod's convention (and ferrovod.torch's): Sum -> size x the allgathered
+            # gradient, Average -> 1 x, times the scale factors.
+            s = scale * _set_size(process_set) if int(op) == Sum else scale
             return [_with_shape(g * tf.cast(s, g.dtype) if s != 1.0 else g, x.shape)
                     for g, x in zip(gs, xs)]
 
@@ -673,7 +887,7 @@ def reducescatter(tensor: Any, name: Optional[str] = None, op: int = Average,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduces across the set (Sum or Average) and returns this rank's rows of dim 0 (the
     lowest ranks get one extra row when dim 0 does not divide evenly). Differentiable."""
-    return _reducescatter([tensor], name, op, ignore_name_scope, process_set, prescale_factor,
+    return _reducescatter_impl([tensor], name, op, ignore_name_scope, process_set, prescale_factor,
                           postscale_factor, True)[0]
 
 
@@ -683,8 +897,28 @@ def grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[tf.Tensor]:
     """Reducescatters a list of tensors negotiated as one unit. Differentiable."""
-    return _reducescatter(list(tensors), name, op, ignore_name_scope, process_set,
+    return _reducescatter_impl(list(tensors), name, op, ignore_name_scope, process_set,
                           prescale_factor, postscale_factor, False)
+
+
+def _reducescatter(tensor: Any, name: Optional[str] = None, op: int = Sum,
+                   ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set,
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """Horovod's ``mpi_ops._reducescatter``: :func:`reducescatter` with Sum by default and no
+    compression."""
+    return _reducescatter_impl([tensor], name, op, ignore_name_scope, process_set,
+                               prescale_factor, postscale_factor, True)[0]
+
+
+def _grouped_reducescatter(tensors: Sequence[Any], name: Optional[str] = None, op: int = Sum,
+                           ignore_name_scope: bool = False,
+                           process_set: ProcessSet = global_process_set,
+                           prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0) -> List[tf.Tensor]:
+    """Horovod's ``mpi_ops._grouped_reducescatter``: :func:`grouped_reducescatter` with Sum by
+    default."""
+    return _reducescatter_impl(list(tensors), name, op, ignore_name_scope, process_set,
+                               prescale_factor, postscale_factor, False)
 
 
 # ----------------------------------------------------------------------------- join, barrier
@@ -720,7 +954,7 @@ def _set_by_id(process_set_id: int) -> ProcessSet:
     for ps in _ps._registered:
         if ps.process_set_id == int(process_set_id):
             return ps
-    raise InvalidArgumentError(f"no registered process set has id {process_set_id}")
+    raise TFInvalidArgumentError(f"no registered process set has id {process_set_id}")
 
 
 def _query_op(fn: Callable[[], int], name: Optional[str]) -> tf.Tensor:
@@ -728,7 +962,7 @@ def _query_op(fn: Callable[[], int], name: Optional[str]) -> tf.Tensor:
     def body() -> List[np.ndarray]:
         return [np.asarray(fn(), dtype=np.int32)]
 
-    out = _execute(body, [], [tf.int32], name or "FerrovodQuery")[0]
+    out = _execute(body, [], [tf.int32], name or "FerrovodQuery", collective=False)[0]
     return _with_shape(out, tf.TensorShape([]))
 
 

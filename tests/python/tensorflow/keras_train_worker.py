@@ -393,6 +393,41 @@ class Run:
         self.close(flat(model), flat(ref), "broadcast_global_variables(0, model)", tol=0)
         self.ck.raises(ValueError, lambda: hvd.broadcast_global_variables(0),
                        "broadcast_global_variables without a model", contains=("model",))
+        self.elastic()
+
+    def elastic(self):
+        """hvd.elastic.KerasState and its callbacks (part of the "ops" section)."""
+        r = self.r
+        self.ck.true(hvdk.elastic.KerasState is hvd.elastic.KerasState,
+                     "ferrovod.keras.elastic and ferrovod.tensorflow.keras.elastic agree")
+        model = make_model()
+        set_weights(model, self.seed + 20 + r)
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)),
+                      loss="mse")
+        state = hvd.elastic.KerasState(model, batch=r, epoch=0)
+        state.sync()
+        ref = make_model()
+        set_weights(ref, self.seed + 20)
+        self.close(flat(model), flat(ref), "KerasState.sync: rank 0's weights", tol=0)
+        self.ck.equal((state.batch, state.epoch), (0, 0), "KerasState.sync: rank 0's attributes")
+        x, y = data(self.seed, r)
+        callbacks = [hvd.elastic.UpdateBatchStateCallback(state),
+                     hvd.elastic.UpdateEpochStateCallback(state),
+                     hvd.elastic.CommitStateCallback(state, batches_per_commit=2)]
+        model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        self.ck.equal((state.batch, state.epoch), (0, 2), "state callbacks: batch, epoch after fit")
+        trained = flat(model)
+        slots = [npy(v).copy() for v in model.optimizer.variables]
+        set_weights(model, self.seed + 21)
+        for v in model.optimizer.variables:
+            v.assign(np.zeros_like(npy(v)))
+        state.epoch = 99
+        state.restore()
+        self.close(flat(model), trained, "KerasState.restore: weights of the last commit", tol=0)
+        for i, (v, want) in enumerate(zip(model.optimizer.variables, slots)):
+            self.close(npy(v), want, f"KerasState.restore: optimizer variable {i}", tol=0)
+        self.ck.equal(state.epoch, 2, "KerasState.restore: attributes")
+        self.same_on_all_ranks(trained, "weights identical after elastic fit")
 
     def mismatch(self):
         """A rank whose model differs: every rank gets the same clear ValueError, no hang."""

@@ -1,7 +1,8 @@
 """ferrovod.tensorflow: every op and dtype, every collective's gradient and
-DistributedGradientTape against NumPy references, eagerly and inside tf.function, in real
-launched jobs (see tf_ops_worker.py); ranks that disagree get a clear error, not a hang
-(tf_mismatch_worker.py).
+DistributedGradientTape against NumPy references, eagerly, inside tf.function and in TF1
+sessions, plus Horovod's helper names and hvd.elastic, in real launched jobs (see
+tf_ops_worker.py); ranks that disagree get Horovod's TensorFlow error classes with a clear
+message, not a hang (tf_mismatch_worker.py).
 
 Each job imports TensorFlow in every rank (several seconds of CPU each), so the checks are
 grouped into few jobs."""
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ["allreduce", "grouped", "allgather", "broadcast", "alltoall", "reducescatter",
-            "misc", "gradients", "tape", "optimizer", "syncbn", "psets"]
+            "misc", "gradients", "tape", "optimizer", "syncbn", "psets", "tf1", "elastic"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -35,7 +36,7 @@ def test_disagreeing_ranks_fail_clearly_everywhere():
     assert_ok(res, 3, min_checks=14)
     assert res.elapsed < 45, f"took {res.elapsed:.1f} s: looks like a hang\n{describe(res)}"
     for r in range(3):
-        for mode in ("eager", "graph"):
+        for mode in ("eager", "graph", "tf1"):
             for what in ("shape", "dtype", "broadcast_variables count", "tape count"):
                 found = lines_matching(res, r, rf"^error {mode} {what}: (.*)")
                 assert found, f"rank {r}: no {mode} {what} error\n{describe(res)}"

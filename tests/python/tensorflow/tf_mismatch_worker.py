@@ -1,13 +1,16 @@
 """Ranks that disagree get a clear error on every rank through ferrovod.tensorflow, never a
-hang: eagerly and inside tf.function.
+hang: eagerly, inside tf.function and in a TF1 session.
 
 usage: tf_mismatch_worker.py
 
 The last rank differs: an allreduce of another shape, of another dtype; broadcast_variables of
 one more variable, or of a variable of another shape; a DistributedGradientTape over one more
 variable, or over a variable of another shape. Every rank must raise an error naming the
-disagreement (eager: the ferrovod exception; graph: TensorFlow's OpError carrying its message),
-and the job must stay usable afterwards. Prints ``error: ...`` lines and ``OK <n_checks>``.
+disagreement, of the class Horovod raises: ``tf.errors.FailedPreconditionError`` when ranks
+disagree about a collective, ``tf.errors.InvalidArgumentError`` for variable lists that
+differ (eagerly these are also ``ferrovod.MismatchError`` / ``ferrovod.InvalidArgumentError``;
+in a graph TensorFlow's error carries ferrovod's message), and the job must stay usable
+afterwards. Prints ``error: ...`` lines and ``OK <n_checks>``.
 """
 
 import sys
@@ -21,13 +24,22 @@ import fvtest as T  # noqa: E402
 
 import ferrovod.tensorflow as hvd  # noqa: E402
 
-MODES = ("eager", "graph")
+MODES = ("eager", "graph", "tf1")
 
 
 def run(mode, fn):
+    """``fn()`` eagerly, traced by tf.function, or built in a TF1 graph and run in a Session
+    (``fn`` then makes its variables itself: pass factories)."""
     if mode == "eager":
         return fn()
-    return tf.function(fn, autograph=False)()
+    if mode == "graph":
+        return tf.function(fn, autograph=False)()
+    g = tf.Graph()
+    with g.as_default():
+        out = fn()
+        with tf.compat.v1.Session(graph=g) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return sess.run(out)
 
 
 def main():
@@ -37,40 +49,53 @@ def main():
     ck = T.Checker(r)
 
     def expect(mode, what, fn, eager_exc, contains):
-        exc = eager_exc if mode == "eager" else tf.errors.OpError
-        e = ck.raises(exc, fn, f"{mode} {what}", contains=contains)
+        tf_exc = (tf.errors.FailedPreconditionError if eager_exc is hvd.MismatchError
+                  else tf.errors.InvalidArgumentError)
+        e = ck.raises(tf_exc, fn, f"{mode} {what}", contains=contains)
+        if mode == "eager":
+            ck.true(isinstance(e, eager_exc), f"eager {what}: also {eager_exc.__name__}",
+                    type(e).__mro__)
         print(f"error {mode} {what}: {str(e).splitlines()[0] if mode == 'eager' else _core_line(e)}",
               flush=True)
 
+    def var(shape):
+        """A zero variable: made now (eager, graph), or by run() inside the TF1 graph."""
+        if mode == "tf1":
+            return lambda: tf.Variable(tf.zeros(shape))
+        return tf.Variable(tf.zeros(shape))
+
+    def made(v):
+        return v() if callable(v) and not isinstance(v, tf.Variable) else v
+
     for mode in MODES:
         # an op whose shape differs on the last rank
-        x = tf.ones([4 if odd else 3])
-        expect(mode, "shape", lambda: run(mode, lambda: hvd.allreduce(x, name="mm.shape")),
+        expect(mode, "shape",
+               lambda: run(mode, lambda: hvd.allreduce(tf.ones([4 if odd else 3]), name="mm.shape")),
                hvd.MismatchError, ("Mismatched", "mm.shape", f"rank {n - 1}"))
-        y = tf.ones([2], tf.float64 if odd else tf.float32)
-        expect(mode, "dtype", lambda: run(mode, lambda: hvd.allreduce(y, name="mm.dtype")),
+        dt = tf.float64 if odd else tf.float32
+        expect(mode, "dtype", lambda: run(mode, lambda: hvd.allreduce(tf.ones([2], dt), name="mm.dtype")),
                hvd.MismatchError, ("Mismatched", "mm.dtype", f"rank {n - 1}"))
         # broadcast_variables over different variable lists
-        vs = [tf.Variable(tf.zeros([3])), tf.Variable(tf.zeros([2, 2]))]
-        extra = vs + [tf.Variable(tf.zeros([5]))] if odd else vs
-        expect(mode, "broadcast_variables count",
-               lambda: run(mode, lambda: [hvd.broadcast_variables(extra, 0)] and None),
+        vs = [var([3]), var([2, 2])]
+        extra = vs + [var([5])] if odd else vs
+        bcast = (lambda vars_: (lambda: hvd.broadcast_variables([made(v) for v in vars_], 0))
+                 if mode == "tf1" else (lambda: [hvd.broadcast_variables(vars_, 0)] and None))
+        expect(mode, "broadcast_variables count", lambda: run(mode, bcast(extra)),
                hvd.InvalidArgumentError, ("different variables", f"rank {n - 1} has 3 variables"))
-        shaped = [tf.Variable(tf.zeros([4 if odd else 3])), vs[1]]
-        expect(mode, "broadcast_variables shape",
-               lambda: run(mode, lambda: [hvd.broadcast_variables(shaped, 0)] and None),
+        shaped = [var([4 if odd else 3]), vs[1]]
+        expect(mode, "broadcast_variables shape", lambda: run(mode, bcast(shaped)),
                hvd.InvalidArgumentError, ("different variables", "first difference at position 0"))
         # a gradient tape over different variables
-        w = tf.Variable(tf.ones([3, 2]))
-        b = tf.Variable(tf.ones([4 if odd else 2]))
-        c = tf.Variable(tf.ones([2]))
+        w, b, c = var([3, 2]), var([4 if odd else 2]), var([2])
         srcs = [w, b, c] if odd else [w, b]
 
         def tape_grads(sources):
             def fn():
+                got = [made(s) for s in sources]
                 with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(tf.ones([1, 3]) @ w) + sum(tf.reduce_sum(s) for s in sources[1:])
-                return hvd.DistributedGradientTape(tape).gradient(loss, sources)
+                    loss = (tf.reduce_sum(tf.ones([1, 3]) @ got[0])
+                            + sum(tf.reduce_sum(s) for s in got[1:]))
+                return hvd.DistributedGradientTape(tape).gradient(loss, got)
             return fn
 
         if n > 1:

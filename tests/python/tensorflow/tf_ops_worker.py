@@ -7,7 +7,9 @@ Every rank regenerates every rank's input from the seed (fvtest.gen), so the exp
 never go through ferrovod. Each section runs twice, in mode ``eager`` and in mode ``graph``
 (the same code inside one ``tf.function``, so many collectives share one graph). Sections:
 allreduce, grouped, allgather, broadcast, alltoall, reducescatter, misc, gradients, tape,
-optimizer, psets. Prints ``section <name>: <n> checks`` after each and ``OK <n_checks>``.
+optimizer, syncbn, psets, tf1 (TF1 graphs in a Session, once) and elastic (once; it ends by
+re-initializing ferrovod). Prints ``section <name>: <n> checks`` after each and
+``OK <n_checks>``.
 """
 
 import sys
@@ -27,6 +29,8 @@ OPS = {SUM: hvd.Sum, AVERAGE: hvd.Average, MIN: hvd.Min, MAX: hvd.Max, PRODUCT: 
 SHAPES = [(), (0,), (7,), (3, 5)]
 MODES = ("eager", "graph")
 F64 = np.float64
+# allgather, broadcast and alltoall move bytes: also the unsigned types no reduction takes
+MOVE_DTYPES = T.ALL_DTYPES + [np.dtype(t) for t in ("uint16", "uint32", "uint64")]
 
 
 def const(a):
@@ -140,9 +144,44 @@ def sec_allreduce(c, mode):
               f"{mode} average and op together")
     ck.raises(ValueError, lambda: run(mode, lambda: hvd.allreduce(tf.ones(2), op=hvd.Adasum)),
               f"{mode} Adasum", contains=("Adasum",))
-    ck.raises(NotImplementedError, lambda: hvd.allreduce(
-        tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([2, 2])), op=hvd.Max),
-        f"{mode} IndexedSlices Max")
+    # Average of IndexedSlices divides with TensorFlow's true division, as Horovod does:
+    # integer values come back as floats (int8 -> float32, int32 -> float64)
+    kinds = [(np.int8, np.float32), (np.int32, np.float64), (np.float16, np.float16),
+             (np.float64, np.float64)]
+    sp_cases = [(c.inputs(c.key(), dt, (2, 3), "tiny"), odt) for dt, odt in kinds]
+
+    def sparse_avg(vs):
+        out = []
+        for v in vs:
+            s = tf.IndexedSlices(v, tf.constant([0, 1], tf.int64), tf.constant([2, 3], tf.int64))
+            out.append(hvd.allreduce(s, op=hvd.Average).values)
+        g = hvd.grouped_allreduce([tf.IndexedSlices(vs[0], tf.constant([1, 0], tf.int64)),
+                                   tf.cast(vs[1], tf.float32)], op=hvd.Average)
+        return out, g[0].values, g[1]
+
+    got, grouped_sparse, grouped_dense = run(mode, sparse_avg,
+                                             [const(x[c.rank]) for x, _ in sp_cases])
+    for g, (xs, odt) in zip(got, sp_cases):
+        what = f"{mode} IndexedSlices Average {xs[0].dtype}"
+        ck.equal(g.dtype.as_numpy_dtype, odt, f"{what}: dtype")
+        c.close(g.numpy(), np.concatenate(xs).astype(np.float64) / c.n, what,
+                1e-2 if odt == np.float16 else 1e-6)
+    xs = sp_cases[0][0]
+    c.close(grouped_sparse.numpy(), np.concatenate(xs).astype(np.float64) / c.n,
+            f"{mode} grouped_allreduce mixed: sparse int8 Average")
+    c.close(grouped_dense.numpy(), np.mean([x.astype(np.float64) for x in sp_cases[1][0]], 0),
+            f"{mode} grouped_allreduce mixed: dense Average")
+    sl = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([2, 2]))
+    for what, fn in [("Max", lambda: hvd.allreduce(sl, op=hvd.Max)),
+                     ("Min", lambda: hvd.allreduce(sl, op=hvd.Min)),
+                     ("Product", lambda: hvd.allreduce(sl, op=hvd.Product)),
+                     ("Adasum", lambda: hvd.allreduce(sl, op=hvd.Adasum)),
+                     ("prescale", lambda: hvd.allreduce(sl, op=hvd.Sum, prescale_factor=0.5)),
+                     ("postscale", lambda: hvd.allreduce(sl, average=False, postscale_factor=2.0)),
+                     ("grouped Adasum", lambda: hvd.grouped_allreduce([sl, tf.ones(2)],
+                                                                      op=hvd.Adasum)),
+                     ("grouped Max", lambda: hvd.grouped_allreduce([tf.ones(2), sl], op=hvd.Max))]:
+        ck.raises(NotImplementedError, fn, f"{mode} IndexedSlices {what}")
 
 
 def sec_grouped(c, mode):
@@ -179,7 +218,7 @@ def gather_inputs(c, k, dt, tail):
 
 def sec_allgather(c, mode):
     cases = []
-    for dt in T.ALL_DTYPES:
+    for dt in MOVE_DTYPES:
         for tail in [(), (3, 2)]:
             cases.append(gather_inputs(c, c.key(), dt, tail))
     k = c.key()
@@ -206,7 +245,7 @@ def sec_allgather(c, mode):
 
 def sec_broadcast(c, mode):
     cases = []
-    for dt in T.ALL_DTYPES:
+    for dt in MOVE_DTYPES:
         for root in range(c.n):
             cases.append((c.inputs(c.key(), dt, (4, 3)), root))
     scalar = c.inputs(c.key(), np.float64, ())
@@ -221,7 +260,8 @@ def sec_broadcast(c, mode):
 
     root = c.n - 1
     ins = [c.inputs(c.key(), dt, s) for dt, s in ((np.float32, (3, 2)), (np.int64, (4,)),
-                                                  (np.bool_, (2,)), (T.BF16, ()))]
+                                                  (np.bool_, (2,)), (T.BF16, ()),
+                                                  (np.uint16, (3,)), (np.uint64, (2,)))]
     tfv = [tf.Variable(x[c.rank]) for x in ins]
     kv = [keras.Variable(ins[0][c.rank]), keras.Variable(ins[1][c.rank])]
     more = c.inputs(c.key(), np.float32, (5,))
@@ -246,7 +286,7 @@ def sec_broadcast(c, mode):
 def sec_alltoall(c, mode):
     n = c.n
     cases = []
-    for dt in T.ALL_DTYPES:
+    for dt in MOVE_DTYPES:
         k = c.key()
         sp = [[(i + 2 * j + k[1]) % 3 for j in range(n)] for i in range(n)]  # rank i -> rank j
         xs = [T.gen(k, i, dt, (sum(sp[i]), 2)) for i in range(n)]
@@ -275,9 +315,12 @@ def sec_alltoall(c, mode):
         c.tensor(out2, exp, f"{what} list splits")
         c.tensor(out3, eq_exp, f"{what} equal split")
     if n > 1:
-        c.ck.raises((hvd.InvalidArgumentError, tf.errors.OpError),
-                    lambda: run(mode, lambda: hvd.alltoall(tf.ones([n + 1]), name="a2a.odd")),
-                    f"{mode} alltoall indivisible", contains=("divisible",))
+        e = c.ck.raises(tf.errors.InvalidArgumentError,
+                        lambda: run(mode, lambda: hvd.alltoall(tf.ones([n + 1]), name="a2a.odd")),
+                        f"{mode} alltoall indivisible", contains=("divisible",))
+        if mode == "eager":  # eagerly also the ferrovod class
+            c.ck.true(isinstance(e, hvd.InvalidArgumentError), "eager alltoall error class",
+                      type(e).__mro__)
 
 
 def sec_reducescatter(c, mode):
@@ -349,6 +392,43 @@ def sec_misc(c, mode):
     ck.equal(hvd.allgather_object(r * 10), [q * 10 for q in range(n)], "allgather_object")
     fn = hvd.broadcast_object_fn(root_rank=0, name=f"bof.{mode}")
     ck.equal(fn(("x", r)), ("x", 0), "broadcast_object_fn")
+    # names a Horovod script (or Horovod's own tests) reaches besides the collectives
+    eager = run(mode, lambda: tf.constant(hvd._executing_eagerly()))
+    ck.equal(bool(eager), mode == "eager", f"{mode} hvd._executing_eagerly")
+    ck.equal(hvd.util._executing_eagerly(), True, "hvd.util._executing_eagerly")
+    ck.equal(hvd.handle_average_backwards_compatibility(None, False), hvd.Sum,
+             "handle_average_backwards_compatibility(average=False)")
+    ck.equal(hvd.handle_average_backwards_compatibility(None, None), hvd.Average,
+             "handle_average_backwards_compatibility default")
+    ck.raises(ValueError, lambda: hvd.handle_average_backwards_compatibility(hvd.Sum, True),
+              "handle_average_backwards_compatibility(op, average)")
+    ck.equal([hvd.check_num_rank_power_of_2(k) for k in (1, 4, 6, 0)], [True, True, False, False],
+             "check_num_rank_power_of_2")
+    ck.equal(hvd.split_list(list(range(7)), 3), [[0, 1, 2], [3, 4], [5, 6]], "split_list")
+    ck.equal(hvd.gpu_available("tensorflow"), bool(hvd.cuda_built() or hvd.rocm_built()),
+             "gpu_available")
+    from ferrovod.common.util import is_version_greater_equal_than
+
+    ck.equal([is_version_greater_equal_than(v, "2.6.0") for v in ("2.16.1", "2.6.0", "2.5.3")],
+             [True, True, False], "is_version_greater_equal_than")
+    ck.raises(ValueError, lambda: is_version_greater_equal_than("2.6", "2.6"),
+              "is_version_greater_equal_than needs major.minor.patch")
+    xs = c.inputs(c.key(), np.float32, (n, 2))
+    got = run(mode, lambda t: [hvd._allreduce(t), hvd._grouped_allreduce([t])[0],
+                               hvd._reducescatter(t), hvd._grouped_reducescatter([t])[0],
+                               hvd._allreduce_cond(t, op=hvd.Sum),
+                               hvd._grouped_allreduce_cond([t], op=hvd.Max)[0]],
+              const(xs[r]))
+    total = T.ref_reduce(xs, SUM, np.float32, n)
+    for i, what in enumerate(["_allreduce (Sum)", "_grouped_allreduce (Sum)"]):
+        c.tensor(got[i], total, f"{mode} hvd.{what}")
+    for i, what in enumerate(["_reducescatter (Sum)", "_grouped_reducescatter (Sum)"]):
+        c.tensor(got[2 + i], total[r:r + 1], f"{mode} hvd.{what}")
+    c.tensor(got[4], total if n > 1 else xs[r], f"{mode} hvd._allreduce_cond")
+    c.tensor(got[5], T.ref_reduce(xs, MAX, np.float32, n) if n > 1 else xs[r],
+             f"{mode} hvd._grouped_allreduce_cond")
+    ck.true(issubclass(hvd.BroadcastGlobalVariablesHook, tf.compat.v1.train.SessionRunHook),
+            "BroadcastGlobalVariablesHook is a SessionRunHook")
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -426,8 +506,9 @@ def sec_gradients(c, mode):
         c.tensor(G["bc"][root], exp, f"{mode} broadcast grad root {root}")
     exp = np.concatenate([aw[j][sum(sp[i][j] for i in range(r)):][:sp[r][j]] for j in range(n)])
     c.tensor(G["a2a"], exp, f"{mode} alltoall grad")
-    c.tensor(G["rs_sum"], np.concatenate(rw) * 1.5, f"{mode} reducescatter Sum grad")
-    c.tensor(G["rs_avg"], np.concatenate(rw) * 1.5 / n, f"{mode} grouped_reducescatter Average grad")
+    # Horovod's convention: Sum -> size x the allgathered gradient, Average -> 1 x
+    c.tensor(G["rs_sum"], np.concatenate(rw) * 1.5 * n, f"{mode} reducescatter Sum grad")
+    c.tensor(G["rs_avg"], np.concatenate(rw) * 1.5, f"{mode} grouped_reducescatter Average grad")
 
 
 # ----------------------------------------------------------------------------- tape
@@ -531,6 +612,15 @@ def sec_tape(c, mode):
     exp_w = np.ones((4, 3))
     exp_w[0] += np.mean([X[j].sum(0) @ np.ones((4, 3)) for j in range(n)], 0)
     c.close(dense(grads[2]), exp_w, f"{mode} PartialDistributedGradientTape global W")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x) * W[0]) + tf.reduce_sum(W)
+    ptape = hvd.PartialDistributedGradientTape(tape, local_layers=[layer])
+    local, glob = ptape.get_local_and_global_gradients(loss, layer.trainable_weights + [W])
+    c.ck.equal([id(v) for v, _ in local], [id(v) for v in layer.trainable_weights],
+               f"{mode} get_local_and_global_gradients: local sources")
+    c.ck.equal([id(v) for v, _ in glob], [id(W)], f"{mode} get_local_and_global_gradients: global")
+    c.close(dense(local[0][1]), own_kernel / n, f"{mode} get_local_and_global_gradients local")
+    c.close(dense(glob[0][1]), exp_w, f"{mode} get_local_and_global_gradients global")
 
 
 def sec_optimizer(c, mode):
@@ -600,12 +690,166 @@ def sec_psets(c, mode):
     c.ck.equal(int(inc), int(c.rank in evens), f"{mode} process_set_included_op")
 
 
+# ----------------------------------------------------------------------------- TF1 graphs
+def sec_tf1(c, mode):
+    """tf.compat.v1 graphs run in a Session, without tf.function's automatic control
+    dependencies. Runs once (in the "graph" pass)."""
+    if mode != "graph":
+        return
+    n, r, ck = c.n, c.rank, c.ck
+    g = tf.Graph()
+    # One inter-op thread: collectives that ran in no fixed order would deadlock at once.
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+    with g.as_default(), tf.compat.v1.Session(graph=g, config=config) as sess:
+        # many independent collectives in one run
+        sums = [c.inputs(c.key(), dt, (3,)) for dt in (np.float32, np.int32, np.float64) * 3]
+        gath = [gather_inputs(c, c.key(), dt, (2,)) for dt in (np.uint16, np.float32, np.bool_)]
+        bcs = [c.inputs(c.key(), np.float32, (2,)) for _ in range(n)]
+        outs = ([hvd.allreduce(const(x[r]), op=hvd.Sum) for x in sums]
+                + [hvd.allgather(const(x[r])) for x in gath]
+                + [hvd.broadcast(const(x[r]), root) for root, x in enumerate(bcs)])
+        got = sess.run(outs)
+        for i, x in enumerate(sums):
+            ck.array(got[i], T.ref_reduce(x, SUM, x[0].dtype, n), f"tf1 one run: allreduce #{i}")
+        for i, x in enumerate(gath):
+            ck.array(got[len(sums) + i], np.concatenate(x), f"tf1 one run: allgather {x[0].dtype}")
+        for root, x in enumerate(bcs):
+            ck.array(got[len(sums) + len(gath) + root], x[root], f"tf1 one run: broadcast {root}")
+        # build one more, run all built so far (Horovod's tests do this)
+        xs = [c.inputs(c.key(), np.float32, (2,)) for _ in range(4)]
+        fetches = []
+        for i, x in enumerate(xs):
+            fetches.append(hvd.allreduce(const(x[r]), op=hvd.Sum))
+            vals = sess.run(fetches)
+            for j in range(i + 1):
+                ck.array(vals[j], T.ref_reduce(xs[j], SUM, np.float32, n),
+                         f"tf1 cumulative run {i}: #{j}")
+        # a broadcast's gradient on the ranks that are not the root is zero, but they still
+        # take part in its allreduce
+        bx, bw = c.inputs(c.key(), np.float32, (4,)), c.inputs(c.key(), np.float32, (4,))
+        for root in range(n):
+            x = const(bx[r])
+            grad = tf.gradients(hvd.broadcast(x, root), x, const(bw[r]))[0]
+            exp = np.mean(bw, 0) if r == root else np.zeros(4, np.float32)
+            c.close(sess.run(grad), exp, f"tf1 broadcast grad root {root}")
+        # a collective fed by a placeholder does not make a later one need the feed
+        feed = tf.compat.v1.placeholder(tf.float32, [2])
+        fed = hvd.allreduce(feed, op=hvd.Sum)
+        v = tf.compat.v1.Variable(np.full(2, float(r), np.float32))
+        bcast = hvd.broadcast_variables([v], root_rank=n - 1)
+        sess.run(v.initializer)
+        sess.run(bcast)
+        ck.array(sess.run(v), np.full(2, float(n - 1), np.float32), "tf1 bcast without a feed")
+        ck.array(sess.run(fed, {feed: np.ones(2, np.float32)}), np.full(2, float(n), np.float32),
+                 "tf1 allreduce of a placeholder")
+        if n > 1:
+            # ranks that disagree: TensorFlow's FailedPreconditionError with ferrovod's message,
+            # and the graph's later collectives still run
+            bad = hvd.allreduce(tf.ones([3 + (r == n - 1)]), name="tf1.mismatch")
+            ck.raises(tf.errors.FailedPreconditionError, lambda: sess.run(bad),
+                      "tf1 mismatch", contains=("Mismatched", "tf1.mismatch"))
+            after = hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="tf1.after")
+            ck.array(sess.run(after), np.full(2, float(n), np.float32), "tf1 after an error")
+    # BroadcastGlobalVariablesHook: a MonitoredSession starts with the root's variables
+    with tf.Graph().as_default():
+        w = tf.compat.v1.Variable(np.full(3, float(r + 1), np.float32))
+        hook = hvd.BroadcastGlobalVariablesHook(n - 1)
+        with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as msess:
+            ck.array(msess.run(w), np.full(3, float(n), np.float32), "BroadcastGlobalVariablesHook")
+
+
+# ----------------------------------------------------------------------------- elastic
+def sec_elastic(c, mode):
+    """hvd.elastic: TensorFlowState / KerasState sync, restore, commit, and the run loop.
+    Runs once (in the "eager" pass); its last check re-initializes ferrovod."""
+    if mode != "eager":
+        return
+    n, r, ck = c.n, c.rank, c.ck
+    import keras
+
+    from ferrovod.common.elastic import HostUpdateResult, notify_hosts_updated, run_fn
+
+    ws = [c.inputs(c.key(), np.float64, s) for s in ((2, 2), (3,))]
+    variables = [tf.Variable(w[r]) for w in ws]
+    state = hvd.elastic.TensorFlowState(variables, batch=20 + r, epoch=10 + r)
+    state.sync()
+    for w, v in zip(ws, variables):
+        ck.array(v.numpy(), w[0], "TensorFlowState.sync: rank 0's variables")
+    ck.equal((state.batch, state.epoch), (20, 10), "TensorFlowState.sync: rank 0's attributes")
+    for v in variables:
+        v.assign(v * 0 + 5.0)
+    state.batch = 21
+    state.restore()
+    ck.array(variables[0].numpy(), ws[0][0], "TensorFlowState.restore")
+    ck.equal(state.batch, 20, "TensorFlowState.restore attributes")
+    for v in variables:
+        v.assign(v * 0 + 5.0)
+    state.batch = 22
+    state.commit()
+    variables[0].assign(variables[0] * 0)
+    state.restore()
+    ck.array(variables[0].numpy(), np.full((2, 2), 5.0), "TensorFlowState commit, restore")
+    ck.equal(state.batch, 22, "TensorFlowState commit keeps attributes")
+    # KerasState: the model's weights and the optimizer's slots, after one step
+    model = keras.Sequential([keras.layers.Dense(2, kernel_initializer=keras.initializers.Constant(r + 1.0))])
+    model.build((None, 3))
+    opt = keras.optimizers.Adam(0.1)
+    opt.apply_gradients([(tf.ones_like(w) * (r + 1), w) for w in model.trainable_weights])
+    kstate = hvd.elastic.TensorFlowKerasState(model, opt, epoch=r)
+    kstate.sync()
+    slots = [v.numpy() for v in opt.variables]
+    every = hvd.allgather_object([float(np.sum(s)) for s in slots])
+    ck.equal(every, [every[0]] * n, "KerasState.sync: every rank has the same optimizer state")
+    ck.array(model.get_weights()[0], np.ones((3, 2), np.float32) - 0.1, "KerasState.sync: weights")
+    model.set_weights([w * 0 for w in model.get_weights()])
+    kstate.restore()
+    ck.array(model.get_weights()[0], np.ones((3, 2), np.float32) - 0.1, "KerasState.restore")
+    # the loop: a failed collective restores the last commit and resets; a host update seen
+    # by rank 0 interrupts every rank at the same commit
+    obj = hvd.elastic.TensorFlowState([tf.Variable(np.zeros(2))], batch=0)
+    log = {"attempts": 0, "resets": 0, "batches": []}
+
+    def train(st):
+        log["attempts"] += 1
+        log["batches"].append(st.batch)
+        if log["attempts"] == 1:
+            st.batch = 7  # not committed: lost
+            raise hvd.HorovodInternalError("simulated rank failure")
+        if log["attempts"] == 2:
+            st.batch = 3
+            if r == 0:
+                notify_hosts_updated(1, HostUpdateResult.added)
+            st.commit()  # raises HostsUpdatedInterrupt on every rank
+            raise AssertionError("commit did not raise")
+        return st.batch
+
+    result = run_fn(train, lambda: log.__setitem__("resets", log["resets"] + 1))(obj)
+    ck.equal((log["attempts"], log["resets"], log["batches"], result), (3, 2, [0, 0, 3], 3),
+             "elastic run_fn: attempts, resets, batch seen by each attempt")
+    # hvd.elastic.run: a failed collective inside tf.function surfaces as UnknownError naming
+    # the ferrovod error; run treats it as HorovodInternalError (restore, shutdown, init)
+    calls = []
+
+    @hvd.elastic.run
+    def train2(st):
+        calls.append(hvd.size())
+        if len(calls) == 1:
+            raise tf.errors.UnknownError(None, None, "RankFailureError: rank 1 is gone")
+        return hvd.allreduce(tf.ones([1]), op=hvd.Sum, name="after.reset").numpy()
+
+    out = train2(hvd.elastic.TensorFlowState([tf.Variable(np.zeros(1))]))
+    ck.equal((len(calls), float(out[0])), (2, float(n)), "elastic run after a reset")
+    ck.raises(tf.errors.UnknownError, lambda: hvd.elastic.run(
+        lambda st: (_ for _ in ()).throw(tf.errors.UnknownError(None, None, "other")))(
+            hvd.elastic.TensorFlowState([])), "elastic run passes other errors through")
+
+
 PSETS = {}
 SECTIONS = {"allreduce": sec_allreduce, "grouped": sec_grouped, "allgather": sec_allgather,
             "broadcast": sec_broadcast, "alltoall": sec_alltoall,
             "reducescatter": sec_reducescatter, "misc": sec_misc, "gradients": sec_gradients,
             "tape": sec_tape, "optimizer": sec_optimizer, "syncbn": sec_syncbn,
-            "psets": sec_psets}
+            "psets": sec_psets, "tf1": sec_tf1, "elastic": sec_elastic}
 
 
 def main():

@@ -1,0 +1,181 @@
+"""Elastic training state (Horovod's ``horovod.common.elastic``): ``State``, ``ObjectState``
+and ``run_fn``, the framework-free part that ``ferrovod.tensorflow.elastic`` and the Keras
+``elastic`` modules build on.
+
+A state object holds what training must not lose when ranks come and go: ``commit()`` saves
+it in host memory (and checks whether the set of hosts changed), ``restore()`` rolls back to
+the last commit after a collective failed, ``sync()`` makes every rank hold rank 0's copy.
+``run_fn(func, reset)`` is the loop around the user's training function: sync, run; on
+``HorovodInternalError`` restore, reset, run again; on ``HostsUpdatedInterrupt`` keep the
+state, reset, run again.
+
+Host updates reach a state through :func:`notify_hosts_updated` (called by the worker side of
+the elastic launcher for every registered state); ``check_host_updates`` turns the newest one
+into a ``HostsUpdatedInterrupt`` on every rank at the same commit, because rank 0's view is
+broadcast first.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import queue
+import threading
+from typing import Any, Callable, Dict, List, Tuple
+
+from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["State", "ObjectState", "run_fn", "HostUpdateResult", "notify_hosts_updated"]
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What a host update did (Horovod's values): hosts were removed, added, or both."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
+
+
+_listeners: List["State"] = []
+_listeners_lock = threading.Lock()
+
+
+def notify_hosts_updated(timestamp: int, update_res: HostUpdateResult) -> None:
+    """Tells every state registered by a running :func:`run_fn` that the hosts changed at
+    ``timestamp``; each raises ``HostsUpdatedInterrupt`` at its next ``commit()``."""
+    with _listeners_lock:
+        states = list(_listeners)
+    for state in states:
+        state.on_hosts_updated(timestamp, update_res)
+
+
+class State:
+    """In-memory training state kept consistent across ranks.
+
+    Args:
+        bcast_object: broadcasts a picklable object from rank 0 to every rank.
+        get_rank: returns this process's rank.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._host_messages: "queue.Queue[Tuple[int, HostUpdateResult]]" = queue.Queue()
+        self._last_updated_timestamp = 0
+        self._reset_callbacks: List[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
+        """Functions to call after every reset (a rank joined or left), e.g. to rescale the
+        learning rate to the new number of ranks."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Called by :func:`run_fn` after a reset: drops pending host messages, calls
+        :meth:`reset` and the registered callbacks."""
+        self._host_messages = queue.Queue()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp: int, update_res: HostUpdateResult) -> None:
+        """Records a host update (see :func:`notify_hosts_updated`)."""
+        self._host_messages.put((timestamp, update_res))
+
+    def commit(self) -> None:
+        """Saves the state in host memory, then raises ``HostsUpdatedInterrupt`` (on every
+        rank alike) if the hosts changed since the last commit. Commits copy the state: commit
+        less often than every batch when that costs too much."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises ``HostsUpdatedInterrupt`` when a newer host update than the last one seen
+        arrived. Rank 0's view is broadcast first, so every rank raises at the same commit."""
+        last = prev = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while not self._host_messages.empty():
+            timestamp, res = self._host_messages.get()
+            if timestamp > last:
+                last = timestamp
+                update |= res
+        prev, self._last_updated_timestamp, update = self._bcast_object((prev, last, update))
+        if self._last_updated_timestamp > prev:
+            raise HostsUpdatedInterrupt(update == HostUpdateResult.removed)
+
+    def save(self) -> None:
+        """Saves the state in host memory."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Restores the last committed state, undoing what changed since."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Makes every rank hold rank 0's state."""
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Resets objects after a reset event, before the state is synchronized."""
+
+
+class ObjectState(State):
+    """State made of picklable Python objects, given as keyword arguments and exposed as
+    attributes (``state.epoch``, ``state.batch``, ...)."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int],
+                 **kwargs: Any) -> None:
+        self._bcast_object = bcast_object
+        self._saved_state: Dict[str, Any] = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        """Saves the current values of the attributes."""
+        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
+
+    def restore(self) -> None:
+        """Sets the attributes back to their saved values."""
+        self._set_attrs()
+
+    def sync(self) -> None:
+        """Sets every rank's saved values and attributes to rank 0's saved values."""
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, value)
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """Wraps ``func(state, *args, **kwargs)`` in the elastic loop: sync the state, run; on
+    ``HorovodInternalError`` (a rank failed) restore the last commit, ``reset()`` and run
+    again; on ``HostsUpdatedInterrupt`` keep the state, ``reset()`` and run again (skipping
+    the sync when the interrupt says so)."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        with _listeners_lock:
+            _listeners.append(state)
+        skip_sync = False
+        try:
+            while True:
+                try:
+                    if not skip_sync:
+                        state.sync()
+                    return func(state, *args, **kwargs)
+                except HorovodInternalError:
+                    state.restore()
+                    skip_sync = False
+                except HostsUpdatedInterrupt as e:
+                    skip_sync = e.skip_sync
+                reset()
+                state.on_reset()
+        finally:
+            with _listeners_lock:
+                if state in _listeners:
+                    _listeners.remove(state)
+
+    return wrapper

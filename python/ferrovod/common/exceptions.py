@@ -1,0 +1,14 @@
+"""Horovod's ``horovod.common.exceptions`` names, backed by ferrovod's exception classes."""
+
+from ..exceptions import (  # noqa: F401  (re-exported)
+    FerrovodError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    InvalidArgumentError,
+    MismatchError,
+    NotInitializedError,
+    RankFailureError,
+)
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "FerrovodError",
+           "InvalidArgumentError", "MismatchError", "NotInitializedError", "RankFailureError"]
