@@ -58,7 +58,7 @@ from .._keras.functions import (
 from .._keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from . import callbacks
+from . import callbacks, elastic
 
 
 def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = True,
@@ -82,7 +82,7 @@ __all__ = [
     "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Average", "Sum", "Adasum", "Compression", "callbacks",
+    "Average", "Sum", "Adasum", "Compression", "callbacks", "elastic",
     "DistributedOptimizer", "PartialDistributedOptimizer", "broadcast_global_variables",
     "broadcast_variables", "allreduce", "allgather", "broadcast", "reducescatter", "load_model",
     "broadcast_object", "allgather_object", "HorovodInternalError", "HostsUpdatedInterrupt",

@@ -1,0 +1,167 @@
+"""Elastic training with Keras 3 (Horovod's ``horovod.tensorflow.keras.elastic`` /
+``horovod.keras.elastic``): ``KerasState`` and the callbacks that keep it current during
+``model.fit``, on every supported Keras backend.
+
+``KerasState(model, optimizer=None, **kwargs)`` tracks the model's variables, the optimizer's
+variables (slots, iterations, learning rate) and any picklable keyword attributes
+(``epoch=0, batch=0``). ``commit()`` copies them to host memory, ``restore()`` assigns the
+copies back, ``sync()`` broadcasts rank 0's. ``run`` is the elastic loop of
+``ferrovod.common.elastic.run_fn`` with a reset that shuts ferrovod down and starts it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import keras
+import numpy as np
+
+from .. import _api
+from ..common.elastic import ObjectState, run_fn
+from . import _backend
+from .functions import broadcast_variables
+
+__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run"]
+
+
+def _optimizer_variables(optimizer: Any) -> List[Any]:
+    if optimizer is None:
+        return []
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+class KerasState(ObjectState):
+    """State of a Keras model and optimizer, plus picklable attributes.
+
+    Args:
+        model: a built Keras model.
+        optimizer: its optimizer (default: the one the model was compiled with).
+        backend: accepted for Horovod compatibility (Keras 3 needs no session).
+        kwargs: picklable values to keep with the state, exposed as attributes.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None,
+                 **kwargs: Any) -> None:
+        del backend
+        if hasattr(model, "build") and not model.built:
+            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
+                                                                         None)
+        self._save_model()
+        super().__init__(bcast_object=_api.broadcast_object, get_rank=_api.rank, **kwargs)
+
+    def _variables(self) -> List[Any]:
+        return list(self.model.variables) + _optimizer_variables(self.optimizer)
+
+    def save(self) -> None:
+        """Copies the variables and attributes to host memory."""
+        self._save_model()
+        super().save()
+
+    def restore(self) -> None:
+        """Assigns the last saved variables and attributes back."""
+        self._load_model()
+        super().restore()
+
+    def sync(self) -> None:
+        """Sets every rank's variables and attributes to rank 0's, and saves them."""
+        broadcast_variables(self._variables(), 0, name="KerasState.sync")
+        self._save_model()
+        super().sync()
+
+    def _save_model(self) -> None:
+        # An optimizer builds its slots on the first step: the variables saved are the ones
+        # that exist now, matched by position when restored.
+        self._saved = [np.array(_backend.to_numpy(v), copy=True) for v in self._variables()]
+
+    def _load_model(self) -> None:
+        for v, value in zip(self._variables(), self._saved):
+            v.assign(value)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commits ``state`` every ``batches_per_commit`` batches and at every epoch end."""
+
+    def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        # Every rank starts counting anew after a reset, so that all commit together.
+        self.batches_remaining = self.batches_per_commit
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.batch`` at the current batch (0 after each epoch). With
+    ``steps_per_epoch``, the first epoch after a reset is shortened by the batches already
+    done."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch: Optional[int] = None
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self.steps_per_epoch = None
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        params = self.params or {}
+        if params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = params.get("steps")
+            params["steps"] = self.steps_per_epoch - self.state.batch
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.epoch`` at the number of epochs done, counted across resets."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+        self.initial_epoch = self.state.epoch
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self.initial_epoch = self.state.epoch
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        # +1: a reset after state.batch went back to 0 must not repeat the finished epoch.
+        self.state.epoch = self.initial_epoch + epoch + 1
+
+
+def _reset() -> None:
+    from .functions import init
+
+    _api.shutdown()
+    init()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator running ``func(state, ...)`` elastically (see
+    ``ferrovod.common.elastic.run_fn``). On the TensorFlow backend it also turns a failed
+    collective inside ``tf.function`` into ``HorovodInternalError``, as
+    ``ferrovod.tensorflow.elastic.run`` does."""
+    if _backend.backend() == "tensorflow":
+        from ..tensorflow.elastic import run as tf_run
+
+        return tf_run(func)
+    return run_fn(func, _reset)
