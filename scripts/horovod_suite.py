@@ -405,7 +405,12 @@ def read_events(path: Path, offset: int, log: RankLog) -> int:
             log.tests[ev["id"]] = RankTest(started=ev["t"])
             log.current = ev["id"]
         elif kind == "report":
-            log.tests.setdefault(ev["id"], RankTest()).reports[ev["when"]] = ev
+            reports = log.tests.setdefault(ev["id"], RankTest()).reports
+            # A test's subtests (self.subTest, graph and eager mode) report before the test
+            # itself, which then says "passed": a failed subtest must not be overwritten.
+            earlier = reports.get(ev["when"])
+            if earlier is None or earlier["outcome"] != "failed":
+                reports[ev["when"]] = ev
         elif kind == "finish":
             log.tests.setdefault(ev["id"], RankTest()).finished = True
             log.current = None
