@@ -173,16 +173,7 @@ impl Negotiator {
                     return;
                 }
                 if self.live_ranks().all(|r| self.joined[r]) {
-                    let last = self.last_joined;
-                    self.joined.iter_mut().for_each(|j| *j = false);
-                    self.ready.push(Response {
-                        set_id: 0,
-                        kind: OpKind::Join,
-                        items: Vec::new(),
-                        joined: Vec::new(),
-                        last_joined: last,
-                        error: None,
-                    });
+                    self.end_join(None);
                 } else {
                     let names: Vec<String> = self.sets[&0].table.keys().cloned().collect();
                     for name in names {
@@ -252,6 +243,13 @@ impl Negotiator {
         }
         let detail = self.gone[gone].clone().unwrap_or_default();
         let (code, why) = gone_error(gone, &detail, " without joining");
+        self.end_join(Some((code, format!("join() cannot complete: {why}"))));
+        true
+    }
+
+    /// Answers every rank's `join()` (with `error`, or the last rank to join) and starts the
+    /// next round of joins.
+    fn end_join(&mut self, error: Option<(u8, String)>) {
         self.joined.iter_mut().for_each(|j| *j = false);
         self.ready.push(Response {
             set_id: 0,
@@ -259,9 +257,8 @@ impl Negotiator {
             items: Vec::new(),
             joined: Vec::new(),
             last_joined: self.last_joined,
-            error: Some((code, format!("join() cannot complete: {why}"))),
+            error,
         });
-        true
     }
 
     /// Sends every ready response to the members of its set, in order.
