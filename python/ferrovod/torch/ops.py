@@ -406,11 +406,11 @@ def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
                 raise _api._BadArgument(
                     f"{kind_name}: a 0-d (scalar) tensor cannot be gathered; reshape it to (1,)")
         descs = [_desc(h, None, kind_name) for h in hosts]
-    
+
         def finish(result: Any) -> List[torch.Tensor]:
             outs, _, _ = result
             return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
-    
+
         return _api._enqueue_raw(_core.ALLGATHER, name, kind_name, process_set, descs, finish,
                                  [list(tensors), hosts], now=now)
     except _api._BadArgument as e:
@@ -445,14 +445,14 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str],
             return _api._single(h)
         h, copied = _host(tensor, "broadcast")
         out = h if inplace else torch.empty_like(h, memory_format=torch.contiguous_format)
-    
+
         def finish(_: Any) -> torch.Tensor:
             if inplace:
                 if copied:
                     _copy_back(tensor, h)
                 return tensor
             return out if tensor.device.type == "cpu" else out.to(tensor.device)
-    
+
         return _api._enqueue_raw(_core.BROADCAST, name, "broadcast", process_set,
                                  [_desc(h, out, "broadcast")], finish, [tensor, h, out], root=root)
     except _api._BadArgument as e:
@@ -492,20 +492,23 @@ def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
             raise _api._BadArgument("alltoall: a 0-d (scalar) tensor has no first dimension")
         split_list: List[int] = []
         if splits is not None:
-            if isinstance(splits, torch.Tensor):
-                split_list = [int(s) for s in splits.detach().cpu().reshape(-1).tolist()]
-            else:
-                split_list = [int(s) for s in np.asarray(splits).reshape(-1).tolist()]
+            raw = (splits.detach().cpu().numpy() if isinstance(splits, torch.Tensor)
+                   else np.asarray(splits)).reshape(-1)
+            # Horovod wants integer splits; a float tensor (perhaps uninitialised: NaN) is
+            # refused on every rank rather than rounded.
+            if raw.dtype.kind not in "iu":
+                raise _api._BadArgument(f"alltoall: splits must be integers, got {raw.dtype}")
+            split_list = [int(s) for s in raw.tolist()]
             if any(s < 0 for s in split_list):
                 raise _api._BadArgument(f"alltoall: splits must be non-negative, got {split_list}")
-    
+
         def finish(result: Any) -> Any:
             outs, received, _ = result
             out = _from_owned(outs[0][0], outs[0][1], tensor.dtype, tensor.device)
             if want_splits:
                 return out, torch.tensor(list(received), dtype=torch.int32)
             return out
-    
+
         return _api._enqueue_raw(_core.ALLTOALL, name, "alltoall", process_set,
                                  [_desc(h, None, "alltoall")], finish, [tensor, h],
                                  splits=split_list, now=now)
@@ -549,11 +552,11 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
                                      postscale=postscale_factor, device=target)
         hosts = [_host(t, kind_name)[0] for t in tensors]
         descs = [_desc(h, None, kind_name) for h in hosts]
-    
+
         def finish(result: Any) -> List[torch.Tensor]:
             outs, _, _ = result
             return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
-    
+
         return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
                                  [list(tensors), hosts], op=int(op), prescale=prescale_factor,
                                  postscale=postscale_factor, now=now)

@@ -219,6 +219,9 @@ def case_torch_reject():
 
     one_rank("torch alltoall uneven rows", lambda: hvd.alltoall(x, name="tr.a2a"),
              lambda: hvd.alltoall(torch.ones(2 * n + 1, 3), name="tr.a2a"))
+    one_rank("torch alltoall float splits",
+             lambda: hvd.alltoall(x, splits=torch.full((n,), 2, dtype=torch.int32), name="tr.fs"),
+             lambda: hvd.alltoall(x, splits=torch.full((n,), float("nan")), name="tr.fs"))
     one_rank("torch broadcast root", lambda: hvd.broadcast_(x.clone(), 0, name="tr.root"),
              lambda: hvd.broadcast_(x.clone(), n + 1, name="tr.root"))
     one_rank("torch op=99", lambda: hvd.allreduce(x, op=hvd.Sum, name="tr.op"),
