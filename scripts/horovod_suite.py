@@ -357,6 +357,9 @@ class RankTest:
     started: Optional[float] = None
     finished: bool = False
     reports: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # by phase
+    # Every "call" report in order: a test's subtests (self.subTest; graph and eager mode)
+    # report before the test itself.
+    calls: List[Dict[str, Any]] = field(default_factory=list)
 
     def outcome(self) -> Tuple[str, str, str]:
         """(passed | failed | skipped, one-line reason, detail) of a finished test."""
@@ -370,6 +373,11 @@ class RankTest:
             if rep and rep["outcome"] == "skipped":
                 return "skipped", rep["reason"], ""
         call = self.reports.get("call")
+        subtests = self.calls[:-1]
+        if call and call["outcome"] == "passed" and subtests \
+                and all(c["outcome"] == "skipped" for c in subtests):
+            # The test ran nothing of its own: every subtest skipped (e.g. GPU only).
+            return "skipped", subtests[0]["reason"], ""
         if call and call["outcome"] == "passed":
             return "passed", "", ""
         return "failed", "no result recorded", ""
@@ -405,7 +413,10 @@ def read_events(path: Path, offset: int, log: RankLog) -> int:
             log.tests[ev["id"]] = RankTest(started=ev["t"])
             log.current = ev["id"]
         elif kind == "report":
-            reports = log.tests.setdefault(ev["id"], RankTest()).reports
+            test = log.tests.setdefault(ev["id"], RankTest())
+            reports = test.reports
+            if ev["when"] == "call":
+                test.calls.append(ev)
             # A test's subtests (self.subTest, graph and eager mode) report before the test
             # itself, which then says "passed": a failed subtest must not be overwritten.
             earlier = reports.get(ev["when"])
