@@ -259,11 +259,23 @@ impl Engine {
     /// Queues an op whose name `claim` holds. `slotted`: false when its fast-path slot is
     /// already spent (see [`fast`]).
     pub fn submit_claimed(&self, op: OpSpec, claim: NameClaim, slotted: bool) -> Handle {
-        if slotted && op.set_id == 0 {
+        self.queue(op.set_id, claim, slotted, |h| Command::Op(Box::new(op), h))
+    }
+
+    /// Queues the command `make` builds around the handle of an op of set `set_id` whose
+    /// name `claim` holds, taking its fast-path slot first when `slotted`.
+    fn queue(
+        &self,
+        set_id: u32,
+        claim: NameClaim,
+        slotted: bool,
+        make: impl FnOnce(Handle) -> Command,
+    ) -> Handle {
+        if slotted && set_id == 0 {
             self.shared.fast.decline();
         }
         let h = Handle::counted(self.shared.fast.outstanding()).hold(claim);
-        self.push(Command::Op(Box::new(op), h.clone()));
+        self.push(make(h.clone()));
         h
     }
 
@@ -274,12 +286,9 @@ impl Engine {
     /// has submitted the name.
     pub fn reject(&self, op: OpSpec, reason: String) -> Result<Handle> {
         let claim = self.claim(&op)?;
-        if op.set_id == 0 {
-            self.shared.fast.decline();
-        }
-        let h = Handle::counted(self.shared.fast.outstanding()).hold(claim);
-        self.push(Command::Reject(Box::new(op), reason, h.clone()));
-        Ok(h)
+        Ok(self.queue(op.set_id, claim, true, |h| {
+            Command::Reject(Box::new(op), reason, h)
+        }))
     }
 
     /// The fast path, for a caller that will wait for its op at once (see [`fast`]).
