@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from .. import _api
-from ..common.elastic import ObjectState, run_fn
+from ..common.elastic import ModelState, run_fn
 from . import _backend
 from .functions import broadcast_variables
 
@@ -32,7 +32,7 @@ def _optimizer_variables(optimizer: Any) -> List[Any]:
     return list(variables() if callable(variables) else variables)
 
 
-class KerasState(ObjectState):
+class KerasState(ModelState):
     """State of a Keras model and optimizer, plus picklable attributes.
 
     Args:
@@ -55,16 +55,6 @@ class KerasState(ObjectState):
 
     def _variables(self) -> List[Any]:
         return list(self.model.variables) + _optimizer_variables(self.optimizer)
-
-    def save(self) -> None:
-        """Copies the variables and attributes to host memory."""
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        """Assigns the last saved variables and attributes back."""
-        self._load_model()
-        super().restore()
 
     def sync(self) -> None:
         """Sets every rank's variables and attributes to rank 0's, and saves them."""

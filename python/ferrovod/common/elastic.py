@@ -149,6 +149,27 @@ class ObjectState(State):
             setattr(self, attr, value)
 
 
+class ModelState(ObjectState):
+    """:class:`ObjectState` plus a framework's values (variables, optimizer slots), which a
+    subclass copies to host memory in ``_save_model`` and assigns back in ``_load_model``."""
+
+    def save(self) -> None:
+        """Copies the values and attributes to host memory."""
+        self._save_model()
+        super().save()
+
+    def restore(self) -> None:
+        """Assigns the last saved values and attributes back."""
+        self._load_model()
+        super().restore()
+
+    def _save_model(self) -> None:
+        raise NotImplementedError()
+
+    def _load_model(self) -> None:
+        raise NotImplementedError()
+
+
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
     """Wraps ``func(state, *args, **kwargs)`` in the elastic loop: sync the state, run; on
     ``HorovodInternalError`` (a rank failed) restore the last commit, ``reset()`` and run

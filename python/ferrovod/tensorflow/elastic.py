@@ -11,7 +11,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from .. import _api
-from ..common.elastic import ObjectState, run_fn
+from ..common.elastic import ModelState, run_fn
 from ..exceptions import HorovodInternalError
 from .functions import broadcast_variables
 from .mpi_ops import init, shutdown
@@ -48,7 +48,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return run_fn(wrapper, _reset)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(ModelState):
     """State of a list of TensorFlow variables, plus picklable attributes.
 
     Args:
@@ -68,16 +68,6 @@ class TensorFlowState(ObjectState):
         self._bcast_op = None if self._eager else broadcast_variables(self.variables, 0)
         self._save_model()
         super().__init__(bcast_object=_api.broadcast_object, get_rank=_api.rank, **kwargs)
-
-    def save(self) -> None:
-        """Copies the variables and attributes to host memory."""
-        self._save_model()
-        super().save()
-
-    def restore(self) -> None:
-        """Assigns the last saved values and attributes back."""
-        self._load_model()
-        super().restore()
 
     def sync(self) -> None:
         """Sets every rank's variables and attributes to rank 0's, and saves them."""
