@@ -774,6 +774,8 @@ def test_usage_errors(base_env: Dict[str, str]) -> None:
     assert proc.returncode == 2
     proc = run(base_env, "-np", "1", "-H", "localhost:1", "--hostfile", "x", "true")
     assert proc.returncode == 2  # the host flags exclude each other
+    proc = run(base_env, "-np", "1", "-p", "99999", "true")
+    assert proc.returncode == 2 and "TCP port" in proc.stderr
 
 
 def test_version(base_env: Dict[str, str]) -> None:

@@ -156,6 +156,13 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 _positive_int = _positive(int)
 
 
+def _port(text: str) -> int:
+    value = int(_positive_int(text))
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {text}")
+    return value
+
+
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
@@ -259,7 +266,7 @@ def _add_general(parser: argparse.ArgumentParser) -> None:
         help="A horovodrun YAML config file (not supported yet: ignored with a warning).",
     )
     parser.add_argument(
-        "-p", "--ssh-port", type=_positive_int, help="ssh port of the remote hosts."
+        "-p", "--ssh-port", type=_port, help="ssh port of the remote hosts."
     )
     parser.add_argument(
         "-i", "--ssh-identity-file", help="ssh private key for the remote hosts."
