@@ -82,3 +82,19 @@ def test_ctrl_c_interrupts_a_rank_blocked_in_an_op(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "[0]<stdout>:interrupted after" in out, out
     assert "[0]<stdout>:OK 1" in out, out
+
+
+@pytest.mark.parametrize("api,n", [("numpy", 2), ("numpy", 3), ("torch", 2), ("torch", 3)])
+def test_every_disagreement_fails_every_rank_and_the_job_goes_on(api, n):
+    """The probe's matrix: every collective crossed with every way ranks can disagree on it,
+    fast-path and large sizes, blocking and async, each rank in turn the odd one out."""
+    res = run_job(n, "probe_worker.py", api, timeout=240)
+    assert_ok(res, n, min_checks=200 * 4)
+    for r in range(n):
+        probed = lines_matching(res, r, r"^probed (\d+)")
+        assert probed and int(probed[0].group(1)) >= 200, describe(res)
+
+
+def test_misused_handles_and_lifecycle_calls_are_clear_errors():
+    assert_ok(run_job(2, "probe_worker.py", "lifecycle", timeout=60), 2, min_checks=9,
+              same_count=False)
