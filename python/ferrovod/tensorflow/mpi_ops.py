@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from .. import _api
+from .. import _api, _core
 from .. import process_sets as _ps
 from .._api import (
     Adasum,
@@ -197,16 +197,37 @@ _SIGNED_VIEW = {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np
                 np.dtype(np.uint64): np.dtype(np.int64)}
 
 
-def _check_dtype(tensor: tf.Tensor, kind: str, label: str, allow_bool: bool = False) -> None:
-    """Raises unless ``tensor``'s dtype can go through ``kind``: the engine's numeric types,
-    plus (``allow_bool``: a data-movement op) bool, uint16, uint32 and uint64."""
+def _dtype_problem(tensor: tf.Tensor, kind: str, label: str,
+                   allow_bool: bool = False) -> Optional[str]:
+    """Why ``tensor``'s dtype cannot go through ``kind`` (None: it can): the engine's numeric
+    types, plus (``allow_bool``: a data-movement op) bool, uint16, uint32 and uint64."""
     dt = tensor.dtype
     if dt in _NUMERIC or (allow_bool and dt in _MOVE_ONLY):
-        return
+        return None
     extra = ", bool, uint16, uint32, uint64" if allow_bool else ""
-    raise TFInvalidArgumentError(
-        f"{kind} of tensor '{label}': dtype {dt.name} is not supported "
-        f"(supported: {_SUPPORTED_TEXT}{extra})")
+    return (f"{kind} of tensor '{label}': dtype {dt.name} is not supported "
+            f"(supported: {_SUPPORTED_TEXT}{extra})")
+
+
+def _check_dtype(tensor: tf.Tensor, kind: str, label: str, allow_bool: bool = False) -> None:
+    """Raises what :func:`_dtype_problem` finds: for calls every rank makes alike (variable
+    lists, whose agreement is checked before anything moves)."""
+    problem = _dtype_problem(tensor, kind, label, allow_bool)
+    if problem:
+        raise TFInvalidArgumentError(problem)
+
+
+def _refused(inputs: Sequence[tf.Tensor], kind: int, name: str, process_set: ProcessSet,
+             reason: str, touts: Sequence[tf.DType]) -> List[tf.Tensor]:
+    """The op of an argument this rank cannot send (an unsupported dtype, a scalar, a root
+    out of range): raising here alone would leave the other ranks waiting for it, so the op
+    runs as this rank's refusal, negotiated under its name, and every rank of the set fails
+    it with ``reason`` (TensorFlow's InvalidArgumentError), eagerly or when the graph runs."""
+    def body(*_: np.ndarray) -> List[np.ndarray]:
+        _api._now(_api._refuse(kind, name, process_set, reason, now=True))
+        raise InvalidArgumentError(reason)  # the refusal above has raised on every rank
+
+    return _execute(body, inputs, touts, "FerrovodRefused")
 
 
 def _to_wire(a: np.ndarray) -> np.ndarray:
@@ -510,14 +531,17 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
     (one ``numpy_function`` in graph mode)."""
     ts = [_to_tensor(t) for t in tensors]
     kind = "allreduce" if single else "grouped_allreduce"
-    if int(op) == Adasum:
-        raise TFInvalidArgumentError("Adasum is not supported by ferrovod yet")
-    for t in ts:
-        _check_dtype(t, kind, _label(t, name if single else None))
     if not ts:
         return []
     prefix = "HorovodAllreduce" if single else "HorovodGroupedAllreduce"
     engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
+    problems = [_dtype_problem(t, kind, _label(t, name if single else None)) for t in ts]
+    if int(op) == Adasum:
+        problems.append("Adasum is not supported by ferrovod yet")
+    problem = next((p for p in problems if p), None)
+    if problem:
+        return _refused(ts, _core.ALLREDUCE, engine_name, process_set, problem,
+                        [t.dtype for t in ts])
     args = (int(op), float(prescale_factor), float(postscale_factor), process_set, not single)
     if not all(_float(t) for t in ts):
         return _allreduce_raw(ts, engine_name, *args)
@@ -578,17 +602,19 @@ def _gather(tensors: Sequence[Any], name: Optional[str], ignore_name_scope: bool
             process_set: ProcessSet, single: bool) -> List[tf.Tensor]:
     ts = [_to_tensor(t) for t in tensors]
     kind = "allgather" if single else "grouped_allgather"
-    for t in ts:
-        label = _label(t, name if single else None)
-        _check_dtype(t, kind, label, allow_bool=True)
-        if t.shape.rank == 0:
-            raise TFInvalidArgumentError(
-                f"{kind} of tensor '{label}': a 0-d (scalar) tensor cannot be gathered; "
-                "reshape it to (1,)")
     if not ts:
         return []
     prefix = "HorovodAllgather" if single else "HorovodGroupedAllgather"
     engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
+    for t in ts:
+        label = _label(t, name if single else None)
+        problem = _dtype_problem(t, kind, label, allow_bool=True)
+        if not problem and t.shape.rank == 0:
+            problem = (f"{kind} of tensor '{label}': a 0-d (scalar) tensor cannot be gathered; "
+                       "reshape it to (1,)")
+        if problem:
+            return _refused(ts, _core.ALLGATHER, engine_name, process_set, problem,
+                            [t.dtype for t in ts])
     if not all(_float(t) for t in ts):
         return _allgather_raw(ts, engine_name, process_set, not single)
 
@@ -634,12 +660,18 @@ def _broadcast_raw(t: tf.Tensor, root_rank: int, name: Optional[str],
     return _on_device(_with_shape(out, t.shape), t)
 
 
-def _check_root(root_rank: int) -> int:
+def _root_problem(root_rank: int) -> Optional[str]:
     r = int(root_rank)
     if _api.is_initialized() and not 0 <= r < _api.size():
-        raise TFInvalidArgumentError(
-            f"broadcast received invalid root rank {r}: the job has {_api.size()} ranks")
-    return r
+        return f"broadcast received invalid root rank {r}: the job has {_api.size()} ranks"
+    return None
+
+
+def _check_root(root_rank: int) -> int:
+    problem = _root_problem(root_rank)
+    if problem:
+        raise TFInvalidArgumentError(problem)
+    return int(root_rank)
 
 
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
@@ -648,9 +680,12 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
     """Returns global rank ``root_rank``'s ``tensor`` on every rank of the set.
     Differentiable: the root gets the average of the incoming gradients, the others zeros."""
     t = _to_tensor(tensor)
-    _check_dtype(t, "broadcast", _label(t, name), allow_bool=True)
-    root = _check_root(root_rank)
     engine_name = _op_name("HorovodBroadcast", t, name, ignore_name_scope)
+    problem = (_dtype_problem(t, "broadcast", _label(t, name), allow_bool=True)
+               or _root_problem(root_rank))
+    if problem:
+        return _refused([t], _core.BROADCAST, engine_name, process_set, problem, [t.dtype])[0]
+    root = int(root_rank)
     if not _float(t):
         return _broadcast_raw(t, root, engine_name, process_set)
 
@@ -778,11 +813,14 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     when ``splits`` is given. Differentiable with respect to ``tensor``."""
     t = _to_tensor(tensor)
     label = _label(t, name)
-    _check_dtype(t, "alltoall", label, allow_bool=True)
-    if t.shape.rank == 0:
-        raise TFInvalidArgumentError(f"alltoall of tensor '{label}': a 0-d (scalar) tensor has "
-                                   "no first dimension")
     want_splits = splits is not None
+    problem = _dtype_problem(t, "alltoall", label, allow_bool=True)
+    if not problem and t.shape.rank == 0:
+        problem = f"alltoall of tensor '{label}': a 0-d (scalar) tensor has no first dimension"
+    if problem:
+        outs = _refused([t], _core.ALLTOALL, _op_name("HorovodAlltoall", t, name, ignore_name_scope),
+                        process_set, problem, [t.dtype, tf.int32])
+        return (outs[0], outs[1]) if want_splits else outs[0]
     if splits is None:
         # An empty list asks the engine for an equal split (it checks that dim 0 divides),
         # and still returns the received splits, which the gradient needs.
@@ -846,18 +884,23 @@ def _reducescatter_impl(tensors: Sequence[Any], name: Optional[str], op: int,
                    postscale_factor: float, single: bool) -> List[tf.Tensor]:
     ts = [_to_tensor(t) for t in tensors]
     kind = "reducescatter" if single else "grouped_reducescatter"
-    if int(op) not in (Sum, Average):
-        raise TFInvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
-    for t in ts:
-        label = _label(t, name if single else None)
-        _check_dtype(t, kind, label)
-        if t.shape.rank == 0:
-            raise TFInvalidArgumentError(f"{kind} of tensor '{label}': a 0-d (scalar) tensor "
-                                       "has no first dimension to scatter")
     if not ts:
         return []
     prefix = "HorovodReducescatter" if single else "HorovodGroupedReducescatter"
     engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
+    problems = []
+    if int(op) not in (Sum, Average):
+        problems.append("Reducescatter currently only supports AVERAGE and SUM.")
+    for t in ts:
+        label = _label(t, name if single else None)
+        problems.append(_dtype_problem(t, kind, label))
+        if t.shape.rank == 0:
+            problems.append(f"{kind} of tensor '{label}': a 0-d (scalar) tensor has no first "
+                            "dimension to scatter")
+    problem = next((p for p in problems if p), None)
+    if problem:
+        return _refused(ts, _core.REDUCESCATTER, engine_name, process_set, problem,
+                        [t.dtype for t in ts])
     args = (int(op), float(prescale_factor), float(postscale_factor), process_set, not single)
     if not all(_float(t) for t in ts):
         return _reducescatter_raw(ts, engine_name, *args)

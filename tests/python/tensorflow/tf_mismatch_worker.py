@@ -103,6 +103,20 @@ def main():
                    ("number of tensors", "DistributedGradientTape", "reduces"))
             expect(mode, "tape shape", lambda: run(mode, tape_grads([w, b])), hvd.MismatchError,
                    ("Mismatched", "DistributedGradientTape", f"rank {n - 1}"))
+        # one rank's argument is one it cannot send: it refuses, every rank fails the op
+        refusals = [
+            ("refused dtype", lambda: hvd.allreduce(tf.ones([2], tf.complex64 if odd else tf.float32),
+                                                    name="rf.dtype")),
+            ("refused scalar", lambda: hvd.allgather(tf.ones([] if odd else [2]), name="rf.scalar")),
+            ("refused root", lambda: hvd.broadcast(tf.ones([2]), n + 2 if odd else 0, name="rf.root")),
+            ("refused reducescatter op", lambda: hvd.reducescatter(tf.ones([2 * n]), name="rf.op",
+                                                                   op=hvd.Max if odd else hvd.Sum)),
+            ("refused alltoall dtype", lambda: hvd.alltoall(tf.ones([n], tf.complex64 if odd else tf.float32),
+                                                            name="rf.a2a")),
+        ]
+        for what, fn in refusals:
+            expect(mode, what, lambda: run(mode, fn), hvd.InvalidArgumentError,
+                   (f"rank {n - 1}", "rf."))
         # the job is still usable afterwards
         got = run(mode, lambda: hvd.allreduce(tf.ones([1]), op=hvd.Sum, name=f"after.{mode}"))
         ck.equal(float(got[0]), float(n), f"{mode} allreduce afterwards")
