@@ -119,6 +119,16 @@ impl TcpStoreServer {
         self.addr
     }
 
+    /// Sets `key` to `value` from the serving process itself (the launcher publishing what
+    /// its workers wait for), waking every client waiting on it.
+    pub fn set(&self, key: &str, value: &[u8]) {
+        self.shared
+            .data
+            .lock()
+            .insert(key.to_owned(), value.to_vec());
+        self.shared.changed.notify_all();
+    }
+
     /// Stops serving: closes the listener and every client connection, wakes waiting `get`s
     /// (their clients get an error) and joins the server's threads. Idempotent.
     ///

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 
 use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
+use crate::bootstrap::Store;
 use crate::config::{Config, VARS};
 use crate::engine::fast::Outcome;
 use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
@@ -92,13 +93,14 @@ fn log_settings() -> PyResult<(String, bool, usize)> {
 /// Starts the engine (no-op if already running in this process). `rendezvous_addr` and
 /// `secret` replace `FERROVOD_RENDEZVOUS_ADDR` / `FERROVOD_SECRET` (the MPI exchange's result).
 #[pyfunction]
-#[pyo3(signature = (process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None))]
+#[pyo3(signature = (process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None, generation=None))]
 fn init(
     py: Python<'_>,
     process_sets: Vec<Vec<usize>>,
     dynamic: bool,
     rendezvous_addr: Option<String>,
     secret: Option<Vec<u8>>,
+    generation: Option<u64>,
 ) -> PyResult<()> {
     let config =
         Config::from_env_with(rendezvous_addr.as_deref(), secret.as_deref()).map_err(to_pyerr)?;
@@ -125,7 +127,12 @@ fn init(
     }
     let mut config = config;
     config.dynamic_process_sets |= dynamic;
-    let generation = GENERATION.fetch_add(1, Ordering::AcqRel);
+    // An elastic job names its formings by the launcher's epoch, which every member shares
+    // (a new worker's count of its own init() calls would not match the survivors').
+    let generation = match generation {
+        Some(epoch) => epoch,
+        None => GENERATION.fetch_add(1, Ordering::AcqRel),
+    };
     let engine = py
         .detach(|| Engine::start(&config, &process_sets, generation))
         .map_err(to_pyerr)?;
@@ -757,6 +764,20 @@ impl RendezvousServer {
         self.addr.clone()
     }
 
+    /// Sets `key` to `value` in the store, waking the workers waiting on it (the elastic
+    /// driver publishing a membership).
+    fn set(&self, key: &str, value: Vec<u8>) -> PyResult<()> {
+        match &self.server {
+            Some(s) => {
+                s.set(key, &value);
+                Ok(())
+            }
+            None => Err(to_pyerr(Error::Shutdown(
+                "the rendezvous store is closed".into(),
+            ))),
+        }
+    }
+
     /// Stops serving. The store's threads are joined with the GIL released: a connection
     /// thread may be logging (e.g. a half-authenticated connection dropped by the shutdown),
     /// and logging goes to Python; joining it with the GIL held would never return.
@@ -765,6 +786,51 @@ impl RendezvousServer {
             py.detach(move || s.shutdown());
         }
     }
+}
+
+/// A client of the job's rendezvous store (an elastic worker reading the memberships its
+/// launcher publishes). Every blocking call releases the GIL.
+#[pyclass(module = "ferrovod._core")]
+struct StoreClient {
+    store: TcpStore,
+}
+
+#[pymethods]
+impl StoreClient {
+    /// Connects to `addr` ("host:port") and proves `secret`, retrying for up to `timeout_s`.
+    #[new]
+    fn new(py: Python<'_>, addr: String, secret: Vec<u8>, timeout_s: f64) -> PyResult<Self> {
+        let timeout = seconds(timeout_s)?;
+        let store = py
+            .detach(|| TcpStore::connect(addr.as_str(), &secret, timeout))
+            .map_err(to_pyerr)?;
+        Ok(StoreClient { store })
+    }
+
+    /// The value of `key`, waiting up to `timeout_s` for it to be set; `None` if it was not.
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        key: &str,
+        timeout_s: f64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let timeout = seconds(timeout_s)?;
+        match py.detach(|| self.store.get(key, timeout)) {
+            Ok(v) => Ok(Some(PyBytes::new(py, &v))),
+            Err(Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(to_pyerr(e)),
+        }
+    }
+
+    /// Sets `key` to `value`.
+    fn set(&self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {
+        py.detach(|| self.store.set(key, &value)).map_err(to_pyerr)
+    }
+}
+
+fn seconds(s: f64) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s.max(0.0))
+        .map_err(|e| to_pyerr(Error::InvalidArgument(format!("bad timeout {s}: {e}"))))
 }
 
 impl Drop for RendezvousServer {
@@ -1032,6 +1098,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(array_address, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<RendezvousServer>()?;
+    m.add_class::<StoreClient>()?;
     m.add_class::<OwnedBuffer>()?;
     for (name, code) in [
         ("ALLREDUCE", OpKind::Allreduce),
