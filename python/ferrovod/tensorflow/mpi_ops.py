@@ -217,14 +217,16 @@ def _check_dtype(tensor: tf.Tensor, kind: str, label: str, allow_bool: bool = Fa
         raise TFInvalidArgumentError(problem)
 
 
-def _refused(inputs: Sequence[tf.Tensor], kind: int, name: str, process_set: ProcessSet,
-             reason: str, touts: Sequence[tf.DType]) -> List[tf.Tensor]:
+def _refused(inputs: Sequence[tf.Tensor], kind: int, kind_name: str, name: Optional[str],
+             process_set: ProcessSet, reason: str, touts: Sequence[tf.DType]) -> List[tf.Tensor]:
     """The op of an argument this rank cannot send (an unsupported dtype, a scalar, a root
     out of range): raising here alone would leave the other ranks waiting for it, so the op
     runs as this rank's refusal, negotiated under its name, and every rank of the set fails
     it with ``reason`` (TensorFlow's InvalidArgumentError), eagerly or when the graph runs."""
     def body(*_: np.ndarray) -> List[np.ndarray]:
-        _api._now(_api._refuse(kind, name, process_set, reason, now=True))
+        # Unnamed (eager) ops take the next automatic name of their kind, as the peers' do.
+        full = _api._auto_name(kind_name, name)
+        _api._now(_api._refuse(kind, full, process_set, reason, now=True))
         raise InvalidArgumentError(reason)  # the refusal above has raised on every rank
 
     return _execute(body, inputs, touts, "FerrovodRefused")
@@ -540,7 +542,7 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
         problems.append("Adasum is not supported by ferrovod yet")
     problem = next((p for p in problems if p), None)
     if problem:
-        return _refused(ts, _core.ALLREDUCE, engine_name, process_set, problem,
+        return _refused(ts, _core.ALLREDUCE, kind, engine_name, process_set, problem,
                         [t.dtype for t in ts])
     args = (int(op), float(prescale_factor), float(postscale_factor), process_set, not single)
     if not all(_float(t) for t in ts):
@@ -613,7 +615,7 @@ def _gather(tensors: Sequence[Any], name: Optional[str], ignore_name_scope: bool
             problem = (f"{kind} of tensor '{label}': a 0-d (scalar) tensor cannot be gathered; "
                        "reshape it to (1,)")
         if problem:
-            return _refused(ts, _core.ALLGATHER, engine_name, process_set, problem,
+            return _refused(ts, _core.ALLGATHER, kind, engine_name, process_set, problem,
                             [t.dtype for t in ts])
     if not all(_float(t) for t in ts):
         return _allgather_raw(ts, engine_name, process_set, not single)
@@ -684,7 +686,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None,
     problem = (_dtype_problem(t, "broadcast", _label(t, name), allow_bool=True)
                or _root_problem(root_rank))
     if problem:
-        return _refused([t], _core.BROADCAST, engine_name, process_set, problem, [t.dtype])[0]
+        return _refused([t], _core.BROADCAST, "broadcast", engine_name, process_set, problem, [t.dtype])[0]
     root = int(root_rank)
     if not _float(t):
         return _broadcast_raw(t, root, engine_name, process_set)
@@ -818,7 +820,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     if not problem and t.shape.rank == 0:
         problem = f"alltoall of tensor '{label}': a 0-d (scalar) tensor has no first dimension"
     if problem:
-        outs = _refused([t], _core.ALLTOALL, _op_name("HorovodAlltoall", t, name, ignore_name_scope),
+        outs = _refused([t], _core.ALLTOALL, "alltoall", _op_name("HorovodAlltoall", t, name, ignore_name_scope),
                         process_set, problem, [t.dtype, tf.int32])
         return (outs[0], outs[1]) if want_splits else outs[0]
     if splits is None:
@@ -899,7 +901,7 @@ def _reducescatter_impl(tensors: Sequence[Any], name: Optional[str], op: int,
                             "dimension to scatter")
     problem = next((p for p in problems if p), None)
     if problem:
-        return _refused(ts, _core.REDUCESCATTER, engine_name, process_set, problem,
+        return _refused(ts, _core.REDUCESCATTER, kind, engine_name, process_set, problem,
                         [t.dtype for t in ts])
     args = (int(op), float(prescale_factor), float(postscale_factor), process_set, not single)
     if not all(_float(t) for t in ts):

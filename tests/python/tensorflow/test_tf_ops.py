@@ -39,7 +39,7 @@ def test_disagreeing_ranks_fail_clearly_everywhere():
         for mode in ("eager", "graph", "tf1"):
             for what in ("shape", "dtype", "broadcast_variables count", "tape count", "refused dtype",
                          "refused scalar", "refused root", "refused reducescatter op",
-                         "refused alltoall dtype"):
+                         "refused alltoall dtype", "refused unnamed"):
                 found = lines_matching(res, r, rf"^error {mode} {what}: (.*)")
                 assert found, f"rank {r}: no {mode} {what} error\n{describe(res)}"
     shape = lines_matching(res, 0, r"^error graph shape: (.*)")[0].group(1)

@@ -117,6 +117,9 @@ def main():
         for what, fn in refusals:
             expect(mode, what, lambda: run(mode, fn), hvd.InvalidArgumentError,
                    (f"rank {n - 1}", "rf."))
+        # unnamed: the refusal takes the op's automatic name, as its peers' ops do
+        expect(mode, "refused unnamed", lambda: run(mode, lambda: hvd.reducescatter(
+            tf.ones([] if odd else [2 * n]))), hvd.InvalidArgumentError, (f"rank {n - 1}", "scalar"))
         # the job is still usable afterwards
         got = run(mode, lambda: hvd.allreduce(tf.ones([1]), op=hvd.Sum, name=f"after.{mode}"))
         ck.equal(float(got[0]), float(n), f"{mode} allreduce afterwards")
