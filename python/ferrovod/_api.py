@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _core, _logging, _rendezvous
+from . import _core, _elastic, _logging, _rendezvous
 from . import process_sets as _ps
 from .exceptions import InvalidArgumentError
 from .process_sets import ProcessSet, global_process_set
@@ -79,11 +79,15 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
         raise ValueError("process_sets contains duplicates")
     if _core.is_initialized():
         return
+    # An elastic worker first takes its place in the launcher's newest membership.
+    generation = _elastic.join_next() if _elastic.enabled() else None
     level, hide_time, my_rank = _core.log_settings()
     _logging.configure(level, hide_time, f"rank {my_rank}")
     info = _core.launch_info()
     addr, secret = _rendezvous.address_and_secret(comm, info)
-    _core.init([p.ranks for p in static], dynamic, addr, secret)
+    _core.init([p.ranks for p in static], dynamic, addr, secret, generation)
+    if generation is not None:
+        _elastic.watch_hosts()
     _name_counters.clear()
     _ps._on_init(static)
     _share_cores(info["launcher"])

@@ -750,21 +750,6 @@ def test_horovodrun_flags_are_accepted(base_env: Dict[str, str]) -> None:
     assert run(base_env, "-np", "1", "--no-such-flag", "true").returncode == 2
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["--min-np", "1"],
-        ["--max-np", "4"],
-        ["--host-discovery-script", "d.sh"],
-        ["--blacklist-cooldown-range", "1", "9"],
-    ],
-)
-def test_elastic_flags_are_refused(base_env: Dict[str, str], flags: List[str]) -> None:
-    proc = run(base_env, "-np", "1", *flags, "true")
-    assert proc.returncode == 2
-    assert "elastic mode is not supported yet" in proc.stderr
-
-
 def test_usage_errors(base_env: Dict[str, str]) -> None:
     proc = run(base_env, "true")
     assert proc.returncode == 2 and "-np/--num-proc is required" in proc.stderr

@@ -17,12 +17,14 @@ broadcast first.
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import queue
 import threading
 from typing import Any, Callable, Dict, List, Tuple
 
+from .. import _elastic
 from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run_fn", "HostUpdateResult", "notify_hosts_updated"]
@@ -74,6 +76,8 @@ class State:
         """Called by :func:`run_fn` after a reset: drops pending host messages, calls
         :meth:`reset` and the registered callbacks."""
         self._host_messages = queue.Queue()
+        # Updates up to the membership just formed are already in effect.
+        self._last_updated_timestamp = max(self._last_updated_timestamp, _elastic.current_epoch())
         self.reset()
         for callback in self._reset_callbacks:
             callback()
@@ -131,11 +135,12 @@ class ObjectState(State):
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
-        """Saves the current values of the attributes."""
-        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
+        """Saves a copy of the current values of the attributes (a copy: a list the training
+        appends to after the commit must not change what the commit saved)."""
+        self._saved_state = copy.deepcopy({attr: getattr(self, attr) for attr in self._saved_state})
 
     def restore(self) -> None:
-        """Sets the attributes back to their saved values."""
+        """Sets the attributes back to (copies of) their saved values."""
         self._set_attrs()
 
     def sync(self) -> None:
@@ -145,7 +150,7 @@ class ObjectState(State):
             self._set_attrs()
 
     def _set_attrs(self) -> None:
-        for attr, value in self._saved_state.items():
+        for attr, value in copy.deepcopy(self._saved_state).items():
             setattr(self, attr, value)
 
 

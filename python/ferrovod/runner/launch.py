@@ -34,10 +34,14 @@ from .hosts import (
     HostSpecError,
     SlotInfo,
     get_host_assignments,
+    is_local_host,
     parse_hostfile,
     parse_hosts,
     remote_hosts,
 )
+from .elastic import Discovery, ElasticDriver, ElasticSettings
+from .elastic import settings_from as elastic_settings
+from .elastic import worker_extras as elastic_worker_env
 from .output import Sink, rank_output_dir
 from .remote import (
     HostReport,
@@ -123,6 +127,7 @@ class LaunchPlan:
     ssh: Ssh = field(default_factory=Ssh)
     exports: Dict[str, str] = field(default_factory=dict)  # -x
     iface: Optional[str] = None
+    elastic: Optional[ElasticSettings] = None  # an elastic job: its slots come from the driver
 
 
 # -- argument parsing -----------------------------------------------------------------------
@@ -377,13 +382,22 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
-    elastic = parser.add_argument_group("elastic (not supported yet)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int)
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int)
-    elastic.add_argument("--slots-per-host", dest="slots", type=int)
-    elastic.add_argument("--elastic-timeout", type=int)
-    elastic.add_argument("--reset-limit", type=int)
-    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2)
+    elastic = parser.add_argument_group(
+        "elastic (workers may leave and join; given --min-np or --host-discovery-script)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=_positive_int,
+                         help="Fewest workers the job goes on with (default: -np).")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=_positive_int,
+                         help="Most workers the job grows to (default: every slot).")
+    elastic.add_argument("--slots-per-host", dest="slots", type=_positive_int,
+                         help="Slots of a host the discovery script prints without a count.")
+    elastic.add_argument("--elastic-timeout", type=_positive(float),
+                         help="Seconds to wait for enough hosts (default: "
+                         "HOROVOD_ELASTIC_TIMEOUT, else 600).")
+    elastic.add_argument("--reset-limit", type=_non_negative(int),
+                         help="Most membership changes before the job fails.")
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=_positive_int,
+                         nargs=2, metavar=("LO", "HI"),
+                         help="A failed host may come back after LO*2^(n-1) s, at most HI s.")
     hosts = parser.add_argument_group("hosts").add_mutually_exclusive_group()
     hosts.add_argument(
         "-H", "--hosts", help="Hosts and slots, e.g. localhost:4 (default: localhost:<np>)."
@@ -394,7 +408,8 @@ def _add_elastic_and_hosts(parser: argparse.ArgumentParser) -> None:
         help="File of '<host> slots=<n>' (or '<host>:<n>') lines. Default: the MPI operator's "
         "hostfile named by OMPI_MCA_orte_default_hostfile, when set.",
     )
-    hosts.add_argument("--host-discovery-script")
+    hosts.add_argument("--host-discovery-script",
+                       help="Prints the available hosts, one host[:slots] per line (elastic).")
     controller = parser.add_argument_group(
         "controller (accepted for horovodrun compatibility)"
     ).add_mutually_exclusive_group()
@@ -509,20 +524,30 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
     Raises :class:`LaunchError` (exit code 2) for anything the launcher cannot do.
     """
     environ = dict(os.environ) if environ is None else environ
-    elastic = [flag for dest, flag in _ELASTIC_FLAGS if getattr(args, dest, None) is not None]
-    if elastic:
-        raise LaunchError(f"elastic mode is not supported yet ({', '.join(elastic)})")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise LaunchError("no command given; usage: ferrovodrun -np N command [args...]")
+    elastic: Optional[ElasticSettings] = None
     try:
-        hosts = _resolve_hosts(args, environ)
-        num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
-        slots = get_host_assignments(hosts, num_proc, num_proc)
-        used = {slot.hostname for slot in slots}
-        remote = [h for h in remote_hosts(hosts) if h in used]
+        if args.min_num_proc is not None or args.host_discovery_script is not None:
+            fixed = None
+            if args.hosts or args.hostfile:
+                fixed = _resolve_hosts(args, environ)
+            elastic = elastic_settings(args, fixed, environ)
+            slots: List[SlotInfo] = []
+            remote: List[str] = []
+        else:
+            given = [flag for dest, flag in _ELASTIC_FLAGS if getattr(args, dest, None) is not None]
+            if given:
+                raise LaunchError(f"{', '.join(given)} only apply to an elastic job (give "
+                                  "--min-np or --host-discovery-script)")
+            hosts = _resolve_hosts(args, environ)
+            num_proc = args.num_proc if args.num_proc is not None else sum(h.slots for h in hosts)
+            slots = get_host_assignments(hosts, num_proc, num_proc)
+            used = {slot.hostname for slot in slots}
+            remote = [h for h in remote_hosts(hosts) if h in used]
         _check_stall_flags(args, environ)
         tunables = tunable_env(args, environ)
         exports, warnings = parse_exports(args.exports, environ)
@@ -552,6 +577,7 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
         ssh=ssh,
         exports=exports,
         iface=nics[0] if nics else None,
+        elastic=elastic,
     )
 
 
@@ -746,6 +772,12 @@ def launch(
     previous = _install_signal_handlers(supervisor)
     server = None
     try:
+        if plan.elastic is not None:
+            server, addr = _start_rendezvous(secret, log)
+            if server is None:
+                raise LaunchError("an elastic job needs the native rendezvous store", exit_code=1)
+            return _launch_elastic(plan, plan.elastic, supervisor, server,
+                                   JobInfo(addr, secret.hex(), plan.tunables), base_env, log)
         reports = _check_remote(plan, log) if plan.remote else {}
         _check_local_iface(plan)
         server, addr = _start_rendezvous(secret, log, "0.0.0.0" if plan.remote else "127.0.0.1")
@@ -774,6 +806,33 @@ def launch(
         if server is not None:
             server.close()
         _restore_signal_handlers(previous)
+
+
+def _launch_elastic(plan: LaunchPlan, settings: ElasticSettings, supervisor: Supervisor,
+                    server: Any, job: JobInfo, base_env: Dict[str, str],
+                    log: Callable[[str], None]) -> int:
+    """Runs an elastic job: the driver decides the memberships and asks for workers."""
+
+    def spec_for(slot: SlotInfo, wid: int, epoch: int) -> WorkerSpec:
+        if not is_local_host(slot.hostname):
+            raise SpawnError(wid, slot.hostname, OSError(
+                0, "elastic jobs start workers on this machine only for now (its host names, "
+                "such as localhost and 127.0.0.1); remote hosts over ssh are not supported yet"))
+        env = worker_env(base_env, slot, job)
+        env.update(elastic_worker_env(slot, epoch, settings))
+        if plan.verbose:
+            log(f"elastic: starting worker {wid} for {slot.hostname}[{slot.local_rank}] "
+                f"(epoch {epoch}, rank {slot.rank})")
+        return WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
+
+    for note in plan.notes:
+        if plan.verbose:
+            log(f"note: {note}")
+    supervisor.start([])
+    driver = ElasticDriver(settings, Discovery(settings, base_env, supervisor.run_command),
+                           server, supervisor,
+                           spec_for, log, plan.verbose)
+    return driver.run()
 
 
 def run_commandline(argv: Optional[Sequence[str]] = None, adopt_orphans: bool = False) -> int:

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .output import Sink, StreamForwarder
 
@@ -248,6 +248,12 @@ class Supervisor:
         self._workers: List[_Worker] = []
         self._reapers: List[threading.Thread] = []
         self._watchdog: Optional[_Watchdog] = None
+        # The reaper's view of the workers (it may reap a worker before add() has recorded
+        # it: that exit waits in _unclaimed until it has).
+        self._by_pid: Dict[int, _Worker] = {}
+        self._unclaimed: Dict[int, int] = {}
+        self._own: Set[int] = set()  # children run_command waits for itself
+        self._pid_lock = threading.Lock()
 
     def notify_signal(self, signum: int) -> None:
         """Asks the supervisor to stop the job because the launcher got ``signum``."""
@@ -267,12 +273,37 @@ class Supervisor:
         preexec = _die_with_parent_fn()
         try:
             for spec in specs:
-                self._workers.append(self._spawn(spec, preexec))
+                self._record(self._spawn(spec, preexec))
         except SpawnError:
             self._start_threads()
             self._stop()
             raise
         self._start_threads()
+
+    def add(self, specs: Sequence[WorkerSpec]) -> None:
+        """Spawns more workers into a running job (an elastic job's new slots). Call it from
+        the thread that called :meth:`start`. Raises :class:`SpawnError` if one cannot be
+        started (the others started so far keep running)."""
+        preexec = _die_with_parent_fn()
+        for spec in specs:
+            worker = self._spawn(spec, preexec)
+            self._record(worker)
+            for thread in worker.threads:
+                thread.start()
+            if not self._adopt:
+                waiter = threading.Thread(target=self._wait_for, args=(worker,),
+                                          name=f"ferrovodrun-wait-{spec.rank}", daemon=True)
+                self._reapers.append(waiter)
+                waiter.start()
+
+    def _record(self, worker: _Worker) -> None:
+        self._workers.append(worker)
+        with self._pid_lock:
+            self._by_pid[worker.proc.pid] = worker
+            code = self._unclaimed.pop(worker.proc.pid, None)
+        if code is not None:
+            worker.proc.returncode = code
+            self._events.put(("exit", worker.spec.rank, code))
 
     def _spawn(self, spec: WorkerSpec, preexec: Optional[Callable[[], None]]) -> _Worker:
         out_r, out_w = os.pipe()
@@ -345,18 +376,82 @@ class Supervisor:
         self._events.put(("exit", worker.spec.rank, worker.proc.wait()))
 
     def _reap_all(self) -> None:
-        by_pid = {w.proc.pid: w for w in self._workers}
         while True:
             try:
-                pid, status = os.waitpid(-1, 0)
+                # Look before reaping: a child the launcher waits for itself (run_command)
+                # must be left to its own wait.
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
             except ChildProcessError:
+                if self._elastic_pending():
+                    time.sleep(_POLL_S)
+                    continue
                 return  # no children left at all
-            worker = by_pid.get(pid)
-            if worker is None:
-                continue  # an adopted orphan, or the watchdog
+            if info is None:
+                continue
+            pid = info.si_pid
+            with self._pid_lock:
+                mine = pid not in self._own
+                if mine:
+                    try:
+                        _, status = os.waitpid(pid, 0)
+                    except ChildProcessError:
+                        # run_command's own wait took it after we looked.
+                        mine = False
+            if not mine:
+                time.sleep(0.005)
+                continue
             code = os.waitstatus_to_exitcode(status)
+            with self._pid_lock:
+                worker = self._by_pid.get(pid)
+                if worker is None:
+                    # An adopted orphan, the watchdog, or a worker add() has not recorded yet.
+                    self._unclaimed[pid] = code
+                    continue
             worker.proc.returncode = code  # keeps Popen from waiting for it again
             self._events.put(("exit", worker.spec.rank, code))
+
+    def _elastic_pending(self) -> bool:
+        return self._keep_reaping
+
+    _keep_reaping = False
+
+    def keep_reaping(self, on: bool) -> None:
+        """While on, the reaper waits for children that :meth:`add` may start later instead
+        of ending when there are none (an elastic job between two memberships)."""
+        self._keep_reaping = on
+
+    def run_command(self, command: str, timeout: float) -> "subprocess.CompletedProcess[str]":
+        """Runs a shell command of the launcher's own (the elastic discovery script) and
+        returns its output and status, which the reaper of :meth:`start` leaves to it.
+        Raises ``subprocess.TimeoutExpired`` after ``timeout`` (the command is killed)."""
+        with self._pid_lock:
+            proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            self._own.add(proc.pid)
+        try:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise
+            return subprocess.CompletedProcess(command, proc.returncode, out, err)
+        finally:
+            with self._pid_lock:
+                self._own.discard(proc.pid)
+
+    def next_event(self, timeout: float) -> Optional[Tuple[str, int, int]]:
+        """The next ``("exit", rank, returncode)`` or ``("signal", -1, signum)``, or None
+        after ``timeout`` seconds. For a driver that watches the workers itself (elastic
+        jobs) instead of calling :meth:`run`; it records exits as :meth:`run` does."""
+        event = self._next_event(timeout)
+        if event is not None and event[0] == "exit":
+            self._record_exit(event[1], event[2])
+        return event
+
+    def stop(self) -> None:
+        """Stops every live worker (SIGTERM, SIGKILL after the grace period) and cleans up."""
+        self._stop()
 
     # -- run ----------------------------------------------------------------------------------
 

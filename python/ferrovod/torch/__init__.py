@@ -84,6 +84,7 @@ from .ops import (
 )
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # noqa: E402 - hvd.elastic, as in Horovod; needs the names above
 
 
 __all__ = [
@@ -100,7 +101,7 @@ __all__ = [
     "grouped_reducescatter_async",
     "join", "barrier", "poll", "synchronize",
     "broadcast_object", "allgather_object", "broadcast_parameters", "broadcast_optimizer_state",
-    "DistributedOptimizer", "Compression", "SyncBatchNorm",
+    "DistributedOptimizer", "Compression", "SyncBatchNorm", "elastic",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "HorovodInternalError", "HostsUpdatedInterrupt",
     "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",

@@ -98,10 +98,17 @@ class _DistributedMixin:
         self._grad_accs: List[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        self._active = bool(process_set.included()) and (
-            len(process_set.ranks) > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if sharded and elastic:
+            raise ValueError("DistributedOptimizer(sharded=True) is not supported in an elastic "
+                             "job: its shards are laid out for one membership")
+        self._active = bool(process_set.included()) and (len(process_set.ranks) > 1 or elastic)
         if self._active:
-            self._check_same_parameters(next(_instances))
+            # In an elastic job a new worker builds its optimizer while the others are in
+            # their state sync: a collective here would never meet its peers. A parameter
+            # the ranks disagree on still fails every rank at the first step, by name.
+            if not elastic:
+                self._check_same_parameters(next(_instances))
             if not self.overlap:
                 self._make_flat()
             if sharded:
@@ -696,6 +703,10 @@ def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool
         return False
     if setting != "auto":
         raise ValueError(f"FERROVOD_OVERLAP={setting!r}: expected 1, 0 or auto")
+    # In an elastic job, workers that joined later decide under another membership than the
+    # survivors did, and the two paths run different collectives: decide without it.
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        return True
     if _api.local_size() < _api.size() or any(p.device.type != "cpu" for p in params):
         return True
     try:

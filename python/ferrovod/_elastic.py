@@ -1,0 +1,202 @@
+"""The worker side of an elastic job (``ferrovodrun --min-np`` / ``--host-discovery-script``).
+
+The launcher's driver owns membership (see ``runner/elastic.py``). It publishes each new
+membership as a numbered *epoch* in the job's rendezvous store, under these keys:
+
+``elastic/e<E>/slot/<host>/<local rank>``
+    this worker's place in epoch E, as JSON: ``{"rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size"}``, or ``{"removed": why}`` (the worker leaves the job), or
+    ``{"abort": why}`` (the job ends: below ``--min-np`` for the elastic timeout, the reset
+    limit reached);
+``elastic/e<E>/ready``
+    set once every slot of E is: JSON ``{"update": HostUpdateResult}``, what E changed;
+``elastic/latest``
+    the newest epoch.
+
+``init()`` in a worker of an elastic job calls :func:`join_next`: it waits (up to the elastic
+timeout) for an epoch newer than the last one this process formed, takes the newest, rewrites
+the topology variables (as Horovod rewrites ``HOROVOD_RANK`` and the others) and forms the job
+with the epoch as its generation, which every member shares. A watcher thread waits for the
+epoch after the current one and tells the running elastic states of host changes
+(:func:`ferrovod.common.elastic.notify_hosts_updated`), which raise ``HostsUpdatedInterrupt``
+at the next commit on every rank alike.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+from typing import Any, Dict, Optional
+
+from .exceptions import FerrovodError, FerrovodTimeoutError
+
+__all__ = ["enabled", "join_next", "current_epoch", "watch_hosts"]
+
+ENABLED_VAR = "FERROVOD_ELASTIC"
+EPOCH_VAR = "FERROVOD_ELASTIC_EPOCH"
+TIMEOUT_VAR = "FERROVOD_ELASTIC_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+#: Seconds the store may take to answer a key that must exist already.
+_PROMPT_S = 30.0
+#: How much longer than the launcher a worker waits for a membership.
+_LAUNCHER_MARGIN_S = 15.0
+#: How long the watcher's store call may last (also how long it may delay exit).
+_WATCH_POLL_S = 0.25
+_TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+
+
+def enabled() -> bool:
+    """Whether this process is a worker of an elastic job."""
+    return os.environ.get(ENABLED_VAR, "") == "1"
+
+
+def slot_key(epoch: int, host: str, local_rank: int) -> str:
+    return f"elastic/e{epoch}/slot/{host}/{local_rank}"
+
+
+def ready_key(epoch: int) -> str:
+    return f"elastic/e{epoch}/ready"
+
+
+LATEST_KEY = "elastic/latest"
+
+
+def timeout_s(environ: Optional[Dict[str, str]] = None) -> float:
+    """The elastic timeout: ``FERROVOD_ELASTIC_TIMEOUT``, ``HOROVOD_ELASTIC_TIMEOUT``, else
+    600 s."""
+    env = os.environ if environ is None else environ
+    for name in (TIMEOUT_VAR, "HOROVOD_ELASTIC_TIMEOUT"):
+        text = env.get(name, "").strip()
+        if text:
+            try:
+                value = float(text)
+            except ValueError:
+                value = 0.0
+            if value <= 0:
+                raise ValueError(f"{name} must be a number of seconds above 0, got {text!r}")
+            return value
+    return DEFAULT_TIMEOUT_S
+
+
+class _Worker:
+    """This process's standing in the elastic job."""
+
+    def __init__(self) -> None:
+        from . import _core
+
+        self.host = os.environ.get("FERROVOD_HOSTNAME", "localhost")
+        self.local_rank = int(os.environ.get("FERROVOD_ELASTIC_LOCAL_RANK",
+                                             os.environ.get("FERROVOD_LOCAL_RANK", "0")))
+        # The epoch the launcher started this process for; it joins that one or a newer one.
+        self.epoch = int(os.environ.get(EPOCH_VAR, "1")) - 1
+        self.timeout = timeout_s()
+        addr = os.environ.get("FERROVOD_RENDEZVOUS_ADDR")
+        secret = os.environ.get("FERROVOD_SECRET")
+        if not addr or not secret:
+            raise FerrovodError("an elastic worker needs FERROVOD_RENDEZVOUS_ADDR and "
+                                "FERROVOD_SECRET (start it with ferrovodrun)")
+        self.store = _core.StoreClient(addr, bytes.fromhex(secret), _PROMPT_S)
+        self.watcher: Optional[threading.Thread] = None
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+
+    def me(self) -> str:
+        return f"{self.host}[{self.local_rank}]"
+
+    def read(self, key: str, wait_s: float) -> Optional[Any]:
+        raw = self.store.get(key, wait_s)
+        return None if raw is None else json.loads(raw.decode())
+
+    def join_next(self) -> int:
+        want = self.epoch + 1
+        # Longer than the launcher waits for hosts, so that its answer (a membership, or an
+        # abort saying what it waited for) arrives first; this only ends a wait for a
+        # launcher that is gone.
+        wait = self.timeout + _LAUNCHER_MARGIN_S
+        if self.read(ready_key(want), wait) is None:
+            raise FerrovodTimeoutError(
+                f"{self.me()} waited {wait:g} s (the elastic timeout and then some) for the launcher "
+                f"to publish the job's next membership (epoch {want}); is ferrovodrun still "
+                "running?")
+        latest = max(want, int(self.read(LATEST_KEY, _PROMPT_S) or want))
+        place = self.read(slot_key(latest, self.host, self.local_rank), _PROMPT_S)
+        if place is None:
+            raise FerrovodError(f"the launcher published epoch {latest} without a place for "
+                                f"{self.me()}")
+        if "abort" in place:
+            raise FerrovodError(f"the elastic job was stopped: {place['abort']}")
+        if "removed" in place:
+            sys.stderr.write(f"ferrovod: {self.me()} has been removed from the elastic job "
+                             f"({place['removed']}); exiting\n")
+            sys.stderr.flush()
+            raise SystemExit(0)
+        for key in _TOPOLOGY:
+            value = str(place[key.lower()])
+            os.environ["FERROVOD_" + key] = value
+            os.environ["HOROVOD_" + key] = value
+        # A new worker waits in the forming for the others to reach their next commit.
+        os.environ["FERROVOD_START_TIMEOUT"] = str(int(max(self.timeout, 1)))
+        with self.lock:
+            self.epoch = latest
+        return latest
+
+    def watch(self) -> None:
+        if self.watcher is not None:
+            return
+        self.watcher = threading.Thread(target=self._watch, name="ferrovod-elastic-hosts",
+                                        daemon=True)
+        self.watcher.start()
+        # A daemon thread still inside the native store call when the interpreter finalizes
+        # would be torn down there (and abort the process): stop it first.
+        atexit.register(self.stop_watching)
+
+    def stop_watching(self) -> None:
+        self.stopping.set()
+        if self.watcher is not None:
+            self.watcher.join(2 * _WATCH_POLL_S + 1.0)
+
+    def _watch(self) -> None:
+        from .common.elastic import HostUpdateResult, notify_hosts_updated
+
+        told = 0
+        while not self.stopping.is_set():
+            with self.lock:
+                nxt = max(self.epoch, told) + 1
+            try:
+                ready = self.read(ready_key(nxt), _WATCH_POLL_S)
+            except Exception:  # noqa: BLE001 - the launcher is gone; the job is ending
+                return
+            if ready is None:
+                continue
+            told = nxt
+            update = HostUpdateResult(int(ready.get("update", 0)))
+            if update:
+                notify_hosts_updated(nxt, update)
+
+
+_worker: Optional[_Worker] = None
+
+
+def join_next() -> int:
+    """Waits for the job's next membership and takes this worker's place in it (see the
+    module doc); returns its epoch, the generation to form the job with. Raises
+    ``SystemExit(0)`` when the launcher removed this worker, and a ferrovod error when the
+    job was stopped or the elastic timeout passed."""
+    global _worker
+    if _worker is None:
+        _worker = _Worker()
+    return _worker.join_next()
+
+
+def watch_hosts() -> None:
+    """Starts (once) the thread that turns the launcher's host updates into notifications."""
+    if _worker is not None:
+        _worker.watch()
+
+
+def current_epoch() -> int:
+    """The epoch this process formed last (0 outside an elastic job)."""
+    return 0 if _worker is None else _worker.epoch

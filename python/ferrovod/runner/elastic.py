@@ -1,0 +1,538 @@
+"""The elastic driver of ``ferrovodrun`` (``--min-np``, ``--host-discovery-script``): it owns
+the job's membership while workers come and go.
+
+* **Hosts.** A discovery script is run about once a second; it prints ``host[:slots]`` per
+  line (bare names take ``--slots-per-host``, else the MPI Operator's
+  ``OMPI_MCA_orte_set_default_slots``). A failure of its first run ends the launch; later
+  failures are retried until the elastic timeout. Without a script the hosts are ``-H`` /
+  ``--hostfile``'s, fixed (fault tolerance only).
+* **Order.** Hosts keep the order they joined in, oldest first, and ranks are dealt in that
+  order: the new rank 0 is always a survivor, which holds the committed state.
+* **Failures.** A worker that exits non-zero puts its host on the blacklist: for good, or with
+  ``--blacklist-cooldown-range LO HI`` for ``LO * 2**(n-1)`` seconds (at most ``HI``) after
+  its n-th failure, after which discovery may bring it back.
+* **Memberships.** Each change (a failure, hosts added or removed) is published in the
+  rendezvous store as a new epoch (keys in :mod:`ferrovod._elastic`); survivors reach it
+  through ``HorovodInternalError`` or, for host updates, ``HostsUpdatedInterrupt`` at their
+  next commit, and new workers are started for the new slots. ``--reset-limit`` bounds the
+  number of new memberships after the first.
+* **Never waiting forever.** Below ``--min-np`` the driver waits at most the elastic timeout
+  for hosts, then publishes an abort every worker raises, and exits non-zero naming what it
+  waited for.
+* **The end.** Once a worker exits 0 (training finished) no new membership is made; the job
+  ends when every worker has exited, with 0 if they all did.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .. import _elastic
+from ..common.elastic import HostUpdateResult
+from .hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile_text
+from .supervisor import SpawnError, Supervisor, WorkerSpec, describe_status
+
+__all__ = ["ElasticSettings", "Discovery", "Blacklist", "ElasticDriver"]
+
+#: How often the discovery script runs.
+DISCOVERY_PERIOD_S = 1.0
+#: After a worker fails, how long to wait for others of the same failure (a lost host takes
+#: all its workers) before publishing one membership for all of them.
+FAILURE_SETTLE_S = 0.3
+#: How long a discovery script may run.
+SCRIPT_TIMEOUT_S = 30.0
+#: How long workers get to exit after an abort before they are stopped.
+ABORT_GRACE_S = 10.0
+#: How long the other workers get to finish after the first one has: a worker started for a
+#: membership the finished ones will never join waits for them in vain.
+FINISH_GRACE_S = 10.0
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class ElasticSettings:
+    """The elastic flags, checked."""
+
+    num_proc: int
+    min_np: int
+    max_np: Optional[int]
+    timeout_s: float
+    reset_limit: Optional[int]
+    cooldown: Optional[Tuple[int, int]]
+    script: Optional[str]
+    fixed_hosts: Optional[List[HostInfo]]
+    slots_per_host: Optional[int]
+
+
+class DiscoveryError(RuntimeError):
+    """The discovery script failed or printed something that is not a host list."""
+
+
+class Discovery:
+    """The hosts available now: the script's answer, or the fixed list."""
+
+    def __init__(self, settings: ElasticSettings, environ: Dict[str, str],
+                 run: Callable[[str, float], "subprocess.CompletedProcess[str]"]) -> None:
+        self._run = run
+        self._script = settings.script
+        self._fixed = settings.fixed_hosts
+        self._default_slots = settings.slots_per_host
+        if self._default_slots is None:
+            text = environ.get("OMPI_MCA_orte_set_default_slots", "").strip()
+            if text.isdigit() and int(text) > 0:
+                self._default_slots = int(text)
+
+    def find(self) -> List[HostInfo]:
+        if self._script is None:
+            return list(self._fixed or [])
+        try:
+            proc = self._run(self._script, SCRIPT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise DiscoveryError(f"the host discovery script {self._script!r} ran longer than "
+                                 f"{SCRIPT_TIMEOUT_S:g} s") from None
+        if proc.returncode != 0:
+            err = proc.stderr.strip().splitlines()[-1:] or ["no output on stderr"]
+            raise DiscoveryError(f"the host discovery script {self._script!r} exited with "
+                                 f"{describe_status(proc.returncode)}: {err[0]}")
+        return self.parse(proc.stdout)
+
+    def parse(self, text: str) -> List[HostInfo]:
+        lines = []
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line:
+                continue
+            if ":" not in line:
+                if self._default_slots is None:
+                    raise DiscoveryError(
+                        f"the host discovery script printed {line!r} (line {number}) without "
+                        "a slot count: print host:slots, or give --slots-per-host")
+                line = f"{line}:{self._default_slots}"
+            lines.append(line)
+        try:
+            return parse_hostfile_text("\n".join(lines), source="host discovery script")
+        except HostSpecError as exc:
+            raise DiscoveryError(str(exc)) from None
+
+
+class Blacklist:
+    """Hosts whose workers failed: kept out for good, or for a cooldown that doubles with each
+    failure of the host (``LO * 2**(n-1)`` seconds, at most ``HI``)."""
+
+    def __init__(self, cooldown: Optional[Tuple[int, int]]) -> None:
+        self._cooldown = cooldown
+        self._failures: Dict[str, int] = {}
+        self._until: Dict[str, float] = {}
+
+    def add(self, host: str, now: float) -> float:
+        """Blacklists ``host``; returns for how long (``inf``: for good)."""
+        n = self._failures.get(host, 0) + 1
+        self._failures[host] = n
+        if self._cooldown is None:
+            span = math.inf
+        else:
+            lo, hi = self._cooldown
+            span = float(min(lo * 2 ** (n - 1), hi))
+        self._until[host] = now + span
+        return span
+
+    def blocked(self, host: str, now: float) -> bool:
+        return self._until.get(host, -math.inf) > now
+
+    def any_returning(self, now: float) -> bool:
+        """Whether a blacklisted host will be let back in some day."""
+        return any(now < t < math.inf for t in self._until.values())
+
+
+@dataclass
+class _Worker:
+    wid: int
+    host: str
+    local_rank: int
+    alive: bool = True
+    removed: bool = False
+    code: Optional[int] = None
+    # A failure the job recovered from: a later membership went on without this worker.
+    recovered: bool = False
+
+
+@dataclass
+class _Membership:
+    epoch: int
+    slots: Dict[Tuple[str, int], SlotInfo] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+
+class ElasticDriver:
+    """Runs an elastic job to its end; see the module doc.
+
+    ``spec_for(slot, wid, epoch)`` builds the :class:`WorkerSpec` of a new worker for ``slot``
+    (output prefix ``wid``), ``store`` is the launcher's rendezvous server (``set(key, value)``).
+    """
+
+    def __init__(self, settings: ElasticSettings, discovery: Discovery, store: object,
+                 supervisor: Supervisor, spec_for: Callable[[SlotInfo, int, int], WorkerSpec],
+                 log: Log, verbose: bool = False) -> None:
+        self.s = settings
+        self.discovery = discovery
+        self.store = store
+        self.sup = supervisor
+        self.spec_for = spec_for
+        self.log = log
+        self.verbose = verbose
+        self.blacklist = Blacklist(settings.cooldown)
+        self.order: List[str] = []  # hosts in the order they joined
+        self.hosts: Dict[str, int] = {}  # host -> slots, as last discovered
+        self.workers: Dict[int, _Worker] = {}
+        self.current = _Membership(epoch=0)
+        self.resets = 0
+        self.finishing = False
+        self.aborted = False
+        self.finish_by = math.inf
+        self.first_failure: Optional[_Worker] = None
+        self._next_wid = 0
+        self._last_discovery = -math.inf
+        self._discovery_failing_since: Optional[float] = None
+
+    # -- hosts ----------------------------------------------------------------------------------
+
+    def _discover(self, now: float, first: bool = False) -> bool:
+        """Runs discovery if it is due; returns whether the host list changed."""
+        if not first and now - self._last_discovery < DISCOVERY_PERIOD_S:
+            return False
+        self._last_discovery = now
+        try:
+            found = self.discovery.find()
+        except DiscoveryError as exc:
+            if first:
+                raise
+            if self._discovery_failing_since is None:
+                self._discovery_failing_since = now
+                self.log(f"warning: {exc}; retrying")
+            if now - self._discovery_failing_since > self.s.timeout_s:
+                raise DiscoveryError(f"{exc} (failing for longer than the elastic timeout, "
+                                     f"{self.s.timeout_s:g} s)") from None
+            return False
+        self._discovery_failing_since = None
+        hosts = {h.hostname: h.slots for h in found}
+        changed = hosts != self.hosts
+        for h in found:
+            if h.hostname not in self.order:
+                self.order.append(h.hostname)
+        # A host that disappeared and comes back later joins at the end again.
+        self.order = [h for h in self.order if h in hosts]
+        self.hosts = hosts
+        return changed
+
+    def _plan(self, now: float) -> List[SlotInfo]:
+        usable = [HostInfo(h, self.hosts[h]) for h in self.order
+                  if h in self.hosts and not self.blacklist.blocked(h, now)]
+        if not usable:
+            return []
+        try:
+            return get_host_assignments(usable, 0, self.s.max_np)
+        except HostSpecError:
+            return []
+
+    # -- memberships ----------------------------------------------------------------------------
+
+    def _publish(self, slots: List[SlotInfo], update: HostUpdateResult) -> _Membership:
+        epoch = self.current.epoch + 1
+        new = _Membership(epoch, {(s.hostname, s.local_rank): s for s in slots})
+        for (host, lr), slot in new.slots.items():
+            place = {"rank": slot.rank, "size": slot.size, "local_rank": slot.local_rank,
+                     "local_size": slot.local_size, "cross_rank": slot.cross_rank,
+                     "cross_size": slot.cross_size}
+            self._set(_elastic.slot_key(epoch, host, lr), place)
+        for w in self.workers.values():
+            if w.alive and (w.host, w.local_rank) not in new.slots:
+                w.removed = True
+                self._set(_elastic.slot_key(epoch, w.host, w.local_rank),
+                          {"removed": f"no slot {w.local_rank} on {w.host} in epoch {epoch}"})
+        self._set(_elastic.ready_key(epoch), {"update": int(update)})
+        self._set(_elastic.LATEST_KEY, epoch)
+        for w in self.workers.values():
+            if w.code not in (0, None):
+                w.recovered = True
+        self.current = new
+        ranks = ", ".join(f"{h}[{lr}]={s.rank}" for (h, lr), s in sorted(
+            new.slots.items(), key=lambda kv: kv[1].rank))
+        self.log(f"elastic: epoch {epoch}: {new.size} worker(s): {ranks}")
+        return new
+
+    def _abort(self, why: str) -> None:
+        self.aborted = True
+        epoch = self.current.epoch + 1
+        for w in self.workers.values():
+            if w.alive:
+                self._set(_elastic.slot_key(epoch, w.host, w.local_rank), {"abort": why})
+        self._set(_elastic.ready_key(epoch), {"update": 0})
+        self._set(_elastic.LATEST_KEY, epoch)
+        self.current = _Membership(epoch)
+
+    def _set(self, key: str, value: object) -> None:
+        self.store.set(key, json.dumps(value).encode())  # type: ignore[attr-defined]
+
+    def _spawn_missing(self) -> None:
+        have = {(w.host, w.local_rank) for w in self.workers.values() if w.alive and not w.removed}
+        specs = []
+        for key, slot in self.current.slots.items():
+            if key in have:
+                continue
+            wid = self._next_wid
+            self._next_wid += 1
+            self.workers[wid] = _Worker(wid, slot.hostname, slot.local_rank)
+            specs.append(self.spec_for(slot, wid, self.current.epoch))
+        if specs:
+            self.sup.add(specs)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Runs the job; returns the launcher's exit status."""
+        self.sup.keep_reaping(True)
+        try:
+            return self._run()
+        finally:
+            self.sup.keep_reaping(False)
+            self.sup.stop()
+
+    def _run(self) -> int:
+        start = time.monotonic()
+        try:
+            self._discover(start, first=True)
+        except DiscoveryError as exc:
+            self.log(f"error: {exc}")
+            return 1
+        # The job starts once -np slots exist (waiting at most the elastic timeout).
+        slots = self._plan(start)
+        while len(slots) < self.s.num_proc:
+            if time.monotonic() - start > self.s.timeout_s:
+                self.log(f"error: waited {self.s.timeout_s:g} s (the elastic timeout) for "
+                         f"{self.s.num_proc} slots to start with; found {len(slots)}")
+                return 1
+            if self._signalled(0.2):
+                return 130
+            try:
+                self._discover(time.monotonic())
+            except DiscoveryError as exc:
+                self.log(f"error: {exc}")
+                return 1
+            slots = self._plan(time.monotonic())
+        self._publish(slots, HostUpdateResult.no_update)
+        try:
+            self._spawn_missing()
+        except SpawnError as exc:
+            self.log(str(exc))
+            return exc.exit_code
+        return self._watch()
+
+    def _signalled(self, timeout: float) -> bool:
+        event = self.sup.next_event(timeout)
+        if event is None:
+            return False
+        if event[0] == "signal":
+            return True
+        self._exited(event[1], event[2])
+        return False
+
+    def _exited(self, wid: int, code: int) -> bool:
+        """Records a worker's exit; returns whether it was a failure of a member."""
+        w = self.workers.get(wid)
+        if w is None:
+            return False
+        w.alive, w.code = False, code
+        if w.removed:
+            return False
+        if code == 0:
+            if not self.finishing:
+                if self.verbose:
+                    self.log(f"elastic: {w.host}[{w.local_rank}] finished; no more resets")
+                self.finish_by = time.monotonic() + FINISH_GRACE_S
+            self.finishing = True
+            return False
+        if self.first_failure is None:
+            self.first_failure = w
+        if self.finishing or self.aborted:
+            return False
+        span = self.blacklist.add(w.host, time.monotonic())
+        for_how_long = "for good" if span == math.inf else f"for {span:g} s"
+        self.log(f"elastic: {w.host}[{w.local_rank}] failed with {describe_status(code)}; "
+                 f"blacklisting {w.host} {for_how_long}")
+        return True
+
+    def _watch(self) -> int:
+        pending_change = False
+        failed = False
+        below_since: Optional[float] = None
+        while True:
+            event = self.sup.next_event(0.1)
+            now = time.monotonic()
+            if event is not None:
+                if event[0] == "signal":
+                    self.log(f"received signal {event[2]}, stopping the workers")
+                    return 128 + event[2]
+                if self._exited(event[1], event[2]):
+                    failed = pending_change = True
+                    # Let the rest of one failure (a whole host) arrive before deciding.
+                    settle = now + FAILURE_SETTLE_S
+                    while (left := settle - time.monotonic()) > 0:
+                        ev = self.sup.next_event(left)
+                        if ev is not None and ev[0] == "exit":
+                            self._exited(ev[1], ev[2])
+            if not any(w.alive for w in self.workers.values()) and (self.finishing or not pending_change):
+                return self._final_status()
+            if self.finishing:
+                if now > self.finish_by:
+                    late = [w for w in self.workers.values() if w.alive]
+                    self.log(f"elastic: the job finished; stopping {len(late)} worker(s) that "
+                             f"had not after {FINISH_GRACE_S:g} s: "
+                             + ", ".join(f"{w.host}[{w.local_rank}]" for w in late))
+                    for w in late:
+                        w.removed = True
+                    return self._final_status()
+                continue
+            try:
+                if self._discover(now):
+                    pending_change = True
+            except DiscoveryError as exc:
+                self.log(f"error: {exc}")
+                self._abort(str(exc))
+                return self._end(1)
+            if not pending_change:
+                # A blacklisted host's cooldown may have ended with discovery's list unchanged.
+                planned = {(s.hostname, s.local_rank) for s in self._plan(now)}
+                if planned == set(self.current.slots):
+                    continue
+                pending_change = True
+            slots = self._plan(now)
+            if len(slots) < self.s.min_np:
+                if below_since is None:
+                    below_since = now
+                    self.log(f"elastic: {len(slots)} slot(s) available, fewer than --min-np "
+                             f"{self.s.min_np}; waiting up to {self.s.timeout_s:g} s for hosts")
+                if now - below_since > self.s.timeout_s or not self._can_recover(now):
+                    why = (f"waited {now - below_since:.0f} s (elastic timeout "
+                           f"{self.s.timeout_s:g} s) for at least {self.s.min_np} slots "
+                           f"(--min-np); {len(slots)} available")
+                    if not self._can_recover(now):
+                        why = (f"{len(slots)} slot(s) left and no host can come back "
+                               f"(need --min-np {self.s.min_np})")
+                    self.log(f"error: {why}")
+                    self._abort(why)
+                    return self._end(1)
+                continue
+            below_since = None
+            if self.s.reset_limit is not None and self.resets >= self.s.reset_limit:
+                why = (f"the job was stopped because the number of resets of the elastic job "
+                       f"exceeded the limit: {self.s.reset_limit}")
+                self.log(f"error: {why}")
+                self._abort(why)
+                return self._end(1)
+            self.resets += 1
+            old = set(self.current.slots)
+            new = {(s.hostname, s.local_rank) for s in slots}
+            update = HostUpdateResult.no_update
+            if new - old:
+                update |= HostUpdateResult.added
+            if old - new:
+                update |= HostUpdateResult.removed
+            if failed:
+                update |= HostUpdateResult.removed
+            self._publish(slots, update)
+            pending_change = failed = False
+            try:
+                self._spawn_missing()
+            except SpawnError as exc:
+                self.log(str(exc))
+                self._abort(str(exc))
+                return self._end(exc.exit_code)
+
+    def _can_recover(self, now: float) -> bool:
+        """Whether waiting can bring slots: a script may report new hosts, or a blacklisted
+        host may come back after its cooldown."""
+        return self.s.script is not None or self.blacklist.any_returning(now)
+
+    def _end(self, code: int) -> int:
+        """After an abort: lets the workers raise it and exit, then stops what is left."""
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while any(w.alive for w in self.workers.values()) and time.monotonic() < deadline:
+            if self._signalled(0.1):
+                break
+        return code
+
+    def _final_status(self) -> int:
+        members = [w for w in self.workers.values() if not w.removed and not w.recovered]
+        bad = [w for w in members if w.code not in (0, None)]
+        if not bad and any(w.code == 0 for w in members):
+            return 0
+        first = bad[0] if bad else self.first_failure
+        if first is None:
+            self.log("error: every worker left the job without finishing")
+            return 1
+        self.log(f"error: the elastic job ended without finishing; the first failure was "
+                 f"{first.host}[{first.local_rank}] with {describe_status(first.code or 1)}")
+        code = first.code or 1
+        return 128 - code if code < 0 else code
+
+
+def settings_from(args: object, fixed_hosts: Optional[List[HostInfo]],
+                  environ: Dict[str, str]) -> ElasticSettings:
+    """Checks the elastic flags (``ValueError`` naming the flag)."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    num_proc, min_np, max_np = get("num_proc"), get("min_num_proc"), get("max_num_proc")
+    if num_proc is None:
+        num_proc = min_np
+    if num_proc is None:
+        raise ValueError("-np/--num-proc (or --min-np) is required in elastic mode")
+    min_np = num_proc if min_np is None else min_np
+    if min_np < 1:
+        raise ValueError(f"--min-np must be at least 1, got {min_np}")
+    if num_proc < min_np:
+        raise ValueError(f"-np {num_proc} is below --min-np {min_np}")
+    if max_np is not None and max_np < num_proc:
+        raise ValueError(f"--max-np {max_np} is below -np {num_proc}")
+    if get("host_discovery_script") is None and not fixed_hosts:
+        raise ValueError("elastic mode needs --host-discovery-script, or -H/--hostfile")
+    timeout = get("elastic_timeout")
+    if timeout is None:
+        timeout = _elastic.timeout_s(environ)
+    if timeout <= 0:
+        raise ValueError(f"--elastic-timeout must be above 0, got {timeout}")
+    reset_limit = get("reset_limit")
+    if reset_limit is not None and reset_limit < 0:
+        raise ValueError(f"--reset-limit must not be negative, got {reset_limit}")
+    cooldown = get("cooldown_range")
+    if cooldown is not None:
+        lo, hi = cooldown
+        if lo <= 0 or hi < lo:
+            raise ValueError(f"--blacklist-cooldown-range needs 0 < LO <= HI, got {lo} {hi}")
+        cooldown = (int(lo), int(hi))
+    slots = get("slots")
+    if slots is not None and slots < 1:
+        raise ValueError(f"--slots-per-host must be at least 1, got {slots}")
+    return ElasticSettings(num_proc=num_proc, min_np=min_np, max_np=max_np,
+                           timeout_s=float(timeout), reset_limit=reset_limit, cooldown=cooldown,
+                           script=get("host_discovery_script"), fixed_hosts=fixed_hosts,
+                           slots_per_host=slots)
+
+
+def worker_extras(slot: SlotInfo, epoch: int, settings: ElasticSettings) -> Dict[str, str]:
+    """What an elastic worker's environment adds: its slot's identity and the epoch it was
+    started for (see :mod:`ferrovod._elastic`)."""
+    return {
+        _elastic.ENABLED_VAR: "1",
+        "HOROVOD_ELASTIC": "1",
+        _elastic.EPOCH_VAR: str(epoch),
+        "FERROVOD_ELASTIC_LOCAL_RANK": str(slot.local_rank),
+        _elastic.TIMEOUT_VAR: f"{settings.timeout_s:g}",
+    }

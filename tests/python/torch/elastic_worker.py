@@ -1,0 +1,155 @@
+"""An elastic PyTorch training run whose membership changes under it.
+
+usage: elastic_worker.py SCENARIO HOSTS_FILE OUT_DIR
+
+Trains a small model with momentum SGD on a fixed dataset through ``ferrovod.torch.elastic``
+(``TorchState`` with the model, the optimizer, an ``ElasticSampler`` and the record of every
+committed step). Each step allgathers the sample indices every rank trained on; the state
+keeps them, so after the run rank 0 checks, independently of ferrovod:
+
+* every sample of every epoch was trained exactly once in a committed step (nothing lost,
+  nothing trained twice, across the resizes);
+* the weights equal a fresh replay, in one process, of the same global batches in the same
+  order (each step's gradient is the mean over that step's samples);
+* every rank's weights are identical.
+
+SCENARIO says what happens at global step ``AT`` (only once, in the first membership):
+  kill       the worker on host 127.0.0.1 with local rank 1 SIGKILLs itself
+  raise      that worker raises an exception instead
+  add        rank 0 writes a second host into HOSTS_FILE (the discovery script reads it)
+  remove     rank 0 removes host 127.0.0.1 from HOSTS_FILE
+  none       nothing
+Prints ``size S rank R epoch E step T`` at every reset and ``DONE ...`` / ``OK n`` at the end.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import ferrovod.torch as hvd
+
+N, EPOCHS, BATCH, COMMIT_EVERY, AT = 48, 3, 2, 2, 5
+LR, MOMENTUM = 0.05, 0.9
+# Seconds per step: long enough runs for a blacklisted host to come back mid-training.
+STEP_SLEEP = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
+
+
+def data():
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N, 6, generator=g)
+    y = (x @ torch.randn(6, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(N, generator=g)
+    return x, y
+
+
+def make_model():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.mse_loss(model(x).squeeze(1), y)
+
+
+def main():
+    scenario, hosts_file, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+    hvd.init()
+    x, y = data()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(range(N), shuffle=True, seed=3)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0,
+                                   steps=[])
+    host = os.environ["FERROVOD_HOSTNAME"]
+    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
+
+    resets = [0]  # this process's own count: the state's values are rank 0's after a sync
+
+    def on_reset():
+        resets[0] += 1
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state):
+        print(f"size {hvd.size()} rank {hvd.rank()} epoch {state.epoch} step {len(state.steps)}",
+              flush=True)
+        for epoch in range(state.epoch, EPOCHS):
+            order = list(state.sampler)
+            for i in range(0, len(order), BATCH):
+                idx = order[i:i + BATCH]
+                step = len(state.steps)
+                if step == AT and resets[0] == 0:
+                    act(scenario, host, slot_lr, hosts_file)
+                time.sleep(STEP_SLEEP)
+                opt.zero_grad()
+                loss_of(model, x[idx], y[idx]).backward()
+                opt.step()
+                everyone = hvd.allgather_object(idx, name="elastic.indices")
+                state.steps.append(sorted(j for part in everyone for j in part))
+                state.sampler.record_indices(idx)
+                if len(state.steps) % COMMIT_EVERY == 0:
+                    state.commit()
+            state.epoch = epoch + 1
+            state.sampler.set_epoch(epoch + 1)
+            state.commit()
+
+    train(state)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = hvd.allgather(weights.unsqueeze(0), name="elastic.final")
+    checks = 0
+    if hvd.rank() == 0:
+        assert torch.equal(gathered, weights.expand_as(gathered)), "ranks' weights differ"
+        checks += 1
+        per_epoch = [[] for _ in range(EPOCHS)]
+        steps_per_epoch, e = [], 0
+        seen = 0
+        for s in state.steps:
+            per_epoch[e].extend(s)
+            seen += len(s)
+            if seen == N:
+                e, seen = e + 1, 0
+        for e, idx in enumerate(per_epoch):
+            assert sorted(idx) == list(range(N)), f"epoch {e}: samples {sorted(idx)}"
+            checks += 1
+        ref = make_model()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+        for s in state.steps:
+            ref_opt.zero_grad()
+            loss_of(ref, x[s], y[s]).backward()
+            ref_opt.step()
+        want = torch.cat([p.detach().flatten() for p in ref.parameters()])
+        err = (weights - want).abs().max().item()
+        assert err < 5e-5, f"weights differ from the replay by {err}"
+        checks += 1
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump({"steps": len(state.steps), "size": hvd.size(), "resets": resets[0],
+                       "max_err": err}, f)
+    print(f"DONE size {hvd.size()} rank {hvd.rank()} resets {resets[0]} "
+          f"steps {len(state.steps)}", flush=True)
+    print(f"OK {checks + 1}", flush=True)
+
+
+def act(scenario, host, slot_lr, hosts_file):
+    victim = host == "127.0.0.1" and slot_lr == 1
+    if scenario == "kill" and victim:
+        print("killing myself", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if scenario == "raise" and victim:
+        raise RuntimeError("a worker's own error, mid-epoch")
+    if scenario in ("add", "remove") and hvd.rank() == 0:
+        lines = ["localhost:2"] + (["127.0.0.1:2"] if scenario == "add" else [])
+        tmp = hosts_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, hosts_file)
+        # Let the launcher see it before the next commit, so the change lands at a commit.
+        time.sleep(2.5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Elastic training through the real launcher: ``localhost`` and ``127.0.0.1`` are two hosts
+of 2 slots each, listed by a discovery script that reads a file the test (or the job) edits.
+Each run trains with ``ferrovod.torch.elastic`` and checks, in elastic_worker.py, that every
+sample of every epoch was trained exactly once, that every rank holds the same weights, and
+that they equal a one-process replay of the same global batches."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import _env, _run, describe, lines_matching
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "elastic_worker.py"
+BOTH = "localhost:2\n127.0.0.1:2\n"
+
+
+def elastic_job(tmp_path, hosts, np_, scenario="none", flags=(), timeout=120, env=None,
+                worker=None):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts)
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_),
+           "--host-discovery-script", f"cat {hosts_file}", *flags,
+           *(worker or [sys.executable, str(WORKER), scenario, str(hosts_file), str(tmp_path)])]
+    return _run(cmd, _env(env), timeout)
+
+
+def result(tmp_path):
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def sizes_seen(res):
+    return sorted({int(m.group(1)) for r in res.ranks for m in lines_matching(res, r, r"^size (\d+) ")})
+
+
+@pytest.mark.parametrize("scenario", ["kill", "raise"])
+def test_a_lost_worker_is_recovered_in_place(tmp_path, scenario):
+    """One worker of host 127.0.0.1 dies (SIGKILL) or raises mid-epoch: the host is
+    blacklisted, its other worker leaves, and the two survivors go on from the last commit."""
+    t0 = time.monotonic()
+    res = elastic_job(tmp_path, BOTH, 4, scenario, ["--min-np", "2", "--elastic-timeout", "30"])
+    assert res.returncode == 0, describe(res)
+    assert "blacklisting 127.0.0.1" in res.stderr, describe(res)
+    assert "127.0.0.1[0] has been removed from the elastic job" in res.stdout + res.stderr
+    got = result(tmp_path)
+    assert got["size"] == 2 and got["resets"] == 1, got
+    assert sizes_seen(res) == [2, 4], describe(res)
+    assert time.monotonic() - t0 < 90
+
+
+def test_a_host_added_by_discovery_joins_at_the_next_commit(tmp_path):
+    res = elastic_job(tmp_path, "localhost:2\n", 2, "add", ["--min-np", "2", "--max-np", "4"])
+    assert res.returncode == 0, describe(res)
+    got = result(tmp_path)
+    assert got["size"] == 4 and got["resets"] == 1, got
+    assert sizes_seen(res) == [2, 4], describe(res)
+    # The new workers started from the survivors' state, not from the beginning.
+    joined = [int(m.group(1)) for r in (2, 3) for m in lines_matching(res, r, r"^size 4 rank \d epoch \d step (\d+)")]
+    assert joined and all(s > 0 for s in joined), describe(res)
+
+
+def test_a_host_removed_by_discovery_leaves_at_the_next_commit(tmp_path):
+    res = elastic_job(tmp_path, BOTH, 4, "remove", ["--min-np", "2"])
+    assert res.returncode == 0, describe(res)
+    got = result(tmp_path)
+    assert got["size"] == 2 and got["resets"] == 1, got
+    assert "blacklisting" not in res.stderr, describe(res)
+
+
+def test_below_min_np_every_process_fails_within_the_elastic_timeout(tmp_path):
+    t0 = time.monotonic()
+    res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "3", "--elastic-timeout", "4"])
+    took = time.monotonic() - t0
+    assert res.returncode != 0, describe(res)
+    assert "for at least 3 slots (--min-np); 2 available" in res.stderr, describe(res)
+    for r in (0, 1):
+        assert lines_matching(res, r, r"the elastic job was stopped: waited"), describe(res)
+    assert took < 60, f"took {took:.0f} s"
+
+
+def test_the_reset_limit_stops_the_job(tmp_path):
+    res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "2", "--reset-limit", "0"])
+    assert res.returncode != 0, describe(res)
+    assert "exceeded the limit: 0" in res.stderr, describe(res)
+    for r in (0, 1):
+        assert lines_matching(res, r, r"exceeded the limit: 0"), describe(res)
+
+
+def test_without_a_script_the_fixed_hosts_give_fault_tolerance(tmp_path):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(BOTH)
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "4", "--min-np", "2",
+           "-H", "localhost:2,127.0.0.1:2", sys.executable, str(WORKER), "kill",
+           str(hosts_file), str(tmp_path)]
+    res = _run(cmd, _env(None), 120)
+    assert res.returncode == 0, describe(res)
+    assert result(tmp_path)["size"] == 2
+
+
+def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
+    """With a 1 s cooldown the killed worker's host is let back in: the job shrinks to 2 and
+    grows to 4 again, and the result still matches the replay."""
+    res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "2",
+                                                  "--blacklist-cooldown-range", "1", "2"],
+                      env={"ELASTIC_STEP_SLEEP": "0.4"})
+    assert res.returncode == 0, describe(res)
+    assert "blacklisting 127.0.0.1 for 1 s" in res.stderr, describe(res)
+    epochs = [ln for ln in res.stderr.splitlines() if "elastic: epoch" in ln]
+    assert len(epochs) >= 3 and "4 worker(s)" in epochs[-1], describe(res)
+    assert result(tmp_path)["size"] == 4
+
+
+@pytest.mark.parametrize("hosts,flags,env,message", [
+    ("localhost\n", [], {}, "without a slot count"),
+    ("localhost\n", ["--slots-per-host", "2"], {}, None),
+    ("localhost\n", [], {"OMPI_MCA_orte_set_default_slots": "2"}, None),
+])
+def test_bare_host_names_take_the_slots_per_host(tmp_path, hosts, flags, env, message):
+    """The MPI Operator's discover_hosts.sh prints bare pod names."""
+    res = elastic_job(tmp_path, hosts, 2, flags=["--min-np", "2", *flags], env=env,
+                      worker=[sys.executable, "-c", "import ferrovod as fv; fv.init(); "
+                              "print('size', fv.size())"], timeout=60)
+    if message:
+        assert res.returncode != 0 and message in res.stderr, describe(res)
+    else:
+        assert res.returncode == 0, describe(res)
+        assert lines_matching(res, 0, r"^size 2"), describe(res)
+
+
+def test_a_failing_first_discovery_is_fatal(tmp_path):
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "2", "--host-discovery-script",
+           "echo no hosts for you >&2; exit 3", sys.executable, "-c", "pass"]
+    res = _run(cmd, _env(None), 30)
+    assert res.returncode != 0, describe(res)
+    assert "exited with exit code 3: no hosts for you" in res.stderr, describe(res)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["-np", "2", "--min-np", "3"], "-np 2 is below --min-np 3"),
+    (["-np", "4", "--min-np", "2", "--max-np", "3"], "--max-np 3 is below -np 4"),
+    (["-np", "2", "--min-np", "2"], "needs --host-discovery-script, or -H/--hostfile"),
+    (["-np", "2", "--reset-limit", "1", "-H", "localhost:2"], "only apply to an elastic job"),
+    (["-np", "2", "--min-np", "2", "-H", "localhost:2", "--blacklist-cooldown-range", "5", "1"],
+     "0 < LO <= HI"),
+])
+def test_elastic_usage_errors(flags, message):
+    res = _run([sys.executable, "-m", "ferrovod.runner.launch", *flags, "true"], _env(None), 30)
+    assert res.returncode == 2 and message in res.stderr, describe(res)
