@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _core, _elastic, _logging, _rendezvous
 from . import process_sets as _ps
-from .exceptions import InvalidArgumentError
+from .exceptions import FerrovodError, InvalidArgumentError
 from .process_sets import ProcessSet, global_process_set
 
 Average = _core.Average
@@ -85,7 +85,13 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     _logging.configure(level, hide_time, f"rank {my_rank}")
     info = _core.launch_info()
     addr, secret = _rendezvous.address_and_secret(comm, info)
-    _core.init([p.ranks for p in static], dynamic, addr, secret, generation)
+    try:
+        _core.init([p.ranks for p in static], dynamic, addr, secret, generation)
+    except FerrovodError as e:
+        if generation is None or isinstance(e, InvalidArgumentError):
+            raise
+        raise _elastic.FormingError(f"forming the elastic job's membership {generation} "
+                                    f"failed: {e}") from e
     if generation is not None:
         _elastic.watch_hosts()
     _name_counters.clear()

@@ -29,11 +29,22 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any, Dict, Optional
 
-from .exceptions import FerrovodError, FerrovodTimeoutError
+from .exceptions import FerrovodError, FerrovodTimeoutError, HorovodInternalError
 
-__all__ = ["enabled", "join_next", "current_epoch", "watch_hosts"]
+__all__ = ["enabled", "join_next", "current_epoch", "watch_hosts", "JobStoppedError", "FormingError"]
+
+class JobStoppedError(FerrovodError):
+    """The launcher stopped the elastic job (below ``--min-np`` for the elastic timeout, the
+    reset limit reached): no membership will follow."""
+
+
+class FormingError(HorovodInternalError):
+    """Forming the job with a membership failed (a member died or left meanwhile): the
+    launcher publishes another, which a reset takes."""
+
 
 ENABLED_VAR = "FERROVOD_ELASTIC"
 EPOCH_VAR = "FERROVOD_ELASTIC_EPOCH"
@@ -41,6 +52,8 @@ TIMEOUT_VAR = "FERROVOD_ELASTIC_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 #: Seconds the store may take to answer a key that must exist already.
 _PROMPT_S = 30.0
+#: How often a worker looks whether every member of its membership has arrived.
+_ARRIVAL_POLL_S = 0.02
 #: How much longer than the launcher a worker waits for a membership.
 _LAUNCHER_MARGIN_S = 15.0
 #: How long the watcher's store call may last (also how long it may delay exit).
@@ -111,37 +124,60 @@ class _Worker:
         return None if raw is None else json.loads(raw.decode())
 
     def join_next(self) -> int:
-        want = self.epoch + 1
         # Longer than the launcher waits for hosts, so that its answer (a membership, or an
         # abort saying what it waited for) arrives first; this only ends a wait for a
         # launcher that is gone.
         wait = self.timeout + _LAUNCHER_MARGIN_S
-        if self.read(ready_key(want), wait) is None:
-            raise FerrovodTimeoutError(
-                f"{self.me()} waited {wait:g} s (the elastic timeout and then some) for the launcher "
-                f"to publish the job's next membership (epoch {want}); is ferrovodrun still "
-                "running?")
-        latest = max(want, int(self.read(LATEST_KEY, _PROMPT_S) or want))
-        place = self.read(slot_key(latest, self.host, self.local_rank), _PROMPT_S)
-        if place is None:
-            raise FerrovodError(f"the launcher published epoch {latest} without a place for "
-                                f"{self.me()}")
-        if "abort" in place:
-            raise FerrovodError(f"the elastic job was stopped: {place['abort']}")
-        if "removed" in place:
-            sys.stderr.write(f"ferrovod: {self.me()} has been removed from the elastic job "
-                             f"({place['removed']}); exiting\n")
-            sys.stderr.flush()
-            raise SystemExit(0)
+        deadline = time.monotonic() + wait
+        while True:
+            want = self.epoch + 1
+            left = deadline - time.monotonic()
+            if left <= 0 or self.read(ready_key(want), left) is None:
+                raise FerrovodTimeoutError(
+                    f"{self.me()} waited {wait:g} s (the elastic timeout and then some) for the "
+                    f"launcher to publish the job's next membership (epoch {want}); is "
+                    "ferrovodrun still running?")
+            latest = max(want, int(self.read(LATEST_KEY, _PROMPT_S) or want))
+            place = self.read(slot_key(latest, self.host, self.local_rank), _PROMPT_S)
+            if place is None:
+                raise FerrovodError(f"the launcher published epoch {latest} without a place "
+                                    f"for {self.me()}")
+            if "abort" in place:
+                raise JobStoppedError(f"the elastic job was stopped: {place['abort']}")
+            if "removed" in place:
+                sys.stderr.write(f"ferrovod: {self.me()} has been removed from the elastic job "
+                                 f"({place['removed']}); exiting\n")
+                sys.stderr.flush()
+                raise SystemExit(0)
+            with self.lock:
+                self.epoch = latest
+            if self._all_arrived(latest, int(place["size"]), deadline):
+                break
+            # A newer membership came while this one gathered: take that instead.
         for key in _TOPOLOGY:
             value = str(place[key.lower()])
             os.environ["FERROVOD_" + key] = value
             os.environ["HOROVOD_" + key] = value
-        # A new worker waits in the forming for the others to reach their next commit.
-        os.environ["FERROVOD_START_TIMEOUT"] = str(int(max(self.timeout, 1)))
-        with self.lock:
-            self.epoch = latest
         return latest
+
+    def _all_arrived(self, epoch: int, size: int, deadline: float) -> bool:
+        """Counts this worker in for ``epoch`` and waits until all ``size`` members are:
+        True, or False when the launcher published a newer membership first (a member
+        failed, or hosts changed, while the others gathered). Only then does the forming
+        start, so a new worker never waits in it for survivors still training until their
+        next commit, and the forming's own timeout can stay short."""
+        key = f"elastic/e{epoch}/arrived"
+        count = self.store.add(key, 1)
+        while count < size:
+            if self.store.get(ready_key(epoch + 1), 0.0) is not None:
+                return False
+            if time.monotonic() > deadline:
+                raise FerrovodTimeoutError(
+                    f"{self.me()}: {count} of the {size} workers of the job's membership "
+                    f"{epoch} arrived within the elastic timeout")
+            time.sleep(_ARRIVAL_POLL_S)
+            count = self.store.add(key, 0)
+        return True
 
     def watch(self) -> None:
         if self.watcher is not None:

@@ -175,6 +175,18 @@ class ModelState(ObjectState):
         raise NotImplementedError()
 
 
+def _reset_until_formed(reset: Callable[[], None]) -> None:
+    """``reset()``, again while forming the new membership fails because one of its members
+    failed too (the launcher then publishes the next one: a failure during a reset is just
+    another failure). A stopped job, a removed worker or the elastic timeout end it."""
+    while True:
+        try:
+            reset()
+            return
+        except _elastic.FormingError:
+            continue
+
+
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
     """Wraps ``func(state, *args, **kwargs)`` in the elastic loop: sync the state, run; on
     ``HorovodInternalError`` (a rank failed) restore the last commit, ``reset()`` and run
@@ -197,7 +209,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:
                     skip_sync = e.skip_sync
-                reset()
+                _reset_until_formed(reset)
                 state.on_reset()
         finally:
             with _listeners_lock:

@@ -15,6 +15,7 @@ keeps them, so after the run rank 0 checks, independently of ferrovod:
 
 SCENARIO says what happens at global step ``AT`` (only once, in the first membership):
   kill       the worker on host 127.0.0.1 with local rank 1 SIGKILLs itself
+  twice      as kill; then host 127.0.0.2's worker SIGKILLs itself during the reset
   raise      that worker raises an exception instead
   add        rank 0 writes a second host into HOSTS_FILE (the discovery script reads it)
   remove     rank 0 removes host 127.0.0.1 from HOSTS_FILE
@@ -71,6 +72,10 @@ def main():
 
     def on_reset():
         resets[0] += 1
+        if scenario == "twice" and host == "127.0.0.2":
+            # A second failure, in the middle of the reset: the survivors' state sync fails.
+            print("killing myself in the reset", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     state.register_reset_callbacks([on_reset])
 
@@ -135,8 +140,8 @@ def main():
 
 
 def act(scenario, host, slot_lr, hosts_file):
-    victim = host == "127.0.0.1" and slot_lr == 1
-    if scenario == "kill" and victim:
+    victim = host == "127.0.0.1" and slot_lr == (0 if scenario == "twice" else 1)
+    if scenario in ("kill", "twice") and victim:
         print("killing myself", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "raise" and victim:

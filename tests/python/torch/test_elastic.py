@@ -53,6 +53,17 @@ def test_a_lost_worker_is_recovered_in_place(tmp_path, scenario):
     assert time.monotonic() - t0 < 90
 
 
+def test_a_worker_failing_during_the_reset_is_just_another_failure(tmp_path):
+    """Horovod hangs here (#3014): after one host's worker died, another host's worker dies
+    while the survivors re-form and sync. They reset again and go on."""
+    res = elastic_job(tmp_path, "localhost:2\n127.0.0.1:1\n127.0.0.2:1\n", 4, "twice",
+                      ["--min-np", "2", "--elastic-timeout", "30"])
+    assert res.returncode == 0, describe(res)
+    assert "blacklisting 127.0.0.1" in res.stderr and "blacklisting 127.0.0.2" in res.stderr
+    got = result(tmp_path)
+    assert got["size"] == 2 and got["resets"] == 2, got
+
+
 def test_a_host_added_by_discovery_joins_at_the_next_commit(tmp_path):
     res = elastic_job(tmp_path, "localhost:2\n", 2, "add", ["--min-np", "2", "--max-np", "4"])
     assert res.returncode == 0, describe(res)
