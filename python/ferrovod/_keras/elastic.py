@@ -57,7 +57,12 @@ class KerasState(ModelState):
         return list(self.model.variables) + _optimizer_variables(self.optimizer)
 
     def sync(self) -> None:
-        """Sets every rank's variables and attributes to rank 0's, and saves them."""
+        """Sets every rank's variables and attributes to rank 0's, and saves them. An
+        optimizer that has made no step yet (a worker that just joined) builds its slots
+        first, so that every rank broadcasts the same variables."""
+        opt = self.optimizer
+        if opt is not None and not getattr(opt, "built", True) and hasattr(opt, "build"):
+            opt.build(self.model.trainable_variables)
         broadcast_variables(self._variables(), 0, name="KerasState.sync")
         self._save_model()
         super().sync()

@@ -1,0 +1,85 @@
+"""Elastic Keras 3 training (``ferrovod.tensorflow.keras.elastic``) whose membership changes.
+
+usage: keras_elastic_worker.py SCENARIO HOSTS_FILE
+
+``model.fit`` with Adam under ``hvd.elastic.run`` and Horovod's three callbacks
+(``CommitStateCallback``, ``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``).
+SCENARIO at global batch ``AT`` of the first membership:
+  add    rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next commit; their
+         Adam has no slots yet, and must get rank 0's
+  kill   the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
+At the end every rank's weights and optimizer variables must be identical (a new worker with
+zero moments, or a survivor that missed a step, would differ) and the epochs all done.
+Prints ``size S rank R`` at each start and ``OK n``.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import keras  # noqa: E402
+
+import ferrovod.tensorflow.keras as hvd  # noqa: E402
+
+EPOCHS, STEPS, AT = 3, 8, 5
+
+
+def main():
+    scenario, hosts_file = sys.argv[1], sys.argv[2]
+    hvd.init()
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(256, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1))).astype("float32")
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=opt, loss="mse")
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    host = os.environ["FERROVOD_HOSTNAME"]
+    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
+    done = [0]
+
+    class Act(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            done[0] += 1
+            if done[0] != AT:
+                return
+            if scenario == "kill" and host == "127.0.0.1" and slot_lr == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if scenario == "add" and hvd.rank() == 0:
+                with open(hosts_file + ".tmp", "w") as f:
+                    f.write("localhost:2\n127.0.0.1:2\n")
+                os.replace(hosts_file + ".tmp", hosts_file)
+                time.sleep(2.5)
+
+    @hvd.elastic.run
+    def train(state):
+        print(f"size {hvd.size()} rank {hvd.rank()}", flush=True)
+        r, n = hvd.rank(), hvd.size()
+        model.fit(x[r::n], y[r::n], batch_size=8, steps_per_epoch=STEPS, epochs=EPOCHS,
+                  initial_epoch=state.epoch, verbose=0,
+                  callbacks=[Act(), hvd.elastic.UpdateBatchStateCallback(state),
+                             hvd.elastic.UpdateEpochStateCallback(state),
+                             hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])
+
+    train(state)
+    values = [np.asarray(v) for v in model.variables + opt.variables]
+    flat = np.concatenate([v.reshape(-1).astype("float64") for v in values])
+    everyone = hvd.allgather_object(flat)
+    checks = 0
+    for i, other in enumerate(everyone):
+        assert other.shape == flat.shape and np.allclose(other, flat, rtol=0, atol=1e-6), \
+            f"rank {i}'s weights or optimizer state differ from rank {hvd.rank()}'s"
+        checks += 1
+    assert state.epoch == EPOCHS, state.epoch
+    print(f"DONE size {hvd.size()} rank {hvd.rank()} iterations {int(np.asarray(opt.iterations))}",
+          flush=True)
+    print(f"OK {checks + 1}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

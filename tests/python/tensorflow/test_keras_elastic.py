@@ -1,0 +1,32 @@
+"""Elastic Keras 3 training through the real launcher (keras_elastic_worker.py): workers
+join (their Adam has no slots yet and must receive rank 0's) or are lost mid-epoch, and every
+rank ends with identical weights and optimizer state."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import _env, _run, describe, lines_matching
+
+pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("scenario,hosts,np_,final", [
+    ("add", "localhost:2\n", 2, 4),
+    ("kill", "localhost:2\n127.0.0.1:2\n", 4, 2),
+])
+def test_keras_elastic(tmp_path, scenario, hosts, np_, final):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts)
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_), "--min-np", "2",
+           "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
+           str(HERE / "keras_elastic_worker.py"), scenario, str(hosts_file)]
+    res = _run(cmd, _env({"KERAS_BACKEND": "tensorflow"}), 240)
+    assert res.returncode == 0, describe(res)
+    done = [r for r in res.ranks if lines_matching(res, r, rf"^DONE size {final} ")]
+    assert len(done) == final, describe(res)
+    sizes = {int(m.group(1)) for r in res.ranks for m in lines_matching(res, r, r"^size (\d+) ")}
+    assert sizes == {2, 4}, describe(res)
