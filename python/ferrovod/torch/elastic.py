@@ -15,6 +15,7 @@ import math
 import random
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, Tuple
 
+import numpy as np
 import torch
 import torch.utils.data
 
@@ -113,6 +114,40 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
+def _copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # NumPy's copy of host memory measured two to three times faster here than
+    # Tensor.copy_ (which splits even a plain memory copy over its thread pool).
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous()
+            and src.is_contiguous() and dst.dtype in _NUMPY_SAFE):
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
+_NUMPY_SAFE = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+               torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _copy_into(saved: Any, live: Any) -> Any:
+    """``live`` (a state dict) copied into ``saved``, the previous commit's copy, reusing its
+    tensors where shape and dtype still match: a commit is then one memory copy per tensor,
+    without allocating (a deep copy of a 10 M-parameter model with Adam took ten times as
+    long)."""
+    if isinstance(live, torch.Tensor):
+        if (isinstance(saved, torch.Tensor) and saved.shape == live.shape
+                and saved.dtype == live.dtype and saved.device == live.device):
+            _copy_tensor(saved, live.detach())
+            return saved
+        return live.detach().clone()
+    if isinstance(live, dict):
+        old = saved if isinstance(saved, dict) else {}
+        return type(live)((k, _copy_into(old.get(k), v)) for k, v in live.items())
+    if isinstance(live, (list, tuple)) and type(live) in (list, tuple):
+        same = isinstance(saved, (list, tuple)) and len(saved) == len(live)
+        return type(live)(_copy_into(saved[i] if same else None, v) for i, v in enumerate(live))
+    return copy.deepcopy(live)
+
+
 class _Handler:
     """Commits, restores and syncs one kind of value a :class:`TorchState` holds."""
 
@@ -122,10 +157,12 @@ class _Handler:
         self.save()
 
     def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
+        self.saved = _copy_into(self.saved, self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self.saved)
+        # A copy: load_state_dict may keep the tensors it is given (an optimizer's does), and
+        # the next commit writes into these.
+        self.value.load_state_dict(copy.deepcopy(self.saved))
 
     def sync(self) -> None:
         raise NotImplementedError()
