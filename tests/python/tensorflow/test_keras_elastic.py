@@ -30,3 +30,15 @@ def test_keras_elastic(tmp_path, scenario, hosts, np_, final):
     assert len(done) == final, describe(res)
     sizes = {int(m.group(1)) for r in res.ranks for m in lines_matching(res, r, r"^size (\d+) ")}
     assert sizes == {2, 4}, describe(res)
+
+
+def test_keras_elastic_example_trains(tmp_path):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("localhost:2\n")
+    example = HERE.parent.parent.parent / "examples" / "elastic" / "keras_digits_elastic.py"
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "2", "--min-np", "2",
+           "--host-discovery-script", f"cat {hosts_file}", sys.executable, str(example)]
+    res = _run(cmd, _env({"KERAS_BACKEND": "tensorflow"}), 240)
+    assert res.returncode == 0, describe(res)
+    acc = lines_matching(res, 0, r"^test accuracy: ([\d.]+)%")
+    assert acc and float(acc[0].group(1)) >= 90.0, describe(res)

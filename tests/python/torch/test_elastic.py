@@ -5,8 +5,13 @@ sample of every epoch was trained exactly once, that every rank holds the same w
 that they equal a one-process replay of the same global batches."""
 
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "elastic_worker.py"
+EXAMPLE = HERE.parent.parent.parent / "examples" / "elastic" / "pytorch_digits_elastic.py"
 BOTH = "localhost:2\n127.0.0.1:2\n"
 
 
@@ -162,3 +168,53 @@ def test_a_failing_first_discovery_is_fatal(tmp_path):
 def test_elastic_usage_errors(flags, message):
     res = _run([sys.executable, "-m", "ferrovod.runner.launch", *flags, "true"], _env(None), 30)
     assert res.returncode == 2 and message in res.stderr, describe(res)
+
+
+def _workers_on(host, marker):
+    """Pids of this job's elastic workers of ``host`` (found by their environment)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (f"FERROVOD_TEST_JOB={marker}".encode() in env and b"FERROVOD_ELASTIC=1" in env
+                and f"FERROVOD_HOSTNAME={host}".encode() in env):
+            pids.append(int(entry))
+    return pids
+
+
+def test_the_example_survives_a_worker_killed_from_outside(tmp_path):
+    """examples/elastic/pytorch_digits_elastic.py as the README runs it; once an epoch is done,
+    one of host 127.0.0.1's workers is SIGKILLed from outside the job."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(BOTH)
+    marker = uuid.uuid4().hex
+    env = _env({"FERROVOD_TEST_JOB": marker})
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "4", "--min-np", "2",
+           "--host-discovery-script", f"cat {hosts_file}", sys.executable,
+           str(EXAMPLE), "--epochs", "6"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines, killed = [], False
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            lines.append(line)
+            if not killed and "epoch 1: test accuracy" in line:
+                victims = _workers_on("127.0.0.1", marker)
+                assert victims, "".join(lines)
+                os.kill(victims[0], signal.SIGKILL)
+                killed = True
+            assert time.monotonic() < deadline, "".join(lines)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert proc.returncode == 0 and killed, out
+    assert "training on 2 workers from epoch" in out, out
+    acc = [float(m) for m in re.findall(r"test accuracy: ([\d.]+)%", out)]
+    assert acc and acc[-1] >= 80.0, out
