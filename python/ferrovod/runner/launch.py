@@ -823,7 +823,18 @@ def _launch_elastic(plan: LaunchPlan, settings: ElasticSettings, supervisor: Sup
         if plan.verbose:
             log(f"elastic: starting worker {wid} for {slot.hostname}[{slot.local_rank}] "
                 f"(epoch {epoch}, rank {slot.rank})")
-        return WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
+        spec = WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
+        if plan.output_dir is not None:
+            # A worker's rank changes with the membership: its files are named by the worker
+            # number its output lines carry.
+            where = os.path.join(plan.output_dir, f"worker.{wid}")
+            try:
+                os.makedirs(where, exist_ok=True)
+                spec.stdout_copy = open(os.path.join(where, "stdout"), "wb")
+                spec.stderr_copy = open(os.path.join(where, "stderr"), "wb")
+            except OSError as exc:
+                raise SpawnError(wid, where, exc) from None
+        return spec
 
     for note in plan.notes:
         if plan.verbose:

@@ -218,3 +218,13 @@ def test_the_example_survives_a_worker_killed_from_outside(tmp_path):
     assert "training on 2 workers from epoch" in out, out
     acc = [float(m) for m in re.findall(r"test accuracy: ([\d.]+)%", out)]
     assert acc and acc[-1] >= 80.0, out
+
+
+def test_output_files_are_named_by_worker(tmp_path):
+    out = tmp_path / "out"
+    res = elastic_job(tmp_path, "localhost:2\n", 2, flags=["--min-np", "2", "--output-filename", str(out)],
+                      worker=[sys.executable, "-c", "import ferrovod as fv; fv.init(); "
+                              "print('rank', fv.rank())"], timeout=60)
+    assert res.returncode == 0, describe(res)
+    got = sorted((out / f"worker.{w}" / "stdout").read_text() for w in (0, 1))
+    assert got == ["rank 0\n", "rank 1\n"], got
