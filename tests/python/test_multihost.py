@@ -7,6 +7,7 @@ Needs root, iproute2, openssh (and Open MPI for the mpirun tests); ``make test``
 (scripts/system_deps.sh). Skipped, saying why, where they cannot be had.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -162,6 +163,30 @@ def test_bad_hosts_are_named_before_any_worker_starts(cluster, tmp_path):
 
 
 HIER = str(WORKERS / "hierarchical_worker.py")
+
+
+ELASTIC = str(REPO / "tests" / "python" / "torch" / "elastic_worker.py")
+
+
+@pytest.mark.parametrize("scenario,hosts,np_,final", [
+    ("kill", "h1:2\nh2:2\n", 4, 2),
+    ("add", "h1:2\n", 2, 4),
+])
+def test_elastic_job_over_ssh(cluster, tmp_path, scenario, hosts, np_, final):
+    """The MPIJob shape, elastic: the launcher's host runs no worker; the discovery script
+    lists the worker hosts. A worker of h2 is SIGKILLed (h2 is blacklisted and its other
+    worker leaves), or h2 is added while the job runs (its workers start over ssh and join at
+    the next commit). The worker checks samples, weights and a one-process replay."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts)
+    env = clean_env(ELASTIC_VICTIM_HOST="h2", ELASTIC_FIRST_HOST="h1")
+    res = cluster.run("h0", [*LAUNCH, "-np", str(np_), "--min-np", "2", "--max-np", "4",
+                             "--host-discovery-script", f"cat {hosts_file}", *ssh_flags(cluster),
+                             PY, ELASTIC, scenario, str(hosts_file), str(tmp_path)],
+                      timeout=180, env=env)
+    assert res.returncode == 0, describe(res)
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["size"] == final and got["resets"] == 1, got
 
 
 def test_hierarchical_allreduce_across_hosts(cluster):

@@ -572,7 +572,8 @@ def plan_job(args: argparse.Namespace, environ: Optional[Dict[str, str]] = None)
         output_dir=args.output_filename,
         timestamp=bool(args.prefix_output_with_timestamp),
         verbose=bool(args.verbose),
-        notes=_notes(args, remote) + warnings,
+        # An elastic job's hosts come later: its ssh flags are not known to be unused.
+        notes=_notes(args, remote if elastic is None else ["(discovered)"]) + warnings,
         remote=remote,
         ssh=ssh,
         exports=exports,
@@ -685,18 +686,25 @@ def _worker_specs(
             inherit_stdin=slot.rank == 0,  # as mpirun: only rank 0 reads the launcher's stdin
         )
         if slot.hostname in plan.remote:
-            request = {
-                "argv": plan.command,
-                "env": forwarded_env(env, plan.exports, computed),
-                "cwd": cwd,
-                "local_size": slot.local_size,
-            }
-            spec.argv = plan.ssh.argv(slot.hostname, agent_argv())
-            spec.env = {k: v for k, v in base_env.items() if k != SECRET_VAR}
-            spec.inherit_stdin = False
-            spec.stdin_payload = (json.dumps(request) + "\n").encode()
+            _over_ssh(spec, plan, slot, env, base_env, computed, cwd)
         specs.append(spec)
     return specs
+
+
+def _over_ssh(spec: WorkerSpec, plan: LaunchPlan, slot: SlotInfo, env: Dict[str, str],
+              base_env: Dict[str, str], computed: List[str], cwd: str) -> None:
+    """Makes ``spec`` start its worker on ``slot``'s host through ssh and the host's agent,
+    which reads the command, environment and secret as one JSON line on stdin."""
+    request = {
+        "argv": plan.command,
+        "env": forwarded_env(env, plan.exports, computed),
+        "cwd": cwd,
+        "local_size": slot.local_size,
+    }
+    spec.argv = plan.ssh.argv(slot.hostname, agent_argv())
+    spec.env = {k: v for k, v in base_env.items() if k != SECRET_VAR}
+    spec.inherit_stdin = False
+    spec.stdin_payload = (json.dumps(request) + "\n").encode()
 
 
 def _log_plan(
@@ -773,7 +781,11 @@ def launch(
     server = None
     try:
         if plan.elastic is not None:
-            server, addr = _start_rendezvous(secret, log)
+            # Discovery may bring hosts of other machines at any time: listen on every
+            # interface (every connection proves the job secret first).
+            server, addr = _start_rendezvous(secret, log, "0.0.0.0")
+            if addr is not None:
+                addr = "127.0.0.1:" + addr.rsplit(":", 1)[1]
             if server is None:
                 raise LaunchError("an elastic job needs the native rendezvous store", exit_code=1)
             return _launch_elastic(plan, plan.elastic, supervisor, server,
@@ -813,17 +825,32 @@ def _launch_elastic(plan: LaunchPlan, settings: ElasticSettings, supervisor: Sup
                     log: Callable[[str], None]) -> int:
     """Runs an elastic job: the driver decides the memberships and asks for workers."""
 
+    computed = [var for var in THREAD_VARS if var not in base_env]
+    store_port = str(job.rendezvous_addr).rsplit(":", 1)[1]
+    checked: Dict[str, str] = {}  # remote host -> the store's address as it reaches it
+
     def spec_for(slot: SlotInfo, wid: int, epoch: int) -> WorkerSpec:
-        if not is_local_host(slot.hostname):
-            raise SpawnError(wid, slot.hostname, OSError(
-                0, "elastic jobs start workers on this machine only for now (its host names, "
-                "such as localhost and 127.0.0.1); remote hosts over ssh are not supported yet"))
-        env = worker_env(base_env, slot, job)
+        remote = not is_local_host(slot.hostname)
+        host_job = job
+        if remote:
+            if slot.hostname not in checked:
+                # A host discovery brings is checked when its first worker starts, as every
+                # host of a fixed job is before anything starts.
+                reports = check_hosts([slot.hostname], plan.ssh, sys.executable, plan.iface,
+                                      os.getcwd(), timeout=plan.ssh.connect_timeout + 30.0)
+                message = format_host_errors(reports, [slot.hostname])
+                if message is not None:
+                    raise SpawnError(wid, slot.hostname, OSError(0, message))
+                checked[slot.hostname] = f"{rendezvous_host(reports, slot.hostname)}:{store_port}"
+            host_job = replace(job, rendezvous_addr=checked[slot.hostname])
+        env = worker_env(base_env, slot, host_job)
         env.update(elastic_worker_env(slot, epoch, settings))
         if plan.verbose:
             log(f"elastic: starting worker {wid} for {slot.hostname}[{slot.local_rank}] "
                 f"(epoch {epoch}, rank {slot.rank})")
         spec = WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
+        if remote:
+            _over_ssh(spec, plan, slot, env, base_env, computed, os.getcwd())
         if plan.output_dir is not None:
             # A worker's rank changes with the membership: its files are named by the worker
             # number its output lines carry.

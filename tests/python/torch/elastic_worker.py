@@ -139,15 +139,21 @@ def main():
     print(f"OK {checks + 1}", flush=True)
 
 
+# The host whose worker fails, and the hosts the add and remove scenarios write: on one
+# machine 127.0.0.1 next to localhost; on network-namespace hosts, their names.
+VICTIM = os.environ.get("ELASTIC_VICTIM_HOST", "127.0.0.1")
+FIRST = os.environ.get("ELASTIC_FIRST_HOST", "localhost")
+
+
 def act(scenario, host, slot_lr, hosts_file):
-    victim = host == "127.0.0.1" and slot_lr == (0 if scenario == "twice" else 1)
+    victim = host == VICTIM and slot_lr == (0 if scenario == "twice" else 1)
     if scenario in ("kill", "twice") and victim:
         print("killing myself", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "raise" and victim:
         raise RuntimeError("a worker's own error, mid-epoch")
     if scenario in ("add", "remove") and hvd.rank() == 0:
-        lines = ["localhost:2"] + (["127.0.0.1:2"] if scenario == "add" else [])
+        lines = [f"{FIRST}:2"] + ([f"{VICTIM}:2"] if scenario == "add" else [])
         tmp = hosts_file + ".tmp"
         with open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")
