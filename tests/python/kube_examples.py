@@ -31,8 +31,9 @@ DOCKERFILE = EXAMPLES / "Dockerfile"
 DOCKERIGNORE = EXAMPLES / "Dockerfile.dockerignore"
 MPIJOB_FERROVODRUN = EXAMPLES / "mpijob-ferrovodrun.yaml"
 MPIJOB_MPIRUN = EXAMPLES / "mpijob-mpirun.yaml"
+MPIJOB_ELASTIC = EXAMPLES / "mpijob-elastic.yaml"
 PYTORCHJOB = EXAMPLES / "pytorchjob.yaml"
-MANIFESTS = (MPIJOB_FERROVODRUN, MPIJOB_MPIRUN, PYTORCHJOB)
+MANIFESTS = (MPIJOB_FERROVODRUN, MPIJOB_MPIRUN, MPIJOB_ELASTIC, PYTORCHJOB)
 
 # Where the MPI operator mounts its ConfigMap in the launcher (configMountPath + key).
 MPI_HOSTFILE = "/etc/mpi/hostfile"
@@ -99,6 +100,13 @@ def mpijob_hostfile(path: Path, namespace: str = "default") -> str:
         raise ValueError(f"{path}: runLauncherAsWorker is not modelled")
     slots = mpijob_slots(path)
     return "".join(f"{host} slots={slots}\n" for host in mpijob_worker_hosts(path, namespace))
+
+
+def mpijob_discover_hosts(path: Path, namespace: str = "default") -> str:
+    """The ``discover_hosts.sh`` the MPI operator mounts in an elastic MPIJob's launcher, with
+    every worker pod running: one bare host name per line, no slots."""
+    lines = "".join(f"echo {host}\n" for host in mpijob_worker_hosts(path, namespace))
+    return "#!/bin/sh\n" + lines
 
 
 def mpijob_launcher_env(path: Path, hostfile_path: str = MPI_HOSTFILE) -> Dict[str, str]:

@@ -23,7 +23,7 @@ import pytest
 
 import kube_examples as kx
 
-MPIJOBS = (kx.MPIJOB_FERROVODRUN, kx.MPIJOB_MPIRUN)
+MPIJOBS = (kx.MPIJOB_FERROVODRUN, kx.MPIJOB_MPIRUN, kx.MPIJOB_ELASTIC)
 README = kx.EXAMPLES / "README.md"
 
 
@@ -102,6 +102,7 @@ def test_manifests_are_the_expected_kinds() -> None:
     assert kinds == {
         "mpijob-ferrovodrun.yaml": ("kubeflow.org/v2beta1", "MPIJob"),
         "mpijob-mpirun.yaml": ("kubeflow.org/v2beta1", "MPIJob"),
+        "mpijob-elastic.yaml": ("kubeflow.org/v2beta1", "MPIJob"),
         "pytorchjob.yaml": ("kubeflow.org/v1", "PyTorchJob"),
     }
     names = [kx.load(p)["metadata"]["name"] for p in kx.MANIFESTS]

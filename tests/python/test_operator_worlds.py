@@ -17,6 +17,8 @@ training runs 2 epochs instead of 20 to keep the suite fast.
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -92,6 +94,41 @@ def test_mpijob(manifest, tmp_path):
         slots = K.mpijob_slots(manifest) * len(K.mpijob_worker_hosts(manifest))
         assert trained_on(res.stdout, slots), describe(res)
         assert cluster.leftovers("pytorch_digits.py", within=5) == {}
+
+
+def test_elastic_mpijob_goes_on_when_a_worker_pod_is_lost(tmp_path):
+    """The elastic MPIJob: the operator's discover_hosts.sh (bare pod names, no slots) in the
+    launcher, ssh on 2222. Once training runs, one rank of worker pod 1 is SIGKILLed (a pod
+    losing a process; the host is then blacklisted and its other rank leaves): the job goes
+    on with worker pod 0's two ranks and ends well."""
+    manifest = K.MPIJOB_ELASTIC
+    cluster, launcher = mpijob_world(manifest, tmp_path)
+    workers = K.mpijob_worker_hosts(manifest)
+    with cluster:
+        cluster.put_etc(launcher, "mpi/discover_hosts.sh", K.mpijob_discover_hosts(manifest))
+        os.chmod(f"/etc/netns/{cluster.hosts[launcher].ns}/mpi/discover_hosts.sh", 0o755)
+        env = clean_env(**K.mpijob_launcher_env(manifest))
+        argv = in_checkout(K.launcher_command(manifest))
+        proc = cluster.popen(launcher, argv, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        out, killed = [], False
+        try:
+            for line in proc.stdout:
+                out.append(line)
+                if not killed and "epoch 0: test accuracy" in line:
+                    victims = cluster.processes(workers[1], "pytorch_digits_elastic.py")
+                    assert victims, "".join(out)
+                    os.kill(int(victims[0].split(":", 1)[0]), signal.SIGKILL)
+                    killed = True
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        text = "".join(out)
+        assert proc.returncode == 0 and killed, text
+        assert "training on 4 workers" in text and "training on 2 workers" in text, text
+        assert "test accuracy:" in text, text
+        assert cluster.leftovers("pytorch_digits_elastic.py", within=5) == {}
 
 
 def test_pytorchjob(tmp_path):
