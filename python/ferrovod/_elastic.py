@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Dict, Optional
 
+from ._defaults import default, positive_seconds
 from .exceptions import FerrovodError, FerrovodTimeoutError, HorovodInternalError
 
 __all__ = ["enabled", "join_next", "current_epoch", "watch_hosts", "JobStoppedError", "FormingError"]
@@ -49,7 +50,6 @@ class FormingError(HorovodInternalError):
 ENABLED_VAR = "FERROVOD_ELASTIC"
 EPOCH_VAR = "FERROVOD_ELASTIC_EPOCH"
 TIMEOUT_VAR = "FERROVOD_ELASTIC_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600.0
 #: Seconds the store may take to answer a key that must exist already.
 _PROMPT_S = 30.0
 #: How often a worker looks whether every member of its membership has arrived.
@@ -78,20 +78,11 @@ LATEST_KEY = "elastic/latest"
 
 
 def timeout_s(environ: Optional[Dict[str, str]] = None) -> float:
-    """The elastic timeout: ``FERROVOD_ELASTIC_TIMEOUT``, ``HOROVOD_ELASTIC_TIMEOUT``, else
-    600 s."""
+    """The elastic timeout in seconds: ``FERROVOD_ELASTIC_TIMEOUT``, else
+    ``HOROVOD_ELASTIC_TIMEOUT``, else the engine table's default."""
     env = os.environ if environ is None else environ
-    for name in (TIMEOUT_VAR, "HOROVOD_ELASTIC_TIMEOUT"):
-        text = env.get(name, "").strip()
-        if text:
-            try:
-                value = float(text)
-            except ValueError:
-                value = 0.0
-            if value <= 0:
-                raise ValueError(f"{name} must be a number of seconds above 0, got {text!r}")
-            return value
-    return DEFAULT_TIMEOUT_S
+    return positive_seconds(env, (TIMEOUT_VAR, "HOROVOD_ELASTIC_TIMEOUT"),
+                            float(default(TIMEOUT_VAR)))
 
 
 class _Worker:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .._defaults import default as engine_default
+from .._defaults import positive_seconds
 from .hosts import SlotInfo
 
 __all__ = [
@@ -75,19 +76,8 @@ def start_timeout(flag_value: Optional[int], environ: Mapping[str, str]) -> int:
     ``HOROVOD_START_TIMEOUT``, else the engine's default."""
     if flag_value is not None:
         return flag_value
-    for name in ("FERROVOD_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
-        text = environ.get(name, "").strip()
-        if text:
-            try:
-                value = int(text)
-            except ValueError:
-                value = 0
-            if value <= 0:
-                raise ValueError(
-                    f"{name} must be a whole number of seconds above 0, got {text!r}"
-                )
-            return value
-    return int(engine_default("FERROVOD_START_TIMEOUT"))
+    return int(positive_seconds(environ, ("FERROVOD_START_TIMEOUT", "HOROVOD_START_TIMEOUT"),
+                                float(engine_default("FERROVOD_START_TIMEOUT")), whole=True))
 
 
 def tunable_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, str]:

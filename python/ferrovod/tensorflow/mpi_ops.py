@@ -405,6 +405,9 @@ def _failure_path(error: BaseException) -> bytes:
     return f"{os.devnull}/ferrovod: {raw}\n".encode("utf-8")
 
 
+# AutoGraph has nothing to convert here (the branches are on how the op is built, not on
+# tensors), and fails to on the nonlocal the TF1 ordering needs, warning in every trace.
+@tf.autograph.experimental.do_not_convert
 def _execute(body: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
              touts: Sequence[tf.DType], node: str, collective: bool = True) -> List[Any]:
     """Runs ``body(*arrays) -> [array, ...]``: now (eager), or as one stateful

@@ -1,6 +1,6 @@
-"""Elastic Keras 3 training through the real launcher (keras_elastic_worker.py): workers
-join (their Adam has no slots yet and must receive rank 0's) or are lost mid-epoch, and every
-rank ends with identical weights and optimizer state."""
+"""Elastic Keras 3 and TensorFlow training through the real launcher (keras_elastic_worker.py,
+tf_elastic_worker.py): workers join (their Adam has no slots yet and must receive rank 0's)
+or are lost mid-epoch, and every rank ends with identical weights and optimizer state."""
 
 import sys
 from pathlib import Path
@@ -42,3 +42,18 @@ def test_keras_elastic_example_trains(tmp_path):
     assert res.returncode == 0, describe(res)
     acc = lines_matching(res, 0, r"^test accuracy: ([\d.]+)%")
     assert acc and float(acc[0].group(1)) >= 90.0, describe(res)
+
+
+def test_tensorflow_custom_loop_elastic(tmp_path):
+    """tf.function steps through DistributedGradientTape with TensorFlowKerasState: two
+    workers join mid-run and receive the model and Adam's slots and step count."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("localhost:2\n")
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "2", "--min-np", "2",
+           "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
+           str(HERE / "tf_elastic_worker.py"), "add", str(hosts_file)]
+    res = _run(cmd, _env(None), 240)
+    assert res.returncode == 0, describe(res)
+    done = [r for r in res.ranks if lines_matching(res, r, r"^DONE size 4 rank \d iterations 24$")]
+    assert len(done) == 4, describe(res)
+    assert "AutoGraph could not transform" not in res.stdout + res.stderr, describe(res)

@@ -1,0 +1,87 @@
+"""Elastic TensorFlow training with a custom loop (``ferrovod.tensorflow.elastic``):
+``tf.function`` steps through ``DistributedGradientTape``, ``TensorFlowKerasState`` of the
+model and its Adam, committed every 2 steps.
+
+usage: tf_elastic_worker.py SCENARIO HOSTS_FILE
+  add    at step AT rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next
+         commit (their Adam has no slots until the state sync builds them)
+  kill   at step AT the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
+At the end every rank's weights and optimizer variables must be identical and every step
+done. Prints ``size S rank R step T`` at each start and ``OK n``.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import ferrovod.tensorflow as hvd
+
+STEPS, AT = 24, 7
+
+
+def main():
+    scenario, hosts_file = sys.argv[1], sys.argv[2]
+    hvd.init()
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(64, 4)).astype("float32"))
+    y = tf.constant((rng.normal(size=(64, 4)) @ rng.normal(size=(4, 1))).astype("float32"))
+    tf.keras.utils.set_random_seed(2)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="tanh"),
+                                 tf.keras.layers.Dense(1)])
+    opt = tf.keras.optimizers.Adam(0.01)
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer=opt, step=0)
+    host = os.environ["FERROVOD_HOSTNAME"]
+    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
+    acted = [False]
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(xb) - yb) ** 2)
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @hvd.elastic.run
+    def train(state):
+        print(f"size {hvd.size()} rank {hvd.rank()} step {state.step}", flush=True)
+        r, n = hvd.rank(), hvd.size()
+        while state.step < STEPS:
+            if state.step == AT and not acted[0]:
+                acted[0] = True
+                act(scenario, host, slot_lr, hosts_file)
+            lo = (state.step * 8) % 64
+            train_step(x[lo:lo + 8][r::n], y[lo:lo + 8][r::n])
+            state.step += 1
+            if state.step % 2 == 0:
+                state.commit()
+
+    train(state)
+    flat = np.concatenate([np.asarray(v).reshape(-1).astype("float64")
+                           for v in model.variables + list(opt.variables)])
+    everyone = hvd.allgather_object(flat)
+    for i, other in enumerate(everyone):
+        assert other.shape == flat.shape and np.allclose(other, flat, rtol=0, atol=1e-6), \
+            f"rank {i}'s weights or optimizer state differ from rank {hvd.rank()}'s"
+    print(f"DONE size {hvd.size()} rank {hvd.rank()} iterations {int(np.asarray(opt.iterations))}",
+          flush=True)
+    print(f"OK {len(everyone)}", flush=True)
+
+
+def act(scenario, host, slot_lr, hosts_file):
+    if scenario == "kill" and host == "127.0.0.1" and slot_lr == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if scenario == "add" and hvd.rank() == 0:
+        with open(hosts_file + ".tmp", "w") as f:
+            f.write("localhost:2\n127.0.0.1:2\n")
+        os.replace(hosts_file + ".tmp", hosts_file)
+        time.sleep(2.5)
+
+
+if __name__ == "__main__":
+    main()
