@@ -17,6 +17,7 @@ SCENARIO says what happens at global step ``AT`` (only once, in the first member
   kill       the worker on host 127.0.0.1 with local rank 1 SIGKILLs itself
   twice      as kill; then host 127.0.0.2's worker SIGKILLs itself during the reset
   raise      that worker raises an exception instead
+  all        every worker raises an exception
   add        rank 0 writes a second host into HOSTS_FILE (the discovery script reads it)
   remove     rank 0 removes host 127.0.0.1 from HOSTS_FILE
   none       nothing
@@ -152,6 +153,8 @@ def act(scenario, host, slot_lr, hosts_file):
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "raise" and victim:
         raise RuntimeError("a worker's own error, mid-epoch")
+    if scenario == "all":
+        raise RuntimeError("every worker's own error, mid-epoch")
     if scenario in ("add", "remove") and hvd.rank() == 0:
         lines = [f"{FIRST}:2"] + ([f"{VICTIM}:2"] if scenario == "add" else [])
         tmp = hosts_file + ".tmp"

@@ -100,6 +100,17 @@ def test_below_min_np_every_process_fails_within_the_elastic_timeout(tmp_path):
     assert took < 60, f"took {took:.0f} s"
 
 
+def test_every_worker_failing_ends_the_job_within_the_elastic_timeout(tmp_path):
+    t0 = time.monotonic()
+    res = elastic_job(tmp_path, BOTH, 4, "all", ["--min-np", "2", "--elastic-timeout", "3"])
+    took = time.monotonic() - t0
+    assert res.returncode != 0, describe(res)
+    assert "blacklisting localhost" in res.stderr and "blacklisting 127.0.0.1" in res.stderr
+    assert "0 slot(s) available, fewer than --min-np 2" in res.stderr, describe(res)
+    assert "for at least 2 slots (--min-np); 0 available" in res.stderr, describe(res)
+    assert took < 45, f"took {took:.0f} s"
+
+
 def test_the_reset_limit_stops_the_job(tmp_path):
     res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "2", "--reset-limit", "0"])
     assert res.returncode != 0, describe(res)
