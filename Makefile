@@ -16,7 +16,7 @@ BENCH_ARGS ?=
 # 41 s CPU + 28 s of tests, against 131 s CPU for a release build (thin LTO on every test
 # binary) + 7 s of tests. Use CARGO_TEST_FLAGS=--release to compare again as tests grow.
 CARGO_TEST_FLAGS ?=
-PYTEST_FLAGS ?= -q -x --timeout=300
+PYTEST_FLAGS ?= -q -x --timeout=300 -n 2 --dist loadgroup
 
 export VENV
 

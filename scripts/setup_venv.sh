@@ -34,7 +34,8 @@ done
 # as is; post-accumulate-grad hooks need >= 2.1) and scikit-learn (its bundled digits data)
 # are for ferrovod.torch's tests and examples/pytorch_digits.py. mpi4py (a binary wheel that
 # loads the system's libmpi at run time) is for the rendezvous over MPI under plain mpirun;
-# PyYAML reads the Kubernetes examples in their tests. tensorflow-cpu and keras (Keras 3) are for
+# PyYAML reads the Kubernetes examples in their tests; pytest-xdist runs the suite in two
+# processes (most tests wait on the jobs they launch). tensorflow-cpu and keras (Keras 3) are for
 # ferrovod.tensorflow / ferrovod.keras, their tests and examples; >=2.16 is the first TensorFlow
 # that ships Keras 3, the line Horovod 0.28 cannot run on.
 PACKAGES=(
@@ -44,6 +45,7 @@ PACKAGES=(
     "cloudpickle>=2"
     "pytest>=7"
     "pytest-timeout>=2"
+    "pytest-xdist>=3"
     "ml_dtypes>=0.2"
     "ziglang>=0.11,<1"
     "torch>=2.1"

@@ -24,6 +24,9 @@ from netns import Cluster, missing_tools
 pytestmark = [
     pytest.mark.usefixtures("ferrovod_importable"),
     pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools())),
+    # One pytest-xdist worker runs every network-namespace test: the operator's /etc/mpi is
+    # made and removed per world, and one module's hosts are shared by its tests.
+    pytest.mark.xdist_group("netns"),
 ]
 
 PY = sys.executable
