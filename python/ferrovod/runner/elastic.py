@@ -27,17 +27,31 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from .. import _elastic
 from ..common.elastic import HostUpdateResult
-from .hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile_text
+from .hosts import (
+    HostInfo,
+    HostSpecError,
+    SlotInfo,
+    get_host_assignments,
+    is_local_host,
+    parse_hostfile_text,
+)
+from .remote import check_hosts, format_host_errors, over_ssh, rendezvous_host
 from .supervisor import SpawnError, Supervisor, WorkerSpec, describe_status
+from .worker_env import THREAD_VARS, JobInfo, worker_env
 
-__all__ = ["ElasticSettings", "Discovery", "Blacklist", "ElasticDriver"]
+if TYPE_CHECKING:
+    from .launch import LaunchPlan
+
+__all__ = ["ElasticSettings", "Discovery", "Blacklist", "ElasticDriver", "launch"]
 
 #: How often the discovery script runs.
 DISCOVERY_PERIOD_S = 1.0
@@ -483,6 +497,59 @@ class ElasticDriver:
                  f"{first.host}[{first.local_rank}] with {describe_status(first.code or 1)}")
         code = first.code or 1
         return 128 - code if code < 0 else code
+
+
+def launch(plan: "LaunchPlan", settings: ElasticSettings, supervisor: Supervisor, server: object,
+           job: JobInfo, base_env: Dict[str, str], log: Log) -> int:
+    """Runs an elastic job from ``ferrovodrun``: the driver decides the memberships and asks
+    for the workers of new slots, which this builds (local, or over ssh through the host's
+    agent). Returns the launcher's exit status."""
+    computed = [var for var in THREAD_VARS if var not in base_env]
+    store_port = str(job.rendezvous_addr).rsplit(":", 1)[1]
+    checked: Dict[str, str] = {}  # remote host -> the store's address as it reaches it
+
+    def spec_for(slot: SlotInfo, wid: int, epoch: int) -> WorkerSpec:
+        remote = not is_local_host(slot.hostname)
+        host_job = job
+        if remote:
+            if slot.hostname not in checked:
+                # A host discovery brings is checked when its first worker starts, as every
+                # host of a fixed job is before anything starts.
+                reports = check_hosts([slot.hostname], plan.ssh, sys.executable, plan.iface,
+                                      os.getcwd(), timeout=plan.ssh.connect_timeout + 30.0)
+                message = format_host_errors(reports, [slot.hostname])
+                if message is not None:
+                    raise SpawnError(wid, slot.hostname, OSError(0, message))
+                checked[slot.hostname] = f"{rendezvous_host(reports, slot.hostname)}:{store_port}"
+            host_job = replace(job, rendezvous_addr=checked[slot.hostname])
+        env = worker_env(base_env, slot, host_job)
+        env.update(worker_extras(slot, epoch, settings))
+        if plan.verbose:
+            log(f"elastic: starting worker {wid} for {slot.hostname}[{slot.local_rank}] "
+                f"(epoch {epoch}, rank {slot.rank})")
+        spec = WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
+        if remote:
+            over_ssh(spec, plan.command, plan.ssh, plan.exports, slot.local_size, env, base_env,
+                     computed, os.getcwd())
+        if plan.output_dir is not None:
+            # A worker's rank changes with the membership: its files are named by the worker
+            # number its output lines carry.
+            where = os.path.join(plan.output_dir, f"worker.{wid}")
+            try:
+                os.makedirs(where, exist_ok=True)
+                spec.stdout_copy = open(os.path.join(where, "stdout"), "wb")
+                spec.stderr_copy = open(os.path.join(where, "stderr"), "wb")
+            except OSError as exc:
+                raise SpawnError(wid, where, exc) from None
+        return spec
+
+    if plan.verbose:
+        for note in plan.notes:
+            log(f"note: {note}")
+    supervisor.start([])
+    driver = ElasticDriver(settings, Discovery(settings, base_env, supervisor.run_command),
+                           server, supervisor, spec_for, log, plan.verbose)
+    return driver.run()
 
 
 def settings_from(args: object, fixed_hosts: Optional[List[HostInfo]],

@@ -16,7 +16,6 @@ Elastic launches are not supported yet.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import secrets
@@ -34,28 +33,25 @@ from .hosts import (
     HostSpecError,
     SlotInfo,
     get_host_assignments,
-    is_local_host,
     parse_hostfile,
     parse_hosts,
     remote_hosts,
 )
-from .elastic import Discovery, ElasticDriver, ElasticSettings
+from .elastic import ElasticSettings
+from .elastic import launch as launch_elastic
 from .elastic import settings_from as elastic_settings
-from .elastic import worker_extras as elastic_worker_env
 from .output import Sink, rank_output_dir
 from .remote import (
     HostReport,
     Ssh,
-    agent_argv,
     check_hosts,
     format_host_errors,
-    forwarded_env,
+    over_ssh,
     parse_exports,
     rendezvous_host,
 )
 from .supervisor import JobOutcome, SpawnError, Supervisor, WorkerSpec, describe_status
 from .worker_env import (
-    SECRET_VAR,
     THREAD_VARS,
     JobInfo,
     slot_env,
@@ -686,25 +682,10 @@ def _worker_specs(
             inherit_stdin=slot.rank == 0,  # as mpirun: only rank 0 reads the launcher's stdin
         )
         if slot.hostname in plan.remote:
-            _over_ssh(spec, plan, slot, env, base_env, computed, cwd)
+            over_ssh(spec, plan.command, plan.ssh, plan.exports, slot.local_size, env, base_env,
+                     computed, cwd)
         specs.append(spec)
     return specs
-
-
-def _over_ssh(spec: WorkerSpec, plan: LaunchPlan, slot: SlotInfo, env: Dict[str, str],
-              base_env: Dict[str, str], computed: List[str], cwd: str) -> None:
-    """Makes ``spec`` start its worker on ``slot``'s host through ssh and the host's agent,
-    which reads the command, environment and secret as one JSON line on stdin."""
-    request = {
-        "argv": plan.command,
-        "env": forwarded_env(env, plan.exports, computed),
-        "cwd": cwd,
-        "local_size": slot.local_size,
-    }
-    spec.argv = plan.ssh.argv(slot.hostname, agent_argv())
-    spec.env = {k: v for k, v in base_env.items() if k != SECRET_VAR}
-    spec.inherit_stdin = False
-    spec.stdin_payload = (json.dumps(request) + "\n").encode()
 
 
 def _log_plan(
@@ -788,8 +769,8 @@ def launch(
                 addr = "127.0.0.1:" + addr.rsplit(":", 1)[1]
             if server is None:
                 raise LaunchError("an elastic job needs the native rendezvous store", exit_code=1)
-            return _launch_elastic(plan, plan.elastic, supervisor, server,
-                                   JobInfo(addr, secret.hex(), plan.tunables), base_env, log)
+            return launch_elastic(plan, plan.elastic, supervisor, server,
+                                  JobInfo(addr, secret.hex(), plan.tunables), base_env, log)
         reports = _check_remote(plan, log) if plan.remote else {}
         _check_local_iface(plan)
         server, addr = _start_rendezvous(secret, log, "0.0.0.0" if plan.remote else "127.0.0.1")
@@ -818,59 +799,6 @@ def launch(
         if server is not None:
             server.close()
         _restore_signal_handlers(previous)
-
-
-def _launch_elastic(plan: LaunchPlan, settings: ElasticSettings, supervisor: Supervisor,
-                    server: Any, job: JobInfo, base_env: Dict[str, str],
-                    log: Callable[[str], None]) -> int:
-    """Runs an elastic job: the driver decides the memberships and asks for workers."""
-
-    computed = [var for var in THREAD_VARS if var not in base_env]
-    store_port = str(job.rendezvous_addr).rsplit(":", 1)[1]
-    checked: Dict[str, str] = {}  # remote host -> the store's address as it reaches it
-
-    def spec_for(slot: SlotInfo, wid: int, epoch: int) -> WorkerSpec:
-        remote = not is_local_host(slot.hostname)
-        host_job = job
-        if remote:
-            if slot.hostname not in checked:
-                # A host discovery brings is checked when its first worker starts, as every
-                # host of a fixed job is before anything starts.
-                reports = check_hosts([slot.hostname], plan.ssh, sys.executable, plan.iface,
-                                      os.getcwd(), timeout=plan.ssh.connect_timeout + 30.0)
-                message = format_host_errors(reports, [slot.hostname])
-                if message is not None:
-                    raise SpawnError(wid, slot.hostname, OSError(0, message))
-                checked[slot.hostname] = f"{rendezvous_host(reports, slot.hostname)}:{store_port}"
-            host_job = replace(job, rendezvous_addr=checked[slot.hostname])
-        env = worker_env(base_env, slot, host_job)
-        env.update(elastic_worker_env(slot, epoch, settings))
-        if plan.verbose:
-            log(f"elastic: starting worker {wid} for {slot.hostname}[{slot.local_rank}] "
-                f"(epoch {epoch}, rank {slot.rank})")
-        spec = WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
-        if remote:
-            _over_ssh(spec, plan, slot, env, base_env, computed, os.getcwd())
-        if plan.output_dir is not None:
-            # A worker's rank changes with the membership: its files are named by the worker
-            # number its output lines carry.
-            where = os.path.join(plan.output_dir, f"worker.{wid}")
-            try:
-                os.makedirs(where, exist_ok=True)
-                spec.stdout_copy = open(os.path.join(where, "stdout"), "wb")
-                spec.stderr_copy = open(os.path.join(where, "stderr"), "wb")
-            except OSError as exc:
-                raise SpawnError(wid, where, exc) from None
-        return spec
-
-    for note in plan.notes:
-        if plan.verbose:
-            log(f"note: {note}")
-    supervisor.start([])
-    driver = ElasticDriver(settings, Discovery(settings, base_env, supervisor.run_command),
-                           server, supervisor,
-                           spec_for, log, plan.verbose)
-    return driver.run()
 
 
 def run_commandline(argv: Optional[Sequence[str]] = None, adopt_orphans: bool = False) -> int:

@@ -24,9 +24,15 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .worker_env import SECRET_VAR
+
+if TYPE_CHECKING:
+    from .supervisor import WorkerSpec
 
 __all__ = [
+    "over_ssh",
     "HostReport",
     "Ssh",
     "check_hosts",
@@ -226,3 +232,21 @@ def forwarded_env(
 def agent_argv(python: Optional[str] = None) -> List[str]:
     """The command the ssh session runs on a remote host to start one worker."""
     return [python or sys.executable, "-m", AGENT_MODULE]
+
+
+def over_ssh(spec: "WorkerSpec", command: Sequence[str], ssh: Ssh, exports: Mapping[str, str],
+             local_size: int, env: Dict[str, str], base_env: Mapping[str, str],
+             computed: Sequence[str], cwd: str) -> None:
+    """Makes ``spec`` start its worker on its host through ssh and the host's agent, which
+    reads the command, environment and secret as one JSON line on stdin (the secret never
+    on a command line)."""
+    request = {
+        "argv": list(command),
+        "env": forwarded_env(env, exports, computed),
+        "cwd": cwd,
+        "local_size": local_size,
+    }
+    spec.argv = ssh.argv(spec.hostname, agent_argv())
+    spec.env = {k: v for k, v in base_env.items() if k != SECRET_VAR}
+    spec.inherit_stdin = False
+    spec.stdin_payload = (json.dumps(request) + "\n").encode()
