@@ -239,3 +239,14 @@ def test_output_files_are_named_by_worker(tmp_path):
     assert res.returncode == 0, describe(res)
     got = sorted((out / f"worker.{w}" / "stdout").read_text() for w in (0, 1))
     assert got == ["rank 0\n", "rank 1\n"], got
+
+
+def test_framework_free_object_state_recovers(tmp_path):
+    """``ferrovod.elastic.run`` and ``ObjectState`` over ferrovod's own collectives."""
+    worker = [sys.executable, str(HERE.parent / "workers" / "elastic_numpy_worker.py")]
+    res = elastic_job(tmp_path, BOTH, 4, flags=["--min-np", "2"], worker=worker, timeout=90)
+    assert res.returncode == 0, describe(res)
+    done = [m for r in res.ranks for m in lines_matching(res, r, r"^DONE size 2 counted 20 sizes (.*)")]
+    assert len(done) == 2, describe(res)
+    sizes = json.loads(done[0].group(1))
+    assert sizes[:4] == [4] * 4 and sizes[4:] == [2] * 16, sizes
