@@ -69,6 +69,14 @@ struct Shared {
     next_id: AtomicU64,
 }
 
+impl Shared {
+    /// Sets `key` and wakes every `get` waiting on the store.
+    fn set(&self, key: &str, value: &[u8]) {
+        self.data.lock().insert(key.to_owned(), value.to_vec());
+        self.changed.notify_all();
+    }
+}
+
 /// The rendezvous server. Serves on background threads (one per client) until
 /// [`TcpStoreServer::shutdown`] or drop, which close every socket and join every thread.
 pub struct TcpStoreServer {
@@ -122,11 +130,7 @@ impl TcpStoreServer {
     /// Sets `key` to `value` from the serving process itself (the launcher publishing what
     /// its workers wait for), waking every client waiting on it.
     pub fn set(&self, key: &str, value: &[u8]) {
-        self.shared
-            .data
-            .lock()
-            .insert(key.to_owned(), value.to_vec());
-        self.shared.changed.notify_all();
+        self.shared.set(key, value);
     }
 
     /// Stops serving: closes the listener and every client connection, wakes waiting `get`s
@@ -249,8 +253,7 @@ fn handle_request(shared: &Shared, request: &[u8]) -> Result<Vec<u8>> {
         OP_SET => {
             let value = r.bytes()?;
             r.finish()?;
-            shared.data.lock().insert(key.to_string(), value.to_vec());
-            shared.changed.notify_all();
+            shared.set(key, value);
             w.u8(ST_OK);
         }
         OP_GET => {

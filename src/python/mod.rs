@@ -822,11 +822,6 @@ impl StoreClient {
         }
     }
 
-    /// Sets `key` to `value`.
-    fn set(&self, py: Python<'_>, key: &str, value: Vec<u8>) -> PyResult<()> {
-        py.detach(|| self.store.set(key, &value)).map_err(to_pyerr)
-    }
-
     /// Adds `delta` to the counter at `key` (missing: 0) and returns the new value.
     fn add(&self, py: Python<'_>, key: &str, delta: i64) -> PyResult<i64> {
         py.detach(|| self.store.add(key, delta)).map_err(to_pyerr)
