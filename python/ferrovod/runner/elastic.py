@@ -259,7 +259,7 @@ class ElasticDriver:
 
     # -- memberships ----------------------------------------------------------------------------
 
-    def _publish(self, slots: List[SlotInfo], update: HostUpdateResult) -> _Membership:
+    def _publish(self, slots: List[SlotInfo], update: HostUpdateResult) -> None:
         epoch = self.current.epoch + 1
         new = _Membership(epoch, {(s.hostname, s.local_rank): s for s in slots})
         for (host, lr), slot in new.slots.items():
@@ -281,7 +281,6 @@ class ElasticDriver:
         ranks = ", ".join(f"{h}[{lr}]={s.rank}" for (h, lr), s in sorted(
             new.slots.items(), key=lambda kv: kv[1].rank))
         self.log(f"elastic: epoch {epoch}: {new.size} worker(s): {ranks}")
-        return new
 
     def _abort(self, why: str) -> None:
         self.aborted = True
@@ -422,25 +421,26 @@ class ElasticDriver:
                 self.log(f"error: {exc}")
                 self._abort(str(exc))
                 return self._end(1)
+            slots = self._plan(now)
+            new = {(s.hostname, s.local_rank) for s in slots}
+            old = set(self.current.slots)
             if not pending_change:
                 # A blacklisted host's cooldown may have ended with discovery's list unchanged.
-                planned = {(s.hostname, s.local_rank) for s in self._plan(now)}
-                if planned == set(self.current.slots):
+                if new == old:
                     continue
                 pending_change = True
-            slots = self._plan(now)
             if len(slots) < self.s.min_np:
                 if below_since is None:
                     below_since = now
                     self.log(f"elastic: {len(slots)} slot(s) available, fewer than --min-np "
                              f"{self.s.min_np}; waiting up to {self.s.timeout_s:g} s for hosts")
-                if now - below_since > self.s.timeout_s or not self._can_recover(now):
+                recoverable = self._can_recover(now)
+                if now - below_since > self.s.timeout_s or not recoverable:
                     why = (f"waited {now - below_since:.0f} s (elastic timeout "
                            f"{self.s.timeout_s:g} s) for at least {self.s.min_np} slots "
-                           f"(--min-np); {len(slots)} available")
-                    if not self._can_recover(now):
-                        why = (f"{len(slots)} slot(s) left and no host can come back "
-                               f"(need --min-np {self.s.min_np})")
+                           f"(--min-np); {len(slots)} available" if recoverable else
+                           f"{len(slots)} slot(s) left and no host can come back "
+                           f"(need --min-np {self.s.min_np})")
                     self.log(f"error: {why}")
                     self._abort(why)
                     return self._end(1)
@@ -453,14 +453,10 @@ class ElasticDriver:
                 self._abort(why)
                 return self._end(1)
             self.resets += 1
-            old = set(self.current.slots)
-            new = {(s.hostname, s.local_rank) for s in slots}
             update = HostUpdateResult.no_update
             if new - old:
                 update |= HostUpdateResult.added
-            if old - new:
-                update |= HostUpdateResult.removed
-            if failed:
+            if old - new or failed:
                 update |= HostUpdateResult.removed
             self._publish(slots, update)
             pending_change = failed = False

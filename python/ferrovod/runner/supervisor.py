@@ -254,6 +254,7 @@ class Supervisor:
         self._unclaimed: Dict[int, int] = {}
         self._own: Set[int] = set()  # children run_command waits for itself
         self._pid_lock = threading.Lock()
+        self._keep_reaping = False  # see keep_reaping()
 
     def notify_signal(self, signum: int) -> None:
         """Asks the supervisor to stop the job because the launcher got ``signum``."""
@@ -382,7 +383,7 @@ class Supervisor:
                 # must be left to its own wait.
                 info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
             except ChildProcessError:
-                if self._elastic_pending():
+                if self._keep_reaping:
                     time.sleep(_POLL_S)
                     continue
                 return  # no children left at all
@@ -409,11 +410,6 @@ class Supervisor:
                     continue
             worker.proc.returncode = code  # keeps Popen from waiting for it again
             self._events.put(("exit", worker.spec.rank, code))
-
-    def _elastic_pending(self) -> bool:
-        return self._keep_reaping
-
-    _keep_reaping = False
 
     def keep_reaping(self, on: bool) -> None:
         """While on, the reaper waits for children that :meth:`add` may start later instead
