@@ -13,32 +13,18 @@ from __future__ import annotations
 import copy
 import math
 import random
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sized, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sized, Tuple
 
 import numpy as np
 import torch
 import torch.utils.data
 
 from .. import _api
-from ..common.elastic import ObjectState, run_fn
+from ..common.elastic import ObjectState
+from ..elastic import run
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["run", "TorchState", "ElasticSampler"]
-
-
-def _reset() -> None:
-    _api.shutdown()
-    _api.init()
-
-
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator running ``func(state, *args, **kwargs)`` elastically: the state is synced
-    before each attempt; a lost rank (``HorovodInternalError``) restores the last commit,
-    forms the job again with the launcher's new membership and runs ``func`` again; a host
-    update (``HostsUpdatedInterrupt``, raised at a commit) keeps the current state and does
-    the same. Do not pass a collective's result as an argument of the decorated call: new
-    workers would run it while the others sync."""
-    return run_fn(func, _reset)
 
 
 class ElasticSampler(torch.utils.data.Sampler):
