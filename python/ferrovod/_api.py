@@ -1049,7 +1049,7 @@ def nccl_built() -> int:
     """As in Horovod, the NCCL version code (e.g. 23007) collectives of GPU tensors run on, 0 when
     none. ferrovod's NCCL backend is in every build and loads NCCL at run time, so this is the
     code of the library ``gpu_libraries()`` found — when the engine dispatches CUDA tensors to
-    NCCL (``build_info()["device_dispatch"]``, opted into with ``FERROVOD_NCCL_DISPATCH=1``);
+    NCCL (``build_info()["device_dispatch"]``, on unless ``FERROVOD_NCCL_DISPATCH=0``);
     otherwise 0: they are staged through host memory."""
     if not _core.build_info().get("device_dispatch"):
         return 0

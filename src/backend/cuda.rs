@@ -14,6 +14,10 @@ use crate::gpu::loader::{probe_cuda, CudaProbe};
 /// `CUDA_ERROR_NOT_READY`: an event or stream still has work pending.
 const CUDA_NOT_READY: c_int = 600;
 
+/// How long a wait for GPU work polls before it sleeps between polls: most collectives and
+/// copies finish within it, and a sleep's wake-up costs more than they take (about 60 µs).
+pub(crate) const SPIN: std::time::Duration = std::time::Duration::from_micros(500);
+
 /// A CUDA stream handle (`CUstream` / `cudaStream_t`) given by the caller, e.g. the
 /// framework's current stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,6 +112,11 @@ struct CudaFns {
     stream_create: unsafe extern "C" fn(*mut cu::CUstream, c_uint) -> c_int,
     stream_destroy: unsafe extern "C" fn(cu::CUstream) -> c_int,
     get_error_string: unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int,
+    device_get_uuid: unsafe extern "C" fn(*mut [c_char; 16], cu::CUdevice) -> c_int,
+    memcpy_dtoh: unsafe extern "C" fn(*mut c_void, cu::CUdeviceptr, usize, cu::CUstream) -> c_int,
+    memcpy_htod: unsafe extern "C" fn(cu::CUdeviceptr, *const c_void, usize, cu::CUstream) -> c_int,
+    mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int,
+    mem_free_host: unsafe extern "C" fn(*mut c_void) -> c_int,
 }
 
 /// How many GPUs the CUDA driver sees, or (`InvalidArgument`, "CUDA cannot be used: …") why
@@ -124,17 +133,22 @@ pub fn cuda_ready() -> Result<usize> {
     }
 }
 
-/// One device's primary context, retained for the life of the communicator.
-pub(super) struct Device {
+/// One device's primary context, retained for the life of the communicator (or of the
+/// engine's staging of a process set's CUDA tensors).
+pub struct Device {
     fns: CudaFns,
     pub(super) ordinal: usize,
     device: cu::CUdevice,
     ctx: cu::CUcontext,
 }
 
+// SAFETY: a retained primary context and a device handle are valid in every thread of the
+// process; every method makes the context current on the calling thread before using it.
+unsafe impl Send for Device {}
+
 impl Device {
     /// Checks with the probe that the driver works, then retains `ordinal`'s primary context.
-    pub(super) fn open(ordinal: usize) -> Result<Device> {
+    pub fn open(ordinal: usize) -> Result<Device> {
         let devices = cuda_ready()?;
         if ordinal >= devices {
             return Err(Error::InvalidArgument(format!(
@@ -158,6 +172,11 @@ impl Device {
             stream_create: resolve!(lib, "cuStreamCreate").map_err(missing)?,
             stream_destroy: resolve!(lib, "cuStreamDestroy_v2").map_err(missing)?,
             get_error_string: resolve!(lib, "cuGetErrorString").map_err(missing)?,
+            device_get_uuid: resolve!(lib, "cuDeviceGetUuid_v2").map_err(missing)?,
+            memcpy_dtoh: resolve!(lib, "cuMemcpyDtoHAsync_v2").map_err(missing)?,
+            memcpy_htod: resolve!(lib, "cuMemcpyHtoDAsync_v2").map_err(missing)?,
+            mem_host_alloc: resolve!(lib, "cuMemHostAlloc").map_err(missing)?,
+            mem_free_host: resolve!(lib, "cuMemFreeHost").map_err(missing)?,
         };
         // The resolved functions must stay valid: never close this handle.
         lib.keep();
@@ -190,7 +209,7 @@ impl Device {
 
 impl Device {
     /// Records an event on `stream` after the work enqueued so far.
-    pub(super) fn record(&self, stream: Stream) -> Result<Event> {
+    pub fn record(&self, stream: Stream) -> Result<Event> {
         self.make_current()?;
         let fns = self.fns;
         let mut event: cu::CUevent = std::ptr::null_mut();
@@ -214,6 +233,96 @@ impl Device {
 }
 
 impl Device {
+    /// The GPU's UUID: the same for every process that uses this physical GPU, whatever
+    /// ordinal `CUDA_VISIBLE_DEVICES` gives it there.
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        let mut raw: [c_char; 16] = [0; 16];
+        // SAFETY: writes the 16 bytes of one CUuuid for a device handle from cuDeviceGet.
+        let rc = unsafe { (self.fns.device_get_uuid)(&mut raw, self.device) };
+        check_cu(&self.fns, rc, "cuDeviceGetUuid")?;
+        Ok(raw.map(|c| c as u8))
+    }
+
+    /// Waits on the host, up to `timeout`, until the work enqueued on `stream` so far is done.
+    pub fn wait_for(&self, stream: Stream, timeout: std::time::Duration) -> Result<()> {
+        let event = self.record(stream)?;
+        let deadline = std::time::Instant::now() + timeout;
+        let mut spin = crate::spin::Spin::new(SPIN);
+        while !event.is_complete()? {
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: format!("CUDA stream {:#x} to finish its work", stream.raw()),
+                    after: timeout,
+                });
+            }
+            if !spin.yield_core() {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues on `stream` a copy of `dst.len()` bytes of `src` into pinned host memory at
+    /// `dst`: it runs after the work enqueued on `stream` before it, and the bytes are there
+    /// once [`Device::wait_for`] on `stream` returns.
+    pub fn read_async(&self, src: &DeviceBuf, dst: &mut [u8], stream: Stream) -> Result<()> {
+        src.fits(dst.len(), "source")?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.make_current()?;
+        // SAFETY: `src` is device memory of at least `dst.len()` bytes (DeviceBuf's contract,
+        // checked length); `dst` is host memory the caller keeps, untouched, until the copy is
+        // waited for; `stream` is live (Stream's contract).
+        let rc = unsafe {
+            (self.fns.memcpy_dtoh)(
+                dst.as_mut_ptr().cast(),
+                src.ptr as cu::CUdeviceptr,
+                dst.len(),
+                stream.driver(),
+            )
+        };
+        check_cu(&self.fns, rc, "cuMemcpyDtoHAsync")
+    }
+
+    /// Enqueues on `stream` a copy of `src` (pinned host memory) into `dst`, which must hold
+    /// at least `src.len()` bytes; done once [`Device::wait_for`] on `stream` returns, and
+    /// ordered before the work enqueued on `stream` after it.
+    pub fn write_async(&self, src: &[u8], dst: &DeviceBuf, stream: Stream) -> Result<()> {
+        dst.fits(src.len(), "destination")?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.make_current()?;
+        // SAFETY: `dst` is device memory of at least `src.len()` bytes (DeviceBuf's contract,
+        // checked length) that nothing else touches until the op completes; `src` stays
+        // untouched until the copy is waited for; `stream` is live.
+        let rc = unsafe {
+            (self.fns.memcpy_htod)(
+                dst.ptr as cu::CUdeviceptr,
+                src.as_ptr().cast(),
+                src.len(),
+                stream.driver(),
+            )
+        };
+        check_cu(&self.fns, rc, "cuMemcpyHtoDAsync")
+    }
+
+    /// `bytes` of page-locked host memory: copies between it and the device run at the
+    /// link's speed and asynchronously, where pageable memory is staged by the driver.
+    pub fn pinned(&self, bytes: usize) -> Result<PinnedBuf> {
+        self.make_current()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer; flags 0 (memory of this context); freed in Drop.
+        let rc = unsafe { (self.fns.mem_host_alloc)(&mut ptr, bytes.max(1), 0) };
+        check_cu(&self.fns, rc, "cuMemHostAlloc")?;
+        Ok(PinnedBuf {
+            fns: self.fns,
+            ptr: ptr.cast(),
+            len: bytes,
+        })
+    }
+
     /// A stream of this device's context that does not synchronise with the legacy default
     /// stream (`CU_STREAM_NON_BLOCKING`): work on it is ordered only by the events it waits on.
     pub(super) fn create_stream(&self) -> Result<OwnedStream> {
@@ -226,6 +335,41 @@ impl Device {
             fns: self.fns,
             stream,
         })
+    }
+}
+
+/// Page-locked host memory from [`Device::pinned`]; freed on drop.
+pub struct PinnedBuf {
+    fns: CudaFns,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl PinnedBuf {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memory, to read and write on the host.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes allocated by cuMemHostAlloc, owned by this value.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+// SAFETY: plain host memory owned by this value; the driver lets any thread free it.
+unsafe impl Send for PinnedBuf {}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        // SAFETY: memory from cuMemHostAlloc, freed once.
+        unsafe { (self.fns.mem_free_host)(self.ptr.cast()) };
     }
 }
 

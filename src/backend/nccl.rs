@@ -437,7 +437,18 @@ fn plan_reduction(
         ReduceOp::Max => builtin(O::ncclMax),
         ReduceOp::Product => builtin(O::ncclProd),
         ReduceOp::Sum if !scaled => builtin(O::ncclSum),
+        // The average over one rank is its values: no division for NCCL's one-rank kernel to
+        // get wrong (below).
+        ReduceOp::Average if !scaled && size == 1 => builtin(O::ncclSum),
         ReduceOp::Average if !scaled => builtin(O::ncclAvg),
+        // NCCL 2.28.9's one-rank pre-multiplied sum, run on an H200, left the last element of
+        // a 4097-element float32 tensor unscaled or garbled (4096 and 65536 elements, and
+        // float16 and float64, came out right): a scaled reduction over one rank is staged.
+        ReduceOp::Sum | ReduceOp::Average if size == 1 => Err(Error::InvalidArgument(
+            "a scaled reduction over one rank is staged through host memory (NCCL's one-rank \
+             pre-multiplied sum garbled a float32 element on GPU hardware)"
+                .into(),
+        )),
         ReduceOp::Sum | ReduceOp::Average => {
             let mut factor = prescale * postscale;
             if op == ReduceOp::Average {
@@ -928,6 +939,7 @@ impl DeviceComm {
     ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(10);
+        let mut spin = crate::spin::Spin::new(super::cuda::SPIN);
         loop {
             let state = self.async_state()?;
             if state != SUCCESS && state != IN_PROGRESS {
@@ -947,8 +959,10 @@ impl DeviceComm {
                 };
                 return Err(self.fail(e));
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            if !spin.yield_core() {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
         }
     }
 
@@ -1106,6 +1120,27 @@ mod tests {
                 "{dt:?} {op:?}"
             );
         }
+    }
+
+    #[test]
+    fn one_rank_reductions_never_take_nccls_one_rank_scaling() {
+        assert_eq!(
+            plan_reduction(DType::F32, ReduceOp::Average, 1.0, 1.0, 1).unwrap(),
+            Reduction::Builtin {
+                dtype: T::ncclFloat32 as u32,
+                op: O::ncclSum as u32
+            }
+        );
+        for (dt, op, pre, post) in [
+            (DType::F32, ReduceOp::Sum, 0.5, 3.0),
+            (DType::F64, ReduceOp::Average, 2.0, 1.0),
+            (DType::F16, ReduceOp::Sum, 1.0, 2.0),
+        ] {
+            let e = plan_reduction(dt, op, pre, post, 1).unwrap_err();
+            assert!(e.to_string().contains("staged"), "{e}");
+            assert!(check_device_op(OpKind::Allreduce, dt, op, pre, post, 1, &[4097]).is_err());
+        }
+        assert!(plan_reduction(DType::F32, ReduceOp::Sum, 0.5, 3.0, 2).is_ok());
     }
 
     #[test]

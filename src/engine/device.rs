@@ -19,13 +19,22 @@
 //!
 //! Fused responses (several allreduces) are one NCCL group of per-tensor calls, not a copy
 //! into a device fusion buffer (that would need device allocations of the engine's own).
+//!
+//! A set two of whose ranks use one GPU (ranks on one machine that all picked device 0) cannot
+//! have an NCCL communicator: NCCL refuses duplicate GPUs. The members find that out together
+//! before creating one, by exchanging their GPUs' UUIDs through the store, so they all decide
+//! alike; the set's CUDA responses are then *staged* by the engine: each tensor copied to host
+//! memory once the submitter's stream is done with it, reduced by the host collectives like
+//! any host op, and copied back before its handle completes ([`Staging`]). Each rank says why
+//! once, as a warning.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::backend::cuda::{cuda_ready, DeviceBuf, Stream};
+use crate::backend::cuda::{cuda_ready, Device, DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
 use crate::bootstrap::tcp_store::TcpStore;
+use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::types::OpKind;
 
@@ -44,8 +53,24 @@ pub(super) struct DeviceState {
     timeout: Duration,
     /// Bounds connecting to the store.
     connect_timeout: Duration,
-    /// Per process set: its communicator, or why it could not be made.
-    comms: HashMap<u32, std::result::Result<DeviceComm, Error>>,
+    /// Per process set: how its CUDA responses run, or why they cannot.
+    comms: HashMap<u32, std::result::Result<Route, Error>>,
+}
+
+/// How a process set's CUDA responses run.
+enum Route {
+    /// On the set's NCCL communicator.
+    Nccl(Box<DeviceComm>),
+    /// Through host memory, by the host collectives ([`Staging`]).
+    Staged(Box<Stager>),
+}
+
+/// A staged set's device and its page-locked bounce buffer, kept across responses (it grows
+/// to the largest response seen): allocating and first touching fresh host memory for every
+/// op cost more than the copies themselves.
+pub(super) struct Stager {
+    device: Device,
+    bounce: Option<PinnedBuf>,
 }
 
 impl DeviceState {
@@ -74,7 +99,11 @@ impl DeviceState {
         entries: &mut [Option<Entry>],
     ) -> Result<()> {
         let ordinal = device_of(entries)?;
-        let comm = self.comm(resp.set_id, members, rank, ordinal)?;
+        let Route::Nccl(comm) = self.route(resp.set_id, members, rank, ordinal)? else {
+            return Err(Error::Io(
+                "internal error: a staged set's response sent to NCCL".into(),
+            ));
+        };
         if comm.device() != ordinal as usize {
             // The other members go on into the collective; leaving the communicator live here
             // would only make them wait longer. Aborted, every later op of the set fails too.
@@ -112,24 +141,64 @@ impl DeviceState {
         comm.wait(&done)
     }
 
-    /// The set's communicator, created now if this is its first CUDA response.
-    fn comm(
+    /// When `resp`'s set is staged: its tensors copied into host memory (after the
+    /// submitters' streams are done with them) and `entries` pointing there, for the host
+    /// collectives; [`DeviceState::unstage`] copies the results back. `None`: the set runs
+    /// on NCCL ([`DeviceState::execute`]).
+    pub(super) fn stage(
+        &mut self,
+        rank: usize,
+        members: &[usize],
+        resp: &Response,
+        entries: &mut [Option<Entry>],
+    ) -> Result<Option<Staging>> {
+        let ordinal = device_of(entries)?;
+        let timeout = self.timeout;
+        let n = members.len();
+        match self.route(resp.set_id, members, rank, ordinal)? {
+            Route::Nccl(_) => Ok(None),
+            Route::Staged(stager) => Staging::take(
+                stager,
+                resp.kind,
+                n,
+                rank_in(members, rank)?,
+                entries,
+                timeout,
+            )
+            .map(Some),
+        }
+    }
+
+    /// Copies a staged response's results into the callers' device memory; returns once they
+    /// are there.
+    pub(super) fn unstage(&mut self, set_id: u32, staging: Staging) -> Result<()> {
+        match self.comms.get(&set_id) {
+            Some(Ok(Route::Staged(stager))) => staging.give_back(&stager.device, self.timeout),
+            _ => Err(Error::Io(
+                "internal error: unstaging a set that is not staged".into(),
+            )),
+        }
+    }
+
+    /// The set's route, decided now if this is its first CUDA response.
+    fn route(
         &mut self,
         set_id: u32,
         members: &[usize],
         rank: usize,
         ordinal: u32,
-    ) -> Result<&mut DeviceComm> {
+    ) -> Result<&mut Route> {
         if !self.comms.contains_key(&set_id) {
             let made = self.create(set_id, members, rank, ordinal);
             match &made {
-                Ok(c) => log::debug!(
+                Ok(Route::Nccl(c)) => log::debug!(
                     target: crate::LOG_TARGET,
                     "rank {rank}: NCCL communicator of process set {set_id} on CUDA device \
                      {ordinal} ({} of {})",
                     c.rank(),
                     c.size()
                 ),
+                Ok(Route::Staged(_)) => {}
                 Err(e) => log::warn!(
                     target: crate::LOG_TARGET,
                     "rank {rank}: no NCCL communicator for process set {set_id}: {e}; its CUDA \
@@ -139,41 +208,108 @@ impl DeviceState {
             self.comms.insert(set_id, made);
         }
         match self.comms.get_mut(&set_id).expect("inserted above") {
-            Ok(c) => Ok(c),
+            Ok(r) => Ok(r),
             Err(e) => Err(e.clone()),
         }
     }
 
-    fn create(
-        &self,
-        set_id: u32,
-        members: &[usize],
-        rank: usize,
-        ordinal: u32,
-    ) -> Result<DeviceComm> {
+    /// Decides the set's route with its other members: NCCL where every member can use it
+    /// and no two share a GPU, else staging. Each member publishes its GPU's UUID and whether
+    /// it can use NCCL, so that all of them decide alike.
+    fn create(&self, set_id: u32, members: &[usize], rank: usize, ordinal: u32) -> Result<Route> {
         // Asked before the store is touched: ranks without CUDA (and in practice all ranks of
         // a job lack it alike) fail at once instead of waiting for an id.
         cuda_ready()?;
-        let nccl = Nccl::for_process(&[])?;
-        let me = members.binary_search(&rank).map_err(|_| {
-            Error::InvalidArgument(format!("rank {rank} is not in process set {set_id}"))
-        })?;
-        let id = match &self.rendezvous {
-            _ if members.len() == 1 => nccl.unique_id()?,
-            Some((addr, secret)) => {
-                let store = TcpStore::connect(addr.as_str(), secret, self.connect_timeout)?;
-                // Apart from the keys `_core.nccl_unique_id` (a diagnostic) writes.
-                let key = format!("{}/engine", unique_id_key(self.generation, set_id, 0));
-                nccl.exchange_unique_id(&store, &key, me, self.timeout)?
-            }
+        let me = rank_in(members, rank)?;
+        let device = Device::open(ordinal as usize)?;
+        let nccl = if crate::config::nccl_dispatch() {
+            Nccl::for_process(&[]).map_err(|e| e.to_string())
+        } else {
+            Err("FERROVOD_NCCL_DISPATCH is 0".to_string())
+        };
+        let staged = |why: String| {
+            log::warn!(
+                target: crate::LOG_TARGET,
+                "rank {rank}: process set {set_id}'s CUDA tensors are staged through host memory \
+                 (expect host-memory speed, not NCCL's): {why}"
+            );
+            Ok(Route::Staged(Box::new(Stager {
+                device: Device::open(ordinal as usize)?,
+                bounce: None,
+            })))
+        };
+        let store = match &self.rendezvous {
+            _ if members.len() == 1 => None,
+            Some((addr, secret)) => Some(TcpStore::connect(
+                addr.as_str(),
+                secret,
+                self.connect_timeout,
+            )?),
             None => {
                 return Err(Error::InvalidArgument(
-                    "an NCCL communicator of several ranks needs the job's rendezvous store, \
-                     and this job has none"
+                    "CUDA ops of several ranks need the job's rendezvous store, and this job \
+                     has none"
                         .into(),
                 ))
             }
         };
+        if let Some(store) = &store {
+            let mut mine = device.uuid()?.to_vec();
+            mine.push(u8::from(nccl.is_ok()));
+            let prefix = format!("g{}/gpu/ps{set_id}", self.generation);
+            store.set(&format!("{prefix}/m{me}"), &mine)?;
+            let mut seen: Vec<Vec<u8>> = Vec::with_capacity(members.len());
+            let mut why = None;
+            for m in 0..members.len() {
+                let theirs = if m == me {
+                    mine.clone()
+                } else {
+                    store.get(&format!("{prefix}/m{m}"), self.timeout)?
+                };
+                if theirs.len() != 17 {
+                    return Err(Error::Decode(format!(
+                        "the GPU record of rank {} is {} bytes, not 17",
+                        members[m],
+                        theirs.len()
+                    )));
+                }
+                if why.is_some() {
+                    continue;
+                }
+                if let Some(first) = seen.iter().position(|u| u[..16] == theirs[..16]) {
+                    why = Some(format!(
+                        "ranks {} and {} share one GPU (GPU-{}), and NCCL takes one GPU per \
+                         rank; give each rank its own GPU, e.g. \
+                         torch.cuda.set_device(hvd.local_rank())",
+                        members[first],
+                        members[m],
+                        uuid_text(&theirs[..16])
+                    ));
+                } else if theirs[16] == 0 {
+                    why = Some(match (&nccl, m == me) {
+                        (Err(e), true) => e.clone(),
+                        _ => format!("rank {} cannot use NCCL", members[m]),
+                    });
+                }
+                seen.push(theirs);
+            }
+            if let Some(why) = why {
+                return staged(why);
+            }
+        }
+        let nccl = match nccl {
+            Ok(nccl) => nccl,
+            Err(why) => return staged(why),
+        };
+        let id = match &store {
+            None => nccl.unique_id()?,
+            Some(store) => {
+                // Apart from the keys `_core.nccl_unique_id` (a diagnostic) writes.
+                let key = format!("{}/engine", unique_id_key(self.generation, set_id, 0));
+                nccl.exchange_unique_id(store, &key, me, self.timeout)?
+            }
+        };
+        drop(device);
         DeviceComm::init(
             &nccl,
             &id,
@@ -182,16 +318,153 @@ impl DeviceState {
             ordinal as usize,
             self.timeout,
         )
+        .map(|c| Route::Nccl(Box::new(c)))
     }
 
     /// Aborts every communicator (all their work has completed: each op waits for its own),
     /// which unlike a finalize needs nothing from peers that may be gone already.
     pub(super) fn close(&mut self) {
-        for c in self.comms.values_mut().flatten() {
-            c.abort();
+        for route in self.comms.values_mut().flatten() {
+            if let Route::Nccl(c) = route {
+                c.abort();
+            }
         }
         self.comms.clear();
     }
+}
+
+/// A staged response in flight: every tensor's bytes in the set's bounce buffer, where the
+/// host collectives work on them in place, and where each result goes back to.
+pub(super) struct Staging {
+    /// Per tensor: the result's place in the bounce buffer (offset, bytes), the caller's
+    /// device output, and the submitter's stream the copies are ordered on.
+    results: Vec<(usize, usize, DeviceBuf, usize)>,
+    /// The bounce buffer's start: the entries point into it until the op completes.
+    base: *mut u8,
+}
+
+// SAFETY: `base` points into the set's bounce buffer, which only the engine thread touches.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    /// Copies every tensor's input into the bounce buffer, each on its submitter's stream
+    /// (after the work the submitter enqueued before the op), waits for the copies, and points
+    /// the entry's buffers there: input and result share the bytes, so the host collectives
+    /// run in place (a reducescatter's share lands in this rank's rows).
+    fn take(
+        stager: &mut Stager,
+        kind: OpKind,
+        n: usize,
+        me: usize,
+        entries: &mut [Option<Entry>],
+        timeout: Duration,
+    ) -> Result<Staging> {
+        let total: usize = entries
+            .iter()
+            .flatten()
+            .flat_map(|e| e.spec.tensors.iter())
+            .map(|t| t.input.len())
+            .sum();
+        if stager.bounce.as_ref().map_or(true, |b| b.len() < total) {
+            stager.bounce = None; // the old one is freed before the larger one is taken
+            stager.bounce = Some(stager.device.pinned(total)?);
+        }
+        let bounce = stager
+            .bounce
+            .as_mut()
+            .expect("allocated above")
+            .as_mut_slice();
+        let base = bounce.as_mut_ptr();
+        let mut results = Vec::new();
+        let mut streams: Vec<usize> = Vec::new();
+        let mut at = 0;
+        for e in entries.iter_mut().flatten() {
+            for t in e.spec.tensors.iter_mut() {
+                let (_, s) = t.input.cuda().expect("checked by device_of");
+                let input = device_buf(&t.input);
+                let output = t.output.as_ref().map(device_buf).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "CUDA tensor '{}' needs its output allocated by the caller",
+                        e.request.name
+                    ))
+                })?;
+                let len = input.len();
+                let region = &mut bounce[at..at + len];
+                // SAFETY: the submitter named this live stream of the tensor's device
+                // (TensorBuf::device's contract).
+                let stream = unsafe { Stream::from_raw(s) };
+                stager.device.read_async(&input, region, stream)?;
+                let share = match kind {
+                    OpKind::Reducescatter => {
+                        let rows = t.meta.shape.first().copied().unwrap_or(1).max(1);
+                        let row_bytes = len / rows;
+                        let (first, _) = super::execute::split_rows(rows, n, me);
+                        first * row_bytes
+                    }
+                    _ => 0,
+                };
+                // SAFETY: the bounce buffer outlives the op (it is replaced only by the next
+                // `take`, after this op completed) and only the engine touches it meanwhile.
+                unsafe {
+                    t.input = TensorBuf::borrowed(region.as_mut_ptr(), len);
+                    t.output = Some(TensorBuf::borrowed(
+                        region.as_mut_ptr().add(share),
+                        output.len(),
+                    ));
+                }
+                results.push((at + share, output.len(), output, s));
+                if !streams.contains(&s) {
+                    streams.push(s);
+                }
+                at += len;
+            }
+        }
+        for s in streams {
+            // SAFETY: as above.
+            let stream = unsafe { Stream::from_raw(s) };
+            stager.device.wait_for(stream, timeout)?;
+        }
+        Ok(Staging { results, base })
+    }
+
+    /// Copies the results into the callers' device memory, each on its submitter's stream,
+    /// and waits until they are there.
+    fn give_back(self, device: &Device, timeout: Duration) -> Result<()> {
+        let mut streams: Vec<usize> = Vec::new();
+        for &(at, len, ref output, s) in &self.results {
+            // SAFETY: `at..at + len` lies in the bounce buffer `take` laid out.
+            let bytes = unsafe { std::slice::from_raw_parts(self.base.add(at), len) };
+            // SAFETY: as in `take`.
+            device.write_async(bytes, output, unsafe { Stream::from_raw(s) })?;
+            if !streams.contains(&s) {
+                streams.push(s);
+            }
+        }
+        for s in streams {
+            // SAFETY: as in `take`.
+            device.wait_for(unsafe { Stream::from_raw(s) }, timeout)?;
+        }
+        Ok(())
+    }
+}
+
+/// `rank`'s position in the set.
+fn rank_in(members: &[usize], rank: usize) -> Result<usize> {
+    members
+        .binary_search(&rank)
+        .map_err(|_| Error::InvalidArgument(format!("rank {rank} is not in the process set")))
+}
+
+fn uuid_text(u: &[u8]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
 }
 
 /// Enqueues one call per tensor of the response on `stream` (inside the caller's group).

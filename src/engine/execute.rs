@@ -77,6 +77,7 @@ impl Worker {
         trace.end(); // negotiation
         trace.begin(resp.kind.name());
         let on_device = resp.items[0].request.device == DeviceKind::Cuda;
+        let mut staging = None;
         if on_device
             || entries
                 .iter()
@@ -84,22 +85,33 @@ impl Worker {
                 .any(|e| e.request.device != DeviceKind::Host)
         {
             // Only CUDA ops fail on the device path's errors: the host path is unharmed.
-            trace.begin(device_activity(resp.kind));
-            let result = if on_device {
-                self.device
-                    .execute(self.rank, &members, &resp, &mut entries)
+            let staged = if on_device {
+                self.device.stage(self.rank, &members, &resp, &mut entries)
             } else {
                 Err(Error::Io(
                     "internal error: a host response for CUDA tensors".into(),
                 ))
             };
-            trace.end();
-            trace.end_op(&resp.items);
-            for e in entries.into_iter().flatten() {
-                e.handle
-                    .complete(result.clone().map(|()| Output::default()));
+            match staged {
+                // A staged set's tensors now lie in host memory: the host collectives below
+                // run them, and their results go back to the device before the handles
+                // complete.
+                Ok(Some(s)) => staging = Some(s),
+                Ok(None) | Err(_) => {
+                    trace.begin(device_activity(resp.kind));
+                    let result = staged.and_then(|_| {
+                        self.device
+                            .execute(self.rank, &members, &resp, &mut entries)
+                    });
+                    trace.end();
+                    trace.end_op(&resp.items);
+                    for e in entries.into_iter().flatten() {
+                        e.handle
+                            .complete(result.clone().map(|()| Output::default()));
+                    }
+                    return;
+                }
             }
-            return;
         }
         let mut comm = Communicator::new(
             &mut *self.transport,
@@ -143,6 +155,10 @@ impl Worker {
         };
         trace.end_op(&resp.items);
         drop(trace);
+        let result = match staging {
+            Some(s) => result.and_then(|outs| self.device.unstage(resp.set_id, s).map(|()| outs)),
+            None => result,
+        };
         match result {
             Ok(outputs) => {
                 for (e, out) in entries.into_iter().zip(outputs) {

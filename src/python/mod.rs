@@ -854,10 +854,12 @@ impl Drop for RendezvousServer {
 /// `nccl_built()` follow it.
 const DEVICE_DISPATCH: bool = true;
 
-/// Whether CUDA tensors can take the engine's NCCL path in this process: `(True, what it
-/// runs on)`, or `(False, why not)` — no CUDA driver or GPU, no usable NCCL (searched as
-/// `gpu_probe` does, with `extra_dirs`). The NCCL it opens is the one the engine then uses.
-/// Loads the libraries: ask only once a CUDA tensor is at hand.
+/// Whether the engine takes CUDA tensors in this process: `(True, what it runs them on)` —
+/// NCCL (searched as `gpu_probe` does, with `extra_dirs`; the NCCL it opens is the one the
+/// engine then uses), or, without NCCL or with `FERROVOD_NCCL_DISPATCH=0`, the engine's
+/// staging through pinned host memory — or `(False, why not)`: no CUDA driver or GPU, so the
+/// torch adapter stages them itself. Loads the libraries: ask only once a CUDA tensor is at
+/// hand.
 #[pyfunction]
 fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
     if !DEVICE_DISPATCH {
@@ -869,23 +871,24 @@ fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
     let dirs: Vec<std::path::PathBuf> = extra_dirs.into_iter().map(Into::into).collect();
     let answer = py.detach(|| {
         let devices = crate::backend::cuda::cuda_ready()?;
-        let nccl = crate::backend::nccl::Nccl::for_process(&dirs)?;
-        let lib = nccl.library();
-        let (a, b, c) = lib.version;
-        Ok::<_, Error>(format!(
-            "NCCL {a}.{b}.{c} ({}) on {devices} CUDA device(s)",
-            lib.path
-        ))
+        let nccl = if crate::config::nccl_dispatch() {
+            crate::backend::nccl::Nccl::for_process(&dirs).map(|nccl| {
+                let lib = nccl.library();
+                let (a, b, c) = lib.version;
+                format!("NCCL {a}.{b}.{c} ({})", lib.path)
+            })
+        } else {
+            Err(Error::InvalidArgument("FERROVOD_NCCL_DISPATCH is 0".into()))
+        };
+        Ok::<_, Error>(match nccl {
+            Ok(what) => format!("{what} on {devices} CUDA device(s)"),
+            Err(e) => format!(
+                "{devices} CUDA device(s), no NCCL ({e}): the engine stages CUDA tensors \
+                 through pinned host memory"
+            ),
+        })
     });
     match answer {
-        // Checked last, so the reason says what the machine lacks before what the user chose.
-        Ok(what) if !crate::config::nccl_dispatch() => (
-            false,
-            format!(
-                "{what} could be used, but FERROVOD_NCCL_DISPATCH is not 1 (the device path \
-                 has not yet been run on GPU hardware, so it is opt-in)"
-            ),
-        ),
         Ok(what) => (true, what),
         Err(e) => (false, e.to_string()),
     }

@@ -169,8 +169,8 @@ def _gpu_section(info: Mapping[str, Any]) -> List[str]:
         lines.append("    NCCL backend: built in, but CUDA tensors are staged through host memory "
                      "here (it needs both libraries above)")
     elif not info.get("device_dispatch"):
-        lines.append("    NCCL backend: built in, off: CUDA tensors are staged through host memory; "
-                     "FERROVOD_NCCL_DISPATCH=1 runs them on NCCL (not yet run on GPU hardware)")
+        lines.append("    NCCL backend: built in, off (FERROVOD_NCCL_DISPATCH=0): the engine stages "
+                     "CUDA tensors through pinned host memory")
     else:
         lines.append("    NCCL backend: CUDA tensors of allreduce, broadcast and evenly split "
                      "reducescatter run on NCCL; others are staged through host memory")

@@ -68,9 +68,10 @@ def case_single():
     for q in ("gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "cuda_built",
               "ddl_built", "ccl_built", "rocm_built"):
         ck.equal(getattr(fv, q)(), False, f"{q}()")
-    # The NCCL the run-time search found when CUDA tensors are dispatched to it (opt-in), else 0.
+    # The NCCL the run-time search found when CUDA tensors are dispatched to it (unless
+    # FERROVOD_NCCL_DISPATCH=0), else 0.
     nccl = fv.gpu_libraries()["nccl"]
-    dispatch = os.environ.get("FERROVOD_NCCL_DISPATCH") == "1" and nccl["found"]
+    dispatch = os.environ.get("FERROVOD_NCCL_DISPATCH", "1") != "0" and nccl["found"]
     ck.equal(fv.nccl_built(), int(nccl["code"]) if dispatch else 0, "nccl_built()")
     ck.equal([fv.Average, fv.Sum, fv.Adasum, fv.Min, fv.Max, fv.Product], [0, 1, 2, 3, 4, 5], "op constants")
     fv.shutdown()
