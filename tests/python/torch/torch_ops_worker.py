@@ -1,8 +1,10 @@
 """ferrovod.torch ops and their gradients against NumPy references, in one launch.
 
-usage: torch_ops_worker.py SEED
+usage: torch_ops_worker.py SEED [DEVICE]
 
-Every rank regenerates every rank's input from the seed (fvtest.gen), so the expected values
+DEVICE (default ``cpu``) is where every input lives: ``cuda`` puts each rank's tensors on GPU
+``local_rank % device_count`` (scripts/gpu_tests.sh runs it so); the references stay NumPy on
+the host. Every rank regenerates every rank's input from the seed (fvtest.gen), so the expected values
 never go through ferrovod. Sections: allreduce, grouped, allgather, broadcast, alltoall,
 reducescatter, misc, autograd. Prints ``OK <n_checks>``.
 """
@@ -23,14 +25,15 @@ from ferrovod.torch import ops  # noqa: E402
 
 OPS = {SUM: hvd.Sum, AVERAGE: hvd.Average, MIN: hvd.Min, MAX: hvd.Max, PRODUCT: hvd.Product}
 SHAPES = [(), (0,), (7,), (3, 5)]
+DEVICE = torch.device("cpu")  # set by main() from the command line
 
 
 def to_torch(a):
     """A torch tensor with ``a``'s dtype (bfloat16 through its bits: torch cannot import it)."""
     a = np.ascontiguousarray(a).reshape(np.shape(a))
     if a.dtype == T.BF16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(DEVICE)
+    return torch.from_numpy(a.copy()).to(DEVICE)
 
 
 def to_numpy(t, dt):
@@ -50,6 +53,8 @@ class Ctx(T.Cases):
     def tensor(self, got, exp, what, like=None):
         """``got`` must be a torch tensor equal to the NumPy ``exp`` (dtype, shape, values)."""
         self.ck.true(isinstance(got, torch.Tensor), what, f"result is {type(got).__name__}")
+        if isinstance(got, torch.Tensor):
+            self.ck.equal(got.device, DEVICE, f"{what}: device")
         if like is not None:
             self.ck.equal(got.dtype, like.dtype, f"{what}: dtype")
         self.ck.array(to_numpy(got, np.dtype(exp.dtype)), exp, what)
@@ -59,7 +64,7 @@ def noncontig(t):
     """A non-contiguous tensor with ``t``'s values and shape (a strided view of a larger one)."""
     if t.dim() == 0:
         return t.clone()
-    big = torch.zeros((t.shape[0] * 2,) + tuple(t.shape[1:]), dtype=t.dtype)
+    big = torch.zeros((t.shape[0] * 2,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     v = big[::2]
     v.copy_(t)
     return v
@@ -219,8 +224,14 @@ def sec_inplace(c):
     """The sharded optimizer's in-place reducescatter and allgather (``ops._*_in_place_async``):
     the share lands in the caller's tensor, the gathered rows too, every dtype, odd and tiny
     row counts (fewer rows than ranks: empty shares), rows of several elements, large enough
-    for the ring as well as the direct exchange."""
+    for the ring as well as the direct exchange. They take host tensors only (the sharded
+    optimizer keeps its shards in host memory): a CUDA tensor is a clear error."""
     n = c.n
+    if DEVICE.type == "cuda":
+        for fn in (lambda: ops._reducescatter_in_place_async(to_torch(np.ones((n, 2))), "x", hvd.Sum),
+                   lambda: ops._allgather_in_place_async(to_torch(np.ones((n, 2))), "y")):
+            c.ck.raises(ValueError, fn, "in-place op of a CUDA tensor", contains=("CPU tensor",))
+        return
     for dt in T.REDUCE_DTYPES + [T.BF16]:
         # Scale factors on floats (integers truncate at each scaling: see fvtest.ref_reduce).
         pre, post = (2.0, 0.5) if T.is_float(np.dtype(dt)) else (1.0, 1.0)
@@ -244,7 +255,7 @@ def sec_inplace(c):
             xs = c.inputs(k, dt, shape)
             exp = np.concatenate([xs[r][a:a + m] for r, (a, m) in enumerate(T.split_rows(shape[0], n))])
             s, cnt = T.split_rows(shape[0], n)[c.rank]
-            x = torch.zeros(shape, dtype=to_torch(xs[c.rank]).dtype)
+            x = torch.zeros(shape, dtype=to_torch(xs[c.rank]).dtype, device=DEVICE)
             x[s:s + cnt] = to_torch(xs[c.rank])[s:s + cnt]
             got = hvd.synchronize(ops._allgather_in_place_async(x, f"inplace.ag.{k}"))
             c.ck.true(got is x, f"in-place allgather {dt} {shape}", "result is not the tensor")
@@ -277,7 +288,7 @@ def sec_misc(c):
     sp = to_torch(dense[c.rank]).to_sparse()
     got = hvd.synchronize(hvd.sparse_allreduce_async(sp, name="sparse.k", op=hvd.Average))
     ck.true(got.is_sparse, "sparse allreduce returns a sparse tensor")
-    ck.array(got.to_dense().numpy(), (np.sum(dense, 0) / c.n).astype(np.float32),
+    ck.array(got.to_dense().cpu().numpy(), (np.sum(dense, 0) / c.n).astype(np.float32),
              "sparse allreduce Average")
     import ferrovod.torch.mpi_ops as mpi_ops
     ck.equal(mpi_ops.allreduce_async_ is hvd.allreduce_async_, True, "mpi_ops alias")
@@ -290,7 +301,7 @@ def sec_autograd(c):
     f64 = np.float64
 
     def leaf(a):
-        return torch.tensor(a, dtype=torch.float64, requires_grad=True)
+        return torch.tensor(a, dtype=torch.float64, device=DEVICE, requires_grad=True)
 
     # allreduce: L_j = sum(w_j * out_j); d(sum_j L_j)/dx = pre*post*sum_j w_j (/n for Average)
     for opn, scale in ((SUM, 1.0), (AVERAGE, 1.0 / n)):
@@ -298,41 +309,41 @@ def sec_autograd(c):
         xs, ws = c.inputs(k, f64, (4, 3)), c.inputs(k + (1,), f64, (4, 3))
         x = leaf(xs[r])
         out = hvd.allreduce(x, op=OPS[opn], prescale_factor=2.0, postscale_factor=0.5)
-        (out * torch.from_numpy(ws[r])).sum().backward()
-        c.ck.array(x.grad.numpy(), np.sum(ws, 0) * scale, f"allreduce grad {opn}")
+        (out * to_torch(ws[r])).sum().backward()
+        c.ck.array(x.grad.cpu().numpy(), np.sum(ws, 0) * scale, f"allreduce grad {opn}")
     k = c.key()
     xs = [c.inputs(k + (i,), f64, (3,)) for i in range(2)]
     ws = [c.inputs(k + (5 + i,), f64, (3,)) for i in range(2)]
     leaves = [leaf(x[r]) for x in xs]
     outs = hvd.grouped_allreduce(leaves, op=hvd.Sum)
-    sum(((o * torch.from_numpy(w[r])).sum() for o, w in zip(outs, ws))).backward()
+    sum(((o * to_torch(w[r])).sum() for o, w in zip(outs, ws))).backward()
     for i in range(2):
-        c.ck.array(leaves[i].grad.numpy(), np.sum(ws[i], 0), f"grouped_allreduce grad #{i}")
+        c.ck.array(leaves[i].grad.cpu().numpy(), np.sum(ws[i], 0), f"grouped_allreduce grad #{i}")
     # allgather: rank j has j+1 rows; grad = mean over ranks of w, rows of this rank
     k = c.key()
     xs = gather_inputs(c, k, f64, (2,))
     tot = sum(j + 1 for j in range(n))
     ws = [T.gen(k + (1,), j, f64, (tot, 2)) for j in range(n)]
     x = leaf(xs[r])
-    (hvd.allgather(x) * torch.from_numpy(ws[r])).sum().backward()
+    (hvd.allgather(x) * to_torch(ws[r])).sum().backward()
     start = sum(j + 1 for j in range(r))
-    c.ck.array(x.grad.numpy(), (np.sum(ws, 0) / n)[start:start + r + 1], "allgather grad")
+    c.ck.array(x.grad.cpu().numpy(), (np.sum(ws, 0) / n)[start:start + r + 1], "allgather grad")
     leaves = [leaf(xs[r]), leaf(xs[r][:, 0].copy())]
     outs = hvd.grouped_allgather(leaves)
-    (outs[0] * torch.from_numpy(ws[r])).sum().backward()
-    (outs[1] * torch.from_numpy(ws[r][:, 1].copy())).sum().backward()
-    c.ck.array(leaves[0].grad.numpy(), (np.sum(ws, 0) / n)[start:start + r + 1],
+    (outs[0] * to_torch(ws[r])).sum().backward()
+    (outs[1] * to_torch(ws[r][:, 1].copy())).sum().backward()
+    c.ck.array(leaves[0].grad.cpu().numpy(), (np.sum(ws, 0) / n)[start:start + r + 1],
                "grouped_allgather grad #0")
-    c.ck.array(leaves[1].grad.numpy(), (np.sum(ws, 0) / n)[start:start + r + 1, 1],
+    c.ck.array(leaves[1].grad.cpu().numpy(), (np.sum(ws, 0) / n)[start:start + r + 1, 1],
                "grouped_allgather grad #1")
     # broadcast: the root gets the mean of w, the others zeros
     for root in range(n):
         k = c.key()
         xs, ws = c.inputs(k, f64, (5,)), c.inputs(k + (1,), f64, (5,))
         x = leaf(xs[r])
-        (hvd.broadcast(x, root) * torch.from_numpy(ws[r])).sum().backward()
+        (hvd.broadcast(x, root) * to_torch(ws[r])).sum().backward()
         exp = np.sum(ws, 0) / n if r == root else np.zeros(5)
-        c.ck.array(x.grad.numpy(), exp, f"broadcast grad root {root}")
+        c.ck.array(x.grad.cpu().numpy(), exp, f"broadcast grad root {root}")
     # alltoall: each row's gradient is the weight where that row landed
     k = c.key()
     sp = [[(i + j + 1) % 3 for j in range(n)] for i in range(n)]
@@ -341,16 +352,16 @@ def sec_autograd(c):
     ws = [T.gen(k + (1,), j, f64, (recv_rows[j], 2)) for j in range(n)]
     x = leaf(xs[r])
     out, _ = hvd.alltoall(x, splits=sp[r])
-    (out * torch.from_numpy(ws[r])).sum().backward()
+    (out * to_torch(ws[r])).sum().backward()
     exp = np.concatenate([ws[j][sum(sp[i][j] for i in range(r)):][:sp[r][j]] for j in range(n)])
-    c.ck.array(x.grad.numpy(), exp, "alltoall grad")
+    c.ck.array(x.grad.cpu().numpy(), exp, "alltoall grad")
     reducescatter_grads(c)
     # compression: the fp16 round trip keeps the input dtype and is differentiable
     x = leaf(np.full(3, 1.0 + r))
     out = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
     c.ck.equal(out.dtype, torch.float64, "fp16-compressed allreduce keeps the dtype")
     out.sum().backward()
-    c.ck.array(x.grad.numpy(), np.full(3, float(n)), "fp16-compressed allreduce grad")
+    c.ck.array(x.grad.cpu().numpy(), np.full(3, float(n)), "fp16-compressed allreduce grad")
 
 
 def reducescatter_grads(c):
@@ -399,8 +410,12 @@ SECTIONS = {"allreduce": sec_allreduce, "grouped": sec_grouped, "allgather": sec
 
 def main():
     T.require_bf16()
+    global DEVICE
     seed = int(sys.argv[1])
     hvd.init()
+    if len(sys.argv) > 2 and sys.argv[2] == "cuda":
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        DEVICE = torch.device("cuda", torch.cuda.current_device())
     c = Ctx(seed)
     for name, fn in SECTIONS.items():
         before = c.ck.count
