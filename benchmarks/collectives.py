@@ -45,6 +45,30 @@ mpirun), which would slow whatever else runs beside it: so, after one join and l
 start (a job Horovod cannot join fails then, with a message), Horovod runs only once every
 other column has been timed, in a phase of its own, and the table is printed at the end.
 
+With ``--device cuda`` the inputs are float32 CUDA tensors on this rank's GPU
+(``cuda:<local rank mod GPUs visible>``) and the run times ferrovod's torch adapter
+(``ferrovod.torch``: ``allreduce_``, ``allgather``, ``broadcast_``, ``reducescatter``,
+``alltoall``) beside ``torch.distributed`` on the same GPU (``all_reduce``,
+``all_gather_into_tensor``, ``broadcast``, ``reduce_scatter_tensor``,
+``all_to_all_single``)::
+
+    ferrovodrun -np 1 python benchmarks/collectives.py --device cuda
+    FERROVOD_NCCL_DISPATCH=1 ferrovodrun -np 1 python benchmarks/collectives.py --device cuda
+
+Whether ferrovod runs an op with NCCL on the device or stages it through host memory is the
+library's decision (``FERROVOD_NCCL_DISPATCH``, see the README); the header line says which,
+as ``ferrovod.torch`` answers after the first CUDA op, with the variable and the GPU's name.
+torch's backend is ``--torch-backend``: ``auto`` (the default) takes NCCL when the job has one
+rank and gloo otherwise, since ranks that share a GPU cannot use NCCL (gloo copies CUDA
+tensors through host memory); an op that the backend refuses on CUDA tensors shows ``n/a``.
+Every timed call is followed by ``torch.cuda.synchronize()``; refilling the input is untimed.
+Sizes go up to 1 GiB by default, and the number of calls is sized so that each column moves
+about ``--bytes-per-round`` per op, size and round (at least 3 calls, at most ``--iters``).
+Each size is timed in ``--rounds`` rounds (default 3) that alternate the columns, ferrovod
+then torch, and a column shows the median of its rounds' medians, so that a short slow spell
+of a shared machine lands in one round rather than in one column. ``--compare`` can only be
+torch (or nothing) here.
+
 The last columns are each peer's time divided by ferrovod's (> 1: ferrovod is faster).
 
 Each op's result is checked once per size, untimed, so a wrong result cannot look fast.
@@ -62,11 +86,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import ferrovod as fv
+
+if TYPE_CHECKING:
+    import torch
 
 OPS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall")
 #: Ops that split the input into one block per rank: sizes that do not divide are skipped.
@@ -76,6 +103,13 @@ DEFAULT_MAX_SIZE = 256 << 20
 # many repetitions, large ones few (but never fewer than MIN_ITERS).
 BYTES_PER_SIZE = 1 << 30
 MIN_ITERS = 5
+#: --device cuda: default largest size, and default bytes each column moves per op, size and
+#: round. A 1 GiB op staged through host memory takes 0.5-1 s, so the top sizes get the
+#: fewest calls that still give a median (DEVICE_MIN_ITERS), with 3 rounds of each column.
+DEVICE_MAX_SIZE = 1 << 30
+DEVICE_BYTES_PER_ROUND = 512 << 20
+DEVICE_MIN_ITERS = 3
+DEVICE_ROUNDS = 3
 
 
 def parse_size(text: str) -> int:
@@ -197,6 +231,51 @@ def time_calls(call: Callable[[], Any], reset: Callable[[], None], sync: Callabl
     return statistics.median(samples)
 
 
+#: --device cuda: at most this many warm-up calls per size, column and round. Device calls
+#: take tens of microseconds or more, so the CPU's WARMUP_MAX_CALLS would add seconds per small
+#: size and round; the first call of each size has already run untimed (verification).
+DEVICE_WARMUP_MAX_CALLS = 100
+#: --device cuda with several ranks: pause before each column's round. Shorter than SETTLE_S
+#: because a cuda run has rounds x columns x sizes x ops pauses (about 400 by default).
+DEVICE_SETTLE_S = 0.05
+
+
+def device_iterations(nbytes: int, max_iters: int, bytes_per_round: int) -> int:
+    """How many timed calls per round for a message of nbytes on the device."""
+    return max(DEVICE_MIN_ITERS, min(max_iters, bytes_per_round // max(nbytes, 1)))
+
+
+def device_warmup(nbytes: int, iters: int) -> int:
+    """Untimed calls before each round on the device: none for the largest sizes, whose
+    verification call or previous round has just run the same op at the same size (and whose
+    calls take up to a second each)."""
+    return min(DEVICE_WARMUP_MAX_CALLS, max(iters // 10, WARMUP_BYTES // max(nbytes, 1)))
+
+
+def time_device_calls(stack: Any, op: str, iters: int, warmup: int, nbytes: int) -> float:
+    """time_calls for a device stack: stack.wait() ends each timed call, since a call may
+    return before the device has finished its work. stack.reset() has waited for its own
+    copy, so that the refill lands in no timed call."""
+    call = stack.call(op)
+    meet = nbytes >= SYNC_MIN_BYTES
+    for _ in range(warmup):
+        stack.reset()
+        if meet:
+            stack.sync()
+        call()
+        stack.wait()
+    samples = []
+    for _ in range(iters):
+        stack.reset()
+        if meet:
+            stack.sync()
+        start = time.perf_counter()
+        call()
+        stack.wait()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def slowest(seconds: float, tag: str) -> float:
     """The largest of every rank's value (untimed: an object allgather)."""
     return max(fv.allgather_object(seconds, name=f"bench.times.{tag}"))
@@ -249,6 +328,73 @@ class FerrovodStack:
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`, as NumPy."""
         return self.out if op in ("allgather", *SPLIT_OPS) else self.buf
+
+
+class FerrovodCudaStack:
+    """ferrovod's torch adapter (ferrovod.torch) on float32 CUDA tensors of this rank's GPU,
+    with the same calls as FerrovodStack. Whether an op runs with NCCL on the device or
+    through host memory is the library's choice (the header line says which)."""
+
+    name = "ferrovod"
+
+    def __init__(self, count: int, rank: int, device: torch.device) -> None:
+        import torch
+
+        import ferrovod.torch as fvt
+
+        self.torch = torch
+        self.fvt = fvt
+        self.device = device
+        self.source = torch.from_numpy(pattern(count, rank)).to(device)
+        self.buf = torch.empty_like(self.source)
+        self.out: torch.Tensor | None = None
+        self.tag = f"cuda.{count}"
+
+    def reset(self) -> None:
+        """Refills the input on the device and waits for the copy, so that no timed call
+        waits for it (untimed)."""
+        self.buf.copy_(self.source)
+        self.torch.cuda.synchronize(self.device)
+
+    def sync(self) -> None:
+        """The ranks meet in this stack's own barrier (untimed)."""
+        fv.barrier()
+
+    def wait(self) -> None:
+        """Waits for the device work of the last call: a call counts as done when its result
+        can be used, which may be after it returned."""
+        self.torch.cuda.synchronize(self.device)
+
+    def call(self, op: str) -> Callable[[], Any]:
+        """The call to time, with a fixed name per op and size, as a training loop would."""
+        fvt, name = self.fvt, f"bench.{op}.{self.tag}"
+        if op == "allreduce":
+            return lambda: fvt.allreduce_(self.buf, op=fvt.Sum, name=name)
+        if op == "allgather":
+
+            def gather() -> None:
+                self.out = fvt.allgather(self.buf, name=name)
+
+            return gather
+        if op == "reducescatter":
+
+            def scatter() -> None:
+                self.out = fvt.reducescatter(self.buf, op=fvt.Sum, name=name)
+
+            return scatter
+        if op == "alltoall":
+
+            def exchange() -> None:
+                self.out = fvt.alltoall(self.buf, name=name)
+
+            return exchange
+        return lambda: fvt.broadcast_(self.buf, root_rank=0, name=name)
+
+    def result(self, op: str) -> np.ndarray:
+        """The result of the last call of `op`, copied to NumPy."""
+        out = self.out if op in ("allgather", *SPLIT_OPS) else self.buf
+        assert out is not None, f"{op} has not run"
+        return out.cpu().numpy()
 
 
 class MpiStack:
@@ -561,7 +707,7 @@ class TorchStack:
         if op == "allreduce":
             return lambda: dist.all_reduce(self.buf, op=dist.ReduceOp.SUM)
         if op == "allgather":
-            if hasattr(dist, "all_gather_into_tensor") and _gloo_has_allgather_into_tensor:
+            if hasattr(dist, "all_gather_into_tensor") and _torch_has_allgather_into_tensor:
                 return lambda: dist.all_gather_into_tensor(self.out, self.buf)
             return lambda: dist.all_gather(self.out_list, self.buf)
         if op == "reducescatter":
@@ -576,12 +722,61 @@ class TorchStack:
                 "alltoall": self.exchanged}.get(op, self.buf).numpy()
 
 
-_gloo_has_allgather_into_tensor = False
+class TorchCudaStack(TorchStack):
+    """torch.distributed (--torch-backend) on CUDA tensors of the same sizes on the same GPU
+    as FerrovodCudaStack's, with TorchStack's calls. Only the output that `op` writes is
+    allocated: at 1 GiB, two ranks' buffers of both columns share one GPU."""
+
+    def __init__(self, count: int, rank: int, n: int, device: torch.device, op: str,
+                 nccl: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.dist = torch.distributed
+        self.device = device
+        self.nccl = nccl
+        self.source = torch.from_numpy(pattern(count, rank)).to(device)
+        self.buf = torch.empty_like(self.source)
+        if op == "allgather":
+            self.out = torch.empty(count * n, dtype=torch.float32, device=device)
+            self.out_list = list(self.out.chunk(n))
+        elif op == "reducescatter":
+            self.part = torch.empty(count // n, dtype=torch.float32, device=device)
+        elif op == "alltoall":
+            self.exchanged = torch.empty(count // n * n, dtype=torch.float32, device=device)
+
+    def reset(self) -> None:
+        """Refills the input on the device and waits for the copy (untimed)."""
+        self.buf.copy_(self.source)
+        self.torch.cuda.synchronize(self.device)
+
+    def sync(self) -> None:
+        """The ranks meet in this stack's own barrier (untimed). NCCL's barrier is a device
+        allreduce: it names the device, and is waited for so that it overlaps no timed call."""
+        if self.nccl:
+            self.dist.barrier(device_ids=[self.device.index])
+        else:
+            self.dist.barrier()
+        self.torch.cuda.synchronize(self.device)
+
+    def wait(self) -> None:
+        """Waits for the device work of the last call (NCCL's calls return once queued)."""
+        self.torch.cuda.synchronize(self.device)
+
+    def result(self, op: str) -> np.ndarray:
+        """The result of the last call of `op`, copied to NumPy."""
+        out = {"allgather": "out", "reducescatter": "part", "alltoall": "exchanged"}.get(op, "buf")
+        return getattr(self, out).cpu().numpy()
 
 
-def init_torch(rank: int, n: int, master_addr: str) -> None:
-    """Starts torch.distributed (gloo) on a port that rank 0 picks and broadcasts."""
-    global _gloo_has_allgather_into_tensor
+_torch_has_allgather_into_tensor = False
+
+
+def init_torch(rank: int, n: int, master_addr: str, backend: str = "gloo",
+               device: torch.device | None = None) -> None:
+    """Starts torch.distributed (`backend`) on a port that rank 0 picks and broadcasts; the
+    allgather probe runs on `device` (None: CPU), where the timed calls will."""
+    global _torch_has_allgather_into_tensor
     import torch
     import torch.distributed as dist
 
@@ -594,17 +789,18 @@ def init_torch(rank: int, n: int, master_addr: str) -> None:
             port = sock.getsockname()[1]
     port = fv.broadcast_object(port, root_rank=0, name="bench.torch_port")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=n
+        backend, init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=n
     )
-    # Older gloo builds lack the flat-output allgather; probe once, the same way on all ranks.
+    # Older gloo builds lack the flat-output allgather (on CUDA tensors too, perhaps); probe
+    # once, the same way on all ranks.
     try:
-        probe_out = torch.empty(n, dtype=torch.float32)
-        dist.all_gather_into_tensor(probe_out, torch.ones(1))
-        _gloo_has_allgather_into_tensor = True
+        probe_out = torch.empty(n, dtype=torch.float32, device=device)
+        dist.all_gather_into_tensor(probe_out, torch.ones(1, device=device))
+        _torch_has_allgather_into_tensor = True
     except (AttributeError, RuntimeError, NotImplementedError):
-        _gloo_has_allgather_into_tensor = False
-    flags = fv.allgather_object(_gloo_has_allgather_into_tensor, name="bench.torch_probe")
-    _gloo_has_allgather_into_tensor = all(flags)
+        _torch_has_allgather_into_tensor = False
+    flags = fv.allgather_object(_torch_has_allgather_into_tensor, name="bench.torch_probe")
+    _torch_has_allgather_into_tensor = all(flags)
 
 
 # The peers --compare accepts: name → stack constructor (count, rank, n).
@@ -621,8 +817,44 @@ def verify(stack: Any, op: str, want: np.ndarray, tag: str) -> bool:
     Returns whether every rank got the right result (agreed over all ranks, so that they all
     skip or all run the timing that follows). A wrong result is described on stderr.
     """
+    return all(fv.allgather_object(check_once(stack, op, want), name=f"bench.verify.{tag}"))
+
+
+#: Verdicts of verify_on_device, agreed over all ranks.
+OK, WRONG, NOT_AVAILABLE = "ok", "WRONG", "n/a"
+
+
+def verify_on_device(stack: Any, op: str, want: np.ndarray, tag: str,
+                     may_refuse: bool) -> tuple[str, str]:
+    """verify() for a device stack: (verdict, why) with verdict OK, WRONG or NOT_AVAILABLE.
+
+    With `may_refuse`, an exception from the call (a backend without this op on CUDA tensors,
+    such as gloo's reduce_scatter) makes the op NOT_AVAILABLE for this stack instead of ending
+    the run; `why` is the first line of the first rank's error. Backends check such arguments
+    before communicating, so every rank raises alike and none is left waiting.
+    """
+    try:
+        mine = OK if check_once(stack, op, want, stack.wait) else WRONG
+    except Exception as err:  # torch raises RuntimeError, ValueError and its own classes
+        if not may_refuse:
+            raise
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        mine = f"{NOT_AVAILABLE}: {type(err).__name__}: {first_line}"
+    verdicts = fv.allgather_object(mine, name=f"bench.verify.{tag}")
+    refused = [v for v in verdicts if v.startswith(NOT_AVAILABLE)]
+    if refused:
+        return NOT_AVAILABLE, refused[0].split(": ", 1)[1]
+    return (OK, "") if all(v == OK for v in verdicts) else (WRONG, "")
+
+
+def check_once(stack: Any, op: str, want: np.ndarray,
+               wait: Callable[[], None] | None = None) -> bool:
+    """This rank's part of verify(): runs `op` once (then `wait`, for a device stack) and says
+    whether its result is `want`, describing a wrong one on stderr."""
     stack.reset()
     stack.call(op)()
+    if wait is not None:
+        wait()
     got = np.asarray(stack.result(op))
     ok = got.shape == want.shape and np.array_equal(got, want)
     if not ok:
@@ -639,7 +871,7 @@ def verify(stack: Any, op: str, want: np.ndarray, tag: str) -> bool:
             file=sys.stderr,
             flush=True,
         )
-    return all(fv.allgather_object(ok, name=f"bench.verify.{tag}"))
+    return ok
 
 
 def iterations(nbytes: int, max_iters: int) -> int:
@@ -652,17 +884,179 @@ def row_text(cells: list[str], widths: list[int]) -> str:
     return "  ".join(cell.rjust(width) for cell, width in zip(cells, widths))
 
 
+def cuda_problem() -> str | None:
+    """Why this process cannot run --device cuda (no torch, no CUDA device), or None."""
+    try:
+        import torch
+    except ImportError as err:
+        return f"torch cannot be imported by {sys.executable} ({err})"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"no CUDA device: torch {torch.__version__} ({build}) sees none"
+    return None
+
+
+def rank_device(local_rank: int) -> torch.device:
+    """This rank's GPU: ranks of a host take the visible GPUs in turn (several ranks share one
+    when there are more ranks than GPUs)."""
+    import torch
+
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def run_on_device(ops: list[str], sizes: list[int], max_iters: int, rounds: int,
+                  bytes_per_round: int, torch_backend: str, master_addr: str) -> int:
+    """--device cuda, after fv.init(): ferrovod.torch beside torch.distributed on CUDA tensors,
+    in alternating rounds. Returns the exit status."""
+    rank, n = fv.rank(), fv.size()
+    # Agreed before anything touches a GPU, so that every rank stops alike, with one line.
+    problems = fv.allgather_object(cuda_problem(), name="bench.cuda_check")
+    if any(problems):
+        if rank == 0:
+            where = [r for r, p in enumerate(problems) if p]
+            first = next(p for p in problems if p)
+            print(f"--device cuda: {first} (rank{'s' if len(where) > 1 else ''} "
+                  f"{', '.join(map(str, where))} of {n})", file=sys.stderr, flush=True)
+        fv.shutdown()
+        return 2
+
+    import torch
+    import torch.distributed as dist
+
+    import ferrovod.torch as fvt
+    import ferrovod.torch.ops as fvt_ops
+
+    device = rank_device(fv.local_rank())
+    torch.cuda.set_device(device)
+    backend = torch_backend if torch_backend != "auto" else ("nccl" if n == 1 else "gloo")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise SystemExit("--torch-backend nccl: this torch has no NCCL (use gloo)")
+    # The first CUDA op makes ferrovod decide between NCCL and host staging: the header says
+    # what it decided.
+    fvt.allreduce_(torch.ones(1, device=device), op=fvt.Sum, name="bench.cuda_first")
+    torch.cuda.synchronize(device)
+    usable, why = fvt_ops._device_path()
+    init_torch(rank, n, master_addr, backend, device)
+    placements = fv.allgather_object((socket.gethostname(), device.index), name="bench.gpus")
+    # Ranks that share a GPU only pause before each column, where the other ranks' threads
+    # would otherwise still be busy (see SETTLE_S); a lone rank has none.
+    settle_s = DEVICE_SETTLE_S if n > 1 else 0.0
+
+    headers = ["op", "size", "iters", "fv µs", "fv busbw GB/s", "torch µs", "torch busbw GB/s",
+               "vs torch"]
+    widths = [max(len(h), 10) for h in headers]
+    widths[0] = 9
+    if rank == 0:
+        import platform
+
+        dispatch = os.environ.get("FERROVOD_NCCL_DISPATCH")
+        # The engine's route (device_path) unless ranks share a GPU, which the engine stages.
+        if not usable:
+            path = "staged through host memory by the adapter"
+        elif len(set(placements)) < len(placements):
+            path = "staged through pinned host memory by the engine (ranks share a GPU)"
+        else:
+            path = "taken by the engine"
+        print(f"# ferrovod {getattr(fv, '__version__', '?')}, {n} ranks on "
+              f"{len(set(placements))} GPU(s), float32 on {device} "
+              f"({torch.cuda.get_device_name(device)}), python {platform.python_version()}, "
+              f"torch {torch.__version__} {backend}, {rounds} rounds (median of round medians)")
+        print(f"# ferrovod CUDA tensors: {path} ({why}); FERROVOD_NCCL_DISPATCH="
+              f"{dispatch if dispatch is not None else 'unset'}")
+        print(row_text(headers, widths))
+        print(row_text(["-" * w for w in widths], widths), flush=True)
+
+    explained: set[str] = set()  # ops whose torch n/a has been explained on stderr
+    failures = 0
+    for op in ops:
+        for nbytes in sizes:
+            count = nbytes // 4
+            if op in SPLIT_OPS and count % n:
+                continue  # no equal block per rank (torch's calls need one)
+            iters = device_iterations(nbytes, max_iters, bytes_per_round)
+            warmup = device_warmup(nbytes, iters)
+            want = expected(op, count, n, root=0)
+            if op in SPLIT_OPS:
+                want = want[rank]
+            stacks: dict[str, Any] = {
+                "ferrovod": FerrovodCudaStack(count, rank, device),
+                "torch": TorchCudaStack(count, rank, n, device, op, backend == "nccl"),
+            }
+            verdicts: dict[str, str] = {}
+            for column, stack in stacks.items():
+                verdicts[column], why_not = verify_on_device(
+                    stack, op, want, f"{column}.{op}.{nbytes}", may_refuse=column == "torch")
+                if verdicts[column] == WRONG:
+                    failures += 1
+                if verdicts[column] == NOT_AVAILABLE and rank == 0 and op not in explained:
+                    explained.add(op)
+                    print(f"torch {backend} {op} on CUDA tensors: n/a ({why_not})",
+                          file=sys.stderr, flush=True)
+            del want
+            medians: dict[str, list[float]] = {column: [] for column in stacks}
+            for round_no in range(rounds):
+                for column, stack in stacks.items():
+                    if verdicts[column] != OK:
+                        continue
+                    tag = f"{column}.{op}.{nbytes}.{round_no}"
+                    if settle_s:
+                        time.sleep(settle_s)
+                    fv.allgather_object(None, name=f"bench.settle.{tag}")
+                    seconds = time_device_calls(stack, op, iters, warmup, nbytes)
+                    medians[column].append(slowest(seconds, tag))
+            del stack, stacks  # frees both columns' device buffers before the next size
+            if rank == 0:
+                cells = [op, format_size(nbytes), str(iters)]
+                timed: dict[str, Timing] = {}
+                for column in ("ferrovod", "torch"):
+                    if verdicts[column] == OK:
+                        timed[column] = Timing(statistics.median(medians[column]), nbytes, op, n)
+                        cells += [f"{timed[column].seconds * 1e6:.1f}",
+                                  f"{timed[column].busbw:.3f}"]
+                    else:
+                        cells += [verdicts[column], "-" if verdicts[column] == WRONG else "n/a"]
+                cells.append(f"{timed['torch'].seconds / timed['ferrovod'].seconds:.2f}x"
+                             if len(timed) == 2 else "-")
+                print(row_text(cells, widths), flush=True)
+
+    dist.destroy_process_group()
+    fv.shutdown()
+    if failures:
+        if rank == 0:
+            print(f"{failures} result(s) were WRONG; their timings are not shown",
+                  file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated: " + ",".join(OPS))
     parser.add_argument("--sizes", default=None, help="comma-separated sizes in bytes (64K, 16M)")
-    parser.add_argument("--max-size", default=format_size(DEFAULT_MAX_SIZE).replace(" ", ""),
-                        help="largest default size (default: 256MiB)")
+    parser.add_argument("--max-size", default=None,
+                        help="largest default size (default: 256MiB; 1GiB with --device cuda)")
     parser.add_argument("--iters", type=int, default=200, help="timed calls for small sizes")
     parser.add_argument("--compare", default="",
                         help="comma-separated peers to time in the same run: torch "
                              "(torch.distributed gloo), mpi4py (under mpirun), horovod "
-                             "(horovod.torch; needs the venv of scripts/install_horovod.sh)")
+                             "(horovod.torch; needs the venv of scripts/install_horovod.sh); "
+                             "with --device cuda always torch, and only torch")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the tensors live: cpu (NumPy arrays, default) or cuda "
+                             "(torch CUDA tensors, ferrovod.torch beside torch.distributed)")
+    parser.add_argument("--torch-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                        help="--device cuda: torch.distributed's backend; auto: nccl for a "
+                             "one-rank job, gloo otherwise (ranks sharing a GPU cannot use "
+                             "NCCL)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"--device cuda: rounds per size, alternating the columns; each "
+                             f"column shows the median of its rounds' medians (default: "
+                             f"{DEVICE_ROUNDS})")
+    parser.add_argument("--bytes-per-round", default=None,
+                        help="--device cuda: bytes of input each column times per op, size and "
+                             "round, which sets the calls per round (at least "
+                             f"{DEVICE_MIN_ITERS}, at most --iters; default: "
+                             f"{format_size(DEVICE_BYTES_PER_ROUND).replace(' ', '')})")
     parser.add_argument("--horovod-controller", choices=("auto", "mpi", "gloo"), default="auto",
                         help="how Horovod joins: auto (MPI under mpirun, else gloo), mpi, gloo")
     parser.add_argument("--master-addr", default="127.0.0.1",
@@ -674,10 +1068,12 @@ def main() -> int:
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         parser.error(f"unknown ops {unknown}; choose from {OPS}")
+    on_device = args.device == "cuda"
     if args.sizes:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
     else:
-        sizes = default_sizes(parse_size(args.max_size))
+        default_max = DEVICE_MAX_SIZE if on_device else DEFAULT_MAX_SIZE
+        sizes = default_sizes(parse_size(args.max_size or format_size(default_max)))
     if any(size < 4 or size % 4 for size in sizes):
         parser.error("sizes must be positive multiples of 4 bytes (float32)")
 
@@ -685,6 +1081,21 @@ def main() -> int:
     unknown_peers = [p for p in peers if p not in PEERS]
     if unknown_peers:
         parser.error(f"unknown peers {unknown_peers}; choose from {', '.join(PEERS)}")
+    if on_device:
+        if any(p != "torch" for p in peers):
+            parser.error("--device cuda compares with torch.distributed only (--compare torch)")
+        rounds = DEVICE_ROUNDS if args.rounds is None else args.rounds
+        per_round = parse_size(args.bytes_per_round or format_size(DEVICE_BYTES_PER_ROUND))
+        if rounds < 1 or per_round < 1:
+            parser.error("--rounds and --bytes-per-round must be positive")
+        fv.init()
+        return run_on_device(ops, sizes, args.iters, rounds, per_round, args.torch_backend,
+                             args.master_addr)
+    for flag, value in (("--torch-backend", args.torch_backend != "auto"),
+                        ("--rounds", args.rounds is not None),
+                        ("--bytes-per-round", args.bytes_per_round is not None)):
+        if value:
+            parser.error(f"{flag} applies to --device cuda only")
     if "horovod" in peers:
         import_horovod()  # before fv.init(): a missing Horovod ends every rank at once
 
