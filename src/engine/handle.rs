@@ -31,7 +31,8 @@ struct State {
     done: AtomicBool,
     /// Decremented on completion (the engine's count of ops in flight, see `engine::fast`).
     count: Option<Arc<AtomicUsize>>,
-    /// The op's name, released on completion (see `engine::names`).
+    /// The op's name, held until the submitter has seen the op complete (see
+    /// `engine::names`).
     claim: Mutex<Option<NameClaim>>,
 }
 
@@ -71,7 +72,8 @@ impl Handle {
         }
     }
 
-    /// Holds `claim` until the op completes.
+    /// Holds `claim` until the submitter sees the op complete: its result taken
+    /// ([`Handle::wait`]), a [`Handle::seen_done`] that says so, or the handle dropped.
     pub(crate) fn hold(self, claim: NameClaim) -> Handle {
         *self.state.claim.lock() = Some(claim);
         self
@@ -83,8 +85,6 @@ impl Handle {
         if self.state.done.load(Ordering::Acquire) {
             return;
         }
-        // Released before anyone can see the result, so the name is free again by then.
-        drop(self.state.claim.lock().take());
         *slot = Some(result);
         self.state.done.store(true, Ordering::Release);
         if let Some(c) = &self.state.count {
@@ -98,6 +98,23 @@ impl Handle {
         self.state.done.load(Ordering::Acquire)
     }
 
+    /// [`Handle::poll`] for the submitter: once it says the op is done, the op's name is free
+    /// again. Until the submitter has seen that, a second op under the name is refused even
+    /// if the first has completed: otherwise whether it was refused would depend on how fast
+    /// the peers were (a rank whose first op completed at once would send a second one that
+    /// the others, which refused theirs, never match).
+    pub fn seen_done(&self) -> bool {
+        let done = self.poll();
+        if done {
+            self.release_name();
+        }
+        done
+    }
+
+    fn release_name(&self) {
+        drop(self.state.claim.lock().take());
+    }
+
     /// Waits at most `limit` (no spin): `None` when the op has not completed by then,
     /// otherwise what [`Handle::wait`] returns.
     pub fn wait_for(&self, limit: Duration) -> Option<Option<Result<Output>>> {
@@ -105,7 +122,12 @@ impl Handle {
         if !self.state.done.load(Ordering::Acquire) {
             self.state.cond.wait_for(&mut slot, limit);
         }
-        self.state.done.load(Ordering::Acquire).then(|| slot.take())
+        let done = self.state.done.load(Ordering::Acquire).then(|| slot.take());
+        drop(slot);
+        if done.is_some() {
+            self.release_name();
+        }
+        done
     }
 
     /// Waits for completion, spinning up to `spin` first. Returns the result (once; later
@@ -118,6 +140,9 @@ impl Handle {
         while !self.state.done.load(Ordering::Acquire) {
             self.state.cond.wait(&mut slot);
         }
-        slot.take()
+        let out = slot.take();
+        drop(slot);
+        self.release_name();
+        out
     }
 }

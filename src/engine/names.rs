@@ -5,8 +5,10 @@
 //!
 //! A name is claimed when an op enters (the fast path included, so that two threads of one
 //! rank cannot pair their blocking ops with a peer's by arrival order) and released when the
-//! op's handle completes, before its waiter can see the result: a caller that synchronizes and
-//! then reuses the name never finds it still taken.
+//! submitter has seen the op complete — its result taken (synchronize), a poll that said
+//! done, or the handle dropped — not when the engine completes it: a rank whose first op
+//! completed at once (its peers had submitted theirs) would otherwise accept a second op under
+//! the name that peers which had refused it never match.
 
 use std::collections::HashSet;
 use std::sync::Arc;

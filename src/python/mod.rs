@@ -632,9 +632,9 @@ struct CoreHandle {
 
 #[pymethods]
 impl CoreHandle {
-    /// True when the op has completed. Never blocks.
+    /// True when the op has completed (its name is then free again). Never blocks.
     fn poll(&self) -> bool {
-        self.handle.poll()
+        self.handle.seen_done()
     }
 
     /// Waits (GIL released) and returns `(outputs, received_splits, last_joined)` where

@@ -85,6 +85,18 @@ def case_dupname():
     h = fv.allreduce_async(x, name="dup.blocking", op=fv.Sum)
     ck.raises(ValueError, lambda: fv.allreduce(x, name="dup.blocking", op=fv.Sum), "blocking dup")
     ck.array(fv.synchronize(h), want, "async op under the refused name")
+    # An op that has completed but that its submitter has not seen complete (no synchronize,
+    # no poll) still holds its name: every rank refuses the second op alike, whatever the
+    # timing (Horovod's suite caught a rank whose first op had completed at once accepting it).
+    h = fv.allreduce_async(x, name="dup.done", op=fv.Sum)
+    fv.barrier()
+    time.sleep(0.2)
+    ck.raises(ValueError, lambda: fv.allreduce_async(x, name="dup.done", op=fv.Sum),
+              "second op under a completed, unseen name")
+    ck.true(fv.poll(h), "poll", "the first op is not done")
+    ck.array(fv.synchronize(fv.allreduce_async(x, name="dup.done", op=fv.Sum)), want,
+             "name reused once poll said done")
+    ck.array(fv.synchronize(h), want, "the first op's result, after the reuse")
     fv.barrier()
     still_works(ck, "duplicate names")
     return ck.count
