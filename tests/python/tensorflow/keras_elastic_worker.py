@@ -14,15 +14,14 @@ Prints ``size S rank R`` at each start and ``OK n``.
 """
 
 import os
-import signal
 import sys
-import time
 
 import numpy as np
 
 import keras  # noqa: E402
 
 import ferrovod.tensorflow.keras as hvd  # noqa: E402
+from tf_elastic_worker import act  # noqa: E402  (the same membership changes)
 
 EPOCHS, STEPS, AT = 3, 8, 5
 
@@ -46,15 +45,8 @@ def main():
     class Act(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             done[0] += 1
-            if done[0] != AT:
-                return
-            if scenario == "kill" and host == "127.0.0.1" and slot_lr == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if scenario == "add" and hvd.rank() == 0:
-                with open(hosts_file + ".tmp", "w") as f:
-                    f.write("localhost:2\n127.0.0.1:2\n")
-                os.replace(hosts_file + ".tmp", hosts_file)
-                time.sleep(2.5)
+            if done[0] == AT:
+                act(scenario, host, slot_lr, hosts_file)
 
     @hvd.elastic.run
     def train(state):
