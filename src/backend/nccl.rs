@@ -203,6 +203,16 @@ impl Nccl {
         Ok(OPENED.get_or_init(|| nccl).clone())
     }
 
+    /// [`Nccl::for_process`] when CUDA tensors are to go to NCCL at all
+    /// (`FERROVOD_NCCL_DISPATCH`), else the error that says it is off: the one place that
+    /// decides, for the engine's route and for what `device_path` tells the adapters.
+    pub fn dispatched(extra_dirs: &[std::path::PathBuf]) -> Result<Nccl> {
+        if !crate::config::nccl_dispatch() {
+            return Err(Error::InvalidArgument("FERROVOD_NCCL_DISPATCH is 0".into()));
+        }
+        Nccl::for_process(extra_dirs)
+    }
+
     /// What the probe found: path and version.
     pub fn library(&self) -> &loader::Nccl {
         &self.library

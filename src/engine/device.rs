@@ -222,19 +222,15 @@ impl DeviceState {
         cuda_ready()?;
         let me = rank_in(members, rank)?;
         let device = Device::open(ordinal as usize)?;
-        let nccl = if crate::config::nccl_dispatch() {
-            Nccl::for_process(&[]).map_err(|e| e.to_string())
-        } else {
-            Err("FERROVOD_NCCL_DISPATCH is 0".to_string())
-        };
-        let staged = |why: String| {
+        let nccl = Nccl::dispatched(&[]).map_err(|e| e.to_string());
+        let staged = |device: Device, why: String| {
             log::warn!(
                 target: crate::LOG_TARGET,
                 "rank {rank}: process set {set_id}'s CUDA tensors are staged through host memory \
                  (expect host-memory speed, not NCCL's): {why}"
             );
             Ok(Route::Staged(Box::new(Stager {
-                device: Device::open(ordinal as usize)?,
+                device,
                 bounce: None,
             })))
         };
@@ -294,12 +290,12 @@ impl DeviceState {
                 seen.push(theirs);
             }
             if let Some(why) = why {
-                return staged(why);
+                return staged(device, why);
             }
         }
         let nccl = match nccl {
             Ok(nccl) => nccl,
-            Err(why) => return staged(why),
+            Err(why) => return staged(device, why),
         };
         let id = match &store {
             None => nccl.unique_id()?,

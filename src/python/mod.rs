@@ -871,15 +871,11 @@ fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
     let dirs: Vec<std::path::PathBuf> = extra_dirs.into_iter().map(Into::into).collect();
     let answer = py.detach(|| {
         let devices = crate::backend::cuda::cuda_ready()?;
-        let nccl = if crate::config::nccl_dispatch() {
-            crate::backend::nccl::Nccl::for_process(&dirs).map(|nccl| {
-                let lib = nccl.library();
-                let (a, b, c) = lib.version;
-                format!("NCCL {a}.{b}.{c} ({})", lib.path)
-            })
-        } else {
-            Err(Error::InvalidArgument("FERROVOD_NCCL_DISPATCH is 0".into()))
-        };
+        let nccl = crate::backend::nccl::Nccl::dispatched(&dirs).map(|nccl| {
+            let lib = nccl.library();
+            let (a, b, c) = lib.version;
+            format!("NCCL {a}.{b}.{c} ({})", lib.path)
+        });
         Ok::<_, Error>(match nccl {
             Ok(what) => format!("{what} on {devices} CUDA device(s)"),
             Err(e) => format!(
