@@ -330,6 +330,25 @@ class FerrovodStack:
         return self.out if op in ("allgather", *SPLIT_OPS) else self.buf
 
 
+def horovod_torch_call(hvd: Any, stack: Any, op: str, name: str) -> Callable[[], Any]:
+    """`op` through Horovod's torch API (``horovod.torch``, or ``ferrovod.torch``, which has
+    the same calls) on ``stack.buf``: in place where the API has an in-place call (allreduce_,
+    broadcast_), else into ``stack.out``."""
+    if op == "allreduce":
+        return lambda: hvd.allreduce_(stack.buf, op=hvd.Sum, name=name)
+    if op == "broadcast":
+        return lambda: hvd.broadcast_(stack.buf, root_rank=0, name=name)
+    calls = {"allgather": lambda: hvd.allgather(stack.buf, name=name),
+             "reducescatter": lambda: hvd.reducescatter(stack.buf, op=hvd.Sum, name=name),
+             "alltoall": lambda: hvd.alltoall(stack.buf, name=name)}
+    call = calls[op]
+
+    def into_out() -> None:
+        stack.out = call()
+
+    return into_out
+
+
 class FerrovodCudaStack:
     """ferrovod's torch adapter (ferrovod.torch) on float32 CUDA tensors of this rank's GPU,
     with the same calls as FerrovodStack. Whether an op runs with NCCL on the device or
@@ -367,28 +386,7 @@ class FerrovodCudaStack:
 
     def call(self, op: str) -> Callable[[], Any]:
         """The call to time, with a fixed name per op and size, as a training loop would."""
-        fvt, name = self.fvt, f"bench.{op}.{self.tag}"
-        if op == "allreduce":
-            return lambda: fvt.allreduce_(self.buf, op=fvt.Sum, name=name)
-        if op == "allgather":
-
-            def gather() -> None:
-                self.out = fvt.allgather(self.buf, name=name)
-
-            return gather
-        if op == "reducescatter":
-
-            def scatter() -> None:
-                self.out = fvt.reducescatter(self.buf, op=fvt.Sum, name=name)
-
-            return scatter
-        if op == "alltoall":
-
-            def exchange() -> None:
-                self.out = fvt.alltoall(self.buf, name=name)
-
-            return exchange
-        return lambda: fvt.broadcast_(self.buf, root_rank=0, name=name)
+        return horovod_torch_call(self.fvt, self, op, f"bench.{op}.{self.tag}")
 
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`, copied to NumPy."""
@@ -468,28 +466,7 @@ class HorovodStack:
 
     def call(self, op: str) -> Callable[[], Any]:
         """The matching horovod.torch call (each one returns when its result is ready)."""
-        hvd, name = self.hvd, f"bench.hvd.{op}.{self.tag}"
-        if op == "allreduce":
-            return lambda: hvd.allreduce_(self.buf, op=hvd.Sum, name=name)
-        if op == "allgather":
-
-            def gather() -> None:
-                self.out = hvd.allgather(self.buf, name=name)
-
-            return gather
-        if op == "reducescatter":
-
-            def scatter() -> None:
-                self.out = hvd.reducescatter(self.buf, op=hvd.Sum, name=name)
-
-            return scatter
-        if op == "alltoall":
-
-            def exchange() -> None:
-                self.out = hvd.alltoall(self.buf, name=name)
-
-            return exchange
-        return lambda: hvd.broadcast_(self.buf, root_rank=0, name=name)
+        return horovod_torch_call(self.hvd, self, op, f"bench.hvd.{op}.{self.tag}")
 
     def result(self, op: str) -> np.ndarray:
         """The result of the last call of `op`, as NumPy."""
