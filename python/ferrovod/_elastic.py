@@ -1,6 +1,6 @@
 """The worker side of an elastic job (``ferrovodrun --min-np`` / ``--host-discovery-script``).
 
-The launcher's driver owns membership (see ``runner/elastic.py``). It publishes each new
+The launcher's driver owns membership (see ``runner/elastic/driver.py``). It publishes each new
 membership as a numbered *epoch* in the job's rendezvous store, under these keys:
 
 ``elastic/e<E>/slot/<host>/<local rank>``
@@ -77,12 +77,14 @@ def ready_key(epoch: int) -> str:
 LATEST_KEY = "elastic/latest"
 
 
-def timeout_s(environ: Optional[Dict[str, str]] = None) -> float:
+def timeout_s(environ: Optional[Dict[str, str]] = None,
+              fallback: Optional[float] = None) -> float:
     """The elastic timeout in seconds: ``FERROVOD_ELASTIC_TIMEOUT``, else
-    ``HOROVOD_ELASTIC_TIMEOUT``, else the engine table's default."""
+    ``HOROVOD_ELASTIC_TIMEOUT``, else ``fallback``, else the engine table's default."""
     env = os.environ if environ is None else environ
-    return positive_seconds(env, (TIMEOUT_VAR, "HOROVOD_ELASTIC_TIMEOUT"),
-                            float(default(TIMEOUT_VAR)))
+    if fallback is None:
+        fallback = float(default(TIMEOUT_VAR))
+    return positive_seconds(env, (TIMEOUT_VAR, "HOROVOD_ELASTIC_TIMEOUT"), fallback)
 
 
 class _Worker:

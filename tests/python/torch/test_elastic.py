@@ -100,23 +100,26 @@ def test_below_min_np_every_process_fails_within_the_elastic_timeout(tmp_path):
     assert took < 60, f"took {took:.0f} s"
 
 
-def test_every_worker_failing_ends_the_job_within_the_elastic_timeout(tmp_path):
+def test_every_worker_failing_ends_the_job_at_once(tmp_path):
+    """No survivor holds the committed state, so there is nothing to recover: the job ends
+    with the first failure instead of waiting the elastic timeout for hosts (Horovod too)."""
     t0 = time.monotonic()
-    res = elastic_job(tmp_path, BOTH, 4, "all", ["--min-np", "2", "--elastic-timeout", "3"])
+    res = elastic_job(tmp_path, BOTH, 4, "all", ["--min-np", "2", "--elastic-timeout", "120"])
     took = time.monotonic() - t0
     assert res.returncode != 0, describe(res)
-    assert "blacklisting localhost" in res.stderr and "blacklisting 127.0.0.1" in res.stderr
-    assert "0 slot(s) available, fewer than --min-np 2" in res.stderr, describe(res)
-    assert "for at least 2 slots (--min-np); 0 available" in res.stderr, describe(res)
-    assert took < 45, f"took {took:.0f} s"
+    assert "every worker has failed; no survivor holds the committed state" in res.stderr, \
+        describe(res)
+    assert "the first failure was" in res.stderr, describe(res)
+    assert "fewer than --min-np" not in res.stderr, describe(res)
+    assert took < 60, f"took {took:.0f} s"
 
 
 def test_the_reset_limit_stops_the_job(tmp_path):
     res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "2", "--reset-limit", "0"])
     assert res.returncode != 0, describe(res)
-    assert "exceeded the limit: 0" in res.stderr, describe(res)
+    assert "exceeded limit: 0" in res.stderr, describe(res)
     for r in (0, 1):
-        assert lines_matching(res, r, r"exceeded the limit: 0"), describe(res)
+        assert lines_matching(res, r, r"exceeded limit: 0"), describe(res)
 
 
 def test_without_a_script_the_fixed_hosts_give_fault_tolerance(tmp_path):
@@ -131,13 +134,13 @@ def test_without_a_script_the_fixed_hosts_give_fault_tolerance(tmp_path):
 
 
 def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
-    """With a 1 s cooldown the killed worker's host is let back in: the job shrinks to 2 and
-    grows to 4 again, and the result still matches the replay."""
+    """With a 2 s cooldown (LO 1 × 2^1, Horovod's rule) the killed worker's host is let back
+    in: the job shrinks to 2 and grows to 4 again, and the result still matches the replay."""
     res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "2",
                                                   "--blacklist-cooldown-range", "1", "2"],
                       env={"ELASTIC_STEP_SLEEP": "0.4"})
     assert res.returncode == 0, describe(res)
-    assert "blacklisting 127.0.0.1 for 1 s" in res.stderr, describe(res)
+    assert "blacklisting 127.0.0.1 for 2 s" in res.stderr, describe(res)
     epochs = [ln for ln in res.stderr.splitlines() if "elastic: epoch" in ln]
     assert len(epochs) >= 3 and "4 worker(s)" in epochs[-1], describe(res)
     assert result(tmp_path)["size"] == 4

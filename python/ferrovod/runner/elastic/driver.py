@@ -1,5 +1,4 @@
-"""The elastic driver of ``ferrovodrun`` (``--min-np``, ``--host-discovery-script``): it owns
-the job's membership while workers come and go.
+"""The elastic driver: owns an elastic job's membership while workers come and go.
 
 * **Hosts.** A discovery script is run about once a second; it prints ``host[:slots]`` per
   line (bare names take ``--slots-per-host``, else the MPI Operator's
@@ -9,8 +8,8 @@ the job's membership while workers come and go.
 * **Order.** Hosts keep the order they joined in, oldest first, and ranks are dealt in that
   order: the new rank 0 is always a survivor, which holds the committed state.
 * **Failures.** A worker that exits non-zero puts its host on the blacklist: for good, or with
-  ``--blacklist-cooldown-range LO HI`` for ``LO * 2**(n-1)`` seconds (at most ``HI``) after
-  its n-th failure, after which discovery may bring it back.
+  ``--blacklist-cooldown-range LO HI`` for ``LO * 2**n`` seconds (at most ``HI``) after its
+  n-th failure, as Horovod does, after which discovery may bring it back.
 * **Memberships.** Each change (a failure, hosts added or removed) is published in the
   rendezvous store as a new epoch (keys in :mod:`ferrovod._elastic`); survivors reach it
   through ``HorovodInternalError`` or, for host updates, ``HostsUpdatedInterrupt`` at their
@@ -18,7 +17,8 @@ the job's membership while workers come and go.
   number of new memberships after the first.
 * **Never waiting forever.** Below ``--min-np`` the driver waits at most the elastic timeout
   for hosts, then publishes an abort every worker raises, and exits non-zero naming what it
-  waited for.
+  waited for. When every worker of the membership has failed there is nothing to recover (the
+  committed state lived in them): the job ends at once with the first failure.
 * **The end.** Once a worker exits 0 (training finished) no new membership is made; the job
   ends when every worker has exited, with 0 if they all did.
 """
@@ -27,34 +27,27 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
-from .. import _elastic
-from ..common.elastic import HostUpdateResult
-from .hosts import (
-    HostInfo,
-    HostSpecError,
-    SlotInfo,
-    get_host_assignments,
-    is_local_host,
-    parse_hostfile_text,
-)
-from .remote import check_hosts, format_host_errors, over_ssh, rendezvous_host
-from .supervisor import SpawnError, Supervisor, WorkerSpec, describe_status
-from .worker_env import THREAD_VARS, JobInfo, worker_env
+from ... import _elastic
+from ..._defaults import default
+from ...common.elastic import HostUpdateResult
+from ..hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile_text
+from ..supervisor import SpawnError, Supervisor, WorkerSpec, describe_status
+from . import constants
 
-if TYPE_CHECKING:
-    from .launch import LaunchPlan
+__all__ = ["ElasticSettings", "Discovery", "DiscoveryError", "Blacklist", "ElasticDriver",
+           "DISCOVER_HOSTS_FREQUENCY_SECS", "ELASTIC_TIMEOUT_SECS"]
 
-__all__ = ["ElasticSettings", "Discovery", "Blacklist", "ElasticDriver", "launch"]
-
-#: How often the discovery script runs.
-DISCOVERY_PERIOD_S = 1.0
+# The two names below are Horovod's (horovod.runner.elastic.driver), which scripts and tests
+# written for Horovod patch; the driver reads them each time it needs them.
+#: How often the discovery script runs, in seconds.
+DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
+#: The elastic timeout when neither --elastic-timeout nor the environment gives one.
+ELASTIC_TIMEOUT_SECS = float(default(_elastic.TIMEOUT_VAR))
 #: After a worker fails, how long to wait for others of the same failure (a lost host takes
 #: all its workers) before publishing one membership for all of them.
 FAILURE_SETTLE_S = 0.3
@@ -82,6 +75,8 @@ class ElasticSettings:
     script: Optional[str]
     fixed_hosts: Optional[List[HostInfo]]
     slots_per_host: Optional[int]
+    #: How many hosts the first membership waits for (besides -np slots).
+    min_start_hosts: int = 1
 
 
 class DiscoveryError(RuntimeError):
@@ -137,7 +132,7 @@ class Discovery:
 
 class Blacklist:
     """Hosts whose workers failed: kept out for good, or for a cooldown that doubles with each
-    failure of the host (``LO * 2**(n-1)`` seconds, at most ``HI``)."""
+    failure of the host (``LO * 2**n`` seconds after the n-th, at most ``HI``: Horovod's)."""
 
     def __init__(self, cooldown: Optional[Tuple[int, int]]) -> None:
         self._cooldown = cooldown
@@ -152,7 +147,7 @@ class Blacklist:
             span = math.inf
         else:
             lo, hi = self._cooldown
-            span = float(min(lo * 2 ** (n - 1), hi))
+            span = float(min(lo * 2 ** n, hi))
         self._until[host] = now + span
         return span
 
@@ -213,6 +208,8 @@ class ElasticDriver:
         self.aborted = False
         self.finish_by = math.inf
         self.first_failure: Optional[_Worker] = None
+        #: Why the job failed, once it has (what ``_run_elastic`` raises).
+        self.error: Optional[str] = None
         self._next_wid = 0
         self._last_discovery = -math.inf
         self._discovery_failing_since: Optional[float] = None
@@ -221,7 +218,7 @@ class ElasticDriver:
 
     def _discover(self, now: float, first: bool = False) -> bool:
         """Runs discovery if it is due; returns whether the host list changed."""
-        if not first and now - self._last_discovery < DISCOVERY_PERIOD_S:
+        if not first and now - self._last_discovery < DISCOVER_HOSTS_FREQUENCY_SECS:
             return False
         self._last_discovery = now
         try:
@@ -284,6 +281,7 @@ class ElasticDriver:
 
     def _abort(self, why: str) -> None:
         self.aborted = True
+        self.error = why
         epoch = self.current.epoch + 1
         for w in self.workers.values():
             if w.alive:
@@ -319,32 +317,39 @@ class ElasticDriver:
             self.sup.keep_reaping(False)
             self.sup.stop()
 
+    def _fail(self, why: str, code: int = 1) -> int:
+        self.error = why
+        self.log(f"error: {why}")
+        return code
+
     def _run(self) -> int:
         start = time.monotonic()
         try:
             self._discover(start, first=True)
         except DiscoveryError as exc:
-            self.log(f"error: {exc}")
-            return 1
-        # The job starts once -np slots exist (waiting at most the elastic timeout).
+            return self._fail(str(exc))
+        # The job starts once -np slots (on at least min_start_hosts hosts) exist, waiting at
+        # most the elastic timeout.
         slots = self._plan(start)
-        while len(slots) < self.s.num_proc:
+        need_hosts = self.s.min_start_hosts
+        while len(slots) < self.s.num_proc or len({s.hostname for s in slots}) < need_hosts:
             if time.monotonic() - start > self.s.timeout_s:
-                self.log(f"error: waited {self.s.timeout_s:g} s (the elastic timeout) for "
-                         f"{self.s.num_proc} slots to start with; found {len(slots)}")
-                return 1
+                return self._fail(
+                    f"waited {self.s.timeout_s:g} s (the elastic timeout) for {self.s.num_proc} "
+                    f"slots on at least {need_hosts} host(s) to start with; found {len(slots)} "
+                    f"on {len({s.hostname for s in slots})}")
             if self._signalled(0.2):
                 return 130
             try:
                 self._discover(time.monotonic())
             except DiscoveryError as exc:
-                self.log(f"error: {exc}")
-                return 1
+                return self._fail(str(exc))
             slots = self._plan(time.monotonic())
         self._publish(slots, HostUpdateResult.no_update)
         try:
             self._spawn_missing()
         except SpawnError as exc:
+            self.error = str(exc)
             self.log(str(exc))
             return exc.exit_code
         return self._watch()
@@ -402,7 +407,11 @@ class ElasticDriver:
                         ev = self.sup.next_event(left)
                         if ev is not None and ev[0] == "exit":
                             self._exited(ev[1], ev[2])
-            if not any(w.alive for w in self.workers.values()) and (self.finishing or not pending_change):
+            if not any(w.alive for w in self.workers.values()):
+                if pending_change and not self.finishing and not self.aborted:
+                    # Horovod stops here too: new workers would start from scratch.
+                    self.log("elastic: every worker has failed; no survivor holds the committed "
+                             "state, so the job ends")
                 return self._final_status()
             if self.finishing:
                 if now > self.finish_by:
@@ -447,8 +456,7 @@ class ElasticDriver:
                 continue
             below_since = None
             if self.s.reset_limit is not None and self.resets >= self.s.reset_limit:
-                why = (f"the job was stopped because the number of resets of the elastic job "
-                       f"exceeded the limit: {self.s.reset_limit}")
+                why = constants.RESET_LIMIT_EXCEEDED_MESSAGE.format(self.s.reset_limit)
                 self.log(f"error: {why}")
                 self._abort(why)
                 return self._end(1)
@@ -485,117 +493,16 @@ class ElasticDriver:
         bad = [w for w in members if w.code not in (0, None)]
         if not bad and any(w.code == 0 for w in members):
             return 0
-        first = bad[0] if bad else self.first_failure
+        first = self.first_failure if self.first_failure in bad else (
+            bad[0] if bad else self.first_failure)
         if first is None:
-            self.log("error: every worker left the job without finishing")
-            return 1
+            return self._fail("every worker left the job without finishing")
+        if self.error is None:
+            self.error = constants.WORKER_FAILURE_MESSAGE.format(
+                name=f"{first.host}[{first.local_rank}]", status=describe_status(first.code or 1))
         self.log(f"error: the elastic job ended without finishing; the first failure was "
                  f"{first.host}[{first.local_rank}] with {describe_status(first.code or 1)}")
         code = first.code or 1
         return 128 - code if code < 0 else code
 
 
-def launch(plan: "LaunchPlan", settings: ElasticSettings, supervisor: Supervisor, server: object,
-           job: JobInfo, base_env: Dict[str, str], log: Log) -> int:
-    """Runs an elastic job from ``ferrovodrun``: the driver decides the memberships and asks
-    for the workers of new slots, which this builds (local, or over ssh through the host's
-    agent). Returns the launcher's exit status."""
-    computed = [var for var in THREAD_VARS if var not in base_env]
-    store_port = str(job.rendezvous_addr).rsplit(":", 1)[1]
-    checked: Dict[str, str] = {}  # remote host -> the store's address as it reaches it
-
-    def spec_for(slot: SlotInfo, wid: int, epoch: int) -> WorkerSpec:
-        remote = not is_local_host(slot.hostname)
-        host_job = job
-        if remote:
-            if slot.hostname not in checked:
-                # A host discovery brings is checked when its first worker starts, as every
-                # host of a fixed job is before anything starts.
-                reports = check_hosts([slot.hostname], plan.ssh, sys.executable, plan.iface,
-                                      os.getcwd(), timeout=plan.ssh.connect_timeout + 30.0)
-                message = format_host_errors(reports, [slot.hostname])
-                if message is not None:
-                    raise SpawnError(wid, slot.hostname, OSError(0, message))
-                checked[slot.hostname] = f"{rendezvous_host(reports, slot.hostname)}:{store_port}"
-            host_job = replace(job, rendezvous_addr=checked[slot.hostname])
-        env = worker_env(base_env, slot, host_job)
-        env.update(worker_extras(slot, epoch, settings))
-        if plan.verbose:
-            log(f"elastic: starting worker {wid} for {slot.hostname}[{slot.local_rank}] "
-                f"(epoch {epoch}, rank {slot.rank})")
-        spec = WorkerSpec(rank=wid, argv=plan.command, env=env, hostname=slot.hostname)
-        if remote:
-            over_ssh(spec, plan.command, plan.ssh, plan.exports, slot.local_size, env, base_env,
-                     computed, os.getcwd())
-        if plan.output_dir is not None:
-            # A worker's rank changes with the membership: its files are named by the worker
-            # number its output lines carry.
-            where = os.path.join(plan.output_dir, f"worker.{wid}")
-            try:
-                os.makedirs(where, exist_ok=True)
-                spec.stdout_copy = open(os.path.join(where, "stdout"), "wb")
-                spec.stderr_copy = open(os.path.join(where, "stderr"), "wb")
-            except OSError as exc:
-                raise SpawnError(wid, where, exc) from None
-        return spec
-
-    if plan.verbose:
-        for note in plan.notes:
-            log(f"note: {note}")
-    supervisor.start([])
-    driver = ElasticDriver(settings, Discovery(settings, base_env, supervisor.run_command),
-                           server, supervisor, spec_for, log, plan.verbose)
-    return driver.run()
-
-
-def settings_from(args: object, fixed_hosts: Optional[List[HostInfo]],
-                  environ: Dict[str, str]) -> ElasticSettings:
-    """Checks the elastic flags (``ValueError`` naming the flag)."""
-    get = lambda name: getattr(args, name, None)  # noqa: E731
-    num_proc, min_np, max_np = get("num_proc"), get("min_num_proc"), get("max_num_proc")
-    if num_proc is None:
-        num_proc = min_np
-    if num_proc is None:
-        raise ValueError("-np/--num-proc (or --min-np) is required in elastic mode")
-    min_np = num_proc if min_np is None else min_np
-    if min_np < 1:
-        raise ValueError(f"--min-np must be at least 1, got {min_np}")
-    if num_proc < min_np:
-        raise ValueError(f"-np {num_proc} is below --min-np {min_np}")
-    if max_np is not None and max_np < num_proc:
-        raise ValueError(f"--max-np {max_np} is below -np {num_proc}")
-    if get("host_discovery_script") is None and not fixed_hosts:
-        raise ValueError("elastic mode needs --host-discovery-script, or -H/--hostfile")
-    timeout = get("elastic_timeout")
-    if timeout is None:
-        timeout = _elastic.timeout_s(environ)
-    if timeout <= 0:
-        raise ValueError(f"--elastic-timeout must be above 0, got {timeout}")
-    reset_limit = get("reset_limit")
-    if reset_limit is not None and reset_limit < 0:
-        raise ValueError(f"--reset-limit must not be negative, got {reset_limit}")
-    cooldown = get("cooldown_range")
-    if cooldown is not None:
-        lo, hi = cooldown
-        if lo <= 0 or hi < lo:
-            raise ValueError(f"--blacklist-cooldown-range needs 0 < LO <= HI, got {lo} {hi}")
-        cooldown = (int(lo), int(hi))
-    slots = get("slots")
-    if slots is not None and slots < 1:
-        raise ValueError(f"--slots-per-host must be at least 1, got {slots}")
-    return ElasticSettings(num_proc=num_proc, min_np=min_np, max_np=max_np,
-                           timeout_s=float(timeout), reset_limit=reset_limit, cooldown=cooldown,
-                           script=get("host_discovery_script"), fixed_hosts=fixed_hosts,
-                           slots_per_host=slots)
-
-
-def worker_extras(slot: SlotInfo, epoch: int, settings: ElasticSettings) -> Dict[str, str]:
-    """What an elastic worker's environment adds: its slot's identity and the epoch it was
-    started for (see :mod:`ferrovod._elastic`)."""
-    return {
-        _elastic.ENABLED_VAR: "1",
-        "HOROVOD_ELASTIC": "1",
-        _elastic.EPOCH_VAR: str(epoch),
-        "FERROVOD_ELASTIC_LOCAL_RANK": str(slot.local_rank),
-        _elastic.TIMEOUT_VAR: f"{settings.timeout_s:g}",
-    }

@@ -1,0 +1,1 @@
+"""Launcher helpers under Horovod's module names (``horovod.runner.common.util``)."""
