@@ -36,18 +36,16 @@ had not submitted). ``--out`` (default: ``summary.json`` in the work directory) 
 as JSON, with per-rank outcomes, the longer error text and each job's log path; the work
 directory is kept.
 
-``--stub-helpers``: Horovod's test/utils/common.py imports ``horovod.runner.util.threads`` at
-module level, for Spark tests only; while ferrovod has no such module every file that imports
-common.py fails to collect. The flag stands in for it (see ``HELPER_STUBS``); the report says
-when the stand-in was used.
+Horovod's elastic integration tests (``test/integration/test_elastic_*.py``) are not run under
+the launcher: each test drives ``ferrovodrun`` itself, in its own process, through Horovod's
+launcher API (``horovod.runner.launch.parse_args`` / ``_run_elastic``), so those files run
+under plain ``python -m pytest`` as one "rank".
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import os
@@ -59,9 +57,8 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 # -- what runs ------------------------------------------------------------------------------
@@ -74,6 +71,13 @@ class SuiteFile:
     path: str  # inside Horovod's repository
     requires: Tuple[Tuple[str, str], ...] = ()  # (module to import, pip requirement)
     extra: Tuple[str, ...] = ()  # further files or folders it reads at run time
+    # Its tests start their own jobs through the launcher's Python API: run in one process.
+    drives_launcher: bool = False
+    # Seconds one of its tests may take at least (each elastic test runs several jobs).
+    min_timeout: float = 0.0
+    # Tests the file's class skips because they fail on Horovod, to run as well, as its base
+    # class writes them: (class, base class module, base class, test names). See extract().
+    unskip: Optional[Tuple[str, str, str, Tuple[str, ...]]] = None
 
 
 # Every file pulls in test/utils/common.py, which imports mock and cloudpickle.
@@ -92,17 +96,21 @@ SUITE_FILES: Dict[str, SuiteFile] = {
         _COMMON_REQS + (("parameterized", "parameterized"),)),
     "test_tensorflow_keras.py": SuiteFile("test/parallel/test_tensorflow_keras.py", _COMMON_REQS),
 }
+for _framework in ("torch", "tensorflow2", "tensorflow", "tensorflow_keras"):
+    SUITE_FILES[f"test_elastic_{_framework}.py"] = SuiteFile(
+        f"test/integration/test_elastic_{_framework}.py", _COMMON_REQS + (("psutil", "psutil"),),
+        extra=(f"test/integration/data/elastic_{_framework}_main.py",), drives_launcher=True,
+        min_timeout=600.0)
+# Horovod skips these two for torch: "This test fails due to horovod#2908" (survivors abort on
+# a transport exception instead of recovering), which ferrovod must not do.
+SUITE_FILES["test_elastic_torch.py"] = replace(
+    SUITE_FILES["test_elastic_torch.py"],
+    unskip=("ElasticTorchTests", "elastic_common", "BaseElasticTests",
+            ("test_single_rank_failure", "test_fault_tolerance_without_scaling")))
 DEFAULT_FILES = ("test_torch.py", "test_tensorflow.py", "test_tensorflow2_keras.py",
-                 "test_tensorflow_keras.py")
-
-# Modules the test *helpers* import at module level that ferrovod may not provide, although no
-# selected test calls them. With --stub-helpers, a stand-in whose functions raise is used only
-# when the real module cannot be found, and its use is reported; without it, a missing one is
-# a collection error, which is the honest default.
-HELPER_STUBS: Dict[str, Tuple[str, ...]] = {
-    # test/utils/common.py; only Horovod's Spark tests call in_thread.
-    "ferrovod.runner.util.threads": ("in_thread",),
-}
+                 "test_tensorflow_keras.py", "test_elastic_torch.py",
+                 "test_elastic_tensorflow2.py", "test_elastic_tensorflow.py",
+                 "test_elastic_tensorflow_keras.py")
 
 # Directories the test files put on sys.path, relative to the test tree root, in the order a
 # module name is looked up when resolving helpers (the importing file's own folder first).
@@ -111,7 +119,7 @@ _HELPER_DIRS = ("utils", "", "parallel", "integration")
 # The plugin's environment; not FERROVOD_* so that ferrovod never mistakes them for its own.
 ENV_EVENTS = "HVDSUITE_EVENTS"
 ENV_JOB = "HVDSUITE_JOB"
-ENV_STUBS = "HVDSUITE_STUBS"
+ENV_RANK = "HVDSUITE_RANK"  # the rank of a file that runs without the launcher
 
 OUTCOMES = ("passed", "failed", "skipped", "hung")
 
@@ -229,7 +237,33 @@ def extract(snap: Snapshot, entries: Sequence[SuiteFile], dest: Path) -> Dict[st
             text, counts[path] = rewrite_imports(data.decode("utf-8"))
             data = text.encode("utf-8")
         target.write_bytes(data)
+    for e in entries:
+        if e.unskip is not None:
+            with open(dest / e.path, "a", encoding="utf-8") as f:
+                f.write(unskipped_class(*e.unskip))
     return counts
+
+
+def unskipped_class(cls: str, module: str, base: str, tests: Tuple[str, ...]) -> str:
+    """Source of a subclass of ``cls`` whose only tests are ``tests`` as ``base`` (which
+    ``cls``'s own versions override with a skip) writes them."""
+    return f"""
+
+
+# Appended by ferrovod's horovod_suite.py: the tests {cls} skips because they fail on
+# Horovod, run as {base} writes them; every other test is left to {cls}.
+from {module} import {base} as _SuiteBase
+
+
+class {cls}SkippedByHorovod({cls}):
+    pass
+
+
+for _name in dir({cls}SkippedByHorovod):
+    if _name.startswith("test"):
+        setattr({cls}SkippedByHorovod, _name,
+                getattr(_SuiteBase, _name) if _name in {tests!r} else None)
+"""
 
 
 # -- the pytest plugin (runs inside every rank) ---------------------------------------------
@@ -243,7 +277,8 @@ def _emit(event: Dict[str, Any]) -> None:
     if not folder:
         return
     if _events_file is None:
-        rank = os.environ.get("FERROVOD_RANK") or os.environ.get("HOROVOD_RANK") or "collect"
+        rank = (os.environ.get(ENV_RANK) or os.environ.get("FERROVOD_RANK")
+                or os.environ.get("HOROVOD_RANK") or "collect")
         _events_file = open(Path(folder) / f"rank{rank}.jsonl", "a", encoding="utf-8")
     event["t"] = time.time()
     _events_file.write(json.dumps(event) + "\n")
@@ -313,40 +348,6 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         session.exitstatus = 0
 
 
-class _StubLoader(importlib.abc.Loader):
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
-        return None
-
-    def exec_module(self, module: ModuleType) -> None:
-        name = module.__name__
-        for attr in HELPER_STUBS.get(name, ()):
-            def stand_in(*args: Any, _what: str = f"{name}.{attr}", **kwargs: Any) -> Any:
-                raise NotImplementedError(f"{_what}: ferrovod has no such module; this is the "
-                                          "Horovod suite's stand-in (--stub-helpers)")
-            setattr(module, attr, stand_in)
-        _emit({"ev": "stub_used", "module": name})
-
-
-class _StubFinder(importlib.abc.MetaPathFinder):
-    """Last on sys.meta_path, so it answers only for modules no real finder found."""
-
-    def __init__(self) -> None:
-        # Never a top-level package: without ferrovod itself nothing should run.
-        self.packages = {".".join(m.split(".")[:i]) for m in HELPER_STUBS
-                         for i in range(2, m.count(".") + 1)}
-
-    def find_spec(self, name: str, path: Any,
-                  target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if name in HELPER_STUBS or name in self.packages:
-            return importlib.util.spec_from_loader(name, _StubLoader(),
-                                                   is_package=name in self.packages)
-        return None
-
-
-if os.environ.get(ENV_STUBS) == "1" and not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-    sys.meta_path.append(_StubFinder())
-
-
 # -- the driver -----------------------------------------------------------------------------
 
 
@@ -391,7 +392,6 @@ class RankLog:
     last_event: Optional[float] = None
     session_done: bool = False
     collect_errors: List[Dict[str, Any]] = field(default_factory=list)
-    stubs: Set[str] = field(default_factory=set)
     current: Optional[str] = None
     collected: List[str] = field(default_factory=list)
 
@@ -429,8 +429,6 @@ def read_events(path: Path, offset: int, log: RankLog) -> int:
             log.session_done = True
         elif kind == "collect_error":
             log.collect_errors.append(ev)
-        elif kind == "stub_used":
-            log.stubs.add(ev["module"])
         elif kind == "collected":
             log.collected = ev["ids"]
     return offset + end
@@ -622,7 +620,6 @@ class FileReport:
     results: List[TestResult] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     jobs: List[Dict[str, Any]] = field(default_factory=list)
-    stubs_used: Set[str] = field(default_factory=set)
     seconds: float = 0.0
 
     def counts(self) -> Dict[str, int]:
@@ -636,7 +633,6 @@ class FileReport:
             "counts": self.counts(),
             "collection_error": self.collection_error,
             "seconds": round(self.seconds, 1),
-            "stubs_used": sorted(self.stubs_used),
             "notes": self.notes,
             "jobs": self.jobs,
             "tests": [{"id": r.id, "outcome": r.outcome, "reason": r.reason,
@@ -657,6 +653,7 @@ class Runner:
         self.launcher = [str(launcher)] if launcher.exists() else [self.python, "-m",
                                                                    "ferrovod.runner.launch"]
         self.current: Optional[Job] = None
+        self.entry = SuiteFile("")
 
     def env(self, events: Path) -> Dict[str, str]:
         env = dict(os.environ)
@@ -665,7 +662,9 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         env[ENV_EVENTS] = str(events)
         env[ENV_JOB] = uuid.uuid4().hex
-        env[ENV_STUBS] = "1" if self.args.stub_helpers else "0"
+        # As an activated virtual environment: a test's command "python" is this one.
+        env["PATH"] = os.pathsep.join(filter(None, [str(Path(self.python).parent),
+                                                    env.get("PATH")]))
         return env
 
     def pytest_args(self) -> List[str]:
@@ -696,8 +695,14 @@ class Runner:
             return ids, f"pytest --collect-only exited {proc.returncode}: {tail}"
         return ids, None
 
+    @property
+    def n_ranks(self) -> int:
+        """The ranks of a job of the current file."""
+        return 1 if self.entry.drives_launcher else self.args.np
+
     def run_file(self, name: str, work: Path) -> FileReport:
         report = FileReport(name)
+        self.entry = SUITE_FILES[name]
         t0 = time.monotonic()
         if work.exists():  # a reused --workdir: old events would mix with the new ones
             shutil.rmtree(work)
@@ -725,9 +730,17 @@ class Runner:
                 ids: List[str], args: List[str]) -> Tuple[List[TestResult], List[str]]:
         """Runs ``ids`` in one job; returns the results it settled and the ids still to run."""
         a = self.args
-        cmd = [*self.launcher, "-np", str(a.np), self.python, *self.pytest_args(),
-               f"--timeout={a.timeout}", "--timeout-method=thread", *args]
+        entry = self.entry
+        timeout = max(a.timeout, entry.min_timeout)
+        pytest = [self.python, *self.pytest_args(), f"--timeout={timeout:g}",
+                  "--timeout-method=thread", *args]
         env = self.env(folder)
+        if entry.drives_launcher:
+            cmd = pytest
+            env[ENV_RANK] = "0"
+        else:
+            cmd = [*self.launcher, "-np", str(a.np), *pytest]
+        n = self.n_ranks
         job = Job(cmd, test_file.parent, env, folder)
         self.current = job
         print(f"  job {n_job}: {len(ids)} tests (log: {job.log_path})", flush=True)
@@ -736,7 +749,7 @@ class Runner:
         results: Dict[str, TestResult] = {}
         while True:
             ended = job.proc.poll() is not None
-            job.refresh(a.np)
+            job.refresh(n)
             failed = self._settle(job, ids, results, n_job)
             if ended:
                 break
@@ -747,20 +760,18 @@ class Runner:
             if time.time() - job.started > a.job_timeout:
                 killed_why = f"the job's wall limit ({a.job_timeout:.0f} s) ran out"
             else:
-                stalled = job.stalled_rank(a.timeout + a.stall_grace, a.np)
+                stalled = job.stalled_rank(timeout + a.stall_grace, n)
                 if stalled is not None:
                     killed_why = (f"rank {stalled} showed no progress for "
-                                  f"{a.timeout + a.stall_grace:.0f} s")
+                                  f"{timeout + a.stall_grace:.0f} s")
             if killed_why:
                 job.kill()
-                job.refresh(a.np)
+                job.refresh(n)
                 self._settle(job, ids, results, n_job)
                 break
             time.sleep(1.0)
         leftovers = job.reap()
         self.current = None
-        for log in job.ranks.values():
-            report.stubs_used |= log.stubs
         log_text = job.log_path.read_text(errors="replace")
         per_rank, own = rank_lines(log_text)
         timeouts = {r: w for r, w in ((r, timeout_report(ln, test_file.name))
@@ -784,7 +795,7 @@ class Runner:
         why_ended = self._job_failure(job, killed_why, own, per_rank)
         if culprit is None and remaining and not results:
             # Nothing moved: running the same list again would end the same way.
-            if all(job.ranks[r].session_done for r in range(a.np)) and job.proc.returncode == 0:
+            if all(job.ranks[r].session_done for r in range(n)) and job.proc.returncode == 0:
                 why_ended = "pytest did not run it (not found?)"
             for log in job.ranks.values():
                 for err in log.collect_errors:
@@ -825,7 +836,7 @@ class Runner:
             if test_id in results:
                 continue
             per_rank = {r: log.tests.get(test_id) for r, log in job.ranks.items()}
-            if len(per_rank) == self.args.np and all(t and t.finished for t in per_rank.values()):
+            if len(per_rank) == self.n_ranks and all(t and t.finished for t in per_rank.values()):
                 res = merge(test_id, {r: t for r, t in per_rank.items() if t})
                 res.job = n_job
                 results[test_id] = res
@@ -848,7 +859,7 @@ class Runner:
         ranks: Dict[int, str] = {}
         failures: List[str] = []
         detail = ""
-        for r in range(self.args.np):
+        for r in range(self.n_ranks):
             t = job.ranks[r].tests.get(test_id)
             if t is None:
                 ranks[r] = "not started"
@@ -868,7 +879,8 @@ class Runner:
                 current = job.ranks[r].current
                 other = "" if current in (None, test_id) else f" (in {current.split('::')[-1]})"
                 where.append(f"rank {r}{other} at {frame}")
-            return TestResult(test_id, "hung", f"timed out after {self.args.timeout:g} s: "
+            limit = max(self.args.timeout, self.entry.min_timeout)
+            return TestResult(test_id, "hung", f"timed out after {limit:g} s: "
                               f"{'; '.join(where)}{also}", ranks, detail, n_job)
         if killed_why:
             return TestResult(test_id, "hung", f"{killed_why} (killed by the suite's "
@@ -949,9 +961,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run a file in one job as Horovod's CI does, instead of starting a new "
                         "job after each failed test (a failure that leaves the ranks out of step "
                         "then fails the tests after it too)")
-    p.add_argument("--stub-helpers", action="store_true",
-                   help="stand in for modules the test helpers import but no selected test "
-                        f"calls, when ferrovod lacks them: {', '.join(HELPER_STUBS)}")
     p.add_argument("--workdir", help="where to extract and keep logs (default: a new temporary "
                    "directory)")
     p.add_argument("--out", help="JSON summary path (default: summary.json in the work directory)")
@@ -968,8 +977,6 @@ def print_report(report: FileReport) -> None:
           f"({report.seconds:.0f} s, {len(report.jobs)} jobs)")
     if report.collection_error:
         print(f"   COLLECTION ERROR: {report.collection_error.splitlines()[0]}")
-    if report.stubs_used:
-        print(f"   stand-ins used (--stub-helpers): {', '.join(sorted(report.stubs_used))}")
     for note in report.notes:
         print(f"   note: {note}")
     for kind in ("failed", "hung"):
@@ -1011,7 +1018,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "horovod": {"location": str(snap.location), "ref": args.ref, "commit": snap.commit},
         "settings": {"np": args.np, "timeout": args.timeout, "stall_grace": args.stall_grace,
                      "restart_on_failure": args.restart_on_failure,
-                     "job_timeout": args.job_timeout, "stub_helpers": args.stub_helpers,
+                     "job_timeout": args.job_timeout,
                      "k": args.k},
         "files": {},
     }
