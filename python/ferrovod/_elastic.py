@@ -151,6 +151,10 @@ class _Worker:
             value = str(place[key.lower()])
             os.environ["FERROVOD_" + key] = value
             os.environ["HOROVOD_" + key] = value
+        if "store" in place:
+            # The forming publishes the address of the route to the store: with workers on
+            # other hosts in this membership, one they can reach (see runner/elastic).
+            os.environ["FERROVOD_RENDEZVOUS_ADDR"] = str(place["store"])
         return latest
 
     def _all_arrived(self, epoch: int, size: int, deadline: float) -> bool:

@@ -171,19 +171,23 @@ HIER = str(WORKERS / "hierarchical_worker.py")
 ELASTIC = str(REPO / "tests" / "python" / "torch" / "elastic_worker.py")
 
 
-@pytest.mark.parametrize("scenario,hosts,np_,final", [
-    ("kill", "h1:2\nh2:2\n", 4, 2),
-    ("add", "h1:2\n", 2, 4),
+@pytest.mark.parametrize("scenario,hosts,np_,final,launcher", [
+    ("kill", "h1:2\nh2:2\n", 4, 2, "h0"),
+    ("add", "h1:2\n", 2, 4, "h0"),
+    ("kill", "h1:2\nh2:2\n", 4, 2, "h1"),
+    ("add", "h1:2\n", 2, 4, "h1"),
 ])
-def test_elastic_job_over_ssh(cluster, tmp_path, scenario, hosts, np_, final):
-    """The MPIJob shape, elastic: the launcher's host runs no worker; the discovery script
-    lists the worker hosts. A worker of h2 is SIGKILLed (h2 is blacklisted and its other
-    worker leaves), or h2 is added while the job runs (its workers start over ssh and join at
-    the next commit). The worker checks samples, weights and a one-process replay."""
+def test_elastic_job_over_ssh(cluster, tmp_path, scenario, hosts, np_, final, launcher):
+    """Elastic across hosts. With the launcher on h0, the MPIJob shape: the launcher's host
+    runs no worker; with it on h1, its own host's workers are local and h2's are over ssh.
+    A worker of h2 is SIGKILLed (h2 is blacklisted and its other worker leaves), or h2 is
+    added while the job runs (its workers start over ssh and join at the next commit; h1's
+    local workers must then be reachable from h2). The worker checks samples, weights and a
+    one-process replay."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts)
     env = clean_env(ELASTIC_VICTIM_HOST="h2", ELASTIC_FIRST_HOST="h1")
-    res = cluster.run("h0", [*LAUNCH, "-np", str(np_), "--min-np", "2", "--max-np", "4",
+    res = cluster.run(launcher, [*LAUNCH, "-np", str(np_), "--min-np", "2", "--max-np", "4",
                              "--host-discovery-script", f"cat {hosts_file}", *ssh_flags(cluster),
                              PY, ELASTIC, scenario, str(hosts_file), str(tmp_path)],
                       timeout=180, env=env)

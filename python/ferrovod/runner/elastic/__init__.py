@@ -36,21 +36,40 @@ def launch(plan: "LaunchPlan", settings: ElasticSettings, supervisor: Supervisor
     computed = [var for var in THREAD_VARS if var not in base_env]
     store_port = str(job.rendezvous_addr).rsplit(":", 1)[1]
     checked: Dict[str, str] = {}  # remote host -> the store's address as it reaches it
+    local: Dict[str, bool] = {}
+    store_of: Dict[Tuple[str, int], str] = {}  # slot -> its store address in the membership
+
+    def is_local(host: str) -> bool:
+        if host not in local:
+            local[host] = is_local_host(host)
+        return local[host]
+
+    def prepare(slots: List[SlotInfo]) -> Dict[Tuple[str, int], Dict[str, str]]:
+        """Checks the membership's new remote hosts (as every host of a fixed job is before
+        anything starts) and gives each slot the store address its worker forms with. A
+        worker publishes the address of its route to the store, so this machine's workers
+        use the one a remote host of the membership reaches the launcher at, not loopback:
+        their peers there must reach them (a fixed job does the same)."""
+        remote = list(dict.fromkeys(s.hostname for s in slots if not is_local(s.hostname)))
+        for host in remote:
+            if host in checked:
+                continue
+            reports = check_hosts([host], plan.ssh, sys.executable, plan.iface, os.getcwd(),
+                                  timeout=plan.ssh.connect_timeout + 30.0)
+            message = format_host_errors(reports, [host])
+            if message is not None:
+                rank = next(s.rank for s in slots if s.hostname == host)
+                raise SpawnError(rank, host, OSError(0, message))
+            checked[host] = f"{rendezvous_host(reports, host)}:{store_port}"
+        here = checked[remote[0]] if remote else str(job.rendezvous_addr)
+        store_of.clear()
+        for s in slots:
+            store_of[(s.hostname, s.local_rank)] = checked.get(s.hostname, here)
+        return {key: {"store": addr} for key, addr in store_of.items()}
 
     def spec_for(slot: SlotInfo, wid: int, epoch: int) -> WorkerSpec:
-        remote = not is_local_host(slot.hostname)
-        host_job = job
-        if remote:
-            if slot.hostname not in checked:
-                # A host discovery brings is checked when its first worker starts, as every
-                # host of a fixed job is before anything starts.
-                reports = check_hosts([slot.hostname], plan.ssh, sys.executable, plan.iface,
-                                      os.getcwd(), timeout=plan.ssh.connect_timeout + 30.0)
-                message = format_host_errors(reports, [slot.hostname])
-                if message is not None:
-                    raise SpawnError(wid, slot.hostname, OSError(0, message))
-                checked[slot.hostname] = f"{rendezvous_host(reports, slot.hostname)}:{store_port}"
-            host_job = replace(job, rendezvous_addr=checked[slot.hostname])
+        remote = not is_local(slot.hostname)
+        host_job = replace(job, rendezvous_addr=store_of[(slot.hostname, slot.local_rank)])
         env = worker_env(base_env, slot, host_job)
         env.update(worker_extras(slot, epoch, settings))
         if plan.verbose:
@@ -80,7 +99,7 @@ def launch(plan: "LaunchPlan", settings: ElasticSettings, supervisor: Supervisor
 
     settings = replace(settings, min_start_hosts=gloo_run._get_min_start_hosts(settings))
     driver = ElasticDriver(settings, Discovery(settings, base_env, supervisor.run_command),
-                           server, supervisor, spec_for, log, plan.verbose)
+                           server, supervisor, spec_for, log, plan.verbose, prepare)
     code = driver.run()
     return code, (None if code == 0 else driver.error or f"the elastic job failed ({code})")
 

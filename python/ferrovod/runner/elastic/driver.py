@@ -190,12 +190,18 @@ class ElasticDriver:
 
     def __init__(self, settings: ElasticSettings, discovery: Discovery, store: object,
                  supervisor: Supervisor, spec_for: Callable[[SlotInfo, int, int], WorkerSpec],
-                 log: Log, verbose: bool = False) -> None:
+                 log: Log, verbose: bool = False,
+                 prepare: Optional[Callable[[List[SlotInfo]], Dict[Tuple[str, int],
+                                                                   Dict[str, str]]]] = None
+                 ) -> None:
         self.s = settings
         self.discovery = discovery
         self.store = store
         self.sup = supervisor
         self.spec_for = spec_for
+        # Called with a membership's slots before it is published: what each slot's place
+        # adds (the store address its worker forms with); may raise SpawnError.
+        self.prepare = prepare or (lambda slots: {})
         self.log = log
         self.verbose = verbose
         self.blacklist = Blacklist(settings.cooldown)
@@ -257,12 +263,16 @@ class ElasticDriver:
     # -- memberships ----------------------------------------------------------------------------
 
     def _publish(self, slots: List[SlotInfo], update: HostUpdateResult) -> None:
+        """Publishes the next membership; raises SpawnError (nothing published) when a new
+        host of it cannot take workers."""
+        extras = self.prepare(slots)
         epoch = self.current.epoch + 1
         new = _Membership(epoch, {(s.hostname, s.local_rank): s for s in slots})
         for (host, lr), slot in new.slots.items():
-            place = {"rank": slot.rank, "size": slot.size, "local_rank": slot.local_rank,
-                     "local_size": slot.local_size, "cross_rank": slot.cross_rank,
-                     "cross_size": slot.cross_size}
+            place: Dict[str, object] = {
+                "rank": slot.rank, "size": slot.size, "local_rank": slot.local_rank,
+                "local_size": slot.local_size, "cross_rank": slot.cross_rank,
+                "cross_size": slot.cross_size, **extras.get((host, lr), {})}
             self._set(_elastic.slot_key(epoch, host, lr), place)
         for w in self.workers.values():
             if w.alive and (w.host, w.local_rank) not in new.slots:
@@ -345,8 +355,8 @@ class ElasticDriver:
             except DiscoveryError as exc:
                 return self._fail(str(exc))
             slots = self._plan(time.monotonic())
-        self._publish(slots, HostUpdateResult.no_update)
         try:
+            self._publish(slots, HostUpdateResult.no_update)
             self._spawn_missing()
         except SpawnError as exc:
             self.error = str(exc)
@@ -466,9 +476,9 @@ class ElasticDriver:
                 update |= HostUpdateResult.added
             if old - new or failed:
                 update |= HostUpdateResult.removed
-            self._publish(slots, update)
             pending_change = failed = False
             try:
+                self._publish(slots, update)
                 self._spawn_missing()
             except SpawnError as exc:
                 self.log(str(exc))
