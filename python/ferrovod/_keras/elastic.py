@@ -101,30 +101,51 @@ class CommitStateCallback(keras.callbacks.Callback):
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.batch`` at the current batch (0 after each epoch). With
-    ``steps_per_epoch``, the first epoch after a reset is shortened by the batches already
-    done."""
+    """Keeps ``state.batch`` at the number of batches of the current epoch done (0 after each
+    epoch). After a reset, with ``steps_per_epoch``, the interrupted epoch resumes where its
+    last commit left it and ends after the batches it still lacks: none is lost and none is
+    trained twice.
+
+    Keras 3 runs every epoch of one ``fit`` for ``steps_per_epoch`` steps whatever
+    ``params["steps"]`` says (Horovod's way of shortening it, which Keras 2 honoured): this
+    ends the short epoch by setting ``model.stop_training`` after its last batch, which
+    makes ``fit`` leave the epoch, and clears it again at that epoch's end, so the following
+    epochs run. Put this callback before ``CommitStateCallback``, so that a commit holds the
+    batch just done.
+    """
 
     def __init__(self, state: Any) -> None:
         super().__init__()
         self.state = state
         self.steps_per_epoch: Optional[int] = None
+        self._offset = 0  # batches of this epoch done before this fit
+        self._ended_epoch = False
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self.steps_per_epoch = None
+        self._ended_epoch = False
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._offset = int(self.state.batch)
         params = self.params or {}
         if params.get("steps"):
             if self.steps_per_epoch is None:
                 self.steps_per_epoch = params.get("steps")
-            params["steps"] = self.steps_per_epoch - self.state.batch
+            params["steps"] = self.steps_per_epoch - self._offset
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        self.state.batch = batch
+        self.state.batch = self._offset + batch + 1
+        if (self._offset and self.steps_per_epoch
+                and self.state.batch >= self.steps_per_epoch and not self.model.stop_training):
+            self.model.stop_training = True
+            self._ended_epoch = True
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         self.state.batch = 0
+        self._offset = 0
+        if self._ended_epoch:
+            self.model.stop_training = False
+            self._ended_epoch = False
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):

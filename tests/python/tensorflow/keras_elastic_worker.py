@@ -9,7 +9,9 @@ SCENARIO at global batch ``AT`` of the first membership:
          Adam has no slots yet, and must get rank 0's
   kill   the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
 At the end every rank's weights and optimizer variables must be identical (a new worker with
-zero moments, or a survivor that missed a step, would differ) and the epochs all done.
+zero moments, or a survivor that missed a step, would differ), the epochs all done, and the
+committed count of batches trained exactly EPOCHS * STEPS: the epoch a reset interrupted
+resumes at its next uncommitted batch, none lost and none trained twice.
 Prints ``size S rank R`` at each start and ``OK n``.
 """
 
@@ -19,6 +21,7 @@ import sys
 import numpy as np
 
 import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import ferrovod.tensorflow.keras as hvd  # noqa: E402
 from tf_elastic_worker import act  # noqa: E402  (the same membership changes)
@@ -37,7 +40,7 @@ def main():
                               keras.layers.Dense(1)])
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
     model.compile(optimizer=opt, loss="mse")
-    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0, trained=0)
     host = os.environ["FERROVOD_HOSTNAME"]
     slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
     done = [0]
@@ -48,13 +51,21 @@ def main():
             if done[0] == AT:
                 act(scenario, host, slot_lr, hosts_file)
 
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            state.trained += 1
+
     @hvd.elastic.run
     def train(state):
         print(f"size {hvd.size()} rank {hvd.rank()}", flush=True)
         r, n = hvd.rank(), hvd.size()
-        model.fit(x[r::n], y[r::n], batch_size=8, steps_per_epoch=STEPS, epochs=EPOCHS,
+        # A repeated dataset, as scripts with steps_per_epoch have: Keras 3 keeps one
+        # iterator across the epochs of a fit, so finite input that the shortened epoch
+        # started would run out during the next one.
+        data = tf.data.Dataset.from_tensor_slices((x[r::n], y[r::n])).repeat().batch(8)
+        model.fit(data, steps_per_epoch=STEPS, epochs=EPOCHS,
                   initial_epoch=state.epoch, verbose=0,
-                  callbacks=[Act(), hvd.elastic.UpdateBatchStateCallback(state),
+                  callbacks=[Act(), Count(), hvd.elastic.UpdateBatchStateCallback(state),
                              hvd.elastic.UpdateEpochStateCallback(state),
                              hvd.elastic.CommitStateCallback(state, batches_per_commit=2)])
 
@@ -68,6 +79,7 @@ def main():
             f"rank {i}'s weights or optimizer state differ from rank {hvd.rank()}'s"
         checks += 1
     assert state.epoch == EPOCHS, state.epoch
+    assert state.trained == EPOCHS * STEPS, f"{state.trained} batches trained, not {EPOCHS * STEPS}"
     print(f"DONE size {hvd.size()} rank {hvd.rank()} iterations {int(np.asarray(opt.iterations))}",
           flush=True)
     print(f"OK {checks + 1}", flush=True)
