@@ -1,6 +1,8 @@
 """Elastic Keras 3 and TensorFlow training through the real launcher (keras_elastic_worker.py,
-tf_elastic_worker.py): workers join (their Adam has no slots yet and must receive rank 0's)
-or are lost mid-epoch, and every rank ends with identical weights and optimizer state."""
+tf_elastic_worker.py, tf1_elastic_worker.py): workers join (their Adam has no slots yet and
+must receive rank 0's) or are lost mid-epoch, and every rank ends with identical weights and
+optimizer state, every committed batch trained once, equal to a one-process replay where the
+batches allow one."""
 
 import sys
 from pathlib import Path
@@ -44,16 +46,42 @@ def test_keras_elastic_example_trains(tmp_path):
     assert acc and float(acc[0].group(1)) >= 90.0, describe(res)
 
 
-def test_tensorflow_custom_loop_elastic(tmp_path):
+@pytest.mark.parametrize("scenario,hosts,np_,final", [
+    ("add", "localhost:2\n", 2, 4),
+    ("kill", "localhost:2\n127.0.0.1:2\n", 4, 2),
+])
+def test_tensorflow_custom_loop_elastic(tmp_path, scenario, hosts, np_, final):
     """tf.function steps through DistributedGradientTape with TensorFlowKerasState: two
-    workers join mid-run and receive the model and Adam's slots and step count."""
+    workers join mid-run and receive the model and Adam's slots and step count, or one is
+    SIGKILLed and the survivors go back to the last commit. Every rank ends equal to a
+    one-process replay of the same batches."""
     hosts_file = tmp_path / "hosts"
-    hosts_file.write_text("localhost:2\n")
-    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "2", "--min-np", "2",
+    hosts_file.write_text(hosts)
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_), "--min-np", "2",
            "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
-           str(HERE / "tf_elastic_worker.py"), "add", str(hosts_file)]
+           str(HERE / "tf_elastic_worker.py"), scenario, str(hosts_file)]
     res = _run(cmd, _env(None), 240)
     assert res.returncode == 0, describe(res)
-    done = [r for r in res.ranks if lines_matching(res, r, r"^DONE size 4 rank \d iterations 24$")]
-    assert len(done) == 4, describe(res)
+    done = [r for r in res.ranks
+            if lines_matching(res, r, rf"^DONE size {final} rank \d iterations 24$")]
+    assert len(done) == final, describe(res)
     assert "AutoGraph could not transform" not in res.stdout + res.stderr, describe(res)
+
+
+@pytest.mark.parametrize("scenario,hosts,np_,final", [
+    ("add", "localhost:2\n", 2, 4),
+    ("kill", "localhost:2\n127.0.0.1:2\n", 4, 2),
+])
+def test_tensorflow1_session_elastic(tmp_path, scenario, hosts, np_, final):
+    """TF1 graph mode: TensorFlowState over a session, a DistributedOptimizer's allreduce
+    inside session.run (a lost peer surfaces there as tf.errors.UnknownError). Every rank
+    ends equal to a NumPy replay of the same steps."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts)
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_), "--min-np", "2",
+           "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
+           str(HERE / "tf1_elastic_worker.py"), scenario, str(hosts_file)]
+    res = _run(cmd, _env(None), 240)
+    assert res.returncode == 0, describe(res)
+    done = [r for r in res.ranks if lines_matching(res, r, rf"^DONE size {final} rank \d step 24$")]
+    assert len(done) == final, describe(res)

@@ -6,8 +6,10 @@ usage: tf_elastic_worker.py SCENARIO HOSTS_FILE
   add    at step AT rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next
          commit (their Adam has no slots until the state sync builds them)
   kill   at step AT the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
-At the end every rank's weights and optimizer variables must be identical and every step
-done. Prints ``size S rank R step T`` at each start and ``OK n``.
+At the end every rank's weights and optimizer variables must be identical, every step done,
+and the weights equal to a replay in one process of the same global batches in the same order
+(a step lost, repeated, or restored wrongly would differ). Prints ``size S rank R step T`` at
+each start and ``OK n``.
 """
 
 import os
@@ -29,10 +31,7 @@ def main():
     rng = np.random.default_rng(3)
     x = tf.constant(rng.normal(size=(64, 4)).astype("float32"))
     y = tf.constant((rng.normal(size=(64, 4)) @ rng.normal(size=(4, 1))).astype("float32"))
-    tf.keras.utils.set_random_seed(2)
-    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="tanh"),
-                                 tf.keras.layers.Dense(1)])
-    opt = tf.keras.optimizers.Adam(0.01)
+    model, opt = make_model()
     state = hvd.elastic.TensorFlowKerasState(model, optimizer=opt, step=0)
     host = os.environ["FERROVOD_HOSTNAME"]
     slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
@@ -55,8 +54,8 @@ def main():
             if state.step == AT and not acted[0]:
                 acted[0] = True
                 act(scenario, host, slot_lr, hosts_file)
-            lo = (state.step * 8) % 64
-            train_step(x[lo:lo + 8][r::n], y[lo:lo + 8][r::n])
+            xb, yb = global_batch(x, y, state.step)
+            train_step(xb[r::n], yb[r::n])
             state.step += 1
             if state.step % 2 == 0:
                 state.commit()
@@ -68,9 +67,38 @@ def main():
     for i, other in enumerate(everyone):
         assert other.shape == flat.shape and np.allclose(other, flat, rtol=0, atol=1e-6), \
             f"rank {i}'s weights or optimizer state differ from rank {hvd.rank()}'s"
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(model.variables, replay(x, y)))
+    assert err < 1e-4, f"weights differ from the one-process replay by {err}"
     print(f"DONE size {hvd.size()} rank {hvd.rank()} iterations {int(np.asarray(opt.iterations))}",
           flush=True)
-    print(f"OK {len(everyone)}", flush=True)
+    print(f"OK {len(everyone) + 1}", flush=True)
+
+
+def make_model():
+    tf.keras.utils.set_random_seed(2)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="tanh"),
+                                 tf.keras.layers.Dense(1)])
+    return model, tf.keras.optimizers.Adam(0.01)
+
+
+def global_batch(x, y, step):
+    """The 8 rows every step trains on, shared out over the ranks (equal shares, so the
+    average of their gradients is the gradient of the whole batch)."""
+    lo = (step * 8) % 64
+    return x[lo:lo + 8], y[lo:lo + 8]
+
+
+def replay(x, y):
+    """The model's variables after STEPS uninterrupted steps in this process alone."""
+    model, opt = make_model()
+    for step in range(STEPS):
+        xb, yb = global_batch(x, y, step)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(xb) - yb) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model.variables
 
 
 def act(scenario, host, slot_lr, hosts_file):
