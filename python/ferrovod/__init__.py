@@ -81,6 +81,7 @@ from .exceptions import (
 )
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from . import elastic  # noqa: E402 - ferrovod.elastic as an attribute, as hvd.elastic
+from .runner import run  # noqa: E402 - Horovod's horovod.run
 
 __all__ = [
     "__version__",
@@ -100,5 +101,5 @@ __all__ = [
     "mpi_threads_supported", "nccl_built", "cuda_built", "ddl_built", "ccl_built", "rocm_built",
     "FerrovodError", "HorovodInternalError", "HostsUpdatedInterrupt", "RankFailureError",
     "FerrovodTimeoutError", "ShutdownError", "MismatchError", "InvalidArgumentError",
-    "NotInitializedError", "elastic",
+    "NotInitializedError", "elastic", "run",
 ]

@@ -826,6 +826,11 @@ impl StoreClient {
     fn add(&self, py: Python<'_>, key: &str, delta: i64) -> PyResult<i64> {
         py.detach(|| self.store.add(key, delta)).map_err(to_pyerr)
     }
+
+    /// Sets `key` to `value`, replacing what it held.
+    fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
+        py.detach(|| self.store.set(key, value)).map_err(to_pyerr)
+    }
 }
 
 fn seconds(s: f64) -> PyResult<std::time::Duration> {

@@ -17,6 +17,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from unittest import mock
 
+import cloudpickle
 import pytest
 
 from conftest import describe, lines_matching, run_job
@@ -251,3 +252,79 @@ def test_min_start_hosts_and_the_elastic_timeout_are_the_drivers_settings():
     assert "on at least 2 host(s)" in str(exc) and "1.5 s" in str(exc), exc
     assert "size" not in output, "no worker may start"
     assert took < 15, took
+
+
+# -- ferrovod.run: a Python function on every process ---------------------------------------
+
+# The workers cannot import this test module (it is not on their path): its functions travel
+# by value, as a script's own (__main__) functions do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _sum_of_ranks(offset, scale=1.0):
+    import numpy as np
+
+    import ferrovod as fv
+
+    fv.init()
+    mine = np.arange(5, dtype=np.float64) * (fv.rank() + offset)
+    total = fv.allreduce(mine, op=fv.Sum, name="run.sum") * scale
+    return fv.rank(), fv.size(), mine, total
+
+
+def test_run_returns_every_ranks_result_in_rank_order():
+    import numpy as np
+
+    import ferrovod
+
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        results = ferrovod.run(_sum_of_ranks, args=(1,), kwargs={"scale": 0.5}, np=3)
+    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)], out.getvalue()
+    reference = sum(r[2] for r in results) * 0.5  # each rank's input, summed here by NumPy
+    for _, _, _, total in results:
+        np.testing.assert_array_equal(total, reference)
+
+
+def _raise_on_rank_one():
+    import ferrovod as fv
+
+    fv.init()
+    if fv.rank() == 1:
+        raise KeyError("no such shard on rank one")
+    fv.barrier()  # rank 0 fails here once rank 1 is gone
+    return "unreachable"
+
+
+def test_run_names_the_rank_that_raised_with_its_traceback():
+    import ferrovod
+
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out), pytest.raises(RuntimeError) as info:
+        ferrovod.run(_raise_on_rank_one, np=2)
+    text = str(info.value)
+    assert text.startswith("ferrovod.run: rank 1 raised an exception"), text
+    assert "KeyError: 'no such shard on rank one'" in text and "Traceback" in text, text
+    assert "_raise_on_rank_one" in text, text
+
+
+def _unpicklable():
+    import threading
+
+    return threading.Lock()
+
+
+def test_run_reports_a_result_that_cannot_travel():
+    import ferrovod
+
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out), pytest.raises(RuntimeError) as info:
+        ferrovod.run(_unpicklable, np=2)
+    assert "cannot be pickled" in str(info.value), info.value
+
+
+def test_run_refuses_bad_arguments():
+    import ferrovod
+
+    with pytest.raises(ValueError, match="np"):
+        ferrovod.run(_unpicklable, np=0)

@@ -65,8 +65,8 @@ from .worker_env import (
     worker_env,
 )
 
-__all__ = ["LaunchError", "LaunchPlan", "build_parser", "main", "parse_args", "plan_job",
-           "run_commandline", "run_job"]
+__all__ = ["Exchange", "LaunchError", "LaunchPlan", "build_parser", "main", "parse_args",
+           "plan_job", "run_commandline", "run_job"]
 
 GRACE_S = 3.0
 # After a worker fails, how long the others may take to exit by themselves (and print the error
@@ -447,8 +447,20 @@ def launch(
     return run_job(plan, stdout, stderr, adopt_orphans)[0]
 
 
+@dataclass
+class Exchange:
+    """What a caller of :func:`run_job` shares with the workers through the job's rendezvous
+    store (``ferrovod.run`` hands them its function this way and takes their results back):
+    ``put`` is set before any worker starts, and ``collect`` is called with a client of the
+    store once the workers have ended."""
+
+    put: Dict[str, bytes] = field(default_factory=dict)
+    collect: Optional[Callable[[Any], None]] = None
+
+
 def run_job(
-    plan: LaunchPlan, stdout: BinaryIO, stderr: BinaryIO, adopt_orphans: bool = False
+    plan: LaunchPlan, stdout: BinaryIO, stderr: BinaryIO, adopt_orphans: bool = False,
+    exchange: Optional[Exchange] = None,
 ) -> Tuple[int, Optional[str]]:
     """:func:`launch`, also returning why the job failed (None when it exited 0)."""
     out_sink, err_sink = Sink(stdout), Sink(stderr)
@@ -483,11 +495,13 @@ def run_job(
                 addr = "127.0.0.1:" + addr.rsplit(":", 1)[1]
             if server is None:
                 raise LaunchError("an elastic job needs the native rendezvous store", exit_code=1)
+            _put(server, exchange)
             return launch_elastic(plan, plan.elastic, supervisor, server,
                                   JobInfo(addr, secret.hex(), plan.tunables), base_env, log)
         reports = _check_remote(plan, log) if plan.remote else {}
         _check_local_iface(plan)
         server, addr = _start_rendezvous(secret, log, "0.0.0.0" if plan.remote else "127.0.0.1")
+        _put(server, exchange)
         job = JobInfo(rendezvous_addr=addr, secret_hex=secret.hex(), tunables=plan.tunables)
         jobs = {slot.hostname: job for slot in plan.slots}
         if plan.remote and addr is not None:
@@ -510,8 +524,22 @@ def run_job(
         return exc.exit_code, str(exc)
     finally:
         if server is not None:
+            if exchange is not None and exchange.collect is not None:
+                from ferrovod._core import StoreClient  # type: ignore[import-not-found,unused-ignore]
+
+                exchange.collect(StoreClient(f"127.0.0.1:{server.addr.rsplit(':', 1)[1]}",
+                                             secret, 10.0))
             server.close()
         _restore_signal_handlers(previous)
+
+
+def _put(server: Any, exchange: Optional[Exchange]) -> None:
+    if exchange is not None:
+        if server is None:
+            raise LaunchError("sharing values with the workers needs the native rendezvous "
+                              "store", exit_code=1)
+        for key, value in exchange.put.items():
+            server.set(key, value)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
