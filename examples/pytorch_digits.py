@@ -107,7 +107,7 @@ def main() -> None:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
-            loss_sum += float(loss) * len(y)
+            loss_sum += loss.detach().item() * len(y)
             seen += len(y)
         train_loss = metric_average(loss_sum / max(seen, 1), seen, "train_loss")
         test_loss, test_acc = evaluate(model, test_loader)

@@ -48,6 +48,8 @@ def test_digits_example_reaches_95_percent():
         assert float(acc[-1].group(1)) >= 95.0, describe(res)
         assert not lines_matching(res, 1, r"accuracy"), "only rank 0 prints"
         assert (HERE / "_digits_checkpoint.pt").exists(), "rank 0 wrote no checkpoint"
+        # The README's main job: a newcomer sees the training progress and the result only.
+        assert "Warning" not in res.stderr, f"warnings in the example's output\n{describe(res)}"
     finally:
         (HERE / "_digits_checkpoint.pt").unlink(missing_ok=True)
 
