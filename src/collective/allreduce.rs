@@ -1,5 +1,6 @@
-//! Allreduce: direct exchange or recursive doubling for small payloads, ring reduce-scatter +
-//! ring allgather for large ones, and [`super::hierarchical`] for sets that span hosts.
+//! Flat allreduce: direct exchange or recursive doubling for small payloads, ring
+//! reduce-scatter + ring allgather for large ones. [`super::hierarchical`] composes these for
+//! sets that span hosts; [`super::allreduce_scaled`] chooses between the two.
 //!
 //! Every rank must end with **bitwise identical** results: floats are not associative, and
 //! replicas whose parameters differ by one ulp drift apart over training. Each algorithm fixes
@@ -11,7 +12,6 @@
 //! - hierarchical: these, composed inside and across hosts (see its module doc).
 
 use super::allgather::ring_allgather_from;
-use super::hierarchical;
 use super::reduce::{check_reducible, reduce_into, scale};
 use super::reducescatter::ring_reduce_scatter_and_share;
 use super::{even_segments, split_blocks, with_scratch};
@@ -24,28 +24,8 @@ use crate::types::{DType, ReduceOp};
 /// instead of recursive doubling (`log2 n` round trips).
 const DIRECT_MAX_RANKS: usize = 3;
 
-/// In-place allreduce, the result multiplied by `factor`; picks [`hierarchical::allreduce`]
-/// when `comm.tuning.hierarchical` asks for it on this size and the set spans hosts with more
-/// than one member on some host, else [`small`] up to `comm.tuning.small_allreduce_bytes` and
-/// [`ring`] above (which scales each segment where it is reduced). Bool, Adasum and buffers of
-/// partial elements are `InvalidArgument` on every size.
-pub fn allreduce(
-    comm: &mut Communicator<'_>,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
-    // Every path validates and short-circuits a single rank itself.
-    if hierarchical::wanted(comm, buf.len()) {
-        hierarchical::allreduce(comm, buf, dtype, op, factor)
-    } else {
-        flat(comm, buf, dtype, op, factor)
-    }
-}
-
 /// [`small`] or [`ring`] by size, whatever the hosts, the result multiplied by `factor`.
-pub(crate) fn flat(
+pub fn flat(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     dtype: DType,

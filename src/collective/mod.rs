@@ -47,13 +47,18 @@ pub fn allreduce(
     dtype: DType,
     op: ReduceOp,
 ) -> Result<()> {
-    allreduce::allreduce(comm, buf, dtype, op, 1.0)
+    allreduce_scaled(comm, buf, dtype, op, 1.0)
 }
 
 /// [`allreduce`], then every element multiplied by `factor` (as [`reduce::scale`] does; the
 /// engine's post-scale, 1/n for Average). On the ring path each rank scales the segment it
 /// reduced while that is still in cache, instead of in one more pass over the whole buffer
 /// (16 MiB on 2 ranks: 1.7 ms summed, 2.8 ms summed then scaled). Results are the same bits.
+///
+/// [`hierarchical::allreduce`] when `comm.tuning.hierarchical` asks for it on this size and
+/// the set spans hosts with more than one member on some host, else [`allreduce::flat`]. Bool,
+/// Adasum and buffers of partial elements are `InvalidArgument` on every size (every path
+/// validates, and short-circuits a single rank, itself).
 pub fn allreduce_scaled(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
@@ -61,7 +66,11 @@ pub fn allreduce_scaled(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    allreduce::allreduce(comm, buf, dtype, op, factor)
+    if hierarchical::wanted(comm, buf.len()) {
+        hierarchical::allreduce(comm, buf, dtype, op, factor)
+    } else {
+        allreduce::flat(comm, buf, dtype, op, factor)
+    }
 }
 
 /// Gathers every rank's `input` into `output`, concatenated in rank order; `byte_counts[r]` is

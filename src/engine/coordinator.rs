@@ -20,9 +20,9 @@ use crate::spin::Spin;
 
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
 use super::control::{ControlStream, FrameConn, OUTPUT_RETRY};
+use super::lease::Lease;
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
-use super::progress::Lease;
 use super::sys::{wait_readable, Waker};
 use crate::transport::shm::ShmLink;
 

@@ -38,9 +38,9 @@ use crate::bootstrap::Store;
 use crate::error::{Error, Result};
 use crate::types::OpKind;
 
+use super::entry::Entry;
 use super::message::{DeviceKind, Response};
 use super::tensor::TensorBuf;
-use super::worker::Entry;
 use super::OpSpec;
 
 /// Where a communicator's unique id is exchanged, and the limits of the waits.

@@ -6,11 +6,12 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 
+use super::entry::Entry;
 use super::handle::Output;
 use super::message::{DeviceKind, Item, Response};
 use super::tensor::TensorBuf;
 use super::timeline::{json_string, transfer_activity, Timeline};
-use super::worker::{Entry, Worker};
+use super::worker::Worker;
 
 impl Worker {
     /// Runs one response and completes the handles of its entries.

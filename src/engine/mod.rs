@@ -9,11 +9,13 @@ pub mod autotune;
 pub mod control;
 pub mod coordinator;
 mod device;
+mod entry;
 mod execute;
 #[cfg(feature = "python")]
 pub(crate) use execute::post_factor;
 pub mod fast;
 pub mod handle;
+mod lease;
 pub mod message;
 pub mod names;
 pub mod negotiate;
@@ -103,7 +105,7 @@ pub(crate) struct Shared {
     queue: Mutex<Vec<Command>>,
     waker: Waker,
     /// Held by a caller driving the worker (see [`progress`]).
-    lease: progress::Lease,
+    lease: lease::Lease,
     /// The engine thread is (about to be) blocked in its long idle poll: a submission must
     /// wake it even while a caller holds the lease, or it sleeps on with the op unsent.
     polling: std::sync::atomic::AtomicBool,
@@ -186,7 +188,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Vec::new()),
             waker: Waker::new()?,
-            lease: progress::Lease::default(),
+            lease: lease::Lease::default(),
             polling: std::sync::atomic::AtomicBool::new(false),
             sets: Mutex::new(sets.clone()),
             fast,

@@ -13,10 +13,10 @@
 //! work it did itself: when a caller did the work, the engine thread goes straight back to
 //! sleep rather than compete with that caller's next op.
 
-use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -25,6 +25,7 @@ use crate::spin::Spin;
 
 use super::coordinator::Assist;
 use super::handle::{Handle, Output};
+use super::lease::Lease;
 use super::sys::wait_readable;
 use super::worker::{Step, Worker};
 use super::Shared;
@@ -37,46 +38,6 @@ pub const STOP_CHECK: Duration = Duration::from_millis(50);
 /// down: the engine thread drops it then, so its sockets and mappings go at shutdown even
 /// while Python still holds handles.
 type Slot = Mutex<Option<Worker>>;
-
-/// While a caller is driving (and for `spin` after it last did), the background thread
-/// stays asleep instead of waking for every message the caller will handle anyway: each such
-/// wake-up takes a core from a thread that is doing the work. The thread still wakes when the
-/// lease runs out, so nothing waits longer than `spin` for it; a caller that gives up ends the
-/// lease and wakes it at once.
-#[derive(Default)]
-pub(super) struct Lease {
-    /// Deadline in nanoseconds after [`epoch`]; 0: none.
-    until: AtomicU64,
-}
-
-fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-impl Lease {
-    fn now() -> u64 {
-        epoch().elapsed().as_nanos() as u64
-    }
-
-    /// Extends the lease to `spin` from now.
-    pub fn renew(&self, spin: Duration) {
-        self.until
-            .store(Self::now() + spin.as_nanos() as u64, Ordering::Release);
-    }
-
-    /// Ends the lease.
-    pub fn end(&self) {
-        self.until.store(0, Ordering::Release);
-    }
-
-    /// Time left, if a caller holds the lease.
-    pub fn remaining(&self) -> Option<Duration> {
-        let until = self.until.load(Ordering::Acquire);
-        let now = Self::now();
-        (until > now).then(|| Duration::from_nanos(until - now))
-    }
-}
 
 /// A waiter's access to the worker; cheap to clone.
 #[derive(Clone)]

@@ -14,6 +14,7 @@ use crate::types::{OpKind, ReduceOp};
 
 use super::control::{FrameConn, OUTPUT_RETRY};
 use super::device::{op_device, DeviceState};
+use super::entry::Entry;
 use super::handle::Handle;
 use super::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
 use super::sys::wait_readable;
@@ -35,12 +36,6 @@ fn request_of(spec: &OpSpec, device: DeviceKind) -> Request {
         splits: spec.splits.clone(),
         device,
     }
-}
-
-pub(super) struct Entry {
-    pub spec: OpSpec,
-    pub handle: Handle,
-    pub request: Request,
 }
 
 pub(super) struct Worker {
