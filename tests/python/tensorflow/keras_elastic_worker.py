@@ -11,7 +11,9 @@ SCENARIO at global batch ``AT`` of the first membership:
 At the end every rank's weights and optimizer variables must be identical (a new worker with
 zero moments, or a survivor that missed a step, would differ), the epochs all done, and the
 committed count of batches trained exactly EPOCHS * STEPS: the epoch a reset interrupted
-resumes at its next uncommitted batch, none lost and none trained twice.
+resumes at its next uncommitted batch, none lost and none trained twice; and the weights equal
+to a one-process replay of the batches the committed steps trained on (each membership reads
+every rank's share of its stream from the start; the state records where each began).
 Prints ``size S rank R`` at each start and ``OK n``.
 """
 
@@ -35,12 +37,11 @@ def main():
     rng = np.random.default_rng(5)
     x = rng.normal(size=(256, 4)).astype("float32")
     y = (x @ rng.normal(size=(4, 1))).astype("float32")
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(1)])
+    model = make_model()
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
     model.compile(optimizer=opt, loss="mse")
-    state = hvd.elastic.KerasState(model, batch=0, epoch=0, trained=0)
+    # phases: (size, committed steps before it) of each membership that trained.
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0, trained=0, phases=[])
     host = os.environ["FERROVOD_HOSTNAME"]
     slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
     done = [0]
@@ -59,6 +60,7 @@ def main():
     def train(state):
         print(f"size {hvd.size()} rank {hvd.rank()}", flush=True)
         r, n = hvd.rank(), hvd.size()
+        state.phases = [p for p in state.phases if p[1] < state.trained] + [(n, state.trained)]
         # A repeated dataset, as scripts with steps_per_epoch have: Keras 3 keeps one
         # iterator across the epochs of a fit, so finite input that the shortened epoch
         # started would run out during the next one.
@@ -80,9 +82,34 @@ def main():
         checks += 1
     assert state.epoch == EPOCHS, state.epoch
     assert state.trained == EPOCHS * STEPS, f"{state.trained} batches trained, not {EPOCHS * STEPS}"
+    want = replay(x, y, state.phases, state.trained)
+    err = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(model.variables, want))
+    assert err < 1e-4, f"weights differ from the one-process replay by {err} ({state.phases})"
     print(f"DONE size {hvd.size()} rank {hvd.rank()} iterations {int(np.asarray(opt.iterations))}",
           flush=True)
     print(f"OK {checks + 1}", flush=True)
+
+
+def make_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def replay(x, y, phases, total):
+    """The variables after the committed steps, trained in this process alone: in a phase of
+    size n that began after step s0, its j-th step trains on rows 8j..8j+8 of every rank r's
+    repeated stream x[r::n] (equal shares: the ranks' averaged gradient is that of the union)."""
+    model = make_model()
+    opt = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=opt, loss="mse")
+    ends = [s for _, s in phases[1:]] + [total]
+    for (n, start), end in zip(phases, ends):
+        streams = [np.arange(r, len(x), n) for r in range(n)]
+        for j in range(end - start):
+            rows = np.concatenate([s[np.arange(8 * j, 8 * j + 8) % len(s)] for s in streams])
+            model.train_on_batch(x[rows], y[rows])
+    return [np.asarray(v) for v in model.variables]
 
 
 if __name__ == "__main__":
