@@ -1,4 +1,6 @@
-"""The README's environment-variable table is generated from the engine's own table."""
+"""Generated documents match the code: the README's environment-variable table (from the
+engine's own table) and docs/horovod_compat.md (every Horovod name, flag and variable, from
+ferrovod's modules, parser and table)."""
 
 import pathlib
 import subprocess
@@ -26,3 +28,13 @@ def test_every_variable_the_engine_reads_is_in_its_table() -> None:
         if "std::env::var" in text or "env::var(" in text:
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == [], f"environment read outside config.rs: {offenders}"
+
+
+def test_horovod_compat_table_is_current_and_accounts_for_every_name() -> None:
+    """A Horovod name, flag or variable that ferrovod neither provides nor explains, or a
+    table that no longer says what the code does, fails here."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compat_table.py"), "--check"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

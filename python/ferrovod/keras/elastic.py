@@ -9,5 +9,8 @@ from .._keras.elastic import (
     run,
 )
 
-__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
-           "UpdateEpochStateCallback", "run"]
+#: Horovod's other name for it here.
+TensorFlowKerasState = KerasState
+
+__all__ = ["KerasState", "TensorFlowKerasState", "CommitStateCallback",
+           "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]

@@ -11,12 +11,15 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from .. import _api
-from ..common.elastic import ModelState, run_fn
+from .._api import broadcast_object, rank
+from ..common.elastic import ModelState, ObjectState, run_fn
 from ..exceptions import HorovodInternalError
 from .functions import broadcast_variables
 from .mpi_ops import init, shutdown
 
-__all__ = ["TensorFlowState", "TensorFlowKerasState", "run"]
+# The rest of Horovod's module namespace, which elastic scripts reach through it.
+__all__ = ["TensorFlowState", "TensorFlowKerasState", "run", "ObjectState", "broadcast_object",
+           "broadcast_variables", "init", "rank", "shutdown"]
 
 # Names of ferrovod's HorovodInternalError classes: inside tf.function a failed collective
 # reaches Python as a tf.errors.UnknownError whose message names the ferrovod error.

@@ -20,11 +20,13 @@ import torch
 import torch.utils.data
 
 from .. import _api
+from .._api import init, shutdown
 from ..common.elastic import ObjectState
 from ..elastic import run
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["run", "TorchState", "ElasticSampler"]
+# init and shutdown are in Horovod's module too: elastic scripts call them through it.
+__all__ = ["run", "TorchState", "ElasticSampler", "init", "shutdown"]
 
 
 class ElasticSampler(torch.utils.data.Sampler):
