@@ -115,8 +115,9 @@ VARIABLES: Dict[str, str] = {
     "HOROVOD_TORUS_ALLREDUCE": "ignored: no torus allreduce (FERROVOD_HIERARCHICAL_ALLREDUCE "
                                "covers hosts)",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "ignored: allgather is flat",
-    "HOROVOD_GLOO_RENDEZVOUS_ADDR": "not yet understood: workers started by hand for Horovod's "
-                                    "Gloo use FERROVOD_RENDEZVOUS_ADDR",
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR": "read: workers started by hand with Horovod's variables "
+                                    "(no FERROVOD_RENDEZVOUS_ADDR) meet at ADDR:PORT, where rank 0 "
+                                    "hosts the store",
     "HOROVOD_GLOO_RENDEZVOUS_PORT": "as HOROVOD_GLOO_RENDEZVOUS_ADDR",
     "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "ignored: ferrovod's autotuner does not use "
                                               "Bayesian optimisation (see FERROVOD_AUTOTUNE)",

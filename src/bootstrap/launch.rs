@@ -305,12 +305,30 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
                 _ => None,
             };
             if size > 1 && explicit_addr.is_none() {
-                return Err(Error::InvalidArgument(format!(
-                    "FERROVOD_SIZE={size} but FERROVOD_RENDEZVOUS_ADDR is not set: start the job \
-                     with ferrovodrun"
-                )));
+                // Workers started by hand the way Horovod's Gloo workers are: rank 0 hosts the
+                // store at the rendezvous host and port they were given.
+                let gloo = match (
+                    raw("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+                    raw("HOROVOD_GLOO_RENDEZVOUS_PORT"),
+                ) {
+                    (Some(host), Some(port)) => Some(format!("{host}:{port}")),
+                    _ => None,
+                };
+                let Some(addr) = gloo else {
+                    return Err(Error::InvalidArgument(format!(
+                        "FERROVOD_SIZE={size} but FERROVOD_RENDEZVOUS_ADDR is not set: start the \
+                         job with ferrovodrun (or give every rank FERROVOD_RENDEZVOUS_ADDR, or \
+                         Horovod's HOROVOD_GLOO_RENDEZVOUS_ADDR and _PORT)"
+                    )));
+                };
+                check_rendezvous_addr(
+                    "HOROVOD_GLOO_RENDEZVOUS_ADDR:HOROVOD_GLOO_RENDEZVOUS_PORT",
+                    &addr,
+                )?;
+                (local, Some(addr.clone()), true, Some(addr))
+            } else {
+                (local, explicit_addr, false, None)
             }
-            (local, explicit_addr, false, None)
         }
         Launcher::Torchrun => {
             let under_torchrun = raw("TORCHELASTIC_RUN_ID");
@@ -409,7 +427,11 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
     };
     let (secret, secret_derived) = match secret {
         Some(s) => (Some(s), false),
-        None if launcher == Launcher::Ferrovodrun || size == 1 => (None, false),
+        // ferrovodrun hands every worker its secret; workers started by hand with Horovod's
+        // variables (rank 0 hosting the store) derive one, as under other launchers.
+        None if (launcher == Launcher::Ferrovodrun && !rank0_hosts_store) || size == 1 => {
+            (None, false)
+        }
         None => {
             // No launcher of ours handed out a secret. Derive one every rank of this job can
             // compute and other jobs cannot guess by accident.

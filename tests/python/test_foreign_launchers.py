@@ -111,6 +111,22 @@ def test_slurm_step_environment_derives_the_rendezvous_from_the_job():
     _assert_all_ok(_run_ranks(envs), 2)
 
 
+def test_horovod_gloo_workers_started_by_hand():
+    """The variables a script sets to start Horovod's Gloo workers by hand: the ranks and the
+    rendezvous host and port (rank 0 hosts ferrovod's store there); no FERROVOD_ variable."""
+    port = _free_port()
+    envs = []
+    for r in range(2):
+        e = _base_env()
+        e.update(HOROVOD_RANK=str(r), HOROVOD_SIZE="2", HOROVOD_LOCAL_RANK=str(r),
+                 HOROVOD_LOCAL_SIZE="2", HOROVOD_CROSS_RANK="0", HOROVOD_CROSS_SIZE="1",
+                 HOROVOD_HOSTNAME="localhost", HOROVOD_CONTROLLER="gloo",
+                 HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
+                 HOROVOD_GLOO_RENDEZVOUS_PORT=str(port))
+        envs.append(e)
+    _assert_all_ok(_run_ranks(envs), 2)
+
+
 def test_half_set_environment_is_a_clear_error():
     e = _base_env()
     e["RANK"] = "1"
