@@ -44,6 +44,8 @@ MODULES = {
     "horovod.keras": "ferrovod.keras",
     "horovod.keras.callbacks": "ferrovod.keras.callbacks",
     "horovod.keras.elastic": "ferrovod.keras.elastic",
+    "horovod.common.exceptions": "ferrovod.common.exceptions",
+    "horovod.data": "ferrovod.data",
 }
 _SOURCES = {
     "horovod": "horovod/__init__.py",
@@ -58,6 +60,8 @@ _SOURCES = {
     "horovod.keras": "horovod/keras/__init__.py",
     "horovod.keras.callbacks": "horovod/keras/callbacks.py",
     "horovod.keras.elastic": "horovod/keras/elastic.py",
+    "horovod.common.exceptions": "horovod/common/exceptions.py",
+    "horovod.data": "horovod/data/__init__.py",
 }
 
 # -- what ferrovod does not provide, and why -------------------------------------------------
@@ -79,6 +83,8 @@ NAMES_NOT_PROVIDED: Dict[Tuple[str, str], str] = {
     ("horovod.tensorflow.elastic", "broadcast_object_fn"): _HELPER,
     ("horovod.tensorflow.keras", "is_version_greater_equal_than"): _HELPER,
     ("horovod.tensorflow.keras.callbacks", "is_version_greater_equal_than"): _HELPER,
+    ("horovod.common.exceptions", "get_version_mismatch_message"): _HELPER + " (the message "
+        "of HorovodVersionMismatchError, which ferrovod's builds itself)",
     ("horovod.torch.elastic", "run_fn"): _HELPER + " (ferrovod's is ferrovod.common.elastic.run_fn)",
     ("horovod.tensorflow.elastic", "run_fn"): _HELPER + " (ferrovod's is "
                                               "ferrovod.common.elastic.run_fn)",

@@ -279,6 +279,16 @@ NAMES = {
         'UpdateBatchStateCallback',
         'UpdateEpochStateCallback',
     ],
+    'horovod.common.exceptions': [
+        'HorovodInternalError',
+        'HostsUpdatedInterrupt',
+        'get_version_mismatch_message',
+        'HorovodVersionMismatchError',
+    ],
+    'horovod.data': [
+        'BaseDataLoader',
+        'AsyncDataLoaderMixin',
+    ],
 }
 
 FLAGS = [

@@ -1021,13 +1021,16 @@ def build_info() -> Dict[str, Any]:
 
 
 def gloo_built() -> bool:
-    """False: ferrovod has its own engine, not Gloo."""
-    return False
+    """True: ferrovod's own controller and data plane take the place Gloo has in Horovod (a
+    job that needs no MPI), which is what a script asking this wants to know; no Gloo library
+    is involved."""
+    return True
 
 
 def gloo_enabled() -> bool:
-    """False: ferrovod has its own engine, not Gloo."""
-    return False
+    """Whether the job is formed (ferrovod's controller, in Gloo's place: see
+    :func:`gloo_built`)."""
+    return bool(_core.is_initialized())
 
 
 def mpi_built() -> bool:

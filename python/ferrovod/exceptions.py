@@ -57,6 +57,25 @@ class MismatchError(FerrovodError):
     tensor_name: Optional[str] = None
 
 
+class HorovodVersionMismatchError(ImportError):
+    """Horovod's error for a framework whose version differs from the one Horovod was compiled
+    against. ferrovod is compiled against no framework, so it never raises it; it exists for
+    scripts that catch it.
+
+    Args:
+        name: the framework's module name.
+        version: the version found at run time.
+        installed_version: the version at installation (compilation) time.
+    """
+
+    def __init__(self, name: str, version: str, installed_version: str) -> None:
+        super().__init__(f"Framework {name} installed with version {installed_version} but "
+                         f"found version {version}.")
+        self.name = name
+        self.version = version
+        self.installed_version = installed_version
+
+
 class InvalidArgumentError(FerrovodError, ValueError):
     """An op was called with arguments no rank could satisfy."""
 

@@ -4,11 +4,13 @@ from ..exceptions import (  # noqa: F401  (re-exported)
     FerrovodError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
+    HorovodVersionMismatchError,
     InvalidArgumentError,
     MismatchError,
     NotInitializedError,
     RankFailureError,
 )
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "FerrovodError",
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
+           "FerrovodError",
            "InvalidArgumentError", "MismatchError", "NotInitializedError", "RankFailureError"]

@@ -65,9 +65,11 @@ def case_single():
     ck.equal(fv.join(), 0, "join() on one rank")
     info = fv.build_info()
     ck.true(isinstance(info, dict) and "version" in info, "build_info()", f"got {info!r}")
-    for q in ("gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported", "cuda_built",
+    for q in ("mpi_built", "mpi_enabled", "mpi_threads_supported", "cuda_built",
               "ddl_built", "ccl_built", "rocm_built"):
         ck.equal(getattr(fv, q)(), False, f"{q}()")
+    # ferrovod's controller stands where Gloo does in Horovod: a job without MPI.
+    ck.equal((fv.gloo_built(), fv.gloo_enabled()), (True, True), "gloo_built(), gloo_enabled()")
     # The NCCL the run-time search found when CUDA tensors are dispatched to it (unless
     # FERROVOD_NCCL_DISPATCH=0), else 0.
     nccl = fv.gpu_libraries()["nccl"]
@@ -76,6 +78,7 @@ def case_single():
     ck.equal([fv.Average, fv.Sum, fv.Adasum, fv.Min, fv.Max, fv.Product], [0, 1, 2, 3, 4, 5], "op constants")
     fv.shutdown()
     ck.equal(fv.is_initialized(), False, "is_initialized() after shutdown")
+    ck.equal(fv.gloo_enabled(), False, "gloo_enabled() after shutdown")
     return ck.count
 
 
