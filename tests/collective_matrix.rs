@@ -296,12 +296,12 @@ fn float_allreduce_is_bitwise_identical_across_ranks() {
 }
 
 #[test]
-fn allreduce_rejects_bool_adasum_and_partial_elements() {
+fn allreduce_rejects_bool_integer_adasum_and_partial_elements() {
     let errs = run(2, &Tuning::default(), |c| {
         let mut b = vec![1u8; 8];
         [
             collective::allreduce(c, &mut b, DType::Bool, ReduceOp::Sum),
-            collective::allreduce(c, &mut b, DType::F32, ReduceOp::Adasum),
+            collective::allreduce(c, &mut b, DType::I32, ReduceOp::Adasum),
             collective::allreduce(c, &mut b[..6], DType::F32, ReduceOp::Sum),
         ]
     });

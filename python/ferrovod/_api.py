@@ -529,8 +529,6 @@ def _allreduce(
     name = _auto_name(kind_name, name)
     try:
         rop = _resolve_op(op, average)
-        if rop == Adasum:
-            raise _BadArgument("Adasum is not supported by ferrovod yet")
         originals = [_as_array(t) for t in tensors]
         if inplace:
             for t, a in zip(tensors, originals):

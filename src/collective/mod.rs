@@ -20,6 +20,7 @@
 //! | reducescatter | ring | `B - B_r` |
 //! | barrier | dissemination | `ceil(log2 n)` bytes |
 
+pub mod adasum;
 pub mod allgather;
 pub mod allreduce;
 pub mod alltoall;
@@ -55,10 +56,11 @@ pub fn allreduce(
 /// reduced while that is still in cache, instead of in one more pass over the whole buffer
 /// (16 MiB on 2 ranks: 1.7 ms summed, 2.8 ms summed then scaled). Results are the same bits.
 ///
-/// [`hierarchical::allreduce`] when `comm.tuning.hierarchical` asks for it on this size and
-/// the set spans hosts with more than one member on some host, else [`allreduce::flat`]. Bool,
-/// Adasum and buffers of partial elements are `InvalidArgument` on every size (every path
-/// validates, and short-circuits a single rank, itself).
+/// [`adasum::allreduce`] for Adasum; else [`hierarchical::allreduce`] when
+/// `comm.tuning.hierarchical` asks for it on this size and the set spans hosts with more than
+/// one member on some host, else [`allreduce::flat`]. Bool and buffers of partial elements are
+/// `InvalidArgument` on every size (every path validates, and short-circuits a single rank,
+/// itself).
 pub fn allreduce_scaled(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
@@ -66,7 +68,9 @@ pub fn allreduce_scaled(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    if hierarchical::wanted(comm, buf.len()) {
+    if op == ReduceOp::Adasum {
+        adasum::allreduce(comm, buf, dtype, factor)
+    } else if hierarchical::wanted(comm, buf.len()) {
         hierarchical::allreduce(comm, buf, dtype, op, factor)
     } else {
         allreduce::flat(comm, buf, dtype, op, factor)

@@ -290,9 +290,11 @@ fn allreduce(
         // tensors, whose per-collective latency it saves). The split depends on the request
         // alone, never on whether this rank has the tensor: a joined rank must run the same
         // collectives in the same order as the others, or their sums mix up tensors.
-        let (mut solo, mut packed): (Vec<Slot>, Vec<Slot>) = members
-            .into_iter()
-            .partition(|&(i, t)| items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT);
+        // Adasum's dot products are per tensor: each is reduced alone, never in the buffer.
+        let (mut solo, mut packed): (Vec<Slot>, Vec<Slot>) =
+            members.into_iter().partition(|&(i, t)| {
+                op == ReduceOp::Adasum || items[i].request.tensors[t].nbytes() >= FUSION_COPY_LIMIT
+            });
         // A lone small tensor needs no fusion buffer either.
         if packed.len() == 1 {
             solo.append(&mut packed);

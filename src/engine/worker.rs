@@ -382,10 +382,10 @@ impl Worker {
     fn check(&self, spec: &mut OpSpec, members: &[usize]) -> Result<Request> {
         let n = members.len();
         let reducing = matches!(spec.kind, OpKind::Allreduce | OpKind::Reducescatter);
-        if reducing && spec.op == ReduceOp::Adasum {
-            return Err(Error::InvalidArgument(
-                "Adasum is not supported by ferrovod yet".into(),
-            ));
+        if spec.kind == OpKind::Allreduce && spec.op == ReduceOp::Adasum {
+            for t in &spec.tensors {
+                crate::collective::adasum::check_op(t.meta.dtype, n)?;
+            }
         }
         if spec.kind == OpKind::Reducescatter
             && !matches!(spec.op, ReduceOp::Sum | ReduceOp::Average)

@@ -134,7 +134,7 @@ def _resolve_op(op: Optional[int], average: Optional[bool]) -> int:
 
 def _reject_adasum(op: int) -> None:
     if op == Adasum:
-        raise _ops.TFInvalidArgumentError("Adasum is not supported by ferrovod yet")
+        raise _ops.TFInvalidArgumentError("Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
 
 
 def _check_sparse(op: int, prescale_factor: float, postscale_factor: float) -> None:
@@ -379,7 +379,7 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if op == Adasum:
-        raise ValueError("op == Adasum is not supported by ferrovod yet")
+        raise ValueError("op == Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is not supported by ferrovod for "

@@ -98,7 +98,7 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
                          "variables")
     op = int(op)
     if op == Adasum:
-        raise InvalidArgumentError("op=Adasum is not supported by ferrovod yet")
+        raise InvalidArgumentError("op=Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups:

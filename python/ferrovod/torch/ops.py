@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .. import _api, _core
-from .._api import Adasum, Average, Sum
+from .._api import Average, Sum
 from ..exceptions import InvalidArgumentError
 from ..process_sets import ProcessSet, global_process_set
 
@@ -235,8 +235,6 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
     name = _api._auto_name(kind_name, name)
     try:
         rop = _api._resolve_op(op, average)
-        if rop == Adasum:
-            raise _api._BadArgument("Adasum is not supported by ferrovod yet")
         for t in tensors:
             _check_tensor(t, kind_name)
         target = _cuda_target(tensors, _core.ALLREDUCE, kind_name, rop, prescale_factor,

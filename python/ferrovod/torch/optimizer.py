@@ -676,7 +676,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     update covers half the parameters.
     """
     if op == Adasum:
-        raise ValueError("op=Adasum is not supported by ferrovod yet")
+        if sharded:
+            raise ValueError("DistributedOptimizer(op=Adasum) cannot be sharded")
+        from .adasum import adasum_optimizer
+
+        return adasum_optimizer(optimizer, named_parameters, compression,
+                                backward_passes_per_step, process_set)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:

@@ -76,3 +76,20 @@ def test_killed_rank_in_a_sharded_step_is_reported(where):
         assert got, f"rank {r} did not report RankFailureError\n{describe(res)}"
         assert got[0].group(1) == "1", describe(res)
         assert float(got[0].group(2)) < 2.0, f"rank {r} took {got[0].group(2)} s\n{describe(res)}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_adasum_optimizer_combines_every_ranks_delta(n):
+    """DistributedOptimizer(op=Adasum), SGD with momentum and Adam: each rank's own step on its
+    own batch, then the parameters equal to the start plus NumPy's Adasum of every rank's delta
+    (the worker simulates every rank's optimizer as the reference)."""
+    res = run_job(n, HERE / "torch_adasum_worker.py", timeout=180)
+    assert_ok(res, n, min_checks=32)
+
+
+def test_adasum_on_three_ranks_fails_on_every_rank():
+    res = run_job(3, HERE / "torch_adasum_worker.py", timeout=120)
+    assert res.returncode != 0, describe(res)
+    for r in range(3):
+        assert lines_matching(res, r, r"Adasum needs a power-of-two number of ranks; the "
+                                      r"process set has 3"), describe(res)

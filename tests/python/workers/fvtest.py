@@ -85,6 +85,27 @@ def gen(key, r, dt, shape, mode="normal", n=1):
     return rng.integers(lo, hi, size=shape, endpoint=True, dtype=dt)
 
 
+def ref_adasum(xs, dt, pre=1.0, post=1.0):
+    """NumPy reference of Adasum over every rank's input ``xs`` (a power-of-two count), by the
+    recurrence: adasum(a, b) = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b (a coefficient is 1
+    for a vector of squared norm below sqrt(DBL_MIN)), combined as a binary tree in rank order
+    (pairs (0, 1), (2, 3), ..., then pairs of those), each level rounded to ``dt``."""
+    dt = np.dtype(dt)
+    shape = np.shape(xs[0])
+    tiny = np.sqrt(np.finfo(np.float64).tiny)
+    vs = [(np.asarray(x).astype(np.float64) * pre).astype(dt).ravel() for x in xs]
+    while len(vs) > 1:
+        nxt = []
+        for a, b in zip(vs[0::2], vs[1::2]):
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            dot, a2, b2 = float(a @ b), float(a @ a), float(b @ b)
+            ca = 1.0 - dot / a2 * 0.5 if a2 >= tiny else 1.0
+            cb = 1.0 - dot / b2 * 0.5 if b2 >= tiny else 1.0
+            nxt.append((ca * a + cb * b).astype(dt))
+        vs = nxt
+    return (vs[0].astype(np.float64) * post).astype(dt).reshape(shape)
+
+
 def ref_reduce(xs, op, dt, n, pre=1.0, post=1.0):
     """NumPy reference of a reduction over the list of every rank's input ``xs``."""
     dt = np.dtype(dt)

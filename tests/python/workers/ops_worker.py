@@ -94,7 +94,43 @@ def sec_allreduce(c):
     c.ck.array(fv.allreduce(x, average=True), T.ref_reduce(xs, AVERAGE, np.float64, c.n), "average=True")
     c.ck.array(fv.allreduce(x, average=False), T.ref_reduce(xs, SUM, np.float64, c.n), "average=False")
     c.ck.raises(ValueError, lambda: fv.allreduce(x, average=True, op=fv.Sum), "average= and op= together")
-    c.ck.raises((ValueError, fv.FerrovodError), lambda: fv.allreduce(x, op=fv.Adasum), "op=Adasum")
+    sec_adasum(c)
+
+
+def sec_adasum(c):
+    """Adasum against NumPy's recurrence on power-of-two sets; refused on the others, and for
+    integer tensors, with a message on every rank."""
+    if c.n & (c.n - 1):
+        x = np.ones(5)
+        c.ck.raises((ValueError, fv.FerrovodError), lambda: fv.allreduce(x, op=fv.Adasum),
+                    "Adasum on a set that is not a power of two", contains=("power-of-two",))
+        return
+    for dt in (np.float16, T.BF16, np.float32, np.float64):
+        for shape in [(0,), (7,), (3, 5), (1023,)]:
+            for pre, post in ((1.0, 1.0), (0.5, 3.0)):
+                xs = c.inputs(c.key(), dt, shape)
+                exp = T.ref_adasum(xs, dt, pre, post)
+                got = fv.allreduce(xs[c.rank].copy(), op=fv.Adasum, prescale_factor=pre,
+                                   postscale_factor=post)
+                c.ck.array(got, exp, f"Adasum dtype={np.dtype(dt)} shape={shape} pre={pre} "
+                           f"post={post}")
+    # One dot product per tensor: a group is not reduced as one vector.
+    xs = c.inputs(c.key(), np.float64, (6,))
+    ys = c.inputs(c.key(), np.float64, (4, 2))
+    got = fv.grouped_allreduce([xs[c.rank], ys[c.rank]], op=fv.Adasum)
+    c.ck.array(got[0], T.ref_adasum(xs, np.float64), "grouped Adasum, first tensor")
+    c.ck.array(got[1], T.ref_adasum(ys, np.float64), "grouped Adasum, second tensor")
+    # What it interpolates: orthogonal gradients add, equal ones average.
+    e = np.zeros(c.n * 2)
+    e[c.rank * 2] = c.rank + 1.0
+    want = np.zeros(c.n * 2)
+    want[0::2] = np.arange(1.0, c.n + 1)
+    c.ck.array(fv.allreduce(e, op=fv.Adasum), want, "Adasum of orthogonal vectors is their sum")
+    same = np.linspace(-1.0, 2.0, 9)
+    c.ck.array(fv.allreduce(same, op=fv.Adasum), same, "Adasum of equal vectors is their mean")
+    c.ck.raises((ValueError, fv.FerrovodError),
+                lambda: fv.allreduce(np.ones(3, np.int32), op=fv.Adasum),
+                "Adasum of integers", contains=("floating-point",))
 
 
 def sec_grouped(c):
