@@ -26,6 +26,9 @@ pub enum Launcher {
     Slurm,
     /// `torchrun` or a Kubeflow PyTorchJob (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
     Torchrun,
+    /// A Kubeflow Trainer TrainJob with the Torch policy whose command is not torchrun: one
+    /// process per pod, placed by the `PET_*` variables torchrun would have read.
+    TrainerTorch,
     /// A TensorFlow job (Kubeflow TFJob and others): `TF_CONFIG`.
     TfConfig,
     /// No launcher: a single process.
@@ -41,6 +44,10 @@ impl Launcher {
             Launcher::Hydra => "MPICH/Intel MPI Hydra (PMI_*)",
             Launcher::Slurm => "Slurm srun (SLURM_*)",
             Launcher::Torchrun => "torchrun / PyTorchJob (RANK, WORLD_SIZE, MASTER_ADDR)",
+            Launcher::TrainerTorch => {
+                "Kubeflow Trainer's Torch policy without torchrun (PET_NODE_RANK, PET_NNODES, \
+                 PET_MASTER_ADDR)"
+            }
             Launcher::TfConfig => "TFJob (TF_CONFIG)",
             Launcher::None => "none (a single process)",
         }
@@ -54,6 +61,7 @@ impl Launcher {
             Launcher::Hydra => "hydra",
             Launcher::Slurm => "slurm",
             Launcher::Torchrun => "torchrun",
+            Launcher::TrainerTorch => "trainer_torch",
             Launcher::TfConfig => "tf_config",
             Launcher::None => "none",
         }
@@ -238,6 +246,16 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
             raw("WORLD_SIZE"),
         )?;
     }
+    if found.is_none() {
+        // Under torchrun the workers have RANK too and are found above.
+        found = pair(
+            Launcher::TrainerTorch,
+            "PET_NODE_RANK",
+            "PET_NNODES",
+            raw("PET_NODE_RANK"),
+            raw("PET_NNODES"),
+        )?;
+    }
     let mut tf_endpoints = Vec::new();
     if found.is_none() {
         if let Some(tf) = raw("TF_CONFIG")
@@ -388,6 +406,39 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
                 raw("MASTER_ADDR")
                     .map(|a| format!("{a}:{}", raw("MASTER_PORT").unwrap_or_default()))
             });
+            (None, Some(addr), true, job)
+        }
+        Launcher::TrainerTorch => {
+            let per_pod = raw("PET_NPROC_PER_NODE");
+            if let Some(n) = per_pod.as_deref().and_then(|v| v.parse::<usize>().ok()) {
+                if n > 1 {
+                    return Err(Error::InvalidArgument(format!(
+                        "PET_NPROC_PER_NODE={n} without torchrun: this command runs one \
+                         process per pod. Make torchrun the TrainJob's command, or set \
+                         numProcPerNode: 1"
+                    )));
+                }
+            }
+            let host = raw("PET_MASTER_ADDR");
+            let port = raw("PET_MASTER_PORT");
+            let addr = match (explicit_addr, &host, &port) {
+                (Some(a), _, _) => a,
+                (None, Some(h), Some(p)) => {
+                    let addr = format!("{h}:{p}");
+                    check_rendezvous_addr("PET_MASTER_ADDR:PET_MASTER_PORT", &addr)?;
+                    addr
+                }
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "PET_NODE_RANK and PET_NNODES are set but PET_MASTER_ADDR or \
+                         PET_MASTER_PORT is missing (Kubeflow Trainer sets all of them), or \
+                         set FERROVOD_RENDEZVOUS_ADDR"
+                            .into(),
+                    ))
+                }
+            };
+            // Rank 0 serves the store at the master's address; its pod declares the port.
+            let job = Some(addr.clone());
             (None, Some(addr), true, job)
         }
         Launcher::TfConfig => {
@@ -770,6 +821,36 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.launcher, Launcher::Ferrovodrun);
+    }
+
+    #[test]
+    fn a_trainer_torch_policy_pod_without_torchrun_is_one_rank() {
+        let pet = [
+            ("PET_NNODES", "3"),
+            ("PET_NODE_RANK", "2"),
+            ("PET_NPROC_PER_NODE", "1"),
+            ("PET_MASTER_ADDR", "job-node-0-0.job"),
+            ("PET_MASTER_PORT", "29500"),
+        ];
+        let c = cfg(&pet).unwrap();
+        assert_eq!((c.launcher, c.rank, c.size), (Launcher::TrainerTorch, 2, 3));
+        assert_eq!(c.rendezvous_addr.as_deref(), Some("job-node-0-0.job:29500"));
+        assert!(c.rank0_hosts_store && c.secret_derived);
+        // Under torchrun the workers' RANK wins: torchrun placed them.
+        let mut under = pet.to_vec();
+        under.extend([
+            ("RANK", "5"),
+            ("WORLD_SIZE", "6"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "1"),
+        ]);
+        assert_eq!(cfg(&under).unwrap().launcher, Launcher::Torchrun);
+        let mut two = pet.to_vec();
+        two[2] = ("PET_NPROC_PER_NODE", "2");
+        let e = cfg(&two).unwrap_err().to_string();
+        assert!(e.contains("PET_NPROC_PER_NODE=2 without torchrun"), "{e}");
+        let e = cfg(&pet[..3]).unwrap_err().to_string();
+        assert!(e.contains("PET_MASTER_ADDR"), "{e}");
     }
 
     #[test]

@@ -210,3 +210,117 @@ def pytorchjob_argv(path: Path, replica_type: str, index: int) -> List[str]:
     """What pod ``<job>-<type>-<index>`` runs: its command + args with ``$(VAR)`` expanded."""
     env = pytorchjob_env(path, replica_type, index)
     return [expand_k8s_vars(a, env) for a in _argv(pytorchjob_container(path, replica_type))]
+
+
+# -- Kubeflow Trainer v2 (trainer.kubeflow.org/v1alpha1): ClusterTrainingRuntime + TrainJob -------
+#
+# What Trainer does is taken from its sources (pkg/runtime/framework/plugins: jobset.go's pod
+# endpoints "<trainjob>-<replicatedJob>-<replica>-<pod>.<trainjob>", mpi.go's hostfile and
+# OMPI_MCA_* variables, torch.go's PET_* variables; pkg/constants).
+
+TRAINER_RUNTIME_MPI = EXAMPLES / "trainer-runtime-mpi.yaml"
+TRAINER_RUNTIME_TORCH = EXAMPLES / "trainer-runtime-torch.yaml"
+TRAINJOB_MPI = EXAMPLES / "trainjob-mpi.yaml"
+TRAINJOB_TORCH = EXAMPLES / "trainjob-torch.yaml"
+TRAINJOB_TORCH_PYTHON = EXAMPLES / "trainjob-torch-python.yaml"
+TRAINER_RUNTIMES = (TRAINER_RUNTIME_MPI, TRAINER_RUNTIME_TORCH)
+TRAINJOBS = (TRAINJOB_MPI, TRAINJOB_TORCH, TRAINJOB_TORCH_PYTHON)
+TRAINER_MANIFESTS = TRAINER_RUNTIMES + TRAINJOBS
+# Trainer's constants: ContainerTrainerPort, the MPI rsh arguments, the ancestor label.
+TRAINER_PORT = 29500
+TRAINER_RSH_ARGS = "-o ConnectionAttempts=10"
+_ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+
+
+def trainjob_runtime(trainjob: Path) -> Dict[str, Any]:
+    """The ClusterTrainingRuntime a TrainJob's runtimeRef names (among the examples)."""
+    name = load(trainjob)["spec"]["runtimeRef"]["name"]
+    for path in TRAINER_RUNTIMES:
+        runtime = load(path)
+        if runtime["metadata"]["name"] == name:
+            return runtime
+    raise ValueError(f"{trainjob}: no example runtime is named {name!r}")
+
+
+def _replicated_jobs(runtime: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return runtime["spec"]["template"]["spec"]["replicatedJobs"]
+
+
+def _trainer_container(runtime: Dict[str, Any]) -> Dict[str, Any]:
+    """The container the TrainJob's trainer settings go to: "node" in the replicated job
+    labelled as the trainer ancestor."""
+    for rjob in _replicated_jobs(runtime):
+        labels = rjob["template"].get("metadata", {}).get("labels", {})
+        if labels.get(_ANCESTOR) == "trainer":
+            for c in rjob["template"]["spec"]["template"]["spec"]["containers"]:
+                if c["name"] == "node":
+                    return c
+    raise ValueError("the runtime has no trainer-ancestor container named node")
+
+
+def trainjob_nodes(trainjob: Path) -> int:
+    job, runtime = load(trainjob), trainjob_runtime(trainjob)
+    return int(job["spec"].get("trainer", {}).get("numNodes")
+               or runtime["spec"]["mlPolicy"].get("numNodes", 1))
+
+
+def trainjob_pod_hosts(trainjob: Path, replicated_job: str = "node") -> List[str]:
+    """The pods of a replicated job, as other pods reach them: node pods (numNodes of them,
+    one replica of the job with that many pods) or the one launcher."""
+    name = load(trainjob)["metadata"]["name"]
+    count = trainjob_nodes(trainjob) if replicated_job == "node" else 1
+    return [f"{name}-{replicated_job}-0-{i}.{name}" for i in range(count)]
+
+
+def trainjob_mpi_slots(trainjob: Path) -> int:
+    job, runtime = load(trainjob), trainjob_runtime(trainjob)
+    given = job["spec"].get("trainer", {}).get("numProcPerNode")
+    return int(given if given is not None else runtime["spec"]["mlPolicy"]["mpi"]["numProcPerNode"])
+
+
+def trainjob_mpi_hostfile(trainjob: Path) -> str:
+    """/etc/mpi/hostfile as Trainer writes it in the launcher (runLauncherAsNode off: the node
+    pods only)."""
+    runtime = trainjob_runtime(trainjob)
+    if runtime["spec"]["mlPolicy"]["mpi"].get("runLauncherAsNode"):
+        raise ValueError("the examples keep ranks off the launcher")
+    slots = trainjob_mpi_slots(trainjob)
+    return "".join(f"{h} slots={slots}\n" for h in trainjob_pod_hosts(trainjob))
+
+
+def trainjob_mpi_launcher_env(trainjob: Path, hostfile_path: str = MPI_HOSTFILE) -> Dict[str, str]:
+    """The variables Trainer's MPI plugin gives the launcher's container."""
+    return {
+        "OMPI_MCA_orte_default_hostfile": hostfile_path,
+        "OMPI_MCA_orte_keep_fqdn_hostnames": "true",
+        "OMPI_MCA_orte_set_default_slots": str(trainjob_mpi_slots(trainjob)),
+        "OMPI_MCA_plm_rsh_args": TRAINER_RSH_ARGS,
+    }
+
+
+def trainjob_torch_env(trainjob: Path, node: int) -> Dict[str, str]:
+    """The PET_* variables Trainer's Torch plugin gives node pod ``node``'s container
+    (numProcPerNode "auto" without GPUs: the CPUs the container requests)."""
+    job = load(trainjob)
+    name = job["metadata"]["name"]
+    per_node = job["spec"].get("trainer", {}).get("numProcPerNode")
+    if per_node is None:
+        cpu = _trainer_container(trainjob_runtime(trainjob)).get("resources", {}).get(
+            "requests", {}).get("cpu", "1")
+        per_node = max(1, int(str(cpu)))
+    return {
+        "PET_NNODES": str(trainjob_nodes(trainjob)),
+        "PET_NPROC_PER_NODE": str(per_node),
+        "PET_NODE_RANK": str(node),
+        "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+        "PET_MASTER_PORT": str(TRAINER_PORT),
+    }
+
+
+def trainjob_command(trainjob: Path) -> List[str]:
+    """What the trainer container runs: the TrainJob's command and args when it gives them,
+    else the runtime container's."""
+    trainer = load(trainjob)["spec"].get("trainer", {})
+    if trainer.get("command"):
+        return [str(a) for a in trainer["command"] + (trainer.get("args") or [])]
+    return _argv(_trainer_container(trainjob_runtime(trainjob)))

@@ -114,12 +114,40 @@ def test_manifests_are_the_expected_kinds() -> None:
 
 def _all_containers(path: Path) -> List[dict]:
     job = kx.load(path)
+    if job["kind"] == "ClusterTrainingRuntime":
+        return [c for r in job["spec"]["template"]["spec"]["replicatedJobs"]
+                for c in r["template"]["spec"]["template"]["spec"]["containers"]]
     key = "mpiReplicaSpecs" if job["kind"] == "MPIJob" else "pytorchReplicaSpecs"
     return [c for r in job["spec"][key].values() for c in r["template"]["spec"]["containers"]]
 
 
+def test_trainer_manifests_are_runtimes_and_trainjobs_that_find_them() -> None:
+    kinds = {p.name: (kx.load(p)["apiVersion"], kx.load(p)["kind"]) for p in kx.TRAINER_MANIFESTS}
+    assert kinds == {
+        "trainer-runtime-mpi.yaml": ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"),
+        "trainer-runtime-torch.yaml": ("trainer.kubeflow.org/v1alpha1", "ClusterTrainingRuntime"),
+        "trainjob-mpi.yaml": ("trainer.kubeflow.org/v1alpha1", "TrainJob"),
+        "trainjob-torch.yaml": ("trainer.kubeflow.org/v1alpha1", "TrainJob"),
+        "trainjob-torch-python.yaml": ("trainer.kubeflow.org/v1alpha1", "TrainJob"),
+    }
+    names = [kx.load(p)["metadata"]["name"] for p in kx.TRAINJOBS]
+    assert len(set(names)) == len(names), names
+    for path in kx.TRAINJOBS:
+        kx.trainjob_runtime(path)  # raises when the runtimeRef names no example runtime
+        # Pod host names are <trainjob>-node-0-<i>.<trainjob>: DNS-1123 labels, short.
+        assert len(kx.trainjob_pod_hosts(path)[-1].split(".")[0]) <= 63, path.name
+    mpi = kx.load(kx.TRAINER_RUNTIME_MPI)["spec"]["mlPolicy"]["mpi"]
+    assert mpi["sshAuthMountPath"] == "/root/.ssh" and mpi["mpiImplementation"] == "OpenMPI"
+    # ferrovodrun's -np is every slot of the hostfile Trainer writes.
+    argv = kx.trainjob_command(kx.TRAINJOB_MPI)
+    np_ = int(argv[argv.index("-np") + 1])
+    assert np_ == kx.trainjob_mpi_slots(kx.TRAINJOB_MPI) * kx.trainjob_nodes(kx.TRAINJOB_MPI)
+    # One process per pod without torchrun (ferrovod refuses more there).
+    assert kx.trainjob_torch_env(kx.TRAINJOB_TORCH_PYTHON, 0)["PET_NPROC_PER_NODE"] == "1"
+
+
 def test_every_pod_runs_the_one_image_the_readme_builds() -> None:
-    images = {c["image"] for p in kx.MANIFESTS for c in _all_containers(p)}
+    images = {c["image"] for p in kx.MANIFESTS + kx.TRAINER_RUNTIMES for c in _all_containers(p)}
     assert len(images) == 1, f"the examples share one image, found {images}"
     image = images.pop()
     readme = README.read_text()
@@ -172,6 +200,8 @@ def test_commands_run_files_the_image_really_has() -> None:
     runs = kx.launcher_command(kx.MPIJOB_FERROVODRUN) + kx.launcher_command(kx.MPIJOB_MPIRUN)
     runs += kx.pytorchjob_container(kx.PYTORCHJOB, "Master")["command"]
     runs += kx.pytorchjob_container(kx.PYTORCHJOB, "Worker")["command"]
+    for trainjob in kx.TRAINJOBS:
+        runs += kx.trainjob_command(trainjob)
     in_image = sorted({a for a in runs if a.startswith("/opt/")})
     assert in_image == ["/opt/ferrovod/examples/pytorch_digits.py"]
     for image_path in in_image:

@@ -149,3 +149,43 @@ def test_pytorchjob(tmp_path):
             assert p.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
         world = int(K.pytorchjob_env(manifest, "Master", 0)["WORLD_SIZE"])
         assert trained_on(outs[0][0], world), outs[0]
+
+
+# -- Kubeflow Trainer v2: TrainJob on a ClusterTrainingRuntime ---------------------------------
+
+
+def test_trainjob_on_the_mpi_runtime(tmp_path):
+    """The MPI policy: Trainer's pod names (<job>-launcher-0-0, <job>-node-0-<i>, under the
+    job's subdomain), the hostfile in the launcher only, its OMPI_MCA_* variables, ssh on 2222
+    through the image's ssh_config; the TrainJob's command (ferrovodrun) runs in the launcher."""
+    job = K.TRAINJOB_MPI
+    launcher = K.trainjob_pod_hosts(job, "launcher")[0]
+    nodes = K.trainjob_pod_hosts(job)
+    with Cluster([launcher, *nodes], tmp_path, operator_ssh_config=True) as cluster:
+        cluster.put_etc(launcher, "mpi/hostfile", K.trainjob_mpi_hostfile(job))
+        env = clean_env(**K.trainjob_mpi_launcher_env(job))
+        res = cluster.run(launcher, in_checkout(K.trainjob_command(job)), timeout=300, env=env)
+        assert res.returncode == 0, describe(res)
+        assert trained_on(res.stdout, K.trainjob_mpi_slots(job) * len(nodes)), describe(res)
+        assert cluster.leftovers("pytorch_digits.py", within=5) == {}
+
+
+@pytest.mark.parametrize("trainjob", [K.TRAINJOB_TORCH, K.TRAINJOB_TORCH_PYTHON],
+                         ids=["torchrun", "python"])
+def test_trainjob_on_the_torch_runtime(trainjob, tmp_path):
+    """The Torch policy: every node pod runs the trainer command with the PET_* variables
+    Trainer sets: torchrun (2 processes per pod, placed by torchrun), or the script itself (one
+    process per pod, placed by ferrovod from PET_NODE_RANK and PET_NNODES)."""
+    pods = K.trainjob_pod_hosts(trainjob)
+    with Cluster(pods, tmp_path) as cluster:
+        procs = []
+        for i, pod in enumerate(pods):
+            env = clean_env(PYTHONUNBUFFERED="1", **K.trainjob_torch_env(trainjob, i))
+            procs.append(cluster.popen(pod, in_checkout(K.trainjob_command(trainjob)), env=env,
+                                       stdout=-1, stderr=-1, text=True))
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
+        env0 = K.trainjob_torch_env(trainjob, 0)
+        world = int(env0["PET_NNODES"]) * int(env0["PET_NPROC_PER_NODE"])
+        assert trained_on(outs[0][0], world), outs[0]
