@@ -1,6 +1,9 @@
 """DistributedOptimizer(op=Adasum) on a real job: each rank steps its own optimizer (SGD with
 momentum, then Adam) on its own batch; the parameters must equal a reference that simulates
-every rank's optimizer here and combines their deltas with NumPy's Adasum recurrence.
+every rank's optimizer here and combines their deltas with NumPy's Adasum recurrence. Then the
+two ends it interpolates between, in training: ranks whose steps change disjoint weights
+(orthogonal deltas) move as the Sum of their steps, ranks with the same batch (equal deltas)
+as their Average, i.e. one rank's step.
 
 usage: torch_adasum_worker.py   (under ferrovodrun; prints OK n)
 """
@@ -65,7 +68,44 @@ def main():
             for (name, p), want in zip(m.named_parameters(), refs[0].parameters()):
                 ck.array(p.detach().numpy(), want.detach().numpy(),
                          f"{type(opt).__name__} step {step} {name}")
+    interpolation(ck, r, n)
     return ck.count
+
+
+def interpolation(ck, r, n):
+    # Rank r's inputs are non-zero only in feature r: its gradient touches weight r alone.
+    def linear():
+        torch.manual_seed(3)
+        return torch.nn.Linear(n, 1, bias=False).double()
+
+    def sgd_step(m, x, y):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+    def rank_batch(q, same):
+        x = torch.zeros(4, n, dtype=torch.float64)
+        x[:, 0 if same else q] = torch.arange(1.0, 5.0, dtype=torch.float64)
+        return x, torch.ones(4, 1, dtype=torch.float64) * 3
+
+    for same in (False, True):
+        m = linear()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Adasum)
+        opt.zero_grad()
+        x, y = rank_batch(r, same)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        start = linear().weight.detach().clone()
+        deltas = []
+        for q in range(n):
+            rm = linear()
+            sgd_step(rm, *rank_batch(q, same))
+            deltas.append(rm.weight.detach() - start)
+        want = start + (deltas[0] if same else sum(deltas))  # mean of equal deltas; sum
+        ck.array(m.weight.detach().numpy(), want.numpy(),
+                 "Adasum of equal steps is their average" if same
+                 else "Adasum of orthogonal steps is their sum")
 
 
 if __name__ == "__main__":
