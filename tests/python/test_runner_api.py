@@ -328,3 +328,23 @@ def test_run_refuses_bad_arguments():
 
     with pytest.raises(ValueError, match="np"):
         ferrovod.run(_unpicklable, np=0)
+
+
+def _rank_one_leaves_quietly():
+    import ferrovod as fv
+
+    fv.init()
+    rank = fv.rank()
+    fv.shutdown()
+    if rank == 1:
+        raise SystemExit(0)  # exits 0 with no result, as a worker an elastic job removed
+    return rank
+
+
+def test_run_says_which_rank_left_no_result():
+    import ferrovod
+
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out), pytest.raises(RuntimeError) as info:
+        ferrovod.run(_rank_one_leaves_quietly, np=2)
+    assert "no result from rank(s) [1]" in str(info.value), info.value

@@ -571,12 +571,13 @@ def _binary(stream: TextIO) -> BinaryIO:
     return buffer if buffer is not None else _TextAsBinary(stream)  # type: ignore[return-value]
 
 
-def _run(args: argparse.Namespace, elastic: Optional[bool] = None) -> None:
+def _run(args: argparse.Namespace, elastic: Optional[bool] = None,
+         exchange: Optional[Exchange] = None) -> None:
     """Runs the job ``args`` describe from this process, its output on this process's
     ``sys.stdout``/``sys.stderr``, as Horovod's ``horovod.runner.launch._run`` does: returns
     once every worker succeeded; raises ``ValueError`` for flags the launcher refuses (and
     when ``elastic`` is given and the job is not of that kind) and ``RuntimeError`` saying why
-    the job failed."""
+    the job failed. ``exchange``: see :func:`run_job`."""
     try:
         plan = plan_job(args)
     except LaunchError as exc:
@@ -585,7 +586,7 @@ def _run(args: argparse.Namespace, elastic: Optional[bool] = None) -> None:
         raise ValueError("not an elastic job: give --min-np or --host-discovery-script"
                          if elastic else "an elastic job: drop --min-np and "
                          "--host-discovery-script")
-    code, error = run_job(plan, _binary(sys.stdout), _binary(sys.stderr))
+    code, error = run_job(plan, _binary(sys.stdout), _binary(sys.stderr), exchange=exchange)
     if code != 0:
         raise RuntimeError(error or f"the job failed with exit status {code}")
 

@@ -45,7 +45,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dic
     import cloudpickle
 
     from .flags import build_parser
-    from .launch import Exchange, LaunchError, _binary, plan_job, run_job
+    from .launch import Exchange, _run
 
     argv = ["-np", str(np)]
     for flag, value in (("--min-np", min_np), ("--max-np", max_np),
@@ -62,14 +62,18 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dic
     parser = build_parser()
     parser.exit_on_error = False  # a bad argument is the caller's ValueError, not an exit
     try:
-        plan = plan_job(parser.parse_args(argv))
-    except (LaunchError, argparse.ArgumentError) as exc:
+        parsed = parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
         raise ValueError(f"ferrovod.run: {exc}") from None
     results: Dict[int, Any] = {}
+    size = np  # the last membership's, once rank 0 has said
 
     def collect(store: Any) -> None:
-        size = store.get(SIZE_KEY, 0.0)
-        for rank in range(int(size) if size is not None else np):
+        nonlocal size
+        told = store.get(SIZE_KEY, 0.0)
+        if told is not None:
+            size = int(told)
+        for rank in range(size):
             raw = store.get(result_key(rank), 0.0)
             if raw is not None:
                 results[rank] = cloudpickle.loads(raw)
@@ -77,17 +81,22 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dic
     exchange = Exchange(put={FUNC_KEY: cloudpickle.dumps((func, tuple(args),
                                                           dict(kwargs or {})))},
                         collect=collect)
-    code, error = run_job(plan, _binary(sys.stdout), _binary(sys.stderr), exchange=exchange)
+    failure: Optional[RuntimeError] = None
+    try:
+        _run(parsed, exchange=exchange)
+    except ValueError as exc:
+        raise ValueError(f"ferrovod.run: {exc}") from None
+    except RuntimeError as exc:
+        failure = exc
     raised = sorted((t, rank, tb) for rank, (kind, tb, t) in results.items() if kind == "error")
     if raised:
         _, rank, tb = raised[0]
         others = [r for _, r, _ in raised[1:]]
         also = f" (then rank(s) {others}, most likely because of it)" if others else ""
         raise RuntimeError(f"ferrovod.run: rank {rank} raised an exception{also}:\n{tb}")
-    if code != 0:
-        raise RuntimeError(f"ferrovod.run: {error or f'the job failed with exit status {code}'}")
-    missing = [r for r in range(len(results)) if r not in results] or (
-        [] if results else [0])
+    if failure is not None:
+        raise RuntimeError(f"ferrovod.run: {failure}") from None
+    missing = [r for r in range(size) if r not in results]
     if missing:
         raise RuntimeError(f"ferrovod.run: no result from rank(s) {missing}")
-    return [results[r][1] for r in range(len(results))]
+    return [results[r][1] for r in range(size)]

@@ -51,9 +51,6 @@ def main() -> int:
         outcome, code = ("error", traceback.format_exc(), time.time()), 1
     # The rank of the job's last membership (an elastic worker's may have changed).
     rank, size = int(os.environ.get("FERROVOD_RANK", "0")), int(os.environ.get("FERROVOD_SIZE", "1"))
-    # Store the result through the address of the last membership (an elastic one may differ).
-    store = StoreClient(os.environ.get("FERROVOD_RENDEZVOUS_ADDR", addr), bytes.fromhex(secret),
-                        30.0)
     store.set(result_key(rank), _pickled(outcome))
     if rank == 0:
         store.set(SIZE_KEY, str(size).encode())
