@@ -24,7 +24,7 @@ to leave a setting unapplied without a word).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
 
 from ...worker_env import tunable_env
 
@@ -111,30 +111,27 @@ def read_config_file(path: str) -> Dict[str, Any]:
     return config
 
 
-def _checker(parser: argparse.ArgumentParser, dest: str) -> Callable[[str, Any], Any]:
-    """Checks a file's value for ``dest`` as the command line's flag would."""
+def _checked(parser: argparse.ArgumentParser, dest: str, where: str, value: Any) -> Any:
+    """A file's ``value`` for ``dest``, checked and converted as the command line's flag would
+    be (``where`` names it in errors)."""
     action = next(a for a in parser._actions if a.dest == dest)  # noqa: SLF001 - argparse's own list
     flag = max(action.option_strings, key=len)
-
-    def check(where: str, value: Any) -> Any:
-        if action.const is not None and action.nargs == 0:  # an on/off flag
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where} must be true or false (as {flag}), got {value!r}")
-            return value
-        if isinstance(value, (dict, bool)) or (isinstance(value, list) and not action.nargs):
-            raise ConfigError(f"{where}: {value!r} is not a value {flag} takes")
-        values = value if isinstance(value, list) else [value]
-        if action.nargs not in (None, 1) and len(values) != action.nargs:
-            raise ConfigError(f"{where} takes {action.nargs} values (as {flag}), got {value!r}")
-        out = []
-        for item in values:
-            try:
-                out.append(action.type(str(item)) if action.type else str(item))
-            except (argparse.ArgumentTypeError, ValueError) as exc:
-                raise ConfigError(f"{where} (as {flag}): {exc}") from None
-        return out if isinstance(value, list) else out[0]
-
-    return check
+    if action.const is not None and action.nargs == 0:  # an on/off flag
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false (as {flag}), got {value!r}")
+        return value
+    if isinstance(value, (dict, bool)) or (isinstance(value, list) and not action.nargs):
+        raise ConfigError(f"{where}: {value!r} is not a value {flag} takes")
+    values = value if isinstance(value, list) else [value]
+    if action.nargs not in (None, 1) and len(values) != action.nargs:
+        raise ConfigError(f"{where} takes {action.nargs} values (as {flag}), got {value!r}")
+    out = []
+    for item in values:
+        try:
+            out.append(action.type(str(item)) if action.type else str(item))
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise ConfigError(f"{where} (as {flag}): {exc}") from None
+    return out if isinstance(value, list) else out[0]
 
 
 def set_args_from_config(args: argparse.Namespace, config: Mapping[str, Any],
@@ -171,7 +168,7 @@ def set_args_from_config(args: argparse.Namespace, config: Mapping[str, Any],
             dest, convert = keys[key]
             if value is None or dest in given:
                 continue
-            checked = _checker(parser, dest)(f"{source}: {name}.{key}", value)
+            checked = _checked(parser, dest, f"{source}: {name}.{key}", value)
             setattr(args, dest, convert(checked) if convert else checked)
 
 
@@ -188,8 +185,3 @@ def set_env_from_args(env: MutableMapping[str, str], args: argparse.Namespace) -
     were given, as horovodrun does); returns ``env``."""
     env.update(tunable_env(args, env))
     return env
-
-
-def known_keys() -> List[str]:
-    """Every ``section.key`` the file may hold."""
-    return [f"{s}.{k}" for s, keys in _SECTIONS.items() for k in keys] + ["controller"]
