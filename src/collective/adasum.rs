@@ -22,7 +22,7 @@
 
 use half::{bf16, f16};
 
-use super::reduce::scale;
+use super::reduce::{check_len, scale};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::DType;
@@ -35,38 +35,23 @@ pub fn allreduce(
     dtype: DType,
     factor: f64,
 ) -> Result<()> {
-    check(buf, dtype, comm.size())?;
     let n = comm.size();
+    check_op(dtype, n)?;
+    check_len(dtype, buf.len())?;
     let me = comm.rank();
     let mut theirs = vec![0u8; buf.len()];
     let mut level = 1;
     while level < n {
         let partner = me ^ level;
         comm.sendrecv(partner, buf, partner, &mut theirs)?;
-        if me < partner {
-            combine(dtype, buf, &theirs, true);
-        } else {
-            combine(dtype, buf, &theirs, false);
-        }
+        combine(dtype, buf, &theirs, me < partner);
         level <<= 1;
     }
     scale(dtype, buf, factor)
 }
 
-/// Whether Adasum can run: a floating-point dtype, whole elements, a power-of-two set.
-pub fn check(buf: &[u8], dtype: DType, ranks: usize) -> Result<()> {
-    check_op(dtype, ranks)?;
-    if buf.len() % dtype.size() != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "Adasum: {} bytes is not a whole number of {} elements",
-            buf.len(),
-            dtype.name()
-        )));
-    }
-    Ok(())
-}
-
-/// The dtype and set-size conditions alone (what the engine checks before an op goes out).
+/// Whether Adasum can run on `dtype` over `ranks` ranks: a floating-point dtype, a
+/// power-of-two set (what the engine checks before an op goes out).
 pub fn check_op(dtype: DType, ranks: usize) -> Result<()> {
     if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64) {
         return Err(Error::InvalidArgument(format!(

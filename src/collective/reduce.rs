@@ -248,7 +248,7 @@ pub fn check_reducible(dtype: DType, op: ReduceOp) -> Result<()> {
     Ok(())
 }
 
-fn check_len(dtype: DType, len: usize) -> Result<()> {
+pub(super) fn check_len(dtype: DType, len: usize) -> Result<()> {
     if len % dtype.size() != 0 {
         return Err(Error::InvalidArgument(format!(
             "buffer of {len} bytes does not hold whole {} elements",

@@ -35,10 +35,11 @@ class _DistributedAdasumMixin:
         self.process_set = process_set
         self.op = Adasum
         every = [p for g in self.param_groups for p in g["params"]]  # type: ignore[attr-defined]
-        named = dict((p, n) for n, p in (named_parameters or []))
         self._updated = [p for p in every if p.requires_grad]
-        self._name = {p: f"DistributedAdasumOptimizer.{named.get(p, str(i))}"
-                      for i, p in enumerate(self._updated)}
+        # One grouped allreduce a step, named after the first parameter it updates.
+        first = next((n for n, p in (named_parameters or []) if self._updated
+                      and p is self._updated[0]), "0")
+        self._name = f"DistributedAdasumOptimizer.{first}"
 
     def step(self, closure: Any = None) -> Any:
         """The local step, then the parameters set to their start plus the Adasum of every
@@ -54,7 +55,7 @@ class _DistributedAdasumMixin:
                 deltas.append(delta)
                 ctxs.append(ctx)
             combined = ops.synchronize(ops.grouped_allreduce_async(
-                deltas, op=Adasum, name=self._name[self._updated[0]],
+                deltas, op=Adasum, name=self._name,
                 process_set=self.process_set))
             for p, start, delta, ctx in zip(self._updated, starts, combined, ctxs):
                 p.copy_(start + self._compression.decompress(delta, ctx))
