@@ -14,19 +14,27 @@ from conftest import _env, _run, describe, lines_matching
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.mark.parametrize("scenario,hosts,np_,final", [
+SCENARIOS = pytest.mark.parametrize("scenario,hosts,np_,final", [
     ("add", "localhost:2\n", 2, 4),
     ("kill", "localhost:2\n127.0.0.1:2\n", 4, 2),
 ])
-def test_keras_elastic(tmp_path, scenario, hosts, np_, final):
+
+
+def _elastic_job(tmp_path, worker, scenario, hosts, np_, env=None):
+    """``worker`` (a file here) as an elastic job of ``np_`` workers on 2 to 4 slots whose
+    discovery script lists ``hosts`` (the worker rewrites the file to add a host)."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts)
     cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_), "--min-np", "2",
            "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
-           str(HERE / "keras_elastic_worker.py"), scenario, str(hosts_file)]
-    res = _run(cmd, _env({"KERAS_BACKEND": "tensorflow"}), 240)
+           str(HERE / worker), scenario, str(hosts_file)]
+    return _run(cmd, _env(env), 240)
+
+
+@SCENARIOS
+def test_keras_elastic(tmp_path, scenario, hosts, np_, final):
+    res = _elastic_job(tmp_path, "keras_elastic_worker.py", scenario, hosts, np_,
+                      {"KERAS_BACKEND": "tensorflow"})
     assert res.returncode == 0, describe(res)
     done = [r for r in res.ranks if lines_matching(res, r, rf"^DONE size {final} ")]
     assert len(done) == final, describe(res)
@@ -46,21 +54,13 @@ def test_keras_elastic_example_trains(tmp_path):
     assert acc and float(acc[0].group(1)) >= 90.0, describe(res)
 
 
-@pytest.mark.parametrize("scenario,hosts,np_,final", [
-    ("add", "localhost:2\n", 2, 4),
-    ("kill", "localhost:2\n127.0.0.1:2\n", 4, 2),
-])
+@SCENARIOS
 def test_tensorflow_custom_loop_elastic(tmp_path, scenario, hosts, np_, final):
     """tf.function steps through DistributedGradientTape with TensorFlowKerasState: two
     workers join mid-run and receive the model and Adam's slots and step count, or one is
     SIGKILLed and the survivors go back to the last commit. Every rank ends equal to a
     one-process replay of the same batches."""
-    hosts_file = tmp_path / "hosts"
-    hosts_file.write_text(hosts)
-    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_), "--min-np", "2",
-           "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
-           str(HERE / "tf_elastic_worker.py"), scenario, str(hosts_file)]
-    res = _run(cmd, _env(None), 240)
+    res = _elastic_job(tmp_path, "tf_elastic_worker.py", scenario, hosts, np_)
     assert res.returncode == 0, describe(res)
     done = [r for r in res.ranks
             if lines_matching(res, r, rf"^DONE size {final} rank \d iterations 24$")]
@@ -68,20 +68,12 @@ def test_tensorflow_custom_loop_elastic(tmp_path, scenario, hosts, np_, final):
     assert "AutoGraph could not transform" not in res.stdout + res.stderr, describe(res)
 
 
-@pytest.mark.parametrize("scenario,hosts,np_,final", [
-    ("add", "localhost:2\n", 2, 4),
-    ("kill", "localhost:2\n127.0.0.1:2\n", 4, 2),
-])
+@SCENARIOS
 def test_tensorflow1_session_elastic(tmp_path, scenario, hosts, np_, final):
     """TF1 graph mode: TensorFlowState over a session, a DistributedOptimizer's allreduce
     inside session.run (a lost peer surfaces there as tf.errors.UnknownError). Every rank
     ends equal to a NumPy replay of the same steps."""
-    hosts_file = tmp_path / "hosts"
-    hosts_file.write_text(hosts)
-    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_), "--min-np", "2",
-           "--max-np", "4", "--host-discovery-script", f"cat {hosts_file}", sys.executable,
-           str(HERE / "tf1_elastic_worker.py"), scenario, str(hosts_file)]
-    res = _run(cmd, _env(None), 240)
+    res = _elastic_job(tmp_path, "tf1_elastic_worker.py", scenario, hosts, np_)
     assert res.returncode == 0, describe(res)
     done = [r for r in res.ranks if lines_matching(res, r, rf"^DONE size {final} rank \d step 24$")]
     assert len(done) == final, describe(res)

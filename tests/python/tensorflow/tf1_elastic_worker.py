@@ -10,7 +10,6 @@ to a NumPy replay of the same full-batch gradient steps (a lost, repeated or bad
 step would differ). Prints ``size S rank R step T`` at each start and ``OK n``.
 """
 
-import os
 import sys
 
 import numpy as np
@@ -19,9 +18,9 @@ import tensorflow as tf
 tf.compat.v1.disable_eager_execution()
 
 import ferrovod.tensorflow as hvd  # noqa: E402
-from tf_elastic_worker import act  # noqa: E402
+from tf_elastic_worker import STEPS, global_batch, run_steps  # noqa: E402
 
-STEPS, AT, LR = 24, 7, 0.05
+LR = 0.05
 v1 = tf.compat.v1
 
 
@@ -29,11 +28,6 @@ def data():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(64, 4))
     return x, x @ rng.normal(size=(4, 1)) + 0.3
-
-
-def global_batch(x, y, step):
-    lo = (step * 8) % 64
-    return x[lo:lo + 8], y[lo:lo + 8]
 
 
 def replay(x, y):
@@ -60,25 +54,8 @@ def main():
     session = v1.Session()
     session.run(v1.global_variables_initializer())
     state = hvd.elastic.TensorFlowState(session=session, step=0)
-    host = os.environ["FERROVOD_HOSTNAME"]
-    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
-    acted = [False]
-
-    @hvd.elastic.run
-    def train(state):
-        print(f"size {hvd.size()} rank {hvd.rank()} step {state.step}", flush=True)
-        r, n = hvd.rank(), hvd.size()
-        while state.step < STEPS:
-            if state.step == AT and not acted[0]:
-                acted[0] = True
-                act(scenario, host, slot_lr, hosts_file)
-            xb, yb = global_batch(x, y, state.step)
-            session.run(train_op, {xs: xb[r::n], ys: yb[r::n]})
-            state.step += 1
-            if state.step % 2 == 0:
-                state.commit()
-
-    train(state)
+    run_steps(state, x, y, lambda xb, yb: session.run(train_op, {xs: xb, ys: yb}), scenario,
+              hosts_file)
     got_w, got_b = session.run([w, b])
     flat = np.concatenate([got_w.reshape(-1), got_b])
     everyone = hvd.allgather_object(flat)

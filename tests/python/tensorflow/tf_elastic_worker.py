@@ -33,9 +33,6 @@ def main():
     y = tf.constant((rng.normal(size=(64, 4)) @ rng.normal(size=(4, 1))).astype("float32"))
     model, opt = make_model()
     state = hvd.elastic.TensorFlowKerasState(model, optimizer=opt, step=0)
-    host = os.environ["FERROVOD_HOSTNAME"]
-    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
-    acted = [False]
 
     @tf.function
     def train_step(xb, yb):
@@ -46,21 +43,7 @@ def main():
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    @hvd.elastic.run
-    def train(state):
-        print(f"size {hvd.size()} rank {hvd.rank()} step {state.step}", flush=True)
-        r, n = hvd.rank(), hvd.size()
-        while state.step < STEPS:
-            if state.step == AT and not acted[0]:
-                acted[0] = True
-                act(scenario, host, slot_lr, hosts_file)
-            xb, yb = global_batch(x, y, state.step)
-            train_step(xb[r::n], yb[r::n])
-            state.step += 1
-            if state.step % 2 == 0:
-                state.commit()
-
-    train(state)
+    run_steps(state, x, y, train_step, scenario, hosts_file)
     flat = np.concatenate([np.asarray(v).reshape(-1).astype("float64")
                            for v in model.variables + list(opt.variables)])
     everyone = hvd.allgather_object(flat)
@@ -73,6 +56,31 @@ def main():
     print(f"DONE size {hvd.size()} rank {hvd.rank()} iterations {int(np.asarray(opt.iterations))}",
           flush=True)
     print(f"OK {len(everyone) + 1}", flush=True)
+
+
+def run_steps(state, x, y, step, scenario, hosts_file):
+    """The elastic training every TensorFlow worker here runs: ``step(xb, yb)`` on this rank's
+    share of each global batch, STEPS of them, the membership change at step AT, a commit
+    every 2 steps. Prints ``size S rank R step T`` at each start."""
+    host = os.environ["FERROVOD_HOSTNAME"]
+    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
+    acted = [False]
+
+    @hvd.elastic.run
+    def train(state):
+        print(f"size {hvd.size()} rank {hvd.rank()} step {state.step}", flush=True)
+        r, n = hvd.rank(), hvd.size()
+        while state.step < STEPS:
+            if state.step == AT and not acted[0]:
+                acted[0] = True
+                act(scenario, host, slot_lr, hosts_file)
+            xb, yb = global_batch(x, y, state.step)
+            step(xb[r::n], yb[r::n])
+            state.step += 1
+            if state.step % 2 == 0:
+                state.commit()
+
+    train(state)
 
 
 def make_model():
