@@ -187,7 +187,8 @@ fn what_the_nccl_path_cannot_run_is_refused_before_negotiation() {
             "mixed",
             e.submit(op("m", OpKind::Allreduce, vec![mixed])).unwrap(),
         ));
-        // Allgather's output is sized by the negotiation: staged, never sent to NCCL.
+        // Allgather's output is sized by the other ranks' rows, which the caller learns
+        // first: the engine allocates no device memory.
         let mut gather = cuda_tensor(4);
         gather.output = None;
         errs.push((
@@ -232,7 +233,7 @@ fn what_the_nccl_path_cannot_run_is_refused_before_negotiation() {
     });
     let expect = [
         ("mixed", "in host memory or all on one CUDA device"),
-        ("allgather", "not ALLGATHER"),
+        ("allgather", "must be allocated by the caller"),
         (
             "uneven",
             "first dimension of 5 does not divide over 2 ranks",

@@ -78,6 +78,20 @@ impl DeviceBuf {
         self.bytes == 0
     }
 
+    /// The `bytes` bytes at `offset` (inside this buffer, whose contract they inherit).
+    pub fn slice(&self, offset: usize, bytes: usize) -> Result<DeviceBuf> {
+        match offset.checked_add(bytes) {
+            Some(end) if end <= self.bytes => Ok(DeviceBuf {
+                ptr: self.ptr + offset,
+                bytes,
+            }),
+            _ => Err(Error::InvalidArgument(format!(
+                "bytes {offset}..{offset}+{bytes} lie outside a device buffer of {} bytes",
+                self.bytes
+            ))),
+        }
+    }
+
     pub(super) fn fits(&self, bytes: usize, what: &str) -> Result<()> {
         if bytes > self.bytes {
             return Err(Error::InvalidArgument(format!(
@@ -115,6 +129,8 @@ struct CudaFns {
     device_get_uuid: unsafe extern "C" fn(*mut [c_char; 16], cu::CUdevice) -> c_int,
     memcpy_dtoh: unsafe extern "C" fn(*mut c_void, cu::CUdeviceptr, usize, cu::CUstream) -> c_int,
     memcpy_htod: unsafe extern "C" fn(cu::CUdeviceptr, *const c_void, usize, cu::CUstream) -> c_int,
+    memcpy_dtod:
+        unsafe extern "C" fn(cu::CUdeviceptr, cu::CUdeviceptr, usize, cu::CUstream) -> c_int,
     mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int,
     mem_free_host: unsafe extern "C" fn(*mut c_void) -> c_int,
 }
@@ -175,6 +191,7 @@ impl Device {
             device_get_uuid: resolve!(lib, "cuDeviceGetUuid_v2").map_err(missing)?,
             memcpy_dtoh: resolve!(lib, "cuMemcpyDtoHAsync_v2").map_err(missing)?,
             memcpy_htod: resolve!(lib, "cuMemcpyHtoDAsync_v2").map_err(missing)?,
+            memcpy_dtod: resolve!(lib, "cuMemcpyDtoDAsync_v2").map_err(missing)?,
             mem_host_alloc: resolve!(lib, "cuMemHostAlloc").map_err(missing)?,
             mem_free_host: resolve!(lib, "cuMemFreeHost").map_err(missing)?,
         };
@@ -306,6 +323,27 @@ impl Device {
             )
         };
         check_cu(&self.fns, rc, "cuMemcpyHtoDAsync")
+    }
+
+    /// Enqueues on `stream` a copy of `src` into `dst` (device memory both, `dst` at least as
+    /// long), ordered like the other work on `stream`.
+    pub fn copy_async(&self, src: &DeviceBuf, dst: &DeviceBuf, stream: Stream) -> Result<()> {
+        dst.fits(src.len(), "destination")?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.make_current()?;
+        // SAFETY: both are device memory of the checked lengths (DeviceBuf's contract), which
+        // nothing else touches until the work on `stream` completes; `stream` is live.
+        let rc = unsafe {
+            (self.fns.memcpy_dtod)(
+                dst.ptr as cu::CUdeviceptr,
+                src.ptr as cu::CUdeviceptr,
+                src.len(),
+                stream.driver(),
+            )
+        };
+        check_cu(&self.fns, rc, "cuMemcpyDtoDAsync")
     }
 
     /// `bytes` of page-locked host memory: copies between it and the device run at the

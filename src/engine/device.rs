@@ -132,8 +132,9 @@ impl DeviceState {
                 }
             }
         }
+        let me = rank_in(members, rank)?;
         comm.group_start()?;
-        let enqueued = enqueue(comm, members, resp.kind, entries, nccl_stream);
+        let enqueued = enqueue(comm, members, me, resp, entries, nccl_stream);
         // Closed even after a failed enqueue: NCCL's group state is per thread.
         let closed = comm.group_end();
         enqueued.and(closed)?;
@@ -345,8 +346,9 @@ unsafe impl Send for Staging {}
 impl Staging {
     /// Copies every tensor's input into the bounce buffer, each on its submitter's stream
     /// (after the work the submitter enqueued before the op), waits for the copies, and points
-    /// the entry's buffers there: input and result share the bytes, so the host collectives
-    /// run in place (a reducescatter's share lands in this rank's rows).
+    /// the entry's buffers there. Input and result share the bytes where the result is no
+    /// larger, so the host collectives run in place (a reducescatter's share lands in this
+    /// rank's rows); an allgather's or alltoall's result gets room of its own after the input.
     fn take(
         stager: &mut Stager,
         kind: OpKind,
@@ -355,11 +357,20 @@ impl Staging {
         entries: &mut [Option<Entry>],
         timeout: Duration,
     ) -> Result<Staging> {
+        let apart = matches!(kind, OpKind::Allgather | OpKind::Alltoall);
+        let room = |t: &super::TensorSpec| {
+            t.input.len()
+                + if apart {
+                    t.output.as_ref().map_or(0, TensorBuf::len)
+                } else {
+                    0
+                }
+        };
         let total: usize = entries
             .iter()
             .flatten()
             .flat_map(|e| e.spec.tensors.iter())
-            .map(|t| t.input.len())
+            .map(room)
             .sum();
         if stager.bounce.as_ref().map_or(true, |b| b.len() < total) {
             stager.bounce = None; // the old one is freed before the larger one is taken
@@ -385,12 +396,16 @@ impl Staging {
                     ))
                 })?;
                 let len = input.len();
-                let region = &mut bounce[at..at + len];
+                let step = room(t);
+                let region = &mut bounce[at..at + step];
                 // SAFETY: the submitter named this live stream of the tensor's device
                 // (TensorBuf::device's contract).
                 let stream = unsafe { Stream::from_raw(s) };
-                stager.device.read_async(&input, region, stream)?;
+                stager
+                    .device
+                    .read_async(&input, &mut region[..len], stream)?;
                 let share = match kind {
+                    _ if apart => len,
                     OpKind::Reducescatter => {
                         let rows = t.meta.shape.first().copied().unwrap_or(1).max(1);
                         let row_bytes = len / rows;
@@ -403,6 +418,7 @@ impl Staging {
                 // `take`, after this op completed) and only the engine touches it meanwhile.
                 unsafe {
                     t.input = TensorBuf::borrowed(region.as_mut_ptr(), len);
+                    // `share + output.len()` is at most `step` (the region's length).
                     t.output = Some(TensorBuf::borrowed(
                         region.as_mut_ptr().add(share),
                         output.len(),
@@ -412,7 +428,7 @@ impl Staging {
                 if !streams.contains(&s) {
                     streams.push(s);
                 }
-                at += len;
+                at += step;
             }
         }
         for s in streams {
@@ -463,22 +479,22 @@ fn uuid_text(u: &[u8]) -> String {
     )
 }
 
-/// Enqueues one call per tensor of the response on `stream` (inside the caller's group).
+/// Enqueues one call per tensor of the response on `stream` (inside the caller's group);
+/// `me` is this rank's position in `members`.
 fn enqueue(
     comm: &mut DeviceComm,
     members: &[usize],
-    kind: OpKind,
+    me: usize,
+    resp: &Response,
     entries: &[Option<Entry>],
     stream: Stream,
 ) -> Result<()> {
-    for e in entries.iter().flatten() {
+    let kind = resp.kind;
+    for (item, e) in resp.items.iter().zip(entries) {
+        let Some(e) = e else { continue };
         let req = &e.request;
-        for t in &e.spec.tensors {
+        for (i, t) in e.spec.tensors.iter().enumerate() {
             let count = t.meta.numel();
-            if count == 0 {
-                // Every member has the same shape (validated), so every member skips it.
-                continue;
-            }
             let input = device_buf(&t.input);
             let output = t.output.as_ref().map(device_buf).ok_or_else(|| {
                 Error::InvalidArgument(format!(
@@ -488,6 +504,40 @@ fn enqueue(
                 ))
             })?;
             let dtype = t.meta.dtype;
+            let row_elems = t.meta.row_elems();
+            match kind {
+                // Ranks contribute different numbers of rows: each decides from the
+                // negotiated counts, the same everywhere.
+                OpKind::Allgather => {
+                    let dims = item.first_dims.get(i).ok_or_else(|| {
+                        Error::Io(format!(
+                            "internal error: no first dimensions for tensor {i} of '{}'",
+                            req.name
+                        ))
+                    })?;
+                    gather(comm, &input, &output, dims, row_elems, dtype, stream)?;
+                    continue;
+                }
+                OpKind::Alltoall => {
+                    let n = members.len();
+                    let m = &item.split_matrix;
+                    if m.len() != n * n {
+                        return Err(Error::Io(format!(
+                            "internal error: a {}-entry split matrix for {n} ranks",
+                            m.len()
+                        )));
+                    }
+                    let send: Vec<usize> = (0..n).map(|j| m[me * n + j] * row_elems).collect();
+                    let recv: Vec<usize> = (0..n).map(|j| m[j * n + me] * row_elems).collect();
+                    comm.alltoall(&input, &send, &output, &recv, dtype, stream)?;
+                    continue;
+                }
+                _ if count == 0 => {
+                    // Every member has the same shape (validated), so every member skips it.
+                    continue;
+                }
+                _ => {}
+            }
             match kind {
                 OpKind::Allreduce => comm.allreduce(
                     &input,
@@ -523,6 +573,45 @@ fn enqueue(
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Every rank's rows (`dims[r]` of `row_elems` elements) into `output`, in rank order: one
+/// `ncclAllGather` when every rank has as many rows, else one broadcast per rank that has
+/// any (in the caller's group, so they run together).
+fn gather(
+    comm: &mut DeviceComm,
+    input: &DeviceBuf,
+    output: &DeviceBuf,
+    dims: &[usize],
+    row_elems: usize,
+    dtype: crate::types::DType,
+    stream: Stream,
+) -> Result<()> {
+    let row_bytes = row_elems * dtype.size();
+    let total: usize = dims.iter().sum::<usize>() * row_bytes;
+    if output.len() != total {
+        return Err(Error::InvalidArgument(format!(
+            "the allgather's output holds {} bytes, the {} ranks' rows {total}",
+            output.len(),
+            dims.len()
+        )));
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    if dims.iter().all(|&d| d == dims[0]) {
+        return comm.allgather(input, output, dims[0] * row_elems, dtype, stream);
+    }
+    let mut at = 0;
+    for (root, &rows) in dims.iter().enumerate() {
+        let bytes = rows * row_bytes;
+        if bytes > 0 {
+            let place = output.slice(at, bytes)?;
+            comm.broadcast(input, &place, rows * row_elems, dtype, root, stream)?;
+        }
+        at += bytes;
     }
     Ok(())
 }
@@ -607,16 +696,20 @@ pub(super) fn op_device(spec: &OpSpec, n: usize) -> Result<DeviceKind> {
         )
         .map_err(|e| Error::InvalidArgument(format!("{} on CUDA: {e}", what())))?;
         let want = match spec.kind {
-            OpKind::Reducescatter => t.input.len() / n.max(1),
-            _ => t.input.len(),
+            OpKind::Reducescatter => Some(t.input.len() / n.max(1)),
+            // Sized from every rank's first dimension or splits: checked at execution,
+            // against the negotiated ones.
+            OpKind::Allgather | OpKind::Alltoall => None,
+            _ => Some(t.input.len()),
         };
         match &t.output {
-            Some(out) if out.len() == want => {}
+            Some(out) if want.map_or(true, |w| out.len() == w) => {}
             Some(out) => {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: the output holds {} bytes, the result {want}",
+                    "{}: the output holds {} bytes, the result {}",
                     what(),
-                    out.len()
+                    out.len(),
+                    want.unwrap_or_default()
                 )))
             }
             None => {

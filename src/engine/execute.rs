@@ -187,6 +187,8 @@ fn device_activity(kind: OpKind) -> &'static str {
         OpKind::Allreduce => "NCCL_ALLREDUCE",
         OpKind::Broadcast => "NCCL_BCAST",
         OpKind::Reducescatter => "NCCL_REDUCESCATTER",
+        OpKind::Allgather => "NCCL_ALLGATHER",
+        OpKind::Alltoall => "NCCL_ALLTOALL",
         _ => "NCCL",
     }
 }
@@ -523,18 +525,44 @@ fn alltoall(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Resu
     let send: Vec<usize> = (0..n).map(|j| m[me * n + j] * row_bytes).collect();
     let recv_rows: Vec<usize> = (0..n).map(|j| m[j * n + me]).collect();
     let recv: Vec<usize> = recv_rows.iter().map(|r| r * row_bytes).collect();
-    let mut result = TensorBuf::engine(recv.iter().sum())?;
-    collective::alltoallv(
-        comm,
-        spec.input.as_slice(),
-        &send,
-        result.as_mut_slice(),
-        &recv,
-    )?;
     let mut shape = meta.shape.clone();
     shape[0] = recv_rows.iter().sum();
+    let spec = &mut entry.spec.tensors[0];
+    let tensors = match spec.output.as_mut() {
+        // The caller's memory for the result (a staged CUDA tensor's bounce room).
+        Some(result) => {
+            check_output_len(
+                &entry.request.name,
+                "alltoall",
+                result.len(),
+                recv.iter().sum(),
+            )?;
+            if result.overlaps(&spec.input) {
+                return Err(misplaced(&entry.request.name, "alltoall"));
+            }
+            collective::alltoallv(
+                comm,
+                spec.input.as_slice(),
+                &send,
+                result.as_mut_slice(),
+                &recv,
+            )?;
+            Vec::new()
+        }
+        None => {
+            let mut result = TensorBuf::engine(recv.iter().sum())?;
+            collective::alltoallv(
+                comm,
+                spec.input.as_slice(),
+                &send,
+                result.as_mut_slice(),
+                &recv,
+            )?;
+            vec![(result, shape)]
+        }
+    };
     Ok(Output {
-        tensors: vec![(result, shape)],
+        tensors,
         received_splits: recv_rows,
         last_joined: None,
     })

@@ -271,10 +271,10 @@ fn enqueue(
                 Some((ordinal, stream)) => {
                     // An unknown set is refused by the engine, with its own message.
                     let n = e.process_set(set_id).map_or(1, |m| m.len());
-                    let out = if kind == OpKind::Reducescatter {
-                        t.1 / n
-                    } else {
-                        t.1
+                    let out = match &out_bytes {
+                        Some(o) => o[i],
+                        None if kind == OpKind::Reducescatter => t.1 / n,
+                        None => t.1,
                     };
                     tensor::device_spec_from_py(t, ordinal, stream, out)
                 }

@@ -139,12 +139,16 @@ def _cuda_target(tensors: Sequence[torch.Tensor], kind: int, what: str, op: int 
     if not usable:
         _warn_staging(dev, f"the NCCL path cannot be used: {why}")
         return None
-    if any(t.numel() == 0 for t in tensors):
+    sized = kind in (_core.ALLGATHER, _core.ALLTOALL)
+    # An allgather's or alltoall's rows differ between ranks, so they cannot decide on them;
+    # a 0-d tensor is refused after the sizes are exchanged (see _device_sizes).
+    if not sized and any(t.numel() == 0 for t in tensors):
         return None
     n = _set_size(process_set)
     for t in tensors:
+        shape = list(t.shape) if t.dim() or not sized else [1]
         reason = _core.device_op_check(int(kind), _code(t, what), int(op), float(prescale),
-                                       float(postscale), n, list(t.shape))
+                                       float(postscale), n, shape)
         if reason is not None:
             _warn_staging(dev, reason)
             return None
@@ -163,6 +167,54 @@ def _ddesc(h: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Tuple[int
     """A device tensor's description (never empty: empty ones are staged)."""
     return (int(h.data_ptr()), h.numel() * h.element_size(), _code(h, what), list(h.shape),
             0 if out is None else int(out.data_ptr()))
+
+
+_DEVICE_EMPTY: dict = {}
+
+
+def _dev_addr(t: torch.Tensor) -> int:
+    """``t``'s device address; for an empty tensor (whose address may be 0) that of a
+    placeholder on its device, which the engine never reads or writes."""
+    if t.numel():
+        return int(t.data_ptr())
+    e = _DEVICE_EMPTY.get(t.device)
+    if e is None:
+        e = _DEVICE_EMPTY[t.device] = torch.empty(1, dtype=torch.uint8, device=t.device)
+    return int(e.data_ptr())
+
+
+def _device_sizes(kind: int, mine: List[int], name: str,
+                  process_set: ProcessSet) -> Optional[np.ndarray]:
+    """The sizes a CUDA allgather's or alltoall's outputs are allocated with, exchanged on the
+    host before the op (the engine allocates no device memory): every rank's first dimensions
+    (``ALLGATHER``, a ``(ranks, tensors)`` array) or the rows each rank sends this one
+    (``ALLTOALL``). ``None`` when a rank marked its arguments refused (-1): then every rank
+    takes the host path, where the refusal is negotiated and raised on every rank."""
+    sizes = np.asarray(mine, dtype=np.int64)
+    if kind == _core.ALLGATHER:
+        got = _api.allgather(sizes, f"{name}.sizes", process_set).reshape(-1, len(mine))
+    else:
+        got, _ = _api.alltoall(sizes, [1] * len(mine), f"{name}.sizes", process_set)
+    if (got < 0).any() or min(mine, default=0) < 0:
+        return None
+    return got
+
+
+def _device_out(h: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty((int(rows), *h.shape[1:]), dtype=h.dtype, device=h.device)
+
+
+def _device_sized(kind: int, name: str, kind_name: str, process_set: ProcessSet,
+                  tensors: Sequence[torch.Tensor], hs: Sequence[torch.Tensor],
+                  outs: Sequence[torch.Tensor], finish: Callable[[Any], Any],
+                  target: Tuple[int, int], splits: Sequence[int] = ()) -> Handle:
+    """Submits an allgather or alltoall of CUDA tensors into outputs sized beforehand."""
+    descs = [(_dev_addr(h), h.numel() * h.element_size(), _code(h, kind_name), list(h.shape),
+              _dev_addr(o)) for h, o in zip(hs, outs)]
+    return _api._enqueue_raw(kind, name, kind_name, process_set, descs, finish,
+                             [list(tensors), list(hs), list(outs)], splits=splits,
+                             device=target,
+                             out_bytes=[o.numel() * o.element_size() for o in outs])
 
 
 def _addr(t: torch.Tensor) -> int:
@@ -397,7 +449,16 @@ def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
     try:
         for t in tensors:
             _check_tensor(t, kind_name)
-        _cuda_target(tensors, _core.ALLGATHER, kind_name, process_set=process_set)  # says why not
+        target = _cuda_target(tensors, _core.ALLGATHER, kind_name, process_set=process_set)
+        if target is not None:
+            refused = any(t.dim() == 0 for t in tensors)
+            mine = [-1 if refused else int(t.shape[0]) for t in tensors]
+            dims = _device_sizes(_core.ALLGATHER, mine, name, process_set)
+            if dims is not None:
+                hs = [_on_device(t)[0] for t in tensors]
+                outs = [_device_out(h, dims[:, i].sum()) for i, h in enumerate(hs)]
+                return _device_sized(_core.ALLGATHER, name, kind_name, process_set, tensors,
+                                     hs, outs, lambda _: list(outs), target)
         hosts = [_host(t, kind_name)[0] for t in tensors]
         for h in hosts:
             if h.dim() == 0:
@@ -484,21 +545,20 @@ def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
     name = _api._auto_name("alltoall", name)
     try:
         _check_tensor(tensor, "alltoall")
-        _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)  # says why not
+        target = _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)
+        try:
+            split_list = _alltoall_splits(tensor, splits)
+            bad: Optional[_api._BadArgument] = None
+        except _api._BadArgument as e:
+            split_list, bad = [], e
+        if target is not None:
+            h = _device_alltoall(tensor, split_list, bad is not None, name, process_set,
+                                 want_splits, target)
+            if h is not None:
+                return h
+        if bad is not None:
+            raise bad
         h, _ = _host(tensor, "alltoall")
-        if h.dim() == 0:
-            raise _api._BadArgument("alltoall: a 0-d (scalar) tensor has no first dimension")
-        split_list: List[int] = []
-        if splits is not None:
-            raw = (splits.detach().cpu().numpy() if isinstance(splits, torch.Tensor)
-                   else np.asarray(splits)).reshape(-1)
-            # Horovod wants integer splits; a float tensor (perhaps uninitialised: NaN) is
-            # refused on every rank rather than rounded.
-            if raw.dtype.kind not in "iu":
-                raise _api._BadArgument(f"alltoall: splits must be integers, got {raw.dtype}")
-            split_list = [int(s) for s in raw.tolist()]
-            if any(s < 0 for s in split_list):
-                raise _api._BadArgument(f"alltoall: splits must be non-negative, got {split_list}")
 
         def finish(result: Any) -> Any:
             outs, received, _ = result
@@ -512,6 +572,51 @@ def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
                                  splits=split_list, now=now)
     except _api._BadArgument as e:
         return _refused(_core.ALLTOALL, name, process_set, e, now)
+
+
+def _alltoall_splits(tensor: torch.Tensor, splits: Any) -> List[int]:
+    """The splits as a list of ints (empty: equal split), or ``_BadArgument`` saying why not."""
+    if tensor.dim() == 0:
+        raise _api._BadArgument("alltoall: a 0-d (scalar) tensor has no first dimension")
+    if splits is None:
+        return []
+    raw = (splits.detach().cpu().numpy() if isinstance(splits, torch.Tensor)
+           else np.asarray(splits)).reshape(-1)
+    # Horovod wants integer splits; a float tensor (perhaps uninitialised: NaN) is refused on
+    # every rank rather than rounded.
+    if raw.dtype.kind not in "iu":
+        raise _api._BadArgument(f"alltoall: splits must be integers, got {raw.dtype}")
+    split_list = [int(s) for s in raw.tolist()]
+    if any(s < 0 for s in split_list):
+        raise _api._BadArgument(f"alltoall: splits must be non-negative, got {split_list}")
+    return split_list
+
+
+def _device_alltoall(tensor: torch.Tensor, split_list: List[int], refused: bool, name: str,
+                     process_set: ProcessSet, want_splits: bool,
+                     target: Tuple[int, int]) -> Optional[Handle]:
+    """An alltoall of a CUDA tensor on the NCCL path, its output sized by the rows every rank
+    sends this one (exchanged first); ``None`` when a rank's arguments are refused or its
+    splits do not fit its rows (the host path then says so on every rank)."""
+    n = _set_size(process_set)
+    rows = int(tensor.shape[0]) if tensor.dim() else 0
+    sends = split_list or ([rows // n] * n if rows % n == 0 else [])
+    if refused or len(sends) != n or sum(sends) != rows:
+        sends = []
+    got = _device_sizes(_core.ALLTOALL, sends or [-1] * n, name, process_set)
+    if got is None:
+        return None
+    received = [int(r) for r in got.tolist()]
+    h = _on_device(tensor)[0]
+    out = _device_out(h, sum(received))
+
+    def finish(_: Any) -> Any:
+        if want_splits:
+            return out, torch.tensor(received, dtype=torch.int32)
+        return out
+
+    return _device_sized(_core.ALLTOALL, name, "alltoall", process_set, [tensor], [h], [out],
+                         finish, target, splits=sends)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,

@@ -56,10 +56,10 @@ pub fn nccl_reduce_dtype(dtype: DType) -> Result<u32> {
 /// Whether the device path can run this op on CUDA tensors as they are (`Ok`), or why not
 /// (`InvalidArgument`): allreduce and reducescatter where NCCL can do the reduction and its
 /// scaling (see the module doc) — reducescatter only when the first dimension splits evenly
-/// over the `size` ranks — and broadcast. Allgather and alltoall need outputs sized by the
-/// negotiation, which the caller allocates before it: they are staged through host memory.
-/// Every argument is the same on every rank once the negotiation has validated the op, so
-/// every rank decides alike.
+/// over the `size` ranks —, broadcast, and allgather and alltoall of tensors with a first
+/// dimension (their outputs are sized from the other ranks' first dimensions and splits,
+/// which the caller learns before it allocates them). Every argument is the same on every
+/// rank once the negotiation has validated the op, so every rank decides alike.
 pub fn check_device_op(
     kind: OpKind,
     dtype: DType,
@@ -71,6 +71,17 @@ pub fn check_device_op(
 ) -> Result<()> {
     match kind {
         OpKind::Broadcast => Ok(()),
+        OpKind::Allgather | OpKind::Alltoall if shape.is_empty() => {
+            Err(Error::InvalidArgument(format!(
+                "a 0-d tensor has no first dimension to {}",
+                if kind == OpKind::Allgather {
+                    "gather"
+                } else {
+                    "split"
+                }
+            )))
+        }
+        OpKind::Allgather | OpKind::Alltoall => Ok(()),
         OpKind::Allreduce => {
             plan_reduction(dtype, op, prescale, postscale, size.max(1)).map(|_| ())
         }
@@ -89,7 +100,8 @@ pub fn check_device_op(
             plan_reduction(dtype, op, prescale, postscale, size).map(|_| ())
         }
         other => Err(Error::InvalidArgument(format!(
-            "the NCCL path runs allreduce, broadcast and reducescatter, not {}",
+            "the NCCL path runs allreduce, allgather, broadcast, alltoall and reducescatter, \
+             not {}",
             other.name()
         ))),
     }
@@ -505,7 +517,17 @@ impl DeviceComm {
         for peer in 0..self.size {
             let (sb, rb) = (send_counts[peer] * es, recv_counts[peer] * es);
             let comm = self.live()?;
-            if sb > 0 {
+            if peer == self.rank {
+                // A copy on the stream: NCCL's send to self costs a proxy round trip.
+                if sb != rb {
+                    return Err(Error::InvalidArgument(format!(
+                        "alltoall: rank {peer} sends itself {sb} bytes but expects {rb}"
+                    )));
+                }
+                let src = send.slice(s_off, sb)?;
+                self.device
+                    .copy_async(&src, &recv.slice(r_off, rb)?, stream)?;
+            } else if sb > 0 {
                 // SAFETY: the block lies inside `send` (the sum was checked); see allreduce.
                 let rc = unsafe {
                     fsend(
@@ -519,7 +541,7 @@ impl DeviceComm {
                 };
                 self.settle(rc, "ncclSend")?;
             }
-            if rb > 0 {
+            if rb > 0 && peer != self.rank {
                 // SAFETY: the block lies inside `recv` (the sum was checked); see allreduce.
                 let rc = unsafe {
                     frecv(

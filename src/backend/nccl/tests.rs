@@ -144,8 +144,10 @@ fn the_device_path_takes_what_nccl_can_run_as_it_is() {
         check_device_op(kind, dtype, op, pre, 1.0, 4, shape).map_err(|e| e.to_string())
     };
     assert!(ok(OpKind::Allreduce, DType::F16, ReduceOp::Average, 0.5, &[3]).is_ok());
-    // Broadcast moves bytes: any dtype.
+    // Broadcast, allgather and alltoall move bytes: any dtype, any first dimension.
     assert!(ok(OpKind::Broadcast, DType::Bool, ReduceOp::Sum, 1.0, &[3]).is_ok());
+    assert!(ok(OpKind::Allgather, DType::Bool, ReduceOp::Sum, 1.0, &[3, 2]).is_ok());
+    assert!(ok(OpKind::Alltoall, DType::I16, ReduceOp::Sum, 1.0, &[0]).is_ok());
     assert!(ok(
         OpKind::Reducescatter,
         DType::F32,
@@ -163,8 +165,8 @@ fn the_device_path_takes_what_nccl_can_run_as_it_is() {
         ),
         (OpKind::Reducescatter, DType::F32, &[][..], "0-d"),
         (OpKind::Allreduce, DType::Bool, &[4][..], "bool"),
-        (OpKind::Allgather, DType::F32, &[4][..], "not ALLGATHER"),
-        (OpKind::Alltoall, DType::F32, &[4][..], "not ALLTOALL"),
+        (OpKind::Allgather, DType::F32, &[][..], "0-d"),
+        (OpKind::Alltoall, DType::F32, &[][..], "0-d"),
         (OpKind::Barrier, DType::F32, &[][..], "not BARRIER"),
     ];
     for (kind, dtype, shape, needle) in refused {

@@ -6,10 +6,12 @@ Every rank uses GPU ``local_rank % device_count`` (on a one-GPU machine all rank
 
 MODE ``ops``:
 - which path CUDA tensors take (``PATH usable=… why=…``), and, where the NCCL path is usable and
-  asked for, that allreduce, broadcast and reducescatter take it (no staging warning) while
+  asked for, that every op takes it (no staging warning) while
   ranks sharing one GPU are told so once and staged;
-- allreduce (every op, pre/post scale), grouped allreduce, allgather (ragged rows), broadcast,
-  alltoall (splits) and reducescatter on the global set and on every one-rank process set
+- allreduce (every op, pre/post scale), grouped allreduce, allgather (ragged rows, a rank with
+  none, grouped), broadcast, alltoall (splits, equal split) and reducescatter on the global set
+  and on every one-rank process set; a 0-d allgather and splits that exceed the rows refused on
+  every rank
   (one-rank sets get NCCL communicators of their own even where ranks share a GPU);
 - a DistributedOptimizer step on a CUDA model equal to one process training on the
   concatenated batch;
@@ -38,7 +40,7 @@ import torch  # noqa: E402
 import fvtest as T  # noqa: E402
 
 import ferrovod.torch as hvd  # noqa: E402
-from ferrovod.exceptions import HorovodInternalError  # noqa: E402
+from ferrovod.exceptions import FerrovodError, HorovodInternalError  # noqa: E402
 from ferrovod.torch import ops  # noqa: E402
 
 TORCH_DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
@@ -151,6 +153,16 @@ def collectives(run, ps, label):
         got = hvd.allgather(run.on_dev(rows[me], dt), process_set=ps)
         ck.true(got.device == dev and close(got, torch.cat(rows), dt),
                 f"{label} allgather {dt}", f"wrong values on {got.device}")
+        # member j sends j rows (member 0 none), two tensors gathered as one unit
+        k = run.key(label, str(dt), "grouped_allgather")
+        a = [inputs(k + (j,), 1, dt, (j, 2, 3))[0] for j in range(n)]
+        b = [inputs(k + (j, "b"), 1, dt, (2,))[0] for j in range(n)]
+        ga, gb = hvd.grouped_allgather([run.on_dev(a[me], dt), run.on_dev(b[me], dt)],
+                                       process_set=ps)
+        ck.true(ga.device == dev and close(ga, torch.cat(a), dt),
+                f"{label} grouped_allgather {dt} (rank 0 sends no rows)", "wrong values")
+        ck.true(close(gb, torch.cat(b), dt), f"{label} grouped_allgather {dt} #2",
+                "wrong values")
         # broadcast from every root
         for root in members:
             k = run.key(label, str(dt), "broadcast", root)
@@ -171,6 +183,13 @@ def collectives(run, ps, label):
         got, received = hvd.alltoall(run.on_dev(xs[me], dt), splits=sp[me], process_set=ps)
         ck.true(close(got, want, dt), f"{label} alltoall {dt}", "wrong values")
         ck.equal(received.tolist(), [sp[i][me] for i in range(n)], f"{label} alltoall received")
+        # no splits: an equal share of 2 rows to every member
+        k = run.key(label, str(dt), "alltoall_equal")
+        xs = [inputs(k + (i,), 1, dt, (2 * n, 5))[0] for i in range(n)]
+        got = hvd.alltoall(run.on_dev(xs[me], dt), process_set=ps)
+        ck.true(got.device == dev and close(got, torch.cat([x[2 * me:2 * me + 2] for x in xs]),
+                                            dt), f"{label} alltoall {dt} equal split",
+                "wrong values")
         # reducescatter, rows that divide and rows that do not
         if dt in (torch.uint8, torch.int8):
             continue
@@ -268,9 +287,18 @@ def ops_mode():
             print(f"section {label}: {ck.count - before} checks in "
                   f"{time.monotonic() - t0:.1f} s", flush=True)
         hvd.barrier()
+    # Refused arguments on the device path fail on every rank, and the ops after them run.
+    ck.raises(FerrovodError, lambda: hvd.allgather(torch.tensor(1.0, device=run.dev)),
+              "allgather of a 0-d CUDA tensor", contains=("0-d",))
+    ck.raises(FerrovodError,
+              lambda: hvd.alltoall(torch.ones(3, device=run.dev), splits=[4] * run.n),
+              "alltoall whose splits exceed the rows", contains=("split",))
     optimizer_step(run)
     stream_ordering(run)
     print(f"STAGING_WARNINGS {sorted(ops._staging_warned)}", flush=True)
+    if os.environ.get("GPU_EXPECT_NCCL") == "1":
+        staged_kinds = [w for w in ops._staging_warned if "ALLGATHER" in w or "ALLTOALL" in w]
+        ck.equal(staged_kinds, [], "allgather and alltoall took the NCCL path")
     hvd.shutdown()
     return ck.count
 

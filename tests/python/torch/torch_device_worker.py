@@ -67,9 +67,14 @@ def main():
     ck.equal(ops._device_path(), (False, why), "the torch adapter's answer")
     ck.true(_core.device_op_check(_core.ALLREDUCE, _core.DTYPE_FLOAT32, hvd.Sum, 1.0, 1.0, n,
                                   [4]) is None, "an f32 allreduce suits NCCL")
-    ck.true("not ALLGATHER" in (_core.device_op_check(_core.ALLGATHER, _core.DTYPE_FLOAT32,
-                                                      hvd.Sum, 1.0, 1.0, n, [4]) or ""),
-            "allgather is staged", "not refused")
+    ck.true(_core.device_op_check(_core.ALLGATHER, _core.DTYPE_FLOAT32, hvd.Sum, 1.0, 1.0, n,
+                                  [4]) is None, "an allgather suits NCCL")
+    ck.true("0-d" in (_core.device_op_check(_core.ALLTOALL, _core.DTYPE_FLOAT32,
+                                            hvd.Sum, 1.0, 1.0, n, []) or ""),
+            "a 0-d alltoall is staged", "not refused")
+    ck.true("not BARRIER" in (_core.device_op_check(_core.BARRIER, _core.DTYPE_FLOAT32,
+                                                    hvd.Sum, 1.0, 1.0, n, []) or ""),
+            "a barrier is not a device op", "not refused")
 
     a = np.arange(8, dtype=np.float32)
     start = time.monotonic()
