@@ -61,6 +61,10 @@ use super::OpSpec;
 const PURE_SPIN: Duration = Duration::from_micros(20);
 /// How long one sleep on a peer's bell lasts before the liveness and shutdown checks.
 const SLEEP_SLICE: Duration = Duration::from_millis(20);
+/// How long a wait on a peer that closed its board (its engine failed or shut down) and then
+/// went gives this rank's engine to reach its own verdict: the peer is not the rank that
+/// failed, only one that learned of it first, and blaming it would name the wrong rank.
+const CLOSED_PEER_GRACE: Duration = Duration::from_secs(1);
 
 /// What became of an op offered to the fast path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -546,12 +550,20 @@ impl FastPath {
             }
         }
         let mut warned = false;
+        let mut closed_gone: Option<Instant> = None;
         loop {
             let gone = b.sleep(|| ready(b), SLEEP_SLICE);
             if ready(b) {
                 return Ok(());
             }
-            if gone {
+            // A peer that closed before it went: the engine's verdict (below) is awaited,
+            // briefly.
+            let excused = gone
+                && b.theirs(BoardWord::Posted).load(Ordering::Acquire) == u64::MAX
+                && closed_gone.get_or_insert_with(Instant::now).elapsed() < CLOSED_PEER_GRACE;
+            if excused {
+                std::thread::sleep(Duration::from_millis(1));
+            } else if gone {
                 return Err(Error::PeerLost {
                     rank: b.peer(),
                     detail: format!(
