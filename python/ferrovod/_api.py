@@ -60,13 +60,18 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     """Starts ferrovod: rendezvous with the other ranks and start the background engine.
 
     ``process_sets`` is a list of :class:`ProcessSet` registered at start-up (ids 1, 2, ...
-    in order), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` may be an
-    mpi4py communicator with as many ranks as ``MPI.COMM_WORLD`` (Horovod's signature): under
-    ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks then find each other over it.
-    Other communicators (and lists of ranks) are not supported.
+    in order; sets given as mpi4py communicators after the rank lists, see
+    :class:`ProcessSet`), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` may
+    be an mpi4py communicator with as many ranks as ``MPI.COMM_WORLD`` (Horovod's signature):
+    under ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks then find each other over
+    it; or, as in Horovod, the list of ranks the job runs on, which must be every rank in order
+    (a job spans every launched process: collectives among some ranks take a process set).
     Calling ``init()`` again while running is a no-op; after :func:`shutdown` it starts a new
     engine.
     """
+    if isinstance(comm, (list, tuple)):
+        _check_rank_list(comm)
+        comm = None
     if comm is not None and not _rendezvous.is_world_comm(comm):
         raise ValueError("init(comm=...) accepts only an mpi4py communicator spanning every rank "
                          "(as many as MPI.COMM_WORLD): ferrovod does not run on MPI sub-communicators")
@@ -75,10 +80,12 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     for ps in static:
         if not isinstance(ps, ProcessSet):
             raise ValueError(f"process_sets must hold ProcessSet objects, got {ps!r}")
-    if len(set(tuple(p.ranks) for p in static)) != len(static):
+    if len(set(tuple(p.ranks) for p in static if p.mpi_comm is None)) != \
+            len([p for p in static if p.mpi_comm is None]):
         raise ValueError("process_sets contains duplicates")
     if _core.is_initialized():
         return
+    static = _ps._with_communicator_sets(static)
     # An elastic worker first takes its place in the launcher's newest membership.
     generation = _elastic.join_next() if _elastic.enabled() else None
     level, hide_time, my_rank = _core.log_settings()
@@ -97,6 +104,23 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     _name_counters.clear()
     _ps._on_init(static)
     _share_cores(info["launcher"])
+
+
+def _check_rank_list(ranks: Sequence[Any]) -> None:
+    """``init(comm=[ranks])``: every launched rank, in order, or a ValueError saying why not."""
+    size = int(_core.launch_info()["size"])
+    try:
+        given = [int(r) for r in ranks]
+    except (TypeError, ValueError):
+        raise ValueError(f"init(comm=...) takes a list of ranks, got {list(ranks)!r}") from None
+    if given == list(range(size)):
+        return
+    if sorted(given) == list(range(size)):
+        raise ValueError(f"init(comm={given}): ferrovod keeps the launcher's rank order; pass "
+                         f"the ranks in order (list(range({size})))")
+    raise ValueError(f"init(comm={given}): a ferrovod job spans every launched process "
+                     f"({size} here); for collectives among ranks {sorted(set(given))} use a "
+                     f"process set: init(process_sets=[ProcessSet({sorted(set(given))})])")
 
 
 # Launchers that already give each rank its share of the cores (ferrovodrun's worker_env;

@@ -2,24 +2,53 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+import sys
+from typing import Any, List, Optional, Sequence, Union
 
 from . import _core
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
-class ProcessSet:
-    """A sorted list of global ranks. ``process_set_id`` is None until registered."""
+def _comm_world_ranks(comm: Any) -> Optional[List[int]]:
+    """The ``MPI.COMM_WORLD`` ranks (ferrovod's ranks under mpirun) of an mpi4py communicator's
+    members; ``None`` when ``comm`` is not one."""
+    # An mpi4py communicator exists only once mpi4py is imported: look it up, never import it.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not isinstance(comm, mpi.Comm):
+        return None
+    if comm == mpi.COMM_NULL:
+        raise ValueError("ProcessSet(MPI.COMM_NULL): this process is in no group of the split; "
+                         "give it the communicator of the group it belongs to")
+    group, world = comm.Get_group(), mpi.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in
+                mpi.Group.Translate_ranks(group, list(range(group.Get_size())), world)]
+    finally:
+        group.Free()
+        world.Free()
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+
+class ProcessSet:
+    """A sorted list of global ranks. ``process_set_id`` is None until registered.
+
+    ``ranks`` may be an mpi4py communicator (Horovod's ``ProcessSet(mpi_comm)``): the set is its
+    members. Registered at ``init(process_sets=[...])``, every process's communicator counts, as
+    in Horovod: after ``MPI.COMM_WORLD.Split(color)`` each process passes its own group's
+    communicator, and every group becomes a process set (ids in the order of their ranks).
+    """
+
+    def __init__(self, ranks: Union[Sequence[int], Any]) -> None:
         if isinstance(ranks, ProcessSet):
             ranks = ranks.ranks
-        self.ranks: List[int] = sorted(int(r) for r in ranks)
+        members = _comm_world_ranks(ranks)
+        self.mpi_comm = None if members is None else ranks
+        if members is None:
+            members = [int(r) for r in ranks]
+        self.ranks: List[int] = sorted(members)
         if len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"process set ranks contain duplicates: {list(ranks)}")
+            raise ValueError(f"process set ranks contain duplicates: {members}")
         self.process_set_id: Optional[int] = None
-        self.mpi_comm = None
 
     def _registered(self) -> bool:
         return self.process_set_id is not None and _core.is_initialized()
@@ -58,6 +87,36 @@ global_process_set.process_set_id = 0
 _registered: List[ProcessSet] = []
 
 
+def _with_communicator_sets(static_sets: Sequence[ProcessSet]) -> List[ProcessSet]:
+    """The sets ``init`` registers: the rank lists as given (the same on every rank), then every
+    set some process described by its communicator, gathered over MPI and sorted, so that every
+    rank registers them alike (a communicator set of this process is the object it gave)."""
+    _aliases.clear()
+    if all(p.mpi_comm is None for p in static_sets):
+        return list(static_sets)
+    mpi = sys.modules["mpi4py.MPI"]  # imported: a communicator was given
+    listed = [p for p in static_sets if p.mpi_comm is None]
+    mine = [tuple(p.ranks) for p in static_sets if p.mpi_comm is not None]
+    union = sorted({s for theirs in mpi.COMM_WORLD.allgather(mine) for s in theirs})
+    out = list(listed)
+    for ranks in union:
+        own = [p for p in static_sets if p.mpi_comm is not None and tuple(p.ranks) == ranks]
+        same = [p for p in listed if tuple(p.ranks) == ranks]
+        if same:
+            for p in own:  # the listed set's id is theirs too
+                p.process_set_id = None
+                _aliases.append((p, same[0]))
+            continue
+        out.append(own[0] if own else ProcessSet(list(ranks)))
+        for p in own[1:]:
+            _aliases.append((p, own[0]))
+    return out
+
+
+# Objects that describe a registered set another object registered: (alias, registered).
+_aliases: List[tuple] = []
+
+
 def _on_init(static_sets: Sequence[ProcessSet]) -> None:
     global_process_set.ranks = list(range(_core.topology()[1]))
     global_process_set.process_set_id = 0
@@ -65,6 +124,9 @@ def _on_init(static_sets: Sequence[ProcessSet]) -> None:
     for i, ps in enumerate(static_sets, start=1):
         ps.process_set_id = i
         _registered.append(ps)
+    for alias, ps in _aliases:
+        alias.process_set_id = ps.process_set_id
+    _aliases.clear()
 
 
 def _on_shutdown() -> None:

@@ -104,6 +104,25 @@ def test_mpirun_with_a_world_communicator_and_ferrovod_iface_lo():
 
 
 @needs_mpi
+def test_rank_list_and_communicator_process_sets_as_in_horovod():
+    """init(comm=[0..n-1]) runs the job; ProcessSet(comm) of each process's half of a
+    COMM_WORLD split registers both halves; collectives in them are right."""
+    code, out, err = _mpirun(4, "mpi-sets", 4, 4, env=_env())
+    assert code == 0, out + err
+    _assert_ok(out, 4, checks=4)
+
+
+@needs_mpi
+def test_rank_list_naming_part_of_the_job_is_a_clear_error_on_every_rank():
+    code, out, err = _mpirun(3, "mpi-subset", 3, 3, env=_env())
+    assert code != 0, out + err
+    errs = _lines(out, "ERR")
+    assert sorted(errs) == ["0", "1", "2"], out + err
+    for ln in errs.values():
+        assert "spans every launched process (3 here)" in ln and "ProcessSet([0, 1])" in ln, ln
+
+
+@needs_mpi
 def test_mpirun_with_a_missing_interface_fails_on_every_rank():
     code, out, err = _mpirun(3, "error", 0, 0, env=_env(HOROVOD_GLOO_IFACE="nosuch0"))
     assert code != 0, out + err

@@ -2,7 +2,9 @@
 FERROVOD_RENDEZVOUS_ADDR: init() must find the job from the launcher alone.
 
 Usage: ``mpi_tfconfig_worker.py MODE SIZE LOCAL_SIZE``. MODE is ``mpi`` (``init()``),
-``mpi-comm`` (``init(comm=MPI.COMM_WORLD)``), ``tf`` (``init()`` under TF_CONFIG; the expected
+``mpi-comm`` (``init(comm=MPI.COMM_WORLD)``), ``mpi-sets`` (``init(comm=[ranks])`` and
+``ProcessSet(mpi_comm)``), ``mpi-subset`` (``init(comm=[0, 1])`` of a larger job must fail:
+print the error and exit 3), ``tf`` (``init()`` under TF_CONFIG; the expected
 rank is ``FVTEST_RANK``) or ``error`` (init() must fail: print the error and exit 3).
 Prints ``LISTEN rank=.. <ips>`` (the addresses this process listens on) and ``OK rank=.. checks=..``.
 """
@@ -54,6 +56,41 @@ if mode == "error":
             mpi.COMM_WORLD.Barrier()
         sys.exit(3)
     say(f"FAIL rank={label}: init() succeeded")
+    sys.exit(1)
+
+if mode == "mpi-sets":
+    # Horovod's init(comm=[ranks]) and ProcessSet(mpi_comm): each process gives the
+    # communicator of its half of a split; both halves become process sets.
+    from mpi4py import MPI
+
+    me, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    half = fv.ProcessSet(MPI.COMM_WORLD.Split(me % 2, me))
+    listed = fv.ProcessSet([0, n - 1])
+    members = [q for q in range(n) if q % 2 == me % 2]
+    assert half.ranks == members and half.mpi_comm is not None, (half.ranks, members)
+    fv.init(comm=list(range(n)), process_sets=[half, listed])
+    ids = {0: 2, 1: 3}  # the rank list first, then the communicators' sets in rank order
+    assert (listed.process_set_id, half.process_set_id) == (1, ids[me % 2]), \
+        (listed.process_set_id, half.process_set_id)
+    assert (half.size(), half.rank(), half.included()) == (len(members), me // 2, True)
+    for q, ps in ((0, half), (1, listed)):
+        if me in ps.ranks:
+            got = fv.allreduce(np.array([me + 1.0]), op=fv.Sum, name=f"set{q}", process_set=ps)
+            assert got[0] == sum(m + 1.0 for m in ps.ranks), (q, got, ps.ranks)
+    fv.shutdown()
+    say(f"OK rank={me} checks=4")
+    sys.exit(0)
+
+if mode == "mpi-subset":
+    try:
+        fv.init(comm=[0, 1])
+    except ValueError as e:
+        say(f"ERR rank={label} {e}")
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()  # every rank reports before any exits
+        sys.exit(3)
+    say(f"FAIL rank={label}: init(comm=[0, 1]) succeeded")
     sys.exit(1)
 
 if mode == "mpi-comm":
