@@ -32,7 +32,7 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _api
-from .._api import Average, Sum
+from .._api import Adasum, Average, Sum
 from ..process_sets import ProcessSet, global_process_set
 from . import _backend
 from .compression import Compression
@@ -275,15 +275,18 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
             ``register_local_var`` by the set size.
 
     Raises:
-        ValueError: Adasum or another unsupported op, a predivide factor without Average, a
+        ValueError: an unsupported op (Min, Max, Product), Adasum with
+            ``average_aggregated_gradients``, a predivide factor without Average, a
             bad ``backward_passes_per_step``, an optimizer that is already distributed; at the
             first update, when the step is being compiled with XLA (``jit_compile=True``).
     """
     import keras
 
-    if op not in (Average, Sum):
-        raise ValueError("DistributedOptimizer for Keras supports only op=Average and op=Sum "
-                         f"(got {op!r}; Adasum is not available in ferrovod's Keras adapter)")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError("DistributedOptimizer for Keras supports op=Average, op=Sum and "
+                         f"op=Adasum (got {op!r})")
+    if op == Adasum and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor is supported only with op=Average")
     if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:

@@ -132,11 +132,6 @@ def _resolve_op(op: Optional[int], average: Optional[bool]) -> int:
     return int(_api._resolve_op(op, average))
 
 
-def _reject_adasum(op: int) -> None:
-    if op == Adasum:
-        raise _ops.TFInvalidArgumentError("Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
-
-
 def _check_sparse(op: int, prescale_factor: float, postscale_factor: float) -> None:
     """Horovod's rules (and exception classes) for ``tf.IndexedSlices``."""
     if op == Adasum:
@@ -186,7 +181,6 @@ def allreduce(tensor: Any, average: Optional[bool] = None, device_dense: str = "
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse(rop, prescale_factor, postscale_factor)
         return _sparse_allreduce(tensor, rop, name, ignore_name_scope, process_set)
-    _reject_adasum(rop)
     t = _ops._to_tensor(tensor)
     compressed, ctx = compression.compress(t)
     out = _ops._allreduce(compressed, name=name, op=rop, prescale_factor=prescale_factor,
@@ -211,8 +205,6 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if len(dense) < len(tensors):
         _check_sparse(rop, prescale_factor, postscale_factor)
-    if dense:
-        _reject_adasum(rop)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             out[i] = _sparse_allreduce(t, rop, None if name is None else f"{name}.{i}",
@@ -327,9 +319,10 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> List[Any]:
         """The wrapped optimizer's ``compute_gradients`` (eager with a callable loss, or a
-        graph), then every gradient reduced across the set in one host op."""
+        graph), then every gradient reduced across the set in one host op (with ``Adasum``,
+        the local gradients: :meth:`apply_gradients` combines the steps)."""
         gradients = self._optimizer.compute_gradients(*args, **kwargs)
-        if not gradients:
+        if not gradients or self._fv["op"] == Adasum:
             return gradients
         grads, variables = zip(*gradients)
         reduced = reduce_gradients(list(grads), list(variables),
@@ -339,9 +332,23 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                         name: Optional[str] = None) -> Any:
-        """Calls the wrapped optimizer's ``apply_gradients``."""
-        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
-                                               name=name)
+        """Calls the wrapped optimizer's ``apply_gradients``. With ``op=Adasum`` (Horovod's
+        delta optimizer): the local step, then each variable's change combined across the set
+        by Adasum, and the variable set to its value before the step plus the combination."""
+        if self._fv["op"] != Adasum:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
+                                                   name=name)
+        pairs = list(grads_and_vars)
+        variables = [v for g, v in pairs if g is not None]
+        # A read is a snapshot: the update kernels copy a buffer that is still referenced.
+        starts = [v.read_value() for v in variables]
+        with tf.control_dependencies(starts):
+            step = self._optimizer.apply_gradients(pairs, global_step=global_step, name=name)
+        with tf.control_dependencies([] if step is None else [step]):
+            deltas = [v.read_value() - s for v, s in zip(variables, starts)]
+        combined = grouped_allreduce(deltas, op=Adasum, compression=self._fv["compression"],
+                                     process_set=self.process_set, name=f"{self._name}.delta")
+        return tf.group(*[v.assign(s + c) for v, s, c in zip(variables, starts, combined)])
 
     def get_slot(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the wrapped optimizer's ``get_slot``."""
@@ -378,8 +385,8 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     del device_dense, device_sparse
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if op == Adasum:
-        raise ValueError("op == Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
+    if op == Adasum and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is not supported by ferrovod for "

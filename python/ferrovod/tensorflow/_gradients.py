@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _api
-from .._api import Adasum, Average
+from .._api import Average
 from .._groups import plan_groups
-from ..exceptions import FerrovodError, InvalidArgumentError, MismatchError
+from ..exceptions import FerrovodError, MismatchError
 from ..process_sets import ProcessSet, global_process_set
 from . import mpi_ops as _ops
 from .compression import Compression, Compressor
@@ -81,7 +81,7 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
       compressed by ``compression`` on the way and decompressed after.
     * ``tf.IndexedSlices`` are allgathered (values and indices, all in one grouped allgather;
       values divided by the set size for Average), or densified first with ``sparse_as_dense``.
-    * ``op``: Average (default), Sum, Min, Max or Product (Adasum is not supported).
+    * ``op``: Average (default), Sum, Adasum (power-of-two sets), Min, Max or Product.
       ``gradient_predivide_factor`` f (Average only) splits the average into a 1/f pre-scale
       and an f/size post-scale, as Horovod does.
     * Gradients of ``local_variables`` (matched by identity to ``variables``) are not reduced;
@@ -97,8 +97,6 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
         raise ValueError(f"reduce_gradients: {len(grads)} gradients but {len(var_list)} "
                          "variables")
     op = int(op)
-    if op == Adasum:
-        raise InvalidArgumentError("op=Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups:

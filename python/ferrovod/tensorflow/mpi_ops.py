@@ -541,8 +541,6 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
     prefix = "HorovodAllreduce" if single else "HorovodGroupedAllreduce"
     engine_name = _op_name(prefix, ts[0], name, ignore_name_scope)
     problems = [_dtype_problem(t, kind, _label(t, name if single else None)) for t in ts]
-    if int(op) == Adasum:
-        problems.append("Adasum is not supported by ferrovod.tensorflow yet (ferrovod.torch and the NumPy API have it)")
     problem = next((p for p in problems if p), None)
     if problem:
         return _refused(ts, _core.ALLREDUCE, kind, engine_name, process_set, problem,

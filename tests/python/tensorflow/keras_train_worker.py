@@ -275,7 +275,11 @@ class Run:
         mean = [sum(g_all[r][i] for r in range(n)) / n for i in range(len(shapes))]
         total = [m * n for m in mean]
         mine = g_all[self.r]
+        # Adasum (a power-of-two set): each gradient combined by the published recurrence
+        adasum = [T.ref_adasum([g_all[r][i] for r in range(n)], np.float64)
+                  for i in range(len(shapes))]
         cases = [
+            ("adasum", {"op": ferrovod.Adasum}, adasum, 1e-5, None),
             ("average", {}, mean, TOL, None),
             ("sum", {"op": hvd.Sum}, total, TOL, None),
             ("predivide", {"gradient_predivide_factor": 4.0}, mean, TOL, None),
@@ -302,7 +306,10 @@ class Run:
                 self.close(npy(v), w - LR * g, f"{label}: variable {i}", tol=tol)
             self.ck.true(opt.variables() == opt.variables, f"{label}: variables() callable")
         self.ck.raises(ValueError, lambda: hvd.DistributedOptimizer(
-            keras.optimizers.SGD(LR), op=hvdk.Adasum), "Adasum rejected", contains=("Adasum",))
+            keras.optimizers.SGD(LR), op=hvdk.Adasum, average_aggregated_gradients=True),
+            "Adasum with average_aggregated_gradients rejected", contains=("Adasum",))
+        self.ck.raises(ValueError, lambda: hvd.DistributedOptimizer(
+            keras.optimizers.SGD(LR), op=ferrovod.Max), "Max rejected", contains=("op=Average",))
         self.ck.raises(ValueError, lambda: hvd.DistributedOptimizer(
             hvd.DistributedOptimizer(keras.optimizers.SGD(LR))), "double wrap rejected")
         self.ck.raises(ValueError, lambda: hvd.DistributedOptimizer(

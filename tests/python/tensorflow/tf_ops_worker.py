@@ -144,8 +144,21 @@ def sec_allreduce(c, mode):
     ck.raises(ValueError, lambda: run(mode, lambda: hvd.allreduce(tf.ones(2), average=True,
                                                                  op=hvd.Sum)),
               f"{mode} average and op together")
-    ck.raises((ValueError, tf.errors.InvalidArgumentError), lambda: run(mode, lambda: hvd.allreduce(tf.ones(2), op=hvd.Adasum)),
-              f"{mode} Adasum", contains=("Adasum",))
+    # Adasum: the published recurrence on power-of-two sets (one per tensor of a group),
+    # refused with a message on the others
+    xs = c.inputs(c.key(), np.float64, (5, 3))
+    ys = c.inputs(c.key(), np.float32, (7,))
+    if c.n & (c.n - 1):
+        ck.raises(tf.errors.InvalidArgumentError,
+                  lambda: run(mode, lambda: hvd.allreduce(tf.ones(2), op=hvd.Adasum)),
+                  f"{mode} Adasum on {c.n} ranks", contains=("power-of-two",))
+    else:
+        got = run(mode, lambda a: hvd.allreduce(a, op=hvd.Adasum), const(xs[c.rank]))
+        c.close(got.numpy(), T.ref_adasum(xs, np.float64), f"{mode} Adasum", 1e-12)
+        ga, gb = run(mode, lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Adasum),
+                     const(xs[c.rank]), const(ys[c.rank]))
+        c.close(ga.numpy(), T.ref_adasum(xs, np.float64), f"{mode} grouped Adasum #1", 1e-12)
+        c.close(gb.numpy(), T.ref_adasum(ys, np.float32), f"{mode} grouped Adasum #2", 1e-5)
     # Average of IndexedSlices divides with TensorFlow's true division, as Horovod does:
     # integer values come back as floats (int8 -> float32, int32 -> float64)
     kinds = [(np.int8, np.float32), (np.int32, np.float64), (np.float16, np.float16),
@@ -646,6 +659,24 @@ def sec_optimizer(c, mode):
     grads = [2 * (X[j].astype(np.float64).T @ (X[j].astype(np.float64) @ w0)) for j in range(n)]
     c.close(w.numpy(), w0 - 0.5 * np.mean(grads, 0), f"{mode} legacy DistributedOptimizer.minimize step",
             1e-4)
+    if not n & (n - 1):
+        # op=Adasum (Horovod's delta optimizer): each rank's local step, then the steps
+        # combined by Adasum from the weights the step began at
+        wa = tf.Variable(w0)
+        aopt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5),
+                                        op=hvd.Adasum)
+
+        def aloss():
+            return tf.reduce_sum(tf.linalg.matvec(x, wa) ** 2)
+
+        if mode == "eager":
+            aopt.minimize(aloss, var_list=[wa])
+        else:
+            tf.function(lambda: [aopt.minimize(aloss, var_list=[wa])] and None,
+                        autograph=False)()
+        steps = [(-0.5 * g).astype(np.float32) for g in grads]
+        c.close(wa.numpy(), w0 + T.ref_adasum(steps, np.float32),
+                f"{mode} legacy DistributedOptimizer op=Adasum step", 1e-4)
     if mode == "eager":
         # a Keras optimizer goes to ferrovod.tensorflow.keras.DistributedOptimizer
         import keras
