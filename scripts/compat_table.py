@@ -77,8 +77,6 @@ NAMES_NOT_PROVIDED: Dict[Tuple[str, str], str] = {
     ("horovod.tensorflow", "check_num_rank_power_of_2"): _HELPER + " (for Adasum)",
     ("horovod.tensorflow", "vars_to_refs"): _HELPER,
     ("horovod.tensorflow", "refs_to_vars"): _HELPER,
-    ("horovod.tensorflow", "LocalGradientAggregationHelper"): "not provided yet: the "
-        "TensorFlow DistributedOptimizer's backward_passes_per_step aggregates without it",
     ("horovod.tensorflow", "broadcast_object_fn"): _HELPER,
     ("horovod.tensorflow.elastic", "broadcast_object_fn"): _HELPER,
     ("horovod.tensorflow.keras", "is_version_greater_equal_than"): _HELPER,

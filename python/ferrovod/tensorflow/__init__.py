@@ -53,6 +53,7 @@ from .functions import (
     broadcast_variables,
 )
 from . import util
+from .gradient_aggregation import LocalGradientAggregationHelper
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
     _allreduce,
@@ -118,7 +119,7 @@ __all__ = [
     "Compression", "DistributedGradientTape", "PartialDistributedGradientTape",
     "BroadcastGlobalVariablesHook", "handle_average_backwards_compatibility",
     "check_num_rank_power_of_2", "split_list", "gpu_available",
-    "DistributedOptimizer", "SyncBatchNormalization",
+    "DistributedOptimizer", "SyncBatchNormalization", "LocalGradientAggregationHelper",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "FerrovodError", "HorovodInternalError", "HostsUpdatedInterrupt", "RankFailureError",
     "FerrovodTimeoutError", "ShutdownError", "MismatchError", "InvalidArgumentError",
@@ -300,7 +301,8 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: Optional[str],
                  use_locking: bool, compression: Any, sparse_as_dense: bool, op: int,
                  gradient_predivide_factor: float, groups: Any, process_set: ProcessSet,
-                 scale_local_gradients: bool) -> None:
+                 scale_local_gradients: bool, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False) -> None:
         if name is None:
             name = f"Distributed{type(optimizer).__name__}"
         super().__init__(name=name, use_locking=use_locking)
@@ -311,10 +313,23 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._local_vars: List[Any] = []
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
+        self._agg_helper: Optional[LocalGradientAggregationHelper] = None
+        if backward_passes_per_step > 1:
+            shared = dict(self._fv, local_variables=(), scale_local_gradients=False)
+            self._agg_helper = LocalGradientAggregationHelper(
+                backward_passes_per_step=backward_passes_per_step,
+                allreduce_func=lambda grads, variables: reduce_gradients(
+                    list(grads), list(variables), name_prefix=self._name, **shared),
+                sparse_as_dense=sparse_as_dense,
+                average_aggregated_gradients=average_aggregated_gradients,
+                rank=rank(), optimizer_type=LocalGradientAggregationHelper._OPTIMIZER_TYPE_LEGACY,
+                process_set=process_set, scale_local_gradients=scale_local_gradients, name=name)
 
     def register_local_var(self, var: Any) -> None:
         """Keeps ``var``'s gradient local (not reduced; divided by the set size when
         ``scale_local_gradients``)."""
+        if self._agg_helper is not None:
+            self._agg_helper.register_local_var(var)
         self._local_vars.append(var)
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> List[Any]:
@@ -325,6 +340,8 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         if not gradients or self._fv["op"] == Adasum:
             return gradients
         grads, variables = zip(*gradients)
+        if self._agg_helper is not None:
+            return list(zip(self._agg_helper.compute_gradients(grads, variables), variables))
         reduced = reduce_gradients(list(grads), list(variables),
                                    local_variables=self._local_vars,
                                    name_prefix=self._name, **self._fv)
@@ -335,6 +352,12 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         """Calls the wrapped optimizer's ``apply_gradients``. With ``op=Adasum`` (Horovod's
         delta optimizer): the local step, then each variable's change combined across the set
         by Adasum, and the variable set to its value before the step plus the combination."""
+        if self._agg_helper is not None:
+            pairs = list(grads_and_vars)
+            return self._agg_helper.apply_gradients(
+                lambda: self._optimizer.apply_gradients(pairs, global_step=global_step,
+                                                        name=name),
+                self._optimizer, pairs, global_step=global_step, name=name)
         if self._fv["op"] != Adasum:
             return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
                                                    name=name)
@@ -380,7 +403,10 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
       one's gradients, reduced (``op``, ``compression``, ``sparse_as_dense``,
       ``gradient_predivide_factor``, ``groups``), with ``register_local_var`` to keep some
       local. Works eagerly (``minimize`` with a callable loss) and in graphs.
-      ``backward_passes_per_step`` > 1 is not supported for these.
+      ``backward_passes_per_step`` > 1 aggregates locally and reduces and applies on every
+      N-th call (:class:`LocalGradientAggregationHelper`, as in Horovod, which allowed it in
+      graphs only); ``op=Adasum`` combines each rank's step instead (Horovod's delta
+      optimizer).
     """
     del device_dense, device_sparse
     if gradient_predivide_factor != 1.0 and op != Average:
@@ -388,15 +414,16 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
     if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        if backward_passes_per_step != 1:
-            raise ValueError("backward_passes_per_step > 1 is not supported by ferrovod for "
-                             "tf.compat.v1.train.Optimizer; accumulate gradients yourself or "
-                             "use a Keras optimizer")
+        if op == Adasum and backward_passes_per_step != 1:
+            raise ValueError("op=Adasum combines each step's weight change: "
+                             "backward_passes_per_step > 1 is not supported with it")
         if num_groups and groups is None:
             groups = int(num_groups)
         return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense,
                                      int(op), float(gradient_predivide_factor), groups,
-                                     process_set, scale_local_gradients)
+                                     process_set, scale_local_gradients,
+                                     int(backward_passes_per_step),
+                                     bool(average_aggregated_gradients))
     keras_classes = _keras_optimizer_classes()
     if keras_classes and isinstance(optimizer, keras_classes):
         from .keras import DistributedOptimizer as _KerasDistributedOptimizer

@@ -659,6 +659,36 @@ def sec_optimizer(c, mode):
     grads = [2 * (X[j].astype(np.float64).T @ (X[j].astype(np.float64) @ w0)) for j in range(n)]
     c.close(w.numpy(), w0 - 0.5 * np.mean(grads, 0), f"{mode} legacy DistributedOptimizer.minimize step",
             1e-4)
+    # backward_passes_per_step=2 (LocalGradientAggregationHelper): the first call only sums
+    # locally (weights and step count as they were, the global step advanced), the second
+    # reduces the sums and applies them
+    for avg in (False, True):
+        wb = tf.Variable(w0)
+        gs = tf.Variable(0, dtype=tf.int64)
+        bopt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5),
+                                        backward_passes_per_step=2,
+                                        average_aggregated_gradients=avg)
+        Xs = [c.inputs(c.key(), np.float32, (4, 3)) for _ in range(2)]
+        for call, Xc in enumerate(Xs):
+            xc = const(Xc[r])
+
+            def bloss():
+                return tf.reduce_sum(tf.linalg.matvec(xc, wb) ** 2)
+
+            if mode == "eager":
+                bopt.minimize(bloss, var_list=[wb], global_step=gs)
+            else:
+                tf.function(lambda: [bopt.minimize(bloss, var_list=[wb], global_step=gs)]
+                            and None, autograph=False)()
+            what = f"{mode} legacy backward_passes_per_step=2 avg={avg} call {call + 1}"
+            c.ck.equal(int(gs.numpy()), call + 1, f"{what}: global step")
+            if call == 0:
+                c.close(wb.numpy(), w0, f"{what}: not applied yet", 0)
+        total = sum(2 * (Xc[j].astype(np.float64).T @ (Xc[j].astype(np.float64) @ w0))
+                    for Xc in Xs for j in range(n)) / n
+        c.close(wb.numpy(), w0 - 0.5 * (total / 2 if avg else total), f"{what}: applied", 1e-4)
+    c.ck.true(isinstance(bopt._agg_helper, hvd.LocalGradientAggregationHelper),
+              "the legacy optimizer aggregates with LocalGradientAggregationHelper")
     if not n & (n - 1):
         # op=Adasum (Horovod's delta optimizer): each rank's local step, then the steps
         # combined by Adasum from the weights the step began at
