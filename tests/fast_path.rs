@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use _core::engine::fast::Outcome;
-use _core::engine::{Engine, OpSpec};
+use _core::engine::{Engine, OpSpec, Ran};
 use _core::ReduceOp;
 use common::jobs::{allreduce_op, f32_from};
 
@@ -17,18 +17,14 @@ fn op(name: &str, data: &[f32]) -> OpSpec {
     allreduce_op(name, data, ReduceOp::Sum, 0)
 }
 
-/// What the Python layer does for a blocking allreduce: offer, then the engine unless the
-/// fast path reduced it. Returns the outcome of the offer and the result.
-fn blocking(e: &Engine, mut spec: OpSpec) -> (Outcome, Vec<f32>) {
-    let claim = e.claim(&spec).expect("name free");
-    let outcome = e.fast_path().offer(&mut spec).expect("offer");
-    if outcome == Outcome::Done {
-        let out = spec.tensors[0].output.as_ref().unwrap().as_slice().to_vec();
-        return (outcome, f32_from(&out));
+/// A blocking allreduce through the engine's entry, as every adapter's: the outcome of its
+/// offer to the fast path and the result.
+fn blocking(e: &Engine, spec: OpSpec) -> (Outcome, Vec<f32>) {
+    match e.run(spec, Some(&|| false)).expect("run") {
+        Ran::Done(out) => (Outcome::Done, f32_from(out.tensors[0].0.as_slice())),
+        // An engine op hands an owned output back through its handle.
+        Ran::Queued(h, outcome) => (outcome, wait_sum(&h)),
     }
-    let h = e.submit_claimed(spec, claim, outcome != Outcome::Declined);
-    // An engine op hands an owned output back through its handle.
-    (outcome, wait_sum(&h))
 }
 
 fn wait_sum(h: &_core::engine::Handle) -> Vec<f32> {
@@ -92,14 +88,9 @@ fn ranks_on_two_hosts_never_offer() {
     let results = common::jobs::job(3, &[], SECRET, |rank, e| {
         for i in 0..50usize {
             let data = vec![(rank + i) as f32; 3];
-            let mut spec = op(&format!("b{i}"), &data);
-            let o = e.fast_path().offer(&mut spec).expect("offer");
+            let (o, got) = blocking(e, op(&format!("b{i}"), &data));
             assert_eq!(o, Outcome::Ineligible, "rank {rank} op {i}");
-            e.submit(spec)
-                .unwrap()
-                .wait(Duration::ZERO)
-                .unwrap()
-                .unwrap();
+            assert_eq!(got, vec![(3 * i + 3) as f32; 3], "rank {rank} op {i}");
         }
         e.fast_path().stats()
     });

@@ -9,6 +9,7 @@ pub mod autotune;
 pub mod control;
 pub mod coordinator;
 mod device;
+pub mod door;
 mod entry;
 mod execute;
 #[cfg(feature = "python")]
@@ -44,6 +45,7 @@ use crate::error::{Error, Result};
 use crate::types::{OpKind, ReduceOp};
 
 pub use crate::bootstrap::Topology;
+pub use door::{Door, Ran};
 pub use handle::{Handle, Output};
 pub use message::{DeviceKind, TensorMeta};
 pub use names::NameClaim;
@@ -137,6 +139,7 @@ pub struct Engine {
     /// The rendezvous store, when rank 0 serves it (launchers other than ferrovodrun).
     store_server: Option<TcpStoreServer>,
     progress: Progress,
+    door: Door,
     dynamic: bool,
 }
 
@@ -217,6 +220,7 @@ impl Engine {
         )?;
         Ok(Engine {
             topology,
+            door: Door::new(shared.clone(), progress.clone()),
             shared,
             thread: Some(thread),
             coordinator,
@@ -246,51 +250,25 @@ impl Engine {
         self.shared.sets.lock().clone()
     }
 
-    /// Queues an op; the handle completes when it is done. Fails at once, queuing nothing,
-    /// when an op under the same name is still in flight in its process set.
+    /// The engine's one entry for ops, which callers on other threads can hold without the
+    /// engine (see [`door`]).
+    pub fn door(&self) -> Door {
+        self.door.clone()
+    }
+
+    /// [`Door::run`].
+    pub fn run(&self, op: OpSpec, now: Option<&dyn Fn() -> bool>) -> Result<Ran> {
+        self.door.run(op, now)
+    }
+
+    /// [`Door::submit`].
     pub fn submit(&self, op: OpSpec) -> Result<Handle> {
-        let claim = self.claim(&op)?;
-        Ok(self.submit_claimed(op, claim, true))
+        self.door.submit(op)
     }
 
-    /// Claims the name of `op` until the claim drops or moves into its handle (see [`names`]).
-    pub fn claim(&self, op: &OpSpec) -> Result<NameClaim> {
-        self.shared.in_flight.claim(op.set_id, &op.name, op.kind)
-    }
-
-    /// Queues an op whose name `claim` holds. `slotted`: false when its fast-path slot is
-    /// already spent (see [`fast`]).
-    pub fn submit_claimed(&self, op: OpSpec, claim: NameClaim, slotted: bool) -> Handle {
-        self.queue(op.set_id, claim, slotted, |h| Command::Op(Box::new(op), h))
-    }
-
-    /// Queues the command `make` builds around the handle of an op of set `set_id` whose
-    /// name `claim` holds, taking its fast-path slot first when `slotted`.
-    fn queue(
-        &self,
-        set_id: u32,
-        claim: NameClaim,
-        slotted: bool,
-        make: impl FnOnce(Handle) -> Command,
-    ) -> Handle {
-        if slotted && set_id == 0 {
-            self.shared.fast.decline();
-        }
-        let h = Handle::counted(self.shared.fast.outstanding()).hold(claim);
-        self.push(make(h.clone()));
-        h
-    }
-
-    /// Takes part in the negotiation of an op this rank refuses (arguments it cannot describe
-    /// to the engine: an unknown reduction, an unsupported dtype...), so that every member of
-    /// the set fails it with `reason` instead of waiting for it. `op` holds what is known of
-    /// it (its tensors may be empty). The handle completes with that error once every member
-    /// has submitted the name.
+    /// [`Door::reject`].
     pub fn reject(&self, op: OpSpec, reason: String) -> Result<Handle> {
-        let claim = self.claim(&op)?;
-        Ok(self.queue(op.set_id, claim, true, |h| {
-            Command::Reject(Box::new(op), reason, h)
-        }))
+        self.door.reject(op, reason)
     }
 
     /// The fast path, for a caller that will wait for its op at once (see [`fast`]).
@@ -359,20 +337,7 @@ impl Engine {
     }
 
     fn push(&self, cmd: Command) {
-        self.shared.queue.lock().push(cmd);
-        // A caller holding the lease drains the queue itself, and an engine thread waiting out
-        // the lease wakes when it ends: no wake-up is lost by skipping it then. An engine
-        // thread in its long idle poll is woken regardless (it publishes `polling` and then
-        // looks at the queue; the fences pair with its own).
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        if self.shared.lease.remaining().is_none()
-            || self
-                .shared
-                .polling
-                .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            self.shared.waker.wake();
-        }
+        self.door.push(cmd);
     }
 
     /// Stops the engine: pending ops fail with `Shutdown`, the coordinator (rank 0) tells the

@@ -16,8 +16,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList};
 use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
 use crate::bootstrap::Store;
 use crate::config::{Config, VARS};
-use crate::engine::fast::Outcome;
-use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
+use crate::engine::{Engine, Handle, OpSpec, Output, PageBuf, Progress, Ran, TensorBuf};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
 
@@ -293,18 +292,13 @@ fn enqueue(
         })
     })?;
     if now {
-        return match offer_then_submit(py, spec)? {
-            Now::Done(out) => {
+        return match run_now(py, spec)? {
+            (Ran::Done(out), progress) => {
                 let handle = Handle::new();
                 handle.complete(Ok(out));
-                with_engine(|e| {
-                    Ok(CoreHandle {
-                        handle,
-                        progress: e.progress(),
-                    })
-                })
+                Ok(CoreHandle { handle, progress })
             }
-            Now::Submitted(handle, progress) => Ok(CoreHandle { handle, progress }),
+            (Ran::Queued(handle, _), progress) => Ok(CoreHandle { handle, progress }),
         };
     }
     with_engine(|e| {
@@ -337,48 +331,14 @@ fn interruptible<T: Send>(
     (out, raised.into_inner())
 }
 
-/// What became of an op whose caller waits at once.
-enum Now {
-    /// Done on the fast path: what its handle would have handed back.
-    Done(Output),
-    /// In the engine.
-    Submitted(Handle, Progress),
-}
-
-/// Offers `spec` to the fast path (outside the engine lock and with the GIL released, as it
-/// waits for the other ranks), and submits it to the engine unless that reduced it.
-fn offer_then_submit(py: Python<'_>, mut spec: OpSpec) -> PyResult<Now> {
-    // The name is held from here, the fast path included, until the op is done.
-    let (fast, claim) = with_engine(|e| Ok((e.fast_path(), e.claim(&spec).map_err(to_pyerr)?)))?;
-    let (offered, raised) = interruptible(py, |stop| fast.offer_or(&mut spec, stop));
-    if let Some(e) = raised {
-        return Err(e);
+/// Runs `spec` through the engine's one entry ([`Door::run`]) for a caller that waits at
+/// once, with the GIL released while the fast path waits for the other ranks.
+fn run_now(py: Python<'_>, spec: OpSpec) -> PyResult<(Ran, Progress)> {
+    let door = with_engine(|e| Ok(e.door()))?;
+    match interruptible(py, |stop| door.run(spec, Some(stop))) {
+        (_, Some(e)) => Err(e),
+        (ran, None) => Ok((ran.map_err(to_pyerr)?, door.progress())),
     }
-    let slotted = match offered {
-        Ok(Outcome::Done) => {
-            // An output the fast path allocated (allgather, reducescatter, alltoall) goes back
-            // as the engine's would; an (even) alltoall received one block from each rank.
-            let mut out = Output::default();
-            if spec.kind == OpKind::Alltoall {
-                let n = fast.size();
-                let rows = spec.tensors[0].meta.shape[0];
-                out.received_splits = vec![rows / n; n];
-            }
-            for t in spec.tensors {
-                if let Some(buf @ (TensorBuf::Owned(_) | TensorBuf::Pages(_))) = t.output {
-                    out.tensors.push((buf, t.meta.shape));
-                }
-            }
-            return Ok(Now::Done(out));
-        }
-        Ok(Outcome::Declined) => false,
-        Ok(Outcome::Ineligible) => true,
-        Err(e) => return Err(to_pyerr(e)),
-    };
-    with_engine(|e| {
-        let handle = e.submit_claimed(spec, claim, slotted);
-        Ok(Now::Submitted(handle, e.progress()))
-    })
 }
 
 /// Refuses an op on this rank while taking part in its negotiation: the other members of
@@ -489,9 +449,9 @@ fn op_now<'py>(
         tensors: vec![tensor::spec_from_py(t, None)?],
         splits: Vec::new(),
     };
-    let out = match offer_then_submit(py, spec)? {
-        Now::Done(out) => out,
-        Now::Submitted(handle, progress) => {
+    let out = match run_now(py, spec)? {
+        (Ran::Done(out), _) => out,
+        (Ran::Queued(handle, _), progress) => {
             match interruptible(py, move |stop| progress.wait_or(&handle, stop)) {
                 (_, Some(e)) => return Err(e),
                 (Some(Ok(out)), None) => out,
