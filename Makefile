@@ -52,6 +52,7 @@ test-rust:
 
 test-py: setup
 	@bash scripts/system_deps.sh
+	@bash scripts/setup_mxnet_venv.sh
 	$(PY) -m pytest tests/python $(PYTEST_FLAGS)
 
 test: setup lint test-rust test-py
