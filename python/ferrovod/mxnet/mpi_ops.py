@@ -19,7 +19,7 @@ import numpy as np
 from mxnet.base import _LIB, check_call
 
 from .. import _api
-from .._api import (  # noqa: F401  (Horovod's names, re-exported)
+from .._api import (  # Horovod's names, re-exported
     Adasum,
     Average,
     Max,
@@ -49,12 +49,23 @@ from .._api import (  # noqa: F401  (Horovod's names, re-exported)
     start_timeline,
     stop_timeline,
 )
-from ..process_sets import (  # noqa: F401
+from ..process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
+
+__all__ = [
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init", "is_homogeneous",
+    "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size",
+    "start_timeline", "stop_timeline", "ProcessSet", "add_process_set", "global_process_set",
+    "remove_process_set", "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_",
+    "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
+    "grouped_reducescatter", "barrier", "join",
+]
 
 NDArray = mx.nd.NDArray
 
