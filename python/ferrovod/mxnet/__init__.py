@@ -20,6 +20,7 @@ import mxnet as mx
 from ..common.util import split_list
 from .compression import Compression
 from .functions import allgather_object, broadcast_object
+from .kvstore import KVStore
 from .mpi_ops import (
     Adasum,
     Average,
@@ -75,7 +76,7 @@ __all__ = [
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather",
     "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
     "grouped_reducescatter", "barrier", "join", "broadcast_object", "allgather_object",
-    "broadcast_parameters", "DistributedOptimizer", "DistributedTrainer", "Compression",
+    "broadcast_parameters", "DistributedOptimizer", "DistributedTrainer", "Compression", "KVStore",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "split_list",

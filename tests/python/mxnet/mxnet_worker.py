@@ -9,7 +9,9 @@ usage: mxnet_worker.py SEED
 - DistributedOptimizer: an updater step averages the gradient before the wrapped SGD step;
 - DistributedTrainer + broadcast_parameters on a Gluon network with deferred initialization:
   after 3 steps every rank holds the same weights, equal to one process training on the
-  concatenation of every rank's batch; fp16 compression and num_groups give the same.
+  concatenation of every rank's batch; fp16 compression and num_groups give the same;
+- KVStore: dist_sync semantics (init, push sums, pushpull, an optimizer's update, Gluon's
+  Trainer with it equal to one process).
 
 Prints ``OK <n_checks>``.
 """
@@ -175,7 +177,9 @@ def batches(step, r):
             rng.standard_normal((4, 3)).astype(np.float32))
 
 
-def train(model, trainer, ranks, steps=3):
+def train(model, trainer, ranks, steps=3, per_rank=False):
+    """``steps`` steps on the batches of ``ranks``, concatenated; ``per_rank``: the step's
+    batch size is one rank's (a dist_sync server sums every worker's mean gradient)."""
     loss_fn = mx.gluon.loss.L2Loss()
     for s in range(steps):
         data = [batches(s, r) for r in ranks]
@@ -184,7 +188,7 @@ def train(model, trainer, ranks, steps=3):
         with mx.autograd.record():
             loss = loss_fn(model(x), y)
         loss.backward()
-        trainer.step(x.shape[0])
+        trainer.step(len(data[0][0]) if per_rank else x.shape[0])
 
 
 def weights(model):
@@ -238,11 +242,68 @@ def sec_training(c):
                       f"max diff {np.abs(a - b).max()}")
 
 
+def sec_kvstore(c):
+    """dist_sync semantics: init takes rank 0's value, push sums over workers (and over a
+    worker's device list), with an optimizer set a push is one update, Gluon trains with it."""
+    n, me = c.n, c.rank
+    kv = hvd.KVStore()
+    c.ck.equal((kv.type, kv.rank, kv.num_workers), ("dist_sync", me, n), "KVStore identity")
+    c.ck.true(type(mx.kv.create("ferrovod")).__name__ == "Ferrovod", "mx.kv.create('ferrovod')")
+    inits = [np.full((2, 3), r + 1.0, np.float32) for r in range(n)]
+    kv.init(3, mx.nd.array(inits[me]))
+    out = mx.nd.zeros((2, 3))
+    kv.pull(3, out=out)
+    c.ck.array(out.asnumpy(), inits[0], "init takes rank 0's value")
+    grads = [np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1) for r in range(n)]
+    kv.push(3, [mx.nd.array(grads[me]), mx.nd.array(grads[me])])  # two devices
+    kv.pull(3, out=[out, out])
+    c.ck.array(out.asnumpy(), 2 * sum(grads), "push sums devices and workers")
+    kv.init(["a", "b"], [mx.nd.array(inits[me]), mx.nd.array(inits[me][0])])
+    res = [mx.nd.zeros((2, 3)), mx.nd.zeros((3,))]
+    kv.pushpull(["a", "b"], [mx.nd.array(grads[me]), mx.nd.array(grads[me][1])], out=res)
+    c.ck.array(res[0].asnumpy(), sum(grads), "pushpull of a key list #1")
+    c.ck.array(res[1].asnumpy(), sum(g[1] for g in grads), "pushpull of a key list #2")
+    kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, rescale_grad=1.0))
+    w = mx.nd.zeros((2, 3))
+    kv.broadcast(7, mx.nd.array(inits[me]), out=w)
+    c.ck.array(w.asnumpy(), inits[0], "broadcast")
+    kv.pushpull(7, mx.nd.array(grads[me]), out=w)
+    c.ck.array(w.asnumpy(), inits[0] - 0.5 * sum(grads), "a push with an optimizer updates")
+    c.ck.raises(KeyError, lambda: kv.pull("never", out=w), "an unknown key",
+                contains=("never",))
+    # Gluon with the store: the server's sum of every worker's gradient, like one process on
+    # all the batches with the same learning rate
+    mx.random.seed(300 + me)
+    model = net()
+    model.initialize(mx.init.Xavier())
+    model(mx.nd.zeros((1, 5)))
+    # The Trainer takes rank 0's values into the store only at its first step, after every
+    # rank's first gradient: as with a parameter server, the ranks must start alike.
+    hvd.broadcast_parameters(model.collect_params(), root_rank=0, prefix="kv")
+    trainer = mx.gluon.Trainer(model.collect_params(), "sgd", {"learning_rate": 0.1},
+                               kvstore=hvd.KVStore())
+    train(model, trainer, [me])
+    mine = weights(model)
+    for r, theirs in enumerate(hvd.allgather_object(mine)):
+        for a, b in zip(theirs, mine):
+            c.ck.array(b, a, f"KVStore Trainer: rank {r}'s weights equal this rank's")
+    mx.random.seed(300)
+    ref = net()
+    ref.initialize(mx.init.Xavier())
+    ref(mx.nd.zeros((1, 5)))
+    ref_trainer = mx.gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.1},
+                                   kvstore=None)
+    train(ref, ref_trainer, list(range(n)), per_rank=True)
+    for a, b in zip(weights(ref), mine):
+        c.ck.true(np.allclose(a, b, rtol=1e-5, atol=1e-5), "KVStore Trainer: equal to one process",
+                  f"max diff {np.abs(a - b).max()}")
+
+
 def main():
     hvd.init(process_sets="dynamic")
     c = Ctx(int(sys.argv[1]))
     for sec in (sec_allreduce, sec_gather_broadcast, sec_alltoall_reducescatter, sec_misc,
-                sec_training):
+                sec_training, sec_kvstore):
         sec(c)
         hvd.barrier()
     last = hvd.join()
