@@ -10,7 +10,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MXNET_VENV:-$ROOT/.venv-mxnet}"
 PYTHON="${PYTHON:-python3}"
-PACKAGES=("mxnet==1.9.1" "numpy==1.23.5" "cloudpickle>=2" "pyyaml>=5.1" "ml_dtypes==0.5.4")
+# scikit-learn for examples/mxnet_digits.py (its digits dataset), at versions built for NumPy 1.23.
+PACKAGES=("mxnet==1.9.1" "numpy==1.23.5" "cloudpickle>=2" "pyyaml>=5.1" "ml_dtypes==0.5.4"
+          "scikit-learn==1.3.2" "scipy==1.11.4")
 STAMP="$VENV/.ferrovod-packages"
 WANT="$(printf '%s\n' "${PACKAGES[@]}")"
 
