@@ -528,8 +528,9 @@ fn alltoall(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Resu
     let mut shape = meta.shape.clone();
     shape[0] = recv_rows.iter().sum();
     let spec = &mut entry.spec.tensors[0];
-    let tensors = match spec.output.as_mut() {
-        // The caller's memory for the result (a staged CUDA tensor's bounce room).
+    // The caller's memory for the result (a staged CUDA tensor's bounce room), else the
+    // engine's, handed back.
+    let mut owned = match &spec.output {
         Some(result) => {
             check_output_len(
                 &entry.request.name,
@@ -540,27 +541,22 @@ fn alltoall(comm: &mut Communicator<'_>, item: &Item, entry: &mut Entry) -> Resu
             if result.overlaps(&spec.input) {
                 return Err(misplaced(&entry.request.name, "alltoall"));
             }
-            collective::alltoallv(
-                comm,
-                spec.input.as_slice(),
-                &send,
-                result.as_mut_slice(),
-                &recv,
-            )?;
-            Vec::new()
+            None
         }
-        None => {
-            let mut result = TensorBuf::engine(recv.iter().sum())?;
-            collective::alltoallv(
-                comm,
-                spec.input.as_slice(),
-                &send,
-                result.as_mut_slice(),
-                &recv,
-            )?;
-            vec![(result, shape)]
-        }
+        None => Some(TensorBuf::engine(recv.iter().sum())?),
     };
+    let result = match owned.as_mut() {
+        Some(buf) => buf,
+        None => spec.output.as_mut().expect("checked above"),
+    };
+    collective::alltoallv(
+        comm,
+        spec.input.as_slice(),
+        &send,
+        result.as_mut_slice(),
+        &recv,
+    )?;
+    let tensors = owned.map(|buf| vec![(buf, shape)]).unwrap_or_default();
     Ok(Output {
         tensors,
         received_splits: recv_rows,

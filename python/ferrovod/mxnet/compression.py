@@ -1,50 +1,29 @@
-"""Gradient compression for ``DistributedTrainer`` (Horovod's ``horovod.mxnet.compression``)."""
+"""Gradient compression for ``DistributedTrainer`` (Horovod's ``horovod.mxnet.compression``),
+on the compressors every framework module shares (``ferrovod._compression``)."""
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
+
+import numpy as np
+
+from .._compression import CastCompressor, Compressor, NoneCompressor
+
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class Compressor:
-    """Compresses a tensor before a collective and restores it after."""
+class FP16Compressor(CastCompressor):
+    """Sends floating-point NDArrays as float16."""
 
-    @staticmethod
-    def compress(tensor: Any) -> Tuple[Any, Any]:
-        """The tensor to send and what :meth:`decompress` needs to restore it."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        """The received tensor restored."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
+    wire = np.dtype(np.float16)
 
     @staticmethod
-    def compress(tensor: Any) -> Tuple[Any, Any]:
-        return tensor, None
+    def _is_float(tensor: Any) -> bool:
+        return np.dtype(tensor.dtype).kind == "f"
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class FP16Compressor(Compressor):
-    """Sends floating-point tensors as float16."""
-
-    @staticmethod
-    def compress(tensor: Any) -> Tuple[Any, Any]:
-        if "float" in str(tensor.dtype):
-            return tensor.astype("float16", copy=False), tensor.dtype
-        return tensor, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        if "float" in str(ctx):
-            return tensor.astype(ctx, copy=False)
-        return tensor
+    def _cast(tensor: Any, dtype: Any) -> Any:
+        return tensor.astype(dtype, copy=False)
 
 
 class Compression:

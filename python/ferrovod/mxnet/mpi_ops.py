@@ -114,16 +114,22 @@ def _into(tensor: NDArray, values: np.ndarray) -> NDArray:
     return tensor
 
 
+def _allreduce(tensor: NDArray, what: str, average: Optional[bool], name: Optional[str],
+               prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
+               op: Optional[int]) -> np.ndarray:
+    return _api.allreduce(_host(tensor, what), average=average, name=name, op=op,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          process_set=process_set)
+
+
 def allreduce(tensor: NDArray, average: Optional[bool] = None, name: Optional[str] = None,
               priority: int = 0, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set, op: Optional[int] = None) -> NDArray:
     """Reduces ``tensor`` across the set (default: Average) into a new NDArray; ``tensor`` is
     not modified."""
     del priority
-    out = _api.allreduce(_host(tensor, "allreduce"), average=average, name=name, op=op,
-                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                         process_set=process_set)
-    return _nd(out, tensor)
+    return _nd(_allreduce(tensor, "allreduce", average, name, prescale_factor,
+                          postscale_factor, process_set, op), tensor)
 
 
 def allreduce_(tensor: NDArray, average: Optional[bool] = None, name: Optional[str] = None,
@@ -131,10 +137,16 @@ def allreduce_(tensor: NDArray, average: Optional[bool] = None, name: Optional[s
                process_set: ProcessSet = global_process_set, op: Optional[int] = None) -> NDArray:
     """:func:`allreduce` in place: ``tensor`` holds the result and is returned."""
     del priority
-    out = _api.allreduce(_host(tensor, "allreduce_"), average=average, name=name, op=op,
-                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                         process_set=process_set)
-    return _into(tensor, out)
+    return _into(tensor, _allreduce(tensor, "allreduce_", average, name, prescale_factor,
+                                    postscale_factor, process_set, op))
+
+
+def _grouped_allreduce(tensors: List[NDArray], what: str, average: Optional[bool],
+                       name: Optional[str], prescale_factor: float, postscale_factor: float,
+                       process_set: ProcessSet, op: Optional[int]) -> List[np.ndarray]:
+    return _api.grouped_allreduce([_host(t, what) for t in tensors], average=average, name=name,
+                                  op=op, prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor, process_set=process_set)
 
 
 def grouped_allreduce(tensors: Sequence[NDArray], average: Optional[bool] = None,
@@ -145,10 +157,8 @@ def grouped_allreduce(tensors: Sequence[NDArray], average: Optional[bool] = None
     """Reduces a list of NDArrays negotiated as one unit; returns new NDArrays."""
     del priority
     tensors = list(tensors)
-    outs = _api.grouped_allreduce([_host(t, "grouped_allreduce") for t in tensors],
-                                  average=average, name=name, op=op,
-                                  prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set)
+    outs = _grouped_allreduce(tensors, "grouped_allreduce", average, name, prescale_factor,
+                              postscale_factor, process_set, op)
     return [_nd(o, t) for o, t in zip(outs, tensors)]
 
 
@@ -160,10 +170,8 @@ def grouped_allreduce_(tensors: Sequence[NDArray], average: Optional[bool] = Non
     """:func:`grouped_allreduce` in place; returns the NDArrays."""
     del priority
     tensors = list(tensors)
-    outs = _api.grouped_allreduce([_host(t, "grouped_allreduce_") for t in tensors],
-                                  average=average, name=name, op=op,
-                                  prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set)
+    outs = _grouped_allreduce(tensors, "grouped_allreduce_", average, name, prescale_factor,
+                              postscale_factor, process_set, op)
     return [_into(t, o) for t, o in zip(tensors, outs)]
 
 
