@@ -10,6 +10,7 @@ usage: mxnet_worker.py SEED
 - DistributedTrainer + broadcast_parameters on a Gluon network with deferred initialization:
   after 3 steps every rank holds the same weights, equal to one process training on the
   concatenation of every rank's batch; fp16 compression and num_groups give the same;
+- ranks whose models differ: DistributedTrainer fails on every rank, saying what differs;
 - KVStore: dist_sync semantics (init, push sums, pushpull, an optimizer's update, Gluon's
   Trainer with it equal to one process).
 
@@ -242,6 +243,21 @@ def sec_training(c):
                       f"max diff {np.abs(a - b).max()}")
 
 
+def sec_mismatch(c):
+    """Ranks whose models differ get a clear error from DistributedTrainer on every rank."""
+    if c.n < 2:
+        return
+    blk = mx.gluon.nn.Dense(3 if c.rank == 0 else 4, in_units=5)
+    blk.initialize()
+    trainer = hvd.DistributedTrainer(blk.collect_params(), "sgd", {"learning_rate": 0.1},
+                                     prefix="mismatch")
+    with mx.autograd.record():
+        loss = blk(mx.nd.ones((2, 5))).sum()
+    loss.backward()
+    c.ck.raises(FerrovodError, lambda: trainer.step(2),
+                "DistributedTrainer with models that differ across ranks", contains=("shape",))
+
+
 def sec_kvstore(c):
     """dist_sync semantics: init takes rank 0's value, push sums over workers (and over a
     worker's device list), with an optimizer set a push is one update, Gluon trains with it."""
@@ -303,7 +319,7 @@ def main():
     hvd.init(process_sets="dynamic")
     c = Ctx(int(sys.argv[1]))
     for sec in (sec_allreduce, sec_gather_broadcast, sec_alltoall_reducescatter, sec_misc,
-                sec_training, sec_kvstore):
+                sec_training, sec_mismatch, sec_kvstore):
         sec(c)
         hvd.barrier()
     last = hvd.join()
