@@ -7,6 +7,10 @@ trains on its shard of the data, rank 0's initial weights reach every rank when 
 batch initializes them (``broadcast_parameters`` on deferred parameters), gradients are
 averaged by ``DistributedTrainer``, metrics are averaged across ranks, and only rank 0 writes
 the checkpoint. The dataset ships inside scikit-learn: nothing is downloaded.
+
+Under the mxnet-operator (examples/kubernetes/mxjob.yaml) every replica runs this command: the
+workers find each other from MX_CONFIG, and the scheduler and server pods exit at once, saying
+they are not needed.
 """
 
 import argparse
@@ -14,13 +18,15 @@ import os
 import tempfile
 import time
 
-import mxnet as mx
-import numpy as np
-from mxnet import autograd, gluon
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+# First: in an MXJob's scheduler and server pods (DMLC_ROLE) it ends the process before MXNet,
+# once imported, would start that role.
+import ferrovod.mxnet as hvd  # isort: skip
 
-import ferrovod.mxnet as hvd
+import mxnet as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from sklearn.model_selection import train_test_split  # noqa: E402
 
 
 def make_net() -> gluon.nn.HybridSequential:

@@ -69,6 +69,7 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     Calling ``init()`` again while running is a no-op; after :func:`shutdown` it starts a new
     engine.
     """
+    exit_if_parameter_server()
     if isinstance(comm, (list, tuple)):
         _check_rank_list(comm)
         comm = None
@@ -104,6 +105,19 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     _name_counters.clear()
     _ps._on_init(static)
     _share_cores(info["launcher"])
+
+
+def exit_if_parameter_server() -> None:
+    """Ends a process started as an MXNet parameter server or scheduler (``DMLC_ROLE``), saying
+    why: the mxnet-operator and MXNet's ``tools/launch.py`` start them beside the workers, and
+    ferrovod's workers, averaging with allreduce, need none. Exits with status 0, so that the
+    job's server and scheduler replicas succeed."""
+    role = os.environ.get("DMLC_ROLE", "").strip().lower()
+    if role in ("server", "scheduler"):
+        print(f"ferrovod: this process is an MXNet {role} (DMLC_ROLE={role}); ferrovod's workers "
+              f"average with allreduce and need no {role}, so it exits now", file=sys.stderr,
+              flush=True)
+        sys.exit(0)
 
 
 def _check_rank_list(ranks: Sequence[Any]) -> None:

@@ -31,6 +31,9 @@ pub enum Launcher {
     TrainerTorch,
     /// A TensorFlow job (Kubeflow TFJob and others): `TF_CONFIG`.
     TfConfig,
+    /// A worker of an MXNet job set up for parameter servers (`DMLC_*`): the mxnet-operator's
+    /// MXJob (`MX_CONFIG`) or MXNet's `tools/launch.py` (`DMLC_WORKER_ID`).
+    Dmlc,
     /// No launcher: a single process.
     None,
 }
@@ -49,6 +52,7 @@ impl Launcher {
                  PET_MASTER_ADDR)"
             }
             Launcher::TfConfig => "TFJob (TF_CONFIG)",
+            Launcher::Dmlc => "MXNet's DMLC_* variables (MXJob's MX_CONFIG, or DMLC_WORKER_ID)",
             Launcher::None => "none (a single process)",
         }
     }
@@ -63,6 +67,7 @@ impl Launcher {
             Launcher::Torchrun => "torchrun",
             Launcher::TrainerTorch => "trainer_torch",
             Launcher::TfConfig => "tf_config",
+            Launcher::Dmlc => "dmlc",
             Launcher::None => "none",
         }
     }
@@ -267,6 +272,13 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
             tf_endpoints = tf.endpoints;
         }
     }
+    let mut dmlc_addr = None;
+    if found.is_none() {
+        if let Some(worker) = dmlc_worker(&raw)? {
+            found = Some((Launcher::Dmlc, worker.rank, worker.size));
+            dmlc_addr = Some(worker.rendezvous);
+        }
+    }
     let Some((launcher, rank, size)) = found else {
         return Ok(LaunchInfo {
             launcher: Launcher::None,
@@ -451,6 +463,12 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
             let job = Some(tf_endpoints.join(","));
             (None, addr, true, job)
         }
+        Launcher::Dmlc => {
+            let addr = explicit_addr.or(dmlc_addr);
+            // Every worker sees the same rendezvous address, which names the job's hosts.
+            let job = addr.clone().map(|a| format!("dmlc:{a}"));
+            (None, addr, true, job)
+        }
         Launcher::Slurm => {
             let Some(addr) = explicit_addr.or_else(|| slurm_rendezvous(&raw)) else {
                 return Err(Error::InvalidArgument(format!(
@@ -531,6 +549,132 @@ pub fn first_slurm_host(list: &str) -> Option<String> {
             Some(format!("{}{inner}", &first[..i]))
         }
     }
+}
+
+/// A worker of an MXNet job set up for parameter servers, from the `DMLC_*` variables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DmlcWorker {
+    /// This worker's index.
+    pub rank: usize,
+    /// `DMLC_NUM_WORKER`.
+    pub size: usize,
+    /// Where worker 0 serves the rendezvous store: its own endpoint in `MX_CONFIG`, else the
+    /// scheduler's address, which the scheduler (not needed here) leaves free.
+    pub rendezvous: String,
+}
+
+/// The worker `DMLC_ROLE` and its companions describe: `Ok(None)` without `DMLC_ROLE`. The
+/// mxnet-operator gives every pod `MX_CONFIG` (the cluster and this task's index, as
+/// `TF_CONFIG` does) besides `DMLC_*`; MXNet's `tools/launch.py` gives none, so its workers
+/// say which they are with `DMLC_WORKER_ID`. Servers and schedulers are not ranks: their
+/// role is an error here (`ferrovod.init()` and `import ferrovod.mxnet` end such a process
+/// before it gets here, saying it is not needed).
+pub fn dmlc_worker(raw: &dyn Fn(&str) -> Option<String>) -> Result<Option<DmlcWorker>> {
+    let Some(role) = raw("DMLC_ROLE") else {
+        return Ok(None);
+    };
+    let missing: Vec<&str> = ["DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER"]
+        .into_iter()
+        .filter(|n| raw(n).is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "DMLC_ROLE={role} is set but {} missing (the mxnet-operator and MXNet's \
+             tools/launch.py set DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT and DMLC_NUM_WORKER)",
+            missing.join(" and ") + if missing.len() > 1 { " are" } else { " is" }
+        )));
+    }
+    match role.to_ascii_lowercase().as_str() {
+        "worker" => {}
+        "server" | "scheduler" => {
+            return Err(Error::InvalidArgument(format!(
+                "DMLC_ROLE={role}: ferrovod's workers average with allreduce and need no \
+                 {role}; run nothing in this process (`import ferrovod.mxnet` ends it)"
+            )))
+        }
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "DMLC_ROLE={role} is not worker, server or scheduler"
+            )))
+        }
+    }
+    let int = |name: &str| -> Result<usize> {
+        let v = raw(name).unwrap_or_default();
+        v.parse::<usize>().map_err(|_| {
+            Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
+        })
+    };
+    let size = int("DMLC_NUM_WORKER")?;
+    if size == 0 {
+        return Err(Error::InvalidArgument(
+            "DMLC_NUM_WORKER=0: no worker to run".into(),
+        ));
+    }
+    let (rank, rendezvous) = match raw("MX_CONFIG") {
+        Some(text) => mx_config_worker(&text, size)?,
+        None => match raw("DMLC_WORKER_ID") {
+            Some(_) => {
+                let port = int("DMLC_PS_ROOT_PORT")?;
+                let host = raw("DMLC_PS_ROOT_URI").unwrap_or_default();
+                (int("DMLC_WORKER_ID")?, format!("{host}:{port}"))
+            }
+            None => {
+                return Err(Error::InvalidArgument(
+                    "DMLC_ROLE=worker, but neither MX_CONFIG (the mxnet-operator's) nor \
+                     DMLC_WORKER_ID says which worker this is: give each worker \
+                     DMLC_WORKER_ID=0, 1, ... (worker 0 on the host of DMLC_PS_ROOT_URI)"
+                        .into(),
+                ))
+            }
+        },
+    };
+    if rank >= size {
+        return Err(Error::InvalidArgument(format!(
+            "worker {rank} of DMLC_NUM_WORKER={size}: the index must be below the count"
+        )));
+    }
+    check_rendezvous_addr("the DMLC rendezvous address", &rendezvous)?;
+    Ok(Some(DmlcWorker {
+        rank,
+        size,
+        rendezvous,
+    }))
+}
+
+/// This worker's index and worker 0's endpoint from the mxnet-operator's `MX_CONFIG`
+/// (`{"cluster": {"worker": [{"url": .., "port": ..}, ..], ..}, "task": {"type", "index"}}`).
+fn mx_config_worker(text: &str, size: usize) -> Result<(usize, String)> {
+    let bad = |msg: String| Error::InvalidArgument(format!("MX_CONFIG: {msg}"));
+    let json: Json =
+        serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
+    let task = json.get("task").ok_or_else(|| bad("no \"task\"".into()))?;
+    let kind = task.get("type").and_then(Json::as_str).unwrap_or_default();
+    if !kind.eq_ignore_ascii_case("worker") {
+        return Err(bad(format!("task type {kind:?} with DMLC_ROLE=worker")));
+    }
+    let index = task
+        .get("index")
+        .and_then(Json::as_u64)
+        .ok_or_else(|| bad("task.index is not a non-negative integer".into()))?;
+    let workers = json
+        .get("cluster")
+        .and_then(|c| c.get("worker"))
+        .and_then(Json::as_array)
+        .ok_or_else(|| bad("no cluster.worker list".into()))?;
+    if workers.len() != size {
+        return Err(bad(format!(
+            "{} workers in cluster.worker but DMLC_NUM_WORKER={size}",
+            workers.len()
+        )));
+    }
+    let first = &workers[0];
+    let (Some(url), Some(port)) = (
+        first.get("url").and_then(Json::as_str),
+        first.get("port").and_then(Json::as_u64),
+    ) else {
+        return Err(bad("cluster.worker[0] needs a url and a port".into()));
+    };
+    Ok((index as usize, format!("{url}:{port}")))
 }
 
 /// A TensorFlow job's process, from `TF_CONFIG`.
@@ -877,6 +1021,94 @@ mod tests {
 
     fn tf(config: &str) -> Result<LaunchInfo> {
         cfg(&[("TF_CONFIG", config)])
+    }
+
+    /// An MXJob pod's DMLC_* and MX_CONFIG, as the mxnet-operator sets them.
+    fn mxjob(role: &str, index: usize, workers: usize) -> Vec<(String, String)> {
+        let hosts: Vec<String> = (0..workers)
+            .map(|i| format!(r#"{{"url": "job-worker-{i}", "port": 9991}}"#))
+            .collect();
+        let config = format!(
+            r#"{{"cluster": {{"scheduler": [{{"url": "job-scheduler-0", "port": 9991}}],
+                "server": [{{"url": "job-server-0", "port": 9991}}], "worker": [{}]}},
+                "labels": {{}}, "task": {{"type": "{role}", "index": {index}}}}}"#,
+            hosts.join(", ")
+        );
+        [
+            ("MX_CONFIG", config),
+            ("DMLC_PS_ROOT_URI", "job-scheduler-0".into()),
+            ("DMLC_PS_ROOT_PORT", "9991".into()),
+            ("DMLC_NUM_SERVER", "1".into()),
+            ("DMLC_NUM_WORKER", workers.to_string()),
+            ("DMLC_ROLE", role.into()),
+            ("DMLC_USE_KUBERNETES", "1".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    fn cfg_owned(pairs: &[(String, String)]) -> Result<LaunchInfo> {
+        let refs: Vec<(&str, &str)> = pairs
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        cfg(&refs)
+    }
+
+    #[test]
+    fn an_mxjob_worker_takes_its_index_and_worker_0_serves_the_store() {
+        for index in 0..3 {
+            let l = cfg_owned(&mxjob("worker", index, 3)).unwrap();
+            assert_eq!((l.launcher, l.rank, l.size), (Launcher::Dmlc, index, 3));
+            assert_eq!(l.rendezvous_addr.as_deref(), Some("job-worker-0:9991"));
+            assert!(l.rank0_hosts_store && l.secret_derived);
+        }
+        // tools/launch.py: DMLC_WORKER_ID, worker 0 at the scheduler's address
+        let l = cfg(&[
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9300"),
+            ("DMLC_NUM_WORKER", "2"),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_WORKER_ID", "1"),
+        ])
+        .unwrap();
+        assert_eq!((l.launcher, l.rank, l.size), (Launcher::Dmlc, 1, 2));
+        assert_eq!(l.rendezvous_addr.as_deref(), Some("127.0.0.1:9300"));
+    }
+
+    #[test]
+    fn dmlc_errors_say_what_is_missing_or_wrong() {
+        let err = |pairs: Vec<(String, String)>| cfg_owned(&pairs).unwrap_err().to_string();
+        let without = |name: &str| {
+            mxjob("worker", 0, 2)
+                .into_iter()
+                .filter(|(k, _)| k != name)
+                .collect::<Vec<_>>()
+        };
+        let e = err(without("DMLC_NUM_WORKER"));
+        assert!(e.contains("DMLC_NUM_WORKER is missing"), "{e}");
+        let e = err(without("MX_CONFIG"));
+        assert!(
+            e.contains("neither MX_CONFIG") && e.contains("DMLC_WORKER_ID"),
+            "{e}"
+        );
+        let e = err(mxjob("server", 0, 2));
+        assert!(e.contains("need no server"), "{e}");
+        let e = err(mxjob("scheduler", 0, 2));
+        assert!(e.contains("need no scheduler"), "{e}");
+        let mut odd = mxjob("worker", 0, 2);
+        odd.iter_mut()
+            .filter(|(k, _)| k == "DMLC_NUM_WORKER")
+            .for_each(|(_, v)| *v = "3".into());
+        let e = err(odd);
+        assert!(
+            e.contains("2 workers in cluster.worker but DMLC_NUM_WORKER=3"),
+            "{e}"
+        );
+        let e = err(mxjob("worker", 2, 2));
+        assert!(e.contains("worker 2 of DMLC_NUM_WORKER=2"), "{e}");
     }
 
     const CLUSTER: &str = r#""cluster": {"chief": ["c0:2222"], "ps": ["p0:2222"],

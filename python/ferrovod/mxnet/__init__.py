@@ -10,7 +10,12 @@ is compiled against MXNet: the same wheel serves every framework.
 
 from __future__ import annotations
 
-import types
+from .._api import exit_if_parameter_server
+
+# Before MXNet is imported: importing it in a server or scheduler process starts that role.
+exit_if_parameter_server()
+
+import types  # noqa: E402
 import warnings
 from collections import OrderedDict, defaultdict
 from typing import Any, Dict, List, Optional, Union

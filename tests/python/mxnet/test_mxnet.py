@@ -1,9 +1,14 @@
 """ferrovod.mxnet with the real MXNet 1.9.1, in the interpreter of .venv-mxnet (MXNet needs
 NumPy < 1.24; `make test` creates it with scripts/setup_mxnet_venv.sh), through the real
-launcher: the ops, optimizer, trainer and KVStore on 1 to 3 ranks (see mxnet_worker.py), and
-examples/mxnet_digits.py on 1, 2 and 4 ranks."""
+launcher: the ops, optimizer, trainer and KVStore on 1 to 3 ranks (see mxnet_worker.py),
+examples/mxnet_digits.py on 1, 2 and 4 ranks, and the same example started the way MXNet's
+tools/launch.py starts a job (DMLC_* variables, a scheduler and a server besides the workers)."""
 
+import os
 import re
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +54,49 @@ def test_mxnet_digits_example_reaches_95_percent(n, tmp_path):
     assert float(got[-1]) >= 95.0, describe(res)
     assert f"ranks: {n} " in res.stdout, describe(res)
     assert ckpt.stat().st_size > 0, "rank 0 wrote no checkpoint"
+
+
+def test_dmlc_workers_find_each_other_and_server_and_scheduler_exit():
+    """What MXNet's tools/launch.py starts: a scheduler, a server and two workers, each with
+    the DMLC_* variables only (workers numbered by DMLC_WORKER_ID), all running the same
+    command and no ferrovod launcher: the workers train together, the others end at once,
+    successfully, saying why."""
+    if not MXPY.exists():
+        pytest.fail(f"{MXPY} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
+                    pytrace=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+              "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PYTHONUNBUFFERED": "1"}
+    roles = [("scheduler", {}), ("server", {}), ("worker", {"DMLC_WORKER_ID": "1"}),
+             ("worker", {"DMLC_WORKER_ID": "0"})]
+    cmd = [str(MXPY), str(REPO / "examples" / "mxnet_digits.py"), "--epochs", "3",
+           "--checkpoint", "/dev/null"]
+    procs = []
+    for role, extra in roles:
+        env = _env({**common, "DMLC_ROLE": role, **extra}, plain=True)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for (role, _), p, (out, err) in zip(roles, procs, outs):
+        assert p.returncode == 0, f"{role}: exit {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+        if role != "worker":
+            assert f"is an MXNet {role}" in err and "need no" in err, err
+            assert out == "", out
+    assert "ranks: 2 " in outs[3][0], outs[3]
+
+
+def test_a_half_set_dmlc_environment_is_a_clear_error():
+    env = _env({"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                "DMLC_NUM_WORKER": "2"}, plain=True)
+    res = subprocess.run([sys.executable, "-c", "import ferrovod; ferrovod.init()"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0, res
+    assert "DMLC_PS_ROOT_PORT is missing" in res.stderr, res.stderr
