@@ -11,7 +11,10 @@ commands of the manifests through these helpers, so an edit to a manifest is wha
   args, env, ports);
 - ``pytorchjob_env(path, replica_type, index)``: the variables the training operator injects;
 - ``pytorchjob_argv(path, replica_type, index)``: that container's argv after Kubernetes'
-  ``$(VAR)`` expansion, i.e. what the pod really runs.
+  ``$(VAR)`` expansion, i.e. what the pod really runs;
+- ``mxjob_pods(path)`` and ``mxjob_env(path, replica_type, index)``: an MXJob's pods and the
+  ``MX_CONFIG`` and ``DMLC_*`` variables the operator gives each (mxnet-operator v1
+  ``SetClusterSpec``).
 
 What the operators do is taken from their sources (mpi-operator v2beta1 ``newConfigMap`` /
 ``newLauncherPodTemplate``; training-operator v1.9 ``pytorch/envvar.go`` and ``master.go``).
@@ -20,8 +23,9 @@ What the operators do is taken from their sources (mpi-operator v2beta1 ``newCon
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import yaml
 
@@ -324,3 +328,56 @@ def trainjob_command(trainjob: Path) -> List[str]:
     if trainer.get("command"):
         return [str(a) for a in trainer["command"] + (trainer.get("args") or [])]
     return _argv(_trainer_container(trainjob_runtime(trainjob)))
+
+
+# -- Kubeflow Training Operator: MXJob ---------------------------------------------------------
+
+MXJOB = EXAMPLES / "mxjob.yaml"
+DOCKERFILE_MXNET = EXAMPLES / "Dockerfile.mxnet"
+MXNET_CONTAINER = "mxnet"
+MXNET_PORT_NAME = "mxjob-port"
+
+
+def mxjob_container(path: Path, replica_type: str) -> Dict[str, Any]:
+    return _only_container(load(path), "mxReplicaSpecs", replica_type)
+
+
+def mxjob_pods(path: Path) -> List[Tuple[str, int, str]]:
+    """``(replica type, index, pod name)`` of every pod, as the operator names them
+    (``<job>-<type>-<index>``, the type in lower case)."""
+    job = load(path)
+    name = job["metadata"]["name"]
+    return [(rtype, i, f"{name}-{rtype.lower()}-{i}")
+            for rtype, spec in job["spec"]["mxReplicaSpecs"].items()
+            for i in range(int(spec.get("replicas", 1)))]
+
+
+def mxjob_env(path: Path, replica_type: str, index: int) -> Dict[str, str]:
+    """The environment of pod ``<job>-<type>-<index>``: the container's env, then what the
+    operator appends: ``MX_CONFIG`` (every replica's ``{url, port}`` by type, this pod's type
+    and index) and ``DMLC_PS_ROOT_URI``/``_PORT`` (the scheduler's), ``DMLC_NUM_SERVER``,
+    ``DMLC_NUM_WORKER``, ``DMLC_ROLE`` and ``DMLC_USE_KUBERNETES``."""
+    job = load(path)
+    name = job["metadata"]["name"]
+    cluster: Dict[str, List[Dict[str, Any]]] = {}
+    for rtype, spec in job["spec"]["mxReplicaSpecs"].items():
+        container = mxjob_container(path, rtype)
+        port = next(p["containerPort"] for p in container["ports"]
+                    if p["name"] == MXNET_PORT_NAME)
+        cluster[rtype.lower()] = [{"url": f"{name}-{rtype.lower()}-{i}", "port": port}
+                                  for i in range(int(spec.get("replicas", 1)))]
+    config = {"cluster": cluster, "labels": {t: "" for t in cluster},
+              "task": {"type": replica_type.lower(), "index": index}}
+    container = mxjob_container(path, replica_type)
+    env = {e["name"]: str(e.get("value", "")) for e in container.get("env", [])}
+    scheduler = cluster.get("scheduler", [{"url": "", "port": 0}])[0]
+    env.update({
+        "MX_CONFIG": json.dumps(config),
+        "DMLC_PS_ROOT_PORT": str(scheduler["port"]),
+        "DMLC_PS_ROOT_URI": scheduler["url"],
+        "DMLC_NUM_SERVER": str(len(cluster.get("server", []))),
+        "DMLC_NUM_WORKER": str(len(cluster.get("worker", []))),
+        "DMLC_ROLE": replica_type.lower(),
+        "DMLC_USE_KUBERNETES": "1",
+    })
+    return env

@@ -454,3 +454,35 @@ def test_readme_build_command_and_files_match() -> None:
     assert re.search(rf"docker build -f {re.escape(build.group(1))} -t \S+ \.", readme)
     for path in kx.MANIFESTS:
         assert f"examples/kubernetes/{path.name}" in readme, f"README does not apply {path.name}"
+
+
+# -- MXJob ---------------------------------------------------------------------------------------
+
+
+def test_mxjob_runs_one_command_in_the_mxnet_image() -> None:
+    job = kx.load(kx.MXJOB)
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "MXJob")
+    assert job["spec"]["jobMode"] == "MXTrain"
+    replicas = job["spec"]["mxReplicaSpecs"]
+    assert set(replicas) == {"Scheduler", "Server", "Worker"}
+    containers = [kx.mxjob_container(kx.MXJOB, t) for t in replicas]
+    # The operator reads the port of the container named "mxnet", port name "mxjob-port".
+    for c in containers:
+        assert c["name"] == kx.MXNET_CONTAINER
+        assert [p["name"] for p in c["ports"]] == [kx.MXNET_PORT_NAME]
+    assert {tuple(c["command"]) for c in containers} == {
+        ("python", "/opt/ferrovod/examples/mxnet_digits.py")}
+    images = {c["image"] for c in containers}
+    assert len(images) == 1, images
+    image = images.pop()
+    build = f"docker build -f examples/kubernetes/Dockerfile.mxnet -t {image} ."
+    assert build in kx.MXJOB.read_text() and build in (kx.EXAMPLES / "README.md").read_text()
+    # The image holds the example and the versions the tests run with.
+    docker = kx.DOCKERFILE_MXNET.read_text()
+    assert "COPY examples/ /opt/ferrovod/examples/" in docker
+    setup = (kx.REPO / "scripts" / "setup_mxnet_venv.sh").read_text()
+    for pin in ("mxnet==1.9.1", "numpy==1.23.5", "scikit-learn==1.3.2", "scipy==1.11.4"):
+        assert pin in docker and pin in setup, pin
+    # Scheduler and server pods end in `import ferrovod.mxnet`, before MXNet would start them.
+    script = (kx.REPO / "examples" / "mxnet_digits.py").read_text()
+    assert script.index("import ferrovod.mxnet") < script.index("import mxnet")

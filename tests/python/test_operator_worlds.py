@@ -8,7 +8,9 @@ namespaces (netns.py) — the manifests' own commands, read from the YAML (kube_
   command is run as written (``ferrovodrun`` or plain ``mpirun``);
 * PyTorchJob (kubeflow.org/v1): a master and a worker pod with the variables the training
   operator injects (RANK is the node rank), each running its container's ``torchrun`` command
-  after Kubernetes' ``$(VAR)`` expansion.
+  after Kubernetes' ``$(VAR)`` expansion;
+* MXJob (kubeflow.org/v1): scheduler, server and worker pods with the operator's ``MX_CONFIG``
+  and ``DMLC_*`` variables, each running the manifest's command in MXNet's interpreter.
 
 Two substitutions only: the image's paths (``/opt/ferrovod/examples``, ``python``,
 ``ferrovodrun``, ``torchrun``) become this checkout's and its virtual environment's, and the
@@ -189,3 +191,37 @@ def test_trainjob_on_the_torch_runtime(trainjob, tmp_path):
         env0 = K.trainjob_torch_env(trainjob, 0)
         world = int(env0["PET_NNODES"]) * int(env0["PET_NPROC_PER_NODE"])
         assert trained_on(outs[0][0], world), outs[0]
+
+
+# -- MXJob ---------------------------------------------------------------------------------------
+
+
+def test_mxjob(tmp_path):
+    """The MXJob: scheduler, server and two worker pods named as the operator names them, each
+    with its MX_CONFIG and DMLC_* variables, all running the manifest's one command in MXNet's
+    interpreter (.venv-mxnet): the workers train together from MX_CONFIG, the scheduler and
+    the server end at once, successfully, saying they are not needed."""
+    mxpy = REPO / ".venv-mxnet" / "bin" / "python"
+    if not mxpy.exists():
+        pytest.fail(f"{mxpy} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
+                    pytrace=False)
+    manifest = K.MXJOB
+    pods = K.mxjob_pods(manifest)
+    with Cluster([pod for _, _, pod in pods], tmp_path) as cluster:
+        procs = []
+        for rtype, index, pod in pods:
+            env = clean_env(PYTHONUNBUFFERED="1", **K.mxjob_env(manifest, rtype, index))
+            argv = [str(mxpy) if a in ("python", "python3") else a
+                    for a in K.mxjob_container(manifest, rtype)["command"]]
+            argv = [a.replace(IMAGE_EXAMPLES, str(REPO / "examples")) for a in argv] + EPOCHS
+            procs.append(cluster.popen(pod, argv, env=env, stdout=-1, stderr=-1, text=True))
+        outs = [p.communicate(timeout=300) for p in procs]
+    workers = 0
+    for (rtype, index, _), p, (out, err) in zip(pods, procs, outs):
+        assert p.returncode == 0, f"{rtype} {index}: {out[-4000:]}\n{err[-6000:]}"
+        if rtype == "Worker":
+            workers += 1
+        else:
+            assert "need no" in err and out == "", f"{rtype}: {out}\n{err}"
+    worker0 = next(o for (t, i, _), o in zip(pods, outs) if t == "Worker" and i == 0)
+    assert trained_on(worker0[0], workers), worker0
