@@ -565,8 +565,8 @@ pub struct DmlcWorker {
 
 /// The worker `DMLC_ROLE` and its companions describe: `Ok(None)` without `DMLC_ROLE`. The
 /// mxnet-operator gives every pod `MX_CONFIG` (the cluster and this task's index, as
-/// `TF_CONFIG` does) besides `DMLC_*`; MXNet's `tools/launch.py` gives none, so its workers
-/// say which they are with `DMLC_WORKER_ID`. Servers and schedulers are not ranks: their
+/// `TF_CONFIG` does) besides `DMLC_*`; MXNet's `tools/launch.py` numbers its local workers in
+/// `DMLC_TASK_ID`, and elsewhere workers say which they are with `DMLC_WORKER_ID`. Servers and schedulers are not ranks: their
 /// role is an error here (`ferrovod.init()` and `import ferrovod.mxnet` end such a process
 /// before it gets here, saying it is not needed).
 pub fn dmlc_worker(raw: &dyn Fn(&str) -> Option<String>) -> Result<Option<DmlcWorker>> {
@@ -612,17 +612,23 @@ pub fn dmlc_worker(raw: &dyn Fn(&str) -> Option<String>) -> Result<Option<DmlcWo
     }
     let (rank, rendezvous) = match raw("MX_CONFIG") {
         Some(text) => mx_config_worker(&text, size)?,
-        None => match raw("DMLC_WORKER_ID") {
-            Some(_) => {
+        // tools/launch.py's local launcher numbers its workers 0.. in DMLC_TASK_ID; BytePS's
+        // scripts, and users, give DMLC_WORKER_ID.
+        None => match ["DMLC_WORKER_ID", "DMLC_TASK_ID"]
+            .into_iter()
+            .find(|n| raw(n).is_some())
+        {
+            Some(id) => {
                 let port = int("DMLC_PS_ROOT_PORT")?;
                 let host = raw("DMLC_PS_ROOT_URI").unwrap_or_default();
-                (int("DMLC_WORKER_ID")?, format!("{host}:{port}"))
+                (int(id)?, format!("{host}:{port}"))
             }
             None => {
                 return Err(Error::InvalidArgument(
                     "DMLC_ROLE=worker, but neither MX_CONFIG (the mxnet-operator's) nor \
-                     DMLC_WORKER_ID says which worker this is: give each worker \
-                     DMLC_WORKER_ID=0, 1, ... (worker 0 on the host of DMLC_PS_ROOT_URI)"
+                     DMLC_WORKER_ID nor DMLC_TASK_ID (tools/launch.py's) says which worker this \
+                     is: give each worker DMLC_WORKER_ID=0, 1, ... (worker 0 on the host of \
+                     DMLC_PS_ROOT_URI)"
                         .into(),
                 ))
             }
@@ -1076,6 +1082,18 @@ mod tests {
         .unwrap();
         assert_eq!((l.launcher, l.rank, l.size), (Launcher::Dmlc, 1, 2));
         assert_eq!(l.rendezvous_addr.as_deref(), Some("127.0.0.1:9300"));
+        // tools/launch.py's local launcher: DMLC_TASK_ID
+        let l = cfg(&[
+            ("DMLC_ROLE", "worker"),
+            ("DMLC_PS_ROOT_URI", "127.0.0.1"),
+            ("DMLC_PS_ROOT_PORT", "9300"),
+            ("DMLC_NUM_WORKER", "3"),
+            ("DMLC_NUM_SERVER", "1"),
+            ("DMLC_TASK_ID", "2"),
+            ("DMLC_JOB_CLUSTER", "local"),
+        ])
+        .unwrap();
+        assert_eq!((l.rank, l.size), (2, 3));
     }
 
     #[test]

@@ -58,7 +58,7 @@ def test_mxnet_digits_example_reaches_95_percent(n, tmp_path):
 
 def test_dmlc_workers_find_each_other_and_server_and_scheduler_exit():
     """What MXNet's tools/launch.py starts: a scheduler, a server and two workers, each with
-    the DMLC_* variables only (workers numbered by DMLC_WORKER_ID), all running the same
+    the DMLC_* variables only (tasks numbered by DMLC_TASK_ID), all running the same
     command and no ferrovod launcher: the workers train together, the others end at once,
     successfully, saying why."""
     if not MXPY.exists():
@@ -68,9 +68,11 @@ def test_dmlc_workers_find_each_other_and_server_and_scheduler_exit():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     common = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
-              "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PYTHONUNBUFFERED": "1"}
-    roles = [("scheduler", {}), ("server", {}), ("worker", {"DMLC_WORKER_ID": "1"}),
-             ("worker", {"DMLC_WORKER_ID": "0"})]
+              "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_JOB_CLUSTER": "local",
+              "PYTHONUNBUFFERED": "1"}
+    # tools/launch.py's local launcher numbers workers and then servers in DMLC_TASK_ID
+    roles = [("scheduler", {}), ("server", {"DMLC_TASK_ID": "2"}),
+             ("worker", {"DMLC_TASK_ID": "1"}), ("worker", {"DMLC_TASK_ID": "0"})]
     cmd = [str(MXPY), str(REPO / "examples" / "mxnet_digits.py"), "--epochs", "3",
            "--checkpoint", "/dev/null"]
     procs = []
