@@ -110,8 +110,9 @@ def test_every_worker_failing_ends_the_job_at_once(tmp_path):
     assert "every worker has failed; no survivor holds the committed state" in res.stderr, \
         describe(res)
     assert "the first failure was" in res.stderr, describe(res)
-    assert "fewer than --min-np" not in res.stderr, describe(res)
-    assert took < 60, f"took {took:.0f} s"
+    # While the last worker still runs, the driver may say it waits for hosts (that worker
+    # could hold the state); its failure ends the wait at once, long before the timeout.
+    assert took < 60, f"took {took:.0f} s\n{describe(res)}"
 
 
 def test_the_reset_limit_stops_the_job(tmp_path):
