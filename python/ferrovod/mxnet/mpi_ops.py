@@ -2,9 +2,9 @@
 into the engine (``ferrovod._api``).
 
 A CPU NDArray is read where it lies (its data pointer, once MXNet's pending writes to it are
-done) and results come back as new NDArrays on the input's context, or, for the in-place forms,
-are written into the input by an MXNet assignment, which MXNet's engine orders after the work
-already queued on that array. A GPU NDArray is copied to host memory and back, with a one-time
+done) and results come back as new NDArrays on the input's context that take over the engine's
+result memory, or, for the in-place forms, are written into the input by an MXNet assignment,
+which MXNet's engine orders after the work already queued on that array. A GPU NDArray is copied to host memory and back, with a one-time
 warning. ``priority`` is accepted and ignored: the engine orders ops by their negotiation.
 """
 
@@ -104,8 +104,17 @@ def _host(tensor: NDArray, what: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=t.dtype).reshape(t.shape)
 
 
+# What mx.nd.from_numpy cannot take without a copy (its DLPack conversion refuses them).
+_COPIED = (np.dtype(np.int8),)
+
+
 def _nd(values: np.ndarray, like: NDArray) -> NDArray:
-    """A new NDArray on ``like``'s context holding ``values`` in ``like``'s dtype."""
+    """A new NDArray on ``like``'s context holding ``values`` in ``like``'s dtype. On the CPU it
+    takes over the result's memory, which the engine allocated for this op alone (MXNet keeps
+    the array alive), instead of copying it."""
+    if (like.context.device_type == "cpu" and values.dtype == like.dtype and values.ndim
+            and values.size and values.flags.c_contiguous and values.dtype not in _COPIED):
+        return mx.nd.from_numpy(values, zero_copy=True)
     return mx.nd.array(values, ctx=like.context, dtype=like.dtype)
 
 
