@@ -32,7 +32,7 @@ pub enum Launcher {
     /// A TensorFlow job (Kubeflow TFJob and others): `TF_CONFIG`.
     TfConfig,
     /// A worker of an MXNet job set up for parameter servers (`DMLC_*`): the mxnet-operator's
-    /// MXJob (`MX_CONFIG`) or MXNet's `tools/launch.py` (`DMLC_WORKER_ID`).
+    /// MXJob (`MX_CONFIG`) or MXNet's `tools/launch.py` (`DMLC_TASK_ID`, `DMLC_WORKER_ID`).
     Dmlc,
     /// No launcher: a single process.
     None,
@@ -52,7 +52,9 @@ impl Launcher {
                  PET_MASTER_ADDR)"
             }
             Launcher::TfConfig => "TFJob (TF_CONFIG)",
-            Launcher::Dmlc => "MXNet's DMLC_* variables (MXJob's MX_CONFIG, or DMLC_WORKER_ID)",
+            Launcher::Dmlc => {
+                "MXNet's DMLC_* variables (MXJob's MX_CONFIG, DMLC_WORKER_ID or DMLC_TASK_ID)"
+            }
             Launcher::None => "none (a single process)",
         }
     }
@@ -175,14 +177,6 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
         get(name)
             .map(|v| v.trim().to_string())
             .filter(|v| !v.is_empty())
-    };
-    let int_of = |name: &str, v: Option<String>| -> Result<Option<usize>> {
-        v.map(|v| {
-            v.parse::<usize>().map_err(|_| {
-                Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
-            })
-        })
-        .transpose()
     };
     let pair = |launcher: Launcher,
                 rank_var: &str,
@@ -382,18 +376,10 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
                     let host = raw("MASTER_ADDR");
                     let port = int_of("MASTER_PORT", raw("MASTER_PORT"))?;
                     let (Some(host), Some(port)) = (host, port) else {
-                        let missing: Vec<&str> = [
-                            ("MASTER_ADDR", raw("MASTER_ADDR").is_none()),
-                            ("MASTER_PORT", raw("MASTER_PORT").is_none()),
-                        ]
-                        .iter()
-                        .filter(|(_, m)| *m)
-                        .map(|(n, _)| *n)
-                        .collect();
                         return Err(Error::InvalidArgument(format!(
                             "RANK and WORLD_SIZE are set but {} missing: set MASTER_ADDR and \
                              MASTER_PORT (torchrun and PyTorchJob do), or FERROVOD_RENDEZVOUS_ADDR",
-                            missing.join(" and ") + if missing.len() > 1 { " are" } else { " is" }
+                            unset(&["MASTER_ADDR", "MASTER_PORT"], &raw).unwrap_or_default()
                         )));
                     };
                     // torchrun's agent already serves its own store on MASTER_PORT.
@@ -551,6 +537,27 @@ pub fn first_slurm_host(list: &str) -> Option<String> {
     }
 }
 
+/// Variable `name`'s value `v` as a count or index; `None` when unset.
+fn int_of(name: &str, v: Option<String>) -> Result<Option<usize>> {
+    v.map(|v| {
+        v.parse::<usize>().map_err(|_| {
+            Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
+        })
+    })
+    .transpose()
+}
+
+/// Which of `names` are unset, as the subject of a sentence ("A is", "A and B are"); `None`
+/// when all are set.
+fn unset(names: &[&str], raw: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let missing: Vec<&str> = names.iter().copied().filter(|n| raw(n).is_none()).collect();
+    match missing.len() {
+        0 => None,
+        1 => Some(format!("{} is", missing[0])),
+        _ => Some(format!("{} are", missing.join(" and "))),
+    }
+}
+
 /// A worker of an MXNet job set up for parameter servers, from the `DMLC_*` variables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DmlcWorker {
@@ -566,22 +573,20 @@ pub struct DmlcWorker {
 /// The worker `DMLC_ROLE` and its companions describe: `Ok(None)` without `DMLC_ROLE`. The
 /// mxnet-operator gives every pod `MX_CONFIG` (the cluster and this task's index, as
 /// `TF_CONFIG` does) besides `DMLC_*`; MXNet's `tools/launch.py` numbers its local workers in
-/// `DMLC_TASK_ID`, and elsewhere workers say which they are with `DMLC_WORKER_ID`. Servers and schedulers are not ranks: their
-/// role is an error here (`ferrovod.init()` and `import ferrovod.mxnet` end such a process
-/// before it gets here, saying it is not needed).
+/// `DMLC_TASK_ID`, and elsewhere workers say which they are with `DMLC_WORKER_ID`. Servers and
+/// schedulers are not ranks: their role is an error here (`ferrovod.init()` and
+/// `import ferrovod.mxnet` end such a process before it gets here, saying it is not needed).
 pub fn dmlc_worker(raw: &dyn Fn(&str) -> Option<String>) -> Result<Option<DmlcWorker>> {
     let Some(role) = raw("DMLC_ROLE") else {
         return Ok(None);
     };
-    let missing: Vec<&str> = ["DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER"]
-        .into_iter()
-        .filter(|n| raw(n).is_none())
-        .collect();
-    if !missing.is_empty() {
+    if let Some(missing) = unset(
+        &["DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER"],
+        raw,
+    ) {
         return Err(Error::InvalidArgument(format!(
-            "DMLC_ROLE={role} is set but {} missing (the mxnet-operator and MXNet's \
-             tools/launch.py set DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT and DMLC_NUM_WORKER)",
-            missing.join(" and ") + if missing.len() > 1 { " are" } else { " is" }
+            "DMLC_ROLE={role} is set but {missing} missing (the mxnet-operator and MXNet's \
+             tools/launch.py set DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT and DMLC_NUM_WORKER)"
         )));
     }
     match role.to_ascii_lowercase().as_str() {
@@ -598,12 +603,8 @@ pub fn dmlc_worker(raw: &dyn Fn(&str) -> Option<String>) -> Result<Option<DmlcWo
             )))
         }
     }
-    let int = |name: &str| -> Result<usize> {
-        let v = raw(name).unwrap_or_default();
-        v.parse::<usize>().map_err(|_| {
-            Error::InvalidArgument(format!("{name}={v:?} is not a non-negative integer"))
-        })
-    };
+    // Only variables known to be set are read this way.
+    let int = |name: &str| int_of(name, raw(name)).map(Option::unwrap_or_default);
     let size = int("DMLC_NUM_WORKER")?;
     if size == 0 {
         return Err(Error::InvalidArgument(
