@@ -86,7 +86,7 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
         raise ValueError("process_sets contains duplicates")
     if _core.is_initialized():
         return
-    static = _ps._with_communicator_sets(static)
+    given, static = static, _ps._with_communicator_sets(static)
     # An elastic worker first takes its place in the launcher's newest membership.
     generation = _elastic.join_next() if _elastic.enabled() else None
     level, hide_time, my_rank = _core.log_settings()
@@ -103,7 +103,7 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     if generation is not None:
         _elastic.watch_hosts()
     _name_counters.clear()
-    _ps._on_init(static)
+    _ps._on_init(static, given)
     _share_cores(info["launcher"])
 
 

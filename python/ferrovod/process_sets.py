@@ -90,43 +90,33 @@ _registered: List[ProcessSet] = []
 def _with_communicator_sets(static_sets: Sequence[ProcessSet]) -> List[ProcessSet]:
     """The sets ``init`` registers: the rank lists as given (the same on every rank), then every
     set some process described by its communicator, gathered over MPI and sorted, so that every
-    rank registers them alike (a communicator set of this process is the object it gave)."""
-    _aliases.clear()
+    rank registers them alike (a communicator set of this process is the object it gave; the
+    others with the same ranks get its id in :func:`_on_init`)."""
     if all(p.mpi_comm is None for p in static_sets):
         return list(static_sets)
     mpi = sys.modules["mpi4py.MPI"]  # imported: a communicator was given
-    listed = [p for p in static_sets if p.mpi_comm is None]
+    out = [p for p in static_sets if p.mpi_comm is None]
     mine = [tuple(p.ranks) for p in static_sets if p.mpi_comm is not None]
-    union = sorted({s for theirs in mpi.COMM_WORLD.allgather(mine) for s in theirs})
-    out = list(listed)
-    for ranks in union:
-        own = [p for p in static_sets if p.mpi_comm is not None and tuple(p.ranks) == ranks]
-        same = [p for p in listed if tuple(p.ranks) == ranks]
-        if same:
-            for p in own:  # the listed set's id is theirs too
-                p.process_set_id = None
-                _aliases.append((p, same[0]))
+    for ranks in sorted({s for theirs in mpi.COMM_WORLD.allgather(mine) for s in theirs}):
+        if any(tuple(p.ranks) == ranks for p in out):
             continue
+        own = [p for p in static_sets if p.mpi_comm is not None and tuple(p.ranks) == ranks]
         out.append(own[0] if own else ProcessSet(list(ranks)))
-        for p in own[1:]:
-            _aliases.append((p, own[0]))
     return out
 
 
-# Objects that describe a registered set another object registered: (alias, registered).
-_aliases: List[tuple] = []
-
-
-def _on_init(static_sets: Sequence[ProcessSet]) -> None:
+def _on_init(static_sets: Sequence[ProcessSet], given: Sequence[ProcessSet] = ()) -> None:
+    """Records the ids ``init`` registered ``static_sets`` under (1, 2, ... in order); an object
+    of ``given`` that describes one of them without being it gets the same id."""
     global_process_set.ranks = list(range(_core.topology()[1]))
     global_process_set.process_set_id = 0
     _registered.clear()
     for i, ps in enumerate(static_sets, start=1):
         ps.process_set_id = i
         _registered.append(ps)
-    for alias, ps in _aliases:
-        alias.process_set_id = ps.process_set_id
-    _aliases.clear()
+    for ps in given:
+        if not any(ps is r for r in _registered):
+            ps.process_set_id = next(r.process_set_id for r in _registered if r.ranks == ps.ranks)
 
 
 def _on_shutdown() -> None:

@@ -118,6 +118,16 @@ def _run(cmd, env, timeout):
     return res
 
 
+def mxnet_python():
+    """The interpreter of .venv-mxnet (MXNet needs NumPy < 1.24; scripts/setup_mxnet_venv.sh,
+    which `make test` runs, creates it); the test fails, not skips, without it."""
+    py = REPO / ".venv-mxnet" / "bin" / "python"
+    if not py.exists():
+        pytest.fail(f"{py} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
+                    pytrace=False)
+    return str(py)
+
+
 def launcher_cmd(n, script, *args, launcher_args=()):
     return [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), *launcher_args,
             sys.executable, str(WORKERS / script), *[str(a) for a in args]]

@@ -26,7 +26,7 @@ import sys
 import pytest
 
 import kube_examples as K
-from conftest import REPO
+from conftest import REPO, mxnet_python
 from netns import Cluster, missing_tools
 
 pytestmark = [
@@ -201,17 +201,14 @@ def test_mxjob(tmp_path):
     with its MX_CONFIG and DMLC_* variables, all running the manifest's one command in MXNet's
     interpreter (.venv-mxnet): the workers train together from MX_CONFIG, the scheduler and
     the server end at once, successfully, saying they are not needed."""
-    mxpy = REPO / ".venv-mxnet" / "bin" / "python"
-    if not mxpy.exists():
-        pytest.fail(f"{mxpy} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
-                    pytrace=False)
+    mxpy = mxnet_python()
     manifest = K.MXJOB
     pods = K.mxjob_pods(manifest)
     with Cluster([pod for _, _, pod in pods], tmp_path) as cluster:
         procs = []
         for rtype, index, pod in pods:
             env = clean_env(PYTHONUNBUFFERED="1", **K.mxjob_env(manifest, rtype, index))
-            argv = [str(mxpy) if a in ("python", "python3") else a
+            argv = [mxpy if a in ("python", "python3") else a
                     for a in K.mxjob_container(manifest, rtype)["command"]]
             argv = [a.replace(IMAGE_EXAMPLES, str(REPO / "examples")) for a in argv] + EPOCHS
             procs.append(cluster.popen(pod, argv, env=env, stdout=-1, stderr=-1, text=True))

@@ -88,6 +88,13 @@ __all__ = [
 ]
 
 
+def _averaging(gradient_predivide_factor: float, process_set: ProcessSet) -> Dict[str, Any]:
+    """The reduction arguments of a gradient average split by ``gradient_predivide_factor``
+    (``1 / factor`` before the sum, ``factor / size`` after it)."""
+    return dict(op=Average, prescale_factor=1.0 / gradient_predivide_factor,
+                postscale_factor=gradient_predivide_factor, process_set=process_set)
+
+
 class DistributedOptimizer(mx.optimizer.Optimizer):
     """Wraps an ``mx.optimizer.Optimizer``: each update first averages the gradient across
     the set, in place (split ``1 / gradient_predivide_factor`` before the sum and
@@ -114,9 +121,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def _do_allreduce(self, index: Any, grad: Any) -> None:
         if self._process_set.size() == 1:
             return
-        scale = dict(op=Average, prescale_factor=1.0 / self._gradient_predivide_factor,
-                     postscale_factor=self._gradient_predivide_factor,
-                     process_set=self._process_set)
+        scale = _averaging(self._gradient_predivide_factor, self._process_set)
         if isinstance(index, (tuple, list)):
             if self._num_groups > 0:
                 for grads, indices in zip(split_list(grad, self._num_groups),
@@ -183,9 +188,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     def _allreduce_grads(self) -> None:
         if self._process_set.size() == 1 or not self._process_set.included():
             return
-        scale = dict(op=Average, prescale_factor=1.0 / self._gradient_predivide_factor,
-                     postscale_factor=self._gradient_predivide_factor,
-                     process_set=self._process_set)
+        scale = _averaging(self._gradient_predivide_factor, self._process_set)
         entries = []
         for i, param in enumerate(self._params):
             if param.grad_req != "null":

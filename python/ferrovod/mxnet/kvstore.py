@@ -79,7 +79,8 @@ class KVStore(mx.kvstore.KVStoreBase):
     def init(self, key: Any, value: Any) -> None:
         """Stores rank 0's value for each key."""
         for k, values in _pairs(key, value):
-            self._store[k] = broadcast(values[0], 0, name=f"kvstore.init.{k}").copy()
+            # A new NDArray over this op's own result: the store may update it in place.
+            self._store[k] = broadcast(values[0], 0, name=f"kvstore.init.{k}")
 
     def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
         """Stores rank 0's ``value`` for ``key`` and writes it to ``out``."""

@@ -164,9 +164,10 @@ def _on_device(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
 
 
 def _ddesc(h: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Tuple[int, int, int, List[int], int]:
-    """A device tensor's description (never empty: empty ones are staged)."""
-    return (int(h.data_ptr()), h.numel() * h.element_size(), _code(h, what), list(h.shape),
-            0 if out is None else int(out.data_ptr()))
+    """A device tensor's description (an empty one at a placeholder address, see
+    :func:`_dev_addr`)."""
+    return (_dev_addr(h), h.numel() * h.element_size(), _code(h, what), list(h.shape),
+            0 if out is None else _dev_addr(out))
 
 
 _DEVICE_EMPTY: dict = {}
@@ -195,7 +196,8 @@ def _device_sizes(kind: int, mine: List[int], name: str,
         got = _api.allgather(sizes, f"{name}.sizes", process_set).reshape(-1, len(mine))
     else:
         got, _ = _api.alltoall(sizes, [1] * len(mine), f"{name}.sizes", process_set)
-    if (got < 0).any() or min(mine, default=0) < 0:
+    # This rank's own sizes are among those it gets back.
+    if (got < 0).any():
         return None
     return got
 
@@ -209,8 +211,7 @@ def _device_sized(kind: int, name: str, kind_name: str, process_set: ProcessSet,
                   outs: Sequence[torch.Tensor], finish: Callable[[Any], Any],
                   target: Tuple[int, int], splits: Sequence[int] = ()) -> Handle:
     """Submits an allgather or alltoall of CUDA tensors into outputs sized beforehand."""
-    descs = [(_dev_addr(h), h.numel() * h.element_size(), _code(h, kind_name), list(h.shape),
-              _dev_addr(o)) for h, o in zip(hs, outs)]
+    descs = [_ddesc(h, o, kind_name) for h, o in zip(hs, outs)]
     return _api._enqueue_raw(kind, name, kind_name, process_set, descs, finish,
                              [list(tensors), list(hs), list(outs)], splits=splits,
                              device=target,

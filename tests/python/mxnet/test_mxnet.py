@@ -14,27 +14,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _env, _run, assert_ok, describe
+from conftest import REPO, _env, _run, assert_ok, describe, mxnet_python
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
-MXPY = REPO / ".venv-mxnet" / "bin" / "python"
 
 
-def mxnet_job(n, *args, timeout=300):
-    if not MXPY.exists():
-        pytest.fail(f"{MXPY} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
-                    pytrace=False)
-    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), str(MXPY),
-           str(HERE / "mxnet_worker.py"), *[str(a) for a in args]]
+def mxnet_job(n, script, *args, timeout=300):
+    """``script`` run on ``n`` ranks by ferrovodrun in MXNet's interpreter."""
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), mxnet_python(),
+           str(script), *[str(a) for a in args]]
     return _run(cmd, _env(None), timeout)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_mxnet_ops_optimizer_and_trainer(n):
-    res = mxnet_job(n, 80 + n)
+    res = mxnet_job(n, HERE / "mxnet_worker.py", 80 + n)
     # the members of a process set run its checks, the others not
     assert_ok(res, n, min_checks=500, same_count=False)
 
@@ -42,12 +38,7 @@ def test_mxnet_ops_optimizer_and_trainer(n):
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_mxnet_digits_example_reaches_95_percent(n, tmp_path):
     ckpt = tmp_path / "digits.params"
-    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), str(MXPY),
-           str(REPO / "examples" / "mxnet_digits.py"), "--checkpoint", str(ckpt)]
-    if not MXPY.exists():
-        pytest.fail(f"{MXPY} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
-                    pytrace=False)
-    res = _run(cmd, _env(None), 300)
+    res = mxnet_job(n, REPO / "examples" / "mxnet_digits.py", "--checkpoint", ckpt)
     assert res.returncode == 0, describe(res)
     got = re.findall(r"test accuracy: ([\d.]+)%", res.stdout)
     assert got, describe(res)
@@ -61,9 +52,6 @@ def test_dmlc_workers_find_each_other_and_server_and_scheduler_exit():
     the DMLC_* variables only (tasks numbered by DMLC_TASK_ID), all running the same
     command and no ferrovod launcher: the workers train together, the others end at once,
     successfully, saying why."""
-    if not MXPY.exists():
-        pytest.fail(f"{MXPY} is missing: run scripts/setup_mxnet_venv.sh (make test does)",
-                    pytrace=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -73,7 +61,7 @@ def test_dmlc_workers_find_each_other_and_server_and_scheduler_exit():
     # tools/launch.py's local launcher numbers workers and then servers in DMLC_TASK_ID
     roles = [("scheduler", {}), ("server", {"DMLC_TASK_ID": "2"}),
              ("worker", {"DMLC_TASK_ID": "1"}), ("worker", {"DMLC_TASK_ID": "0"})]
-    cmd = [str(MXPY), str(REPO / "examples" / "mxnet_digits.py"), "--epochs", "3",
+    cmd = [mxnet_python(), str(REPO / "examples" / "mxnet_digits.py"), "--epochs", "3",
            "--checkpoint", "/dev/null"]
     procs = []
     for role, extra in roles:
