@@ -515,8 +515,7 @@ fn enqueue(
                             req.name
                         ))
                     })?;
-                    gather(comm, &input, &output, dims, row_elems, dtype, stream)?;
-                    continue;
+                    gather(comm, &input, &output, dims, row_elems, dtype, stream)?
                 }
                 OpKind::Alltoall => {
                     let n = members.len();
@@ -529,16 +528,10 @@ fn enqueue(
                     }
                     let send: Vec<usize> = (0..n).map(|j| m[me * n + j] * row_elems).collect();
                     let recv: Vec<usize> = (0..n).map(|j| m[j * n + me] * row_elems).collect();
-                    comm.alltoall(&input, &send, &output, &recv, dtype, stream)?;
-                    continue;
+                    comm.alltoall(&input, &send, &output, &recv, dtype, stream)?
                 }
-                _ if count == 0 => {
-                    // Every member has the same shape (validated), so every member skips it.
-                    continue;
-                }
-                _ => {}
-            }
-            match kind {
+                // Every member has the same shape (validated), so every member skips it.
+                _ if count == 0 => {}
                 OpKind::Allreduce => comm.allreduce(
                     &input,
                     &output,
