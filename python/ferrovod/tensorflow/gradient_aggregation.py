@@ -19,17 +19,6 @@ import tensorflow as tf
 from ..process_sets import ProcessSet, global_process_set
 
 
-def apply_op_to_not_none_tensors(tensor_op: Callable[..., Any], tensors: Sequence[Any],
-                                 *args: Any) -> List[Any]:
-    """``tensor_op(t, *args)`` for every tensor that is not None (None entries stay None)."""
-    return [tensor_op(t, *args) if t is not None else t for t in tensors]
-
-
-def get_not_none_from_list(tensor_list: Sequence[Any]) -> List[Any]:
-    """The entries that are not None."""
-    return [x for x in tensor_list if x is not None]
-
-
 class LocalGradientAggregationHelper:
     """Aggregates gradients locally and reduces them across ranks once every
     ``backward_passes_per_step`` calls of :meth:`compute_gradients`; :meth:`apply_gradients`
