@@ -63,6 +63,15 @@ def test_sharded_through_rings_without_host_memory(n):
     assert_ok(res, n, min_checks=50)
 
 
+def test_flat_gradients_through_rings_without_host_memory():
+    """With shared memory off the flat gradient buffer is reduced by one in-place allreduce
+    through the engine (the path ranks on several hosts take); the default runs above reduce
+    it in host memory."""
+    res = run_job(3, HERE / "torch_train_worker.py", 70, "optimizer", timeout=180,
+                  env={"FERROVOD_SHM_DISABLE": "1", "FERROVOD_OVERLAP": "0"})
+    assert_ok(res, 3, min_checks=20)
+
+
 @pytest.mark.parametrize("where", ["before_step", "after_reduce"])
 def test_killed_rank_in_a_sharded_step_is_reported(where):
     """A rank SIGKILLed while the others wait in one of the sharded step's meetings: each

@@ -182,6 +182,9 @@ def _in_flight_checks(run):
                  f"FERROVOD_OVERLAP={mode}: (overlap, allreduces submitted during backward)")
         # at step(): every gradient lives in the flat buffer, reduced by one allreduce
         ck.equal(opt.flat_gradients, mode == "0", f"FERROVOD_OVERLAP={mode}: flat gradients")
+        # ranks on one host reduce the flat buffer in shared memory unless it is turned off
+        shared = mode == "0" and run.n > 1 and os.environ.get("FERROVOD_SHM_DISABLE") != "1"
+        ck.equal(opt._host is not None, shared, "flat gradients in host memory")
     ck.raises(AssertionError, opt.zero_grad, "zero_grad with allreduces in flight",
               contains=("zero_grad",))
     e = ck.raises(Exception, lambda: torch.nn.functional.mse_loss(model(x), y).backward(),
