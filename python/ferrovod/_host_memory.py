@@ -3,13 +3,15 @@ when all of them are on this host (see ``transport::host_memory`` in the Rust en
 
 A sharded optimizer keeps its gradients and its one copy of the parameters there, so that a
 rank reduces its shard straight from its peers' gradients and no allgather of the parameters
-is needed (see :mod:`ferrovod.torch.sharded`).
+is needed (see :mod:`ferrovod.torch.sharded`). :class:`SharedFlat` is the unsharded form: a
+flat buffer per rank that one :meth:`SharedFlat.allreduce` averages (or sums) into every
+rank's buffer: the torch optimizer's flat gradients when it is not sharded.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -52,4 +54,57 @@ def view(mem: Any, rank: int) -> np.ndarray:
     return np.asarray(mem.segment(rank))
 
 
-__all__ = ["SHARE_TIMEOUT_S", "share", "view"]
+def shard(rows: int, n: int, r: int) -> Tuple[int, int]:
+    """Rank ``r``'s rows of ``rows`` split over ``n`` ranks, as (first row, row count):
+    Horovod's reducescatter split, the lowest ``rows % n`` ranks one row more."""
+    return r * (rows // n) + min(r, rows % n), rows // n + int(r < rows % n)
+
+
+def meet(name: str, process_set: ProcessSet) -> None:
+    """Returns once every rank of the set has called it with ``name`` (a one-element
+    allreduce: the fast path's meeting when the ranks share a host)."""
+    _api.allreduce(np.zeros(1, dtype=np.int32), op=_api.Sum, name=name, process_set=process_set)
+
+
+class SharedFlat:
+    """A flat buffer of ``count`` elements of ``dtype`` per rank of ``process_set``, in host
+    memory every rank maps; :meth:`create` makes one (a collective) or finds it cannot."""
+
+    def __init__(self, mem: Any, count: int, dtype: np.dtype, rank: int, name: str,
+                 process_set: ProcessSet) -> None:
+        nbytes = count * dtype.itemsize
+        self.mem, self.rank, self.name, self.process_set = mem, rank, name, process_set
+        self.code = _api._dtype_code(np.empty(0, dtype), name)
+        self.buffers: List[np.ndarray] = [view(mem, q)[:nbytes].view(dtype)
+                                          for q in range(len(mem.mapped()))]
+        self.own = self.buffers[rank]
+
+    @classmethod
+    def create(cls, count: int, dtype: np.dtype, name: str, process_set: ProcessSet,
+               rank: int, n: int) -> Optional["SharedFlat"]:
+        """A collective over ``process_set`` (``rank`` of ``n``): the buffers, or None on every
+        rank when some rank cannot map them all (see :func:`share`)."""
+        if n < 2:
+            return None
+        mem = share(max(count * np.dtype(dtype).itemsize, 1), name, process_set, rank)
+        return None if mem is None else cls(mem, count, np.dtype(dtype), rank, name, process_set)
+
+    def allreduce(self, op: int, postscale: float = 1.0) -> None:
+        """Reduces every rank's buffer into each with ``op`` (Sum or Average; Average divides
+        by the ranks), times ``postscale``. Every rank's buffer must be final: the caller's
+        last meeting ensured it. This rank sums its shard of all buffers into its own, the
+        ranks meet, each copies the other shards from their owners, and they meet again
+        before anyone writes a buffer. Each shard is summed once, by its owner, so every
+        rank ends with the same bits."""
+        n, rows, size = len(self.buffers), self.own.size, self.own.itemsize
+        lo, count = shard(rows, n, self.rank)
+        self.mem.reduce_shard(lo * size, count * size, self.code, op, postscale)
+        meet(f"{self.name}.reduced", self.process_set)
+        for q, buf in enumerate(self.buffers):
+            if q != self.rank:
+                lo, count = shard(rows, n, q)
+                np.copyto(self.own[lo:lo + count], buf[lo:lo + count])
+        meet(f"{self.name}.gathered", self.process_set)
+
+
+__all__ = ["SHARE_TIMEOUT_S", "SharedFlat", "meet", "shard", "share", "view"]

@@ -24,6 +24,7 @@ import torch
 
 from .. import _api, _core
 from .._api import Average, Sum
+from .._host_memory import shard as _shard
 from ..exceptions import InvalidArgumentError
 from ..process_sets import ProcessSet, global_process_set
 
@@ -668,12 +669,6 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
         return _refused(_core.REDUCESCATTER, name, process_set, e, now)
 
 
-def _shard(rows: int, n: int, r: int) -> Tuple[int, int]:
-    """Rank ``r``'s rows of ``rows`` split over ``n`` ranks, as (first row, row count):
-    Horovod's reducescatter split, the lowest ``rows % n`` ranks one row more."""
-    return r * (rows // n) + min(r, rows % n), rows // n + int(r < rows % n)
-
-
 def _flat_host(tensor: torch.Tensor, what: str) -> torch.Tensor:
     _check_tensor(tensor, what)
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dim() == 0:
@@ -688,7 +683,7 @@ def _reducescatter_in_place_async(tensor: torch.Tensor, name: str, op: int,
                                   prescale_factor: float = 1.0,
                                   postscale_factor: float = 1.0) -> Handle:
     """Reduces ``tensor`` across the set in place: afterwards this rank's rows of dim 0
-    (:func:`_shard`) hold the reduction, the other rows partial sums. The handle's result is
+    (:func:`ferrovod._host_memory.shard`) hold the reduction, the other rows partial sums. The handle's result is
     the view of this rank's rows. No copy of the input, no output allocated: a sharded
     optimizer reduces its flat gradient buffer this way."""
     if int(op) not in (Sum, Average):
@@ -708,7 +703,7 @@ def _reducescatter_in_place_async(tensor: torch.Tensor, name: str, op: int,
 def _allgather_in_place_async(tensor: torch.Tensor, name: str,
                               process_set: ProcessSet = global_process_set) -> Handle:
     """Fills ``tensor`` from every rank of the set: on entry this rank's rows of dim 0
-    (:func:`_shard`) hold its contribution, on return every rank's rows are in place. The
+    (:func:`ferrovod._host_memory.shard`) hold its contribution, on return every rank's rows are in place. The
     handle's result is ``tensor``. A sharded optimizer gathers its updated parameters this
     way straight into the flat buffer the model's parameters view."""
     t = _flat_host(tensor, "allgather")

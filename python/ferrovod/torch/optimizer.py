@@ -25,7 +25,7 @@ cache. Any rank with a sparse gradient (without ``sparse_as_dense``) makes every
 per-bucket path for that step. In paired steps of that MLP (12.6 MB of gradients) a step took
 0.4-1.5 ms less than with 4 MiB buckets. When the ranks share a host, the flat buffer lives in
 host memory they all map and is reduced there, as the sharded optimizer reduces its shards
-(see :meth:`_DistributedMixin._allreduce_in_host_memory`).
+(see :class:`ferrovod._host_memory.SharedFlat`).
 """
 
 from __future__ import annotations
@@ -83,9 +83,8 @@ class _DistributedMixin:
         # reduction, which go back to sparse before the update (see _resparsify).
         self._densified: Dict[torch.Tensor, int] = {}
         self._shards: Optional[Shards] = None
-        # The flat gradient buffer in host memory shared with the set: the memory and every
-        # rank's buffer in it (see _share_flat).
-        self._host: Optional[Tuple[Any, List[torch.Tensor]]] = None
+        # The flat gradient buffer in host memory shared with the set (see _share_flat).
+        self._host: Optional[_host_memory.SharedFlat] = None
         if sharded:
             check_shardable(type(self), self._why_not_flat(), overlap)
             overlap = False
@@ -235,45 +234,19 @@ class _DistributedMixin:
 
     def _share_flat(self) -> None:
         """Moves the flat gradient buffer into host memory that every rank of the set maps,
-        when they all can (one host, shared memory allowed): ``step()`` then reduces it as the
-        sharded optimizer does, each rank summing its shard straight from the others' buffers
-        and copying theirs back, instead of through the rings (see
-        :meth:`_allreduce_in_host_memory`). A collective, like the rest of the constructor."""
+        when they all can (one host, shared memory allowed): ``step()`` then reduces it there
+        (:meth:`ferrovod._host_memory.SharedFlat.allreduce`: each rank sums its shard straight
+        from the others' buffers and copies theirs back) instead of through the rings. A
+        collective, like the rest of the constructor."""
         assert self._flat is not None
         n, rank = ops._set_size(self.process_set), ops._set_rank(self.process_set)
-        if n < 2:
-            return
-        flat = self._flat
-        nbytes = flat.numel() * flat.element_size()
-        mem = _host_memory.share(nbytes, f"{self._flat_name}.host", self.process_set, rank)
-        if mem is None:
-            return
-        buffers = [torch.from_numpy(_host_memory.view(mem, q))[:nbytes].view(flat.dtype)
-                   for q in range(n)]
-        self._move_flat(buffers[rank])
-        self._host = (mem, buffers)
-
-    def _allreduce_in_host_memory(self, postscale: float) -> None:
-        """Averages (or sums) every rank's flat gradient buffer into each: this rank sums its
-        shard of all buffers into its own (then scaled by ``postscale``), the ranks meet, each
-        copies the other shards from their owners, and they meet again before anyone writes
-        a gradient. Every rank's buffer must be final (the caller's agreement was the first
-        meeting). All ranks end with the same bits: each shard is summed once, by its owner."""
-        assert self._host is not None and self._flat is not None
-        mem, buffers = self._host
-        flat, n = self._flat, len(buffers)
-        rank = ops._set_rank(self.process_set)
-        size = flat.element_size()
-        lo, count = ops._shard(flat.numel(), n, rank)
-        mem.reduce_shard(lo * size, count * size, ops._code(flat, "DistributedOptimizer"),
-                         self.op, postscale)
-        self._meet(f"{self._flat_name}.reduced")
-        with torch.no_grad():
-            for q in range(n):
-                if q != rank:
-                    lo, count = ops._shard(flat.numel(), n, q)
-                    flat[lo:lo + count].copy_(buffers[q][lo:lo + count])
-        self._meet(f"{self._flat_name}.gathered")
+        dtype = torch.empty(0, dtype=self._flat.dtype).numpy().dtype
+        shared = _host_memory.SharedFlat.create(self._flat.numel(), dtype,
+                                                f"{self._flat_name}.host", self.process_set,
+                                                rank, n)
+        if shared is not None:
+            self._move_flat(torch.from_numpy(shared.own))
+            self._host = shared
 
     def _move_flat(self, flat: torch.Tensor) -> None:
         """Moves the flat gradient buffer into ``flat`` (same size), with every view and every
@@ -293,10 +266,7 @@ class _DistributedMixin:
         self._flat = flat
 
     def _meet(self, name: str) -> None:
-        """Returns once every rank of the set has called it with ``name`` (a one-element
-        allreduce: the fast path's meeting when the ranks share a host)."""
-        _api.allreduce(np.zeros(1, dtype=np.int32), op=Sum, name=name,
-                       process_set=self.process_set)
+        _host_memory.meet(name, self.process_set)
 
     def _stays_sparse(self, grad: Optional[torch.Tensor]) -> bool:
         """Whether ``grad`` is reduced as a sparse gradient (allgathered), not densified."""
@@ -502,10 +472,11 @@ class _DistributedMixin:
             pre, post = self._scale()
             # A pre-scale would have to be applied before the agreement, and the agreement can
             # still send this step down the per-bucket path, which applies it again.
-            host = self._host is not None and pre == 1.0
+            host = self._host if pre == 1.0 else None
             if self._flat is not None and self._flat_ready():
-                if host:
-                    self._allreduce_in_host_memory(post)
+                if host is not None:
+                    # Every rank's buffer is final: _flat_ready's agreement was the meeting.
+                    host.allreduce(self.op, post)
                 else:
                     ops.synchronize(ops.allreduce_async_(
                         self._flat, name=self._flat_name, op=self.op, prescale_factor=pre,

@@ -109,7 +109,7 @@ class Shards:
                 offsets[p] = at
                 at += p.numel()
         self.offsets = offsets
-        lo, count = ops._shard(at, n, rank)
+        lo, count = _host_memory.shard(at, n, rank)
         hi = lo + count
         self.bytes = (lo * grad_flat.element_size(), count * grad_flat.element_size())
         # Per group: its range of the flat buffer (its parameters that need gradients are
