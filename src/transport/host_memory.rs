@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::shm::random_name_with;
-use super::shm::sys::{self, Mapping};
+use super::sys::{self, Mapping};
 use crate::bootstrap::net::{poll, poll_fd, POLL_IN};
 use crate::error::{Error, Result};
 

@@ -13,6 +13,7 @@
 pub mod host_memory;
 pub mod hybrid;
 pub mod shm;
+mod sys;
 pub mod tcp;
 
 use crate::spin::Spin;
