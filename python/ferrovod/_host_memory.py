@@ -67,27 +67,28 @@ def meet(name: str, process_set: ProcessSet) -> None:
 
 
 class SharedFlat:
-    """A flat buffer of ``count`` elements of ``dtype`` per rank of ``process_set``, in host
-    memory every rank maps; :meth:`create` makes one (a collective) or finds it cannot."""
+    """A flat buffer of ``count`` elements of ``itemsize`` bytes (engine dtype ``code``) per
+    rank of ``process_set``, in host memory every rank maps, as uint8 arrays (so any dtype the
+    engine reduces fits, bfloat16 included); :meth:`create` makes one (a collective) or finds
+    it cannot."""
 
-    def __init__(self, mem: Any, count: int, dtype: np.dtype, rank: int, name: str,
+    def __init__(self, mem: Any, count: int, itemsize: int, code: int, rank: int, name: str,
                  process_set: ProcessSet) -> None:
-        nbytes = count * dtype.itemsize
-        self.mem, self.rank, self.name, self.process_set = mem, rank, name, process_set
-        self.code = _api._dtype_code(np.empty(0, dtype), name)
-        self.buffers: List[np.ndarray] = [view(mem, q)[:nbytes].view(dtype)
+        self.mem, self.count, self.itemsize, self.code = mem, count, itemsize, code
+        self.rank, self.name, self.process_set = rank, name, process_set
+        self.buffers: List[np.ndarray] = [view(mem, q)[:count * itemsize]
                                           for q in range(len(mem.mapped()))]
         self.own = self.buffers[rank]
 
     @classmethod
-    def create(cls, count: int, dtype: np.dtype, name: str, process_set: ProcessSet,
+    def create(cls, count: int, itemsize: int, code: int, name: str, process_set: ProcessSet,
                rank: int, n: int) -> Optional["SharedFlat"]:
         """A collective over ``process_set`` (``rank`` of ``n``): the buffers, or None on every
         rank when some rank cannot map them all (see :func:`share`)."""
         if n < 2:
             return None
-        mem = share(max(count * np.dtype(dtype).itemsize, 1), name, process_set, rank)
-        return None if mem is None else cls(mem, count, np.dtype(dtype), rank, name, process_set)
+        mem = share(max(count * itemsize, 1), name, process_set, rank)
+        return None if mem is None else cls(mem, count, itemsize, code, rank, name, process_set)
 
     def allreduce(self, op: int, postscale: float = 1.0) -> None:
         """Reduces every rank's buffer into each with ``op`` (Sum or Average; Average divides
@@ -96,14 +97,15 @@ class SharedFlat:
         ranks meet, each copies the other shards from their owners, and they meet again
         before anyone writes a buffer. Each shard is summed once, by its owner, so every
         rank ends with the same bits."""
-        n, rows, size = len(self.buffers), self.own.size, self.own.itemsize
-        lo, count = shard(rows, n, self.rank)
+        n, size = len(self.buffers), self.itemsize
+        lo, count = shard(self.count, n, self.rank)
         self.mem.reduce_shard(lo * size, count * size, self.code, op, postscale)
         meet(f"{self.name}.reduced", self.process_set)
         for q, buf in enumerate(self.buffers):
             if q != self.rank:
-                lo, count = shard(rows, n, q)
-                np.copyto(self.own[lo:lo + count], buf[lo:lo + count])
+                lo, count = shard(self.count, n, q)
+                np.copyto(self.own[lo * size:(lo + count) * size],
+                          buf[lo * size:(lo + count) * size])
         meet(f"{self.name}.gathered", self.process_set)
 
 

@@ -240,12 +240,12 @@ class _DistributedMixin:
         collective, like the rest of the constructor."""
         assert self._flat is not None
         n, rank = ops._set_size(self.process_set), ops._set_rank(self.process_set)
-        dtype = torch.empty(0, dtype=self._flat.dtype).numpy().dtype
-        shared = _host_memory.SharedFlat.create(self._flat.numel(), dtype,
-                                                f"{self._flat_name}.host", self.process_set,
-                                                rank, n)
+        flat = self._flat
+        shared = _host_memory.SharedFlat.create(
+            flat.numel(), flat.element_size(), ops._code(flat, "DistributedOptimizer"),
+            f"{self._flat_name}.host", self.process_set, rank, n)
         if shared is not None:
-            self._move_flat(torch.from_numpy(shared.own))
+            self._move_flat(torch.from_numpy(shared.own).view(flat.dtype))
             self._host = shared
 
     def _move_flat(self, flat: torch.Tensor) -> None:

@@ -154,6 +154,29 @@ def sec_optimizer(run):
         run.train(model, opt)
         run.same_on_all_ranks(flat(model), f"{comp.__name__}: parameters identical")
         run.close(flat(model), flat(run.reference(sgd)), f"{comp.__name__}: near reference", tol)
+    _half_precision_gradients(run)
+
+
+def _half_precision_gradients(run):
+    """Parameters in float16 and bfloat16 (NumPy has no bfloat16): the flat buffer, in host
+    memory when the ranks share it, holds the gathered gradients' mean to within rounding
+    (the paths sum in different orders), the same bits on every rank."""
+    for dtype, tol in ((torch.float16, 5e-3), (torch.bfloat16, 2e-2)):
+        torch.manual_seed(3)
+        model = torch.nn.Linear(37, 5).to(dtype)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        x = torch.arange(3 * 37, dtype=torch.float32).reshape(3, 37).div(50).add(run.r)
+        model(x.to(dtype)).pow(2).sum().backward()
+        local = [p.grad.float().clone() for p in model.parameters()]
+        opt.synchronize()
+        for p, g in zip(model.parameters(), local):
+            every = hvd.allgather(g.unsqueeze(0), name=f"half.{dtype}.{tuple(g.shape)}")
+            run.close(p.grad.float(), every.mean(0), f"{dtype}: averaged gradient of shape "
+                      f"{tuple(g.shape)}", tol)
+            run.same_on_all_ranks(p.grad.float(), f"{dtype}: gradient identical on all ranks")
+        with opt.skip_synchronize():
+            opt.step()
 
 
 def _quiet(fn):
