@@ -167,8 +167,13 @@ def _half_precision_gradients(run):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters())
         x = torch.arange(3 * 37, dtype=torch.float32).reshape(3, 37).div(50).add(run.r)
+        # This rank's gradients from a copy the optimizer does not hook: with overlap, the
+        # model's own are reduced in place while backward still runs.
+        ref = torch.nn.Linear(37, 5).to(dtype)
+        ref.load_state_dict(model.state_dict())
+        ref(x.to(dtype)).pow(2).sum().backward()
+        local = [p.grad.float() for p in ref.parameters()]
         model(x.to(dtype)).pow(2).sum().backward()
-        local = [p.grad.float().clone() for p in model.parameters()]
         opt.synchronize()
         for p, g in zip(model.parameters(), local):
             every = hvd.allgather(g.unsqueeze(0), name=f"half.{dtype}.{tuple(g.shape)}")
