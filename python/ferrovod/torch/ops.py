@@ -683,9 +683,9 @@ def _reducescatter_in_place_async(tensor: torch.Tensor, name: str, op: int,
                                   prescale_factor: float = 1.0,
                                   postscale_factor: float = 1.0) -> Handle:
     """Reduces ``tensor`` across the set in place: afterwards this rank's rows of dim 0
-    (:func:`ferrovod._host_memory.shard`) hold the reduction, the other rows partial sums. The handle's result is
-    the view of this rank's rows. No copy of the input, no output allocated: a sharded
-    optimizer reduces its flat gradient buffer this way."""
+    (:func:`ferrovod._host_memory.shard`) hold the reduction, the other rows partial sums.
+    The handle's result is the view of this rank's rows. No copy of the input, no output
+    allocated: a sharded optimizer reduces its flat gradient buffer this way."""
     if int(op) not in (Sum, Average):
         raise InvalidArgumentError("Reducescatter currently only supports AVERAGE and SUM.")
     t = _flat_host(tensor, "reducescatter")
@@ -703,9 +703,9 @@ def _reducescatter_in_place_async(tensor: torch.Tensor, name: str, op: int,
 def _allgather_in_place_async(tensor: torch.Tensor, name: str,
                               process_set: ProcessSet = global_process_set) -> Handle:
     """Fills ``tensor`` from every rank of the set: on entry this rank's rows of dim 0
-    (:func:`ferrovod._host_memory.shard`) hold its contribution, on return every rank's rows are in place. The
-    handle's result is ``tensor``. A sharded optimizer gathers its updated parameters this
-    way straight into the flat buffer the model's parameters view."""
+    (:func:`ferrovod._host_memory.shard`) hold its contribution, on return every rank's rows
+    are in place. The handle's result is ``tensor``. A sharded optimizer gathers its updated
+    parameters this way straight into the flat buffer the model's parameters view."""
     t = _flat_host(tensor, "allgather")
     first, count = _shard(t.shape[0], _set_size(process_set), _set_rank(process_set))
     share = t[first:first + count]
