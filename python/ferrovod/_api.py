@@ -390,16 +390,21 @@ def _start(p: _Pending) -> Handle:
     return h
 
 
+def _outcome(core: Any) -> Any:
+    """What an op's ``core`` (from :func:`_run`) hands back: the result a waiting call got at
+    once (a tuple), or its handle's, waited for."""
+    return core if type(core) is tuple else core.wait()
+
+
 def _now(p: _Pending) -> Any:
     """Waits for a submitted op no one else can see: the blocking calls skip the handle table,
     whose registering, wrapping and looking up again were a third of a small op's Python time.
     The locals of the caller keep the memory alive meanwhile."""
-    return p.finish(p.core.wait())
+    return p.finish(_outcome(p.core))
 
 
 def _single(h: Handle) -> Handle:
-    """:func:`_one` for a registered handle (the torch adapter's ops are registered by
-    :func:`_enqueue_raw`)."""
+    """:func:`_one` for a registered handle (the torch adapter registers its ops)."""
     with _lock:
         _one(_handles[h])
     return h
@@ -410,6 +415,42 @@ def _one(p: _Pending) -> _Pending:
     inner = p.finish
     p.finish = lambda r: inner(r)[0]
     return p
+
+
+def _run(
+    kind: int,
+    name: str,
+    process_set: ProcessSet,
+    tensors: Sequence[Any],
+    outputs: Optional[Sequence[Optional[np.ndarray]]] = None,
+    op: int = Sum,
+    root: int = 0,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    splits: Sequence[int] = (),
+    device: Optional[Tuple[int, int]] = None,
+    out_bytes: Optional[Sequence[int]] = None,
+    wait: bool = False,
+) -> Any:
+    """The one way into the engine for an op: NumPy's, torch's, TensorFlow's and every later
+    adapter's op is submitted here (``ferrovod._core.run``, which hands it to the engine's own
+    entry, where the way it takes is decided).
+
+    ``tensors``: NumPy arrays (``outputs[i]``: the array a result goes to, which may be the
+    input itself, or ``None`` for a result the engine allocates), or raw ``(data_ptr, nbytes,
+    dtype_code, shape, out_ptr or 0)`` tuples for memory NumPy cannot describe (torch
+    bfloat16, CUDA tensors; ``out_bytes``: each output's size where it is not the input's). The
+    caller guarantees every address is C-contiguous memory of that size owned by an object it
+    keeps referenced until the op completes (the handle table does, or a blocking call's frame).
+    ``device``: ``(CUDA ordinal, raw current stream)`` when the tuples address CUDA memory.
+    ``wait``: the caller waits at once, so a small op may take the engine's fast path; the op's
+    result, ``(outputs, received_splits, last_joined)``, is then returned instead of a handle.
+
+    Returns ``None``, having submitted nothing, when an array is not one the engine reads from
+    ``__array_struct__`` alone (non-contiguous, byte-swapped, bfloat16): see :func:`_submit`.
+    """
+    return _core.run(kind, name, _set_id(process_set), tensors, outputs, op, root, prescale,
+                     postscale, splits, device, out_bytes, wait)
 
 
 def _submit(
@@ -425,65 +466,28 @@ def _submit(
     splits: Sequence[int] = (),
     now: bool = False,
 ) -> Any:
-    set_id = _set_id(process_set)
+    """:func:`_run` for C-contiguous NumPy arrays in native byte order; ``now``: the caller
+    waits at once. Arrays the engine cannot read from ``__array_struct__`` alone (bfloat16)
+    go again as raw tuples."""
     op, root, prescale, postscale = int(op), int(root), float(prescale), float(postscale)
     splits = [int(s) for s in splits]
-    # The engine reads plain arrays itself; it declines (None) those it cannot describe from
-    # __array_struct__ alone (bfloat16, say), which go the long way below.
-    core = _core.enqueue_arrays(kind, name, set_id, inputs, outputs, op, root, prescale,
-                                postscale, splits, now)
+    core = _run(kind, name, process_set, inputs, outputs, op, root, prescale, postscale, splits,
+                wait=now)
     if core is not None:
         return core
     tensors = []
     for arr, out in zip(inputs, outputs):
         code = _dtype_code(arr, name)
         tensors.append((_ptr(arr), arr.nbytes, code, list(arr.shape), 0 if out is None else _ptr(out)))
-    return _core.enqueue(kind, name, set_id, tensors, op, root, prescale, postscale, splits,
-                         now=now)
-
-
-def _enqueue_raw(
-    kind: int,
-    name: Optional[str],
-    kind_name: str,
-    process_set: ProcessSet,
-    tensors: Sequence[Tuple[int, int, int, Sequence[int], int]],
-    finish: Callable[[Any], Any],
-    keepalive: Any,
-    op: int = Sum,
-    root: int = 0,
-    prescale: float = 1.0,
-    postscale: float = 1.0,
-    splits: Sequence[int] = (),
-    device: Optional[Tuple[int, int]] = None,
-    now: bool = False,
-    out_bytes: Optional[Sequence[int]] = None,
-) -> Handle:
-    """Private entry point for framework adapters (``ferrovod.torch``): submits tensors given as
-    raw ``(data_ptr, nbytes, dtype_code, shape, out_ptr or 0)`` tuples, so memory NumPy cannot
-    describe (e.g. torch bfloat16) needs no NumPy view. The caller guarantees every pointer
-    addresses C-contiguous memory of ``nbytes`` bytes owned by an object that ``keepalive`` or
-    ``finish`` references (the handle table holds both until :func:`synchronize` returns; one
-    object per op keeps the garbage collector's work down, see :class:`_PerTensorResult`);
-    ``finish`` turns the engine's
-    ``(outputs, received_splits, last_joined)`` into the handle's result. Unnamed ops share the
-    ``<kind_name>.noname.<n>`` counters with this module. ``device``: ``(CUDA ordinal, raw
-    current stream)`` when the pointers are CUDA memory for the engine's NCCL path (outputs
-    allocated by the caller). ``now``: the caller synchronizes at once, so a small allreduce
-    may take the engine's fast path (the handle is then complete on return).
-    """
-    core = _core.enqueue(
-        int(kind), _auto_name(kind_name, name), _set_id(process_set),
-        [(int(p), int(nb), int(c), [int(d) for d in shape], int(o)) for p, nb, c, shape, o in tensors],
-        int(op), int(root), float(prescale), float(postscale), [int(s) for s in splits],
-        device=None if device is None else (int(device[0]), int(device[1])), now=now,
-        out_bytes=None if out_bytes is None else [int(b) for b in out_bytes],
-    )
-    return _register(core, finish, keepalive)
+    return _run(kind, name, process_set, tensors, None, op, root, prescale, postscale, splits,
+                wait=now)
 
 
 def _from_bytes(buf: Any, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-    # ``buf`` is an engine-owned buffer exposing __array_interface__: viewed, not copied.
+    """A result the engine allocated as an array: a small one comes as a ``bytearray``, a large
+    one as an engine-owned buffer exposing ``__array_interface__``; both viewed, not copied."""
+    if type(buf) is bytearray:
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
     return np.asarray(buf).view(dtype).reshape(tuple(shape))
 
 
@@ -493,7 +497,7 @@ def poll(handle: Handle) -> bool:
         p = _handles.get(handle)
     if p is None:
         raise ValueError(f"unknown or already synchronized handle {handle}")
-    return bool(p.core.poll())
+    return type(p.core) is tuple or bool(p.core.poll())
 
 
 def synchronize(handle: Handle) -> Any:
@@ -503,7 +507,7 @@ def synchronize(handle: Handle) -> Any:
     if p is None:
         raise ValueError(f"unknown or already synchronized handle {handle}")
     try:
-        result = p.core.wait()
+        result = _outcome(p.core)
     finally:
         with _lock:
             _handles.pop(handle, None)
@@ -585,7 +589,7 @@ def _allreduce(
 
 def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[int],
                    average: Optional[bool], prescale: float, postscale: float) -> bool:
-    """The blocking one-array allreduce done in one call into the engine (which may take its
+    """The blocking one-array allreduce as one waiting call into the engine (which may take its
     fast path): no handle, result holder or pending op. False, having done nothing, for what
     it does not take (non-contiguous, byte-swapped or bfloat16 arrays, Adasum): the general
     path then runs, under the same name."""
@@ -595,8 +599,8 @@ def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[
         return False
     if rop == Adasum:
         return False
-    return bool(_core.op_now(_core.ALLREDUCE, tensor, out, name, int(rop), 0, float(prescale),
-                             float(postscale)))
+    return _run(_core.ALLREDUCE, name, global_process_set, (tensor,), (out,), rop, 0,
+                float(prescale), float(postscale), wait=True) is not None
 
 
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -709,17 +713,18 @@ def _gather(tensors: Sequence[Tensor], name: Optional[str], process_set: Process
 def _one_call(kind: int, tensor: Tensor, name: str, process_set: ProcessSet, op: int = Sum,
               prescale: float = 1.0, postscale: float = 1.0) -> Optional[np.ndarray]:
     """A blocking op with a new result (allgather, reducescatter, evenly split alltoall) of
-    one plain array in the global set, as one call into the engine (see _allreduce_now).
-    None: the general path (another kind of tensor or set, or an op the engine's single call
-    leaves to it, such as a malformed one, whose error the general path gives)."""
-    if type(tensor) is not np.ndarray or process_set is not global_process_set:
+    one plain array in the global set, as one waiting call into the engine (see
+    _allreduce_now). None: the general path (another kind of tensor or set, an array the
+    engine does not read as it lies, or a malformed op, whose error the general path gives)."""
+    if type(tensor) is not np.ndarray or process_set is not global_process_set \
+            or tensor.ndim == 0:
         return None
-    got = _core.op_now(kind, tensor, None, name, op, 0, prescale, postscale)
-    if got is False:
+    got = _run(kind, name, global_process_set, (tensor,), None, op, 0, prescale, postscale,
+               wait=True)
+    if got is None:
         return None
-    if type(got[0]) is bytearray:
-        return np.frombuffer(got[0], dtype=tensor.dtype).reshape(got[1])
-    return _from_bytes(got[0], got[1], tensor.dtype)
+    buf, shape = got[0][0]
+    return _from_bytes(buf, shape, tensor.dtype)
 
 
 def allgather_async(tensor: Tensor, name: Optional[str] = None,
@@ -789,10 +794,11 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
     name = _auto_name("broadcast", name)
     if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
-            and root_rank >= 0:
+            and 0 <= root_rank < _core.topology()[1]:
         out = np.empty_like(tensor, order="C")
-        # One call into the engine (see _allreduce_now); False: the general path.
-        if _core.op_now(_core.BROADCAST, tensor, out, name, Sum, int(root_rank)):
+        # One waiting call into the engine (see _allreduce_now); None: the general path.
+        if _run(_core.BROADCAST, name, global_process_set, (tensor,), (out,), Sum, root_rank,
+                wait=True) is not None:
             return out
     return _now(_broadcast(tensor, root_rank, name, process_set, False, now=True))
 
@@ -808,9 +814,10 @@ def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
     name = _auto_name("broadcast", name)
     if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
-            and root_rank >= 0:
-        # One call into the engine (see _allreduce_now); False: the general path.
-        if _core.op_now(_core.BROADCAST, tensor, tensor, name, Sum, int(root_rank)):
+            and 0 <= root_rank < _core.topology()[1]:
+        # One waiting call into the engine (see _allreduce_now); None: the general path.
+        if _run(_core.BROADCAST, name, global_process_set, (tensor,), (tensor,), Sum, root_rank,
+                wait=True) is not None:
             return tensor
     return _now(_broadcast(tensor, root_rank, name, process_set, True, now=True))
 
@@ -909,7 +916,7 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: int = Average,
     """Reduces across ranks and returns this rank's rows of dim 0 (the lowest ranks get one
     extra row when dim 0 does not divide evenly)."""
     name = _auto_name("reducescatter", name)
-    if type(op) is int:
+    if type(op) is int and op in (Sum, Average):
         got = _one_call(_core.REDUCESCATTER, tensor, name, process_set, op, prescale_factor,
                         postscale_factor)
         if got is not None:

@@ -131,7 +131,7 @@ struct HostSegment {
 impl HostSegment {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        super::array_interface(py, self.seg.as_ptr(), self.seg.len())
+        super::op::array_interface(py, self.seg.as_ptr(), self.seg.len())
     }
 
     fn __len__(&self) -> usize {

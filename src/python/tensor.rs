@@ -11,7 +11,7 @@ use super::errors::to_pyerr;
 
 /// Builds a `TensorSpec` from `(ptr, nbytes, dtype code, shape, out_ptr)`; the output holds
 /// `out_bytes` bytes (`None`: as many as the input).
-pub fn spec_from_py(t: super::PyTensor, out_bytes: Option<usize>) -> PyResult<TensorSpec> {
+pub fn spec_from_py(t: super::op::PyTensor, out_bytes: Option<usize>) -> PyResult<TensorSpec> {
     let (ptr, nbytes, dtype, shape, out_ptr) = t;
     let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
     let meta = TensorMeta { dtype, shape };
@@ -45,7 +45,7 @@ pub fn spec_from_py(t: super::PyTensor, out_bytes: Option<usize>) -> PyResult<Te
 /// Builds a `TensorSpec` of CUDA memory from `(ptr, nbytes, dtype code, shape, out_ptr)` on
 /// device `device`, ordered after `stream`; the output holds `out_bytes` bytes.
 pub fn device_spec_from_py(
-    t: super::PyTensor,
+    t: super::op::PyTensor,
     device: u32,
     stream: usize,
     out_bytes: usize,

@@ -2,7 +2,7 @@
 half) and the handle table they use.
 
 Every op hands the engine raw ``(data_ptr, nbytes, dtype, shape)`` descriptions through
-``ferrovod._api._enqueue_raw``, so no NumPy view is needed (torch bfloat16 works) and a
+``ferrovod._api._run`` (:func:`_submit`), so no NumPy view is needed (torch bfloat16 works) and a
 contiguous CPU tensor is never copied: the engine reads it, and in-place ops write it, where it
 lies. CUDA tensors of allreduce, broadcast and evenly split reducescatter go to the engine's
 NCCL path where it is usable in this process (NCCL found, CUDA driver working: asked once),
@@ -213,10 +213,28 @@ def _device_sized(kind: int, name: str, kind_name: str, process_set: ProcessSet,
                   target: Tuple[int, int], splits: Sequence[int] = ()) -> Handle:
     """Submits an allgather or alltoall of CUDA tensors into outputs sized beforehand."""
     descs = [_ddesc(h, o, kind_name) for h, o in zip(hs, outs)]
-    return _api._enqueue_raw(kind, name, kind_name, process_set, descs, finish,
-                             [list(tensors), list(hs), list(outs)], splits=splits,
-                             device=target,
-                             out_bytes=[o.numel() * o.element_size() for o in outs])
+    return _submit(kind, name, kind_name, process_set, descs, finish,
+                   [list(tensors), list(hs), list(outs)], splits=splits,
+                   device=target,
+                   out_bytes=[o.numel() * o.element_size() for o in outs])
+
+
+def _submit(kind: int, name: Optional[str], kind_name: str, process_set: ProcessSet,
+            descs: Sequence[Tuple[int, int, int, List[int], int]], finish: Callable[[Any], Any],
+            keepalive: Any, op: int = Sum, root: int = 0, prescale: float = 1.0,
+            postscale: float = 1.0, splits: Sequence[int] = (),
+            device: Optional[Tuple[int, int]] = None, now: bool = False,
+            out_bytes: Optional[Sequence[int]] = None) -> Handle:
+    """Submits tensors described as raw tuples through ``ferrovod._api._run`` and registers the
+    op in the handle table, which keeps ``finish`` (it turns the engine's result into the
+    caller's) and ``keepalive`` (every tensor the engine reads or writes) referenced until
+    :func:`synchronize` returns. Unnamed ops share the ``<kind_name>.noname.<n>`` counters of
+    the framework-free API. ``now``: the caller synchronizes at once, so a small op may take
+    the engine's fast path (and is then done when this returns)."""
+    core = _api._run(kind, _api._auto_name(kind_name, name), process_set, descs, None, int(op),
+                     int(root), float(prescale), float(postscale), [int(s) for s in splits],
+                     device, None if out_bytes is None else [int(b) for b in out_bytes], now)
+    return _api._register(core, finish, keepalive)
 
 
 def _addr(t: torch.Tensor) -> int:
@@ -285,7 +303,7 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
                      name: Optional[str], op: Optional[int], prescale_factor: float,
                      postscale_factor: float, process_set: ProcessSet, kind_name: str,
                      single: bool = False, now: bool = False) -> Handle:
-    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
+    """``now``: the caller synchronizes at once (see :func:`_submit`)."""
     name = _api._auto_name(kind_name, name)
     try:
         rop = _api._resolve_op(op, average)
@@ -304,9 +322,9 @@ def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Op
                                       for h in hosts]
         descs = [_desc(h, o, kind_name) for h, o in zip(hosts, outs)]
         result = _HostAllreduce(tensors, hosts, [c for _, c in staged], outs, inplace, single)
-        return _api._enqueue_raw(_core.ALLREDUCE, name, kind_name, process_set, descs, result, None,
-                                 op=rop, prescale=prescale_factor, postscale=postscale_factor,
-                                 now=now)
+        return _submit(_core.ALLREDUCE, name, kind_name, process_set, descs, result, None,
+                       op=rop, prescale=prescale_factor, postscale=postscale_factor,
+                       now=now)
     except _api._BadArgument as e:
         return _refused(_core.ALLREDUCE, name, process_set, e, now)
 
@@ -345,8 +363,8 @@ def _device_inplace_or_new(kind: int, tensors: Sequence[torch.Tensor], inplace: 
                 _copy_back(t, h)
         return list(tensors)
 
-    return _api._enqueue_raw(kind, name, kind_name, process_set, descs, finish,
-                             [list(tensors), hs, outs], device=target, **params)
+    return _submit(kind, name, kind_name, process_set, descs, finish,
+                   [list(tensors), hs, outs], device=target, **params)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -446,7 +464,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
 
 def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
                      process_set: ProcessSet, kind_name: str, now: bool = False) -> Handle:
-    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
+    """``now``: the caller synchronizes at once (see :func:`_submit`)."""
     name = _api._auto_name(kind_name, name)
     try:
         for t in tensors:
@@ -472,8 +490,8 @@ def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
             outs, _, _ = result
             return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
 
-        return _api._enqueue_raw(_core.ALLGATHER, name, kind_name, process_set, descs, finish,
-                                 [list(tensors), hosts], now=now)
+        return _submit(_core.ALLGATHER, name, kind_name, process_set, descs, finish,
+                       [list(tensors), hosts], now=now)
     except _api._BadArgument as e:
         return _refused(_core.ALLGATHER, name, process_set, e, now)
 
@@ -514,8 +532,8 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str],
                 return tensor
             return out if tensor.device.type == "cpu" else out.to(tensor.device)
 
-        return _api._enqueue_raw(_core.BROADCAST, name, "broadcast", process_set,
-                                 [_desc(h, out, "broadcast")], finish, [tensor, h, out], root=root)
+        return _submit(_core.BROADCAST, name, "broadcast", process_set,
+                       [_desc(h, out, "broadcast")], finish, [tensor, h, out], root=root)
     except _api._BadArgument as e:
         return _refused(_core.BROADCAST, name, process_set, e, now)
 
@@ -543,7 +561,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 
 def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
                     process_set: ProcessSet, want_splits: bool, now: bool = False) -> Handle:
-    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
+    """``now``: the caller synchronizes at once (see :func:`_submit`)."""
     name = _api._auto_name("alltoall", name)
     try:
         _check_tensor(tensor, "alltoall")
@@ -569,9 +587,9 @@ def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
                 return out, torch.tensor(list(received), dtype=torch.int32)
             return out
 
-        return _api._enqueue_raw(_core.ALLTOALL, name, "alltoall", process_set,
-                                 [_desc(h, None, "alltoall")], finish, [tensor, h],
-                                 splits=split_list, now=now)
+        return _submit(_core.ALLTOALL, name, "alltoall", process_set,
+                       [_desc(h, None, "alltoall")], finish, [tensor, h],
+                       splits=split_list, now=now)
     except _api._BadArgument as e:
         return _refused(_core.ALLTOALL, name, process_set, e, now)
 
@@ -635,7 +653,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
 def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], op: int,
                          process_set: ProcessSet, prescale_factor: float,
                          postscale_factor: float, kind_name: str, now: bool = False) -> Handle:
-    """``now``: the caller synchronizes at once (see ``ferrovod._api._enqueue_raw``)."""
+    """``now``: the caller synchronizes at once (see :func:`_submit`)."""
     name = _api._auto_name(kind_name, name)
     try:
         op = _api._resolve_op(op, None)
@@ -651,10 +669,10 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
             outs = [torch.empty((h.shape[0] // n,) + tuple(h.shape[1:]), dtype=h.dtype,
                                 device=h.device) for h in srcs]
             descs = [_ddesc(h, o, kind_name) for h, o in zip(srcs, outs)]
-            return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs,
-                                     lambda _: list(outs), [list(tensors), srcs, outs],
-                                     op=int(op), prescale=prescale_factor,
-                                     postscale=postscale_factor, device=target)
+            return _submit(_core.REDUCESCATTER, name, kind_name, process_set, descs,
+                           lambda _: list(outs), [list(tensors), srcs, outs],
+                           op=int(op), prescale=prescale_factor,
+                           postscale=postscale_factor, device=target)
         hosts = [_host(t, kind_name)[0] for t in tensors]
         descs = [_desc(h, None, kind_name) for h in hosts]
 
@@ -662,9 +680,9 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
             outs, _, _ = result
             return [_from_owned(b, s, t.dtype, t.device) for (b, s), t in zip(outs, tensors)]
 
-        return _api._enqueue_raw(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
-                                 [list(tensors), hosts], op=int(op), prescale=prescale_factor,
-                                 postscale=postscale_factor, now=now)
+        return _submit(_core.REDUCESCATTER, name, kind_name, process_set, descs, finish,
+                       [list(tensors), hosts], op=int(op), prescale=prescale_factor,
+                       postscale=postscale_factor, now=now)
     except _api._BadArgument as e:
         return _refused(_core.REDUCESCATTER, name, process_set, e, now)
 
@@ -694,10 +712,10 @@ def _reducescatter_in_place_async(tensor: torch.Tensor, name: str, op: int,
     nbytes = share.numel() * share.element_size()
     desc = (_addr(t), t.numel() * t.element_size(), _code(t, "reducescatter"), list(t.shape),
             _addr(share) if nbytes else 0)
-    return _api._enqueue_raw(_core.REDUCESCATTER, name, "reducescatter", process_set, [desc],
-                             lambda _: share, [t, share], op=int(op),
-                             prescale=prescale_factor, postscale=postscale_factor,
-                             out_bytes=[nbytes])
+    return _submit(_core.REDUCESCATTER, name, "reducescatter", process_set, [desc],
+                   lambda _: share, [t, share], op=int(op),
+                   prescale=prescale_factor, postscale=postscale_factor,
+                   out_bytes=[nbytes])
 
 
 def _allgather_in_place_async(tensor: torch.Tensor, name: str,
@@ -710,9 +728,9 @@ def _allgather_in_place_async(tensor: torch.Tensor, name: str,
     first, count = _shard(t.shape[0], _set_size(process_set), _set_rank(process_set))
     share = t[first:first + count]
     desc = _desc(share, t, "allgather")
-    return _api._enqueue_raw(_core.ALLGATHER, name, "allgather", process_set, [desc],
-                             lambda _: t, [t, share],
-                             out_bytes=[t.numel() * t.element_size()])
+    return _submit(_core.ALLGATHER, name, "allgather", process_set, [desc],
+                   lambda _: t, [t, share],
+                   out_bytes=[t.numel() * t.element_size()])
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,

@@ -37,8 +37,8 @@ def fake_cuda(kind, name, arrays, out_arrays, **params):
     """Submits host arrays described as CUDA memory of device 0 (stream 0)."""
     descs = [(a.ctypes.data, a.nbytes, _core.DTYPE_FLOAT32, list(a.shape), o.ctypes.data)
              for a, o in zip(arrays, out_arrays)]
-    h = _api._enqueue_raw(kind, name, name, global_process_set, descs, lambda r: r,
-                          [arrays, out_arrays], device=(0, 0), **params)
+    h = ops._submit(kind, name, name, global_process_set, descs, lambda r: r,
+                    [arrays, out_arrays], device=(0, 0), **params)
     return lambda: _api.synchronize(h)
 
 
@@ -92,9 +92,9 @@ def main():
     if r == 1:
         mixed = fake_cuda(_core.ALLREDUCE, "dev.mixed", [b], [b], op=hvd.Sum)
     else:
-        h = _api._enqueue_raw(_core.ALLREDUCE, "dev.mixed", "dev.mixed", global_process_set,
-                              [(b.ctypes.data, b.nbytes, _core.DTYPE_FLOAT32, [4], b.ctypes.data)],
-                              lambda res: res, [b], op=hvd.Sum)
+        h = ops._submit(_core.ALLREDUCE, "dev.mixed", "dev.mixed", global_process_set,
+                        [(b.ctypes.data, b.nbytes, _core.DTYPE_FLOAT32, [4], b.ctypes.data)],
+                        lambda res: res, [b], op=hvd.Sum)
         mixed = lambda: _api.synchronize(h)  # noqa: E731
     ck.raises(MismatchError, mixed, "host on some ranks, CUDA on another",
               contains=("dev.mixed", "rank 1 sent CUDA", "ranks [0, 2] sent CPU"))

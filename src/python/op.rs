@@ -1,0 +1,349 @@
+//! The door from Python into the engine for an op ([`run`]), and what comes back: the handle
+//! of a queued op and the buffers of results the engine allocated.
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
+
+use crate::engine::{Handle, OpSpec, Output, PageBuf, Progress, Ran, TensorBuf};
+use crate::error::Error;
+use crate::types::{OpKind, ReduceOp};
+
+use super::errors::to_pyerr;
+use super::tensor;
+use super::with_engine;
+
+/// One tensor as the Python layer describes it: (data pointer, byte length, dtype code,
+/// shape, output pointer or 0 for "engine allocates").
+pub(super) type PyTensor = (usize, usize, u8, Vec<usize>, usize);
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_function(wrap_pyfunction!(reject, m)?)?;
+    m.add_function(wrap_pyfunction!(join, m)?)?;
+    m.add_class::<CoreHandle>()?;
+    m.add_class::<OwnedBuffer>()?;
+    Ok(())
+}
+
+/// The one door from Python into the engine for an op: NumPy's, torch's, TensorFlow's and any
+/// later adapter's op comes in here (through `ferrovod._api._run`) and goes on through the
+/// engine's entry ([`crate::engine::Door::run`]), which decides its way.
+///
+/// `tensors`: NumPy arrays, read from `__array_struct__` (a result goes to `outputs[i]`: `None`
+/// when the engine allocates it, or an array of the input's size, which may be the input
+/// itself), or `(address, nbytes, dtype code, shape, output address or 0)` tuples for memory
+/// NumPy cannot describe (the torch adapter's). `out_bytes`: each output's byte length where it
+/// is not the input's (an allgather into caller memory, this rank's share of a reducescatter).
+/// `device`: `(CUDA ordinal, raw current stream)` when the tuples address CUDA memory for the
+/// NCCL path. `wait`: the caller waits at once, so the op is offered to the fast path first
+/// (`engine::fast`); the GIL is released while it waits.
+///
+/// Returns a [`CoreHandle`], or with `wait` the op's result (see [`result`]); `None`, queuing
+/// nothing, when an array is not one [`tensor::describe_array`] describes or an output does
+/// not match its input: the caller then describes it as a tuple.
+#[pyfunction]
+#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None, out_bytes=None, wait=false))]
+#[allow(clippy::too_many_arguments)]
+fn run<'py>(
+    py: Python<'py>,
+    kind: u8,
+    name: String,
+    set_id: u32,
+    tensors: Vec<Bound<'py, PyAny>>,
+    outputs: Option<Vec<Option<Bound<'py, PyAny>>>>,
+    op: u8,
+    root: usize,
+    prescale: f64,
+    postscale: f64,
+    splits: Vec<usize>,
+    device: Option<(u32, usize)>,
+    out_bytes: Option<Vec<usize>>,
+    wait: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
+    let op = reduce_op(op)?;
+    let per_tensor = |what: &str, n: Option<usize>| match n {
+        Some(n) if n != tensors.len() => Err(to_pyerr(Error::InvalidArgument(format!(
+            "{} '{name}': {what} gives one entry per tensor",
+            kind.name()
+        )))),
+        _ => Ok(()),
+    };
+    per_tensor("outputs", outputs.as_ref().map(Vec::len))?;
+    per_tensor("out_bytes", out_bytes.as_ref().map(Vec::len))?;
+    let mut described = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        if let Ok(tuple) = t.cast::<PyTuple>() {
+            described.push(tuple.extract::<PyTensor>()?);
+            continue;
+        }
+        let output = outputs.as_ref().and_then(|o| o[i].as_ref());
+        match array_tensor(t, output) {
+            Some(d) => described.push(d),
+            None => return Ok(py.None().into_bound(py)),
+        }
+    }
+    let spec = with_engine(|e| {
+        let tensors = described
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let out = out_bytes.as_ref().map(|o| o[i]);
+                match device {
+                    None => tensor::spec_from_py(t, out),
+                    Some((ordinal, stream)) => {
+                        // An unknown set is refused by the engine, with its own message.
+                        let n = e.process_set(set_id).map_or(1, |m| m.len());
+                        let out = match out {
+                            Some(o) => o,
+                            None if kind == OpKind::Reducescatter => t.1 / n,
+                            None => t.1,
+                        };
+                        tensor::device_spec_from_py(t, ordinal, stream, out)
+                    }
+                }
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(OpSpec {
+            set_id,
+            name,
+            kind,
+            op,
+            root,
+            prescale,
+            postscale,
+            tensors,
+            splits,
+        })
+    })?;
+    if !wait {
+        let handle = with_engine(|e| {
+            Ok(CoreHandle {
+                handle: e.submit(spec).map_err(to_pyerr)?,
+                progress: e.progress(),
+            })
+        })?;
+        return Ok(Bound::new(py, handle)?.into_any());
+    }
+    let door = with_engine(|e| Ok(e.door()))?;
+    let ran = match interruptible(py, |stop| door.run(spec, Some(stop))) {
+        (_, Some(e)) => return Err(e),
+        (ran, None) => ran.map_err(to_pyerr)?,
+    };
+    let out = match ran {
+        Ran::Done(out) => out,
+        Ran::Queued(handle, _) => {
+            let progress = door.progress();
+            match interruptible(py, move |stop| progress.wait_or(&handle, stop)) {
+                (_, Some(e)) => return Err(e),
+                (Some(Ok(out)), None) => out,
+                (Some(Err(e)), None) => return Err(to_pyerr(e)),
+                (None, None) => unreachable!("a handle no one else holds was not waited for"),
+            }
+        }
+    };
+    result(py, out)
+}
+
+/// Results up to this size are handed back copied into a `bytearray`: NumPy reads one through
+/// the buffer protocol in a third of the time `__array_interface__` takes, which outweighs the
+/// copy.
+const SMALL_RESULT_BYTES: usize = 256 << 10;
+
+/// An op's result as Python gets it: `(outputs, received_splits, last_joined)`, where
+/// `outputs` lists `(buffer, shape)` for each result the engine allocated — a `bytearray` for
+/// a small one, else an [`OwnedBuffer`].
+fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
+    let list = PyList::empty(py);
+    for (buf, shape) in out.tensors {
+        if buf.len() <= SMALL_RESULT_BYTES {
+            list.append((PyByteArray::new(py, buf.as_slice()), shape))?;
+        } else {
+            let data = EngineBytes::from(buf);
+            list.append((Py::new(py, OwnedBuffer { data })?, shape))?;
+        }
+    }
+    Ok((list, out.received_splits, out.last_joined)
+        .into_pyobject(py)?
+        .into_any())
+}
+
+/// Runs a wait on other ranks without the GIL, handing it a `stop` check that runs Python's
+/// signal handlers: a blocked op must not make Ctrl-C wait for it. The exception a handler
+/// raised (KeyboardInterrupt) is returned beside the wait's result, which is then an
+/// `Interrupted` error, and is what the caller raises.
+fn interruptible<T: Send>(
+    py: Python<'_>,
+    wait: impl FnOnce(&dyn Fn() -> bool) -> T + Send,
+) -> (T, Option<PyErr>) {
+    let raised: Mutex<Option<PyErr>> = Mutex::new(None);
+    let stop = || {
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                *raised.lock() = Some(e);
+                true
+            }
+        })
+    };
+    let out = py.detach(|| wait(&stop));
+    (out, raised.into_inner())
+}
+
+/// Refuses an op on this rank while taking part in its negotiation: the other members of
+/// process set `set_id` get the error too, instead of waiting for this rank's op. The
+/// handle's `wait` raises every member's error (once all of them have submitted `name`).
+#[pyfunction]
+fn reject(kind: u8, name: String, set_id: u32, reason: String) -> PyResult<CoreHandle> {
+    let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
+    let op = OpSpec {
+        set_id,
+        name,
+        kind,
+        op: ReduceOp::Sum,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: Vec::new(),
+        splits: Vec::new(),
+    };
+    with_engine(|e| {
+        Ok(CoreHandle {
+            handle: e.reject(op, reason).map_err(to_pyerr)?,
+            progress: e.progress(),
+        })
+    })
+}
+
+/// A reduction code from Python, or an error that names it.
+pub(super) fn reduce_op(code: u8) -> PyResult<ReduceOp> {
+    ReduceOp::from_code(code).map_err(|_| {
+        to_pyerr(Error::InvalidArgument(format!(
+            "op={code} is not a reduction: use Sum, Average, Min, Max or Product"
+        )))
+    })
+}
+
+/// One NumPy array and its output (`None`: the engine allocates; may be the input itself,
+/// which must then be writable) as an engine tensor, read from `__array_struct__`. `None`
+/// when an array is not one [`tensor::describe_array`] describes or the output does not
+/// match the input's size.
+fn array_tensor(input: &Bound<'_, PyAny>, output: Option<&Bound<'_, PyAny>>) -> Option<PyTensor> {
+    let in_place = output.is_some_and(|o| o.is(input));
+    let (ptr, nbytes, dtype, shape) = tensor::describe_array(input, in_place)?;
+    let out_ptr = match output {
+        None => 0,
+        Some(_) if in_place => ptr,
+        Some(o) => match tensor::describe_array(o, true) {
+            Some((p, n, _, _)) if n == nbytes => p,
+            _ => return None,
+        },
+    };
+    Some((ptr, nbytes, dtype as u8, shape, out_ptr))
+}
+
+/// Declares this rank out of data; the handle's result is the last rank to join.
+#[pyfunction]
+fn join() -> PyResult<CoreHandle> {
+    with_engine(|e| {
+        Ok(CoreHandle {
+            handle: e.join(),
+            progress: e.progress(),
+        })
+    })
+}
+
+/// The completion of one queued op.
+#[pyclass(module = "ferrovod._core")]
+pub(super) struct CoreHandle {
+    handle: Handle,
+    progress: Progress,
+}
+
+#[pymethods]
+impl CoreHandle {
+    /// True when the op has completed (its name is then free again). Never blocks.
+    fn poll(&self) -> bool {
+        self.handle.seen_done()
+    }
+
+    /// Waits (GIL released) and returns the op's result as [`run`] with `wait` does.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let h = self.handle.clone();
+        let progress = self.progress.clone();
+        match interruptible(py, move |stop| progress.wait_or(&h, stop)) {
+            (_, Some(e)) => Err(e),
+            (Some(Ok(out)), None) => result(py, out),
+            (Some(Err(e)), None) => Err(to_pyerr(e)),
+            (None, None) => Err(to_pyerr(Error::InvalidArgument(
+                "this handle was already synchronized".into(),
+            ))),
+        }
+    }
+}
+
+/// A result buffer the engine allocated, handed to NumPy without a copy: it exposes
+/// `__array_interface__`, so `numpy.asarray(buf)` views its bytes and keeps it alive.
+#[pyclass(module = "ferrovod._core")]
+struct OwnedBuffer {
+    /// Never resized after construction, so the address NumPy is given stays valid for as
+    /// long as this object lives (NumPy holds a reference to it as the array's base).
+    data: EngineBytes,
+}
+
+/// The memory behind an [`OwnedBuffer`]: a small result on the C heap, or a large one in
+/// pages that go back to the engine's pool when NumPy lets go of the array.
+enum EngineBytes {
+    Heap(Vec<u8>),
+    Pages(PageBuf),
+}
+
+impl From<TensorBuf> for EngineBytes {
+    /// An engine result, without a copy where it is engine memory already.
+    fn from(buf: TensorBuf) -> EngineBytes {
+        match buf {
+            TensorBuf::Owned(v) => EngineBytes::Heap(v),
+            TensorBuf::Pages(p) => EngineBytes::Pages(p),
+            other => EngineBytes::Heap(other.as_slice().to_vec()),
+        }
+    }
+}
+
+impl EngineBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            EngineBytes::Heap(v) => v,
+            EngineBytes::Pages(p) => p.as_slice(),
+        }
+    }
+}
+
+#[pymethods]
+impl OwnedBuffer {
+    /// NumPy's array interface (version 3): a writable 1-d uint8 view of the bytes.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let bytes = self.data.as_slice();
+        array_interface(py, bytes.as_ptr(), bytes.len())
+    }
+
+    fn __len__(&self) -> usize {
+        self.data.as_slice().len()
+    }
+}
+
+/// NumPy's array interface (version 3) of `len` writable bytes at `ptr`: the object that
+/// returns it must keep them alive and in place (NumPy holds it as the array's base).
+pub(super) fn array_interface<'py>(
+    py: Python<'py>,
+    ptr: *const u8,
+    len: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("data", (ptr as usize, false))?;
+    d.set_item("shape", (len,))?;
+    d.set_item("typestr", "|u1")?;
+    d.set_item("version", 3)?;
+    Ok(d)
+}
