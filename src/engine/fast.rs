@@ -53,8 +53,8 @@ use crate::spin::Spin;
 use crate::transport::shm::{BoardView, BoardWord, BOARD_DATA_BYTES, BOARD_DESC_BYTES};
 use crate::types::{DType, OpKind, ReduceOp};
 
-use super::execute::{post_factor, split_rows};
 use super::tensor::TensorBuf;
+use super::worker::{post_factor, split_rows};
 use super::OpSpec;
 
 /// How long a wait polls without yielding the core before it polls between yields.

@@ -11,9 +11,6 @@ pub mod coordinator;
 mod device;
 pub mod door;
 mod entry;
-mod execute;
-#[cfg(feature = "python")]
-pub(crate) use execute::post_factor;
 pub mod fast;
 pub mod handle;
 mod lease;
@@ -26,6 +23,8 @@ pub mod sys;
 pub mod tensor;
 pub mod timeline;
 mod worker;
+#[cfg(feature = "python")]
+pub(crate) use worker::post_factor;
 
 use std::collections::HashMap;
 use std::net::TcpStream;

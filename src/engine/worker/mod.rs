@@ -1,6 +1,17 @@
 //! The worker: drain submissions → send them to the coordinator → execute the responses in
 //! the order they arrive → complete handles. [`Worker::step`] is one turn of that; who turns
 //! it, and how idle waits work, is [`super::progress`].
+//!
+//! Its state is private to this module: running a response ([`execute`]) is a child module
+//! so that it can reach the transport, pending ops and fusion buffer, while the rest of the
+//! engine only builds a worker and turns it through the methods [`super::progress`] needs.
+
+mod execute;
+
+// The fast path, device staging and the Python binding must scale and split exactly as a
+// response does.
+pub(crate) use execute::post_factor;
+pub(super) use execute::split_rows;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc};
@@ -39,34 +50,34 @@ fn request_of(spec: &OpSpec, device: DeviceKind) -> Request {
 }
 
 pub(super) struct Worker {
-    pub rank: usize,
-    pub transport: Box<dyn Transport>,
+    rank: usize,
+    transport: Box<dyn Transport>,
     control: FrameConn,
     shared: Arc<Shared>,
-    pub pending: HashMap<(u32, String), Entry>,
+    pending: HashMap<(u32, String), Entry>,
     /// Rank-side response cache: (set, name) → (id, request it stands for).
     cache: HashMap<(u32, String), (u64, Request)>,
     cache_capacity: usize,
-    pub join: Option<Handle>,
+    join: Option<Handle>,
     set_waiters: VecDeque<SetWaiter>,
-    pub sets: HashMap<u32, Vec<usize>>,
+    sets: HashMap<u32, Vec<usize>>,
     /// Host index of every global rank, for hierarchical collectives.
-    pub hosts: Vec<u32>,
+    hosts: Vec<u32>,
     /// Allreduce fusion buffer: empty until first needed, then of a fixed size.
-    pub fusion: Vec<u8>,
-    pub timeout: Duration,
-    pub tuning: Tuning,
+    fusion: Vec<u8>,
+    timeout: Duration,
+    tuning: Tuning,
     failed: Option<Error>,
     coordinator_left: bool,
     control_open: bool,
     /// Rank 0's timeline, when one is being written.
-    pub timeline: Option<Timeline>,
+    timeline: Option<Timeline>,
     /// `shutdown()` was called; the loop leaves after the current message.
     shutdown_requested: bool,
     /// The shutdown has been carried out; nothing runs any more.
     finished: bool,
     /// NCCL communicators for CUDA tensors (see [`super::device`]).
-    pub device: DeviceState,
+    device: DeviceState,
 }
 
 /// What one [`Worker::step`] did.
@@ -87,7 +98,7 @@ enum SetWaiter {
 
 impl Worker {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(super) fn new(
         config: &Config,
         rank: usize,
         transport: Box<dyn Transport>,
@@ -134,7 +145,7 @@ impl Worker {
     /// One turn of the loop: sends queued submissions to the coordinator, then handles (and
     /// executes) whatever the coordinator sent. Whoever holds the worker may call it: the
     /// engine thread, or a caller waiting for its op (see [`super::progress`]).
-    pub fn step(&mut self) -> Step {
+    pub(super) fn step(&mut self) -> Step {
         if self.finished {
             return Step::Finished;
         }
@@ -175,7 +186,7 @@ impl Worker {
 
     /// How long an idle worker may block: short while submissions wait for the coordinator to
     /// make room (nothing wakes us when it does).
-    pub fn idle_timeout(&self) -> Duration {
+    pub(super) fn idle_timeout(&self) -> Duration {
         if self.control.has_output() {
             OUTPUT_RETRY
         } else {
@@ -185,7 +196,7 @@ impl Worker {
 
     /// The descriptors an idle worker waits on: the submission waker and, while open, the
     /// control connection.
-    pub fn idle_fds(&self) -> Vec<RawFd> {
+    pub(super) fn idle_fds(&self) -> Vec<RawFd> {
         let mut fds = vec![self.shared.waker.fd()];
         if self.control_open {
             fds.push(self.control.fd());
@@ -195,13 +206,13 @@ impl Worker {
 
     /// Before blocking on [`Worker::idle_fds`]: asks the coordinator to ring. False when its
     /// input is already waiting (turn again instead of blocking).
-    pub fn arm(&self) -> bool {
+    pub(super) fn arm(&self) -> bool {
         !self.control_open || self.control.arm()
     }
 
     /// After waking (or deciding not to block): stops the ringing; `rang`: the control
     /// descriptor polled readable.
-    pub fn disarm(&mut self, rang: bool) {
+    pub(super) fn disarm(&mut self, rang: bool) {
         self.control.disarm(rang);
     }
 
@@ -612,7 +623,7 @@ impl Worker {
     }
 
     /// Remembers a cache id the coordinator assigned.
-    pub fn remember(&mut self, request: &Request, id: u64) {
+    fn remember(&mut self, request: &Request, id: u64) {
         if self.cache_capacity == 0 {
             return;
         }
@@ -632,7 +643,7 @@ impl Worker {
     /// that merely reacted to the death also drops its links). A stall this rank saw itself
     /// is reported first, so that every rank learns who stopped. Then wait briefly for the
     /// coordinator's verdict.
-    pub fn diagnose(&mut self, err: Error) -> Error {
+    fn diagnose(&mut self, err: Error) -> Error {
         if let Error::Timeout { what, .. } = &err {
             if let Some(rank) = crate::error::rank_named_in(what) {
                 self.send(ToCoordinator::Stalled {
@@ -690,7 +701,7 @@ impl Worker {
 
     /// Marks the engine failed: every pending and future op gets `err`, and links are closed
     /// so peers blocked on this rank fail fast too.
-    pub fn fail(&mut self, err: Error) {
+    fn fail(&mut self, err: Error) {
         if self.failed.is_none() {
             // The fast path first: a peer waiting there on this rank then sees it decline
             // and asks the engine, which names the rank that really died, instead of

@@ -6,12 +6,14 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 
-use super::entry::Entry;
-use super::handle::Output;
-use super::message::{DeviceKind, Item, Response};
-use super::tensor::TensorBuf;
-use super::timeline::{json_string, transfer_activity, Timeline};
-use super::worker::Worker;
+use crate::engine::entry::Entry;
+use crate::engine::handle::Output;
+use crate::engine::message::{DeviceKind, Item, Response};
+use crate::engine::tensor::TensorBuf;
+use crate::engine::timeline::{json_string, transfer_activity, Timeline};
+use crate::engine::TensorSpec;
+
+use super::Worker;
 
 impl Worker {
     /// Runs one response and completes the handles of its entries.
@@ -439,7 +441,7 @@ const _: () = assert!(FUSION_COPY_LIMIT <= FUSION_BUFFER_BYTES);
 /// op is not in place), with the scale factors applied around it.
 fn reduce_in_place(
     comm: &mut Communicator<'_>,
-    spec: &mut super::TensorSpec,
+    spec: &mut TensorSpec,
     dtype: DType,
     op: ReduceOp,
     pre: f64,
