@@ -18,10 +18,11 @@ use std::net::{Shutdown, TcpStream};
 use std::thread;
 use std::time::Duration;
 
+use super::exchange::{self, Links};
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
-use super::tcp::{check_and_copy_self, progress, xfer_len, TcpTransport};
-use super::{stalled_error, Pace, Pacer, Transport, Xfer};
-use crate::bootstrap::net::{deadline_after, poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
+use super::tcp::{poll_for, progress, TcpTransport};
+use super::{Transport, Xfer};
+use crate::bootstrap::net::{deadline_after, poll, poll_fd, PollFd, POLL_IN};
 use crate::error::{Error, Result};
 
 /// How [`HybridTransport::upgrade`] uses shared memory.
@@ -205,15 +206,70 @@ impl HybridTransport {
                 .collect()
         })
     }
+}
 
-    /// Moves what can move now on transfer `x`.
-    fn progress_one(&mut self, x: &mut Xfer<'_>, off: &mut usize) -> Result<bool> {
-        let peer = x.peer();
-        match &mut self.links[peer] {
-            Link::Tcp(s) => progress(s, x, off).map_err(|e| TcpTransport::link_error(peer, &e)),
+/// The links for one [`exchange::run`], with the poll set and the armed doorbells reused
+/// between sleeps.
+struct Routes<'a> {
+    links: &'a mut [Link],
+    fds: Vec<PollFd>,
+    /// Shared-memory peers armed for the current sleep.
+    bells: Vec<usize>,
+}
+
+impl Links for Routes<'_> {
+    fn progress(&mut self, x: &mut Xfer<'_>, off: &mut usize) -> Result<bool> {
+        match &mut self.links[x.peer()] {
+            Link::Tcp(s) => progress(s, x, off),
             Link::Shm(l) => l.progress(x, off),
             Link::Me => unreachable!("transfers to self are copied up front"),
         }
+    }
+
+    fn wait(
+        &mut self,
+        xfers: &[Xfer<'_>],
+        active: &[(usize, usize)],
+        left: Duration,
+    ) -> Result<()> {
+        // Announce the sleep on every shared-memory link involved, then look once more:
+        // a peer that published before seeing our flag is caught here.
+        self.fds.clear();
+        self.bells.clear();
+        let mut ready = false;
+        for &(i, _) in active {
+            let x = &xfers[i];
+            match &self.links[x.peer()] {
+                Link::Tcp(s) => self.fds.push(poll_for(s, x)),
+                Link::Shm(l) => {
+                    if !self.bells.contains(&x.peer()) {
+                        l.arm();
+                        self.bells.push(x.peer());
+                    }
+                    ready |= l.ready(matches!(x, Xfer::Send { .. }));
+                }
+                Link::Me => unreachable!("transfers to self are copied up front"),
+            }
+        }
+        let first_bell = self.fds.len();
+        if !ready {
+            for &p in &self.bells {
+                if let Link::Shm(l) = &self.links[p] {
+                    self.fds.push(poll_fd(l.doorbell(), POLL_IN));
+                }
+            }
+            poll(&mut self.fds, Some(left))?;
+        }
+        for (k, &p) in self.bells.iter().enumerate() {
+            if let Link::Shm(l) = &mut self.links[p] {
+                l.disarm();
+                let revents = self.fds.get(first_bell + k).map_or(0, |f| f.revents);
+                if !ready && revents != 0 {
+                    l.drain_doorbell(revents);
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -230,71 +286,19 @@ impl Transport for HybridTransport {
         if self.aborted {
             return Err(Error::Shutdown("the transport was aborted".into()));
         }
-        check_and_copy_self(self.rank, self.size, xfers)?;
-        // (index into xfers, bytes done) for every transfer that needs a link.
-        let mut active: Vec<(usize, usize)> = xfers
-            .iter()
-            .enumerate()
-            .filter(|(_, x)| x.peer() != self.rank && xfer_len(x) > 0)
-            .map(|(i, _)| (i, 0))
-            .collect();
-        let mut pacer = Pacer::new(self.spin, idle_timeout);
-        let mut fds: Vec<PollFd> = Vec::new();
-        // Shared-memory peers armed for the current sleep.
-        let mut bells: Vec<usize> = Vec::new();
-        loop {
-            let mut moved = false;
-            for (i, off) in active.iter_mut() {
-                moved |= self.progress_one(&mut xfers[*i], off)?;
-            }
-            active.retain(|&(i, off)| off < xfer_len(&xfers[i]));
-            if active.is_empty() {
-                return Ok(());
-            }
-            let left = match pacer.after_pass(moved) {
-                Pace::Again => continue,
-                Pace::TimedOut => return Err(stalled_error(xfers, &active, idle_timeout)),
-                Pace::Block(left) => left,
-            };
-            // Announce the sleep on every shared-memory link involved, then look once more:
-            // a peer that published before seeing our flag is caught here.
-            fds.clear();
-            bells.clear();
-            let mut ready = false;
-            for &(i, _) in &active {
-                let x = &xfers[i];
-                let send = matches!(x, Xfer::Send { .. });
-                match &self.links[x.peer()] {
-                    Link::Tcp(s) => fds.push(poll_fd(s, if send { POLL_OUT } else { POLL_IN })),
-                    Link::Shm(l) => {
-                        if !bells.contains(&x.peer()) {
-                            l.arm();
-                            bells.push(x.peer());
-                        }
-                        ready |= l.ready(send);
-                    }
-                    Link::Me => unreachable!("transfers to self are copied up front"),
-                }
-            }
-            let first_bell = fds.len();
-            if !ready {
-                for &p in &bells {
-                    if let Link::Shm(l) = &self.links[p] {
-                        fds.push(poll_fd(l.doorbell(), POLL_IN));
-                    }
-                }
-                poll(&mut fds, Some(left))?;
-            }
-            for (k, &p) in bells.iter().enumerate() {
-                if let Link::Shm(l) = &mut self.links[p] {
-                    l.disarm();
-                    let revents = fds.get(first_bell + k).map_or(0, |f| f.revents);
-                    if !ready && revents != 0 {
-                        l.drain_doorbell(revents);
-                    }
-                }
-            }
-        }
+        let mut routes = Routes {
+            links: &mut self.links,
+            fds: Vec::new(),
+            bells: Vec::new(),
+        };
+        exchange::run(
+            self.rank,
+            self.size,
+            self.spin,
+            &mut routes,
+            xfers,
+            idle_timeout,
+        )
     }
 
     fn abort(&mut self) {

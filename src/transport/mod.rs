@@ -7,19 +7,22 @@
 //! - [`host_memory`]: not a link but memory of each rank that the other ranks of its host map,
 //!   for algorithms that read their peers' buffers where they lie.
 //!
+//! Both transports run `exchange` through one loop (the private `exchange` module); each
+//! brings only how to move bytes on one of its links and how to sleep on several.
+//!
 //! Peers are identified by **global** rank here; [`crate::comm::Communicator`] maps process-set
 //! ranks onto them.
 
+mod exchange;
 pub mod host_memory;
 pub mod hybrid;
 pub mod shm;
 mod sys;
 pub mod tcp;
 
-use crate::spin::Spin;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// One side of a transfer inside an [`Transport::exchange`] call.
 #[derive(Debug)]
@@ -77,132 +80,4 @@ pub trait Transport: Send {
     /// Closes every link at once, so that peers blocked on this rank fail fast instead of
     /// waiting for a timeout. Used when the job is being torn down after a failure.
     fn abort(&mut self);
-}
-
-/// What an exchange loop does after one pass over its transfers (see [`Pacer`]).
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Pace {
-    /// Make another pass at once.
-    Again,
-    /// Block (in poll) for at most this long.
-    Block(Duration),
-    /// Nothing moved for the whole idle timeout.
-    TimedOut,
-}
-
-/// The waiting rhythm every transport's `exchange` shares: after a pass that moved bytes, go
-/// again; otherwise spin (yielding) for `spin`, then block until the idle timeout runs out.
-pub(crate) struct Pacer {
-    spin: Duration,
-    idle_timeout: Duration,
-    last_progress: Instant,
-    /// The spin after the last pass that moved bytes; `None` until a pass moves none.
-    spinning: Option<Spin>,
-}
-
-impl Pacer {
-    pub(crate) fn new(spin: Duration, idle_timeout: Duration) -> Pacer {
-        Pacer {
-            spin,
-            idle_timeout,
-            last_progress: Instant::now(),
-            spinning: None,
-        }
-    }
-
-    /// Decides the next step after a pass; `moved` says whether it moved any byte.
-    pub(crate) fn after_pass(&mut self, moved: bool) -> Pace {
-        let now = Instant::now();
-        if moved {
-            self.last_progress = now;
-            self.spinning = None;
-            return Pace::Again;
-        }
-        match &mut self.spinning {
-            None => {
-                self.spinning = Some(Spin::new(self.spin));
-                return Pace::Again;
-            }
-            // Yield rather than pause: when ranks outnumber free cores the peer we wait for
-            // may be queued on this very core (measured: 4-byte round trip 15 µs with yield,
-            // 80-105 µs with a pure spin, on a loaded 2-core VM).
-            Some(spin) => {
-                if spin.yield_core() {
-                    return Pace::Again;
-                }
-            }
-        }
-        // Spun long enough, the core is wanted, or we just woke from poll with nothing to do:
-        // block.
-        let left = self.idle_timeout.saturating_sub(now - self.last_progress);
-        if left.is_zero() {
-            Pace::TimedOut
-        } else {
-            Pace::Block(left)
-        }
-    }
-}
-
-/// The error of an exchange whose `active` transfers (index into `xfers`, bytes done) made no
-/// progress for `idle`: names every peer waited for and how far each transfer got.
-pub(crate) fn stalled_error(
-    xfers: &[Xfer<'_>],
-    active: &[(usize, usize)],
-    idle: Duration,
-) -> Error {
-    let waits: Vec<String> = active
-        .iter()
-        .map(|&(i, off)| match &xfers[i] {
-            Xfer::Send { peer, buf } => format!("rank {peer} (sent {off} of {} bytes)", buf.len()),
-            Xfer::Recv { peer, buf } => {
-                format!("rank {peer} (received {off} of {} bytes)", buf.len())
-            }
-        })
-        .collect();
-    Error::Timeout {
-        what: format!("waiting for {}", waits.join(", ")),
-        after: idle,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pacer_spins_then_blocks_then_times_out() {
-        let mut p = Pacer::new(Duration::ZERO, Duration::from_millis(50));
-        assert_eq!(p.after_pass(true), Pace::Again);
-        // The first idle pass starts the (empty) spin; the next one blocks for what is left.
-        assert_eq!(p.after_pass(false), Pace::Again);
-        match p.after_pass(false) {
-            Pace::Block(left) => assert!(left <= Duration::from_millis(50) && !left.is_zero()),
-            other => panic!("expected Block, got {other:?}"),
-        }
-        std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(p.after_pass(false), Pace::TimedOut);
-        // Progress resets the idle clock.
-        assert_eq!(p.after_pass(true), Pace::Again);
-        assert_eq!(p.after_pass(false), Pace::Again);
-        assert!(matches!(p.after_pass(false), Pace::Block(_)));
-    }
-
-    #[test]
-    fn a_stall_names_each_peer_and_how_far_it_got() {
-        let data = [0u8; 8];
-        let mut into = [0u8; 4];
-        let xfers = [
-            Xfer::Send {
-                peer: 1,
-                buf: &data,
-            },
-            Xfer::Recv {
-                peer: 2,
-                buf: &mut into,
-            },
-        ];
-        let e = stalled_error(&xfers, &[(0, 3), (1, 0)], Duration::from_secs(2)).to_string();
-        assert!(e.contains("rank 1 (sent 3 of 8 bytes)"), "{e}");
-        assert!(e.contains("rank 2 (received 0 of 4 bytes)"), "{e}");
-    }
 }

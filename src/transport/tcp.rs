@@ -24,7 +24,8 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::{stalled_error, Pace, Pacer, Transport, Xfer};
+use super::exchange::{self, Links};
+use super::{Transport, Xfer};
 use crate::bootstrap::auth::authenticate;
 use crate::bootstrap::net::{
     self, poll, poll_fd, read_exact_until, write_all_until, PollFd, POLL_IN, POLL_OUT,
@@ -277,7 +278,7 @@ impl TcpTransport {
     }
 
     /// Error for a failed transfer with `peer`: a closed or broken link is `PeerLost`.
-    pub(crate) fn link_error(peer: usize, e: &io::Error) -> Error {
+    fn link_error(peer: usize, e: &io::Error) -> Error {
         match e.kind() {
             ErrorKind::UnexpectedEof => Error::PeerLost {
                 rank: peer,
@@ -293,63 +294,11 @@ impl TcpTransport {
         }
     }
 
-    /// Checks the contract on `xfers` and performs transfers to this rank itself.
-    fn check_and_copy_self(&self, xfers: &mut [Xfer<'_>]) -> Result<()> {
-        check_and_copy_self(self.rank, self.size, xfers)
-    }
-
     /// Takes the mesh apart for a transport that routes some peers elsewhere
     /// ([`super::hybrid::HybridTransport`]): (rank, size, per-peer streams, spin, aborted).
     pub(crate) fn into_parts(self) -> (usize, usize, Vec<Option<TcpStream>>, Duration, bool) {
         (self.rank, self.size, self.peers, self.spin, self.aborted)
     }
-}
-
-/// Checks the contract on `xfers` for rank `rank` of `size` and performs transfers to `rank`
-/// itself (a matching send/receive pair is a copy). Shared with the other transports.
-pub(crate) fn check_and_copy_self(rank: usize, size: usize, xfers: &mut [Xfer<'_>]) -> Result<()> {
-    let mut seen = vec![0u8; size];
-    let (mut self_send, mut self_recv) = (None, None);
-    for (i, x) in xfers.iter().enumerate() {
-        let peer = x.peer();
-        if peer >= size {
-            return Err(Error::InvalidArgument(format!(
-                "transfer with rank {peer} in a job of {size} ranks"
-            )));
-        }
-        let bit = if matches!(x, Xfer::Send { .. }) { 1 } else { 2 };
-        if seen[peer] & bit != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "more than one {} with rank {peer} in one exchange",
-                if bit == 1 { "send" } else { "receive" }
-            )));
-        }
-        seen[peer] |= bit;
-        if peer == rank {
-            if bit == 1 {
-                self_send = Some(i);
-            } else {
-                self_recv = Some(i);
-            }
-        }
-    }
-    let len = |i: Option<usize>| i.map_or(0, |i| xfer_len(&xfers[i]));
-    let (ls, lr) = (len(self_send), len(self_recv));
-    if ls != lr {
-        return Err(Error::InvalidArgument(format!(
-            "rank {rank} sends {ls} bytes to itself but receives {lr}"
-        )));
-    }
-    if let (Some(s), Some(r)) = (self_send, self_recv) {
-        let src: &[u8] = match &xfers[s] {
-            Xfer::Send { buf, .. } => buf,
-            Xfer::Recv { .. } => unreachable!(),
-        };
-        if let Xfer::Recv { buf, .. } = &mut xfers[r] {
-            buf.copy_from_slice(src);
-        }
-    }
-    Ok(())
 }
 
 /// Wakes `connect_mesh`'s loop. A full socket buffer already guarantees a wake-up, so a
@@ -358,20 +307,16 @@ fn notify(mut wake: &UnixStream) {
     let _ = wake.write(&[1]);
 }
 
-pub(crate) fn xfer_len(x: &Xfer<'_>) -> usize {
-    match x {
-        Xfer::Send { buf, .. } => buf.len(),
-        Xfer::Recv { buf, .. } => buf.len(),
-    }
+/// Moves as many bytes of `x` as `stream` takes/has right now, advancing `off`; returns
+/// whether any byte moved. `WouldBlock` is not an error; a closed or broken connection is
+/// `PeerLost` (see [`TcpTransport::link_error`]).
+pub(crate) fn progress(stream: &TcpStream, x: &mut Xfer<'_>, off: &mut usize) -> Result<bool> {
+    let peer = x.peer();
+    move_bytes(stream, x, off).map_err(|e| TcpTransport::link_error(peer, &e))
 }
 
-/// Moves as many bytes of `x` as the socket takes/has right now, advancing `off`.
-/// Returns whether any byte moved; `WouldBlock` is not an error.
-pub(crate) fn progress(
-    mut stream: &TcpStream,
-    x: &mut Xfer<'_>,
-    off: &mut usize,
-) -> io::Result<bool> {
+/// The socket I/O of [`progress`].
+fn move_bytes(mut stream: &TcpStream, x: &mut Xfer<'_>, off: &mut usize) -> io::Result<bool> {
     let mut moved = false;
     match x {
         Xfer::Send { buf, .. } => {
@@ -406,6 +351,16 @@ pub(crate) fn progress(
         }
     }
     Ok(moved)
+}
+
+/// What `x` waits for on `stream`: room to write for a send, bytes to read for a receive.
+pub(crate) fn poll_for(stream: &TcpStream, x: &Xfer<'_>) -> PollFd {
+    let events = if matches!(x, Xfer::Send { .. }) {
+        POLL_OUT
+    } else {
+        POLL_IN
+    };
+    poll_fd(stream, events)
 }
 
 fn encode_hello(from: usize, to: usize, size: usize) -> Vec<u8> {
@@ -513,6 +468,38 @@ fn accept_peer(
     Ok(from)
 }
 
+/// The mesh's sockets for one [`exchange::run`], with the poll set reused between sleeps.
+struct Sockets<'a> {
+    peers: &'a [Option<TcpStream>],
+    fds: Vec<PollFd>,
+}
+
+fn stream_to(peers: &[Option<TcpStream>], peer: usize) -> &TcpStream {
+    peers[peer].as_ref().expect("a link to every other rank")
+}
+
+impl Links for Sockets<'_> {
+    fn progress(&mut self, x: &mut Xfer<'_>, off: &mut usize) -> Result<bool> {
+        progress(stream_to(self.peers, x.peer()), x, off)
+    }
+
+    fn wait(
+        &mut self,
+        xfers: &[Xfer<'_>],
+        active: &[(usize, usize)],
+        left: Duration,
+    ) -> Result<()> {
+        let peers = self.peers;
+        self.fds.clear();
+        self.fds.extend(active.iter().map(|&(i, _)| {
+            let x = &xfers[i];
+            poll_for(stream_to(peers, x.peer()), x)
+        }));
+        poll(&mut self.fds, Some(left))?;
+        Ok(())
+    }
+}
+
 impl Transport for TcpTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -526,50 +513,18 @@ impl Transport for TcpTransport {
         if self.aborted {
             return Err(Error::Shutdown("the TCP transport was aborted".into()));
         }
-        self.check_and_copy_self(xfers)?;
-        // (index into xfers, bytes done) for every transfer that needs a socket.
-        let mut active: Vec<(usize, usize)> = xfers
-            .iter()
-            .enumerate()
-            .filter(|(_, x)| x.peer() != self.rank && xfer_len(x) > 0)
-            .map(|(i, _)| (i, 0))
-            .collect();
-        let mut pacer = Pacer::new(self.spin, idle_timeout);
-        let mut fds: Vec<PollFd> = Vec::new();
-        loop {
-            let mut moved = false;
-            for (i, off) in active.iter_mut() {
-                let x = &mut xfers[*i];
-                let peer = x.peer();
-                let stream = self.peers[peer]
-                    .as_ref()
-                    .expect("a link to every other rank");
-                moved |= progress(stream, x, off).map_err(|e| Self::link_error(peer, &e))?;
-            }
-            active.retain(|&(i, off)| off < xfer_len(&xfers[i]));
-            if active.is_empty() {
-                return Ok(());
-            }
-            let left = match pacer.after_pass(moved) {
-                Pace::Again => continue,
-                Pace::TimedOut => return Err(stalled_error(xfers, &active, idle_timeout)),
-                Pace::Block(left) => left,
-            };
-            fds.clear();
-            fds.extend(active.iter().map(|&(i, _)| {
-                let x = &xfers[i];
-                let stream = self.peers[x.peer()]
-                    .as_ref()
-                    .expect("a link to every other rank");
-                let events = if matches!(x, Xfer::Send { .. }) {
-                    POLL_OUT
-                } else {
-                    POLL_IN
-                };
-                poll_fd(stream, events)
-            }));
-            poll(&mut fds, Some(left))?;
-        }
+        let mut sockets = Sockets {
+            peers: &self.peers,
+            fds: Vec::new(),
+        };
+        exchange::run(
+            self.rank,
+            self.size,
+            self.spin,
+            &mut sockets,
+            xfers,
+            idle_timeout,
+        )
     }
 
     fn abort(&mut self) {
