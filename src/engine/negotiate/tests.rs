@@ -1,0 +1,302 @@
+use super::*;
+use crate::engine::message::{DeviceKind, TensorMeta};
+use crate::types::{DType, ReduceOp};
+
+fn req(name: &str, dtype: DType, shape: &[usize]) -> Request {
+    Request {
+        set_id: 0,
+        name: name.into(),
+        kind: OpKind::Allreduce,
+        op: ReduceOp::Sum,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: vec![TensorMeta {
+            dtype,
+            shape: shape.to_vec(),
+        }],
+        splits: vec![],
+        device: DeviceKind::Host,
+    }
+}
+
+fn responses(out: &Outbox, to: usize) -> Vec<Response> {
+    out.iter()
+        .filter(|(r, _)| *r == to)
+        .flat_map(|(_, m)| match m {
+            FromCoordinator::Responses(rs) => rs.clone(),
+            _ => vec![],
+        })
+        .collect()
+}
+
+#[test]
+fn ready_only_when_every_rank_submitted_in_any_order() {
+    let mut n = Negotiator::new(3, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Full(req("a", DType::F32, &[4]))]),
+        &mut out,
+    );
+    n.handle(
+        1,
+        ToCoordinator::Submit(vec![Submit::Full(req("b", DType::F32, &[4]))]),
+        &mut out,
+    );
+    n.handle(
+        1,
+        ToCoordinator::Submit(vec![Submit::Full(req("a", DType::F32, &[4]))]),
+        &mut out,
+    );
+    n.flush(&mut out);
+    assert!(responses(&out, 0).is_empty());
+    n.handle(
+        2,
+        ToCoordinator::Submit(vec![Submit::Full(req("a", DType::F32, &[4]))]),
+        &mut out,
+    );
+    n.flush(&mut out);
+    let r = responses(&out, 2);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].items[0].request.name, "a");
+    assert!(r[0].error.is_none());
+}
+
+#[test]
+fn mismatch_names_tensor_and_ranks() {
+    let mut n = Negotiator::new(3, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Full(req("w", DType::F32, &[4]))]),
+        &mut out,
+    );
+    n.handle(
+        1,
+        ToCoordinator::Submit(vec![Submit::Full(req("w", DType::I32, &[4]))]),
+        &mut out,
+    );
+    n.handle(
+        2,
+        ToCoordinator::Submit(vec![Submit::Full(req("w", DType::F32, &[4]))]),
+        &mut out,
+    );
+    n.flush(&mut out);
+    for rank in 0..3 {
+        let r = responses(&out, rank);
+        let (_, msg) = r[0].error.clone().expect("error response");
+        assert!(
+            msg.contains("'w'")
+                && msg.contains("ranks [0, 2] sent float32")
+                && msg.contains("rank 1 sent int32"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn cached_submissions_replay_and_fuse() {
+    let mut n = Negotiator::new(2, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    for r in 0..2 {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![Submit::Full(req("x", DType::F32, &[4]))]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
+    out.clear();
+    for r in 0..2 {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![
+                Submit::Cached { set_id: 0, id },
+                Submit::Full(req("y", DType::F32, &[2])),
+            ]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    let r = responses(&out, 1);
+    assert_eq!(r.len(), 1, "x and y fuse into one response");
+    assert_eq!(r[0].items.len(), 2);
+    out.clear();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id: 999 }]),
+        &mut out,
+    );
+    assert!(matches!(
+        out[0].1,
+        FromCoordinator::CacheMiss { id: 999, .. }
+    ));
+}
+
+#[test]
+fn a_full_cache_evicts_the_least_recently_used_name() {
+    let mut n = Negotiator::new(1, &[], 1 << 20, 2);
+    let mut out = Vec::new();
+    let mut id_of = |n: &mut Negotiator, sub: Submit| {
+        out.clear();
+        n.handle(0, ToCoordinator::Submit(vec![sub]), &mut out);
+        n.flush(&mut out);
+        responses(&out, 0).first().and_then(|r| r.items[0].cache_id)
+    };
+    let a = id_of(&mut n, Submit::Full(req("a", DType::F32, &[1]))).unwrap();
+    let b = id_of(&mut n, Submit::Full(req("b", DType::F32, &[1]))).unwrap();
+    // `a` used again: `b` is now the oldest and goes when `c` needs room.
+    assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: a }), Some(a));
+    let c = id_of(&mut n, Submit::Full(req("c", DType::F32, &[1]))).unwrap();
+    assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: c }), Some(c));
+    assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: a }), Some(a));
+    assert_eq!(id_of(&mut n, Submit::Cached { set_id: 0, id: b }), None);
+    let mut miss = Vec::new();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id: b }]),
+        &mut miss,
+    );
+    assert!(matches!(miss[0].1, FromCoordinator::CacheMiss { .. }));
+}
+
+#[test]
+fn host_and_cuda_allreduces_never_fuse_and_a_cached_name_may_change_device() {
+    let mut n = Negotiator::new(2, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    let cuda = |name: &str| Request {
+        device: DeviceKind::Cuda,
+        ..req(name, DType::F32, &[4])
+    };
+    for r in 0..2 {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![
+                Submit::Full(req("h1", DType::F32, &[4])),
+                Submit::Full(cuda("d1")),
+                Submit::Full(cuda("d2")),
+                Submit::Full(req("h2", DType::F32, &[4])),
+            ]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    let r = responses(&out, 0);
+    let groups: Vec<Vec<(&str, DeviceKind)>> = r
+        .iter()
+        .map(|resp| {
+            resp.items
+                .iter()
+                .map(|i| (i.request.name.as_str(), i.request.device))
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        groups,
+        vec![
+            vec![("h1", DeviceKind::Host)],
+            vec![("d1", DeviceKind::Cuda), ("d2", DeviceKind::Cuda)],
+            vec![("h2", DeviceKind::Host)],
+        ]
+    );
+    // h1 is cached as a host request; the same name on CUDA is a different request, sent
+    // in full and validated again (rank 1 stays on the host: a mismatch).
+    let id = r[0].items[0].cache_id.expect("cached");
+    out.clear();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Full(cuda("h1"))]),
+        &mut out,
+    );
+    n.handle(
+        1,
+        ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id }]),
+        &mut out,
+    );
+    n.flush(&mut out);
+    let (_, msg) = responses(&out, 1)[0].error.clone().expect("mismatch");
+    assert!(
+        msg.contains("Mismatched devices: rank 0 sent CUDA, rank 1 sent CPU")
+            && msg.contains("'h1'"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn dead_rank_fails_pending_names() {
+    let mut n = Negotiator::new(3, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Full(req("g", DType::F32, &[1]))]),
+        &mut out,
+    );
+    n.rank_gone(2, Gone::Died, "connection lost".into(), &mut out);
+    n.flush(&mut out);
+    let r = responses(&out, 0);
+    assert!(r[0].error.as_ref().unwrap().1.contains("rank 2 failed"));
+    assert!(out
+        .iter()
+        .any(|(to, m)| *to == 1 && matches!(m, FromCoordinator::RankFailed { rank: 2, .. })));
+}
+
+#[test]
+fn stall_inspector_names_tensors_and_missing_ranks_then_gives_up() {
+    let mut n = Negotiator::new(3, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(
+        0,
+        ToCoordinator::Submit(vec![Submit::Full(req("skipped", DType::F32, &[1]))]),
+        &mut out,
+    );
+    n.handle(
+        2,
+        ToCoordinator::Submit(vec![Submit::Full(req("skipped", DType::F32, &[1]))]),
+        &mut out,
+    );
+    let t0 = Instant::now();
+    let check = Duration::from_secs(2);
+    assert!(n.inspect(t0, check, None).is_none(), "too early");
+    let warn = n
+        .inspect(t0 + Duration::from_secs(3), check, None)
+        .expect("a warning");
+    assert!(warn.contains("Missing ranks:\n1: [skipped]"), "{warn}");
+    assert!(
+        n.inspect(t0 + Duration::from_secs(4), check, None)
+            .is_none(),
+        "once per interval"
+    );
+    let warn = n.inspect(
+        t0 + Duration::from_secs(10),
+        check,
+        Some(Duration::from_secs(8)),
+    );
+    assert!(warn.is_some());
+    n.flush(&mut out);
+    let r = responses(&out, 0);
+    let (code, msg) = r[0].error.clone().expect("stalled tensor fails");
+    assert_eq!(code, 2);
+    assert!(msg.contains("'skipped'") && msg.contains("[1]"), "{msg}");
+}
+
+#[test]
+fn join_counts_as_submitted_and_reports_last_rank() {
+    let mut n = Negotiator::new(2, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(0, ToCoordinator::Join, &mut out);
+    n.handle(
+        1,
+        ToCoordinator::Submit(vec![Submit::Full(req("g", DType::F32, &[1]))]),
+        &mut out,
+    );
+    n.flush(&mut out);
+    let r = responses(&out, 0);
+    assert_eq!(r[0].joined, vec![0]);
+    out.clear();
+    n.handle(1, ToCoordinator::Join, &mut out);
+    n.flush(&mut out);
+    let r = responses(&out, 0);
+    assert_eq!((r[0].kind, r[0].last_joined), (OpKind::Join, 1));
+}
