@@ -1,8 +1,9 @@
-//! The reduce-scatter that reads its inputs in host memory
-//! (`collective::reduce_shard_in_host_memory`): threads stand for the ranks of one host, each
-//! with its own segment shared through real memfds and Unix sockets, and every rank's shard
-//! is checked against sums computed here element by element, for several rank counts, dtypes,
-//! reductions and odd sizes (shards that cross the reduce's chunks, empty shards).
+//! The collectives over host memory (`collective::host_memory`): the reduce-scatter that
+//! reads its inputs there and the allgather of the shards from their owners. Threads stand for
+//! the ranks of one host, each with its own segment shared through real memfds and Unix
+//! sockets, and every rank's shard is checked against sums computed here element by element,
+//! for several rank counts, dtypes, reductions and odd sizes (shards that cross the reduce's
+//! chunks, empty shards); every rank's gathered bytes against their owners' marks.
 
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -157,5 +158,59 @@ fn bad_ranges_and_reductions_are_refused() {
         assert!(e[1].contains("whole float32"), "{}", e[1]);
         assert!(e[2].contains("64-byte segment"), "{}", e[2]);
         assert!(e[3].contains("bool"), "{}", e[3]);
+    }
+}
+
+#[test]
+fn every_rank_copies_the_others_shards_from_their_owners() {
+    for n in 2..=4 {
+        for len in [1usize, 7, 4096, 200_001] {
+            let got = on_host(n, len, move |r, mem, barrier| {
+                let shards: Vec<_> = (0..n)
+                    .map(|q| {
+                        let (lo, count) = split(len, n, q);
+                        lo..lo + count
+                    })
+                    .collect();
+                // Each rank's own shard holds its mark; the rest is what a reduction left.
+                mem.with_range(0..len, |own, _| {
+                    own.fill(0xEE);
+                    own[shards[r].clone()].fill(r as u8 + 1);
+                    Ok(())
+                })
+                .unwrap();
+                barrier.wait(); // every shard final
+                collective::gather_shards_in_host_memory(&mem, &shards).unwrap();
+                barrier.wait(); // nobody writes what another reads
+                mem.with_range(0..len, |own, _| Ok(own.to_vec())).unwrap()
+            });
+            for (r, bytes) in got.iter().enumerate() {
+                for (i, &b) in bytes.iter().enumerate() {
+                    let owner = (0..n)
+                        .find(|&q| {
+                            let (lo, count) = split(len, n, q);
+                            (lo..lo + count).contains(&i)
+                        })
+                        .unwrap();
+                    assert_eq!(
+                        b,
+                        owner as u8 + 1,
+                        "{n} ranks, {len} bytes: rank {r} byte {i} is not rank {owner}'s"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_shard_list_of_the_wrong_length_is_refused() {
+    let errors = on_host(3, 64, |_, mem, _| {
+        collective::gather_shards_in_host_memory(&mem, &[0..32, 32..64])
+            .unwrap_err()
+            .to_string()
+    });
+    for e in &errors {
+        assert!(e.contains("2 shards for 3 ranks"), "{e}");
     }
 }

@@ -11,7 +11,7 @@ rank's buffer: the torch optimizer's flat gradients when it is not sharded.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -61,9 +61,9 @@ def shard(rows: int, n: int, r: int) -> Tuple[int, int]:
 
 
 def meet(name: str, process_set: ProcessSet) -> None:
-    """Returns once every rank of the set has called it with ``name`` (a one-element
-    allreduce: the fast path's meeting when the ranks share a host)."""
-    _api.allreduce(np.zeros(1, dtype=np.int32), op=_api.Sum, name=name, process_set=process_set)
+    """Returns once every rank of the set has called it with ``name`` (the engine's meeting:
+    a one-element allreduce, which the fast path agrees when the ranks share a host)."""
+    _core.meet(name, _api._set_id(process_set))
 
 
 class SharedFlat:
@@ -76,9 +76,7 @@ class SharedFlat:
                  process_set: ProcessSet) -> None:
         self.mem, self.count, self.itemsize, self.code = mem, count, itemsize, code
         self.rank, self.name, self.process_set = rank, name, process_set
-        self.buffers: List[np.ndarray] = [view(mem, q)[:count * itemsize]
-                                          for q in range(len(mem.mapped()))]
-        self.own = self.buffers[rank]
+        self.own: np.ndarray = view(mem, rank)[:count * itemsize]
 
     @classmethod
     def create(cls, count: int, itemsize: int, code: int, name: str, process_set: ProcessSet,
@@ -92,21 +90,11 @@ class SharedFlat:
 
     def allreduce(self, op: int, postscale: float = 1.0) -> None:
         """Reduces every rank's buffer into each with ``op`` (Sum or Average; Average divides
-        by the ranks), times ``postscale``. Every rank's buffer must be final: the caller's
-        last meeting ensured it. This rank sums its shard of all buffers into its own, the
-        ranks meet, each copies the other shards from their owners, and they meet again
-        before anyone writes a buffer. Each shard is summed once, by its owner, so every
-        rank ends with the same bits."""
-        n, size = len(self.buffers), self.itemsize
-        lo, count = shard(self.count, n, self.rank)
-        self.mem.reduce_shard(lo * size, count * size, self.code, op, postscale)
-        meet(f"{self.name}.reduced", self.process_set)
-        for q, buf in enumerate(self.buffers):
-            if q != self.rank:
-                lo, count = shard(self.count, n, q)
-                np.copyto(self.own[lo * size:(lo + count) * size],
-                          buf[lo * size:(lo + count) * size])
-        meet(f"{self.name}.gathered", self.process_set)
-
+        by the ranks), times ``postscale``: the engine's allreduce in host memory (each rank
+        sums its shard of all buffers, the ranks meet, each copies the other shards from their
+        owners, and they meet again before anyone writes a buffer; every rank ends with the
+        same bits). Every rank's buffer must be final: the caller's last meeting ensured it."""
+        self.mem.allreduce(self.name, _api._set_id(self.process_set), self.count * self.itemsize,
+                           self.code, op, postscale)
 
 __all__ = ["SHARE_TIMEOUT_S", "SharedFlat", "meet", "shard", "share", "view"]

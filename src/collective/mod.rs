@@ -7,7 +7,8 @@
 //! [`Communicator::exchange`] and its `send`/`recv`/`sendrecv` shorthands, and is written so that
 //! all ranks run the same sequence of exchanges with matching partners ("lockstep"): with a
 //! transport that progresses the sends and receives of one exchange concurrently, no size or
-//! rank count can deadlock.
+//! rank count can deadlock. The exception is [`host_memory`], whose algorithms read the
+//! segments of the ranks of one host where they lie.
 //!
 //! | collective | algorithm | bytes sent per rank (payload `B`, `n` ranks) |
 //! |---|---|---|
@@ -19,6 +20,7 @@
 //! | alltoallv | direct (small) / pairwise exchange | what this rank sends |
 //! | reducescatter | ring | `B - B_r` |
 //! | barrier | dissemination | `ceil(log2 n)` bytes |
+//! | allreduce in host memory ([`host_memory`]) | each rank reduces its shard from the others' segments, then copies theirs | none: peers' memory is read in place |
 
 pub mod adasum;
 pub mod allgather;
@@ -27,6 +29,7 @@ pub mod alltoall;
 pub mod barrier;
 pub mod broadcast;
 pub mod hierarchical;
+pub mod host_memory;
 pub mod reduce;
 pub mod reducescatter;
 
@@ -159,7 +162,7 @@ pub fn reducescatter_in_place(
 /// This rank's shard of a reduce-scatter over inputs that lie in host memory, read straight
 /// from the other ranks' segments.
 ///
-/// See [`reducescatter::reduce_shard_in_host_memory`] for the algorithm and its protocol.
+/// See [`host_memory::reduce_shard_in_host_memory`] for the algorithm and its protocol.
 pub fn reduce_shard_in_host_memory(
     mem: &crate::transport::host_memory::HostMemory,
     range: std::ops::Range<usize>,
@@ -167,7 +170,17 @@ pub fn reduce_shard_in_host_memory(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    reducescatter::reduce_shard_in_host_memory(mem, range, dtype, op, factor)
+    host_memory::reduce_shard_in_host_memory(mem, range, dtype, op, factor)
+}
+
+/// Every other rank's shard of an allreduce in host memory, copied from its owner's segment.
+///
+/// See [`host_memory::gather_shards_in_host_memory`] for the algorithm and its protocol.
+pub fn gather_shards_in_host_memory(
+    mem: &crate::transport::host_memory::HostMemory,
+    shards: &[std::ops::Range<usize>],
+) -> Result<()> {
+    host_memory::gather_shards_in_host_memory(mem, shards)
 }
 
 /// Returns once every rank of the set has entered.

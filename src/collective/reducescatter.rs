@@ -8,7 +8,6 @@ use super::{
 };
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::transport::host_memory::HostMemory;
 use crate::types::{DType, ReduceOp};
 
 /// Reduces `input` across ranks and writes this rank's segment (`byte_counts[rank]` bytes,
@@ -57,45 +56,6 @@ pub fn reducescatter_in_place(
 ) -> Result<()> {
     let segs = segments(comm.size(), byte_counts, buf.len(), dtype, op)?;
     ring_reduce_scatter(comm, buf, &segs, dtype, op, factor)
-}
-
-/// Bytes reduced at a time by [`reduce_shard_in_host_memory`]: this rank's chunk and the
-/// others' stay in cache for the scaling that follows the last reduction.
-const HOST_CHUNK_BYTES: usize = 64 << 10;
-
-/// This rank's shard of a reduce-scatter whose inputs already lie in host memory, each rank's
-/// in its own segment at the same offsets: `range` of this rank's segment becomes the
-/// reduction of `range` over every rank's segment, multiplied by `factor`, read straight from
-/// the other ranks' memory (no copy through a ring). Folds this rank's bytes first and then
-/// the others' in rank order; with two ranks that is the ring's sum, bit for bit. Only a
-/// protocol the caller keeps makes it right: every rank's input is final before any rank
-/// starts, and no rank writes its `range` (or this rank's) until every rank has finished.
-pub fn reduce_shard_in_host_memory(
-    mem: &HostMemory,
-    range: Range<usize>,
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
-    check_reducible(dtype, op)?;
-    let esize = dtype.size();
-    if range.start % esize != 0 || range.len() % esize != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "reduce-scatter in host memory: bytes {range:?} are not whole {} elements",
-            dtype.name()
-        )));
-    }
-    let chunk = element_chunk(HOST_CHUNK_BYTES, esize);
-    mem.with_range(range, |own, others| {
-        for (i, dst) in own.chunks_mut(chunk).enumerate() {
-            let at = i * chunk..i * chunk + dst.len();
-            for src in others {
-                reduce_into(dtype, op, dst, &src[at.clone()])?;
-            }
-            scale(dtype, dst, factor)?;
-        }
-        Ok(())
-    })
 }
 
 /// The segments of a reducescatter's `len`-byte buffer, checking the reduction and that

@@ -13,6 +13,7 @@ pub mod door;
 mod entry;
 pub mod fast;
 pub mod handle;
+mod host_reduce;
 mod lease;
 pub mod message;
 pub mod names;

@@ -8,6 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::to_pyerr;
+use super::op::interruptible;
+use super::with_engine;
 use crate::config::Config;
 use crate::engine::post_factor;
 use crate::error::Error;
@@ -117,6 +119,34 @@ impl PyHostMemory {
             crate::collective::reduce_shard_in_host_memory(&mem, offset..end, dtype, op, factor)
         })
         .map_err(to_pyerr)
+    }
+
+    /// Reduces the first `nbytes` of every rank's segment (`dtype`, `op` as the engine's
+    /// codes: Sum, or Average dividing by the ranks) times `postscale` into every rank's, the
+    /// ranks of process set `set_id` meeting under `name` (see the engine's
+    /// `Door::allreduce_in_host_memory`); the GIL is released meanwhile. A collective: every
+    /// rank's bytes must be final when it calls.
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        set_id: u32,
+        nbytes: usize,
+        dtype: u8,
+        op: u8,
+        postscale: f64,
+    ) -> PyResult<()> {
+        let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
+        let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+        let door = with_engine(|e| Ok(e.door()))?;
+        let mem = &self.inner;
+        match interruptible(py, |stop| {
+            door.allreduce_in_host_memory(mem, set_id, name, nbytes, dtype, op, postscale, stop)
+        }) {
+            (_, Some(e)) => Err(e),
+            (done, None) => done.map_err(to_pyerr),
+        }
     }
 }
 

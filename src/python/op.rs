@@ -20,6 +20,7 @@ pub(super) type PyTensor = (usize, usize, u8, Vec<usize>, usize);
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(reject, m)?)?;
+    m.add_function(wrap_pyfunction!(meet, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<OwnedBuffer>()?;
@@ -173,7 +174,7 @@ fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
 /// signal handlers: a blocked op must not make Ctrl-C wait for it. The exception a handler
 /// raised (KeyboardInterrupt) is returned beside the wait's result, which is then an
 /// `Interrupted` error, and is what the caller raises.
-fn interruptible<T: Send>(
+pub(super) fn interruptible<T: Send>(
     py: Python<'_>,
     wait: impl FnOnce(&dyn Fn() -> bool) -> T + Send,
 ) -> (T, Option<PyErr>) {
@@ -189,6 +190,17 @@ fn interruptible<T: Send>(
     };
     let out = py.detach(|| wait(&stop));
     (out, raised.into_inner())
+}
+
+/// Returns once every rank of process set `set_id` has called it with `name` (the engine's
+/// meeting, `Door::meet`); the GIL is released meanwhile.
+#[pyfunction]
+fn meet(py: Python<'_>, name: &str, set_id: u32) -> PyResult<()> {
+    let door = with_engine(|e| Ok(e.door()))?;
+    match interruptible(py, |stop| door.meet(set_id, name, stop)) {
+        (_, Some(e)) => Err(e),
+        (met, None) => met.map_err(to_pyerr),
+    }
 }
 
 /// Refuses an op on this rank while taking part in its negotiation: the other members of

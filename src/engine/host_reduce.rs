@@ -1,0 +1,97 @@
+//! The allreduce of buffers that already lie in host memory every rank of a process set maps
+//! (the torch optimizer's flat gradients): each rank reduces its shard straight from the
+//! others' segments, the ranks meet, each copies the others' shards from their owners, and
+//! they meet again. The memory steps are the collective layer's (`collective::host_memory`);
+//! the meetings are ops through the engine's door, so that they take the fast path where the
+//! ranks share one, and a rank that dies or leaves fails them as it fails any op.
+
+use std::ops::Range;
+
+use crate::collective;
+use crate::error::{Error, Result};
+use crate::transport::host_memory::HostMemory;
+use crate::types::{DType, OpKind, ReduceOp};
+
+use super::door::{Door, Ran};
+use super::message::TensorMeta;
+use super::tensor::TensorBuf;
+use super::worker::{post_factor, split_rows};
+use super::{OpSpec, TensorSpec};
+
+impl Door {
+    /// Returns once every rank of set `set_id` has met under `name`: a one-element
+    /// allreduce, which the fast path agrees through its board when the ranks share one.
+    /// `stop`: asked between waits whether to give up (an `Interrupted` error then).
+    pub fn meet(&self, set_id: u32, name: &str, stop: &dyn Fn() -> bool) -> Result<()> {
+        let spec = OpSpec {
+            set_id,
+            name: name.to_string(),
+            kind: OpKind::Allreduce,
+            op: ReduceOp::Sum,
+            root: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+            tensors: vec![TensorSpec {
+                meta: TensorMeta {
+                    dtype: DType::I32,
+                    shape: vec![1],
+                },
+                input: TensorBuf::Owned(vec![0; 4]),
+                output: Some(TensorBuf::Owned(vec![0; 4])),
+            }],
+            splits: Vec::new(),
+        };
+        match self.run(spec, Some(stop))? {
+            Ran::Done(_) => Ok(()),
+            Ran::Queued(handle, _) => match self.progress().wait_or(&handle, stop) {
+                Some(done) => done.map(|_| ()),
+                None => unreachable!("a handle no one else holds was not waited for"),
+            },
+        }
+    }
+
+    /// Reduces the first `nbytes` of every rank's segment of `mem` (elements of `dtype`; the
+    /// segments of the ranks of set `set_id`, in set order) with `op` (Sum or Average: divided
+    /// by the ranks), times `postscale`, into every rank's; the ranks meet under `name`'s
+    /// `.reduced` and `.gathered`. Every rank's bytes must be final when it calls (the
+    /// caller's last meeting ensured it); on return every rank holds the same bits, and any
+    /// rank may write its segment again. Each shard is reduced once, by its owner.
+    #[allow(clippy::too_many_arguments)] // the reduction's terms, the set and the wait's stop
+    pub fn allreduce_in_host_memory(
+        &self,
+        mem: &HostMemory,
+        set_id: u32,
+        name: &str,
+        nbytes: usize,
+        dtype: DType,
+        op: ReduceOp,
+        postscale: f64,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<()> {
+        let shards = shards(mem.mapped().len(), nbytes, dtype)?;
+        let factor = post_factor(op, postscale, shards.len());
+        let mine = shards[mem.rank()].clone();
+        collective::reduce_shard_in_host_memory(mem, mine, dtype, op, factor)?;
+        self.meet(set_id, &format!("{name}.reduced"), stop)?;
+        collective::gather_shards_in_host_memory(mem, &shards)?;
+        self.meet(set_id, &format!("{name}.gathered"), stop)
+    }
+}
+
+/// Each of `n` ranks' bytes of a buffer of `nbytes` bytes of `dtype`: Horovod's reducescatter
+/// split of its elements, the lowest ranks one element more.
+fn shards(n: usize, nbytes: usize, dtype: DType) -> Result<Vec<Range<usize>>> {
+    let esize = dtype.size();
+    if nbytes % esize != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "allreduce in host memory: {nbytes} bytes are not whole {} elements",
+            dtype.name()
+        )));
+    }
+    Ok((0..n)
+        .map(|q| {
+            let (lo, count) = split_rows(nbytes / esize, n, q);
+            lo * esize..(lo + count) * esize
+        })
+        .collect())
+}
