@@ -5,229 +5,83 @@ forms do what ``synchronize(<op>_async(...))`` does, without the handle table. I
 zero-copy (their data pointers); the arrays are kept referenced (by the handle table, or by the
 blocking call's own frame) until the op completes, which is what makes handing raw pointers to
 the engine sound.
+
+Here are the ops' one way into the engine (:func:`_run`), the handle table and the
+collectives. ``ferrovod`` and the framework adapters reach the rest of the framework-free API
+as ``_api.<name>`` too, so it is imported here from the modules that hold it: starting,
+stopping and topology (``_lifecycle``), argument handling (``_arguments``) and what the build
+holds (``_build_info``).
 """
 
 from __future__ import annotations
 
-import atexit
-import importlib.util
 import itertools
-import os
-import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _core, _elastic, _logging, _rendezvous
-from . import process_sets as _ps
-from .exceptions import FerrovodError, InvalidArgumentError
+from . import _core
+from ._arguments import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    Tensor,
+    _BadArgument,
+    _DTYPES,
+    _as_array,
+    _auto_name,
+    _contiguous,
+    _dtype_code,
+    _ptr,
+    _resolve_op,
+    _root,
+    _set_id,
+    _writable,
+)
+from ._build_info import (
+    build_info,
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    gpu_libraries,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from ._lifecycle import (
+    cross_rank,
+    cross_size,
+    exit_if_parameter_server,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from .exceptions import InvalidArgumentError
 from .process_sets import ProcessSet, global_process_set
 
-Average = _core.Average
-Sum = _core.Sum
-Adasum = _core.Adasum
-Min = _core.Min
-Max = _core.Max
-Product = _core.Product
-
-_DTYPES: Dict[str, int] = {
-    "uint8": _core.DTYPE_UINT8,
-    "int8": _core.DTYPE_INT8,
-    "int16": _core.DTYPE_INT16,
-    "int32": _core.DTYPE_INT32,
-    "int64": _core.DTYPE_INT64,
-    "float16": _core.DTYPE_FLOAT16,
-    "bfloat16": _core.DTYPE_BFLOAT16,
-    "float32": _core.DTYPE_FLOAT32,
-    "float64": _core.DTYPE_FLOAT64,
-    "bool": _core.DTYPE_BOOL,
-}
-
-Tensor = Any
 Handle = int
 
 
-# ----------------------------------------------------------------------------- lifecycle
+# ----------------------------------------------------------------------------- plumbing
 
 _lock = threading.Lock()
 _handles: Dict[int, "_Pending"] = {}
 _next_handle = itertools.count(1)
-_name_counters: Dict[str, itertools.count] = {}
-
-
-def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[ProcessSet]]] = None) -> None:
-    """Starts ferrovod: rendezvous with the other ranks and start the background engine.
-
-    ``process_sets`` is a list of :class:`ProcessSet` registered at start-up (ids 1, 2, ...
-    in order; sets given as mpi4py communicators after the rank lists, see
-    :class:`ProcessSet`), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` may
-    be an mpi4py communicator with as many ranks as ``MPI.COMM_WORLD`` (Horovod's signature):
-    under ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks then find each other over
-    it; or, as in Horovod, the list of ranks the job runs on, which must be every rank in order
-    (a job spans every launched process: collectives among some ranks take a process set).
-    Calling ``init()`` again while running is a no-op; after :func:`shutdown` it starts a new
-    engine.
-    """
-    exit_if_parameter_server()
-    if isinstance(comm, (list, tuple)):
-        _check_rank_list(comm)
-        comm = None
-    if comm is not None and not _rendezvous.is_world_comm(comm):
-        raise ValueError("init(comm=...) accepts only an mpi4py communicator spanning every rank "
-                         "(as many as MPI.COMM_WORLD): ferrovod does not run on MPI sub-communicators")
-    dynamic = process_sets == "dynamic"
-    static: List[ProcessSet] = [] if (process_sets is None or dynamic) else list(process_sets)
-    for ps in static:
-        if not isinstance(ps, ProcessSet):
-            raise ValueError(f"process_sets must hold ProcessSet objects, got {ps!r}")
-    if len(set(tuple(p.ranks) for p in static if p.mpi_comm is None)) != \
-            len([p for p in static if p.mpi_comm is None]):
-        raise ValueError("process_sets contains duplicates")
-    if _core.is_initialized():
-        return
-    given, static = static, _ps._with_communicator_sets(static)
-    # An elastic worker first takes its place in the launcher's newest membership.
-    generation = _elastic.join_next() if _elastic.enabled() else None
-    level, hide_time, my_rank = _core.log_settings()
-    _logging.configure(level, hide_time, f"rank {my_rank}")
-    info = _core.launch_info()
-    addr, secret = _rendezvous.address_and_secret(comm, info)
-    try:
-        _core.init([p.ranks for p in static], dynamic, addr, secret, generation)
-    except FerrovodError as e:
-        if generation is None or isinstance(e, InvalidArgumentError):
-            raise
-        raise _elastic.FormingError(f"forming the elastic job's membership {generation} "
-                                    f"failed: {e}") from e
-    if generation is not None:
-        _elastic.watch_hosts()
-    _name_counters.clear()
-    _ps._on_init(static, given)
-    _share_cores(info["launcher"])
-
-
-def exit_if_parameter_server() -> None:
-    """Ends a process started as an MXNet parameter server or scheduler (``DMLC_ROLE``), saying
-    why: the mxnet-operator and MXNet's ``tools/launch.py`` start them beside the workers, and
-    ferrovod's workers, averaging with allreduce, need none. Exits with status 0, so that the
-    job's server and scheduler replicas succeed."""
-    role = os.environ.get("DMLC_ROLE", "").strip().lower()
-    if role in ("server", "scheduler"):
-        print(f"ferrovod: this process is an MXNet {role} (DMLC_ROLE={role}); ferrovod's workers "
-              f"average with allreduce and need no {role}, so it exits now", file=sys.stderr,
-              flush=True)
-        sys.exit(0)
-
-
-def _check_rank_list(ranks: Sequence[Any]) -> None:
-    """``init(comm=[ranks])``: every launched rank, in order, or a ValueError saying why not."""
-    size = int(_core.launch_info()["size"])
-    try:
-        given = [int(r) for r in ranks]
-    except (TypeError, ValueError):
-        raise ValueError(f"init(comm=...) takes a list of ranks, got {list(ranks)!r}") from None
-    if given == list(range(size)):
-        return
-    if sorted(given) == list(range(size)):
-        raise ValueError(f"init(comm={given}): ferrovod keeps the launcher's rank order; pass "
-                         f"the ranks in order (list(range({size})))")
-    raise ValueError(f"init(comm={given}): a ferrovod job spans every launched process "
-                     f"({size} here); for collectives among ranks {sorted(set(given))} use a "
-                     f"process set: init(process_sets=[ProcessSet({sorted(set(given))})])")
-
-
-# Launchers that already give each rank its share of the cores (ferrovodrun's worker_env;
-# torchrun sets OMP_NUM_THREADS=1), or start one process only.
-_SHARING_LAUNCHERS = ("ferrovodrun", "torchrun", "none")
-
-
-def _share_cores(launcher: str) -> None:
-    """Under mpirun, srun or a TFJob with several ranks per host, sets the thread-pool variables
-    the user left unset (OMP_NUM_THREADS and the BLAS ones) to this rank's share of the cores —
-    by default every rank's pools would use every core and the ranks would fight over them.
-    Libraries loaded from now on, and child processes, see them; a PyTorch already imported
-    gets ``torch.set_num_threads`` too."""
-    n = local_size()
-    if launcher in _SHARING_LAUNCHERS or n <= 1:
-        return
-    from .runner.worker_env import thread_share
-
-    share = thread_share(os.environ, n)
-    if not share:
-        return
-    os.environ.update(share)
-    torch = sys.modules.get("torch")
-    if torch is not None and "OMP_NUM_THREADS" in share:
-        torch.set_num_threads(int(share["OMP_NUM_THREADS"]))
-    _logging.LOGGER.info("%d ranks on this host: set %s", n, ", ".join(f"{k}={v}" for k, v in share.items()))
-
-
-def shutdown() -> None:
-    """Stops the engine. Pending ops fail; ``init()`` may be called again afterwards."""
-    _core.shutdown()
-    _ps._on_shutdown()
-
-
-def is_initialized() -> bool:
-    """Whether :func:`init` has run in this process and :func:`shutdown` has not."""
-    return bool(_core.is_initialized())
-
-
-atexit.register(shutdown)
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Starts writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it). Unlike
-    Horovod, ``FERROVOD_TIMELINE=DYNAMIC`` is not required first."""
-    _core.start_timeline(str(file_path), bool(mark_cycles))
-
-
-def stop_timeline() -> None:
-    """Stops the timeline and closes its file."""
-    _core.stop_timeline()
-
-
-def _topo(i: int) -> Any:
-    return _core.topology()[i]
-
-
-def rank() -> int:
-    """Global rank of this process."""
-    return int(_topo(0))
-
-
-def size() -> int:
-    """Number of processes in the job."""
-    return int(_topo(1))
-
-
-def local_rank() -> int:
-    """Rank of this process among those on its host."""
-    return int(_topo(2))
-
-
-def local_size() -> int:
-    """Number of processes on this host."""
-    return int(_topo(3))
-
-
-def cross_rank() -> int:
-    """Index of this host among the hosts that have a process with this local rank."""
-    return int(_topo(4))
-
-
-def cross_size() -> int:
-    """Number of hosts that have a process with this local rank."""
-    return int(_topo(5))
-
-
-def is_homogeneous() -> bool:
-    """Whether every host runs the same number of processes."""
-    return bool(_topo(6))
-
-
-# ----------------------------------------------------------------------------- plumbing
 
 
 class _Pending:
@@ -242,12 +96,6 @@ class _Pending:
         self.keepalive = keepalive
 
 
-class _BadArgument(InvalidArgumentError):
-    """An argument this rank cannot submit an op with. Raised only before anything is
-    submitted; the op functions then refuse the op through the engine (:func:`_refuse`), so
-    that the other members of the set fail it too instead of waiting for it."""
-
-
 def _refuse(kind: int, name: str, process_set: ProcessSet, reason: str, now: bool) -> "_Pending":
     """This rank's part in an op it refuses: the engine negotiates the name as a rejection,
     and every member of the set fails the op with ``reason``. A blocking caller (``now``)
@@ -258,124 +106,6 @@ def _refuse(kind: int, name: str, process_set: ProcessSet, reason: str, now: boo
         raise InvalidArgumentError(f"{reason} (rank {rank()} refused this op; every rank of the "
                                    "set fails it)")
     return _Pending(core, lambda _: None)
-
-
-def _as_array(tensor: Tensor) -> np.ndarray:
-    """A NumPy view of ``tensor`` (zero-copy for arrays and CPU DLPack objects)."""
-    if isinstance(tensor, np.ndarray):
-        return tensor
-    if tensor is None:
-        raise _BadArgument("expected an array or a tensor, got None")
-    if hasattr(tensor, "__dlpack__"):
-        try:
-            return np.from_dlpack(tensor)
-        except (TypeError, RuntimeError, BufferError) as e:
-            raise _BadArgument(
-                f"cannot read a {type(tensor).__name__} through DLPack ({e}); pass a CPU tensor "
-                "or a NumPy array"
-            ) from e
-    arr = np.asarray(tensor)
-    if arr.dtype == object:
-        raise _BadArgument(f"expected an array or a tensor, got {type(tensor).__name__}")
-    return arr
-
-
-def _writable(tensor: Tensor, arr: np.ndarray, what: str) -> None:
-    """Refuses an in-place op on memory it cannot write back into: a read-only array, or an
-    object (a list, bytes) that ``arr`` is a copy of."""
-    if not (isinstance(tensor, np.ndarray) or hasattr(tensor, "__dlpack__")):
-        raise _BadArgument(
-            f"{what} writes its result into its input, which must be an array or a tensor; "
-            f"got a {type(tensor).__name__} (use the out-of-place {what.rstrip('_')})")
-    if not arr.flags.writeable:
-        raise _BadArgument(f"{what} writes its result into its input, which is read-only")
-
-
-def _root(root_rank: Any) -> int:
-    """``root_rank`` as a global rank of this job, or refused."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
-        raise _BadArgument(f"root_rank must be an integer rank, got {root_rank!r} "
-                           f"({type(root_rank).__name__})")
-    if not 0 <= int(root_rank) < size():
-        raise _BadArgument(
-            f"broadcast received invalid root rank {int(root_rank)}: the job has {size()} ranks")
-    return int(root_rank)
-
-
-def _contiguous(arr: np.ndarray) -> np.ndarray:
-    """``arr`` itself when the engine can read it as it lies (C-contiguous, native byte order),
-    else a copy that is (the engine reduces raw bytes: a byte-swapped array would be summed as
-    garbage)."""
-    if not arr.dtype.isnative:
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    if arr.flags.c_contiguous:
-        return arr
-    # np.ascontiguousarray turns a 0-d array into shape (1,): keep 0-d tensors 0-d.
-    return np.ascontiguousarray(arr).reshape(arr.shape)
-
-
-# Keyed by the dtype object: ``dtype.name`` builds a string per call (several µs, a tenth of
-# a small allreduce).
-_DTYPE_CODES: Dict[np.dtype, int] = {}
-
-
-def _dtype_code(arr: np.ndarray, what: str) -> int:
-    code = _DTYPE_CODES.get(arr.dtype)
-    if code is not None:
-        return code
-    code = _DTYPES.get(arr.dtype.name)
-    if code is None:
-        raise _BadArgument(
-            f"{what}: dtype {arr.dtype} is not supported (supported: {', '.join(_DTYPES)})"
-        )
-    _DTYPE_CODES[arr.dtype] = code
-    return code
-
-
-def _ptr(arr: np.ndarray) -> int:
-    # __array_struct__ through the engine: ~0.2 µs against 3-4 µs for __array_interface__.
-    address = _core.array_address(arr)
-    if address is None:
-        address = arr.__array_interface__["data"][0]
-    return int(address)
-
-
-def _auto_name(kind: str, name: Optional[str]) -> str:
-    if name is not None:
-        return str(name)
-    counter = _name_counters.setdefault(kind, itertools.count())
-    return f"{kind}.noname.{next(counter)}"
-
-
-def _set_id(process_set: ProcessSet) -> int:
-    if process_set.process_set_id is None:
-        raise InvalidArgumentError(
-            f"{process_set} has not been registered (pass it to init(process_sets=...) or "
-            "add_process_set)"
-        )
-    if process_set.process_set_id != 0 and rank() not in process_set.ranks:
-        raise InvalidArgumentError(
-            f"rank {rank()} is not a member of the provided process set {process_set.ranks}"
-        )
-    return int(process_set.process_set_id)
-
-
-_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
-             Product: "Product"}
-
-
-def _resolve_op(op: Optional[int], average: Optional[bool], default: int = Average) -> int:
-    """The reduction's code, or refused (a float, a string or an unknown code is not one)."""
-    if op is not None and average is not None:
-        raise _BadArgument("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        return Average if average else Sum
-    if op is None:
-        return default
-    if isinstance(op, bool) or not isinstance(op, (int, np.integer)) or int(op) not in _OP_NAMES:
-        raise _BadArgument(f"op={op!r} is not a reduction: use Sum, Average, Min, Max or Product "
-                           "(ferrovod.Sum, ...)")
-    return int(op)
 
 
 def _register(core: Any, finish: Callable[[Any], Any], keepalive: Any = None) -> Handle:
@@ -1022,103 +752,3 @@ def allgather_object(obj: Any, name: Optional[str] = None,
         raise InvalidArgumentError(f"allgather_object '{name}': some ranks could not pickle "
                                    f"their objects: {'; '.join(failed)}")
     return [cloudpickle.loads(c) for c in chunks]
-
-
-# ----------------------------------------------------------------------------- queries
-
-
-def _nccl_wheel_dirs() -> List[str]:
-    """``lib`` directories of the ``nvidia-nccl-*`` wheel (torch's CUDA builds install it),
-    found without importing torch."""
-    try:
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        return []
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    return [os.path.join(r, "lib") for r in roots if os.path.isdir(os.path.join(r, "lib"))]
-
-
-_gpu_libraries: Optional[Dict[str, Any]] = None
-
-
-def gpu_libraries() -> Dict[str, Any]:
-    """What the run-time search for GPU libraries found (done once per process, never raises):
-    ``{"nccl": {"found", "version", "path" | "reason"}, "cuda": {"found", "devices" |
-    "reason"}}``. Nothing is linked at build time; ``FERROVOD_NCCL_LIBRARY`` names the NCCL
-    library to use."""
-    global _gpu_libraries
-    if _gpu_libraries is None:
-        probe = dict(_core.gpu_probe(_nccl_wheel_dirs()))
-        _gpu_libraries = {k: dict(v) for k, v in probe.items()}
-    return {k: dict(v) for k, v in _gpu_libraries.items()}
-
-
-def build_info() -> Dict[str, Any]:
-    """What this build contains: version, transports, controllers and backends, and (as
-    ``nccl_library`` and ``cuda_driver``) what the run-time search for GPU libraries found."""
-    info = dict(_core.build_info())
-    gpu = gpu_libraries()
-    info["nccl_library"] = gpu["nccl"]
-    info["cuda_driver"] = gpu["cuda"]
-    return info
-
-
-def gloo_built() -> bool:
-    """True: ferrovod's own controller and data plane take the place Gloo has in Horovod (a
-    job that needs no MPI), which is what a script asking this wants to know; no Gloo library
-    is involved."""
-    return True
-
-
-def gloo_enabled() -> bool:
-    """Whether the job is formed (ferrovod's controller, in Gloo's place: see
-    :func:`gloo_built`)."""
-    return bool(_core.is_initialized())
-
-
-def mpi_built() -> bool:
-    """False: ferrovod does not link MPI."""
-    return False
-
-
-def mpi_enabled() -> bool:
-    """False: ferrovod does not link MPI."""
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """False: ferrovod does not link MPI."""
-    return False
-
-
-def nccl_built() -> int:
-    """As in Horovod, the NCCL version code (e.g. 23007) collectives of GPU tensors run on, 0 when
-    none. ferrovod's NCCL backend is in every build and loads NCCL at run time, so this is the
-    code of the library ``gpu_libraries()`` found — when the engine dispatches CUDA tensors to
-    NCCL (``build_info()["device_dispatch"]``, on unless ``FERROVOD_NCCL_DISPATCH=0``);
-    otherwise 0: they are staged through host memory."""
-    if not _core.build_info().get("device_dispatch"):
-        return 0
-    nccl = gpu_libraries()["nccl"]
-    return int(nccl.get("code", 0)) if nccl.get("found") else 0
-
-
-def cuda_built() -> bool:
-    """Whether CUDA support is built in."""
-    return False
-
-
-def rocm_built() -> bool:
-    """Whether ROCm support is built in."""
-    return False
-
-
-def ddl_built() -> bool:
-    """Whether IBM DDL support is built in."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Whether oneCCL support is built in."""
-    return False
-

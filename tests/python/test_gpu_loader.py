@@ -123,9 +123,10 @@ def test_nccl_dispatch_is_on_by_default_and_the_machine_is_asked_first(monkeypat
     FERROVOD_NCCL_DISPATCH=0 turns it off, and where CUDA is missing the answer still says what
     the machine lacks. Off, a machine with CUDA still takes CUDA tensors into the engine, which
     stages them."""
-    code = ("import ferrovod, json; from ferrovod import _core, _api; i = _core.build_info(); "
+    code = ("import ferrovod, json; from ferrovod import _build_info, _core; "
+            "i = _core.build_info(); "
             "print(json.dumps([i['device_dispatch'], i['gpu_operations'], ferrovod.nccl_built(), "
-            "_core.device_path(_api._nccl_wheel_dirs())]))")
+            "_core.device_path(_build_info._nccl_wheel_dirs())]))")
 
     def ask(value):
         if value is None:

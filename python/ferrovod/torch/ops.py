@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .. import _api, _core
+from .. import _api, _build_info, _core
 from .._api import Average, Sum
 from .._host_memory import shard as _shard
 from ..exceptions import InvalidArgumentError
@@ -104,7 +104,7 @@ def _device_path() -> Tuple[bool, str]:
     first time a CUDA tensor is seen, so a CPU job never loads the GPU libraries."""
     global _device_path_answer
     if _device_path_answer is None:
-        usable, why = _core.device_path(_api._nccl_wheel_dirs())
+        usable, why = _core.device_path(_build_info._nccl_wheel_dirs())
         _device_path_answer = (bool(usable), str(why))
     return _device_path_answer
 

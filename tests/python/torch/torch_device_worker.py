@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import fvtest as T  # noqa: E402
 
 import ferrovod.torch as hvd  # noqa: E402
-from ferrovod import _api, _core  # noqa: E402
+from ferrovod import _api, _build_info, _core  # noqa: E402
 from ferrovod.exceptions import InvalidArgumentError, MismatchError  # noqa: E402
 from ferrovod.process_sets import global_process_set  # noqa: E402
 from ferrovod.torch import ops  # noqa: E402
@@ -60,7 +60,7 @@ def main():
     ck.true(ops._device_path_answer is None, "a CPU job does not ask about the NCCL path",
             f"asked: {ops._device_path_answer!r}")
 
-    usable, why = _core.device_path(_api._nccl_wheel_dirs())
+    usable, why = _core.device_path(_build_info._nccl_wheel_dirs())
     ck.equal(usable, False, "device path usable without a GPU")
     ck.true("CUDA cannot be used" in why, "why the device path is not usable", why)
     print(f"device path: {usable} ({why})", flush=True)

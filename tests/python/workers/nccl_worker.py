@@ -13,7 +13,7 @@ import fvtest as T
 
 import ferrovod as fv
 from ferrovod import _core
-from ferrovod._api import _nccl_wheel_dirs
+from ferrovod._build_info import _nccl_wheel_dirs
 from ferrovod.exceptions import InvalidArgumentError
 
 

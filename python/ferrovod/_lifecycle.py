@@ -1,0 +1,190 @@
+"""Starting and stopping ferrovod and where this process sits in the job: :func:`init`,
+:func:`shutdown`, the timeline, and the rank and size queries."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _core, _elastic, _logging, _rendezvous
+from . import process_sets as _ps
+from .exceptions import FerrovodError, InvalidArgumentError
+from .process_sets import ProcessSet
+
+# Per kind, the counter that names unnamed ops (``_arguments._auto_name``): every rank
+# counts from 0 again in each job that init() starts, so the names still match.
+_name_counters: Dict[str, itertools.count] = {}
+
+
+def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[ProcessSet]]] = None) -> None:
+    """Starts ferrovod: rendezvous with the other ranks and start the background engine.
+
+    ``process_sets`` is a list of :class:`ProcessSet` registered at start-up (ids 1, 2, ...
+    in order; sets given as mpi4py communicators after the rank lists, see
+    :class:`ProcessSet`), or ``"dynamic"`` to allow :func:`add_process_set` later. ``comm`` may
+    be an mpi4py communicator with as many ranks as ``MPI.COMM_WORLD`` (Horovod's signature):
+    under ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks then find each other over
+    it; or, as in Horovod, the list of ranks the job runs on, which must be every rank in order
+    (a job spans every launched process: collectives among some ranks take a process set).
+    Calling ``init()`` again while running is a no-op; after :func:`shutdown` it starts a new
+    engine.
+    """
+    exit_if_parameter_server()
+    if isinstance(comm, (list, tuple)):
+        _check_rank_list(comm)
+        comm = None
+    if comm is not None and not _rendezvous.is_world_comm(comm):
+        raise ValueError("init(comm=...) accepts only an mpi4py communicator spanning every rank "
+                         "(as many as MPI.COMM_WORLD): ferrovod does not run on MPI sub-communicators")
+    dynamic = process_sets == "dynamic"
+    static: List[ProcessSet] = [] if (process_sets is None or dynamic) else list(process_sets)
+    for ps in static:
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets must hold ProcessSet objects, got {ps!r}")
+    if len(set(tuple(p.ranks) for p in static if p.mpi_comm is None)) != \
+            len([p for p in static if p.mpi_comm is None]):
+        raise ValueError("process_sets contains duplicates")
+    if _core.is_initialized():
+        return
+    given, static = static, _ps._with_communicator_sets(static)
+    # An elastic worker first takes its place in the launcher's newest membership.
+    generation = _elastic.join_next() if _elastic.enabled() else None
+    level, hide_time, my_rank = _core.log_settings()
+    _logging.configure(level, hide_time, f"rank {my_rank}")
+    info = _core.launch_info()
+    addr, secret = _rendezvous.address_and_secret(comm, info)
+    try:
+        _core.init([p.ranks for p in static], dynamic, addr, secret, generation)
+    except FerrovodError as e:
+        if generation is None or isinstance(e, InvalidArgumentError):
+            raise
+        raise _elastic.FormingError(f"forming the elastic job's membership {generation} "
+                                    f"failed: {e}") from e
+    if generation is not None:
+        _elastic.watch_hosts()
+    _name_counters.clear()
+    _ps._on_init(static, given)
+    _share_cores(info["launcher"])
+
+
+def exit_if_parameter_server() -> None:
+    """Ends a process started as an MXNet parameter server or scheduler (``DMLC_ROLE``), saying
+    why: the mxnet-operator and MXNet's ``tools/launch.py`` start them beside the workers, and
+    ferrovod's workers, averaging with allreduce, need none. Exits with status 0, so that the
+    job's server and scheduler replicas succeed."""
+    role = os.environ.get("DMLC_ROLE", "").strip().lower()
+    if role in ("server", "scheduler"):
+        print(f"ferrovod: this process is an MXNet {role} (DMLC_ROLE={role}); ferrovod's workers "
+              f"average with allreduce and need no {role}, so it exits now", file=sys.stderr,
+              flush=True)
+        sys.exit(0)
+
+
+def _check_rank_list(ranks: Sequence[Any]) -> None:
+    """``init(comm=[ranks])``: every launched rank, in order, or a ValueError saying why not."""
+    size = int(_core.launch_info()["size"])
+    try:
+        given = [int(r) for r in ranks]
+    except (TypeError, ValueError):
+        raise ValueError(f"init(comm=...) takes a list of ranks, got {list(ranks)!r}") from None
+    if given == list(range(size)):
+        return
+    if sorted(given) == list(range(size)):
+        raise ValueError(f"init(comm={given}): ferrovod keeps the launcher's rank order; pass "
+                         f"the ranks in order (list(range({size})))")
+    raise ValueError(f"init(comm={given}): a ferrovod job spans every launched process "
+                     f"({size} here); for collectives among ranks {sorted(set(given))} use a "
+                     f"process set: init(process_sets=[ProcessSet({sorted(set(given))})])")
+
+
+# Launchers that already give each rank its share of the cores (ferrovodrun's worker_env;
+# torchrun sets OMP_NUM_THREADS=1), or start one process only.
+_SHARING_LAUNCHERS = ("ferrovodrun", "torchrun", "none")
+
+
+def _share_cores(launcher: str) -> None:
+    """Under mpirun, srun or a TFJob with several ranks per host, sets the thread-pool variables
+    the user left unset (OMP_NUM_THREADS and the BLAS ones) to this rank's share of the cores —
+    by default every rank's pools would use every core and the ranks would fight over them.
+    Libraries loaded from now on, and child processes, see them; a PyTorch already imported
+    gets ``torch.set_num_threads`` too."""
+    n = local_size()
+    if launcher in _SHARING_LAUNCHERS or n <= 1:
+        return
+    from .runner.worker_env import thread_share
+
+    share = thread_share(os.environ, n)
+    if not share:
+        return
+    os.environ.update(share)
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" in share:
+        torch.set_num_threads(int(share["OMP_NUM_THREADS"]))
+    _logging.LOGGER.info("%d ranks on this host: set %s", n, ", ".join(f"{k}={v}" for k, v in share.items()))
+
+
+def shutdown() -> None:
+    """Stops the engine. Pending ops fail; ``init()`` may be called again afterwards."""
+    _core.shutdown()
+    _ps._on_shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run in this process and :func:`shutdown` has not."""
+    return bool(_core.is_initialized())
+
+
+atexit.register(shutdown)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing a Chrome-trace timeline to ``file_path`` (rank 0 writes it). Unlike
+    Horovod, ``FERROVOD_TIMELINE=DYNAMIC`` is not required first."""
+    _core.start_timeline(str(file_path), bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stops the timeline and closes its file."""
+    _core.stop_timeline()
+
+
+def _topo(i: int) -> Any:
+    return _core.topology()[i]
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return int(_topo(0))
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return int(_topo(1))
+
+
+def local_rank() -> int:
+    """Rank of this process among those on its host."""
+    return int(_topo(2))
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return int(_topo(3))
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts that have a process with this local rank."""
+    return int(_topo(4))
+
+
+def cross_size() -> int:
+    """Number of hosts that have a process with this local rank."""
+    return int(_topo(5))
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of processes."""
+    return bool(_topo(6))
