@@ -13,7 +13,7 @@ Errors are the classes Horovod raises: ranks that disagree ->
 (eagerly these are also ``ferrovod.MismatchError`` / ``ferrovod.InvalidArgumentError``); a
 lost peer eagerly raises ferrovod's ``RankFailureError`` (a ``HorovodInternalError``), inside
 a graph a ``tf.errors.UnknownError`` carrying its message. In TF1 graphs (``tf.compat.v1.Session``) the
-collectives run in the order they were created (see ``mpi_ops._tf1_predecessor``).
+collectives run in the order they were created (see ``_host_op._tf1_predecessor``).
 """
 
 from __future__ import annotations
