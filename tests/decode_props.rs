@@ -22,7 +22,7 @@ use _core::bootstrap::tcp_store::{TcpStore, TcpStoreServer, MAX_STORE_FRAME};
 use _core::bootstrap::{authenticate, read_frame, write_frame, Store};
 use _core::engine::control::{ControlStream, FrameConn, MAX_FRAME};
 use _core::engine::message::{
-    DeviceKind, FromCoordinator, Item, Request, Response, Submit, TensorMeta, ToCoordinator,
+    DeviceKind, FromCoordinator, Item, Op, Request, Response, Submit, TensorMeta, ToCoordinator,
 };
 use _core::error::Error;
 use _core::wire::{Reader, Writer, MAX_FIELD};
@@ -149,15 +149,17 @@ fn arb_request() -> impl Strategy<Value = Request> {
         .prop_map(
             |((set_id, name, kind, op, root), (prescale, postscale), tensors, splits, device)| {
                 Request {
-                    set_id,
-                    name,
-                    kind,
-                    op,
-                    root,
-                    prescale,
-                    postscale,
-                    tensors,
-                    splits,
+                    spec: Op {
+                        set_id,
+                        name,
+                        kind,
+                        op,
+                        root,
+                        prescale,
+                        postscale,
+                        tensors,
+                        splits,
+                    },
                     device,
                 }
             },

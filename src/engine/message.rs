@@ -60,10 +60,13 @@ impl DeviceKind {
     }
 }
 
-/// What one rank asks for under one name. Grouped ops carry several tensors and are
-/// negotiated as one unit.
+/// A collective under one name, with its tensors as `T`: the caller's buffers when it is
+/// submitted ([`super::OpSpec`]), their dtypes and shapes when a rank describes it to the
+/// coordinator ([`Request`]). One type for both, so that a field added to an op reaches the
+/// request and the wire without being copied by hand. Grouped ops carry several tensors and
+/// are negotiated as one unit.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Request {
+pub struct Op<T> {
     /// Process set id (0 = global).
     pub set_id: u32,
     /// The matching key.
@@ -79,11 +82,47 @@ pub struct Request {
     /// Multiplier applied after the reduction.
     pub postscale: f64,
     /// The tensors.
-    pub tensors: Vec<TensorMeta>,
-    /// Alltoall: first-dimension rows sent to each set rank.
+    pub tensors: Vec<T>,
+    /// Alltoall: first-dimension rows sent to each set rank. A caller may leave it empty for
+    /// an equal split, which the engine fills in before it sends the request.
     pub splits: Vec<usize>,
+}
+
+impl<T> Op<T> {
+    /// The same op with each tensor replaced by what `f` makes of it.
+    pub fn map_tensors<U>(&self, f: impl FnMut(&T) -> U) -> Op<U> {
+        Op {
+            set_id: self.set_id,
+            name: self.name.clone(),
+            kind: self.kind,
+            op: self.op,
+            root: self.root,
+            prescale: self.prescale,
+            postscale: self.postscale,
+            tensors: self.tensors.iter().map(f).collect(),
+            splits: self.splits.clone(),
+        }
+    }
+}
+
+/// What one rank asks for under one name: the op, described, and where its tensors live.
+/// The device is not part of [`Op`] because a submitted op's buffers already say where they
+/// are; the engine works it out when it builds the request. Reads of the op's fields go
+/// through [`Deref`](std::ops::Deref), as in `request.name`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The op. Not named `op`, so that `request.op` reads the reduction through `Deref`.
+    pub spec: Op<TensorMeta>,
     /// Where the tensors live.
     pub device: DeviceKind,
+}
+
+impl std::ops::Deref for Request {
+    type Target = Op<TensorMeta>;
+
+    fn deref(&self) -> &Op<TensorMeta> {
+        &self.spec
+    }
 }
 
 impl Request {
@@ -114,16 +153,19 @@ impl Request {
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Request> {
+        // Fields are evaluated in the order written, which is the order on the wire.
         Ok(Request {
-            set_id: r.u32()?,
-            name: r.str()?.to_string(),
-            kind: OpKind::from_code(r.u8()?)?,
-            op: ReduceOp::from_code(r.u8()?)?,
-            root: r.usize()?,
-            prescale: r.f64()?,
-            postscale: r.f64()?,
-            tensors: decode_tensors(r)?,
-            splits: r.usizes()?,
+            spec: Op {
+                set_id: r.u32()?,
+                name: r.str()?.to_string(),
+                kind: OpKind::from_code(r.u8()?)?,
+                op: ReduceOp::from_code(r.u8()?)?,
+                root: r.usize()?,
+                prescale: r.f64()?,
+                postscale: r.f64()?,
+                tensors: decode_tensors(r)?,
+                splits: r.usizes()?,
+            },
             device: DeviceKind::from_code(r.u8()?)?,
         })
     }
@@ -540,24 +582,26 @@ mod tests {
 
     fn req() -> Request {
         Request {
-            set_id: 3,
-            name: "grad.w1".into(),
-            kind: OpKind::Allgather,
-            op: ReduceOp::Sum,
-            root: 2,
-            prescale: 0.5,
-            postscale: 2.0,
-            tensors: vec![
-                TensorMeta {
-                    dtype: DType::BF16,
-                    shape: vec![3, 4],
-                },
-                TensorMeta {
-                    dtype: DType::F32,
-                    shape: vec![],
-                },
-            ],
-            splits: vec![1, 2],
+            spec: Op {
+                set_id: 3,
+                name: "grad.w1".into(),
+                kind: OpKind::Allgather,
+                op: ReduceOp::Sum,
+                root: 2,
+                prescale: 0.5,
+                postscale: 2.0,
+                tensors: vec![
+                    TensorMeta {
+                        dtype: DType::BF16,
+                        shape: vec![3, 4],
+                    },
+                    TensorMeta {
+                        dtype: DType::F32,
+                        shape: vec![],
+                    },
+                ],
+                splits: vec![1, 2],
+            },
             device: DeviceKind::Cuda,
         }
     }

@@ -42,12 +42,11 @@ use crate::bootstrap::{self, auth, net};
 use crate::bootstrap::{ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::types::{OpKind, ReduceOp};
 
 pub use crate::bootstrap::Topology;
 pub use door::{Door, Ran};
 pub use handle::{Handle, Output};
-pub use message::{DeviceKind, TensorMeta};
+pub use message::{DeviceKind, Op, TensorMeta};
 pub use names::NameClaim;
 pub use pool::PageBuf;
 pub use progress::Progress;
@@ -69,26 +68,17 @@ pub struct TensorSpec {
     pub output: Option<TensorBuf>,
 }
 
-/// A submitted op.
-pub struct OpSpec {
-    /// Process set id.
-    pub set_id: u32,
-    /// Matching name.
-    pub name: String,
-    /// Kind.
-    pub kind: OpKind,
-    /// Reduction.
-    pub op: ReduceOp,
-    /// Broadcast root (global rank).
-    pub root: usize,
-    /// Pre-scale factor.
-    pub prescale: f64,
-    /// Post-scale factor.
-    pub postscale: f64,
-    /// Tensors (several for grouped ops).
-    pub tensors: Vec<TensorSpec>,
-    /// Alltoall rows per destination; empty = equal split.
-    pub splits: Vec<usize>,
+/// A submitted op: its tensors with their buffers.
+pub type OpSpec = Op<TensorSpec>;
+
+impl OpSpec {
+    /// What the coordinator is told of this op, whose tensors live on `device`.
+    fn request(&self, device: DeviceKind) -> message::Request {
+        message::Request {
+            spec: self.map_tensors(|t| t.meta.clone()),
+            device,
+        }
+    }
 }
 
 pub(crate) enum Command {

@@ -1,21 +1,23 @@
 use super::*;
-use crate::engine::message::{DeviceKind, TensorMeta};
+use crate::engine::message::{DeviceKind, Op, TensorMeta};
 use crate::types::{DType, ReduceOp};
 
 fn req(name: &str, dtype: DType, shape: &[usize]) -> Request {
     Request {
-        set_id: 0,
-        name: name.into(),
-        kind: OpKind::Allreduce,
-        op: ReduceOp::Sum,
-        root: 0,
-        prescale: 1.0,
-        postscale: 1.0,
-        tensors: vec![TensorMeta {
-            dtype,
-            shape: shape.to_vec(),
-        }],
-        splits: vec![],
+        spec: Op {
+            set_id: 0,
+            name: name.into(),
+            kind: OpKind::Allreduce,
+            op: ReduceOp::Sum,
+            root: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+            tensors: vec![TensorMeta {
+                dtype,
+                shape: shape.to_vec(),
+            }],
+            splits: vec![],
+        },
         device: DeviceKind::Host,
     }
 }

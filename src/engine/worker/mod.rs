@@ -33,22 +33,6 @@ use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, Shared};
 use std::os::fd::RawFd;
 
-/// What the coordinator is told of `spec`.
-fn request_of(spec: &OpSpec, device: DeviceKind) -> Request {
-    Request {
-        set_id: spec.set_id,
-        name: spec.name.clone(),
-        kind: spec.kind,
-        op: spec.op,
-        root: spec.root,
-        prescale: spec.prescale,
-        postscale: spec.postscale,
-        tensors: spec.tensors.iter().map(|t| t.meta.clone()).collect(),
-        splits: spec.splits.clone(),
-        device,
-    }
-}
-
 pub(super) struct Worker {
     rank: usize,
     transport: Box<dyn Transport>,
@@ -358,7 +342,7 @@ impl Worker {
     /// An op this rank refuses still goes to the coordinator, as a rejection: the other
     /// members wait for it otherwise, and this way all of them fail it with `reason`.
     fn reject(&mut self, spec: OpSpec, reason: String, handle: Handle, submits: &mut Vec<Submit>) {
-        let request = request_of(&spec, DeviceKind::Host);
+        let request = spec.request(DeviceKind::Host);
         let submit = Submit::Rejected {
             request: request.clone(),
             reason,
@@ -460,7 +444,7 @@ impl Worker {
             }
         }
         let device = op_device(spec, n)?;
-        Ok(request_of(spec, device))
+        Ok(spec.request(device))
     }
 
     fn send(&mut self, msg: ToCoordinator) {
