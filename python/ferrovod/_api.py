@@ -177,10 +177,11 @@ def _run(
     result, ``(outputs, received_splits, last_joined)``, is then returned instead of a handle.
 
     Returns ``None``, having submitted nothing, when an array is not one the engine reads from
-    ``__array_struct__`` alone (non-contiguous, byte-swapped, bfloat16): see :func:`_submit`.
+    ``__array_struct__`` alone (non-contiguous, byte-swapped, bfloat16: see :func:`_submit`),
+    or for a broadcast whose root is not a rank of the job (the caller refuses it).
     """
-    return _core.run(kind, name, _set_id(process_set), tensors, outputs, op, root, prescale,
-                     postscale, splits, device, out_bytes, wait)
+    return _core.run(kind, name, _set_id(process_set), tensors, outputs, wait, op, root, prescale,
+                     postscale, splits, device, out_bytes)
 
 
 def _submit(
@@ -322,15 +323,17 @@ def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[
     """The blocking one-array allreduce as one waiting call into the engine (which may take its
     fast path): no handle, result holder or pending op. False, having done nothing, for what
     it does not take (non-contiguous, byte-swapped or bfloat16 arrays, Adasum): the general
-    path then runs, under the same name."""
+    path then runs, under the same name. Like the other one-call forms, it hands
+    :func:`_run`'s arguments straight to the door (the global set's id is 0): a Python frame
+    is a tenth of a small op."""
     try:
         rop = _resolve_op(op, average)
     except _BadArgument:
         return False
     if rop == Adasum:
         return False
-    return _run(_core.ALLREDUCE, name, global_process_set, (tensor,), (out,), rop, 0,
-                float(prescale), float(postscale), wait=True) is not None
+    return _core.run(_core.ALLREDUCE, name, 0, tensor, out, True, rop, 0, float(prescale),
+                     float(postscale)) is not None
 
 
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -449,11 +452,12 @@ def _one_call(kind: int, tensor: Tensor, name: str, process_set: ProcessSet, op:
     if type(tensor) is not np.ndarray or process_set is not global_process_set \
             or tensor.ndim == 0:
         return None
-    got = _run(kind, name, global_process_set, (tensor,), None, op, 0, prescale, postscale,
-               wait=True)
+    got = _core.run(kind, name, 0, tensor, None, True, op, 0, prescale, postscale)
     if got is None:
         return None
     buf, shape = got[0][0]
+    if type(buf) is bytearray:
+        return np.frombuffer(buf, dtype=tensor.dtype).reshape(shape)
     return _from_bytes(buf, shape, tensor.dtype)
 
 
@@ -524,11 +528,12 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     """Returns ``root_rank``'s tensor on every rank (``root_rank`` is a global rank)."""
     name = _auto_name("broadcast", name)
     if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
-            and 0 <= root_rank < _core.topology()[1]:
+            and root_rank >= 0:
         out = np.empty_like(tensor, order="C")
-        # One waiting call into the engine (see _allreduce_now); None: the general path.
-        if _run(_core.BROADCAST, name, global_process_set, (tensor,), (out,), Sum, root_rank,
-                wait=True) is not None:
+        # One waiting call into the engine (see _allreduce_now); None (a root outside the job
+        # among others): the general path.
+        if _core.run(_core.BROADCAST, name, 0, tensor, out, True, Sum,
+                     root_rank) is not None:
             return out
     return _now(_broadcast(tensor, root_rank, name, process_set, False, now=True))
 
@@ -544,10 +549,11 @@ def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     """Overwrites ``tensor`` with ``root_rank``'s on every rank and returns it."""
     name = _auto_name("broadcast", name)
     if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
-            and 0 <= root_rank < _core.topology()[1]:
-        # One waiting call into the engine (see _allreduce_now); None: the general path.
-        if _run(_core.BROADCAST, name, global_process_set, (tensor,), (tensor,), Sum, root_rank,
-                wait=True) is not None:
+            and root_rank >= 0:
+        # One waiting call into the engine (see _allreduce_now); None (a root outside the job
+        # among others): the general path.
+        if _core.run(_core.BROADCAST, name, 0, tensor, tensor, True, Sum,
+                     root_rank) is not None:
             return tensor
     return _now(_broadcast(tensor, root_rank, name, process_set, True, now=True))
 

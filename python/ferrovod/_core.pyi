@@ -43,21 +43,22 @@ def reset_log_cache() -> None: ...
 def shutdown() -> None: ...
 def is_initialized() -> bool: ...
 def topology() -> Tuple[int, int, int, int, int, int, bool]: ...
-Result = Tuple[List[Tuple[Union[bytearray, OwnedBuffer], List[int]]], List[int], Optional[int]]
+Result = Tuple[Tuple[Tuple[Union[bytearray, OwnedBuffer], List[int]], ...], Sequence[int],
+               Optional[int]]
 def run(
     kind: int,
     name: str,
     set_id: int,
     tensors: Sequence[object],
     outputs: Optional[Sequence[Optional[object]]] = ...,
+    wait: bool = ...,
     op: int = ...,
     root: int = ...,
     prescale: float = ...,
     postscale: float = ...,
-    splits: Sequence[int] = ...,
+    splits: Optional[Sequence[int]] = ...,
     device: Optional[Tuple[int, int]] = ...,
     out_bytes: Optional[Sequence[int]] = ...,
-    wait: bool = ...,
 ) -> Union[CoreHandle, Result, None]: ...
 def join() -> CoreHandle: ...
 def add_process_set(ranks: Sequence[int]) -> int: ...

@@ -3,6 +3,7 @@
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
 
 use crate::engine::{Handle, OpSpec, Output, PageBuf, Progress, Ran, TensorBuf};
@@ -31,10 +32,11 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// later adapter's op comes in here (through `ferrovod._api._run`) and goes on through the
 /// engine's entry ([`crate::engine::Door::run`]), which decides its way.
 ///
-/// `tensors`: NumPy arrays, read from `__array_struct__` (a result goes to `outputs[i]`: `None`
-/// when the engine allocates it, or an array of the input's size, which may be the input
-/// itself), or `(address, nbytes, dtype code, shape, output address or 0)` tuples for memory
-/// NumPy cannot describe (the torch adapter's). `out_bytes`: each output's byte length where it
+/// `tensors`: a tuple or list of NumPy arrays, read from `__array_struct__` (a result goes to
+/// `outputs[i]`: `None` when the engine allocates it, or an array of the input's size, which
+/// may be the input itself; one array, and its output, may be passed bare), or `(address,
+/// nbytes, dtype code, shape, output address or 0)` tuples for memory NumPy cannot describe
+/// (the torch adapter's). `out_bytes`: each output's byte length where it
 /// is not the input's (an allgather into caller memory, this rank's share of a reducescatter).
 /// `device`: `(CUDA ordinal, raw current stream)` when the tuples address CUDA memory for the
 /// NCCL path. `wait`: the caller waits at once, so the op is offered to the fast path first
@@ -42,28 +44,38 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 ///
 /// Returns a [`CoreHandle`], or with `wait` the op's result (see [`result`]); `None`, queuing
 /// nothing, when an array is not one [`tensor::describe_array`] describes or an output does
-/// not match its input: the caller then describes it as a tuple.
+/// not match its input (the caller then describes it as a tuple), or for a broadcast whose
+/// root is not a rank of the job (the caller refuses it, with its own message).
 #[pyfunction]
-#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, op=1, root=0, prescale=1.0, postscale=1.0, splits=Vec::new(), device=None, out_bytes=None, wait=false))]
+// `tensors`, `outputs` and `splits` are read as they come rather than extracted into vectors
+// by PyO3, which checks and iterates each as a generic sequence: a third of a small op's time
+// in this call.
+#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, wait=false, op=1, root=0, prescale=1.0, postscale=1.0, splits=None, device=None, out_bytes=None))]
 #[allow(clippy::too_many_arguments)]
 fn run<'py>(
     py: Python<'py>,
     kind: u8,
     name: String,
     set_id: u32,
-    tensors: Vec<Bound<'py, PyAny>>,
-    outputs: Option<Vec<Option<Bound<'py, PyAny>>>>,
+    tensors: &Bound<'py, PyAny>,
+    outputs: Option<&Bound<'py, PyAny>>,
+    wait: bool,
     op: u8,
     root: usize,
     prescale: f64,
     postscale: f64,
-    splits: Vec<usize>,
+    splits: Option<&Bound<'py, PyAny>>,
     device: Option<(u32, usize)>,
     out_bytes: Option<Vec<usize>>,
-    wait: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = reduce_op(op)?;
+    let tensors = items(tensors);
+    let outputs = outputs.map(items);
+    let splits: Vec<usize> = match splits {
+        Some(s) if s.len()? > 0 => s.extract()?,
+        _ => Vec::new(),
+    };
     let per_tensor = |what: &str, n: Option<usize>| match n {
         Some(n) if n != tensors.len() => Err(to_pyerr(Error::InvalidArgument(format!(
             "{} '{name}': {what} gives one entry per tensor",
@@ -79,13 +91,17 @@ fn run<'py>(
             described.push(tuple.extract::<PyTensor>()?);
             continue;
         }
-        let output = outputs.as_ref().and_then(|o| o[i].as_ref());
+        let output = outputs.as_ref().map(|o| &o[i]).filter(|o| !o.is_none());
         match array_tensor(t, output) {
             Some(d) => described.push(d),
             None => return Ok(py.None().into_bound(py)),
         }
     }
-    let spec = with_engine(|e| {
+    let Some((spec, door)) = with_engine(|e| {
+        // A broadcast from outside the job is the caller's to refuse, with its own message.
+        if kind == OpKind::Broadcast && root >= e.topology().size {
+            return Ok(None);
+        }
         let tensors = described
             .into_iter()
             .enumerate()
@@ -106,7 +122,7 @@ fn run<'py>(
                 }
             })
             .collect::<PyResult<Vec<_>>>()?;
-        Ok(OpSpec {
+        let spec = OpSpec {
             set_id,
             name,
             kind,
@@ -116,18 +132,19 @@ fn run<'py>(
             postscale,
             tensors,
             splits,
-        })
-    })?;
+        };
+        Ok(Some((spec, e.door())))
+    })?
+    else {
+        return Ok(py.None().into_bound(py));
+    };
     if !wait {
-        let handle = with_engine(|e| {
-            Ok(CoreHandle {
-                handle: e.submit(spec).map_err(to_pyerr)?,
-                progress: e.progress(),
-            })
-        })?;
+        let handle = CoreHandle {
+            handle: door.submit(spec).map_err(to_pyerr)?,
+            progress: door.progress(),
+        };
         return Ok(Bound::new(py, handle)?.into_any());
     }
-    let door = with_engine(|e| Ok(e.door()))?;
     let ran = match interruptible(py, |stop| door.run(spec, Some(stop))) {
         (_, Some(e)) => return Err(e),
         (ran, None) => ran.map_err(to_pyerr)?,
@@ -147,25 +164,58 @@ fn run<'py>(
     result(py, out)
 }
 
+/// The items of a tuple or list; any other object is one item (a one-tensor op's array,
+/// passed as it is).
+fn items<'py>(seq: &Bound<'py, PyAny>) -> Vec<Bound<'py, PyAny>> {
+    if let Ok(t) = seq.cast::<PyTuple>() {
+        return t.iter().collect();
+    }
+    if let Ok(l) = seq.cast::<PyList>() {
+        return l.iter().collect();
+    }
+    vec![seq.clone()]
+}
+
 /// Results up to this size are handed back copied into a `bytearray`: NumPy reads one through
 /// the buffer protocol in a third of the time `__array_interface__` takes, which outweighs the
 /// copy.
 const SMALL_RESULT_BYTES: usize = 256 << 10;
 
 /// An op's result as Python gets it: `(outputs, received_splits, last_joined)`, where
-/// `outputs` lists `(buffer, shape)` for each result the engine allocated — a `bytearray` for
-/// a small one, else an [`OwnedBuffer`].
+/// `outputs` is a tuple of `(buffer, shape)`, one for each result the engine allocated — a
+/// `bytearray` for a small one, else an [`OwnedBuffer`].
 fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
-    let list = PyList::empty(py);
-    for (buf, shape) in out.tensors {
-        if buf.len() <= SMALL_RESULT_BYTES {
-            list.append((PyByteArray::new(py, buf.as_slice()), shape))?;
-        } else {
-            let data = EngineBytes::from(buf);
-            list.append((Py::new(py, OwnedBuffer { data })?, shape))?;
-        }
+    if out.tensors.is_empty() && out.received_splits.is_empty() && out.last_joined.is_none() {
+        // Most waiting calls write into the caller's memory: one shared `((), (), None)`
+        // spares them building what no one reads.
+        static NOTHING: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let nothing = NOTHING.get_or_try_init(py, || {
+            let empty = PyTuple::empty(py);
+            let t = (empty.clone(), empty, py.None()).into_pyobject(py)?;
+            Ok::<_, PyErr>(t.into_any().unbind())
+        })?;
+        return Ok(nothing.bind(py).clone());
     }
-    Ok((list, out.received_splits, out.last_joined)
+    let outputs = out
+        .tensors
+        .into_iter()
+        .map(|(buf, shape)| {
+            let buf = if buf.len() <= SMALL_RESULT_BYTES {
+                PyByteArray::new(py, buf.as_slice()).into_any()
+            } else {
+                let data = EngineBytes::from(buf);
+                Bound::new(py, OwnedBuffer { data })?.into_any()
+            };
+            (buf, shape).into_pyobject(py)
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    // An empty tuple is a shared object, where an empty list is made anew.
+    let received = if out.received_splits.is_empty() {
+        PyTuple::empty(py).into_any()
+    } else {
+        out.received_splits.into_pyobject(py)?.into_any()
+    };
+    Ok((PyTuple::new(py, outputs)?, received, out.last_joined)
         .into_pyobject(py)?
         .into_any())
 }
