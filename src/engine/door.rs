@@ -63,6 +63,19 @@ impl Door {
         Ok(Ran::Queued(handle, outcome))
     }
 
+    /// Runs `op` for a caller that waits for it at once ([`Door::run`] with `now`), waiting
+    /// for it in the engine when the fast path did not reduce it: its output. `stop` is asked
+    /// between waits whether to give up (an `Interrupted` error then).
+    pub fn run_and_wait(&self, op: OpSpec, stop: &dyn Fn() -> bool) -> Result<Output> {
+        match self.run(op, Some(stop))? {
+            Ran::Done(out) => Ok(out),
+            Ran::Queued(handle, _) => self
+                .progress
+                .wait_or(&handle, stop)
+                .expect("a handle no one else holds is waited for once"),
+        }
+    }
+
     /// Queues an op; the handle completes when it is done ([`Door::run`] without `now`).
     pub fn submit(&self, op: OpSpec) -> Result<Handle> {
         match self.run(op, None)? {

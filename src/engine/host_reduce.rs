@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::transport::host_memory::HostMemory;
 use crate::types::{DType, OpKind, ReduceOp};
 
-use super::door::{Door, Ran};
+use super::door::Door;
 use super::message::TensorMeta;
 use super::tensor::TensorBuf;
 use super::worker::{post_factor, split_rows};
@@ -41,13 +41,7 @@ impl Door {
             }],
             splits: Vec::new(),
         };
-        match self.run(spec, Some(stop))? {
-            Ran::Done(_) => Ok(()),
-            Ran::Queued(handle, _) => match self.progress().wait_or(&handle, stop) {
-                Some(done) => done.map(|_| ()),
-                None => unreachable!("a handle no one else holds was not waited for"),
-            },
-        }
+        self.run_and_wait(spec, stop).map(|_| ())
     }
 
     /// Reduces the first `nbytes` of every rank's segment of `mem` (elements of `dtype`; the

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
 
-use crate::engine::{Handle, OpSpec, Output, PageBuf, Progress, Ran, TensorBuf};
+use crate::engine::{Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
 
@@ -145,23 +145,10 @@ fn run<'py>(
         };
         return Ok(Bound::new(py, handle)?.into_any());
     }
-    let ran = match interruptible(py, |stop| door.run(spec, Some(stop))) {
-        (_, Some(e)) => return Err(e),
-        (ran, None) => ran.map_err(to_pyerr)?,
-    };
-    let out = match ran {
-        Ran::Done(out) => out,
-        Ran::Queued(handle, _) => {
-            let progress = door.progress();
-            match interruptible(py, move |stop| progress.wait_or(&handle, stop)) {
-                (_, Some(e)) => return Err(e),
-                (Some(Ok(out)), None) => out,
-                (Some(Err(e)), None) => return Err(to_pyerr(e)),
-                (None, None) => unreachable!("a handle no one else holds was not waited for"),
-            }
-        }
-    };
-    result(py, out)
+    match interruptible(py, |stop| door.run_and_wait(spec, stop)) {
+        (_, Some(e)) => Err(e),
+        (out, None) => result(py, out.map_err(to_pyerr)?),
+    }
 }
 
 /// The items of a tuple or list; any other object is one item (a one-tensor op's array,
