@@ -63,17 +63,20 @@ pub fn gather_shards_in_host_memory(mem: &HostMemory, shards: &[Range<usize>]) -
             shards.len()
         )));
     }
-    let me = mem.rank();
-    for (q, range) in shards.iter().enumerate() {
-        if q == me || range.is_empty() {
-            continue;
-        }
-        // `others` lists the ranks other than this one in rank order.
-        let at = if q < me { q } else { q - 1 };
-        mem.with_range(range.clone(), |own, others| {
-            own.copy_from_slice(others[at]);
-            Ok(())
-        })?;
+    if let Some(bad) = shards.iter().find(|r| r.start > r.end) {
+        return Err(Error::InvalidArgument(format!(
+            "allgather in host memory: shard {bad:?} ends before it starts"
+        )));
     }
-    Ok(())
+    let lo = shards.iter().map(|r| r.start).min().unwrap_or(0);
+    let hi = shards.iter().map(|r| r.end).max().unwrap_or(0);
+    let me = mem.rank();
+    mem.with_range(lo..hi, |own, others| {
+        // `others` lists the ranks other than this one in rank order.
+        for (src, q) in others.iter().zip((0..n).filter(|&q| q != me)) {
+            let at = shards[q].start - lo..shards[q].end - lo;
+            own[at.clone()].copy_from_slice(&src[at]);
+        }
+        Ok(())
+    })
 }

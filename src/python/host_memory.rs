@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::to_pyerr;
-use super::op::interruptible;
+use super::op::{interruptible, reduce_op};
 use super::with_engine;
 use crate::config::Config;
 use crate::engine::post_factor;
@@ -106,8 +106,7 @@ impl PyHostMemory {
         op: u8,
         postscale: f64,
     ) -> PyResult<()> {
-        let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
-        let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+        let (dtype, op) = codes(dtype, op)?;
         let mem = self.inner.clone();
         let factor = post_factor(op, postscale, mem.mapped().len());
         let end = offset.checked_add(nbytes).ok_or_else(|| {
@@ -137,8 +136,7 @@ impl PyHostMemory {
         op: u8,
         postscale: f64,
     ) -> PyResult<()> {
-        let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
-        let op = ReduceOp::from_code(op).map_err(to_pyerr)?;
+        let (dtype, op) = codes(dtype, op)?;
         let door = with_engine(|e| Ok(e.door()))?;
         let mem = &self.inner;
         match interruptible(py, |stop| {
@@ -148,6 +146,11 @@ impl PyHostMemory {
             (done, None) => done.map_err(to_pyerr),
         }
     }
+}
+
+/// A dtype and a reduction from their engine codes, or an error that names the bad one.
+fn codes(dtype: u8, op: u8) -> PyResult<(DType, ReduceOp)> {
+    Ok((DType::from_code(dtype).map_err(to_pyerr)?, reduce_op(op)?))
 }
 
 /// One rank's segment as NumPy sees it: `__array_interface__`, a writable 1-d uint8 view;
