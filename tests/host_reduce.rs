@@ -9,7 +9,7 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
-use _core::collective;
+use _core::engine;
 use _core::transport::host_memory::{Exposed, HostMemory};
 use _core::{DType, ReduceOp};
 
@@ -65,8 +65,7 @@ macro_rules! check_dtype {
             barrier.wait(); // every input final
             let (lo, count) = split(rows, n, r);
             let range = lo * esize..(lo + count) * esize;
-            collective::reduce_shard_in_host_memory(&mem, range.clone(), $dtype, op, factor)
-                .unwrap();
+            engine::reduce_shard_in_host_memory(&mem, range.clone(), $dtype, op, factor).unwrap();
             barrier.wait(); // every shard reduced: nobody writes what another reads
             mem.with_range(range, |own, _| Ok(own.to_vec())).unwrap()
         });
@@ -146,10 +145,10 @@ fn every_rank_reduces_its_shard_from_the_others_memory() {
 fn bad_ranges_and_reductions_are_refused() {
     let errors = on_host(2, 64, |_, mem, _| {
         [
-            collective::reduce_shard_in_host_memory(&mem, 2..6, DType::F32, ReduceOp::Sum, 1.0),
-            collective::reduce_shard_in_host_memory(&mem, 0..6, DType::F32, ReduceOp::Sum, 1.0),
-            collective::reduce_shard_in_host_memory(&mem, 0..68, DType::F32, ReduceOp::Sum, 1.0),
-            collective::reduce_shard_in_host_memory(&mem, 0..8, DType::Bool, ReduceOp::Sum, 1.0),
+            engine::reduce_shard_in_host_memory(&mem, 2..6, DType::F32, ReduceOp::Sum, 1.0),
+            engine::reduce_shard_in_host_memory(&mem, 0..6, DType::F32, ReduceOp::Sum, 1.0),
+            engine::reduce_shard_in_host_memory(&mem, 0..68, DType::F32, ReduceOp::Sum, 1.0),
+            engine::reduce_shard_in_host_memory(&mem, 0..8, DType::Bool, ReduceOp::Sum, 1.0),
         ]
         .map(|r| r.unwrap_err().to_string())
     });
@@ -180,7 +179,7 @@ fn every_rank_copies_the_others_shards_from_their_owners() {
                 })
                 .unwrap();
                 barrier.wait(); // every shard final
-                collective::gather_shards_in_host_memory(&mem, &shards).unwrap();
+                engine::gather_shards_in_host_memory(&mem, &shards).unwrap();
                 barrier.wait(); // nobody writes what another reads
                 mem.with_range(0..len, |own, _| Ok(own.to_vec())).unwrap()
             });
@@ -206,7 +205,7 @@ fn every_rank_copies_the_others_shards_from_their_owners() {
 #[test]
 fn a_shard_list_of_the_wrong_length_is_refused() {
     let errors = on_host(3, 64, |_, mem, _| {
-        collective::gather_shards_in_host_memory(&mem, &[0..32, 32..64])
+        engine::gather_shards_in_host_memory(&mem, &[0..32, 32..64])
             .unwrap_err()
             .to_string()
     });

@@ -1,82 +1,213 @@
-//! Collectives over peers' memory: the ranks of one host map each other's segments
-//! ([`HostMemory`]), and an algorithm reads the others' bytes where they lie instead of
-//! receiving them through a ring. Each step here is one rank's part; the ranks' meetings
-//! between steps are the caller's (the engine's `Door::allreduce_in_host_memory`).
+//! Collectives over peers' memory: each rank reads the others' inputs where they lie (a
+//! [`PeersMemory`]: the fast path's boards, or host memory's segments) instead of receiving
+//! them through a ring. Each function is one rank's part; the ranks' meetings before and after
+//! (every input final before anyone reads, nobody writing an input until everyone has read
+//! it) are the caller's protocol.
+//!
+//! Every reduction here folds in one order, [`reduce_in_rank_order`]'s, so each rank that
+//! reduces the same bytes gets the same bits, and with two ranks the ring's bits.
 
 use std::ops::Range;
 
 use super::element_chunk;
 use super::reduce::{check_reducible, reduce_into, scale};
 use crate::error::{Error, Result};
-use crate::transport::host_memory::HostMemory;
+use crate::transport::PeersMemory;
 use crate::types::{DType, ReduceOp};
 
-/// Bytes reduced at a time by [`reduce_shard_in_host_memory`]: this rank's chunk and the
-/// others' stay in cache for the scaling that follows the last reduction.
-const HOST_CHUNK_BYTES: usize = 64 << 10;
+/// Bytes reduced at a time by [`reduce_in_rank_order`]: the destination's chunk and the
+/// inputs' stay in cache for the scaling that follows the last fold.
+const CHUNK_BYTES: usize = 64 << 10;
 
-/// This rank's shard of a reduce-scatter whose inputs already lie in host memory, each rank's
-/// in its own segment at the same offsets: `range` of this rank's segment becomes the
-/// reduction of `range` over every rank's segment, multiplied by `factor`, read straight from
-/// the other ranks' memory (no copy through a ring). Folds this rank's bytes first and then
-/// the others' in rank order; with two ranks that is the ring's sum, bit for bit. Only a
-/// protocol the caller keeps makes it right: every rank's input is final before any rank
-/// starts, and no rank writes its `range` (or this rank's) until every rank has finished.
-pub fn reduce_shard_in_host_memory(
-    mem: &HostMemory,
-    range: Range<usize>,
+/// `dst` = bytes `at..at + dst.len()` of every rank's input, reduced with `op` and multiplied
+/// by `factor`. With `held: None` the ranks fold in rank order; with `held: Some(h)`, `dst`
+/// already holds rank `h`'s bytes (an in-place reduction: its input is the destination), which
+/// fold first, then the others in rank order.
+#[allow(clippy::too_many_arguments)] // the reduction's terms and where its input and output lie
+pub fn reduce_in_rank_order(
+    peers: &(impl PeersMemory + ?Sized),
+    held: Option<usize>,
+    at: usize,
     dtype: DType,
     op: ReduceOp,
     factor: f64,
+    dst: &mut [u8],
 ) -> Result<()> {
     check_reducible(dtype, op)?;
     let esize = dtype.size();
-    if range.start % esize != 0 || range.len() % esize != 0 {
+    if at % esize != 0 || dst.len() % esize != 0 {
         return Err(Error::InvalidArgument(format!(
-            "reduce-scatter in host memory: bytes {range:?} are not whole {} elements",
+            "reduction over peers' memory: bytes {at}..{} are not whole {} elements",
+            at + dst.len(),
             dtype.name()
         )));
     }
-    let chunk = element_chunk(HOST_CHUNK_BYTES, esize);
-    mem.with_range(range, |own, others| {
-        for (i, dst) in own.chunks_mut(chunk).enumerate() {
-            let at = i * chunk..i * chunk + dst.len();
-            for src in others {
-                reduce_into(dtype, op, dst, &src[at.clone()])?;
-            }
-            scale(dtype, dst, factor)?;
+    let n = peers.size();
+    let first = held.unwrap_or(0);
+    let chunk = element_chunk(CHUNK_BYTES, esize);
+    for (i, out) in dst.chunks_mut(chunk).enumerate() {
+        let bytes = at + i * chunk..at + i * chunk + out.len();
+        let src = |r: usize| peers.bytes(r, bytes.clone());
+        if held.is_none() {
+            out.copy_from_slice(src(first));
         }
-        Ok(())
-    })
+        for r in (0..n).filter(|&r| r != first) {
+            reduce_into(dtype, op, out, src(r))?;
+        }
+        scale(dtype, out, factor)?;
+    }
+    Ok(())
 }
 
-/// The allgather half of an allreduce in host memory: `shards[q]` of this rank's segment
-/// becomes a copy of `shards[q]` of rank `q`'s, for every other rank `q` (each shard as its
-/// owner reduced it, so every rank ends with the same bits). Only a protocol the caller keeps
-/// makes it right: every owner has finished its shard before any rank starts, and no rank
-/// writes its segment until every rank has finished.
-pub fn gather_shards_in_host_memory(mem: &HostMemory, shards: &[Range<usize>]) -> Result<()> {
-    let n = mem.mapped().len();
+/// `dst` = the first `dst.len()` bytes of rank `root`'s input.
+pub fn broadcast_from(peers: &(impl PeersMemory + ?Sized), root: usize, dst: &mut [u8]) {
+    dst.copy_from_slice(peers.bytes(root, 0..dst.len()));
+}
+
+/// `dst` = the first `lens[r]` bytes of every rank `r`'s input, in rank order; `dst` holds
+/// their sum.
+pub fn gather_in_rank_order(peers: &(impl PeersMemory + ?Sized), lens: &[usize], dst: &mut [u8]) {
+    let mut at = 0;
+    for (r, &len) in lens.iter().enumerate() {
+        dst[at..at + len].copy_from_slice(peers.bytes(r, 0..len));
+        at += len;
+    }
+}
+
+/// An even alltoall: block `r` of `dst` (its bytes split into one block per rank) = block
+/// `rank` of rank `r`'s input.
+pub fn alltoall_even(peers: &(impl PeersMemory + ?Sized), rank: usize, dst: &mut [u8]) {
+    let block = dst.len() / peers.size();
+    let from = rank * block..(rank + 1) * block;
+    for (r, out) in dst.chunks_mut(block.max(1)).enumerate() {
+        out.copy_from_slice(peers.bytes(r, from.clone()));
+    }
+}
+
+/// The allgather half of an allreduce in place: `own[shards[q]]` becomes a copy of rank `q`'s
+/// `shards[q]`, for every rank `q` but `rank` (each shard as its owner reduced it, so every
+/// rank ends with the same bits). `own` and the peers' inputs share offsets.
+pub fn gather_shards(
+    peers: &(impl PeersMemory + ?Sized),
+    rank: usize,
+    shards: &[Range<usize>],
+    own: &mut [u8],
+) -> Result<()> {
+    let n = peers.size();
     if shards.len() != n {
         return Err(Error::InvalidArgument(format!(
-            "allgather in host memory: {} shards for {n} ranks",
+            "allgather over peers' memory: {} shards for {n} ranks",
             shards.len()
         )));
     }
-    if let Some(bad) = shards.iter().find(|r| r.start > r.end) {
+    if let Some(bad) = shards.iter().find(|s| s.start > s.end || s.end > own.len()) {
         return Err(Error::InvalidArgument(format!(
-            "allgather in host memory: shard {bad:?} ends before it starts"
+            "allgather over peers' memory: shard {bad:?} of {} bytes",
+            own.len()
         )));
     }
-    let lo = shards.iter().map(|r| r.start).min().unwrap_or(0);
-    let hi = shards.iter().map(|r| r.end).max().unwrap_or(0);
-    let me = mem.rank();
-    mem.with_range(lo..hi, |own, others| {
-        // `others` lists the ranks other than this one in rank order.
-        for (src, q) in others.iter().zip((0..n).filter(|&q| q != me)) {
-            let at = shards[q].start - lo..shards[q].end - lo;
-            own[at.clone()].copy_from_slice(&src[at]);
+    for (q, shard) in shards.iter().enumerate().filter(|&(q, _)| q != rank) {
+        own[shard.clone()].copy_from_slice(peers.bytes(q, shard.clone()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every rank's input in a vector of its own.
+    struct Inputs(Vec<Vec<u8>>);
+
+    impl PeersMemory for Inputs {
+        fn size(&self) -> usize {
+            self.0.len()
         }
-        Ok(())
-    })
+        fn bytes(&self, r: usize, range: Range<usize>) -> &[u8] {
+            &self.0[r][range]
+        }
+    }
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn floats(b: &[u8]) -> Vec<f32> {
+        b.chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    /// Three ranks' inputs whose sum depends on the order of the folds.
+    fn ordered() -> Inputs {
+        Inputs(vec![
+            f32s(&[1e8, 1.0, 3.0, 0.5]),
+            f32s(&[1.0, 2.0, -3.0, 0.25]),
+            f32s(&[-1e8, 4.0, 5.0, 8.0]),
+        ])
+    }
+
+    #[test]
+    fn reduces_in_rank_order_with_the_factor() {
+        let peers = ordered();
+        let mut dst = vec![0u8; 12];
+        reduce_in_rank_order(&peers, None, 4, DType::F32, ReduceOp::Sum, 0.5, &mut dst).unwrap();
+        assert_eq!(floats(&dst), [3.5, 2.5, 4.375]);
+        let mut dst = vec![0u8; 16];
+        reduce_in_rank_order(&peers, None, 0, DType::F32, ReduceOp::Sum, 1.0, &mut dst).unwrap();
+        assert_eq!(floats(&dst)[0], (1e8f32 + 1.0) + -1e8);
+    }
+
+    #[test]
+    fn a_held_input_folds_first() {
+        let peers = ordered();
+        let mut dst = f32s(&[-1e8, 4.0, 5.0, 8.0]);
+        reduce_in_rank_order(&peers, Some(2), 0, DType::F32, ReduceOp::Max, 1.0, &mut dst).unwrap();
+        assert_eq!(floats(&dst), [1e8, 4.0, 5.0, 8.0]);
+        let mut dst = f32s(&[-1e8, 4.0, 5.0, 8.0]);
+        reduce_in_rank_order(&peers, Some(2), 0, DType::F32, ReduceOp::Sum, 1.0, &mut dst).unwrap();
+        assert_eq!(floats(&dst)[0], (-1e8f32 + 1e8) + 1.0);
+    }
+
+    #[test]
+    fn refuses_partial_elements_and_unreducible_types() {
+        let peers = ordered();
+        let mut dst = vec![0u8; 4];
+        assert!(
+            reduce_in_rank_order(&peers, None, 2, DType::F32, ReduceOp::Sum, 1.0, &mut dst)
+                .is_err()
+        );
+        assert!(
+            reduce_in_rank_order(&peers, None, 0, DType::Bool, ReduceOp::Sum, 1.0, &mut dst)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn copies_gathers_and_exchanges_blocks() {
+        let peers = Inputs(vec![
+            vec![0, 1, 2, 3, 4, 5],
+            vec![10, 11, 12, 13, 14, 15],
+            vec![20, 21, 22, 23, 24, 25],
+        ]);
+        let mut dst = vec![0; 4];
+        broadcast_from(&peers, 1, &mut dst);
+        assert_eq!(dst, [10, 11, 12, 13]);
+        let mut dst = vec![0; 6];
+        gather_in_rank_order(&peers, &[1, 0, 5], &mut dst);
+        assert_eq!(dst, [0, 20, 21, 22, 23, 24]);
+        let mut dst = vec![0; 6];
+        alltoall_even(&peers, 2, &mut dst);
+        assert_eq!(dst, [4, 5, 14, 15, 24, 25]);
+    }
+
+    #[test]
+    fn gathers_every_other_shard_and_checks_the_shards() {
+        let peers = Inputs(vec![vec![1; 6], vec![2; 6], vec![3; 6]]);
+        let mut own = vec![9; 6];
+        gather_shards(&peers, 1, &[0..2, 2..4, 4..6], &mut own).unwrap();
+        assert_eq!(own, [1, 1, 9, 9, 3, 3]);
+        assert!(gather_shards(&peers, 1, &[0..2, 2..4], &mut own).is_err());
+        assert!(gather_shards(&peers, 1, &[0..2, 2..4, 4..7], &mut own).is_err());
+    }
 }

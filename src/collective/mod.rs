@@ -7,8 +7,9 @@
 //! [`Communicator::exchange`] and its `send`/`recv`/`sendrecv` shorthands, and is written so that
 //! all ranks run the same sequence of exchanges with matching partners ("lockstep"): with a
 //! transport that progresses the sends and receives of one exchange concurrently, no size or
-//! rank count can deadlock. The exception is [`host_memory`], whose algorithms read the
-//! segments of the ranks of one host where they lie.
+//! rank count can deadlock. The exception is [`host_memory`], whose algorithms read the other
+//! ranks' inputs where they lie (a [`crate::transport::PeersMemory`]: the fast path's boards,
+//! host memory's segments); the engine calls them directly, and keeps their protocol.
 //!
 //! | collective | algorithm | bytes sent per rank (payload `B`, `n` ranks) |
 //! |---|---|---|
@@ -21,6 +22,7 @@
 //! | reducescatter | ring | `B - B_r` |
 //! | barrier | dissemination | `ceil(log2 n)` bytes |
 //! | allreduce in host memory ([`host_memory`]) | each rank reduces its shard from the others' segments, then copies theirs | none: peers' memory is read in place |
+//! | the fast path's five ops ([`host_memory`]) | each rank reads every offer from the boards | none: the offers are read in place |
 
 pub mod adasum;
 pub mod allgather;
@@ -157,30 +159,6 @@ pub fn reducescatter_in_place(
     factor: f64,
 ) -> Result<()> {
     reducescatter::reducescatter_in_place(comm, buf, byte_counts, dtype, op, factor)
-}
-
-/// This rank's shard of a reduce-scatter over inputs that lie in host memory, read straight
-/// from the other ranks' segments.
-///
-/// See [`host_memory::reduce_shard_in_host_memory`] for the algorithm and its protocol.
-pub fn reduce_shard_in_host_memory(
-    mem: &crate::transport::host_memory::HostMemory,
-    range: std::ops::Range<usize>,
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
-    host_memory::reduce_shard_in_host_memory(mem, range, dtype, op, factor)
-}
-
-/// Every other rank's shard of an allreduce in host memory, copied from its owner's segment.
-///
-/// See [`host_memory::gather_shards_in_host_memory`] for the algorithm and its protocol.
-pub fn gather_shards_in_host_memory(
-    mem: &crate::transport::host_memory::HostMemory,
-    shards: &[std::ops::Range<usize>],
-) -> Result<()> {
-    host_memory::gather_shards_in_host_memory(mem, shards)
 }
 
 /// Returns once every rank of the set has entered.

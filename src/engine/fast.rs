@@ -41,17 +41,20 @@
 //! `PeerLost` within one sleep slice (its doorbell hangs up), and a wait longer than the
 //! stall-check time is logged, naming the missing rank.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::collective::reduce::{check_reducible, reduce_into, scale};
+use crate::collective::host_memory as peers;
+use crate::collective::reduce::{check_reducible, scale};
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 use crate::transport::shm::{BoardView, BoardWord, BOARD_DATA_BYTES, BOARD_DESC_BYTES};
-use crate::types::{DType, OpKind, ReduceOp};
+use crate::transport::PeersMemory;
+use crate::types::{OpKind, ReduceOp};
 
 use super::tensor::TensorBuf;
 use super::worker::{post_factor, split_rows};
@@ -92,7 +95,29 @@ struct Scratch {
     desc: Vec<u8>,
     peer_desc: Vec<u8>,
     own: Vec<u8>,
-    data: Vec<u8>,
+}
+
+/// Every rank's offer of the slot being reduced, read where it lies: this rank's own input,
+/// each peer's payload on its board (lent until this rank publishes its `Done`).
+struct Offers<'a> {
+    rank: usize,
+    own: &'a [u8],
+    /// One per peer, ascending (the fast path runs only when they reach every peer).
+    boards: &'a [BoardView],
+}
+
+impl PeersMemory for Offers<'_> {
+    fn size(&self) -> usize {
+        self.boards.len() + 1
+    }
+
+    fn bytes(&self, r: usize, range: Range<usize>) -> &[u8] {
+        match r.cmp(&self.rank) {
+            std::cmp::Ordering::Equal => &self.own[range],
+            std::cmp::Ordering::Less => self.boards[r].peer_data(range),
+            std::cmp::Ordering::Greater => self.boards[r - 1].peer_data(range),
+        }
+    }
 }
 
 /// One rank's side of the fast path.
@@ -166,7 +191,6 @@ impl FastPath {
                 desc: Vec::with_capacity(BOARD_DESC_BYTES),
                 peer_desc: vec![0; BOARD_DESC_BYTES],
                 own: Vec::new(),
-                data: Vec::new(),
             }),
         }
     }
@@ -371,149 +395,80 @@ impl FastPath {
                 return Ok(Outcome::Declined);
             }
         }
-        let dtype = op.tensors[0].meta.dtype;
-        match op.kind {
-            OpKind::Allgather => return self.gather(op, sc),
-            OpKind::Reducescatter => return self.scatter_reduced(op, sc),
-            OpKind::Alltoall => return self.exchange(op, sc),
-            _ => {}
-        }
-        let factor = post_factor(op.op, op.postscale, self.size);
-        let t = &mut op.tensors[0];
-        let out = t
-            .output
-            .as_mut()
-            .expect("checked by eligible")
-            .as_mut_slice();
-        if op.kind == OpKind::Broadcast {
-            if op.root == self.rank {
-                out.copy_from_slice(&sc.own);
-            } else {
-                let b = self
-                    .boards
-                    .iter()
-                    .find(|b| b.peer() == op.root)
-                    .expect("a board per peer");
-                b.read_data(out);
-            }
-            return Ok(Outcome::Done);
-        }
-        self.sum_in_rank_order(dtype, op.op, factor, 0, sc, out)?;
-        Ok(Outcome::Done)
-    }
-
-    /// `out` = the bytes `at..at + out.len()` of every rank's offered input, reduced in rank
-    /// order (so every rank that reads the same bytes gets the same bits) and multiplied by
-    /// `factor`.
-    fn sum_in_rank_order(
-        &self,
-        dtype: DType,
-        op: ReduceOp,
-        factor: f64,
-        at: usize,
-        sc: &mut Scratch,
-        out: &mut [u8],
-    ) -> Result<()> {
-        let len = out.len();
-        sc.data.resize(len, 0);
-        for (r, board) in self.ranks().enumerate() {
-            let src: &[u8] = match board {
-                None => &sc.own[at..at + len],
-                Some(b) => {
-                    b.read_data_at(at, &mut sc.data);
-                    &sc.data
-                }
-            };
-            if r == 0 {
-                out.copy_from_slice(src);
-            } else {
-                reduce_into(dtype, op, out, src)?;
-            }
-        }
-        scale(dtype, out, factor)
-    }
-
-    /// The reducescatter's result: this rank's rows (Horovod's split: the lowest
-    /// `rows % n` ranks get one more) of the sum of every rank's input, summed in rank order,
-    /// into a new buffer that becomes the op's output. Every rank offered the same shape.
-    fn scatter_reduced(&self, op: &mut OpSpec, sc: &mut Scratch) -> Result<Outcome> {
+        let offers = Offers {
+            rank: self.rank,
+            own: &sc.own,
+            boards: &self.boards,
+        };
         let factor = post_factor(op.op, op.postscale, self.size);
         let t = &mut op.tensors[0];
         let dtype = t.meta.dtype;
         let row_bytes = t.meta.row_elems() * dtype.size();
-        let (first, mine) = split_rows(t.meta.shape[0], self.size, self.rank);
-        let mut out = vec![0u8; mine * row_bytes];
-        self.sum_in_rank_order(dtype, op.op, factor, first * row_bytes, sc, &mut out)?;
-        t.meta.shape[0] = mine;
-        t.output = Some(TensorBuf::Owned(out));
-        Ok(Outcome::Done)
-    }
-
-    /// The alltoall's result (an even split: every rank offered the same shape): block `r`
-    /// is this rank's block of rank `r`'s input, into a new buffer that becomes the output.
-    fn exchange(&self, op: &mut OpSpec, sc: &Scratch) -> Result<Outcome> {
-        let t = &mut op.tensors[0];
-        let block = t.meta.nbytes() / self.size;
-        let from = self.rank * block;
-        let mut out = vec![0u8; block * self.size];
-        for (board, dst) in self.ranks().zip(out.chunks_mut(block.max(1))) {
-            match board {
-                None => dst.copy_from_slice(&sc.own[from..from + block]),
-                Some(b) => b.read_data_at(from, dst),
-            }
-        }
-        t.output = Some(TensorBuf::Owned(out));
-        Ok(Outcome::Done)
-    }
-
-    /// Every rank in order: `None` for this one, its board for a peer (only called when the
-    /// boards reach every peer, in ascending order).
-    fn ranks(&self) -> impl Iterator<Item = Option<&BoardView>> {
-        let mut peers = self.boards.iter();
-        (0..self.size)
-            .map(move |r| (r != self.rank).then(|| peers.next().expect("one board per peer")))
-    }
-
-    /// The allgather's result, in rank order, into a new buffer that becomes the op's output
-    /// (its first dimension the total row count). Peers' row counts are checked against the
-    /// board's capacity before any byte is read.
-    fn gather(&self, op: &mut OpSpec, sc: &Scratch) -> Result<Outcome> {
-        let t = &mut op.tensors[0];
-        let row_bytes = t.meta.row_elems() * t.meta.dtype.size();
-        let mut rows = Vec::with_capacity(self.size);
-        for (r, board) in self.ranks().enumerate() {
-            let Some(b) = board else {
-                rows.push(t.meta.shape[0]);
-                continue;
-            };
-            let n = b.theirs(BoardWord::Rows).load(Ordering::Relaxed);
-            match usize::try_from(n)
-                .ok()
-                .filter(|&n| n.saturating_mul(row_bytes) <= BOARD_DATA_BYTES)
-            {
-                Some(n) => rows.push(n),
-                None => {
-                    return Err(Error::Decode(format!(
-                        "rank {r} offered {n} rows of {row_bytes} bytes for allgather '{}'",
-                        op.name
-                    )))
+        match op.kind {
+            OpKind::Allreduce | OpKind::Broadcast => {
+                let out = t
+                    .output
+                    .as_mut()
+                    .expect("checked by eligible")
+                    .as_mut_slice();
+                if op.kind == OpKind::Broadcast {
+                    peers::broadcast_from(&offers, op.root, out);
+                } else {
+                    peers::reduce_in_rank_order(&offers, None, 0, dtype, op.op, factor, out)?;
                 }
             }
-        }
-        let total: usize = rows.iter().sum();
-        let mut out = vec![0u8; total * row_bytes];
-        let mut at = 0;
-        for (board, &n) in self.ranks().zip(&rows) {
-            let dst = &mut out[at..at + n * row_bytes];
-            match board {
-                None => dst.copy_from_slice(&sc.own),
-                Some(b) => b.read_data(dst),
+            OpKind::Allgather => {
+                let rows = self.gathered_rows(&op.name, t.meta.shape[0], row_bytes)?;
+                let lens: Vec<usize> = rows.iter().map(|&n| n * row_bytes).collect();
+                let mut out = vec![0u8; lens.iter().sum()];
+                peers::gather_in_rank_order(&offers, &lens, &mut out);
+                t.meta.shape[0] = rows.iter().sum();
+                t.output = Some(TensorBuf::Owned(out));
             }
-            at += dst.len();
+            OpKind::Reducescatter => {
+                // Horovod's split: the lowest `rows % n` ranks get one more row.
+                let (first, mine) = split_rows(t.meta.shape[0], self.size, self.rank);
+                let mut out = vec![0u8; mine * row_bytes];
+                let at = first * row_bytes;
+                peers::reduce_in_rank_order(&offers, None, at, dtype, op.op, factor, &mut out)?;
+                t.meta.shape[0] = mine;
+                t.output = Some(TensorBuf::Owned(out));
+            }
+            OpKind::Alltoall => {
+                let mut out = vec![0u8; t.meta.nbytes()];
+                peers::alltoall_even(&offers, self.rank, &mut out);
+                t.output = Some(TensorBuf::Owned(out));
+            }
+            _ => unreachable!("checked by eligible"),
         }
-        t.meta.shape[0] = total;
-        t.output = Some(TensorBuf::Owned(out));
         Ok(Outcome::Done)
+    }
+
+    /// Every rank's allgather rows (of `row_bytes` each), this rank's `own_rows` and the
+    /// peers' from their `Rows` words, checked against the board's capacity before any byte
+    /// is read.
+    fn gathered_rows(&self, name: &str, own_rows: usize, row_bytes: usize) -> Result<Vec<usize>> {
+        let mut peers = self.boards.iter();
+        (0..self.size)
+            .map(|r| {
+                if r == self.rank {
+                    return Ok(own_rows);
+                }
+                let n = peers
+                    .next()
+                    .expect("one board per peer")
+                    .theirs(BoardWord::Rows)
+                    .load(Ordering::Relaxed);
+                usize::try_from(n)
+                    .ok()
+                    .filter(|&n| n.saturating_mul(row_bytes) <= BOARD_DATA_BYTES)
+                    .ok_or_else(|| {
+                        Error::Decode(format!(
+                            "rank {r} offered {n} rows of {row_bytes} bytes for allgather '{name}'"
+                        ))
+                    })
+            })
+            .collect()
     }
 
     /// Waits until `ready(b)`: spins, then sleeps on the peer's bell in slices, failing when

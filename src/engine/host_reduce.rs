@@ -1,13 +1,14 @@
 //! The allreduce of buffers that already lie in host memory every rank of a process set maps
 //! (the torch optimizer's flat gradients): each rank reduces its shard straight from the
 //! others' segments, the ranks meet, each copies the others' shards from their owners, and
-//! they meet again. The memory steps are the collective layer's (`collective::host_memory`);
-//! the meetings are ops through the engine's door, so that they take the fast path where the
-//! ranks share one, and a rank that dies or leaves fails them as it fails any op.
+//! they meet again. The memory steps are the collective layer's (`collective::host_memory`,
+//! over the segments as a `PeersMemory`); the meetings are ops through the engine's door, so
+//! that they take the fast path where the ranks share one, and a rank that dies or leaves
+//! fails them as it fails any op.
 
 use std::ops::Range;
 
-use crate::collective;
+use crate::collective::host_memory as peers;
 use crate::error::{Error, Result};
 use crate::transport::host_memory::HostMemory;
 use crate::types::{DType, OpKind, ReduceOp};
@@ -65,11 +66,48 @@ impl Door {
         let shards = shards(mem.mapped().len(), nbytes, dtype)?;
         let factor = post_factor(op, postscale, shards.len());
         let mine = shards[mem.rank()].clone();
-        collective::reduce_shard_in_host_memory(mem, mine, dtype, op, factor)?;
+        reduce_shard_in_host_memory(mem, mine, dtype, op, factor)?;
         self.meet(set_id, &format!("{name}.reduced"), stop)?;
-        collective::gather_shards_in_host_memory(mem, &shards)?;
+        gather_shards_in_host_memory(mem, &shards)?;
         self.meet(set_id, &format!("{name}.gathered"), stop)
     }
+}
+
+/// This rank's shard of a reduce-scatter whose inputs already lie in host memory, each rank's
+/// in its own segment at the same offsets: `range` of this rank's segment becomes the
+/// reduction of `range` over every rank's segment, times `factor`, read straight from the other
+/// ranks' memory (this rank's bytes fold first, then the others' in rank order). Only a
+/// protocol the caller keeps makes it right: every rank's input is final before any rank
+/// starts, and no rank writes its `range` (or this rank's) until every rank has finished.
+pub fn reduce_shard_in_host_memory(
+    mem: &HostMemory,
+    range: Range<usize>,
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    let rank = mem.rank();
+    if range.start > range.end {
+        return Err(Error::InvalidArgument(format!(
+            "host memory: bytes {range:?} end before they start"
+        )));
+    }
+    mem.with_range(0..range.end, |own, others| {
+        let at = range.start;
+        peers::reduce_in_rank_order(others, Some(rank), at, dtype, op, factor, &mut own[range])
+    })
+}
+
+/// The allgather half of an allreduce in host memory: `shards[q]` of this rank's segment
+/// becomes a copy of `shards[q]` of rank `q`'s, for every other rank `q`. Only a protocol the
+/// caller keeps makes it right: every owner has finished its shard before any rank starts, and
+/// no rank writes its segment until every rank has finished.
+pub fn gather_shards_in_host_memory(mem: &HostMemory, shards: &[Range<usize>]) -> Result<()> {
+    let hi = shards.iter().map(|s| s.end).max().unwrap_or(0);
+    let rank = mem.rank();
+    mem.with_range(0..hi, |own, others| {
+        peers::gather_shards(others, rank, shards, own)
+    })
 }
 
 /// Each of `n` ranks' bytes of a buffer of `nbytes` bytes of `dtype`: Horovod's reducescatter

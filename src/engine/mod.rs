@@ -46,6 +46,7 @@ use crate::error::{Error, Result};
 pub use crate::bootstrap::Topology;
 pub use door::{Door, Ran};
 pub use handle::{Handle, Output};
+pub use host_reduce::{gather_shards_in_host_memory, reduce_shard_in_host_memory};
 pub use message::{DeviceKind, Op, TensorMeta};
 pub use names::NameClaim;
 pub use pool::PageBuf;

@@ -96,7 +96,7 @@ impl PyHostMemory {
     /// Reduces bytes `offset..offset + nbytes` of every rank's segment into this rank's
     /// (`dtype`, `op` as the engine's codes; Average divides by the number of ranks), then
     /// multiplies by `postscale`; the GIL is released meanwhile. The caller keeps the protocol
-    /// of `collective::reduce_shard_in_host_memory` (barriers before and after).
+    /// of `engine::reduce_shard_in_host_memory` (barriers before and after).
     fn reduce_shard(
         &self,
         py: Python<'_>,
@@ -115,7 +115,7 @@ impl PyHostMemory {
             )))
         })?;
         py.detach(move || {
-            crate::collective::reduce_shard_in_host_memory(&mem, offset..end, dtype, op, factor)
+            crate::engine::reduce_shard_in_host_memory(&mem, offset..end, dtype, op, factor)
         })
         .map_err(to_pyerr)
     }

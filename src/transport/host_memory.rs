@@ -37,6 +37,7 @@ use parking_lot::Mutex;
 
 use super::shm::random_name_with;
 use super::sys::{self, Mapping};
+use super::PeersMemory;
 use crate::bootstrap::net::{poll, poll_fd, POLL_IN};
 use crate::error::{Error, Result};
 
@@ -250,14 +251,14 @@ impl HostMemory {
         self.segments.get(r)?.clone().map(|map| Segment { map })
     }
 
-    /// Runs `f` over `range` of this rank's segment (writable) and of every other rank's, in
-    /// rank order; `InvalidArgument` when the range is outside the segments or a segment is
-    /// not mapped. The caller's protocol must keep the other ranks from writing those ranges
-    /// meanwhile (they may read this rank's).
+    /// Runs `f` over `range` of this rank's segment (writable) and of every other rank's (a
+    /// [`PeersMemory`] whose offsets count from `range.start`); `InvalidArgument` when the range
+    /// is outside the segments or a segment is not mapped. The caller's protocol must keep the
+    /// other ranks from writing those ranges meanwhile (they may read this rank's).
     pub fn with_range<T>(
         &self,
         range: Range<usize>,
-        f: impl FnOnce(&mut [u8], &[&[u8]]) -> Result<T>,
+        f: impl FnOnce(&mut [u8], &Others<'_>) -> Result<T>,
     ) -> Result<T> {
         if range.start > range.end || range.end > self.len {
             return Err(Error::InvalidArgument(format!(
@@ -287,7 +288,36 @@ impl HostMemory {
         // out to this rank's bytes, and it does not outlive the call. Other ranks only read
         // them (the caller's protocol), and `others` lies in other mappings.
         let own = unsafe { std::slice::from_raw_parts_mut(maps[self.rank].as_ptr().add(lo), n) };
-        f(own, &others)
+        f(
+            own,
+            &Others {
+                rank: self.rank,
+                others,
+            },
+        )
+    }
+}
+
+/// The other ranks' bytes of one range of host memory, for a collective that writes its
+/// result into this rank's range: that range is the destination, and not lent here.
+#[derive(Debug)]
+pub struct Others<'a> {
+    rank: usize,
+    /// Every rank's but this one's, in rank order.
+    others: Vec<&'a [u8]>,
+}
+
+impl PeersMemory for Others<'_> {
+    fn size(&self) -> usize {
+        self.others.len() + 1
+    }
+
+    fn bytes(&self, r: usize, range: Range<usize>) -> &[u8] {
+        assert!(
+            r != self.rank,
+            "rank {r}'s own bytes are the collective's destination"
+        );
+        &self.others[if r < self.rank { r } else { r - 1 }][range]
     }
 }
 
@@ -347,8 +377,16 @@ mod tests {
         for m in &mems {
             m.with_range(0..1, |own, others| {
                 assert_eq!(own[0], 10 + m.rank() as u8);
-                let mut seen: Vec<u8> = others.iter().map(|o| o[0]).collect();
-                seen.insert(m.rank(), own[0]);
+                assert_eq!(others.size(), 3);
+                let seen: Vec<u8> = (0..3)
+                    .map(|r| {
+                        if r == m.rank() {
+                            own[0]
+                        } else {
+                            others.bytes(r, 0..1)[0]
+                        }
+                    })
+                    .collect();
                 assert_eq!(seen, vec![10, 11, 12]);
                 Ok(())
             })

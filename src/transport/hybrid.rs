@@ -154,7 +154,7 @@ impl HybridTransport {
         Ok(t)
     }
 
-    /// The boards of the pairs on shared memory, ascending by peer (see `engine::fast`).
+    /// The boards of the pairs on shared memory, ascending by peer (see [`super::shm::BoardView`]).
     pub(crate) fn boards(&self) -> Result<Vec<super::shm::BoardView>> {
         self.links
             .iter()

@@ -7,6 +7,9 @@
 //! - [`host_memory`]: not a link but memory of each rank that the other ranks of its host map,
 //!   for algorithms that read their peers' buffers where they lie.
 //!
+//! Algorithms over links see a [`Transport`]; algorithms over peers' memory (a shared-memory
+//! pair's board, or [`host_memory`]'s segments) see a [`PeersMemory`].
+//!
 //! Both transports run `exchange` through one loop (the private `exchange` module); each
 //! brings only how to move bytes on one of its links and how to sleep on several.
 //!
@@ -20,9 +23,24 @@ pub mod shm;
 mod sys;
 pub mod tcp;
 
+use std::ops::Range;
 use std::time::Duration;
 
 use crate::error::Result;
+
+/// Every rank's input to one collective, read where it lies (a peer's in memory this rank
+/// maps), ranks numbered as the collective numbers them.
+///
+/// Contract (every implementation): the bytes handed out do not change while the borrow lives
+/// (the caller's protocol keeps their owner from writing them); `bytes` panics on a range
+/// outside rank `r`'s input, and on this rank's input when the collective writes its result
+/// into that input (an in-place view lends only the others').
+pub trait PeersMemory {
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// Bytes `range` of rank `r`'s input.
+    fn bytes(&self, r: usize, range: Range<usize>) -> &[u8];
+}
 
 /// One side of a transfer inside an [`Transport::exchange`] call.
 #[derive(Debug)]

@@ -20,10 +20,11 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
 /// A shared, read-write mapping of a whole memfd segment, unmapped on drop.
 ///
 /// Within this process the link's thread touches the rings and the pair's board view the
-/// board (see the `Sync` impl), so the copies below never race with each other. The *other* process writes the same pages
-/// concurrently, but only regions the ring protocol gives it (the other ring half and
-/// its own header words): the bytes we copy are ones the peer published and will not
-/// touch until we advance our head. A misbehaving peer could only corrupt payload bytes
+/// board (see the `Sync` impl), so the copies below never race with each other. The *other*
+/// process writes the same pages concurrently, but only regions the ring protocol gives it
+/// (the other ring half and its own header words): the bytes we copy are ones the peer
+/// published and will not touch until we advance our head, and the board payload lent by
+/// [`Mapping::bytes`] is one the peer will not touch until this side is done with it. A misbehaving peer could only corrupt payload bytes
 /// (any bit pattern is a valid `u8`); indices it writes are range-checked by the caller.
 pub(in crate::transport) struct Mapping {
     ptr: NonNull<u8>,
@@ -34,7 +35,7 @@ pub(in crate::transport) struct Mapping {
 // to another thread moves the only handle to it.
 unsafe impl Send for Mapping {}
 // SAFETY: shared between a link (its owning thread touches only the rings and the header)
-// and that pair's board view (touched only by the fast path, under its lock): the two
+// and that pair's board view (touched only by its one user, under that user's lock): the two
 // never copy into or out of the same bytes, and the words they share are atomics. That
 // is the same discipline the two processes follow with each other (see above).
 unsafe impl Sync for Mapping {}
@@ -165,6 +166,21 @@ impl Mapping {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
         };
+    }
+
+    /// The `len` bytes at `off`, lent while `self` is: only for bytes the other process
+    /// published and, by the protocol of their region, does not write until this side says it
+    /// is done with them (a pair's board payload).
+    pub(super) fn bytes(&self, off: usize, len: usize) -> &[u8] {
+        assert!(
+            off <= self.len && len <= self.len - off,
+            "bytes out of range"
+        );
+        // SAFETY: in bounds as asserted, and the mapping lives as long as the borrow of
+        // `self`. This process writes the peer's region never, and the peer not while the
+        // protocol lends it (see the method's doc); a peer that breaks the protocol tears
+        // values, and any bit pattern is a valid u8.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
 
     /// Copies from the mapping at `off` into `dst`.

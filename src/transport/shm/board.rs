@@ -1,6 +1,9 @@
-//! The fast path's board (see `engine::fast`): one record per side, after the segment's
-//! header.
+//! A pair's board: one record per side, after the segment's header, where each side posts
+//! the op it is about to run (a descriptor and its payload) and counters of the ops it has
+//! taken and finished, so that the ranks of one host can agree on an op and read each other's
+//! inputs in place without anyone in between. Its user keeps the protocol of the words.
 
+use std::ops::Range;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -45,8 +48,8 @@ pub(crate) enum BoardWord {
 }
 
 impl ShmLink {
-    /// This pair's board, for the engine's fast path (see `engine::fast`): usable from any
-    /// thread, alive as long as the view even after the link is dropped.
+    /// This pair's board: usable from any thread, alive as long as the view even after the
+    /// link is dropped.
     pub(crate) fn board(&self) -> Result<BoardView> {
         Ok(BoardView {
             peer: self.peer,
@@ -116,16 +119,14 @@ impl BoardView {
         scratch[..desc.len()] == *desc
     }
 
-    /// Copies the first `dst.len()` bytes of the peer's payload.
-    pub(crate) fn read_data(&self, dst: &mut [u8]) {
-        self.read_data_at(0, dst);
-    }
-
-    /// Copies `dst.len()` bytes of the peer's payload from byte `at` on.
-    pub(crate) fn read_data_at(&self, at: usize, dst: &mut [u8]) {
-        assert!(at.saturating_add(dst.len()) <= BOARD_DATA_BYTES);
-        self.map
-            .read(BOARD + (1 - self.side) * BOARD_SIDE + PAGE + at, dst);
+    /// Bytes `range` of the peer's payload, read where they lie: valid from the peer's
+    /// `Offer` (seen with `Acquire`) until this side publishes a `Done` past that offer.
+    pub(crate) fn peer_data(&self, range: Range<usize>) -> &[u8] {
+        assert!(range.start <= range.end && range.end <= BOARD_DATA_BYTES);
+        self.map.bytes(
+            BOARD + (1 - self.side) * BOARD_SIDE + PAGE + range.start,
+            range.len(),
+        )
     }
 
     /// Bumps this rank's bell after its words changed and wakes the peer if it sleeps on it.

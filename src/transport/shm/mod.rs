@@ -2,7 +2,7 @@
 //! [`super::hybrid::HybridTransport`] in place of their TCP connection.
 //!
 //! **Segment.** One segment per pair of ranks: a 4 KiB header, the pair's *board* (one
-//! record per side, for the engine's fast path: see `engine::fast` and [`BoardView`]), then
+//! record per side, where the two ranks agree on ops without a go-between: see [`BoardView`]), then
 //! two single-producer / single-consumer byte rings, one per direction (ring 0 carries lower
 //! rank → higher rank).
 //! Each ring has a `tail` (bytes ever published, written by its producer) and a `head` (bytes
