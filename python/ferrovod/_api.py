@@ -218,7 +218,8 @@ def _from_bytes(buf: Any, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """A result the engine allocated as an array: a small one comes as a ``bytearray``, a large
     one as an engine-owned buffer exposing ``__array_interface__``; both viewed, not copied."""
     if type(buf) is bytearray:
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        # One constructor: a third of the time of frombuffer and reshape.
+        return np.ndarray(shape, dtype, buf)
     return np.asarray(buf).view(dtype).reshape(tuple(shape))
 
 
@@ -457,7 +458,7 @@ def _one_call(kind: int, tensor: Tensor, name: str, process_set: ProcessSet, op:
         return None
     buf, shape = got[0][0]
     if type(buf) is bytearray:
-        return np.frombuffer(buf, dtype=tensor.dtype).reshape(shape)
+        return np.ndarray(shape, tensor.dtype, buf)
     return _from_bytes(buf, shape, tensor.dtype)
 
 

@@ -70,8 +70,8 @@ fn run<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = reduce_op(op)?;
-    let tensors = items(tensors);
-    let outputs = outputs.map(items);
+    let tensors = Items::of(tensors);
+    let outputs = outputs.map(Items::of);
     let splits: Vec<usize> = match splits {
         Some(s) if s.len()? > 0 => s.extract()?,
         _ => Vec::new(),
@@ -83,18 +83,31 @@ fn run<'py>(
         )))),
         _ => Ok(()),
     };
-    per_tensor("outputs", outputs.as_ref().map(Vec::len))?;
+    per_tensor("outputs", outputs.as_ref().map(Items::len))?;
     per_tensor("out_bytes", out_bytes.as_ref().map(Vec::len))?;
-    let mut described = Vec::with_capacity(tensors.len());
-    for (i, t) in tensors.iter().enumerate() {
-        if let Ok(tuple) = t.cast::<PyTuple>() {
-            described.push(tuple.extract::<PyTensor>()?);
-            continue;
-        }
-        let output = outputs.as_ref().map(|o| &o[i]).filter(|o| !o.is_none());
-        match array_tensor(t, output) {
-            Some(d) => described.push(d),
-            None => return Ok(py.None().into_bound(py)),
+    // Host tensors become the engine's at once; device ones once the engine says how many
+    // ranks share a reducescatter.
+    let mut specs = Vec::with_capacity(tensors.len());
+    let mut on_device = Vec::new();
+    for i in 0..tensors.len() {
+        let t = tensors.get(i)?;
+        let described = match t.cast::<PyTuple>() {
+            Ok(tuple) => tuple.extract::<PyTensor>()?,
+            Err(_) => {
+                let output = match &outputs {
+                    Some(o) => Some(o.get(i)?).filter(|o| !o.is_none()),
+                    None => None,
+                };
+                match array_tensor(&t, output.as_ref()) {
+                    Some(d) => d,
+                    None => return Ok(py.None().into_bound(py)),
+                }
+            }
+        };
+        let out = out_bytes.as_ref().map(|o| o[i]);
+        match device {
+            None => specs.push(tensor::spec_from_py(described, out)?),
+            Some(_) => on_device.push((described, out)),
         }
     }
     let Some((spec, door)) = with_engine(|e| {
@@ -102,26 +115,18 @@ fn run<'py>(
         if kind == OpKind::Broadcast && root >= e.topology().size {
             return Ok(None);
         }
-        let tensors = described
-            .into_iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let out = out_bytes.as_ref().map(|o| o[i]);
-                match device {
-                    None => tensor::spec_from_py(t, out),
-                    Some((ordinal, stream)) => {
-                        // An unknown set is refused by the engine, with its own message.
-                        let n = e.process_set(set_id).map_or(1, |m| m.len());
-                        let out = match out {
-                            Some(o) => o,
-                            None if kind == OpKind::Reducescatter => t.1 / n,
-                            None => t.1,
-                        };
-                        tensor::device_spec_from_py(t, ordinal, stream, out)
-                    }
-                }
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        if let Some((ordinal, stream)) = device {
+            // An unknown set is refused by the engine, with its own message.
+            let n = e.process_set(set_id).map_or(1, |m| m.len());
+            for (t, out) in on_device.drain(..) {
+                let out = match out {
+                    Some(o) => o,
+                    None if kind == OpKind::Reducescatter => t.1 / n,
+                    None => t.1,
+                };
+                specs.push(tensor::device_spec_from_py(t, ordinal, stream, out)?);
+            }
+        }
         let spec = OpSpec {
             set_id,
             name,
@@ -130,7 +135,7 @@ fn run<'py>(
             root,
             prescale,
             postscale,
-            tensors,
+            tensors: std::mem::take(&mut specs),
             splits,
         };
         Ok(Some((spec, e.door())))
@@ -152,15 +157,40 @@ fn run<'py>(
 }
 
 /// The items of a tuple or list; any other object is one item (a one-tensor op's array,
-/// passed as it is).
-fn items<'py>(seq: &Bound<'py, PyAny>) -> Vec<Bound<'py, PyAny>> {
-    if let Ok(t) = seq.cast::<PyTuple>() {
-        return t.iter().collect();
+/// passed as it is). Read in place: most ops have one tensor, and a vector of it would cost
+/// an allocation.
+enum Items<'a, 'py> {
+    One(&'a Bound<'py, PyAny>),
+    Tuple(&'a Bound<'py, PyTuple>),
+    List(&'a Bound<'py, PyList>),
+}
+
+impl<'a, 'py> Items<'a, 'py> {
+    fn of(seq: &'a Bound<'py, PyAny>) -> Self {
+        if let Ok(t) = seq.cast::<PyTuple>() {
+            return Items::Tuple(t);
+        }
+        if let Ok(l) = seq.cast::<PyList>() {
+            return Items::List(l);
+        }
+        Items::One(seq)
     }
-    if let Ok(l) = seq.cast::<PyList>() {
-        return l.iter().collect();
+
+    fn len(&self) -> usize {
+        match self {
+            Items::One(_) => 1,
+            Items::Tuple(t) => t.len(),
+            Items::List(l) => l.len(),
+        }
     }
-    vec![seq.clone()]
+
+    fn get(&self, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Items::One(o) => Ok((*o).clone()),
+            Items::Tuple(t) => t.get_item(i),
+            Items::List(l) => l.get_item(i),
+        }
+    }
 }
 
 /// Results up to this size are handed back copied into a `bytearray`: NumPy reads one through
