@@ -161,6 +161,24 @@ pub fn reducescatter_in_place(
     reducescatter::reducescatter_in_place(comm, buf, byte_counts, dtype, op, factor)
 }
 
+/// The factor applied after the reduction: the user's post-scale, and 1/n for Average.
+pub fn post_factor(op: ReduceOp, postscale: f64, n: usize) -> f64 {
+    if op == ReduceOp::Average {
+        postscale / n as f64
+    } else {
+        postscale
+    }
+}
+
+/// Rank `r`'s rows of a reducescatter over `n` ranks, as (first row, row count): Horovod's
+/// split, the lowest `rows % n` ranks get one extra row.
+pub fn split_rows(rows: usize, n: usize, r: usize) -> (usize, usize) {
+    (
+        r * (rows / n) + r.min(rows % n),
+        rows / n + usize::from(r < rows % n),
+    )
+}
+
 /// Returns once every rank of the set has entered.
 ///
 /// See [`barrier::barrier`] for the algorithm.

@@ -409,7 +409,7 @@ impl Staging {
                     OpKind::Reducescatter => {
                         let rows = t.meta.shape.first().copied().unwrap_or(1).max(1);
                         let row_bytes = len / rows;
-                        let (first, _) = super::worker::split_rows(rows, n, me);
+                        let (first, _) = crate::collective::split_rows(rows, n, me);
                         first * row_bytes
                     }
                     _ => 0,

@@ -50,6 +50,7 @@ use parking_lot::Mutex;
 
 use crate::collective::host_memory as peers;
 use crate::collective::reduce::{check_reducible, scale};
+use crate::collective::{post_factor, split_rows};
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 use crate::transport::shm::{BoardView, BoardWord, BOARD_DATA_BYTES, BOARD_DESC_BYTES};
@@ -57,7 +58,6 @@ use crate::transport::PeersMemory;
 use crate::types::{OpKind, ReduceOp};
 
 use super::tensor::TensorBuf;
-use super::worker::{post_factor, split_rows};
 use super::OpSpec;
 
 /// How long a wait polls without yielding the core before it polls between yields.

@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use crate::collective::host_memory as peers;
+use crate::collective::{post_factor, split_rows};
 use crate::error::{Error, Result};
 use crate::transport::host_memory::HostMemory;
 use crate::types::{DType, OpKind, ReduceOp};
@@ -16,7 +17,6 @@ use crate::types::{DType, OpKind, ReduceOp};
 use super::door::Door;
 use super::message::TensorMeta;
 use super::tensor::TensorBuf;
-use super::worker::{post_factor, split_rows};
 use super::{OpSpec, TensorSpec};
 
 impl Door {

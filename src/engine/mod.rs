@@ -24,8 +24,6 @@ pub mod sys;
 pub mod tensor;
 pub mod timeline;
 mod worker;
-#[cfg(feature = "python")]
-pub(crate) use worker::post_factor;
 
 use std::collections::HashMap;
 use std::net::TcpStream;

@@ -1,7 +1,7 @@
 //! Executing a response: fusion, scaling and output allocation happen here once, for every
 //! collective; the algorithms in [`crate::collective`] see only contiguous byte buffers.
 
-use crate::collective::{self, reduce};
+use crate::collective::{self, post_factor, reduce, split_rows};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
@@ -242,25 +242,6 @@ fn owned_outputs(e: &mut Entry) -> Output {
         }
     }
     out
-}
-
-/// The factor applied after the reduction: the user's post-scale, and 1/n for Average (the
-/// engine's and the fast path's).
-pub(crate) fn post_factor(op: ReduceOp, postscale: f64, n: usize) -> f64 {
-    if op == ReduceOp::Average {
-        postscale / n as f64
-    } else {
-        postscale
-    }
-}
-
-/// Rank `r`'s rows of a reducescatter over `n` ranks, as (first row, row count): Horovod's
-/// split, the lowest `rows % n` ranks get one extra row (the engine's and the fast path's).
-pub(crate) fn split_rows(rows: usize, n: usize, r: usize) -> (usize, usize) {
-    (
-        r * (rows / n) + r.min(rows % n),
-        rows / n + usize::from(r < rows % n),
-    )
 }
 
 /// Fused allreduce: tensors of one dtype are packed into the fusion buffer (a single tensor is

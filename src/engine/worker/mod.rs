@@ -8,11 +8,6 @@
 
 mod execute;
 
-// The fast path, device staging and the Python binding must scale and split exactly as a
-// response does.
-pub(crate) use execute::post_factor;
-pub(super) use execute::split_rows;
-
 use std::collections::{HashMap, VecDeque};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
