@@ -64,23 +64,31 @@ pub fn broadcast_from(peers: &(impl PeersMemory + ?Sized), root: usize, dst: &mu
     dst.copy_from_slice(peers.bytes(root, 0..dst.len()));
 }
 
-/// `dst` = the first `lens[r]` bytes of every rank `r`'s input, in rank order; `dst` holds
-/// their sum.
-pub fn gather_in_rank_order(peers: &(impl PeersMemory + ?Sized), lens: &[usize], dst: &mut [u8]) {
-    let mut at = 0;
+/// Appends to `dst` the first `lens[r]` bytes of every rank `r`'s input, in rank order (a
+/// new result is written once, not zeroed first).
+pub fn gather_in_rank_order(
+    peers: &(impl PeersMemory + ?Sized),
+    lens: &[usize],
+    dst: &mut Vec<u8>,
+) {
+    dst.reserve(lens.iter().sum());
     for (r, &len) in lens.iter().enumerate() {
-        dst[at..at + len].copy_from_slice(peers.bytes(r, 0..len));
-        at += len;
+        dst.extend_from_slice(peers.bytes(r, 0..len));
     }
 }
 
-/// An even alltoall: block `r` of `dst` (its bytes split into one block per rank) = block
-/// `rank` of rank `r`'s input.
-pub fn alltoall_even(peers: &(impl PeersMemory + ?Sized), rank: usize, dst: &mut [u8]) {
-    let block = dst.len() / peers.size();
-    let from = rank * block..(rank + 1) * block;
-    for (r, out) in dst.chunks_mut(block.max(1)).enumerate() {
-        out.copy_from_slice(peers.bytes(r, from.clone()));
+/// An even alltoall: appends to `dst` block `rank` of every rank's input (`block` bytes each),
+/// in rank order.
+pub fn alltoall_even(
+    peers: &(impl PeersMemory + ?Sized),
+    rank: usize,
+    block: usize,
+    dst: &mut Vec<u8>,
+) {
+    let n = peers.size();
+    dst.reserve(n * block);
+    for r in 0..n {
+        dst.extend_from_slice(peers.bytes(r, rank * block..(rank + 1) * block));
     }
 }
 
@@ -193,11 +201,11 @@ mod tests {
         let mut dst = vec![0; 4];
         broadcast_from(&peers, 1, &mut dst);
         assert_eq!(dst, [10, 11, 12, 13]);
-        let mut dst = vec![0; 6];
+        let mut dst = vec![7];
         gather_in_rank_order(&peers, &[1, 0, 5], &mut dst);
-        assert_eq!(dst, [0, 20, 21, 22, 23, 24]);
-        let mut dst = vec![0; 6];
-        alltoall_even(&peers, 2, &mut dst);
+        assert_eq!(dst, [7, 0, 20, 21, 22, 23, 24]);
+        let mut dst = Vec::new();
+        alltoall_even(&peers, 2, 2, &mut dst);
         assert_eq!(dst, [4, 5, 14, 15, 24, 25]);
     }
 

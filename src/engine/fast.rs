@@ -331,13 +331,19 @@ impl FastPath {
         let dtype = op.tensors[0].meta.dtype;
         let rows = op.tensors[0].meta.shape.first().copied().unwrap_or(1) as u64;
         sc.own.clear();
+        let copied = offers_a_copy(op);
         // A broadcast's payload is the root's alone; the others offer only the descriptor.
-        if op.kind != OpKind::Broadcast || op.root == self.rank {
+        if copied && (op.kind != OpKind::Broadcast || op.root == self.rank) {
             sc.own.extend_from_slice(input.as_slice());
+            if matches!(op.kind, OpKind::Allreduce | OpKind::Reducescatter) {
+                scale(dtype, &mut sc.own, op.prescale)?;
+            }
         }
-        if matches!(op.kind, OpKind::Allreduce | OpKind::Reducescatter) {
-            scale(dtype, &mut sc.own, op.prescale)?;
-        }
+        let payload = if copied {
+            &sc.own[..]
+        } else {
+            input.as_slice()
+        };
         let mut st = self.state.lock();
         if st.closed || st.busy || self.outstanding.load(Ordering::Acquire) != 0 {
             return Ok(Outcome::Ineligible);
@@ -351,7 +357,7 @@ impl FastPath {
         }
         let slot = st.posted;
         for b in &self.boards {
-            b.write_offer(&sc.desc, &sc.own);
+            b.write_offer(&sc.desc, payload);
             b.mine(BoardWord::Rows).store(rows, Ordering::Relaxed);
         }
         st.posted = slot + 1;
@@ -395,13 +401,14 @@ impl FastPath {
                 return Ok(Outcome::Declined);
             }
         }
+        let factor = post_factor(op.op, op.postscale, self.size);
+        let copied = offers_a_copy(op);
+        let t = &mut op.tensors[0];
         let offers = Offers {
             rank: self.rank,
-            own: &sc.own,
+            own: if copied { &sc.own } else { t.input.as_slice() },
             boards: &self.boards,
         };
-        let factor = post_factor(op.op, op.postscale, self.size);
-        let t = &mut op.tensors[0];
         let dtype = t.meta.dtype;
         let row_bytes = t.meta.row_elems() * dtype.size();
         match op.kind {
@@ -420,7 +427,7 @@ impl FastPath {
             OpKind::Allgather => {
                 let rows = self.gathered_rows(&op.name, t.meta.shape[0], row_bytes)?;
                 let lens: Vec<usize> = rows.iter().map(|&n| n * row_bytes).collect();
-                let mut out = vec![0u8; lens.iter().sum()];
+                let mut out = Vec::new();
                 peers::gather_in_rank_order(&offers, &lens, &mut out);
                 t.meta.shape[0] = rows.iter().sum();
                 t.output = Some(TensorBuf::Owned(out));
@@ -435,8 +442,9 @@ impl FastPath {
                 t.output = Some(TensorBuf::Owned(out));
             }
             OpKind::Alltoall => {
-                let mut out = vec![0u8; t.meta.nbytes()];
-                peers::alltoall_even(&offers, self.rank, &mut out);
+                let mut out = Vec::new();
+                let block = t.meta.nbytes() / self.size;
+                peers::alltoall_even(&offers, self.rank, block, &mut out);
                 t.output = Some(TensorBuf::Owned(out));
             }
             _ => unreachable!("checked by eligible"),
@@ -557,6 +565,18 @@ impl FastPath {
                 }
             }
         }
+    }
+}
+
+/// Whether this rank offers a copy of its input rather than the input as it lies: an
+/// allreduce's or broadcast's output may be its input (in place), which the reduction then
+/// writes while reading this rank's offer, and a pre-scaled reduction offers its input
+/// scaled. The other ops write a new buffer.
+fn offers_a_copy(op: &OpSpec) -> bool {
+    match op.kind {
+        OpKind::Allreduce | OpKind::Broadcast => true,
+        OpKind::Reducescatter => op.prescale != 1.0,
+        _ => false,
     }
 }
 
