@@ -18,6 +18,7 @@ pub mod bootstrap;
 pub mod collective;
 pub mod comm;
 pub mod config;
+pub mod copy;
 pub mod engine;
 pub mod error;
 pub mod gpu;

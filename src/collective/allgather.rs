@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use super::{blocks, check_segments, chunk_count, chunk_of, split_blocks, split_pair};
 use crate::comm::Communicator;
+use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::transport::Xfer;
 
@@ -37,7 +38,7 @@ pub fn allgatherv(
     let fold_min = FOLD_OWN_COPY_CHUNKS * comm.tuning.chunk_bytes.max(1);
     let fold = !small && n > 1 && segs.iter().any(|s| s.len() >= fold_min);
     if !fold {
-        output[segs[r].clone()].copy_from_slice(input);
+        copy(&mut output[segs[r].clone()], input);
     }
     if n == 1 {
         return Ok(());
@@ -121,7 +122,7 @@ fn first_step_with_own_copy(
         let sc = chunk_of(&(0..input.len()), c, chunk);
         let rc = chunk_of(&segs[prev], c, chunk);
         comm.sendrecv(next, &input[sc.clone()], prev, &mut output[rc])?;
-        output[own + sc.start..own + sc.end].copy_from_slice(&input[sc]);
+        copy(&mut output[own + sc.start..own + sc.end], &input[sc]);
     }
     Ok(())
 }

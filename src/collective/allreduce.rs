@@ -16,6 +16,7 @@ use super::reduce::{check_reducible, reduce_into, scale};
 use super::reducescatter::ring_reduce_scatter_and_share;
 use super::{even_segments, split_blocks, with_scratch};
 use crate::comm::Communicator;
+use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::transport::Xfer;
 use crate::types::{DType, ReduceOp};
@@ -127,7 +128,7 @@ fn direct_into(
         };
         reduce_into(dtype, op, acc, src)?;
     }
-    buf.copy_from_slice(acc);
+    copy(buf, acc);
     Ok(())
 }
 
@@ -144,7 +145,7 @@ fn combine(
         reduce_into(dtype, op, own, theirs)
     } else {
         reduce_into(dtype, op, theirs, own)?;
-        own.copy_from_slice(theirs);
+        copy(own, theirs);
         Ok(())
     }
 }

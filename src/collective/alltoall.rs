@@ -3,6 +3,7 @@
 
 use super::{blocks, split_blocks};
 use crate::comm::Communicator;
+use crate::copy::copy;
 use crate::error::Result;
 use crate::transport::Xfer;
 
@@ -39,7 +40,7 @@ pub fn alltoallv(
     let small = comm.tuning.small_allreduce_bytes;
     let direct = input.len() <= small && output.len() <= small;
     let mut slots = split_blocks(output, &recvs);
-    slots[r].copy_from_slice(&input[sends[r].clone()]);
+    copy(slots[r], &input[sends[r].clone()]);
     if direct {
         let mut xfers = Vec::with_capacity(2 * n);
         for (p, slot) in slots.into_iter().enumerate() {

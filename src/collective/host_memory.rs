@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use super::element_chunk;
 use super::reduce::{check_reducible, reduce_into, scale};
+use crate::copy::{copy, extend};
 use crate::error::{Error, Result};
 use crate::transport::PeersMemory;
 use crate::types::{DType, ReduceOp};
@@ -49,7 +50,7 @@ pub fn reduce_in_rank_order(
         let bytes = at + i * chunk..at + i * chunk + out.len();
         let src = |r: usize| peers.bytes(r, bytes.clone());
         if held.is_none() {
-            out.copy_from_slice(src(first));
+            copy(out, src(first));
         }
         for r in (0..n).filter(|&r| r != first) {
             reduce_into(dtype, op, out, src(r))?;
@@ -61,7 +62,7 @@ pub fn reduce_in_rank_order(
 
 /// `dst` = the first `dst.len()` bytes of rank `root`'s input.
 pub fn broadcast_from(peers: &(impl PeersMemory + ?Sized), root: usize, dst: &mut [u8]) {
-    dst.copy_from_slice(peers.bytes(root, 0..dst.len()));
+    copy(dst, peers.bytes(root, 0..dst.len()));
 }
 
 /// Appends to `dst` the first `lens[r]` bytes of every rank `r`'s input, in rank order (a
@@ -73,7 +74,7 @@ pub fn gather_in_rank_order(
 ) {
     dst.reserve(lens.iter().sum());
     for (r, &len) in lens.iter().enumerate() {
-        dst.extend_from_slice(peers.bytes(r, 0..len));
+        extend(dst, peers.bytes(r, 0..len));
     }
 }
 
@@ -88,7 +89,7 @@ pub fn alltoall_even(
     let n = peers.size();
     dst.reserve(n * block);
     for r in 0..n {
-        dst.extend_from_slice(peers.bytes(r, rank * block..(rank + 1) * block));
+        extend(dst, peers.bytes(r, rank * block..(rank + 1) * block));
     }
 }
 
@@ -115,7 +116,7 @@ pub fn gather_shards(
         )));
     }
     for (q, shard) in shards.iter().enumerate().filter(|&(q, _)| q != rank) {
-        own[shard.clone()].copy_from_slice(peers.bytes(q, shard.clone()));
+        copy(&mut own[shard.clone()], peers.bytes(q, shard.clone()));
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ use super::{
     blocks, check_segments, chunk_count, chunk_of, element_chunk, split_pair, with_scratch,
 };
 use crate::comm::Communicator;
+use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
 
@@ -109,7 +110,7 @@ pub fn ring_reduce_scatter_into(
         )));
     }
     if n == 1 {
-        output.copy_from_slice(&input[mine]);
+        copy(output, &input[mine]);
         return scale(dtype, output, factor);
     }
     let ring = Ring::new(comm, segs, dtype);
@@ -131,7 +132,7 @@ pub fn ring_reduce_scatter_into(
             } else {
                 &mut scratch[recv.clone()]
             };
-            dst.copy_from_slice(&input[recv]);
+            copy(dst, &input[recv]);
             reduce_into(dtype, op, dst, t)?;
             if last {
                 scale(dtype, dst, factor)?;

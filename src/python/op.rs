@@ -218,7 +218,12 @@ fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
         .into_iter()
         .map(|(buf, shape)| {
             let buf = if buf.len() <= SMALL_RESULT_BYTES {
-                PyByteArray::new(py, buf.as_slice()).into_any()
+                let bytes = buf.as_slice();
+                PyByteArray::new_with(py, bytes.len(), |b| {
+                    crate::copy::copy(b, bytes);
+                    Ok(())
+                })?
+                .into_any()
             } else {
                 let data = EngineBytes::from(buf);
                 Bound::new(py, OwnedBuffer { data })?.into_any()

@@ -3,6 +3,7 @@
 
 use crate::collective::{self, post_factor, reduce, split_rows};
 use crate::comm::Communicator;
+use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 
@@ -357,7 +358,7 @@ fn fused_allreduce(
         let len = len_of(slot);
         let dst = &mut buf[off..off + len];
         match entries[i].as_ref() {
-            Some(e) => dst.copy_from_slice(e.spec.tensors[t].input.as_slice()),
+            Some(e) => copy(dst, e.spec.tensors[t].input.as_slice()),
             // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
             None => dst.fill(0),
         }
@@ -377,7 +378,7 @@ fn fused_allreduce(
                 .output
                 .as_mut()
                 .expect("allreduce outputs are preallocated");
-            out.as_mut_slice().copy_from_slice(&buf[off..off + len]);
+            copy(out.as_mut_slice(), &buf[off..off + len]);
         }
         off += len;
     }
@@ -434,7 +435,7 @@ fn reduce_in_place(
         .as_mut()
         .expect("allreduce outputs are preallocated");
     if !out.same_memory(&spec.input) {
-        out.as_mut_slice().copy_from_slice(spec.input.as_slice());
+        copy(out.as_mut_slice(), spec.input.as_slice());
     }
     let buf = out.as_mut_slice();
     reduce::scale(dtype, buf, pre)?;
@@ -491,7 +492,7 @@ fn broadcast(comm: &mut Communicator<'_>, members: &[usize], entry: &mut Entry) 
             .as_mut()
             .expect("broadcast outputs are preallocated");
         if !out.same_memory(&spec.input) && comm.rank() == root {
-            out.as_mut_slice().copy_from_slice(spec.input.as_slice());
+            copy(out.as_mut_slice(), spec.input.as_slice());
         }
         collective::broadcast(comm, out.as_mut_slice(), root)?;
     }
@@ -581,7 +582,7 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
             None
         } else {
             let mut b = TensorBuf::engine(spec.input.len())?;
-            b.as_mut_slice().copy_from_slice(spec.input.as_slice());
+            copy(b.as_mut_slice(), spec.input.as_slice());
             reduce::scale(meta.dtype, b.as_mut_slice(), pre)?;
             Some(b)
         };
