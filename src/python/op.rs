@@ -118,7 +118,7 @@ fn run<'py>(
         if let Some((ordinal, stream)) = device {
             // An unknown set is refused by the engine, with its own message.
             let n = e.process_set(set_id).map_or(1, |m| m.len());
-            for (t, out) in on_device.drain(..) {
+            for (t, out) in on_device {
                 let out = match out {
                     Some(o) => o,
                     None if kind == OpKind::Reducescatter => t.1 / n,
@@ -135,7 +135,7 @@ fn run<'py>(
             root,
             prescale,
             postscale,
-            tensors: std::mem::take(&mut specs),
+            tensors: specs,
             splits,
         };
         Ok(Some((spec, e.door())))

@@ -24,8 +24,9 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
 /// process writes the same pages concurrently, but only regions the ring protocol gives it
 /// (the other ring half and its own header words): the bytes we copy are ones the peer
 /// published and will not touch until we advance our head, and the board payload lent by
-/// [`Mapping::bytes`] is one the peer will not touch until this side is done with it. A misbehaving peer could only corrupt payload bytes
-/// (any bit pattern is a valid `u8`); indices it writes are range-checked by the caller.
+/// [`Mapping::bytes`] is one the peer will not touch until this side is done with it. A
+/// misbehaving peer could only corrupt payload bytes (any bit pattern is a valid `u8`); indices
+/// it writes are range-checked by the caller.
 pub(in crate::transport) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,

@@ -268,9 +268,9 @@ impl ShmLink {
     }
 
     /// Control connections (a rank's requests to its job's coordinator and the answers), client
-    /// side: over `sock`, an already authenticated Unix connection to the coordinator, offers a segment of `cap`-byte rings
-    /// (`None`: declines), and waits for the answer. The socket then only rings and watches
-    /// for hang-up. `Ok(None)`: keep the plain socket.
+    /// side: over `sock`, an already authenticated Unix connection to the coordinator, offers a
+    /// segment of `cap`-byte rings (`None`: declines), and waits for the answer. The socket
+    /// then only rings and watches for hang-up. `Ok(None)`: keep the plain socket.
     pub(crate) fn offer_control(
         sock: &mut UnixStream,
         cap: Option<usize>,
