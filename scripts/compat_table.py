@@ -114,7 +114,9 @@ VARIABLES: Dict[str, str] = {
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "ignored: GPU ops complete on the framework's stream "
                                        "(an event), without the host blocking",
     "HOROVOD_NUM_NCCL_STREAMS": "ignored: one NCCL communicator per process set",
-    "HOROVOD_THREAD_AFFINITY": "ignored: the engine thread is not pinned",
+    "HOROVOD_THREAD_AFFINITY": "ignored: the engine thread is not pinned alone; "
+                               "`ferrovodrun --bind-cores` binds each whole worker to its "
+                               "share of the cores",
     "HOROVOD_DISABLE_GROUP_FUSION": "ignored: a group is fused only with itself already",
     "HOROVOD_TORUS_ALLREDUCE": "ignored: no torus allreduce (FERROVOD_HIERARCHICAL_ALLREDUCE "
                                "covers hosts)",

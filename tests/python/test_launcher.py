@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import pytest
 
@@ -27,6 +27,7 @@ SCRIPTS = HERE / "launcher_scripts"
 
 if importlib.util.find_spec("ferrovod") is None:  # not installed: test the checkout
     sys.path.insert(0, str(PYTHON_DIR))
+from ferrovod.runner import cpus as cpus_mod  # noqa: E402
 from ferrovod.runner import hosts as H  # noqa: E402, N812
 from ferrovod.runner.output import LineSplitter, pad_rank  # noqa: E402
 
@@ -270,6 +271,59 @@ def test_rank_environment(base_env: Dict[str, str], np_: int) -> None:
             assert re.fullmatch(r"127\.0\.0\.1:\d+", addr)
             assert r["rendezvous_reachable"] is True
     assert secret not in proc.stderr
+
+
+def _fake_sys_cpu(root: Path, layout: Dict[int, Tuple[int, int]]) -> str:
+    """A sysfs ``cpu`` directory whose CPUs have the given (package, core) topology."""
+    for cpu, (package, core) in layout.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    return str(root)
+
+
+def test_core_shares_keep_hyperthreads_and_packages_together(tmp_path: Path) -> None:
+    # 2 packages x 2 cores x 2 hyperthreads, numbered as Linux does: siblings are n and n + 4.
+    layout = {cpu: (cpu % 4 // 2, cpu % 2) for cpu in range(8)}
+    sys_cpu = _fake_sys_cpu(tmp_path / "a", layout)
+    cores = cpus_mod.physical_cores(range(8), sys_cpu)
+    assert cores == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    shares = [cpus_mod.share_of(cores, r, 2) for r in range(2)]
+    assert shares == [{0, 1, 4, 5}, {2, 3, 6, 7}]  # one package each
+    three = [cpus_mod.share_of(cores, r, 3) for r in range(3)]
+    assert three == [{0, 4}, {1, 5}, {2, 3, 6, 7}]
+    # More ranks than cores: single CPUs; more than CPUs: shared round-robin.
+    assert [cpus_mod.share_of(cores, r, 8) for r in range(8)] == [{c} for c in (0, 4, 1, 5,
+                                                                              2, 6, 3, 7)]
+    assert [cpus_mod.share_of(cores, r, 10)
+            for r in (8, 9)] == [{0}, {4}]
+    # Only the CPUs the launcher may use count; an unreadable topology makes single-CPU cores.
+    assert cpus_mod.physical_cores([1, 5, 6], sys_cpu) == [[1, 5], [6]]
+    assert cpus_mod.physical_cores([3, 9], str(tmp_path / "none")) == [[3], [9]]
+    with pytest.raises(ValueError, match="local rank 2 of 2"):
+        cpus_mod.share_of(cores, 2, 2)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_bind_cores_gives_each_rank_its_share(base_env: Dict[str, str], np_: int) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    proc = run(base_env, "-np", str(np_), "--bind-cores", *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    got = reports(proc.stdout)
+    cores = cpus_mod.physical_cores(allowed)
+    for rank, r in got.items():
+        want = sorted(cpus_mod.share_of(cores, rank, np_))
+        assert r["cpus"] == want, (rank, r["cpus"], want)
+        assert r["env"]["FERROVOD_BIND_CORES"] == "1"
+        if "OMP_NUM_THREADS" not in base_env:
+            assert r["env"]["OMP_NUM_THREADS"] == str(len(want))
+    if np_ <= len(allowed):  # every rank its own CPUs, and every CPU someone's
+        seen = [c for r in got.values() for c in r["cpus"]]
+        assert sorted(seen) == allowed
+    unbound = reports(run(base_env, "-np", "2", *script("report_env.py")).stdout)
+    assert all(r["cpus"] == allowed for r in unbound.values())
+    assert all("FERROVOD_BIND_CORES" not in r["env"] for r in unbound.values())
 
 
 def _core_available(env: Dict[str, str]) -> bool:

@@ -87,11 +87,14 @@ def test_ferrovodrun_over_ssh_from_a_launcher_only_host(cluster):
 
 
 def test_hostfile_with_local_and_remote_slots(cluster, tmp_path):
-    """Launcher on h1, which also runs rank 0; h2 runs two ranks; both hostfile line forms."""
+    """Launcher on h1, which also runs rank 0; h2 runs two ranks; both hostfile line forms.
+    --bind-cores binds the local worker and, through h2's agent, the remote ones."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two hosts\nh1 slots=1\nh2:2\n")
+    allowed = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     res = cluster.run("h1", [*LAUNCH, "--hostfile", str(hostfile), *ssh_flags(cluster),
-                             PY, WORKER, "h1:1,h2:2"], timeout=120, env=clean_env())
+                             "--bind-cores", PY, WORKER, "h1:1,h2:2", f"bound={allowed}",
+                             "FERROVOD_BIND_CORES=1"], timeout=120, env=clean_env())
     assert res.returncode == 0, describe(res)
     assert ok_ranks(res.stdout) == {0, 1, 2}, describe(res)
 

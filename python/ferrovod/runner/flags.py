@@ -181,6 +181,14 @@ def _add_tunables(parser: argparse.ArgumentParser) -> None:
         "--cycle-time-ms", type=_non_negative(float), help="Cycle time in milliseconds."
     )
     group.add_argument("--cache-capacity", type=_non_negative(int), help="Response cache capacity.")
+    group.add_argument(
+        "--bind-cores",
+        action="store_const",
+        const=True,
+        default=None,
+        help="Bind each worker to its share of its host's cores (whole physical cores); "
+        "FERROVOD_BIND_CORES=1.",
+    )
     _bool_pair(group, "hierarchical-allreduce", "hierarchical_allreduce")
     _bool_pair(group, "hierarchical-allgather", "hierarchical_allgather")
     _bool_pair(group, "torus-allreduce", "torus_allreduce")

@@ -42,6 +42,7 @@ from .elastic import ElasticSettings
 from .elastic import launch as launch_elastic
 from .elastic import settings_from as elastic_settings
 from .common.util import config_parser
+from .cpus import bound_cpus
 from .elastic.constants import WORKER_FAILURE_MESSAGE
 from .flags import PROG, build_parser
 from .output import Sink, rank_output_dir
@@ -384,6 +385,8 @@ def _worker_specs(
         if slot.hostname in plan.remote:
             over_ssh(spec, plan.command, plan.ssh, plan.exports, slot.local_size, env, base_env,
                      computed, cwd)
+        else:
+            spec.cpus = bound_cpus(env)
         specs.append(spec)
     return specs
 

@@ -33,11 +33,12 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
+from .cpus import bound_cpus
 from .supervisor import _group_alive, _signal_group
+from .worker_env import thread_share
 
 GRACE_S = 3.0
 _POLL_S = 0.05
-_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _cores() -> int:
@@ -78,13 +79,6 @@ def check(iface: Optional[str], cwd: Optional[str]) -> Dict[str, Any]:
     return report
 
 
-def _thread_share(env: Mapping[str, str], local_size: int) -> Dict[str, str]:
-    # Same rule as worker_env.thread_share, with this host's cores (the launcher's host may
-    # have another count).
-    share = str(max(1, _cores() // max(1, local_size)))
-    return {var: share for var in _THREAD_VARS if var not in env}
-
-
 def _stop_group(proc: "subprocess.Popen[bytes]", grace_s: float) -> None:
     """SIGTERM to the worker's group, SIGKILL to what is left after ``grace_s``."""
     pgid = proc.pid
@@ -118,7 +112,10 @@ def run_worker(request: Mapping[str, Any]) -> int:
     argv = [str(a) for a in request["argv"]]
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in request["env"].items()})
-    env.update(_thread_share(request["env"], int(request.get("local_size", 1))))
+    # This host's cores decide the thread share and the binding: the launcher's host may have
+    # another count.
+    cpus = bound_cpus(env)
+    env.update(thread_share(request["env"], int(request.get("local_size", 1)), cpus))
     cwd = request.get("cwd")
     try:
         proc = subprocess.Popen(
@@ -128,6 +125,7 @@ def run_worker(request: Mapping[str, Any]) -> int:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
         )
     except OSError as exc:
         host = os.uname().nodename

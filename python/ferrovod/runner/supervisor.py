@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import (BinaryIO, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set,
+                    Tuple)
 
 from .output import Sink, StreamForwarder
 
@@ -85,6 +86,8 @@ class WorkerSpec:
     # Written to the worker's stdin, which then stays open until the job stops: a remote
     # worker's agent reads its job from it, and stops the worker when it closes.
     stdin_payload: Optional[bytes] = None
+    # The CPUs the worker is bound to (``--bind-cores``); None: unbound.
+    cpus: Optional[FrozenSet[int]] = None
 
 
 @dataclass
@@ -133,6 +136,20 @@ def _die_with_parent_fn() -> Optional[Callable[[], None]]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return preexec
+
+
+def _bind(preexec: Optional[Callable[[], None]],
+          cpus: Optional[FrozenSet[int]]) -> Optional[Callable[[], None]]:
+    """``preexec``, then binding the child to ``cpus`` (before it starts any thread)."""
+    if cpus is None:
+        return preexec
+
+    def bound() -> None:
+        if preexec is not None:
+            preexec()
+        os.sched_setaffinity(0, cpus)
+
+    return bound
 
 
 def _group_alive(pgid: int) -> bool:
@@ -321,7 +338,7 @@ class Supervisor:
                 stdout=out_w,
                 stderr=err_w,
                 start_new_session=True,
-                preexec_fn=preexec,
+                preexec_fn=_bind(preexec, spec.cpus),
                 close_fds=True,
             )
         except OSError as exc:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from .._defaults import default as engine_default
 from .._defaults import positive_seconds
+from .cpus import BIND_VAR, bound_cpus
 from .hosts import SlotInfo
 
 __all__ = [
@@ -54,6 +55,7 @@ _TUNABLES: List[Tuple[str, str, Callable[[Any], str]]] = [
     ("fusion_threshold_mb", "FERROVOD_FUSION_THRESHOLD", _mib_to_bytes),
     ("cycle_time_ms", "FERROVOD_CYCLE_TIME", str),
     ("cache_capacity", "FERROVOD_CACHE_CAPACITY", str),
+    ("bind_cores", BIND_VAR, _flag),
     ("timeline_filename", "FERROVOD_TIMELINE", str),
     ("timeline_mark_cycles", "FERROVOD_TIMELINE_MARK_CYCLES", _flag),
     ("log_level", "FERROVOD_LOG_LEVEL", lambda v: str(v).upper()),
@@ -122,7 +124,7 @@ def worker_env(base: Mapping[str, str], slot: SlotInfo, job: JobInfo) -> Dict[st
     env[SECRET_VAR] = job.secret_hex
     env["FERROVOD_LAUNCHER"] = "ferrovodrun"
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(thread_share(base, slot.local_size))
+    env.update(thread_share(base, slot.local_size, bound_cpus(env)))
     return env
 
 
@@ -130,12 +132,17 @@ def worker_env(base: Mapping[str, str], slot: SlotInfo, job: JobInfo) -> Dict[st
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def thread_share(base: Mapping[str, str], local_size: int) -> Dict[str, str]:
+def thread_share(base: Mapping[str, str], local_size: int,
+                 bound: Optional[FrozenSet[int]] = None) -> Dict[str, str]:
     """Each of ``local_size`` ranks on a host gets a fair share of its cores for its thread
     pools, unless the user set the variable: by default every rank's pool would use every
-    core, and ranks would fight over them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = str(max(1, (cores or 1) // max(1, local_size)))
+    core, and ranks would fight over them. A rank ``bound`` to CPUs gets as many threads."""
+    if bound:
+        share = str(len(bound))
+    else:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())
+        share = str(max(1, (cores or 1) // max(1, local_size)))
     return {var: share for var in THREAD_VARS if var not in base}
 
 

@@ -744,6 +744,8 @@ def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    if os.environ.get("FERROVOD_BIND_CORES") == "1":  # the cores above are this rank's own
+        return torch.get_num_threads() < cores
     return _api.local_size() * torch.get_num_threads() < cores
 
 

@@ -35,6 +35,7 @@ def main():
         if os.path.exists("/proc/self/fd/0")
         else None,
         "rendezvous_reachable": rendezvous_reachable(env.get("FERROVOD_RENDEZVOUS_ADDR")),
+        "cpus": sorted(os.sched_getaffinity(0)),
     }
     print("REPORT " + json.dumps(report))
 

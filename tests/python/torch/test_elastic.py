@@ -164,6 +164,22 @@ def test_bare_host_names_take_the_slots_per_host(tmp_path, hosts, flags, env, me
         assert lines_matching(res, 0, r"^size 2"), describe(res)
 
 
+def test_bind_cores_binds_the_workers_of_an_elastic_job(tmp_path):
+    from ferrovod.runner.cpus import physical_cores, share_of
+
+    cores = physical_cores(sorted(os.sched_getaffinity(0)))
+    res = elastic_job(tmp_path, "localhost:2\n", 2, flags=["--min-np", "2", "--bind-cores"],
+                      worker=[sys.executable, "-c", "import os, ferrovod as fv; fv.init(); "
+                              "print('cpus', fv.local_rank(), sorted(os.sched_getaffinity(0)))"],
+                      timeout=60)
+    assert res.returncode == 0, describe(res)
+    got = {}
+    for r in (0, 1):
+        (m,) = lines_matching(res, r, r"^cpus (\d) (.*)$")
+        got[int(m.group(1))] = json.loads(m.group(2))
+    assert got == {lr: sorted(share_of(cores, lr, 2)) for lr in (0, 1)}, describe(res)
+
+
 def test_a_failing_first_discovery_is_fatal(tmp_path):
     cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "2", "--host-discovery-script",
            "echo no hosts for you >&2; exit 3", sys.executable, "-c", "pass"]

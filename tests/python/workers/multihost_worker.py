@@ -2,7 +2,7 @@
 
 argv: the expected placement as ``host:slots,host:slots`` in rank order (what -H gives, or what
 the other launcher was told), then ``key=value`` expectations on the environment (``cwd=`` is
-the working directory).
+the working directory; ``bound=0,1,...``: bound to this local rank's share of those CPUs).
 
 Checks, each against a reference computed without ferrovod: rank, size and the local/cross
 ranks against the placement; the host each rank runs on; allreduce (several dtypes, odd sizes)
@@ -41,7 +41,13 @@ assert socket.gethostname() == host.split(".")[0], \
 checks += 2
 
 for key, value in expect_env.items():
-    actual = os.getcwd() if key == "cwd" else os.environ.get(key)
+    if key == "bound":
+        from ferrovod.runner.cpus import physical_cores, share_of
+
+        cores = physical_cores([int(c) for c in value.split(",")])
+        actual, value = sorted(os.sched_getaffinity(0)), sorted(share_of(cores, *got[:2]))
+    else:
+        actual = os.getcwd() if key == "cwd" else os.environ.get(key)
     assert actual == value, f"rank {r}: {key}={actual!r}, expected {value!r}"
     checks += 1
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from ... import _elastic
+from ..cpus import bound_cpus
 from ..hosts import HostInfo, SlotInfo, is_local_host
 from ..remote import check_hosts, format_host_errors, over_ssh, rendezvous_host
 from ..supervisor import SpawnError, Supervisor, WorkerSpec
@@ -79,6 +80,8 @@ def launch(plan: "LaunchPlan", settings: ElasticSettings, supervisor: Supervisor
         if remote:
             over_ssh(spec, plan.command, plan.ssh, plan.exports, slot.local_size, env, base_env,
                      computed, os.getcwd())
+        else:
+            spec.cpus = bound_cpus(env)
         if plan.output_dir is not None:
             # A worker's rank changes with the membership: its files are named by the worker
             # number its output lines carry.
