@@ -280,15 +280,35 @@ class _PerTensorResult:
         raise NotImplementedError
 
 
+#: From this size an allreduce that is not in place takes its result in memory the engine
+#: gives (its page pool's, reused from op to op: already faulted in, and page-aligned, which
+#: TensorFlow needs to take a host op's output without a copy). Smaller results are written
+#: into a NumPy array, which is cheaper than viewing an engine buffer.
+_ENGINE_OUTPUT_BYTES = 64 << 10
+
+
+def _new_output(a: np.ndarray) -> Optional[np.ndarray]:
+    """The output array of a non-in-place allreduce of ``a``; None: the engine gives it."""
+    return None if a.nbytes >= _ENGINE_OUTPUT_BYTES else np.empty_like(a, order="C")
+
+
 class _AllreduceResult(_PerTensorResult):
     """Columns: the caller's tensor, its array, the contiguous array the engine used, the
-    output array."""
+    output array (None: the engine's, in the op's result, in tensor order)."""
 
     __slots__ = ()
 
+    def __call__(self, result: Any) -> Any:
+        if self.inplace:
+            return super().__call__(result)
+        made = iter(result[0])
+        if self.single:
+            out = self._c3
+            return _from_bytes(*next(made), self._c2.dtype) if out is None else out
+        return [_from_bytes(*next(made), buf.dtype) if out is None else out
+                for buf, out in zip(self._c2, self._c3)]
+
     def _one(self, tensor: Tensor, orig: np.ndarray, buf: np.ndarray, out: np.ndarray) -> Any:
-        if not self.inplace:
-            return out
         if buf is not orig:
             orig[...] = buf
         return tensor
@@ -308,10 +328,7 @@ def _allreduce(
             for t, a in zip(tensors, originals):
                 _writable(t, a, kind_name + "_")
         inputs = [_contiguous(a) for a in originals]
-        if inplace:
-            outputs = inputs
-        else:
-            outputs = [np.empty_like(a, order="C") for a in inputs]
+        outputs = inputs if inplace else [_new_output(a) for a in inputs]
         core = _submit(_core.ALLREDUCE, name, process_set, inputs, outputs, rop, 0,
                        prescale_factor, postscale_factor, now=now)
     except _BadArgument as e:
@@ -352,7 +369,8 @@ def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
     name = _auto_name("allreduce", name)
-    if type(tensor) is np.ndarray and process_set is global_process_set:
+    if type(tensor) is np.ndarray and process_set is global_process_set \
+            and tensor.nbytes < _ENGINE_OUTPUT_BYTES:
         out = np.empty_like(tensor, order="C")
         if _allreduce_now(tensor, out, name, op, average, prescale_factor, postscale_factor):
             return out

@@ -51,6 +51,7 @@ impl Door {
     /// nothing, when an op under the same name is still in flight in its process set.
     pub fn run(&self, mut op: OpSpec, now: Option<&dyn Fn() -> bool>) -> Result<Ran> {
         let claim = self.claim(&op)?;
+        give_outputs(&mut op)?;
         let outcome = match now {
             Some(stop) => self.shared.fast.offer_or(&mut op, stop)?,
             None => Outcome::Ineligible,
@@ -136,6 +137,22 @@ impl Door {
             self.shared.waker.wake();
         }
     }
+}
+
+/// An allreduce or broadcast of host memory whose caller gave no output gets engine memory of
+/// its input's size, handed back through the op's `Output` as the other kinds' results are.
+/// Every way through then finds an output; and a large one comes from the page pool, where
+/// it is already faulted in and page-aligned (TensorFlow copies a host op's output that is
+/// not 64-byte aligned, which NumPy's own large arrays are not).
+fn give_outputs(op: &mut OpSpec) -> Result<()> {
+    if matches!(op.kind, OpKind::Allreduce | OpKind::Broadcast) {
+        for t in op.tensors.iter_mut() {
+            if t.output.is_none() && t.input.cuda().is_none() {
+                t.output = Some(TensorBuf::engine(t.input.len())?);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What the handle of an op the fast path reduced would have handed back: an output the fast

@@ -64,6 +64,11 @@ def do_allreduce(c, dt, shape, opn, mode, name=None, pre=1.0, post=1.0, vmode=No
         res = wait(h)
         c.ck.array(x, exp, what + " (in-place target)")
     c.ck.array(res, exp, what)
+    if mode in ("out", "async") and x.nbytes >= 64 << 10:
+        # A large result is the engine's (pooled pages): TensorFlow takes a host op's output
+        # without a copy only when it is 64-byte aligned, which NumPy's large arrays are not.
+        c.ck.true(res.ctypes.data % 64 == 0 and res.flags.writeable, what,
+                  f"large result at {res.ctypes.data:#x} is not 64-byte aligned and writable")
 
 
 def sec_allreduce(c):
