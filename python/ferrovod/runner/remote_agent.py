@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from .cpus import bound_cpus
+from .cpus import bind_in_child, bound_cpus
 from .supervisor import _group_alive, _signal_group
 from .worker_env import thread_share
 
@@ -125,7 +125,7 @@ def run_worker(request: Mapping[str, Any]) -> int:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
-            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+            preexec_fn=None if cpus is None else bind_in_child(cpus),
         )
     except OSError as exc:
         host = os.uname().nodename

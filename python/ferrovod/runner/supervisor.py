@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import (BinaryIO, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set,
                     Tuple)
 
+from .cpus import bind_in_child
 from .output import Sink, StreamForwarder
 
 __all__ = ["JobOutcome", "SpawnError", "Supervisor", "WorkerSpec", "exit_status"]
@@ -144,10 +145,12 @@ def _bind(preexec: Optional[Callable[[], None]],
     if cpus is None:
         return preexec
 
+    bind = bind_in_child(cpus)
+
     def bound() -> None:
         if preexec is not None:
             preexec()
-        os.sched_setaffinity(0, cpus)
+        bind()
 
     return bound
 
