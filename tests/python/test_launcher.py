@@ -321,6 +321,10 @@ def test_bind_cores_gives_each_rank_its_share(base_env: Dict[str, str], np_: int
     if np_ <= len(allowed):  # every rank its own CPUs, and every CPU someone's
         seen = [c for r in got.values() for c in r["cpus"]]
         assert sorted(seen) == allowed
+    verbose = run(base_env, "-np", "2", "--bind-cores", "--verbose", *script("report_env.py"))
+    share = cpus_mod.share_of(cores, 1, 2)
+    assert f"local rank 1/2, cross rank 0/1, cpus {cpus_mod.describe(share)}" in verbose.stderr
+    assert cpus_mod.describe(frozenset({0, 1, 2, 3, 8, 10, 11})) == "0-3,8,10-11"
     unbound = reports(run(base_env, "-np", "2", *script("report_env.py")).stdout)
     assert all(r["cpus"] == allowed for r in unbound.values())
     assert all("FERROVOD_BIND_CORES" not in r["env"] for r in unbound.values())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["BIND_VAR", "bind_in_child", "bound_cpus", "physical_cores", "share_of"]
+__all__ = ["BIND_VAR", "bind_in_child", "bound_cpus", "describe", "physical_cores", "share_of"]
 
 #: Set to ``1`` by ``--bind-cores`` (or by the user) in every worker's environment.
 BIND_VAR = "FERROVOD_BIND_CORES"
@@ -87,3 +87,14 @@ def bind_in_child(cpus: FrozenSet[int]) -> Callable[[], None]:
             pass
 
     return bind
+
+
+def describe(cpus: FrozenSet[int]) -> str:
+    """``cpus`` as Linux lists them (``0-3,8-11``)."""
+    runs: List[List[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -42,7 +42,7 @@ from .elastic import ElasticSettings
 from .elastic import launch as launch_elastic
 from .elastic import settings_from as elastic_settings
 from .common.util import config_parser
-from .cpus import bound_cpus
+from .cpus import bound_cpus, describe as describe_cpus
 from .elastic.constants import WORKER_FAILURE_MESSAGE
 from .flags import PROG, build_parser
 from .output import Sink, rank_output_dir
@@ -392,16 +392,18 @@ def _worker_specs(
 
 
 def _log_plan(
-    plan: LaunchPlan, first_env: Dict[str, str], base_env: Dict[str, str], log: Callable[[str], None]
+    plan: LaunchPlan, specs: List[WorkerSpec], first_env: Dict[str, str],
+    base_env: Dict[str, str], log: Callable[[str], None]
 ) -> None:
     for note in plan.notes:
         log(f"note: {note}")
-    for slot in plan.slots:
+    for slot, spec in zip(plan.slots, specs):
         log(
             f"rank {slot.rank}: host {slot.hostname}, "
             f"local rank {slot.local_rank}/{slot.local_size}, "
             f"cross rank {slot.cross_rank}/{slot.cross_size}"
             + (" (over ssh)" if slot.hostname in plan.remote else "")
+            + ("" if spec.cpus is None else f", cpus {describe_cpus(spec.cpus)}")
         )
     per_rank = slot_env(plan.slots[0]).keys()
     shared = visible_env(first_env, base_env)
@@ -513,8 +515,8 @@ def run_job(
                 jobs[host] = replace(job, rendezvous_addr=host_addr)
         specs = _worker_specs(plan, jobs, base_env)
         if plan.verbose:
-            _log_plan(plan, worker_env(base_env, plan.slots[0], jobs[plan.slots[0].hostname]),
-                      base_env, log)
+            _log_plan(plan, specs, worker_env(base_env, plan.slots[0],
+                                              jobs[plan.slots[0].hostname]), base_env, log)
         try:
             supervisor.start(specs)
         except SpawnError as exc:
