@@ -411,7 +411,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(args.np),
-               *(["--bind-cores"] if args.bind_cores else []), sys.executable, os.path.abspath(__file__), "--worker", "--json", out,
+               *(["--bind-cores"] if args.bind_cores else []),
+               sys.executable, os.path.abspath(__file__), "--worker", "--json", out,
                "--models", args.models, "--steps", str(args.steps), "--rounds",
                str(args.rounds), "--threads", str(args.threads)]
         if "mwms" in args.compare.split(","):

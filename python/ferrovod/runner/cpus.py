@@ -3,8 +3,9 @@
 Unbound, a rank's threads go wherever the scheduler puts them: while one rank waits for its
 peer in a collective, its threads can land on the core the peer is computing on, and every
 step of a synchronous job waits for the slowest rank (Keras' ``fit`` on 2 ranks on 2 cores
-reached 0.85 of one process's speed bound, 0.79-0.81 unbound, alternating in one run). Bound, each local rank owns a share of the host's cores; threads it
-starts later, and its child processes, inherit the binding.
+reached 0.85 of one process's speed bound, 0.79-0.81 unbound, alternating in one run). Bound,
+each local rank owns a share of the host's cores; threads it starts later, and its child
+processes, inherit the binding.
 
 The shares are whole physical cores (a core's hyperthreads go to the same rank: two ranks on
 the siblings of one core would share its execution units), contiguous in package order (so a
@@ -15,6 +16,7 @@ shares are single CPUs, and with more ranks than CPUs ranks share them round-rob
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
@@ -53,16 +55,13 @@ def share_of(cores: Sequence[Sequence[int]], local_rank: int, local_size: int) -
     if local_size <= 0 or not 0 <= local_rank < local_size or not cores:
         raise ValueError(f"no share for local rank {local_rank} of {local_size} "
                          f"on {len(cores)} cores")
-    if len(cores) >= local_size:
-        lo = local_rank * len(cores) // local_size
-        hi = (local_rank + 1) * len(cores) // local_size
-        return frozenset(cpu for core in cores[lo:hi] for cpu in core)
-    flat = [cpu for core in cores for cpu in core]
-    if len(flat) >= local_size:
-        lo = local_rank * len(flat) // local_size
-        hi = (local_rank + 1) * len(flat) // local_size
-        return frozenset(flat[lo:hi])
-    return frozenset({flat[local_rank % len(flat)]})
+    # Shares are cut from whole cores while there are enough, else from single CPUs.
+    units = cores if len(cores) >= local_size else [[cpu] for core in cores for cpu in core]
+    if len(units) < local_size:
+        return frozenset(units[local_rank % len(units)])
+    lo = local_rank * len(units) // local_size
+    hi = (local_rank + 1) * len(units) // local_size
+    return frozenset(cpu for unit in units[lo:hi] for cpu in unit)
 
 
 def bound_cpus(env: Mapping[str, str]) -> Optional[FrozenSet[int]]:
@@ -72,7 +71,14 @@ def bound_cpus(env: Mapping[str, str]) -> Optional[FrozenSet[int]]:
         return None
     local_rank = int(env.get("FERROVOD_LOCAL_RANK", "0"))
     local_size = int(env.get("FERROVOD_LOCAL_SIZE", "1"))
-    return share_of(physical_cores(sorted(os.sched_getaffinity(0))), local_rank, local_size)
+    return share_of(_cores_of(frozenset(os.sched_getaffinity(0))), local_rank, local_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _cores_of(allowed: FrozenSet[int]) -> List[List[int]]:
+    # A launch asks once per worker (and the environment of every slot, remote ones included,
+    # asks again): the topology is read from sysfs once per set of allowed CPUs.
+    return physical_cores(sorted(allowed))
 
 
 def bind_in_child(cpus: FrozenSet[int]) -> Callable[[], None]:
