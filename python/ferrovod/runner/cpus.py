@@ -20,7 +20,8 @@ import functools
 import os
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["BIND_VAR", "bind_in_child", "bound_cpus", "describe", "physical_cores", "share_of"]
+__all__ = ["BIND_VAR", "bind_in_child", "bound_cpus", "describe", "physical_cores", "share_of",
+           "usable_cpu_count"]
 
 #: Set to ``1`` by ``--bind-cores`` (or by the user) in every worker's environment.
 BIND_VAR = "FERROVOD_BIND_CORES"
@@ -34,6 +35,14 @@ def _read_int(path: str) -> Optional[int]:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def usable_cpu_count() -> int:
+    """How many CPUs this process may run on: its affinity mask (a cpuset, ``taskset`` or a
+    binding) where the system has one, else every CPU."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def physical_cores(cpus: Sequence[int], sys_cpu: str = _SYS_CPU) -> List[List[int]]:

@@ -33,18 +33,12 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from .cpus import bind_in_child, bound_cpus
+from .cpus import bind_in_child, bound_cpus, usable_cpu_count
 from .supervisor import _group_alive, _signal_group
 from .worker_env import thread_share
 
 GRACE_S = 3.0
 _POLL_S = 0.05
-
-
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _interfaces() -> List[str]:
@@ -58,7 +52,7 @@ def check(iface: Optional[str], cwd: Optional[str]) -> Dict[str, Any]:
     """What the launcher needs to know about this host before it starts anything."""
     report: Dict[str, Any] = {
         "python": sys.executable,
-        "cores": _cores(),
+        "cores": usable_cpu_count(),
         "interfaces": _interfaces(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
     }

@@ -8,13 +8,12 @@ in the environment stay in force otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from .._defaults import default as engine_default
 from .._defaults import positive_seconds
-from .cpus import BIND_VAR, bound_cpus
+from .cpus import BIND_VAR, bound_cpus, usable_cpu_count
 from .hosts import SlotInfo
 
 __all__ = [
@@ -140,9 +139,7 @@ def thread_share(base: Mapping[str, str], local_size: int,
     if bound:
         share = str(len(bound))
     else:
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count())
-        share = str(max(1, (cores or 1) // max(1, local_size)))
+        share = str(max(1, usable_cpu_count() // max(1, local_size)))
     return {var: share for var in THREAD_VARS if var not in base}
 
 

@@ -43,7 +43,7 @@ import torch
 from .. import _api, _defaults, _host_memory
 from .._api import Adasum, Average, Sum, allgather_object
 from .._groups import split_evenly
-from ..runner.cpus import BIND_VAR
+from ..runner.cpus import BIND_VAR, usable_cpu_count
 from ..process_sets import ProcessSet, global_process_set
 from . import ops
 from .compression import Compression, Compressor
@@ -741,10 +741,7 @@ def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool
         return True
     if _api.local_size() < _api.size() or any(p.device.type != "cpu" for p in params):
         return True
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cpu_count()
     if os.environ.get(BIND_VAR) == "1":  # the cores above are this rank's own
         return torch.get_num_threads() < cores
     return _api.local_size() * torch.get_num_threads() < cores
