@@ -192,7 +192,8 @@ fn allreduce_scaled_equals_allreduce_then_scale() {
 /// give the bits of the reduce-scatter and the allgather run one after the other, with uneven
 /// and empty segments, one chunk or many per step, and a post-scale. The reduce-scatter that
 /// reads its input in place (the public reducescatter's) must give the in-place ring's bits
-/// for this rank's segment and leave its input as it was.
+/// for this rank's segment and leave its input as it was; so must the allreduce into new
+/// memory for the whole result.
 #[test]
 fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
     let cases = [
@@ -254,6 +255,43 @@ fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
                             dtype.name(),
                             op.name(),
                             c.rank()
+                        );
+                        // Into new memory (any contents), the input only read: the bits of
+                        // the in-place ring, through the ring itself and through the
+                        // dispatcher (which takes the small path below its threshold).
+                        let mut ring_into = vec![0x3Cu8; original.len()];
+                        collective::allreduce::ring_into(
+                            c,
+                            &original,
+                            &mut ring_into,
+                            dtype,
+                            op,
+                            factor,
+                        )
+                        .unwrap();
+                        let mut scaled_into = vec![0xC3u8; original.len()];
+                        collective::allreduce_scaled_into(
+                            c,
+                            &original,
+                            &mut scaled_into,
+                            dtype,
+                            op,
+                            factor,
+                        )
+                        .unwrap();
+                        let mut scaled = encode(dtype, &vals);
+                        collective::allreduce_scaled(c, &mut scaled, dtype, op, factor).unwrap();
+                        assert_eq!(original, encode(dtype, &vals), "input was written");
+                        let what = format!(
+                            "n={n} {tname} {} {} count={count} rank {}",
+                            dtype.name(),
+                            op.name(),
+                            c.rank()
+                        );
+                        assert_eq!(ring_into, fused, "{what}: ring into an output differs");
+                        assert_eq!(
+                            scaled_into, scaled,
+                            "{what}: allreduce into an output differs"
                         );
                         collective::allgather::ring_allgather(c, &mut apart, &segs).unwrap();
                         out.push((fused, apart));

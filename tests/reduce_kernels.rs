@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use _core::collective::reduce::{reduce_into, scale};
+use _core::collective::reduce::{reduce_into, reduce_pair, scale};
 use _core::{DType, Error, ReduceOp};
 use half::{bf16, f16};
 
@@ -164,6 +164,39 @@ fn reduce_matches_scalar_reference_aligned_and_not() {
             }
         }
     }
+}
+
+/// `reduce_pair` writes `op(a, b)` into a third buffer block by block: the reference's bits
+/// across its block boundaries (8 KiB) and unaligned, and its operands untouched.
+#[test]
+fn reduce_pair_matches_scalar_reference_across_blocks() {
+    for (d, dtype) in REDUCIBLE.into_iter().enumerate() {
+        let es = dtype.size();
+        for (o, op) in OPS.into_iter().enumerate() {
+            for len in [0usize, 1, 2047, 2048 + 3, 8192 / es * 3 + 5] {
+                for off in [0, 1, es - 1] {
+                    let seed = (d * 100 + o * 10) as u64 + len as u64 * 13;
+                    let a = random_bytes(seed, len * es);
+                    let b = random_bytes(seed + 2, len * es);
+                    let mut dst = vec![0x77u8; len * es + off];
+                    reduce_pair(dtype, op, &mut dst[off..], &a, &b).unwrap();
+                    assert_eq!(a, random_bytes(seed, len * es), "first operand written");
+                    for i in 0..len {
+                        let e = i * es..(i + 1) * es;
+                        let want = reference(dtype, op, &a[e.clone()], &b[e.clone()]);
+                        assert!(
+                            same_elem(dtype, &dst[off..][e.clone()], &want),
+                            "{} {} len {len} offset {off} element {i}",
+                            dtype.name(),
+                            op.name(),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let err = reduce_pair(DType::F32, ReduceOp::Sum, &mut [0; 8], &[0; 8], &[0; 4]);
+    assert!(matches!(err, Err(Error::InvalidArgument(_))), "{err:?}");
 }
 
 #[test]

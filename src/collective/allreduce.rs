@@ -13,7 +13,7 @@
 
 use super::allgather::ring_allgather_from;
 use super::reduce::{check_reducible, reduce_into, scale};
-use super::reducescatter::ring_reduce_scatter_and_share;
+use super::reducescatter::{ring_reduce_scatter_and_share, ring_reduce_scatter_and_share_from};
 use super::{even_segments, split_blocks, with_scratch};
 use crate::comm::Communicator;
 use crate::copy::copy;
@@ -51,6 +51,24 @@ pub(crate) fn check(buf: &[u8], dtype: DType, op: ReduceOp) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// [`flat`] of `input` into `output` (as long: the caller checked; any contents): the ring reads `input` where it
+/// lies ([`ring_into`]); the small path, which reads its buffer more than once, gets a copy.
+pub fn flat_into(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    if output.len() <= comm.tuning.small_allreduce_bytes {
+        copy(output, input);
+        flat(comm, output, dtype, op, factor)
+    } else {
+        ring_into(comm, input, output, dtype, op, factor)
+    }
 }
 
 /// Latency-optimal allreduce.
@@ -222,4 +240,25 @@ pub fn ring(
     let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
     ring_reduce_scatter_and_share(comm, buf, &segs, dtype, op, factor)?;
     ring_allgather_from(comm, buf, &segs, 1)
+}
+
+/// [`ring`] of `input` into `output` (as long: the caller checked; any contents), `input` only read: the same
+/// steps and bits, without first copying `input` into `output` (see
+/// [`ring_reduce_scatter_and_share_from`]).
+pub fn ring_into(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    check(input, dtype, op)?;
+    if comm.size() == 1 || input.is_empty() {
+        copy(output, input);
+        return ring(comm, output, dtype, op, factor);
+    }
+    let segs = even_segments(input.len() / dtype.size(), comm.size(), dtype.size());
+    ring_reduce_scatter_and_share_from(comm, input, output, &segs, dtype, op, factor)?;
+    ring_allgather_from(comm, output, &segs, 1)
 }

@@ -38,6 +38,7 @@ pub mod reducescatter;
 use std::ops::Range;
 
 use crate::comm::Communicator;
+use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::types::{DType, ReduceOp};
 
@@ -79,6 +80,35 @@ pub fn allreduce_scaled(
         hierarchical::allreduce(comm, buf, dtype, op, factor)
     } else {
         allreduce::flat(comm, buf, dtype, op, factor)
+    }
+}
+
+/// [`allreduce_scaled`] of `input` into `output` (as long, else `InvalidArgument`; any
+/// contents), `input` only read.
+/// The flat algorithms read `input` where it lies ([`allreduce::flat_into`]); Adasum and the
+/// hierarchical allreduce (when the set spans hosts: on one host it is the flat one) reduce a
+/// copy.
+pub fn allreduce_scaled_into(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    output: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    if input.len() != output.len() {
+        return Err(Error::InvalidArgument(format!(
+            "allreduce: {} bytes of input for {} of output",
+            input.len(),
+            output.len()
+        )));
+    }
+    let layered = || hierarchical::Layout::of(comm).is_some();
+    if op == ReduceOp::Adasum || (hierarchical::wanted(comm, output.len()) && layered()) {
+        copy(output, input);
+        allreduce_scaled(comm, output, dtype, op, factor)
+    } else {
+        allreduce::flat_into(comm, input, output, dtype, op, factor)
     }
 }
 

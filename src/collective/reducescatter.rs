@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use super::reduce::{check_reducible, reduce_into, scale};
+use super::reduce::{check_reducible, reduce_into, reduce_pair, scale};
 use super::{
     blocks, check_segments, chunk_count, chunk_of, element_chunk, split_pair, with_scratch,
 };
@@ -219,7 +219,7 @@ pub fn ring_reduce_scatter(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    reduce_scatter_steps(comm, buf, segs, dtype, op, factor, false)
+    reduce_scatter_steps(comm, None, buf, segs, dtype, op, factor, false)
 }
 
 /// [`ring_reduce_scatter`] fused with the first step of [`super::allgather::ring_allgather`]:
@@ -238,13 +238,43 @@ pub fn ring_reduce_scatter_and_share(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    reduce_scatter_steps(comm, buf, segs, dtype, op, factor, true)
+    reduce_scatter_steps(comm, None, buf, segs, dtype, op, factor, true)
 }
 
-/// The steps of [`ring_reduce_scatter`]; `share`: also the allgather's first step, chunk by
-/// chunk (see [`ring_reduce_scatter_and_share`]).
+/// [`ring_reduce_scatter_and_share`] of `input` (only read) into `buf` (as long; its bytes on
+/// entry do not matter). The ring reads every byte of its own contribution at the one place
+/// it needs it, where the in-place ring reads its copy: the segment sent first goes out of
+/// `input`, and each received chunk lands in `buf` reduced with `input`'s. The copy of
+/// `input` into `buf` that an allreduce into new memory needed first, two passes over the
+/// whole tensor, is gone; the operands and their order are the in-place ring's, so the bits
+/// are too. On return `buf` holds what the in-place ring leaves there, for the segments the
+/// allgather goes on with.
+pub fn ring_reduce_scatter_and_share_from(
+    comm: &mut Communicator<'_>,
+    input: &[u8],
+    buf: &mut [u8],
+    segs: &[Range<usize>],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    if input.len() != buf.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reduce-scatter: {} bytes of input for {} of output",
+            input.len(),
+            buf.len()
+        )));
+    }
+    reduce_scatter_steps(comm, Some(input), buf, segs, dtype, op, factor, true)
+}
+
+/// The steps of [`ring_reduce_scatter`]; `input`: this rank's contribution when it is not in
+/// `buf` already (see [`ring_reduce_scatter_and_share_from`]); `share`: also the allgather's
+/// first step, chunk by chunk (see [`ring_reduce_scatter_and_share`]).
+#[allow(clippy::too_many_arguments)] // the ring's two buffers, the reduction's three terms
 fn reduce_scatter_steps(
     comm: &mut Communicator<'_>,
+    input: Option<&[u8]>,
     buf: &mut [u8],
     segs: &[Range<usize>],
     dtype: DType,
@@ -256,7 +286,11 @@ fn reduce_scatter_steps(
     check_reducible(dtype, op)?;
     check_segments(segs, n, buf.len(), dtype.size())?;
     if n == 1 {
-        return scale(dtype, &mut buf[segs[0].clone()], factor);
+        let own = segs[0].clone();
+        if let Some(input) = input {
+            copy(&mut buf[own.clone()], &input[own.clone()]);
+        }
+        return scale(dtype, &mut buf[own], factor);
     }
     let ring = Ring::new(comm, segs, dtype);
     with_scratch(ring.tmp_len, |scratch| {
@@ -268,8 +302,19 @@ fn reduce_scatter_steps(
         } in ring.exchanges(segs)
         {
             let tmp = &mut scratch[..recv.len()];
-            comm.sendrecv(ring.next, &buf[send], ring.prev, tmp)?;
-            reduce_into(dtype, op, &mut buf[recv.clone()], tmp)?;
+            // Each segment is received once, so `recv` still holds (in place) or is still
+            // owed (from `input`) this rank's own bytes; only step 0 sends an unreduced one.
+            let out = match input {
+                Some(input) if step == 0 => &input[send],
+                _ => &buf[send],
+            };
+            comm.sendrecv(ring.next, out, ring.prev, tmp)?;
+            match input {
+                Some(input) => {
+                    reduce_pair(dtype, op, &mut buf[recv.clone()], &input[recv.clone()], tmp)?
+                }
+                None => reduce_into(dtype, op, &mut buf[recv.clone()], tmp)?,
+            }
             if step == n - 2 {
                 // The last step reduces this rank's own segment: it is final now.
                 scale(dtype, &mut buf[recv.clone()], factor)?;

@@ -419,8 +419,8 @@ const FUSION_COPY_LIMIT: usize = 1 << 20;
 // Every packed tensor fits the buffer, so each chunk holds at least one.
 const _: () = assert!(FUSION_COPY_LIMIT <= FUSION_BUFFER_BYTES);
 
-/// Allreduce of one tensor in its own output memory (copying the input there first when the
-/// op is not in place), with the scale factors applied around it.
+/// Allreduce of one tensor into its own output memory, with the scale factors applied around
+/// it. Not in place, the input is read where it lies (a prescale needs a copy of it first).
 fn reduce_in_place(
     comm: &mut Communicator<'_>,
     spec: &mut TensorSpec,
@@ -434,13 +434,27 @@ fn reduce_in_place(
         .output
         .as_mut()
         .expect("allreduce outputs are preallocated");
-    if !out.same_memory(&spec.input) {
-        copy(out.as_mut_slice(), spec.input.as_slice());
-    }
-    let buf = out.as_mut_slice();
-    reduce::scale(dtype, buf, pre)?;
     trace.begin("TCP_ALLREDUCE");
-    collective::allreduce_scaled(comm, buf, dtype, op, post)?;
+    if out.same_memory(&spec.input) {
+        let buf = out.as_mut_slice();
+        reduce::scale(dtype, buf, pre)?;
+        collective::allreduce_scaled(comm, buf, dtype, op, post)?;
+    } else if pre == 1.0 {
+        collective::allreduce_scaled_into(
+            comm,
+            spec.input.as_slice(),
+            out.as_mut_slice(),
+            dtype,
+            op,
+            post,
+        )?;
+    } else {
+        // The prescale must not touch the caller's input: it is applied to the copy.
+        let buf = out.as_mut_slice();
+        copy(buf, spec.input.as_slice());
+        reduce::scale(dtype, buf, pre)?;
+        collective::allreduce_scaled(comm, buf, dtype, op, post)?;
+    }
     trace.end();
     Ok(())
 }
