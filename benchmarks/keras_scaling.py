@@ -275,7 +275,9 @@ def worker(args: argparse.Namespace) -> None:
                 if name in engine:
                     engine[name].append(clock.total / args.steps)
                     body[name].append(clock.body / args.steps)
-        grads = [np.zeros(tuple(v.shape), dtype="float32") for v in alone.trainable_variables]
+        # Real values: a zero array's pages all map the one zero page, always in cache.
+        grads = [rng.standard_normal(tuple(v.shape)).astype("float32")
+                 for v in alone.trainable_variables]
         alone_ar: List[float] = []
         for rnd in range(args.rounds):
             ferrovod.barrier()
