@@ -289,7 +289,7 @@ fn allreduce(
             match entries[i].as_mut() {
                 Some(entry) => {
                     let spec = &mut entry.spec.tensors[t];
-                    reduce_in_place(comm, spec, dtype, op, pre, post, trace)?;
+                    reduce_one(comm, spec, dtype, op, pre, post, trace)?;
                 }
                 // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
                 None => {
@@ -421,7 +421,7 @@ const _: () = assert!(FUSION_COPY_LIMIT <= FUSION_BUFFER_BYTES);
 
 /// Allreduce of one tensor into its own output memory, with the scale factors applied around
 /// it. Not in place, the input is read where it lies (a prescale needs a copy of it first).
-fn reduce_in_place(
+fn reduce_one(
     comm: &mut Communicator<'_>,
     spec: &mut TensorSpec,
     dtype: DType,
