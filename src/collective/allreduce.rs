@@ -14,7 +14,7 @@
 use super::allgather::ring_allgather_from;
 use super::reduce::{check_reducible, reduce_into, scale};
 use super::reducescatter::{ring_reduce_scatter_and_share, ring_reduce_scatter_and_share_from};
-use super::{even_segments, split_blocks, with_scratch};
+use super::{even_segments, same_len, split_blocks, with_scratch};
 use crate::comm::Communicator;
 use crate::copy::copy;
 use crate::error::{Error, Result};
@@ -53,8 +53,9 @@ pub(crate) fn check(buf: &[u8], dtype: DType, op: ReduceOp) -> Result<()> {
     Ok(())
 }
 
-/// [`flat`] of `input` into `output` (as long: the caller checked; any contents): the ring reads `input` where it
-/// lies ([`ring_into`]); the small path, which reads its buffer more than once, gets a copy.
+/// [`flat`] of `input` into `output` (as long: the caller checked; any contents): the ring
+/// reads `input` where it lies ([`ring_into`]); the small path, which reads its buffer more
+/// than once, gets a copy.
 pub fn flat_into(
     comm: &mut Communicator<'_>,
     input: &[u8],
@@ -233,17 +234,11 @@ pub fn ring(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    check(buf, dtype, op)?;
-    if comm.size() == 1 || buf.is_empty() {
-        return scale(dtype, buf, factor);
-    }
-    let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
-    ring_reduce_scatter_and_share(comm, buf, &segs, dtype, op, factor)?;
-    ring_allgather_from(comm, buf, &segs, 1)
+    ring_steps(comm, None, buf, dtype, op, factor)
 }
 
-/// [`ring`] of `input` into `output` (as long: the caller checked; any contents), `input` only read: the same
-/// steps and bits, without first copying `input` into `output` (see
+/// [`ring`] of `input` into `output` (as long, else `InvalidArgument`; any contents), `input`
+/// only read: the same steps and bits, without first copying `input` into `output` (see
 /// [`ring_reduce_scatter_and_share_from`]).
 pub fn ring_into(
     comm: &mut Communicator<'_>,
@@ -253,12 +248,35 @@ pub fn ring_into(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    check(input, dtype, op)?;
-    if comm.size() == 1 || input.is_empty() {
-        copy(output, input);
-        return ring(comm, output, dtype, op, factor);
+    ring_steps(comm, Some(input), output, dtype, op, factor)
+}
+
+/// The steps of [`ring`] on `buf`; `input`: this rank's contribution when it is not in `buf`
+/// already ([`ring_into`]).
+fn ring_steps(
+    comm: &mut Communicator<'_>,
+    input: Option<&[u8]>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
+    if let Some(input) = input {
+        same_len("allreduce", input, buf)?;
     }
-    let segs = even_segments(input.len() / dtype.size(), comm.size(), dtype.size());
-    ring_reduce_scatter_and_share_from(comm, input, output, &segs, dtype, op, factor)?;
-    ring_allgather_from(comm, output, &segs, 1)
+    check(buf, dtype, op)?;
+    if comm.size() == 1 || buf.is_empty() {
+        if let Some(input) = input {
+            copy(buf, input);
+        }
+        return scale(dtype, buf, factor);
+    }
+    let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
+    match input {
+        Some(input) => {
+            ring_reduce_scatter_and_share_from(comm, input, buf, &segs, dtype, op, factor)?
+        }
+        None => ring_reduce_scatter_and_share(comm, buf, &segs, dtype, op, factor)?,
+    }
+    ring_allgather_from(comm, buf, &segs, 1)
 }

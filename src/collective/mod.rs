@@ -96,13 +96,7 @@ pub fn allreduce_scaled_into(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    if input.len() != output.len() {
-        return Err(Error::InvalidArgument(format!(
-            "allreduce: {} bytes of input for {} of output",
-            input.len(),
-            output.len()
-        )));
-    }
+    same_len("allreduce", input, output)?;
     let layered = || hierarchical::Layout::of(comm).is_some();
     if op == ReduceOp::Adasum || (hierarchical::wanted(comm, output.len()) && layered()) {
         copy(output, input);
@@ -110,6 +104,18 @@ pub fn allreduce_scaled_into(
     } else {
         allreduce::flat_into(comm, input, output, dtype, op, factor)
     }
+}
+
+/// `InvalidArgument` unless an op's `input` and `output` hold as many bytes.
+pub(crate) fn same_len(what: &str, input: &[u8], output: &[u8]) -> Result<()> {
+    if input.len() != output.len() {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {} bytes of input for {} of output",
+            input.len(),
+            output.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Gathers every rank's `input` into `output`, concatenated in rank order; `byte_counts[r]` is

@@ -4,7 +4,8 @@ use std::ops::Range;
 
 use super::reduce::{check_reducible, reduce_into, reduce_pair, scale};
 use super::{
-    blocks, check_segments, chunk_count, chunk_of, element_chunk, split_pair, with_scratch,
+    blocks, check_segments, chunk_count, chunk_of, element_chunk, same_len, split_pair,
+    with_scratch,
 };
 use crate::comm::Communicator;
 use crate::copy::copy;
@@ -132,8 +133,7 @@ pub fn ring_reduce_scatter_into(
             } else {
                 &mut scratch[recv.clone()]
             };
-            copy(dst, &input[recv]);
-            reduce_into(dtype, op, dst, t)?;
+            reduce_pair(dtype, op, dst, &input[recv], t)?;
             if last {
                 scale(dtype, dst, factor)?;
             }
@@ -258,13 +258,7 @@ pub fn ring_reduce_scatter_and_share_from(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    if input.len() != buf.len() {
-        return Err(Error::InvalidArgument(format!(
-            "reduce-scatter: {} bytes of input for {} of output",
-            input.len(),
-            buf.len()
-        )));
-    }
+    same_len("reduce-scatter", input, buf)?;
     reduce_scatter_steps(comm, Some(input), buf, segs, dtype, op, factor, true)
 }
 
