@@ -136,6 +136,12 @@ impl Autotuner {
     /// Records that `name` (carrying `bytes`) became ready. Returns the new knobs when they
     /// change.
     pub fn observe(&mut self, name: &str, bytes: usize) -> Option<Knobs> {
+        self.observe_at(name, bytes, Instant::now())
+    }
+
+    /// [`Autotuner::observe`] at the instant `now`, so that the search can be driven by a clock
+    /// other than the wall's.
+    fn observe_at(&mut self, name: &str, bytes: usize, now: Instant) -> Option<Knobs> {
         if self.stage == Stage::Done {
             return None;
         }
@@ -143,7 +149,7 @@ impl Autotuner {
         match &self.marker {
             None => {
                 self.marker = Some(name.to_string());
-                self.started = Instant::now();
+                self.started = now;
                 self.bytes = 0;
                 return None;
             }
@@ -153,7 +159,8 @@ impl Autotuner {
         if self.steps < self.cfg.steps_per_sample {
             return None;
         }
-        let score = self.bytes as f64 / self.started.elapsed().as_secs_f64().max(1e-9);
+        let elapsed = now.saturating_duration_since(self.started);
+        let score = self.bytes as f64 / elapsed.as_secs_f64().max(1e-9);
         self.marker = None;
         self.steps = 0;
         if self.warmup_left > 0 {
@@ -237,15 +244,16 @@ mod tests {
         };
         let mut t = Autotuner::new(cfg, initial);
         let mut seen = Vec::new();
+        // A simulated clock: a wall-clock sleep on a loaded machine can take longer than the
+        // next candidate's, and the scores would then rank the candidates by the machine's noise.
+        let mut now = Instant::now();
         for _ in 0..400 {
             // bigger fusion thresholds "cost" more time per step here
             let k = t.knobs();
             seen.push(k);
-            std::thread::sleep(Duration::from_micros(
-                (k.fusion_threshold >> 20) as u64 * 20,
-            ));
-            t.observe("a", 1000);
-            t.observe("b", 1000);
+            now += Duration::from_micros((k.fusion_threshold >> 20) as u64 * 20 + 100);
+            t.observe_at("a", 1000, now);
+            t.observe_at("b", 1000, now);
             if t.settled() {
                 break;
             }
