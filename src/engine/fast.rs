@@ -112,10 +112,10 @@ impl PeersMemory for Offers<'_> {
     }
 
     fn bytes(&self, r: usize, range: Range<usize>) -> &[u8] {
-        match r.cmp(&self.rank) {
-            std::cmp::Ordering::Equal => &self.own[range],
-            std::cmp::Ordering::Less => self.boards[r].peer_data(range),
-            std::cmp::Ordering::Greater => self.boards[r - 1].peer_data(range),
+        if r == self.rank {
+            &self.own[range]
+        } else {
+            self.boards[crate::transport::index_among_others(self.rank, r)].peer_data(range)
         }
     }
 }

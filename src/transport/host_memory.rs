@@ -317,7 +317,7 @@ impl PeersMemory for Others<'_> {
             r != self.rank,
             "rank {r}'s own bytes are the collective's destination"
         );
-        &self.others[if r < self.rank { r } else { r - 1 }][range]
+        &self.others[super::index_among_others(self.rank, r)][range]
     }
 }
 

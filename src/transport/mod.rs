@@ -42,6 +42,17 @@ pub trait PeersMemory {
     fn bytes(&self, r: usize, range: Range<usize>) -> &[u8];
 }
 
+/// Where rank `r` sits in a list of every rank but `rank`, in rank order (how the
+/// implementations of [`PeersMemory`] keep their peers).
+pub(crate) fn index_among_others(rank: usize, r: usize) -> usize {
+    debug_assert_ne!(r, rank, "rank {rank} is not among its others");
+    if r < rank {
+        r
+    } else {
+        r - 1
+    }
+}
+
 /// One side of a transfer inside an [`Transport::exchange`] call.
 #[derive(Debug)]
 pub enum Xfer<'a> {
