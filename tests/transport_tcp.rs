@@ -255,8 +255,10 @@ fn peer_dropping_mid_transfer_of_64_mib() {
             LONG,
         )
         .unwrap();
-        assert!(part[..] == pattern(1, LEN)[..1 << 20]);
+        // Vanish first: making the expected bytes (a debug build, a loaded machine) took
+        // long enough to pass the bound on how fast rank 0 notices.
         drop(t1);
+        assert!(part == pattern(1, 1 << 20));
     });
     let send = pattern(1, LEN);
     let mut recv = vec![0u8; LEN];
