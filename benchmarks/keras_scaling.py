@@ -20,6 +20,9 @@ bound to their share of the cores. Variants:
   machine allows (ranks share cores and memory bandwidth);
 * ``host op``: ``fit`` with the DistributedOptimizer whose reduction is replaced by a stateful
   ``tf.numpy_function`` returning its inputs: the cost of leaving the graph for the host;
+* ``sync-only``: that host op meeting the other ranks once per step (a one-element allreduce)
+  before it returns its inputs: a synchronous trainer whose communication is free, the most
+  any synchronous trainer can reach here (each step waits for the slower rank);
 * ``ferrovod``: ``fit`` with ``hvd.DistributedOptimizer``;
 * ``tape``: a custom ``tf.function`` loop with ``hvd.DistributedGradientTape``;
 * ``mwms`` (``--compare mwms``): the same custom loop under
@@ -43,6 +46,7 @@ it prints numbers; compare rows of the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -86,16 +90,26 @@ def build(kind: str) -> Tuple[Any, Tuple[int, ...]]:
     ]), (32, 32, 3)
 
 
-def identity_reduce(self: Any, grads: List[Any], variables: List[Any]) -> List[Any]:
+def identity_reduce(self: Any, grads: List[Any], variables: List[Any],
+                    meet: bool = False) -> List[Any]:
     """Stands in for the DistributedOptimizer's reduction: the same kind of host op (one
-    stateful ``tf.numpy_function`` over all gradients), returning its inputs unchanged."""
+    stateful ``tf.numpy_function`` over all gradients), returning its inputs unchanged; with
+    ``meet``, after a one-element allreduce with the other ranks."""
     import numpy as np
     import tensorflow as tf
 
+    import ferrovod
+
+    token = np.zeros(1, np.float32)
+
+    def body(*arrays: Any) -> List[Any]:
+        if meet:
+            ferrovod.allreduce(token, name="bench.meet")
+        return [np.asarray(x) for x in arrays]
+
     idx = [i for i, g in enumerate(grads) if g is not None]
     ts = [tf.convert_to_tensor(grads[i]) for i in idx]
-    outs = tf.numpy_function(lambda *a: [np.asarray(x) for x in a], ts, [t.dtype for t in ts],
-                             stateful=True)
+    outs = tf.numpy_function(body, ts, [t.dtype for t in ts], stateful=True)
     out = list(grads)
     for i, o, t in zip(idx, outs, ts):
         o.set_shape(t.shape)
@@ -186,8 +200,9 @@ def worker(args: argparse.Namespace) -> None:
         opt = keras.optimizers.SGD(0.01)
         if reduce != "none":
             opt = hvd.DistributedOptimizer(opt)
-            if reduce == "identity":
-                opt._fv_reduce = types.MethodType(identity_reduce, opt)
+            if reduce in ("identity", "meet"):
+                opt._fv_reduce = types.MethodType(
+                    functools.partial(identity_reduce, meet=reduce == "meet"), opt)
         model.compile(optimizer=opt, jit_compile=False, loss=loss_fn)
         return model
 
@@ -251,6 +266,7 @@ def worker(args: argparse.Namespace) -> None:
         runners["1 process"] = fit_runner(alone, ds)
         runners["no-comm"] = fit_runner(compiled(kind, "none"), ds)
         runners["host op"] = fit_runner(compiled(kind, "identity"), ds)
+        runners["sync-only"] = fit_runner(compiled(kind, "meet"), ds)
         runners["ferrovod"] = fit_runner(compiled(kind, "ferrovod"), ds)
         runners["tape"] = loop_runner(tape_loop(kind)[1], ds)
         if mwms is not None:
@@ -347,15 +363,15 @@ def weights_agree(kind: str, shape: Tuple[int, ...], batch: int, compiled: Calla
 
 def print_table(res: Dict[str, Any]) -> None:
     n = res["ranks"]
-    cols = ["1 process", "no-comm", "host op", "ferrovod", "tape"] + (["mwms"] if res["mwms"]
-                                                                      else [])
+    cols = ["1 process", "no-comm", "host op", "sync-only", "ferrovod", "tape"] + (
+        ["mwms"] if res["mwms"] else [])
     print(f"\n{n} ranks, ms/step: median of the rounds (fastest); eff. = 1 process / variant")
     print(f"{'model':9} {'grad MB':>7} " + " ".join(f"{c:>15}" for c in cols))
     for kind, m in res["models"].items():
         cells = [f"{1e3 * m['median'][c]:7.2f} ({1e3 * m['best'][c]:5.1f})" for c in cols]
         print(f"{kind:9} {m['grad_bytes'] / 2**20:7.1f} " + " ".join(cells))
     print("\nscaling efficiency and samples/s (all ranks) from the medians")
-    head = ["no-comm", "ferrovod", "tape"] + (["mwms"] if res["mwms"] else [])
+    head = ["no-comm", "sync-only", "ferrovod", "tape"] + (["mwms"] if res["mwms"] else [])
     print(f"{'model':9} " + " ".join(f"{'eff. ' + c:>14}" for c in head)
           + f" {'ferrovod/s':>11} {'tape/s':>9}"
           + (f" {'mwms/s':>9} {'fv/mwms':>8} {'tape/mwms':>9}" if res["mwms"] else ""))
@@ -369,19 +385,21 @@ def print_table(res: Dict[str, Any]) -> None:
                      f" {rate['tape'] / rate['mwms']:8.2f}x")
         print(line)
     print("\nwhere a step's time goes (ms, medians): fit = ferrovod, loop = tape")
-    print(f"{'model':9} {'compute':>8} {'host op':>8} {'py body':>8} {'allreduce':>10} "
-          f"{'rest':>7} {'py body':>8} {'allreduce':>10} {'allreduce':>10}")
-    print(f"{'':9} {'no-comm':>8} {'extra':>8} {'fit':>8} {'in fit':>10} {'fit':>7} "
-          f"{'loop':>8} {'in loop':>10} {'alone':>10}")
+    print(f"{'model':9} {'compute':>8} {'host op':>8} {'lockstep':>8} {'py body':>8} "
+          f"{'allreduce':>10} {'rest':>7} {'py body':>8} {'allreduce':>10} {'allreduce':>10}")
+    print(f"{'':9} {'no-comm':>8} {'extra':>8} {'wait':>8} {'fit':>8} {'in fit':>10} "
+          f"{'fit':>7} {'loop':>8} {'in loop':>10} {'alone':>10}")
     for kind, m in res["models"].items():
         med, body, inside = m["median"], m["host_body"], m["allreduce_in_step"]
         extra = med["host op"] - med["no-comm"]
+        lockstep = med["sync-only"] - med["host op"]
         rest = med["ferrovod"] - med["host op"] - body["ferrovod"]
-        print(f"{kind:9} {1e3 * med['no-comm']:8.2f} {1e3 * extra:8.2f} "
+        print(f"{kind:9} {1e3 * med['no-comm']:8.2f} {1e3 * extra:8.2f} {1e3 * lockstep:8.2f} "
               f"{1e3 * body['ferrovod']:8.2f} {1e3 * inside['ferrovod']:10.2f} "
               f"{1e3 * rest:7.2f} {1e3 * body['tape']:8.2f} {1e3 * inside['tape']:10.2f} "
               f"{1e3 * m['allreduce_alone']:10.2f}")
-    print("host op extra: identity host op minus no-comm; py body: the host op's Python body "
+    print("host op extra: identity host op minus no-comm; lockstep wait: sync-only minus "
+          "host op (waiting each step for the slower rank); py body: the host op's Python body "
           "(submit, allreduce, wait); allreduce in: submit to completion inside it (includes "
           "waiting for the other rank); rest: ferrovod minus host op minus py body (TF taking "
           "the body's outputs); alone: the same grouped allreduce on NumPy arrays, no TF")
