@@ -435,23 +435,16 @@ fn reduce_one(
         .as_mut()
         .expect("allreduce outputs are preallocated");
     trace.begin("TCP_ALLREDUCE");
-    if out.same_memory(&spec.input) {
-        let buf = out.as_mut_slice();
-        reduce::scale(dtype, buf, pre)?;
-        collective::allreduce_scaled(comm, buf, dtype, op, post)?;
-    } else if pre == 1.0 {
-        collective::allreduce_scaled_into(
-            comm,
-            spec.input.as_slice(),
-            out.as_mut_slice(),
-            dtype,
-            op,
-            post,
-        )?;
+    let in_place = out.same_memory(&spec.input);
+    if !in_place && pre == 1.0 {
+        let input = spec.input.as_slice();
+        collective::allreduce_scaled_into(comm, input, out.as_mut_slice(), dtype, op, post)?;
     } else {
-        // The prescale must not touch the caller's input: it is applied to the copy.
         let buf = out.as_mut_slice();
-        copy(buf, spec.input.as_slice());
+        if !in_place {
+            // The prescale must not touch the caller's input: it is applied to the copy.
+            copy(buf, spec.input.as_slice());
+        }
         reduce::scale(dtype, buf, pre)?;
         collective::allreduce_scaled(comm, buf, dtype, op, post)?;
     }
