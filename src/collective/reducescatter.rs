@@ -32,14 +32,8 @@ pub fn reducescatter(
 ) -> Result<()> {
     let n = comm.size();
     let segs = segments(n, byte_counts, input.len(), dtype, op)?;
-    // The output's length is checked where the ring starts, before any byte moves.
-    if n > 2 && scratch.len() < input.len() {
-        return Err(Error::InvalidArgument(format!(
-            "reducescatter: scratch holds {} bytes, the input {}",
-            scratch.len(),
-            input.len()
-        )));
-    }
+    // The output's and scratch's lengths are checked where the ring starts, before any byte
+    // moves.
     ring_reduce_scatter_into(comm, input, scratch, &segs, dtype, op, factor, output)
 }
 
@@ -86,7 +80,8 @@ fn segments(
 /// (this rank's segment, `segs[rank].len()` bytes), where it is also multiplied by `factor`.
 /// A segment first leaves a rank straight from `input`. Every element sees the same operands
 /// in the same order as in the in-place ring, so the bits are the same; with two ranks the
-/// only step sends from `input` and lands in `output`, and `scratch` is not used.
+/// only step sends from `input` and lands in `output`, and `scratch` is not used (it may be
+/// empty); with more, it is at least as long as `input`.
 #[allow(clippy::too_many_arguments)] // as reducescatter
 pub fn ring_reduce_scatter_into(
     comm: &mut Communicator<'_>,
@@ -99,10 +94,8 @@ pub fn ring_reduce_scatter_into(
     output: &mut [u8],
 ) -> Result<()> {
     let n = comm.size();
-    check_reducible(dtype, op)?;
     check_segments(segs, n, input.len(), dtype.size())?;
-    let r = comm.rank();
-    let mine = segs[r].clone();
+    let mine = segs[comm.rank()].clone();
     if output.len() != mine.len() {
         return Err(Error::InvalidArgument(format!(
             "reduce-scatter: output holds {} bytes, this rank's segment {}",
@@ -110,36 +103,19 @@ pub fn ring_reduce_scatter_into(
             mine.len()
         )));
     }
-    if n == 1 {
-        copy(output, &input[mine]);
-        return scale(dtype, output, factor);
+    if n > 2 && scratch.len() < input.len() {
+        return Err(Error::InvalidArgument(format!(
+            "reduce-scatter: scratch holds {} bytes, the input {}",
+            scratch.len(),
+            input.len()
+        )));
     }
-    let ring = Ring::new(comm, segs, dtype);
-    with_scratch(ring.tmp_len, |tmp| {
-        for Exchange {
-            step, send, recv, ..
-        } in ring.exchanges(segs)
-        {
-            let last = step == n - 2;
-            let t = &mut tmp[..recv.len()];
-            let src = if step == 0 {
-                &input[send]
-            } else {
-                &scratch[send]
-            };
-            comm.sendrecv(ring.next, src, ring.prev, t)?;
-            let dst = if last {
-                &mut output[recv.start - mine.start..recv.end - mine.start]
-            } else {
-                &mut scratch[recv.clone()]
-            };
-            reduce_pair(dtype, op, dst, &input[recv], t)?;
-            if last {
-                scale(dtype, dst, factor)?;
-            }
-        }
-        Ok(())
-    })
+    let place = Place {
+        input: Some(input),
+        sums: scratch,
+        output: Some(output),
+    };
+    reduce_scatter_steps(comm, place, segs, (dtype, op, factor), false)
 }
 
 /// The schedule both reduce-scatter rings follow: for `step` in `0..n-1`, rank `r` sends
@@ -219,7 +195,7 @@ pub fn ring_reduce_scatter(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    reduce_scatter_steps(comm, None, buf, segs, dtype, op, factor, false)
+    reduce_scatter_steps(comm, Place::in_place(buf), segs, (dtype, op, factor), false)
 }
 
 /// [`ring_reduce_scatter`] fused with the first step of [`super::allgather::ring_allgather`]:
@@ -238,7 +214,7 @@ pub fn ring_reduce_scatter_and_share(
     op: ReduceOp,
     factor: f64,
 ) -> Result<()> {
-    reduce_scatter_steps(comm, None, buf, segs, dtype, op, factor, true)
+    reduce_scatter_steps(comm, Place::in_place(buf), segs, (dtype, op, factor), true)
 }
 
 /// [`ring_reduce_scatter_and_share`] of `input` (only read) into `buf` (as long; its bytes on
@@ -259,32 +235,69 @@ pub fn ring_reduce_scatter_and_share_from(
     factor: f64,
 ) -> Result<()> {
     same_len("reduce-scatter", input, buf)?;
-    reduce_scatter_steps(comm, Some(input), buf, segs, dtype, op, factor, true)
+    let place = Place {
+        input: Some(input),
+        sums: buf,
+        output: None,
+    };
+    reduce_scatter_steps(comm, place, segs, (dtype, op, factor), true)
 }
 
-/// The steps of [`ring_reduce_scatter`]; `input`: this rank's contribution when it is not in
-/// `buf` already (see [`ring_reduce_scatter_and_share_from`]); `share`: also the allgather's
-/// first step, chunk by chunk (see [`ring_reduce_scatter_and_share`]).
-#[allow(clippy::too_many_arguments)] // the ring's two buffers, the reduction's three terms
+/// Where a reduce-scatter ring reads this rank's contribution and writes its sums.
+struct Place<'a> {
+    /// This rank's contribution, when it is not in `sums` already.
+    input: Option<&'a [u8]>,
+    /// As long as the tensor, indexed like it: the partial sums of the segments that pass
+    /// through this rank, and this rank's final segment unless `output` takes it.
+    sums: &'a mut [u8],
+    /// This rank's final segment, `segs[rank].len()` bytes, when it goes elsewhere.
+    output: Option<&'a mut [u8]>,
+}
+
+impl<'a> Place<'a> {
+    fn in_place(buf: &'a mut [u8]) -> Place<'a> {
+        Place {
+            input: None,
+            sums: buf,
+            output: None,
+        }
+    }
+}
+
+/// The steps of every reduce-scatter ring, over `place` (in place, from an input into a
+/// full-length buffer, or from an input into this rank's segment alone), reducing with `op`
+/// and scaling this rank's segment by `factor`. `share`: also the allgather's first step,
+/// chunk by chunk (see [`ring_reduce_scatter_and_share`]); it needs the final segment in
+/// `sums`, where the previous rank's lands beside it.
 fn reduce_scatter_steps(
     comm: &mut Communicator<'_>,
-    input: Option<&[u8]>,
-    buf: &mut [u8],
+    place: Place<'_>,
     segs: &[Range<usize>],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    (dtype, op, factor): (DType, ReduceOp, f64),
     share: bool,
 ) -> Result<()> {
+    let Place {
+        input,
+        sums,
+        mut output,
+    } = place;
+    debug_assert!(
+        !(share && output.is_some()),
+        "sharing needs the segment in `sums`"
+    );
     let n = comm.size();
     check_reducible(dtype, op)?;
-    check_segments(segs, n, buf.len(), dtype.size())?;
+    check_segments(segs, n, input.map_or(sums.len(), <[u8]>::len), dtype.size())?;
+    let own = segs[comm.rank()].clone();
     if n == 1 {
-        let own = segs[0].clone();
+        let dst = match output {
+            Some(out) => out,
+            None => &mut sums[own.clone()],
+        };
         if let Some(input) = input {
-            copy(&mut buf[own.clone()], &input[own.clone()]);
+            copy(dst, &input[own]);
         }
-        return scale(dtype, &mut buf[own], factor);
+        return scale(dtype, dst, factor);
     }
     let ring = Ring::new(comm, segs, dtype);
     with_scratch(ring.tmp_len, |scratch| {
@@ -296,27 +309,30 @@ fn reduce_scatter_steps(
         } in ring.exchanges(segs)
         {
             let tmp = &mut scratch[..recv.len()];
+            let last = step == n - 2;
             // Each segment is received once, so `recv` still holds (in place) or is still
             // owed (from `input`) this rank's own bytes; only step 0 sends an unreduced one.
             let out = match input {
                 Some(input) if step == 0 => &input[send],
-                _ => &buf[send],
+                _ => &sums[send],
             };
             comm.sendrecv(ring.next, out, ring.prev, tmp)?;
+            let dst = match output.as_deref_mut() {
+                Some(out) if last => &mut out[recv.start - own.start..recv.end - own.start],
+                _ => &mut sums[recv.clone()],
+            };
             match input {
-                Some(input) => {
-                    reduce_pair(dtype, op, &mut buf[recv.clone()], &input[recv.clone()], tmp)?
-                }
-                None => reduce_into(dtype, op, &mut buf[recv.clone()], tmp)?,
+                Some(input) => reduce_pair(dtype, op, dst, &input[recv.clone()], tmp)?,
+                None => reduce_into(dtype, op, dst, tmp)?,
             }
-            if step == n - 2 {
+            if last {
                 // The last step reduces this rank's own segment: it is final now.
-                scale(dtype, &mut buf[recv.clone()], factor)?;
+                scale(dtype, dst, factor)?;
                 if share {
                     // The previous rank's chunk lands where, with two ranks, `send` was
                     // read from: that send completed in the exchange above.
                     let pr = chunk_of(&segs[ring.prev], chunk, ring.chunk);
-                    let (mine, theirs) = split_pair(buf, recv, pr);
+                    let (mine, theirs) = split_pair(sums, recv, pr);
                     comm.sendrecv(ring.next, mine, ring.prev, theirs)?;
                 }
             }
