@@ -96,6 +96,12 @@ SUITE_FILES: Dict[str, SuiteFile] = {
         _COMMON_REQS + (("parameterized", "parameterized"),)),
     "test_tensorflow_keras.py": SuiteFile("test/parallel/test_tensorflow_keras.py", _COMMON_REQS),
 }
+# MXNet 1.9 runs in an interpreter of its own (scripts/setup_mxnet_venv.sh): run these with
+# VENV=.venv-mxnet, where pytest itself is one more thing to install.
+for _name in ("test_mxnet1.py", "test_mxnet2.py"):
+    SUITE_FILES[_name] = SuiteFile(
+        f"test/parallel/{_name}",
+        _COMMON_REQS + (("pytest", "pytest"), ("parameterized", "parameterized")))
 for _framework in ("torch", "tensorflow2", "tensorflow", "tensorflow_keras"):
     SUITE_FILES[f"test_elastic_{_framework}.py"] = SuiteFile(
         f"test/integration/test_elastic_{_framework}.py", _COMMON_REQS + (("psutil", "psutil"),),

@@ -226,11 +226,10 @@ def alltoall(tensor: NDArray, splits: Any = None, name: Optional[str] = None,
     the rows received in rank order; with ``splits`` given, also the rows received from each
     rank (an int32 NDArray on the CPU), as Horovod does."""
     del priority
-    split_list = None
-    if splits is not None:
-        raw = splits.asnumpy() if isinstance(splits, NDArray) else np.asarray(splits)
-        split_list = [int(s) for s in raw.reshape(-1).tolist()]
-    got = _api.alltoall(_host(tensor, "alltoall"), splits=split_list, name=name,
+    # The splits go on as they are, so that float splits are refused (on every rank) as
+    # Horovod does, not rounded.
+    raw = splits.asnumpy() if isinstance(splits, NDArray) else splits
+    got = _api.alltoall(_host(tensor, "alltoall"), splits=raw, name=name,
                         process_set=process_set)
     if splits is None:
         return _nd(got, tensor)

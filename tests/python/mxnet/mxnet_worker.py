@@ -159,6 +159,9 @@ def sec_misc(c):
         hvd.barrier()
     c.ck.raises(ValueError, lambda: hvd.allreduce(np.ones(3)), "a NumPy array is refused",
                 contains=("NDArray",))
+    c.ck.raises(ValueError,
+                lambda: hvd.alltoall(mx.nd.ones((n,)), mx.nd.ones((n,), dtype="float32")),
+                "float alltoall splits are refused, not rounded", contains=("integers",))
     if n > 1:
         bad = mx.nd.ones((3,)) if me == 0 else mx.nd.ones((4,))
         c.ck.raises(FerrovodError, lambda: hvd.allreduce(bad, name="mismatch"),
