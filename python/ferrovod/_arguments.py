@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from . import _core
-from ._lifecycle import _name_counters, rank, size
+from ._lifecycle import _instance_counters, _name_counters, rank, size
 from .exceptions import InvalidArgumentError
 from .process_sets import ProcessSet
 
@@ -128,6 +128,18 @@ def _auto_name(kind: str, name: Optional[str]) -> str:
         return str(name)
     counter = _name_counters.setdefault(kind, itertools.count())
     return f"{kind}.noname.{next(counter)}"
+
+
+def _instance_number(kind: str, process_set: ProcessSet) -> int:
+    """How many ``kind`` objects (an optimizer wrapper, say) this rank made before on
+    ``process_set``, to name the new one's collectives. Counted per set, so that the members
+    of a set agree whenever they make its objects in one order, whatever the members of other
+    sets made: one count for every set would leave a rank outside a set behind its members,
+    and the next object on a set they share would wait for names that never come."""
+    # The global set by its id: its ranks are only filled in by init().
+    key = () if process_set.process_set_id == 0 else tuple(process_set.ranks)
+    counter = _instance_counters.setdefault((kind, key), itertools.count())
+    return next(counter)
 
 
 def _set_id(process_set: ProcessSet) -> int:

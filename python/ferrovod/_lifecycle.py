@@ -7,7 +7,7 @@ import atexit
 import itertools
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _core, _elastic, _logging, _rendezvous
 from . import process_sets as _ps
@@ -17,6 +17,10 @@ from .process_sets import ProcessSet
 # Per kind, the counter that names unnamed ops (``_arguments._auto_name``): every rank
 # counts from 0 again in each job that init() starts, so the names still match.
 _name_counters: Dict[str, itertools.count] = {}
+# Per kind of object and process set (``_arguments._instance_number``), how many this rank
+# made: the number names the object's collectives. Not reset by init(): such objects (an
+# optimizer wrapper) may outlive it, and two alive under one name would share their ops' names.
+_instance_counters: Dict[Tuple[str, Tuple[int, ...]], itertools.count] = {}
 
 
 def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[ProcessSet]]] = None) -> None:

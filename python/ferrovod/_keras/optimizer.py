@@ -27,20 +27,18 @@ offers no public point between "accumulated" and "clipped" where the reduction c
 
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import _api
 from .._api import Adasum, Average, Sum
+from .._arguments import _instance_number
 from ..process_sets import ProcessSet, global_process_set
 from . import _backend
 from .compression import Compression
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "is_distributed",
            "variable_signature_check"]
-
-_instances = itertools.count()
 
 
 class _CallableList(list):
@@ -105,7 +103,7 @@ class _DistributedMixin:
                   gradient_predivide_factor: float, op: int, backward_passes_per_step: int,
                   average_aggregated_gradients: bool, num_groups: int, groups: Any,
                   process_set: ProcessSet, scale_local_gradients: bool) -> None:
-        prefix = name or f"DistributedGradient.{next(_instances)}"
+        prefix = name or f"DistributedGradient.{_instance_number('DistributedGradient', process_set)}"
         self._fv = _State(
             prefix=prefix, compression=compression, sparse_as_dense=sparse_as_dense,
             predivide=gradient_predivide_factor, op=op, bpps=backward_passes_per_step,

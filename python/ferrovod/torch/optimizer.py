@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import os
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -42,6 +41,7 @@ import torch
 
 from .. import _api, _defaults, _host_memory
 from .._api import Adasum, Average, Sum, allgather_object
+from .._arguments import _instance_number
 from .._groups import split_evenly
 from ..runner.cpus import BIND_VAR, usable_cpu_count
 from ..process_sets import ProcessSet, global_process_set
@@ -50,8 +50,6 @@ from .compression import Compression, Compressor
 from .sharded import Shards, check_shardable, share_host_memory
 
 __all__ = ["DistributedOptimizer"]
-
-_instances = itertools.count()
 
 
 class _DistributedMixin:
@@ -113,7 +111,8 @@ class _DistributedMixin:
             # their state sync: a collective here would never meet its peers. A parameter
             # the ranks disagree on still fails every rank at the first step, by name.
             if not elastic:
-                self._check_same_parameters(next(_instances))
+                self._check_same_parameters(
+                    _instance_number("DistributedOptimizer", process_set))
             if not self.overlap:
                 self._make_flat()
             if sharded:

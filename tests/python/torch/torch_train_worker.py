@@ -637,6 +637,12 @@ def sec_psets(run):
             o.step()
             o.zero_grad()
         run.close(flat(model), flat(model0), "outside the set: local training")
+    # a global optimizer after one that only the set's members made active: the names of its
+    # collectives must still match on every rank
+    model, opt = distributed(run)
+    run.train(model, opt)
+    run.close(flat(model), flat(run.reference(sgd)), "a global DistributedOptimizer after one "
+              "on a set equals the reference")
 
 
 SECTIONS = {"optimizer": sec_optimizer, "semantics": sec_semantics, "sparse": sec_sparse,
