@@ -96,6 +96,15 @@ SUITE_FILES: Dict[str, SuiteFile] = {
         _COMMON_REQS + (("parameterized", "parameterized"),)),
     "test_tensorflow_keras.py": SuiteFile("test/parallel/test_tensorflow_keras.py", _COMMON_REQS),
 }
+# The rest of test/parallel, which Horovod's CI runs like the files above (horovodrun -np 2).
+for _name in ("test_common.py", "test_timeline.py", "test_adasum_pytorch.py",
+              "test_adasum_tensorflow.py", "test_process_sets_static.py",
+              "test_process_sets_multi_comm.py", "test_tensorflow_process_sets.py",
+              "test_tensorflow_process_sets_dynamic.py",
+              "test_tensorflow2_keras_process_sets.py", "test_compute_worker.py",
+              "test_keras.py", "test_xla.py", "test_xla_process_sets.py"):
+    SUITE_FILES[_name] = SuiteFile(
+        f"test/parallel/{_name}", _COMMON_REQS + (("parameterized", "parameterized"),))
 # MXNet 1.9 runs in an interpreter of its own (scripts/setup_mxnet_venv.sh): run these with
 # VENV=.venv-mxnet, where pytest itself is one more thing to install.
 for _name in ("test_mxnet1.py", "test_mxnet2.py"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _core
 
@@ -71,7 +71,9 @@ class ProcessSet:
         return _core.topology()[0] in self.ranks
 
     def __repr__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        # Horovod's form, which scripts and Horovod's tests compare against.
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProcessSet) and self.ranks == other.ranks
@@ -117,6 +119,14 @@ def _on_init(static_sets: Sequence[ProcessSet], given: Sequence[ProcessSet] = ()
     for ps in given:
         if not any(ps is r for r in _registered):
             ps.process_set_id = next(r.process_set_id for r in _registered if r.ranks == ps.ranks)
+
+
+def _ids_and_ranks() -> Dict[int, List[int]]:
+    """Every registered set's id and ranks, the global set's (0) first."""
+    out = {0: list(global_process_set.ranks)}
+    out.update((int(ps.process_set_id), list(ps.ranks)) for ps in _registered
+               if ps.process_set_id is not None)
+    return out
 
 
 def _on_shutdown() -> None:

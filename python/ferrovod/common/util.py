@@ -1,18 +1,58 @@
 """The framework-free helpers of ``horovod.common.util`` that user scripts and tests import:
-version comparison, an environment-variable context manager, list splitting and the
-``average``/``op`` compatibility rule. (Horovod's extension probes, ``mpi_built()`` and the
-like, live at the top level here: ``ferrovod.mpi_built()`` ...)."""
+version comparison, an environment-variable context manager, list splitting, the
+``average``/``op`` compatibility rule, and the build probes (``gloo_built()``,
+``extension_available("torch")`` ..., also at the top level: ``ferrovod.mpi_built()``)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from .._build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    mpi_built,
+    nccl_built,
+    rocm_built,
+)
 
 __all__ = ["is_version_greater_equal_than", "env", "split_list", "is_iterable",
-           "num_rank_is_power_2", "get_average_backwards_compatibility_fun", "gpu_available"]
+           "num_rank_is_power_2", "get_average_backwards_compatibility_fun", "gpu_available",
+           "extension_available", "gloo_built", "mpi_built", "nccl_built", "ddl_built",
+           "ccl_built", "cuda_built", "rocm_built"]
+
+# The frameworks ferrovod has an adapter for, by Horovod's extension names.
+_ADAPTERS = {"tensorflow": "tensorflow", "torch": "torch", "mxnet": "mxnet"}
+
+
+def _cache(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Memoizes ``f`` on its arguments (Horovod's helper for its costly probes)."""
+    cache: Dict[Any, Any] = {}
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        key = (args, frozenset(kwargs.items()))
+        if key not in cache:
+            cache[key] = f(*args, **kwargs)
+        return cache[key]
+
+    return wrapper
+
+
+def extension_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Whether ferrovod can serve framework ``ext_base_name`` (``"tensorflow"``, ``"torch"``,
+    ``"mxnet"``) here. Horovod asks whether it was compiled against it; ferrovod's one wheel
+    serves every framework, so this is whether the framework is installed (it is looked up,
+    not imported)."""
+    del verbose
+    module = _ADAPTERS.get(ext_base_name)
+    return module is not None and importlib.util.find_spec(module) is not None
 
 
 @functools.lru_cache(maxsize=None)

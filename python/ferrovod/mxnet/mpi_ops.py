@@ -49,6 +49,7 @@ from .._api import (  # Horovod's names, re-exported
     start_timeline,
     stop_timeline,
 )
+from ..common.basics import HorovodBasics
 from ..process_sets import (
     ProcessSet,
     add_process_set,
@@ -66,6 +67,9 @@ __all__ = [
     "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
     "grouped_reducescatter", "barrier", "join",
 ]
+
+# Horovod's per-framework basics object (see ferrovod.common.basics).
+_basics = HorovodBasics()
 
 NDArray = mx.nd.NDArray
 

@@ -73,6 +73,7 @@ from .._api import (
     stop_timeline,
 )
 from ..exceptions import InvalidArgumentError, MismatchError
+from ..common.basics import HorovodBasics
 from ..process_sets import ProcessSet, global_process_set
 from ._collectives import (
     _allreduce,
@@ -117,6 +118,9 @@ __all__ = [
     "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "cuda_built", "ddl_built", "ccl_built", "rocm_built",
 ]
+
+# Horovod's per-framework basics object (see ferrovod.common.basics).
+_basics = HorovodBasics()
 
 
 # ----------------------------------------------------------------------------- init

@@ -5,6 +5,7 @@ code imports (``from horovod.torch.mpi_ops import allreduce_async_``), plus
 from __future__ import annotations
 
 from .._api import is_homogeneous  # noqa: F401
+from ..common.basics import HorovodBasics
 from . import *  # noqa: F401,F403
 from . import __all__ as _pkg_all
 from .autograd import (  # noqa: F401
@@ -19,3 +20,6 @@ from .autograd import (  # noqa: F401
 )
 
 __all__ = list(_pkg_all) + ["is_homogeneous"]
+
+# Horovod's per-framework basics object (see ferrovod.common.basics).
+_basics = HorovodBasics()
