@@ -6,6 +6,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _core
+from .exceptions import InvalidArgumentError
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
@@ -119,6 +120,17 @@ def _on_init(static_sets: Sequence[ProcessSet], given: Sequence[ProcessSet] = ()
     for ps in given:
         if not any(ps is r for r in _registered):
             ps.process_set_id = next(r.process_set_id for r in _registered if r.ranks == ps.ranks)
+
+
+def _check_known(ps: ProcessSet) -> None:
+    """Raises ``InvalidArgumentError`` (a ``ValueError``) when ``ps`` is no set of this job:
+    never registered, removed since, or given an id by hand. Graph builders call it, so that
+    the mistake surfaces where the op is made, as in Horovod, not when a graph runs it."""
+    if ps.process_set_id == 0:
+        return
+    if ps.process_set_id is None or not any(
+            r.process_set_id == ps.process_set_id and r.ranks == ps.ranks for r in _registered):
+        raise InvalidArgumentError(f"{ps} does not exist or has not been registered")
 
 
 def _ids_and_ranks() -> Dict[int, List[int]]:

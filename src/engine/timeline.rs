@@ -18,6 +18,10 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
+/// How often the writer wakes to write what was recorded: the engine never wakes it (that
+/// would cost its loop a futex call per event), so this bounds how stale the file is.
+const WRITER_POLL: Duration = Duration::from_millis(20);
+
 enum Event {
     Begin {
         tensor: String,
@@ -72,6 +76,7 @@ impl Timeline {
                 loop {
                     let last = stopping.load(Ordering::Acquire);
                     std::mem::swap(&mut batch, &mut *events.lock());
+                    let wrote = !batch.is_empty();
                     for ev in batch.drain(..) {
                     let mut pid_of = |tensor: &str, out: &mut BufWriter<File>| -> usize {
                         if let Some(&p) = pids.get(tensor) {
@@ -109,7 +114,12 @@ impl Timeline {
                     if last {
                         break;
                     }
-                    std::thread::park_timeout(Duration::from_millis(200));
+                    // The file is read while the job runs (and after a crash), as Horovod's
+                    // is: what a batch wrote goes out with it, not when 8 KiB have piled up.
+                    if wrote {
+                        let _ = out.flush();
+                    }
+                    std::thread::park_timeout(WRITER_POLL);
                 }
                 let _ = writeln!(out, "\n]");
                 let _ = out.flush();

@@ -56,6 +56,15 @@ def test_env_timeline_holds_every_tensor_and_phase(tmp_path):
     assert ends and "int32" in ends[-1]["args"]["tensors"], ends
 
 
+def test_timeline_is_written_while_the_job_runs(tmp_path):
+    path = tmp_path / "live.json"
+    res = run_job(2, "timeline_worker.py", "live", path, env={"FERROVOD_TIMELINE": str(path)},
+                  timeout=60)
+    assert res.returncode == 0, describe(res)
+    _, per = _load(path)
+    assert "tl.bcast" in per, sorted(per)
+
+
 def test_runtime_start_and_stop_with_cycle_marks(tmp_path):
     path = tmp_path / "runtime.json"
     res = run_job(2, "timeline_worker.py", "runtime", path, timeout=60)

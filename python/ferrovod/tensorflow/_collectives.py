@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _api, _core
+from .. import process_sets as _ps
 from .._api import Average, Sum
 from ..process_sets import ProcessSet, global_process_set
 from ._host_op import (
@@ -38,6 +39,7 @@ from ._host_op import (
 
 def _allreduce_raw(tensors: List[tf.Tensor], names: Optional[str], op: int, pre: float,
                    post: float, process_set: ProcessSet, grouped: bool) -> List[tf.Tensor]:
+    _ps._check_known(process_set)
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         if grouped:
             return _api.grouped_allreduce(list(arrays), name=names, op=op, prescale_factor=pre,
@@ -100,6 +102,7 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
 
 def _allgather_raw(tensors: List[tf.Tensor], name: Optional[str], process_set: ProcessSet,
                    grouped: bool) -> List[tf.Tensor]:
+    _ps._check_known(process_set)
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         wire = [_to_wire(a) for a in arrays]
         if grouped:
@@ -187,6 +190,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
 
 def _broadcast_raw(t: tf.Tensor, root_rank: int, name: Optional[str],
                    process_set: ProcessSet) -> tf.Tensor:
+    _ps._check_known(process_set)
     def body(a: np.ndarray) -> List[np.ndarray]:
         out = _api.broadcast(_to_wire(a), root_rank, name=name, process_set=process_set)
         return [_from_wire(out, a.dtype)]
@@ -362,6 +366,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
         split_t = tf.zeros([0], dtype=tf.int32)
     else:
         split_t = tf.reshape(tf.cast(_to_tensor(splits), tf.int32), [-1])
+    _ps._check_known(process_set)
     engine_name = _op_name("HorovodAlltoall", t, name, ignore_name_scope)
     nset = _set_size(process_set) if _api.is_initialized() else None
 
@@ -401,6 +406,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
 
 def _reducescatter_raw(tensors: List[tf.Tensor], name: Optional[str], op: int, pre: float,
                        post: float, process_set: ProcessSet, grouped: bool) -> List[tf.Tensor]:
+    _ps._check_known(process_set)
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         if grouped:
             return _api.grouped_reducescatter(list(arrays), name=name, op=op,

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _api
+from .. import process_sets as _ps
 from .._api import Average
 from .._groups import plan_groups
 from ..exceptions import FerrovodError, MismatchError
@@ -86,6 +87,8 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
       and an f/size post-scale, as Horovod does.
     * Gradients of ``local_variables`` (matched by identity to ``variables``) are not reduced;
       with ``scale_local_gradients`` they are divided by the set size.
+    * On a rank outside ``process_set`` the gradients come back as they are, as in Horovod:
+      that rank trains on its own.
 
     Works eagerly and inside ``tf.function`` (one host op per call). Every rank of the set
     must call it with the same number of gradients, shapes and dtypes; otherwise every rank
@@ -104,6 +107,9 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
                       "removed in a future version.", DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = int(num_groups)
+    _ps._check_known(process_set)
+    if process_set.included() is False:
+        return grads
     n = _ops._set_size(process_set)
     local: Set[int] = set()
     for v in local_variables:

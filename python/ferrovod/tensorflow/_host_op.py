@@ -162,8 +162,17 @@ def _op_name(prefix: str, tensor: Any, name: Optional[str], ignore_name_scope: b
     if tf.executing_eagerly():
         return None if name is None else str(name)
     if name is None:
-        name = f"{prefix}_{_normalize_name(tensor.name)}"
+        name = f"{prefix}_{_normalize_name(_graph_label(tensor))}"
     return _unique_graph_name(str(name), ignore_name_scope)
+
+
+def _graph_label(tensor: Any) -> str:
+    """A graph tensor's name; an eager tensor the function captured has none (TensorFlow
+    raises), so it goes by a fixed word that the graph's suffixes make unique."""
+    try:
+        return str(tensor.name)
+    except AttributeError:
+        return "captured"
 
 
 def _grad_name(forward: Optional[str], prefix: str, dy: Any) -> Optional[str]:

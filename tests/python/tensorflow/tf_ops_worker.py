@@ -752,6 +752,24 @@ def sec_psets(c, mode):
     inc = run(mode, lambda: hvd.process_set_included_op(ps.process_set_id))
     c.ck.equal(int(inc), int(c.rank in evens), f"{mode} process_set_included_op")
 
+    # DistributedGradientTape on the set: its members average over it, the other ranks keep
+    # their own gradient (Horovod's rule)
+    def tape_grad(x):
+        with tf.GradientTape() as g:
+            g.watch(x)
+            y = x * x
+        return hvd.DistributedGradientTape(g, process_set=ps).gradient(y, [x])[0]
+
+    got = run(mode, tape_grad, const(np.float32(c.rank + 1)))
+    exp = 2.0 * np.mean([j + 1 for j in evens]) if c.rank in evens else 2.0 * (c.rank + 1)
+    c.close(got.numpy(), np.float32(exp), f"{mode} DistributedGradientTape on a process set")
+    # a set whose id was set by hand is refused where the op is made
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 1000
+    c.ck.raises(ValueError, lambda: run(mode, lambda t: hvd.allreduce(t, process_set=fake),
+                                        const(xs[c.rank])),
+                f"{mode} an unregistered process set", contains=("not been registered",))
+
 
 # ----------------------------------------------------------------------------- TF1 graphs
 def sec_tf1(c, mode):

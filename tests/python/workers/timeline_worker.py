@@ -1,7 +1,9 @@
 """Runs a known sequence of ops for the timeline tests. Mode "env": the timeline comes from
-FERROVOD_TIMELINE; mode "runtime": start_timeline()/stop_timeline() around part of it."""
+FERROVOD_TIMELINE; mode "runtime": start_timeline()/stop_timeline() around part of it; mode
+"live": as "env", and rank 0 then reads the file while the job still runs."""
 
 import sys
+import time
 
 import numpy as np
 
@@ -21,4 +23,14 @@ fv.broadcast(np.arange(4.0), root_rank=0, name="tl.bcast")
 if mode == "runtime":
     fv.stop_timeline()
     fv.allreduce(np.ones(4), name="after.stop")
+if mode == "live" and r == 0:
+    # Horovod's timeline can be watched during training: what was recorded is in the file
+    # a moment later, not only once the job ends.
+    time.sleep(0.3)
+    with open(path) as f:
+        text = f.read()
+    missing = [n for n in ("tl.a", "tl.group", "tl.gather", "tl.bcast") if n not in text]
+    if missing:
+        raise SystemExit(f"while running, the timeline lacks {missing}: {text!r}")
+fv.barrier()
 print("OK")
