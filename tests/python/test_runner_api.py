@@ -286,6 +286,49 @@ def test_run_returns_every_ranks_result_in_rank_order():
         np.testing.assert_array_equal(total, reference)
 
 
+def _env_rank_and_size():
+    from ferrovod.runner.common.util.env import get_env_rank_and_size
+
+    return get_env_rank_and_size()
+
+
+def test_get_env_rank_and_size_reads_what_the_launcher_set(monkeypatch):
+    import ferrovod
+    from ferrovod.runner.common.util.env import get_env_rank_and_size
+
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        assert ferrovod.run(_env_rank_and_size, np=3) == [(0, 3), (1, 3), (2, 3)], out.getvalue()
+    # Open MPI's and MPICH's names, the default, and a launcher that set only one of the two
+    for prefix in ("FERROVOD_", "HOROVOD_", "OMPI_COMM_WORLD_", "PMI_"):
+        monkeypatch.delenv(prefix + "RANK", raising=False)
+        monkeypatch.delenv(prefix + "SIZE", raising=False)
+    assert get_env_rank_and_size() == (0, 1)
+    monkeypatch.setenv("PMI_RANK", "1")
+    with pytest.raises(RuntimeError, match="PMI_SIZE"):
+        get_env_rank_and_size()
+    monkeypatch.setenv("PMI_SIZE", "4")
+    assert get_env_rank_and_size() == (1, 4)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "5")
+    assert get_env_rank_and_size() == (2, 5)
+
+
+def test_common_util_build_probes_and_cache():
+    from ferrovod.common import util
+
+    assert util.extension_available("torch") and not util.extension_available("caffe")
+    assert util.gloo_built() is True
+    calls = []
+
+    @util._cache
+    def probe(x):
+        calls.append(x)
+        return x * 2
+
+    assert (probe(3), probe(3), probe(4)) == (6, 6, 8) and calls == [3, 4]
+
+
 def _raise_on_rank_one():
     import ferrovod as fv
 

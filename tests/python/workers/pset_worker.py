@@ -169,6 +169,15 @@ def case_dynamic(via_env):
     q = fv.add_process_set(fv.ProcessSet([3, 1]))
     ck.equal(list(q.ranks), [1, 3], "added set ranks")
     ck.raises(ValueError, lambda: fv.add_process_set([0, 1, 2]), "adding a duplicate set")
+    # Horovod's internal view of the registry (hvd.mpi_ops._basics), which its tests read,
+    # and its str() of a set
+    from ferrovod.common.basics import HorovodBasics
+
+    ck.equal(HorovodBasics()._get_process_set_ids_and_ranks(),
+             {0: [0, 1, 2, 3], p.process_set_id: [0, 1, 2], q.process_set_id: [1, 3]},
+             "process set ids and ranks")
+    ck.equal(str(q), f"ProcessSet(process_set_id={q.process_set_id}, ranks=[1, 3], mpi_comm=None)",
+             "str() of a set")
     for ps, tag in ((p, "dyn p"), (q, "dyn q")):
         if r in ps.ranks:
             check_ops_on(ck, ps, cases, tag)
@@ -177,6 +186,8 @@ def case_dynamic(via_env):
     global_sync(ck, "after dynamic checks")
     ck.equal(fv.remove_process_set(p), True, "remove_process_set")
     ck.raises(ValueError, lambda: fv.allreduce(np.ones(2), process_set=p), "op on a removed set")
+    ck.equal(HorovodBasics()._get_process_set_ids_and_ranks(),
+             {0: [0, 1, 2, 3], q.process_set_id: [1, 3]}, "ids and ranks after a removal")
     ck.equal(fv.remove_process_set(p), False, "removing twice")
     ck.equal(fv.remove_process_set(fv.global_process_set), False, "removing the global set")
     s = fv.add_process_set([0, 3])
