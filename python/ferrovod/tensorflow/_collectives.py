@@ -40,6 +40,7 @@ from ._host_op import (
 def _allreduce_raw(tensors: List[tf.Tensor], names: Optional[str], op: int, pre: float,
                    post: float, process_set: ProcessSet, grouped: bool) -> List[tf.Tensor]:
     _ps._check_known(process_set)
+
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         if grouped:
             return _api.grouped_allreduce(list(arrays), name=names, op=op, prescale_factor=pre,
@@ -103,6 +104,7 @@ def _grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: i
 def _allgather_raw(tensors: List[tf.Tensor], name: Optional[str], process_set: ProcessSet,
                    grouped: bool) -> List[tf.Tensor]:
     _ps._check_known(process_set)
+
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         wire = [_to_wire(a) for a in arrays]
         if grouped:
@@ -191,6 +193,7 @@ def grouped_allgather(tensors: Sequence[Any], name: Optional[str] = None,
 def _broadcast_raw(t: tf.Tensor, root_rank: int, name: Optional[str],
                    process_set: ProcessSet) -> tf.Tensor:
     _ps._check_known(process_set)
+
     def body(a: np.ndarray) -> List[np.ndarray]:
         out = _api.broadcast(_to_wire(a), root_rank, name=name, process_set=process_set)
         return [_from_wire(out, a.dtype)]
@@ -407,6 +410,7 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
 def _reducescatter_raw(tensors: List[tf.Tensor], name: Optional[str], op: int, pre: float,
                        post: float, process_set: ProcessSet, grouped: bool) -> List[tf.Tensor]:
     _ps._check_known(process_set)
+
     def body(*arrays: np.ndarray) -> List[np.ndarray]:
         if grouped:
             return _api.grouped_reducescatter(list(arrays), name=name, op=op,
