@@ -94,6 +94,25 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
     must call it with the same number of gradients, shapes and dtypes; otherwise every rank
     raises ``MismatchError`` naming the disagreement and listing its own gradients.
     """
+    _ps._check_known(process_set)
+    if process_set.included() is False:
+        return list(grads)
+    return _reduce_gradients(
+        grads, variables, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+        groups=groups, process_set=process_set, local_variables=local_variables,
+        scale_local_gradients=scale_local_gradients, name_prefix=name_prefix)
+
+
+def _reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] = None, *,
+                      op: int = Average, compression: Compressor = Compression.none,
+                      sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                      num_groups: int = 0, groups: Any = None,
+                      process_set: ProcessSet = global_process_set,
+                      local_variables: Sequence[Any] = (), scale_local_gradients: bool = True,
+                      name_prefix: str = "DistributedGradient") -> List[Grad]:
+    """:func:`reduce_gradients` on a rank of ``process_set``. A function of its own: AutoGraph
+    fails to convert an early return in a function whose later locals are annotated."""
     grads = list(grads)
     var_list = None if variables is None else list(variables)
     if var_list is not None and len(var_list) != len(grads):
@@ -104,12 +123,9 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
-                      "removed in a future version.", DeprecationWarning, stacklevel=2)
+                      "removed in a future version.", DeprecationWarning, stacklevel=3)
         if groups is None:
             groups = int(num_groups)
-    _ps._check_known(process_set)
-    if process_set.included() is False:
-        return grads
     n = _ops._set_size(process_set)
     local: Set[int] = set()
     for v in local_variables:
