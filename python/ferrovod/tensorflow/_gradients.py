@@ -67,6 +67,9 @@ def _describe(grads: List[Any], variables: Optional[List[Any]], idx: List[int]) 
     return ", ".join(parts) + more
 
 
+# Plain Python on values known when it is traced: AutoGraph has nothing to convert, and fails
+# to convert its early return beside the annotated locals after it.
+@tf.autograph.experimental.do_not_convert
 def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] = None, *,
                      op: int = Average, compression: Compressor = Compression.none,
                      sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
@@ -97,22 +100,6 @@ def reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] =
     _ps._check_known(process_set)
     if process_set.included() is False:
         return list(grads)
-    return _reduce_gradients(
-        grads, variables, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-        groups=groups, process_set=process_set, local_variables=local_variables,
-        scale_local_gradients=scale_local_gradients, name_prefix=name_prefix)
-
-
-def _reduce_gradients(grads: Sequence[Grad], variables: Optional[Sequence[Any]] = None, *,
-                      op: int = Average, compression: Compressor = Compression.none,
-                      sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                      num_groups: int = 0, groups: Any = None,
-                      process_set: ProcessSet = global_process_set,
-                      local_variables: Sequence[Any] = (), scale_local_gradients: bool = True,
-                      name_prefix: str = "DistributedGradient") -> List[Grad]:
-    """:func:`reduce_gradients` on a rank of ``process_set``. A function of its own: AutoGraph
-    fails to convert an early return in a function whose later locals are annotated."""
     grads = list(grads)
     var_list = None if variables is None else list(variables)
     if var_list is not None and len(var_list) != len(grads):
