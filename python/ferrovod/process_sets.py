@@ -136,8 +136,7 @@ def _check_known(ps: ProcessSet) -> None:
 def _ids_and_ranks() -> Dict[int, List[int]]:
     """Every registered set's id and ranks, the global set's (0) first."""
     out = {0: list(global_process_set.ranks)}
-    out.update((int(ps.process_set_id), list(ps.ranks)) for ps in _registered
-               if ps.process_set_id is not None)
+    out.update((int(ps.process_set_id), list(ps.ranks)) for ps in _registered)
     return out
 
 
