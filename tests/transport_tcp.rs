@@ -440,17 +440,22 @@ fn size_one_needs_no_peer() {
 
 #[test]
 fn late_peer_is_waited_for() {
-    // Reserve a port for rank 0, free it, and let rank 1 start connecting before rank 0 binds.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
+    // Rank 0's port is bound from the start but not listening, so rank 1's connects are refused
+    // and retried until rank 0 listens; nobody else can take the port meanwhile, and a
+    // connect cannot pick it as its own source port and meet itself.
+    let s0 = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s0.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
         .unwrap();
+    let port = s0.local_addr().unwrap().as_socket().unwrap();
     let l1 = TcpListener::bind("127.0.0.1:0").unwrap();
     let addrs = vec![port, l1.local_addr().unwrap()];
     let a1 = addrs.clone();
     let h1 = thread::spawn(move || TcpTransport::connect_mesh(1, 2, &l1, &a1, SECRET, LONG));
+    // Let rank 1 meet at least one refusal before rank 0 listens.
     thread::sleep(Duration::from_millis(300));
-    let l0 = TcpListener::bind(port).unwrap();
+    assert!(TcpStream::connect(port).is_err(), "rank 0's port refuses");
+    s0.listen(16).unwrap();
+    let l0: TcpListener = s0.into();
     let t0 = TcpTransport::connect_mesh(0, 2, &l0, &addrs, SECRET, LONG).unwrap();
     let t1 = h1.join().unwrap().unwrap();
     let mut ts = vec![t0, t1];

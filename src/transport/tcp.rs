@@ -420,6 +420,16 @@ fn connect_peer(
                 continue;
             }
         };
+        // A connect to a free port of this host's ephemeral range can pick that very port as
+        // its own source and meet itself (TCP's simultaneous open): the peer is not there yet.
+        // Elastic re-forming reconnects to addresses whose owner may be gone, so this happens.
+        if is_self_connection(&s) {
+            drop(s);
+            last_error = format!("connected to itself at {addr} (rank {peer} not listening yet)");
+            thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(100));
+            continue;
+        }
         s.set_nodelay(true)?;
         // From here on the peer is listening; it may still be busy before it accepts, which the
         // handshake's deadline covers, so there is nothing left worth retrying.
@@ -437,6 +447,11 @@ fn connect_peer(
         }
         return Ok(s);
     }
+}
+
+/// True when the connection's two ends are one socket address: a connect that met itself.
+fn is_self_connection(s: &TcpStream) -> bool {
+    matches!((s.local_addr(), s.peer_addr()), (Ok(l), Ok(p)) if l == p)
 }
 
 /// Authenticates an accepted connection and reads its hello; returns the connector's rank.
@@ -533,5 +548,25 @@ impl Transport for TcpTransport {
             // The socket may already be dead; there is nothing more to do for it then.
             let _ = s.shutdown(Shutdown::Both);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_to_itself_is_recognised() {
+        // A socket that connects to its own bound address meets itself (simultaneous open).
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        let own = s.local_addr().unwrap();
+        s.connect(&own).unwrap();
+        assert!(is_self_connection(&s.into()));
+
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        assert!(!is_self_connection(&c));
     }
 }
