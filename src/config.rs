@@ -50,6 +50,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_ELASTIC_TIMEOUT", alias: Some("HOROVOD_ELASTIC_TIMEOUT"), default: "600", doc: "Elastic jobs: seconds ferrovodrun waits for enough hosts (at the start, for -np slots; later, for --min-np) before the job fails naming what it waited for; its --elastic-timeout flag wins. Workers wait somewhat longer for the launcher's next membership." },
     Var { name: "FERROVOD_BIND_CORES", alias: None, default: "0", doc: "1 (ferrovodrun's --bind-cores): ferrovodrun binds each worker it starts, on every host, to its local rank's share of the CPUs the launcher (or the host's agent) may use: whole physical cores (a core's hyperthreads together), contiguous; its thread pools (OMP_NUM_THREADS and the BLAS ones, unless set) get as many threads, and its threads and child processes inherit the binding. A synchronous job waits for its slowest rank every step, and a waiting rank's unbound threads can take the core a peer computes on. Other launchers bind their own way (mpirun --bind-to, Kubernetes' CPU manager)." },
     Var { name: "FERROVOD_SPIN_US", alias: None, default: "250", doc: "Microseconds an idle wait (engine thread, coordinator, a caller driving its own op in synchronize) keeps polling, yielding the core between polls, before it blocks; also how long a caller that drove keeps the background threads asleep. A blocking wake-up costs 40-60 us on a VM. 0: block at once." },
+    Var { name: "FERROVOD_YIELD_WHEN_IDLE", alias: None, default: "auto", doc: "Whether idle waits are crowded: yield the core between every poll for the whole FERROVOD_SPIN_US, never spin without yielding, and never block early because the core is contended (Open MPI's mpi_yield_when_idle). auto: when this rank has less than one CPU to itself (its affinity shared with its host's other ranks, or the host's cgroup CPU quota, e.g. a Kubernetes CPU limit, split between them), as with more ranks than cores; at debug log level each rank says what it found. 1: always; 0: never." },
     Var { name: "FERROVOD_NCCL_LIBRARY", alias: None, default: "unset", doc: "Path of the `libnccl.so.2` to use; when set, no other place is searched. Unset: the dynamic linker's search, then the `nvidia-nccl-*` wheel that torch installs." },
     Var { name: "FERROVOD_NCCL_DISPATCH", alias: None, default: "1", doc: "1: CUDA tensors (torch) of allreduce, allgather, broadcast, alltoall and evenly split reducescatter run on NCCL on the device where every rank of the process set can use NCCL and no two ranks share a GPU; elsewhere the engine stages them through pinned host memory, saying why once. 0: the engine always stages them. Must be the same on every rank." },
     Var { name: "FERROVOD_SHM_DISABLE", alias: None, default: "0", doc: "Ranks on the same host talk over TCP instead of shared memory (memfd segments, which leave nothing behind even after SIGKILL), and ranks on rank 0's host send control messages over its Unix socket instead of shared-memory rings." },
@@ -92,6 +93,8 @@ pub struct Config {
     pub dynamic_process_sets: bool,
     /// Spin before blocking.
     pub spin: Duration,
+    /// Crowded waits (`FERROVOD_YIELD_WHEN_IDLE`): `None` decides from this rank's CPU share.
+    pub yield_when_idle: Option<bool>,
     /// Keep ranks on the same host on TCP instead of shared memory.
     pub shm_disable: bool,
     /// Largest blocking allreduce, broadcast or allgather part the fast path takes (0: off);
@@ -277,6 +280,17 @@ impl Config {
             start_timeout: seconds("FERROVOD_START_TIMEOUT", "")?,
             dynamic_process_sets: flag("FERROVOD_DYNAMIC_PROCESS_SETS"),
             spin: Duration::from_micros(int("FERROVOD_SPIN_US")? as u64),
+            yield_when_idle: match value("FERROVOD_YIELD_WHEN_IDLE") {
+                (_, v) if v.eq_ignore_ascii_case("auto") => None,
+                (_, v) if v.parse::<i64>().is_ok() || matches!(v.as_str(), "true" | "True" | "false" | "False") => {
+                    Some(is_on(&v))
+                }
+                (key, v) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{key}={v:?}: expected auto, 1 or 0"
+                    )))
+                }
+            },
             shm_disable: flag("FERROVOD_SHM_DISABLE"),
             fast_path_bytes: int("FERROVOD_FAST_PATH_BYTES")?
                 .min(crate::transport::shm::BOARD_DATA_BYTES),

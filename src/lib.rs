@@ -19,6 +19,7 @@ pub mod collective;
 pub mod comm;
 pub mod config;
 pub mod copy;
+pub mod cpus;
 pub mod engine;
 pub mod error;
 pub mod gpu;

@@ -103,6 +103,8 @@ pub struct Job<P: ControlPlane> {
     pub transport: HybridTransport,
     /// The job secret every connection proved.
     pub secret: Vec<u8>,
+    /// How many CPUs this rank has to itself ([`crate::cpus::share`]) among its host's ranks.
+    pub cpu_share: f64,
     /// Rank 0's coordinator.
     pub coordinator: Option<P::Coordinator>,
     /// The connection to the coordinator.
@@ -178,7 +180,7 @@ pub fn form<P: ControlPlane>(
         _ => None,
     };
 
-    let (mut tcp, coordinator, coord_addr, hosts) = match &launch.rendezvous_addr {
+    let (mut tcp, coordinator, coord_addr, hosts, cpus) = match &launch.rendezvous_addr {
         None => alone(config, bind_ip, &secret, plane)?,
         Some(rdv) => meet(config, membership, rdv, bind_ip, &secret, plane)?,
     };
@@ -214,12 +216,28 @@ pub fn form<P: ControlPlane>(
         topology.cross_rank = cr;
         topology.cross_size = cs;
     }
+    let host_cpus: Vec<Vec<usize>> = (0..size)
+        .filter(|&r| r == rank || local.contains(&r))
+        .map(|r| cpus[r].clone())
+        .collect();
+    let me = (0..rank).filter(|r| local.contains(r)).count();
+    let quota = crate::cpus::quota();
+    let cpu_share = crate::cpus::share(me, &host_cpus, quota);
+    log::debug!(
+        target: crate::LOG_TARGET,
+        "rank {rank}: {cpu_share:.2} CPUs to itself (CPUs {}, {} rank(s) on this host, CPU \
+         quota {})",
+        crate::cpus::format_list(&cpus[rank]),
+        host_cpus.len(),
+        quota.map_or("none".to_string(), |q| format!("{q:.2}"))
+    );
     let control = plane.connect(&coord_addr, rank, &secret)?;
     Ok(Job {
         topology,
         hosts: host_indices(&hosts),
         transport,
         secret,
+        cpu_share,
         coordinator,
         control,
         store_server,
@@ -227,12 +245,13 @@ pub fn form<P: ControlPlane>(
 }
 
 /// What steps 3 and 4 leave: the TCP mesh, the coordinator (rank 0), where it listens, and
-/// each rank's host name.
+/// each rank's host name and the CPUs it may run on.
 type Met<P> = (
     TcpTransport,
     Option<<P as ControlPlane>::Coordinator>,
     CoordinatorAddr,
     Vec<String>,
+    Vec<Vec<usize>>,
 );
 
 /// A job of one rank with no rendezvous: its own coordinator, and a mesh of itself.
@@ -266,7 +285,13 @@ fn alone<P: ControlPlane>(
         tcp: addr,
         local: local_name,
     };
-    Ok((tcp, Some(coordinator), at, vec![config.hostname.clone()]))
+    Ok((
+        tcp,
+        Some(coordinator),
+        at,
+        vec![config.hostname.clone()],
+        vec![crate::cpus::allowed()],
+    ))
 }
 
 /// Steps 3 and 4 through the rendezvous store at `rdv`, then the TCP mesh. The store client is
@@ -314,18 +339,29 @@ fn meet<P: ControlPlane>(
         config.tuning.shared_settings(),
         u8::from(config.dynamic_process_sets)
     );
-    let me = format!("{}\n{}\n{settings}", data.local_addr()?, config.hostname);
+    let me = format!(
+        "{}\n{}\n{}\n{settings}",
+        data.local_addr()?,
+        config.hostname,
+        crate::cpus::format_list(&crate::cpus::allowed())
+    );
     store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
+    let mut cpus = Vec::with_capacity(size);
     let mut disagree = None;
     for r in 0..size {
         let v = store.get(&key(&format!("peer/{r}")), deadline)?;
         let text = String::from_utf8_lossy(&v).to_string();
-        let mut lines = text.splitn(3, '\n');
+        let mut lines = text.splitn(4, '\n');
         let a = lines.next().unwrap_or_default();
         let h = lines.next().unwrap_or_default();
+        let c = lines.next().unwrap_or_default();
         let theirs = lines.next().unwrap_or_default();
+        cpus.push(
+            crate::cpus::parse_list(c)
+                .ok_or_else(|| Error::Decode(format!("rank {r} published a bad CPU list {c:?}")))?,
+        );
         addrs.push(
             a.parse::<SocketAddr>().map_err(|e| {
                 Error::Decode(format!("rank {r} published a bad address {a:?}: {e}"))
@@ -359,7 +395,7 @@ fn meet<P: ControlPlane>(
             .then(|| local.to_string()),
     };
     let tcp = TcpTransport::connect_mesh(rank, size, &data, &addrs, secret, deadline)?;
-    Ok((tcp, coordinator, at, hosts))
+    Ok((tcp, coordinator, at, hosts, cpus))
 }
 
 /// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other

@@ -494,8 +494,14 @@ impl FastPath {
         }
         let start = Instant::now();
         // First without yielding: a peer on another core usually posts within a few
-        // microseconds, and a yield is a system call that costs a good part of that.
-        while start.elapsed() < PURE_SPIN.min(self.spin) {
+        // microseconds, and a yield is a system call that costs a good part of that. Not when
+        // crowded: the peer is then likely waiting for this very core.
+        let pure = if crate::spin::crowded() {
+            Duration::ZERO
+        } else {
+            PURE_SPIN
+        };
+        while start.elapsed() < pure.min(self.spin) {
             for _ in 0..32 {
                 if ready(b) {
                     return Ok(());

@@ -150,11 +150,20 @@ impl Engine {
             hosts,
             transport,
             secret,
+            cpu_share,
             coordinator,
             control,
             store_server,
         } = bootstrap::form(config, &membership, &mut plane)?;
         let (rank, size) = (topology.rank, topology.size);
+        let crowded = config.yield_when_idle.unwrap_or(cpu_share < 1.0);
+        crate::spin::set_crowded(crowded);
+        log::debug!(
+            target: crate::LOG_TARGET,
+            "rank {rank}: idle waits {} (FERROVOD_YIELD_WHEN_IDLE={})",
+            if crowded { "yield the core between polls, crowded" } else { "spin, then block" },
+            config.yield_when_idle.map_or("auto", |y| if y { "1" } else { "0" })
+        );
         let fast = Arc::new(fast::FastPath::new(
             rank,
             size,
