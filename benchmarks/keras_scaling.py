@@ -4,15 +4,16 @@ time of a step goes.
 
     python benchmarks/keras_scaling.py                  # ferrovod only
     python benchmarks/keras_scaling.py --compare mwms   # also MultiWorkerMirroredStrategy
-    python benchmarks/keras_scaling.py --bind-cores     # ranks bound to their cores
+    python benchmarks/keras_scaling.py --no-bind-cores  # ranks left unbound
 
 The driver launches ONE job of ``--np`` ranks (default 2) with ``ferrovodrun``; every variant
 below runs in the same processes, in alternating rounds (the order rotates and every round
 starts at a barrier), so a slow window of the machine hits all of them alike. Each rank has 1
 TensorFlow intra-op and 1 inter-op thread (``--threads``), the same per-rank batch on every
-variant (weak scaling), synthetic data, ``jit_compile`` off. With ``--bind-cores`` the job is
-launched with ``ferrovodrun --bind-cores``: every variant, MWMS's included, runs in processes
-bound to their share of the cores. Variants:
+variant (weak scaling), synthetic data, ``jit_compile`` off. ``ferrovodrun`` binds each rank to
+its share of the cores where each gets a whole one, so every variant, MWMS's included, runs in
+bound processes; ``--no-bind-cores`` (passed to ``ferrovodrun``) leaves them unbound, and
+``--bind-cores`` binds them even on fewer cores than ranks. Variants:
 
 * ``1 process``: plain Keras ``fit`` on rank 0 alone while the other ranks wait idle (blocked,
   not polling): the baseline of scaling efficiency;
@@ -418,8 +419,11 @@ def main() -> None:
     parser.add_argument("--compare", default="", help="'mwms': also MultiWorkerMirroredStrategy")
     parser.add_argument("--threads", type=int, default=1,
                         help="TensorFlow intra-op and inter-op threads per rank")
-    parser.add_argument("--bind-cores", action="store_true",
+    parser.add_argument("--bind-cores", dest="bind", action="store_const",
+                        const="--bind-cores", default="",
                         help="launch with ferrovodrun --bind-cores")
+    parser.add_argument("--no-bind-cores", dest="bind", action="store_const",
+                        const="--no-bind-cores", help="launch with ferrovodrun --no-bind-cores")
     parser.add_argument("--save", default=None, help="also write the results (every round) "
                         "to this JSON file")
     parser.add_argument("--json", default=None, help="(worker) write rank 0's results here")
@@ -431,13 +435,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(args.np),
-               *(["--bind-cores"] if args.bind_cores else []),
+               *([args.bind] if args.bind else []),
                sys.executable, os.path.abspath(__file__), "--worker", "--json", out,
                "--models", args.models, "--steps", str(args.steps), "--rounds",
                str(args.rounds), "--threads", str(args.threads)]
         if "mwms" in args.compare.split(","):
             cmd += ["--tf-ports", ",".join(str(p) for p in free_ports(args.np))]
-        print(f"running: ferrovodrun -np {args.np}{' --bind-cores' * args.bind_cores} ...",
+        print(f"running: ferrovodrun -np {args.np} {args.bind} ...",
               flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(out):

@@ -325,9 +325,31 @@ def test_bind_cores_gives_each_rank_its_share(base_env: Dict[str, str], np_: int
     share = cpus_mod.share_of(cores, 1, 2)
     assert f"local rank 1/2, cross rank 0/1, cpus {cpus_mod.describe(share)}" in verbose.stderr
     assert cpus_mod.describe(frozenset({0, 1, 2, 3, 8, 10, 11})) == "0-3,8,10-11"
-    unbound = reports(run(base_env, "-np", "2", *script("report_env.py")).stdout)
-    assert all(r["cpus"] == allowed for r in unbound.values())
-    assert all("FERROVOD_BIND_CORES" not in r["env"] for r in unbound.values())
+    off = run(base_env, "-np", "2", "--no-bind-cores", "--verbose", *script("report_env.py"))
+    assert all(r["cpus"] == allowed for r in reports(off.stdout).values())
+    assert all(r["env"]["FERROVOD_BIND_CORES"] == "0" for r in reports(off.stdout).values())
+    assert "binding: none (--no-bind-cores" in off.stderr
+
+
+def test_workers_are_bound_by_default_where_each_gets_a_core(base_env: Dict[str, str]) -> None:
+    """Without a flag, ferrovodrun binds where every worker gets a whole physical core, and
+    leaves them unbound (saying so) where there are fewer cores than workers."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = cpus_mod.physical_cores(allowed)
+    env = {k: v for k, v in base_env.items() if k != "FERROVOD_BIND_CORES"}
+    fits = min(2, len(cores))
+    proc = run(env, "-np", str(fits), "--verbose", *script("report_env.py"))
+    assert proc.returncode == 0, proc.stderr
+    got = reports(proc.stdout)
+    for rank, r in got.items():
+        assert r["cpus"] == sorted(cpus_mod.share_of(cores, rank, fits)), (rank, r["cpus"])
+        assert r["env"]["FERROVOD_BIND_CORES"] == "1"
+    assert "binding: each worker to its share" in proc.stderr
+    crowded = run(env, "-np", str(len(cores) + 1), "--verbose", *script("report_env.py"))
+    assert crowded.returncode == 0, crowded.stderr
+    assert all(r["cpus"] == allowed for r in reports(crowded.stdout).values())
+    assert all("FERROVOD_BIND_CORES" not in r["env"] for r in reports(crowded.stdout).values())
+    assert "binding: none (fewer physical cores than workers" in crowded.stderr
 
 
 def _core_available(env: Dict[str, str]) -> bool:
@@ -354,6 +376,34 @@ def test_real_job_through_rendezvous(base_env: Dict[str, str]) -> None:
         1: {"topology": [1, 3, 1, 2, 0, 1], "sum": expected_sum},
         2: {"topology": [2, 3, 0, 1, 1, 2], "sum": expected_sum},
     }
+
+
+def test_idle_waits_yield_where_ranks_outnumber_cpus(base_env: Dict[str, str]) -> None:
+    """Each rank works out the CPUs it has to itself from its host's ranks' published CPUs;
+    below one, its idle waits are crowded (they yield the core), unless
+    FERROVOD_YIELD_WHEN_IDLE says otherwise."""
+    if not _core_available(base_env):
+        pytest.skip("the native core (ferrovod._core) is not built")
+    cpus = len(os.sched_getaffinity(0))
+    n = cpus + 1
+    env = dict(base_env, FERROVOD_LOG_LEVEL="debug")
+    crowded = run(env, "-np", str(n), *script("allreduce_job.py"))
+    assert crowded.returncode == 0, crowded.stderr
+    for rank in range(n):
+        assert f"rank {rank}: {cpus / n:.2f} CPUs to itself" in crowded.stderr, crowded.stderr
+        assert (f"rank {rank}: idle waits yield the core between polls, crowded "
+                "(FERROVOD_YIELD_WHEN_IDLE=auto)") in crowded.stderr
+    forced = run(dict(env, FERROVOD_YIELD_WHEN_IDLE="0"), "-np", str(n), *script("allreduce_job.py"))
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stderr.count("idle waits spin, then block (FERROVOD_YIELD_WHEN_IDLE=0)") == n
+    roomy = run(env, "-np", "1", *script("allreduce_job.py"))
+    assert roomy.returncode == 0, roomy.stderr
+    assert f"rank 0: {cpus:.2f} CPUs to itself" in roomy.stderr
+    assert "idle waits spin, then block (FERROVOD_YIELD_WHEN_IDLE=auto)" in roomy.stderr
+    bad = run(dict(env, FERROVOD_YIELD_WHEN_IDLE="sometimes"), "-np", "1",
+              *script("allreduce_job.py"))
+    assert bad.returncode != 0
+    assert "FERROVOD_YIELD_WHEN_IDLE=\"sometimes\": expected auto, 1 or 0" in bad.stderr
 
 
 def test_silent_connection_to_the_rendezvous_port_does_not_block_exit(

@@ -1,4 +1,4 @@
-"""Which CPUs each rank on a host is bound to under ``ferrovodrun --bind-cores``.
+"""Which CPUs each rank that ``ferrovodrun`` starts on a host is bound to.
 
 Unbound, a rank's threads go wherever the scheduler puts them: while one rank waits for its
 peer in a collective, its threads can land on the core the peer is computing on, and every
@@ -23,7 +23,8 @@ from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 __all__ = ["BIND_VAR", "bind_in_child", "bound_cpus", "describe", "physical_cores", "share_of",
            "usable_cpu_count"]
 
-#: Set to ``1`` by ``--bind-cores`` (or by the user) in every worker's environment.
+#: ``1`` by ``--bind-cores``, ``0`` by ``--no-bind-cores``, unset (``auto``) by default; set to
+#: ``1`` in the environment of every worker the launcher bound.
 BIND_VAR = "FERROVOD_BIND_CORES"
 
 _SYS_CPU = "/sys/devices/system/cpu"
@@ -75,12 +76,19 @@ def share_of(cores: Sequence[Sequence[int]], local_rank: int, local_size: int) -
 
 def bound_cpus(env: Mapping[str, str]) -> Optional[FrozenSet[int]]:
     """The CPUs the worker whose environment is ``env`` is bound to on this host, or None when
-    binding is off (``FERROVOD_BIND_CORES`` not ``1``) or this system cannot bind."""
-    if env.get(BIND_VAR, "0") != "1" or not hasattr(os, "sched_getaffinity"):
+    it is left unbound or this system cannot bind. ``FERROVOD_BIND_CORES``: ``1`` binds, ``0``
+    does not, unset or ``auto`` binds where every rank of the host gets at least one whole
+    physical core (with fewer, shares of single CPUs would still be shared, and the ranks'
+    own scheduling does better)."""
+    setting = env.get(BIND_VAR, "auto").strip().lower()
+    if setting in ("0", "false", "no", "off") or not hasattr(os, "sched_getaffinity"):
         return None
     local_rank = int(env.get("FERROVOD_LOCAL_RANK", "0"))
     local_size = int(env.get("FERROVOD_LOCAL_SIZE", "1"))
-    return share_of(_cores_of(frozenset(os.sched_getaffinity(0))), local_rank, local_size)
+    cores = _cores_of(frozenset(os.sched_getaffinity(0)))
+    if setting not in ("1", "true", "yes", "on") and len(cores) < local_size:
+        return None
+    return share_of(cores, local_rank, local_size)
 
 
 @functools.lru_cache(maxsize=4)

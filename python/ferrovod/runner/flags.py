@@ -186,8 +186,16 @@ def _add_tunables(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="Bind each worker to its share of its host's cores (whole physical cores); "
-        "FERROVOD_BIND_CORES=1.",
+        help="Bind each worker to its share of its host's cores (whole physical cores), even "
+        "where some must share one; FERROVOD_BIND_CORES=1. By default workers are bound where "
+        "each gets a whole core.",
+    )
+    group.add_argument(
+        "--no-bind-cores",
+        dest="bind_cores",
+        action="store_const",
+        const=False,
+        help="Leave workers unbound; FERROVOD_BIND_CORES=0.",
     )
     _bool_pair(group, "hierarchical-allreduce", "hierarchical_allreduce")
     _bool_pair(group, "hierarchical-allgather", "hierarchical_allgather")

@@ -42,7 +42,7 @@ from .elastic import ElasticSettings
 from .elastic import launch as launch_elastic
 from .elastic import settings_from as elastic_settings
 from .common.util import config_parser
-from .cpus import bound_cpus, describe as describe_cpus
+from .cpus import BIND_VAR, bound_cpus, describe as describe_cpus
 from .elastic.constants import WORKER_FAILURE_MESSAGE
 from .flags import PROG, build_parser
 from .output import Sink, rank_output_dir
@@ -387,6 +387,8 @@ def _worker_specs(
                      computed, cwd)
         else:
             spec.cpus = bound_cpus(env)
+            if spec.cpus is not None:
+                env[BIND_VAR] = "1"  # the worker's own rules (torch's overlap) ask
         specs.append(spec)
     return specs
 
@@ -405,6 +407,15 @@ def _log_plan(
             + (" (over ssh)" if slot.hostname in plan.remote else "")
             + ("" if spec.cpus is None else f", cpus {describe_cpus(spec.cpus)}")
         )
+    here = [spec for slot, spec in zip(plan.slots, specs) if slot.hostname not in plan.remote]
+    if any(spec.cpus is not None for spec in here):
+        log("binding: each worker to its share of its host's cores (by default where each "
+            "gets a whole physical core; --no-bind-cores or FERROVOD_BIND_CORES=0 turns it off)")
+    elif here:
+        off = first_env.get(BIND_VAR, "auto").strip().lower() in ("0", "false", "no", "off")
+        log("binding: none " + ("(--no-bind-cores or FERROVOD_BIND_CORES=0)" if off else
+                                "(fewer physical cores than workers on this host; --bind-cores "
+                                "binds them all the same)"))
     per_rank = slot_env(plan.slots[0]).keys()
     shared = visible_env(first_env, base_env)
     for key in sorted(set(shared) - set(per_rank)):

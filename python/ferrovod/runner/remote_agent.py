@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from .cpus import bind_in_child, bound_cpus, usable_cpu_count
+from .cpus import BIND_VAR, bind_in_child, bound_cpus, usable_cpu_count
 from .supervisor import _group_alive, _signal_group
 from .worker_env import thread_share
 
@@ -110,6 +110,8 @@ def run_worker(request: Mapping[str, Any]) -> int:
     # another count.
     cpus = bound_cpus(env)
     env.update(thread_share(request["env"], int(request.get("local_size", 1)), cpus))
+    if cpus is not None:
+        env[BIND_VAR] = "1"  # the worker's own rules (torch's overlap) ask
     cwd = request.get("cwd")
     try:
         proc = subprocess.Popen(
