@@ -1,0 +1,206 @@
+"""Allreduce latency against the number of ranks on one host, ferrovod beside Open MPI.
+
+For each number of ranks N, the driver starts the same worker script as a ferrovod job
+(``ferrovodrun -np N``) and as an Open MPI job (``mpirun --oversubscribe -np N``, mpi4py's
+``Allreduce`` in place), alternating the two over several rounds in one sitting (these VMs have
+short windows in which everything is several times slower, so a stack measured only once may
+have met one). Each worker times a loop of 4-byte and of 64 KiB float32 sum allreduces (the
+slowest rank's mean per op, best of 3 loops), and reports how many file descriptors and threads
+its process holds and how long ``init`` took. The table shows, per N, each stack's best round,
+and ferrovod's time over Open MPI's (below 1: ferrovod is faster)::
+
+    python benchmarks/scale.py                      # N = 2 4 8 16 32, 3 rounds
+    python benchmarks/scale.py --ranks 4,8 --rounds 5
+    python benchmarks/scale.py --stacks ferrovod    # without Open MPI
+
+With more ranks than cores every job is oversubscribed, as in a pod whose CPU limit is below
+its ranks' threads; ``nproc`` is printed with the table. Needs ``ferrovodrun`` (this
+environment's), and for the Open MPI column ``mpirun`` and mpi4py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+SIZES = {"4 B": 1, "64 KiB": 16384}  # float32 elements
+TAG = "SCALE_RESULT "
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def worker(stack: str, iters: int) -> None:
+    """One rank: time the allreduces, print rank 0's summary line."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    if stack == "ferrovod":
+        import ferrovod as fv
+
+        fv.init()
+        rank, size = fv.rank(), fv.size()
+
+        def allreduce(buf: "np.ndarray") -> None:
+            fv.allreduce_(buf, op=fv.Sum, name="x")
+
+        def slowest(x: float) -> float:
+            return float(fv.allreduce(np.array([x]), op=fv.Max, name="slowest")[0])
+
+        def gather(x: float) -> List[float]:
+            return [float(v) for v in fv.allgather(np.array([x]), name="gather")]
+
+    else:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+
+        def allreduce(buf: "np.ndarray") -> None:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        def slowest(x: float) -> float:
+            return float(comm.allreduce(x, op=MPI.MAX))
+
+        def gather(x: float) -> List[float]:
+            return [float(v) for v in comm.allgather(x)]
+
+    init_s = slowest(time.perf_counter() - t0)
+    result: Dict[str, object] = {"ranks": size, "init_s": init_s}
+    for label, n in SIZES.items():
+        buf = np.ones(n, dtype=np.float32)
+        for _ in range(max(5, iters // 10)):
+            allreduce(buf)
+        best = float("inf")
+        for _ in range(3):
+            buf[:] = 1.0
+            start = time.perf_counter()
+            for _ in range(iters):
+                allreduce(buf)
+            per_op = slowest((time.perf_counter() - start) / iters)
+            best = min(best, per_op)
+        # The timed sums overflow to inf; one more op from ones checks the result.
+        buf[:] = 1.0
+        allreduce(buf)
+        if not np.all(buf == size):
+            raise SystemExit(f"rank {rank}: allreduce of ones gave {buf[:4]}, expected {size}")
+        result[label] = best * 1e6
+    fds = gather(float(_fds()))
+    threads = gather(float(_threads()))
+    result["fds_max"] = max(fds)
+    result["threads_max"] = max(threads)
+    if rank == 0:
+        print(TAG + json.dumps(result), flush=True)
+    if stack == "ferrovod":
+        fv.shutdown()
+
+
+def _command(stack: str, n: int, iters: int) -> List[str]:
+    me = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--iters", str(iters)]
+    if stack == "ferrovod":
+        run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
+        return [run, "-np", str(n)] + me
+    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + me
+
+
+def _run(stack: str, n: int, iters: int, timeout: float) -> Optional[Dict[str, float]]:
+    env = dict(os.environ)
+    # mpirun's workers must not take ferrovod's job for theirs, nor the other way round.
+    for k in [k for k in env if k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))]:
+        env.pop(k)
+    start = time.perf_counter()
+    try:
+        p = subprocess.run(_command(stack, n, iters), env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  {stack} -np {n}: timed out after {timeout:.0f} s", file=sys.stderr)
+        return None
+    wall = time.perf_counter() - start
+    for line in p.stdout.splitlines():
+        at = line.find(TAG)  # ferrovodrun prefixes each line with the rank
+        if at >= 0:
+            out = json.loads(line[at + len(TAG):])
+            out["wall_s"] = wall
+            return out
+    print(f"  {stack} -np {n}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}",
+          file=sys.stderr)
+    return None
+
+
+def driver(args: argparse.Namespace) -> None:
+    stacks = args.stacks.split(",")
+    if "mpi" in stacks and shutil.which("mpirun") is None:
+        print("scale: no mpirun here; timing ferrovod alone", file=sys.stderr)
+        stacks = [s for s in stacks if s != "mpi"]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    got: Dict[tuple, List[Dict[str, float]]] = {}
+    for rnd in range(args.rounds):
+        for n in ranks:
+            iters = max(20, args.ops // n)
+            order = stacks if rnd % 2 == 0 else stacks[::-1]
+            for stack in order:
+                r = _run(stack, n, iters, args.timeout)
+                if r is not None:
+                    got.setdefault((stack, n), []).append(r)
+                    print(f"  round {rnd + 1}: {stack:8s} -np {n:3d}: 4 B {r['4 B']:9.1f} us, "
+                          f"64 KiB {r['64 KiB']:9.1f} us", file=sys.stderr, flush=True)
+    print(f"\nallreduce, us per op (best of {args.rounds} rounds; nproc {os.cpu_count()}); "
+          "ratio = ferrovod / Open MPI\n")
+    head = ["ranks"]
+    for label in SIZES:
+        head += [f"ferrovod {label}", f"Open MPI {label}", "ratio"]
+    head += ["fds (fv/MPI)", "threads (fv/MPI)", "init s (fv/MPI)", "job s (fv/MPI)"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+
+    def best(stack: str, n: int, key: str, pick=min) -> Optional[float]:
+        runs = got.get((stack, n))
+        return pick(r[key] for r in runs) if runs else None
+
+    def fmt(x: Optional[float], spec: str = ".1f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    for n in ranks:
+        row = [str(n)]
+        for label in SIZES:
+            f, m = best("ferrovod", n, label), best("mpi", n, label)
+            row += [fmt(f), fmt(m), fmt(f / m if f and m else None, ".2f")]
+        for key, spec in (("fds_max", ".0f"), ("threads_max", ".0f"), ("init_s", ".2f"),
+                          ("wall_s", ".1f")):
+            row.append(f"{fmt(best('ferrovod', n, key, statistics.median), spec)} / "
+                       f"{fmt(best('mpi', n, key, statistics.median), spec)}")
+        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", default="2,4,8,16,32", help="comma-separated numbers of ranks")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stacks", default="ferrovod,mpi", help="ferrovod, mpi, or both")
+    p.add_argument("--ops", type=int, default=4000,
+                   help="ops per timed loop at 1 rank; a loop at N ranks runs ops/N (at least 20)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    p.add_argument("--worker", choices=("ferrovod", "mpi"), help=argparse.SUPPRESS)
+    p.add_argument("--iters", type=int, default=100, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, args.iters)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()
