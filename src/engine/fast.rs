@@ -10,9 +10,9 @@
 //!
 //! **Slots.** Every op a rank submits in the global process set takes the next *slot*
 //! (0, 1, 2, …): a blocking op of those kinds that qualifies *offers* (it
-//! writes its descriptor and its pre-scaled input into its board record, then publishes
-//! `Offer = slot + 1` and `Posted = slot + 1`), any other op *declines* (it publishes only
-//! `Posted`). An offering rank
+//! writes its descriptor and its pre-scaled input into its board record for the slot's
+//! parity, marked as the offer of that slot, then publishes `Posted = slot + 1`), any other op
+//! *declines* (it publishes only `Posted`). An offering rank
 //! waits until every peer has posted that slot; the slot is fast when every rank offered the
 //! same descriptor (kind, name, dtype, shape, reduction, root, scale factors), and then each
 //! rank sums all inputs in rank order itself, so every rank gets the same bits (a broadcast's
@@ -31,9 +31,13 @@
 //! posts the slot this rank waits on. Join and shutdown post `u64::MAX` (never again:
 //! after a join, slot counts would differ, so the fast path stays off for the job).
 //!
-//! **Reuse.** A rank's record is rewritten only once every peer has said (its `Done` word)
-//! that it will not read the slots before this one: a rank's `Done` is its `Posted`, except
-//! while its own fast op is reading, when it stays at that op's slot.
+//! **Reuse.** A rank has two records and offers slot `s` in record `s % 2`. A record is
+//! rewritten only once every peer has said (its `Done` word) that it will not read the offer
+//! it holds: a rank's `Done` is its `Posted`, except while its own fast op is reading, when it
+//! stays at that op's slot. So a rank that finished slot `s` offers `s + 1` at once, however
+//! far a peer is from reading its offer of `s` (a peer that posted `s` has finished `s - 1`,
+//! which is all record `(s + 1) % 2` held): when ranks outnumber cores, that saves every rank
+//! a turn on a core per op.
 //!
 //! **Waiting** spins for `FERROVOD_SPIN_US` (yielding the core), then sleeps on the peer's
 //! bell (a futex in the shared segment; the `Waiting` flag and fences of
@@ -83,8 +87,8 @@ pub enum Outcome {
 struct State {
     /// Slots taken.
     posted: u64,
-    /// 1 + the slot of this rank's latest offer (0: none).
-    last_offer: u64,
+    /// 1 + the slot of the latest offer in each record (0: none).
+    last_offer: [u64; 2],
     /// A fast op of this rank is between its offer and its `Done`.
     busy: bool,
     closed: bool,
@@ -101,6 +105,7 @@ struct Scratch {
 /// each peer's payload on its board (lent until this rank publishes its `Done`).
 struct Offers<'a> {
     rank: usize,
+    slot: u64,
     own: &'a [u8],
     /// One per peer, ascending (the fast path runs only when they reach every peer).
     boards: &'a [BoardView],
@@ -115,7 +120,8 @@ impl PeersMemory for Offers<'_> {
         if r == self.rank {
             &self.own[range]
         } else {
-            self.boards[crate::transport::index_among_others(self.rank, r)].peer_data(range)
+            self.boards[crate::transport::index_among_others(self.rank, r)]
+                .peer_data(self.slot, range)
         }
     }
 }
@@ -183,7 +189,7 @@ impl FastPath {
             declined: AtomicU64::new(0),
             state: Mutex::new(State {
                 posted: 0,
-                last_offer: 0,
+                last_offer: [0; 2],
                 busy: false,
                 closed: false,
             }),
@@ -348,22 +354,20 @@ impl FastPath {
         if st.closed || st.busy || self.outstanding.load(Ordering::Acquire) != 0 {
             return Ok(Outcome::Ineligible);
         }
-        // Nobody may still be reading this rank's previous offer.
-        let last = st.last_offer;
+        // Nobody may still be reading the offer last written to this slot's record.
+        let slot = st.posted;
+        let last = st.last_offer[(slot % 2) as usize];
         for b in &self.boards {
             self.wait(b, &op.name, stop, |b| {
                 b.theirs(BoardWord::Done).load(Ordering::Acquire) >= last
             })?;
         }
-        let slot = st.posted;
         for b in &self.boards {
-            b.write_offer(&sc.desc, payload);
-            b.mine(BoardWord::Rows).store(rows, Ordering::Relaxed);
+            b.write_offer(slot, &sc.desc, payload, rows);
         }
         st.posted = slot + 1;
-        st.last_offer = slot + 1;
+        st.last_offer[(slot % 2) as usize] = slot + 1;
         st.busy = true;
-        self.publish(BoardWord::Offer, slot + 1);
         self.publish(BoardWord::Posted, slot + 1);
         drop(st);
         self.ring();
@@ -395,8 +399,7 @@ impl FastPath {
             })?;
             // A peer that offered this slot and has since closed (it finished the op and
             // shut down) still offered: its record stays until every reader is done.
-            let fast = b.theirs(BoardWord::Offer).load(Ordering::Acquire) == slot + 1
-                && b.same_desc(&sc.desc, &mut sc.peer_desc);
+            let fast = b.peer_offered(slot) && b.same_desc(slot, &sc.desc, &mut sc.peer_desc);
             if !fast {
                 return Ok(Outcome::Declined);
             }
@@ -406,6 +409,7 @@ impl FastPath {
         let t = &mut op.tensors[0];
         let offers = Offers {
             rank: self.rank,
+            slot,
             own: if copied { &sc.own } else { t.input.as_slice() },
             boards: &self.boards,
         };
@@ -425,7 +429,7 @@ impl FastPath {
                 }
             }
             OpKind::Allgather => {
-                let rows = self.gathered_rows(&op.name, t.meta.shape[0], row_bytes)?;
+                let rows = self.gathered_rows(&op.name, slot, t.meta.shape[0], row_bytes)?;
                 let lens: Vec<usize> = rows.iter().map(|&n| n * row_bytes).collect();
                 let mut out = Vec::new();
                 peers::gather_in_rank_order(&offers, &lens, &mut out);
@@ -455,18 +459,20 @@ impl FastPath {
     /// Every rank's allgather rows (of `row_bytes` each), this rank's `own_rows` and the
     /// peers' from their `Rows` words, checked against the board's capacity before any byte
     /// is read.
-    fn gathered_rows(&self, name: &str, own_rows: usize, row_bytes: usize) -> Result<Vec<usize>> {
+    fn gathered_rows(
+        &self,
+        name: &str,
+        slot: u64,
+        own_rows: usize,
+        row_bytes: usize,
+    ) -> Result<Vec<usize>> {
         let mut peers = self.boards.iter();
         (0..self.size)
             .map(|r| {
                 if r == self.rank {
                     return Ok(own_rows);
                 }
-                let n = peers
-                    .next()
-                    .expect("one board per peer")
-                    .theirs(BoardWord::Rows)
-                    .load(Ordering::Relaxed);
+                let n = peers.next().expect("one board per peer").peer_rows(slot);
                 usize::try_from(n)
                     .ok()
                     .filter(|&n| n.saturating_mul(row_bytes) <= BOARD_DATA_BYTES)
