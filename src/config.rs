@@ -293,7 +293,7 @@ impl Config {
             },
             shm_disable: flag("FERROVOD_SHM_DISABLE"),
             fast_path_bytes: int("FERROVOD_FAST_PATH_BYTES")?
-                .min(crate::transport::shm::BOARD_DATA_BYTES),
+                .min(crate::transport::offers::OFFER_DATA_BYTES),
             tuning,
             log_level: Some(value("FERROVOD_LOG_LEVEL").1.to_ascii_lowercase())
                 .filter(|v| LOG_LEVELS.contains(&v.as_str()))
@@ -425,7 +425,7 @@ mod tests {
         // The fast path's limit is also its default: the table must not promise more.
         assert_eq!(
             default_of("FERROVOD_FAST_PATH_BYTES"),
-            crate::transport::shm::BOARD_DATA_BYTES.to_string()
+            crate::transport::offers::OFFER_DATA_BYTES.to_string()
         );
     }
 

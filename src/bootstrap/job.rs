@@ -32,7 +32,9 @@ use super::topology::{host_indices, Topology};
 use super::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::transport::host_memory::Exposed;
 use crate::transport::hybrid::{HybridTransport, ShmOptions};
+use crate::transport::offers::{OfferRecords, OFFER_SEGMENT_BYTES};
 use crate::transport::tcp::TcpTransport;
 
 /// What a forming needs beyond the launch environment (`config.launch`: this rank, the job's
@@ -105,6 +107,8 @@ pub struct Job<P: ControlPlane> {
     pub secret: Vec<u8>,
     /// How many CPUs this rank has to itself ([`crate::cpus::share`]) among its host's ranks.
     pub cpu_share: f64,
+    /// Every rank's fast-path offer records, when every rank is on this host.
+    pub offer_records: Option<OfferRecords>,
     /// Rank 0's coordinator.
     pub coordinator: Option<P::Coordinator>,
     /// The connection to the coordinator.
@@ -180,7 +184,14 @@ pub fn form<P: ControlPlane>(
         _ => None,
     };
 
-    let (mut tcp, coordinator, coord_addr, hosts, cpus) = match &launch.rendezvous_addr {
+    let Met {
+        mut tcp,
+        coordinator,
+        coord_addr,
+        hosts,
+        cpus,
+        offers,
+    } = match &launch.rendezvous_addr {
         None => alone(config, bind_ip, &secret, plane)?,
         Some(rdv) => meet(config, membership, rdv, bind_ip, &secret, plane)?,
     };
@@ -197,6 +208,14 @@ pub fn form<P: ControlPlane>(
         ..ShmOptions::default()
     };
     let transport = HybridTransport::upgrade(tcp, &local, &options, config.start_timeout)?;
+    // The fast path's offer records, where every rank is on this host (every rank decides
+    // alike, from the same host table).
+    let offer_records = match offers {
+        Some((exposed, addrs)) if local.len() + 1 == size => {
+            OfferRecords::new(exposed.share(&addrs, rank, config.start_timeout)?)
+        }
+        _ => None,
+    };
     let shm = transport.shm_peers();
     let links: Vec<String> = (0..size)
         .filter(|&r| r != rank)
@@ -238,21 +257,28 @@ pub fn form<P: ControlPlane>(
         transport,
         secret,
         cpu_share,
+        offer_records,
         coordinator,
         control,
         store_server,
     })
 }
 
-/// What steps 3 and 4 leave: the TCP mesh, the coordinator (rank 0), where it listens, and
-/// each rank's host name and the CPUs it may run on.
-type Met<P> = (
-    TcpTransport,
-    Option<<P as ControlPlane>::Coordinator>,
-    CoordinatorAddr,
-    Vec<String>,
-    Vec<Vec<usize>>,
-);
+/// What steps 3 and 4 leave.
+struct Met<P: ControlPlane> {
+    /// The TCP mesh.
+    tcp: TcpTransport,
+    /// Rank 0's coordinator.
+    coordinator: Option<P::Coordinator>,
+    /// Where the coordinator listens.
+    coord_addr: CoordinatorAddr,
+    /// Each rank's host name.
+    hosts: Vec<String>,
+    /// The CPUs each rank may run on.
+    cpus: Vec<Vec<usize>>,
+    /// This rank's offer segment and every rank's address of it (jobs of more than one rank).
+    offers: Option<(Exposed, Vec<Vec<u8>>)>,
+}
 
 /// A job of one rank with no rendezvous: its own coordinator, and a mesh of itself.
 fn alone<P: ControlPlane>(
@@ -285,13 +311,14 @@ fn alone<P: ControlPlane>(
         tcp: addr,
         local: local_name,
     };
-    Ok((
+    Ok(Met {
         tcp,
-        Some(coordinator),
-        at,
-        vec![config.hostname.clone()],
-        vec![crate::cpus::allowed()],
-    ))
+        coordinator: Some(coordinator),
+        coord_addr: at,
+        hosts: vec![config.hostname.clone()],
+        cpus: vec![crate::cpus::allowed()],
+        offers: None,
+    })
 }
 
 /// Steps 3 and 4 through the rendezvous store at `rdv`, then the TCP mesh. The store client is
@@ -339,25 +366,41 @@ fn meet<P: ControlPlane>(
         config.tuning.shared_settings(),
         u8::from(config.dynamic_process_sets)
     );
+    // Every rank offers a segment for the fast path's records; they are shared only when every
+    // rank turns out to be on this host, and every rank could make one (a host that forbids
+    // abstract Unix sockets makes none: its jobs go without the fast path).
+    let exposed = Exposed::new(OFFER_SEGMENT_BYTES)
+        .map_err(|e| log::debug!(target: crate::LOG_TARGET, "rank {rank}: no offer records: {e}"))
+        .ok();
     let me = format!(
-        "{}\n{}\n{}\n{settings}",
+        "{}\n{}\n{}\n{}\n{settings}",
         data.local_addr()?,
         config.hostname,
-        crate::cpus::format_list(&crate::cpus::allowed())
+        crate::cpus::format_list(&crate::cpus::allowed()),
+        exposed
+            .as_ref()
+            .map_or(String::new(), |e| auth::secret_to_hex(&e.address()))
     );
     store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
     let mut cpus = Vec::with_capacity(size);
+    let mut offer_addrs = Vec::with_capacity(size);
     let mut disagree = None;
     for r in 0..size {
         let v = store.get(&key(&format!("peer/{r}")), deadline)?;
         let text = String::from_utf8_lossy(&v).to_string();
-        let mut lines = text.splitn(4, '\n');
+        let mut lines = text.splitn(5, '\n');
         let a = lines.next().unwrap_or_default();
         let h = lines.next().unwrap_or_default();
         let c = lines.next().unwrap_or_default();
+        let o = lines.next().unwrap_or_default();
         let theirs = lines.next().unwrap_or_default();
+        offer_addrs.push(
+            auth::secret_from_hex(o).map_err(|_| {
+                Error::Decode(format!("rank {r} published a bad offer address {o:?}"))
+            })?,
+        );
         cpus.push(
             crate::cpus::parse_list(c)
                 .ok_or_else(|| Error::Decode(format!("rank {r} published a bad CPU list {c:?}")))?,
@@ -395,7 +438,16 @@ fn meet<P: ControlPlane>(
             .then(|| local.to_string()),
     };
     let tcp = TcpTransport::connect_mesh(rank, size, &data, &addrs, secret, deadline)?;
-    Ok((tcp, coordinator, at, hosts, cpus))
+    Ok(Met {
+        tcp,
+        coordinator,
+        coord_addr: at,
+        hosts,
+        cpus,
+        offers: exposed
+            .filter(|_| offer_addrs.iter().all(|a| !a.is_empty()))
+            .map(|e| (e, offer_addrs)),
+    })
 }
 
 /// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other

@@ -10,9 +10,10 @@
 //!
 //! **Slots.** Every op a rank submits in the global process set takes the next *slot*
 //! (0, 1, 2, …): a blocking op of those kinds that qualifies *offers* (it
-//! writes its descriptor and its pre-scaled input into its board record for the slot's
-//! parity, marked as the offer of that slot, then publishes `Posted = slot + 1`), any other op
-//! *declines* (it publishes only `Posted`). An offering rank
+//! writes its descriptor and its pre-scaled input into its offer record for the slot's
+//! parity, marked as the offer of that slot ([`crate::transport::offers`]: written once, read
+//! by every peer where it lies), then publishes `Posted = slot + 1` on every pair's board),
+//! any other op *declines* (it publishes only `Posted`). An offering rank
 //! waits until every peer has posted that slot; the slot is fast when every rank offered the
 //! same descriptor (kind, name, dtype, shape, reduction, root, scale factors), and then each
 //! rank sums all inputs in rank order itself, so every rank gets the same bits (a broadcast's
@@ -31,7 +32,7 @@
 //! posts the slot this rank waits on. Join and shutdown post `u64::MAX` (never again:
 //! after a join, slot counts would differ, so the fast path stays off for the job).
 //!
-//! **Reuse.** A rank has two records and offers slot `s` in record `s % 2`. A record is
+//! **Reuse.** A rank has two offer records and offers slot `s` in record `s % 2`. A record is
 //! rewritten only once every peer has said (its `Done` word) that it will not read the offer
 //! it holds: a rank's `Done` is its `Posted`, except while its own fast op is reading, when it
 //! stays at that op's slot. So a rank that finished slot `s` offers `s + 1` at once, however
@@ -57,7 +58,8 @@ use crate::collective::reduce::{check_reducible, scale};
 use crate::collective::{post_factor, split_rows};
 use crate::error::{Error, Result};
 use crate::spin::Spin;
-use crate::transport::shm::{BoardView, BoardWord, BOARD_DATA_BYTES, BOARD_DESC_BYTES};
+use crate::transport::offers::{OfferRecords, OFFER_DATA_BYTES, OFFER_DESC_BYTES};
+use crate::transport::shm::{BoardView, BoardWord};
 use crate::transport::PeersMemory;
 use crate::types::{OpKind, ReduceOp};
 
@@ -102,26 +104,27 @@ struct Scratch {
 }
 
 /// Every rank's offer of the slot being reduced, read where it lies: this rank's own input,
-/// each peer's payload on its board (lent until this rank publishes its `Done`).
+/// each peer's payload in its offer record (lent until this rank publishes its `Done`).
 struct Offers<'a> {
     rank: usize,
+    size: usize,
     slot: u64,
     own: &'a [u8],
-    /// One per peer, ascending (the fast path runs only when they reach every peer).
-    boards: &'a [BoardView],
+    records: Option<&'a OfferRecords>,
 }
 
 impl PeersMemory for Offers<'_> {
     fn size(&self) -> usize {
-        self.boards.len() + 1
+        self.size
     }
 
     fn bytes(&self, r: usize, range: Range<usize>) -> &[u8] {
         if r == self.rank {
             &self.own[range]
         } else {
-            self.boards[crate::transport::index_among_others(self.rank, r)]
-                .peer_data(self.slot, range)
+            self.records
+                .expect("peers' records when there are peers")
+                .data(r, self.slot, range)
         }
     }
 }
@@ -132,7 +135,10 @@ pub struct FastPath {
     size: usize,
     /// The boards of this rank's shared-memory pairs.
     boards: Vec<BoardView>,
-    /// Whether `boards` reaches every other rank; otherwise this rank only ever declines.
+    /// Every rank's offer records (`None` with one rank, or where they could not be mapped).
+    records: Option<OfferRecords>,
+    /// Whether `boards` and `records` reach every other rank; otherwise this rank only ever
+    /// declines.
     complete: bool,
     max_bytes: usize,
     spin: Duration,
@@ -168,17 +174,19 @@ impl FastPath {
         rank: usize,
         size: usize,
         boards: Vec<BoardView>,
+        records: Option<OfferRecords>,
         max_bytes: usize,
         spin: Duration,
         stall: Option<Duration>,
     ) -> FastPath {
-        let complete = boards.len() + 1 == size;
+        let complete = boards.len() + 1 == size && (size == 1 || records.is_some());
         FastPath {
             rank,
             size,
             boards,
+            records,
             complete,
-            max_bytes: max_bytes.min(BOARD_DATA_BYTES),
+            max_bytes: max_bytes.min(OFFER_DATA_BYTES),
             spin,
             stall,
             outstanding: Arc::new(AtomicUsize::new(0)),
@@ -194,8 +202,8 @@ impl FastPath {
                 closed: false,
             }),
             scratch: Mutex::new(Scratch {
-                desc: Vec::with_capacity(BOARD_DESC_BYTES),
-                peer_desc: vec![0; BOARD_DESC_BYTES],
+                desc: Vec::with_capacity(OFFER_DESC_BYTES),
+                peer_desc: vec![0; OFFER_DESC_BYTES],
                 own: Vec::new(),
             }),
         }
@@ -331,7 +339,7 @@ impl FastPath {
         let sc = &mut *guard;
         sc.desc.clear();
         describe(op, &mut sc.desc);
-        if sc.desc.len() > BOARD_DESC_BYTES {
+        if sc.desc.len() > OFFER_DESC_BYTES {
             return Ok(Outcome::Ineligible);
         }
         let dtype = op.tensors[0].meta.dtype;
@@ -362,8 +370,8 @@ impl FastPath {
                 b.theirs(BoardWord::Done).load(Ordering::Acquire) >= last
             })?;
         }
-        for b in &self.boards {
-            b.write_offer(slot, &sc.desc, payload, rows);
+        if let Some(records) = &self.records {
+            records.write_offer(slot, &sc.desc, payload, rows);
         }
         st.posted = slot + 1;
         st.last_offer[(slot % 2) as usize] = slot + 1;
@@ -399,7 +407,12 @@ impl FastPath {
             })?;
             // A peer that offered this slot and has since closed (it finished the op and
             // shut down) still offered: its record stays until every reader is done.
-            let fast = b.peer_offered(slot) && b.same_desc(slot, &sc.desc, &mut sc.peer_desc);
+            let records = self
+                .records
+                .as_ref()
+                .expect("complete: every peer's records");
+            let fast = records.offered(b.peer(), slot)
+                && records.same_desc(b.peer(), slot, &sc.desc, &mut sc.peer_desc);
             if !fast {
                 return Ok(Outcome::Declined);
             }
@@ -409,9 +422,10 @@ impl FastPath {
         let t = &mut op.tensors[0];
         let offers = Offers {
             rank: self.rank,
+            size: self.size,
             slot,
             own: if copied { &sc.own } else { t.input.as_slice() },
-            boards: &self.boards,
+            records: self.records.as_ref(),
         };
         let dtype = t.meta.dtype;
         let row_bytes = t.meta.row_elems() * dtype.size();
@@ -457,7 +471,7 @@ impl FastPath {
     }
 
     /// Every rank's allgather rows (of `row_bytes` each), this rank's `own_rows` and the
-    /// peers' from their `Rows` words, checked against the board's capacity before any byte
+    /// peers' from their offer records, checked against a record's capacity before any byte
     /// is read.
     fn gathered_rows(
         &self,
@@ -466,16 +480,18 @@ impl FastPath {
         own_rows: usize,
         row_bytes: usize,
     ) -> Result<Vec<usize>> {
-        let mut peers = self.boards.iter();
+        let records = self.records.as_ref();
         (0..self.size)
             .map(|r| {
                 if r == self.rank {
                     return Ok(own_rows);
                 }
-                let n = peers.next().expect("one board per peer").peer_rows(slot);
+                let n = records
+                    .expect("complete: every peer's records")
+                    .rows(r, slot);
                 usize::try_from(n)
                     .ok()
-                    .filter(|&n| n.saturating_mul(row_bytes) <= BOARD_DATA_BYTES)
+                    .filter(|&n| n.saturating_mul(row_bytes) <= OFFER_DATA_BYTES)
                     .ok_or_else(|| {
                         Error::Decode(format!(
                             "rank {r} offered {n} rows of {row_bytes} bytes for allgather '{name}'"

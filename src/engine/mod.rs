@@ -151,6 +151,7 @@ impl Engine {
             transport,
             secret,
             cpu_share,
+            offer_records,
             coordinator,
             control,
             store_server,
@@ -168,6 +169,7 @@ impl Engine {
             rank,
             size,
             transport.boards()?,
+            offer_records,
             // A fast op cannot be given up on one rank alone (a peer may be reading its
             // offer), so a job that asks for stalled ops to fail keeps every op in the engine.
             if config.stall_shutdown.is_some() {

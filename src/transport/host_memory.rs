@@ -246,6 +246,11 @@ impl HostMemory {
         self.segments.iter().all(Option::is_some)
     }
 
+    /// The segments' mappings, in rank order (`None`: not mapped here).
+    pub(super) fn into_mappings(self) -> Vec<Option<Arc<Mapping>>> {
+        self.segments
+    }
+
     /// Rank `r`'s segment: its first byte and length, valid while the returned handle lives.
     pub fn segment(&self, r: usize) -> Option<Segment> {
         self.segments.get(r)?.clone().map(|map| Segment { map })

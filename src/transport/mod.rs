@@ -5,7 +5,8 @@
 //! - [`hybrid::HybridTransport`]: that mesh with the peers on this host moved to
 //!   shared-memory links ([`shm`]), chosen per peer, progressed together;
 //! - [`host_memory`]: not a link but memory of each rank that the other ranks of its host map,
-//!   for algorithms that read their peers' buffers where they lie.
+//!   for algorithms that read their peers' buffers where they lie; [`offers`] lays the fast
+//!   path's records out in such segments.
 //!
 //! Algorithms over links see a [`Transport`]; algorithms over peers' memory (a shared-memory
 //! pair's board, or [`host_memory`]'s segments) see a [`PeersMemory`].
@@ -19,6 +20,7 @@
 mod exchange;
 pub mod host_memory;
 pub mod hybrid;
+pub mod offers;
 pub mod shm;
 mod sys;
 pub mod tcp;

@@ -1,14 +1,8 @@
-//! A pair's board: one area per side, after the segment's header, where each side posts
-//! the op it is about to run (a descriptor and its payload) and counters of the ops it has
-//! taken and finished, so that the ranks of one host can agree on an op and read each other's
-//! inputs in place without anyone in between. Its user keeps the protocol of the words.
-//!
-//! A side has two records, used by slot parity: an offer of slot `s` goes to record `s % 2`,
-//! so a side can post its next offer while a peer still reads its last one. With one record
-//! every offer waited until every peer had finished reading the previous one: when ranks
-//! outnumber cores that is one more turn on a core per rank and op, for every rank.
+//! A pair's board: a page of words per side, after the segment's header, where each side
+//! posts counters of the ops it has taken and finished and rings the other, so that the ranks
+//! of one host can agree on an op (whose offer lies in [`crate::transport::offers`]) without
+//! anyone in between. Its user keeps the protocol of the words.
 
-use std::ops::Range;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,29 +13,13 @@ use crate::bootstrap::net::{poll, poll_fd};
 use crate::error::Result;
 use crate::transport::sys;
 
-/// Payload bytes one side of a pair's board holds: the fast path's largest op.
-pub const BOARD_DATA_BYTES: usize = 64 << 10;
-/// A record: a page holding the descriptor's length, the payload's rows and the descriptor,
-/// then the payload.
-const RECORD: usize = PAGE + BOARD_DATA_BYTES;
-/// A side's area: a page of words, then its two records.
-pub(super) const BOARD_SIDE: usize = PAGE + 2 * RECORD;
+/// A side's area: a page of words.
+pub(super) const BOARD_SIDE: usize = PAGE;
 pub(super) const BOARD: usize = HEADER;
 /// Offset of a board word (`BoardWord as usize` lines into a side's area).
 const fn off_board(side: usize, word: BoardWord) -> usize {
     BOARD + side * BOARD_SIDE + LINE * word as usize
 }
-/// Offset of the record a side's offer of `slot` uses.
-const fn off_record(side: usize, slot: u64) -> usize {
-    BOARD + side * BOARD_SIDE + PAGE + (slot % 2) as usize * RECORD
-}
-/// 1 + the slot of the offer the record holds (0: none yet).
-const OFF_OFFER: usize = 0;
-const OFF_DESC_LEN: usize = 8;
-const OFF_ROWS: usize = 16;
-const OFF_DESC: usize = 24;
-/// Largest descriptor a board record holds.
-pub const BOARD_DESC_BYTES: usize = PAGE - OFF_DESC;
 const _: () = assert!(LINE * (BoardWord::Waiting as usize + 1) <= PAGE);
 
 /// The words of a side's board record, each on its own line.
@@ -104,63 +82,6 @@ impl BoardView {
     /// One of the peer's words.
     pub(crate) fn theirs(&self, w: BoardWord) -> &AtomicU64 {
         self.map.atomic(off_board(1 - self.side, w))
-    }
-
-    /// Writes this rank's offer of `slot`: its descriptor, payload and the payload's rows
-    /// (before it publishes `Posted`, whose release makes them visible).
-    pub(crate) fn write_offer(&self, slot: u64, desc: &[u8], data: &[u8], rows: u64) {
-        assert!(desc.len() <= BOARD_DESC_BYTES && data.len() <= BOARD_DATA_BYTES);
-        let base = off_record(self.side, slot);
-        self.map
-            .atomic(base + OFF_OFFER)
-            .store(slot + 1, Ordering::Relaxed);
-        self.map.write(base + OFF_DESC, desc);
-        self.map
-            .atomic(base + OFF_DESC_LEN)
-            .store(desc.len() as u64, Ordering::Relaxed);
-        self.map
-            .atomic(base + OFF_ROWS)
-            .store(rows, Ordering::Relaxed);
-        self.map.write(base + PAGE, data);
-    }
-
-    /// Whether the peer offered `slot` (read after its `Posted` past `slot` was seen with
-    /// `Acquire`). The record stays until this side's `Done` passes `slot`, so a peer already
-    /// posting its next offer does not hide this one.
-    pub(crate) fn peer_offered(&self, slot: u64) -> bool {
-        self.map
-            .atomic(off_record(1 - self.side, slot) + OFF_OFFER)
-            .load(Ordering::Relaxed)
-            == slot + 1
-    }
-
-    /// Whether the peer's descriptor of `slot` equals `desc` (read once [`BoardView::peer_offered`] said so).
-    pub(crate) fn same_desc(&self, slot: u64, desc: &[u8], scratch: &mut [u8]) -> bool {
-        let base = off_record(1 - self.side, slot);
-        let len = self.map.atomic(base + OFF_DESC_LEN).load(Ordering::Relaxed);
-        if len != desc.len() as u64 || desc.len() > scratch.len() {
-            return false;
-        }
-        self.map.read(base + OFF_DESC, &mut scratch[..desc.len()]);
-        scratch[..desc.len()] == *desc
-    }
-
-    /// The rows of the peer's payload of `slot` (an allgather's first dimension), unchecked.
-    pub(crate) fn peer_rows(&self, slot: u64) -> u64 {
-        self.map
-            .atomic(off_record(1 - self.side, slot) + OFF_ROWS)
-            .load(Ordering::Relaxed)
-    }
-
-    /// Bytes `range` of the peer's payload of `slot`, read where they lie: valid from the
-    /// peer's `Offer` of `slot` (seen with `Acquire`) until this side publishes a `Done` past
-    /// it.
-    pub(crate) fn peer_data(&self, slot: u64, range: Range<usize>) -> &[u8] {
-        assert!(range.start <= range.end && range.end <= BOARD_DATA_BYTES);
-        self.map.bytes(
-            off_record(1 - self.side, slot) + PAGE + range.start,
-            range.len(),
-        )
     }
 
     /// Bumps this rank's bell after its words changed and wakes the peer if it sleeps on it.

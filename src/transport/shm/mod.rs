@@ -1,8 +1,8 @@
 //! Shared-memory links between two ranks on the same host, used by
 //! [`super::hybrid::HybridTransport`] in place of their TCP connection.
 //!
-//! **Segment.** One segment per pair of ranks: a 4 KiB header, the pair's *board* (one
-//! record per side, where the two ranks agree on ops without a go-between: see [`BoardView`]), then
+//! **Segment.** One segment per pair of ranks: a 4 KiB header, the pair's *board* (a page of
+//! words per side, where the two ranks agree on ops without a go-between: see [`BoardView`]), then
 //! two single-producer / single-consumer byte rings, one per direction (ring 0 carries lower
 //! rank → higher rank).
 //! Each ring has a `tail` (bytes ever published, written by its producer) and a `head` (bytes
@@ -26,7 +26,7 @@
 //! The set-up handshake and the segment's safety are described in `setup`; the board's layout
 //! and accessors are in `board`.
 //!
-//! **Memory.** A pair maps `4 KiB + 136 KiB (board) + 2 × ring_bytes` (2 MiB by default), with
+//! **Memory.** A pair maps `4 KiB + 8 KiB (board) + 2 × ring_bytes` (2 MiB by default), with
 //! pages allocated only as transfers first reach them; `n` ranks on a host have `n·(n-1)/2` pairs.
 //! memfd pages live on the kernel's internal tmpfs, so the size of a container's `/dev/shm` mount
 //! (64 MiB by default under Docker) does not limit them; they count against the memory cgroup.
@@ -50,7 +50,6 @@ use super::Xfer;
 use crate::error::{Error, Result};
 
 pub(crate) use board::{BoardView, BoardWord};
-pub use board::{BOARD_DATA_BYTES, BOARD_DESC_BYTES};
 pub(crate) use setup::random_name;
 pub(super) use setup::random_name_with;
 
@@ -100,7 +99,7 @@ fn ring_stride(cap: usize) -> usize {
     cap.div_ceil(PAGE) * PAGE
 }
 
-/// The rings follow the header and the two board records.
+/// The rings follow the header and the board's two sides.
 const RINGS: usize = board::BOARD + 2 * board::BOARD_SIDE;
 
 fn segment_len(cap: usize) -> usize {
