@@ -43,7 +43,7 @@ impl ShmLink {
             peer: self.peer,
             side: self.side,
             map: self.map.clone(),
-            hangup: self.doorbell.try_clone()?,
+            hangup: self.doorbell.clone(),
         })
     }
 }
@@ -55,9 +55,9 @@ pub(crate) struct BoardView {
     peer: usize,
     side: usize,
     map: Arc<sys::Mapping>,
-    /// A second descriptor of the doorbell, only ever polled for hang-up (never read: the
-    /// link owns the wake-up bytes).
-    hangup: UnixStream,
+    /// The pair's doorbell, only ever polled for hang-up here (never read: the link owns the
+    /// wake-up bytes).
+    hangup: Arc<UnixStream>,
 }
 
 impl std::fmt::Debug for BoardView {

@@ -123,7 +123,9 @@ pub struct ShmLink {
     /// Consumer state of the inbound ring: our head, the last tail we loaded.
     head: u64,
     tail_seen: u64,
-    doorbell: UnixStream,
+    /// Shared with the pair's [`BoardView`], which only polls it for hang-up: one descriptor
+    /// per pair, not two (a rank with many peers on its host holds one per peer).
+    doorbell: Arc<UnixStream>,
     /// The doorbell reported end of stream, hang-up or an error: the peer process is gone.
     dead: bool,
 }
@@ -321,7 +323,7 @@ impl ShmLink {
         }
         let mut sink = [0u8; 64];
         loop {
-            match (&self.doorbell).read(&mut sink) {
+            match (&*self.doorbell).read(&mut sink) {
                 Ok(0) => {
                     self.dead = true;
                     break;

@@ -239,7 +239,7 @@ impl ShmLink {
             head_seen: 0,
             head: 0,
             tail_seen: 0,
-            doorbell,
+            doorbell: Arc::new(doorbell),
             dead: false,
         })
     }
