@@ -410,26 +410,30 @@ fn connect_peer(
                 after: deadline - start,
             });
         }
-        // Refused or unreachable: the peer may not be listening yet, so wait and retry.
-        let mut s = match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+        // Refused or unreachable: the peer may not be listening yet, so wait and retry. So
+        // too a connect that met itself: one to a free port of this host's ephemeral range can
+        // pick that very port as its own source (TCP's simultaneous open), and elastic
+        // re-forming reconnects to addresses whose owner may be gone.
+        let attempt = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())
+            .and_then(|s| {
+                if is_self_connection(&s) {
+                    Err(format!(
+                        "connected to itself at {addr} (rank {peer} not listening yet)"
+                    ))
+                } else {
+                    Ok(s)
+                }
+            });
+        let mut s = match attempt {
             Ok(s) => s,
-            Err(e) => {
-                last_error = e.to_string();
+            Err(why) => {
+                last_error = why;
                 thread::sleep(backoff.min(left));
                 backoff = (backoff * 2).min(Duration::from_millis(100));
                 continue;
             }
         };
-        // A connect to a free port of this host's ephemeral range can pick that very port as
-        // its own source and meet itself (TCP's simultaneous open): the peer is not there yet.
-        // Elastic re-forming reconnects to addresses whose owner may be gone, so this happens.
-        if is_self_connection(&s) {
-            drop(s);
-            last_error = format!("connected to itself at {addr} (rank {peer} not listening yet)");
-            thread::sleep(backoff.min(left));
-            backoff = (backoff * 2).min(Duration::from_millis(100));
-            continue;
-        }
         s.set_nodelay(true)?;
         // From here on the peer is listening; it may still be busy before it accepts, which the
         // handshake's deadline covers, so there is nothing left worth retrying.
