@@ -171,6 +171,20 @@ fn is_on(v: &str) -> bool {
         .unwrap_or(v == "true" || v == "True")
 }
 
+/// A setting that is `auto` (`None`) or a flag: an integer (on above 0), `true` or `false`
+/// (any case).
+fn auto_or_flag(key: &str, v: &str) -> Result<Option<bool>> {
+    match (v.parse::<i64>(), v.to_ascii_lowercase().as_str()) {
+        (Ok(x), _) => Ok(Some(x > 0)),
+        (_, "true") => Ok(Some(true)),
+        (_, "false") => Ok(Some(false)),
+        (_, "auto") => Ok(None),
+        _ => Err(Error::InvalidArgument(format!(
+            "{key}={v:?}: expected 1, 0 or auto"
+        ))),
+    }
+}
+
 impl Config {
     /// Reads the process environment.
     pub fn from_env() -> Result<Config> {
@@ -243,16 +257,10 @@ impl Config {
             .unwrap_or_else(system_hostname);
         let hierarchical = match lookup("FERROVOD_HIERARCHICAL_ALLREDUCE") {
             None => Hierarchical::Auto,
-            Some((key, v)) => match (v.parse::<i64>(), v.to_ascii_lowercase().as_str()) {
-                (Ok(x), _) if x > 0 => Hierarchical::Always,
-                (Ok(_), _) | (_, "false") => Hierarchical::Never,
-                (_, "true") => Hierarchical::Always,
-                (_, "auto") => Hierarchical::Auto,
-                _ => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{key}={v:?}: expected 1, 0 or auto"
-                    )))
-                }
+            Some((key, v)) => match auto_or_flag(&key, &v)? {
+                None => Hierarchical::Auto,
+                Some(true) => Hierarchical::Always,
+                Some(false) => Hierarchical::Never,
             },
         };
         let tuning = crate::comm::Tuning {
@@ -280,16 +288,9 @@ impl Config {
             start_timeout: seconds("FERROVOD_START_TIMEOUT", "")?,
             dynamic_process_sets: flag("FERROVOD_DYNAMIC_PROCESS_SETS"),
             spin: Duration::from_micros(int("FERROVOD_SPIN_US")? as u64),
-            yield_when_idle: match value("FERROVOD_YIELD_WHEN_IDLE") {
-                (_, v) if v.eq_ignore_ascii_case("auto") => None,
-                (_, v) if v.parse::<i64>().is_ok() || matches!(v.as_str(), "true" | "True" | "false" | "False") => {
-                    Some(is_on(&v))
-                }
-                (key, v) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{key}={v:?}: expected auto, 1 or 0"
-                    )))
-                }
+            yield_when_idle: {
+                let (key, v) = value("FERROVOD_YIELD_WHEN_IDLE");
+                auto_or_flag(&key, &v)?
             },
             shm_disable: flag("FERROVOD_SHM_DISABLE"),
             fast_path_bytes: int("FERROVOD_FAST_PATH_BYTES")?
