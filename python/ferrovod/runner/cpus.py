@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import (Callable, Dict, FrozenSet, List, Mapping, MutableMapping, Optional,
+                    Sequence, Tuple)
 
-__all__ = ["BIND_VAR", "bind_in_child", "bound_cpus", "describe", "physical_cores", "share_of",
-           "usable_cpu_count"]
+__all__ = ["BIND_VAR", "bind_in_child", "bind_setting", "bind_worker", "bound_cpus", "describe",
+           "physical_cores", "share_of", "usable_cpu_count"]
 
 #: ``1`` by ``--bind-cores``, ``0`` by ``--no-bind-cores``, unset (``auto``) by default; set to
 #: ``1`` in the environment of every worker the launcher bound.
@@ -74,21 +75,39 @@ def share_of(cores: Sequence[Sequence[int]], local_rank: int, local_size: int) -
     return frozenset(cpu for unit in units[lo:hi] for cpu in unit)
 
 
+def bind_setting(env: Mapping[str, str]) -> str:
+    """``FERROVOD_BIND_CORES`` in ``env`` as ``on``, ``off`` or ``auto`` (unset or anything
+    else)."""
+    value = env.get(BIND_VAR, "auto").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    return "off" if value in ("0", "false", "no", "off") else "auto"
+
+
 def bound_cpus(env: Mapping[str, str]) -> Optional[FrozenSet[int]]:
     """The CPUs the worker whose environment is ``env`` is bound to on this host, or None when
     it is left unbound or this system cannot bind. ``FERROVOD_BIND_CORES``: ``1`` binds, ``0``
     does not, unset or ``auto`` binds where every rank of the host gets at least one whole
     physical core (with fewer, shares of single CPUs would still be shared, and the ranks'
     own scheduling does better)."""
-    setting = env.get(BIND_VAR, "auto").strip().lower()
-    if setting in ("0", "false", "no", "off") or not hasattr(os, "sched_getaffinity"):
+    setting = bind_setting(env)
+    if setting == "off" or not hasattr(os, "sched_getaffinity"):
         return None
     local_rank = int(env.get("FERROVOD_LOCAL_RANK", "0"))
     local_size = int(env.get("FERROVOD_LOCAL_SIZE", "1"))
     cores = _cores_of(frozenset(os.sched_getaffinity(0)))
-    if setting not in ("1", "true", "yes", "on") and len(cores) < local_size:
+    if setting == "auto" and len(cores) < local_size:
         return None
     return share_of(cores, local_rank, local_size)
+
+
+def bind_worker(env: MutableMapping[str, str]) -> Optional[FrozenSet[int]]:
+    """:func:`bound_cpus` for the worker that will start with ``env``, which then says it is
+    bound (``FERROVOD_BIND_CORES=1``: the worker's own rules, such as torch's overlap, ask)."""
+    cpus = bound_cpus(env)
+    if cpus is not None:
+        env[BIND_VAR] = "1"
+    return cpus
 
 
 @functools.lru_cache(maxsize=4)

@@ -42,7 +42,7 @@ from .elastic import ElasticSettings
 from .elastic import launch as launch_elastic
 from .elastic import settings_from as elastic_settings
 from .common.util import config_parser
-from .cpus import BIND_VAR, bound_cpus, describe as describe_cpus
+from .cpus import bind_setting, bind_worker, describe as describe_cpus
 from .elastic.constants import WORKER_FAILURE_MESSAGE
 from .flags import PROG, build_parser
 from .output import Sink, rank_output_dir
@@ -386,9 +386,7 @@ def _worker_specs(
             over_ssh(spec, plan.command, plan.ssh, plan.exports, slot.local_size, env, base_env,
                      computed, cwd)
         else:
-            spec.cpus = bound_cpus(env)
-            if spec.cpus is not None:
-                env[BIND_VAR] = "1"  # the worker's own rules (torch's overlap) ask
+            spec.cpus = bind_worker(env)
         specs.append(spec)
     return specs
 
@@ -412,7 +410,7 @@ def _log_plan(
         log("binding: each worker to its share of its host's cores (by default where each "
             "gets a whole physical core; --no-bind-cores or FERROVOD_BIND_CORES=0 turns it off)")
     elif here:
-        off = first_env.get(BIND_VAR, "auto").strip().lower() in ("0", "false", "no", "off")
+        off = bind_setting(first_env) == "off"
         log("binding: none " + ("(--no-bind-cores or FERROVOD_BIND_CORES=0)" if off else
                                 "(fewer physical cores than workers on this host; --bind-cores "
                                 "binds them all the same)"))

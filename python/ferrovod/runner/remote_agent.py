@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from .cpus import BIND_VAR, bind_in_child, bound_cpus, usable_cpu_count
+from .cpus import bind_in_child, bind_worker, usable_cpu_count
 from .supervisor import _group_alive, _signal_group
 from .worker_env import thread_share
 
@@ -108,10 +108,8 @@ def run_worker(request: Mapping[str, Any]) -> int:
     env.update({str(k): str(v) for k, v in request["env"].items()})
     # This host's cores decide the thread share and the binding: the launcher's host may have
     # another count.
-    cpus = bound_cpus(env)
+    cpus = bind_worker(env)
     env.update(thread_share(request["env"], int(request.get("local_size", 1)), cpus))
-    if cpus is not None:
-        env[BIND_VAR] = "1"  # the worker's own rules (torch's overlap) ask
     cwd = request.get("cwd")
     try:
         proc = subprocess.Popen(
