@@ -235,18 +235,21 @@ pub fn form<P: ControlPlane>(
         topology.cross_rank = cr;
         topology.cross_size = cs;
     }
-    let host_cpus: Vec<Vec<usize>> = (0..size)
-        .filter(|&r| r == rank || local.contains(&r))
-        .map(|r| cpus[r].clone())
-        .collect();
-    let me = (0..rank).filter(|r| local.contains(r)).count();
+    // `local` is ascending: this rank's place among its host's ranks is the count below it.
+    let me = local.partition_point(|&r| r < rank);
+    let mut host_cpus = Vec::with_capacity(local.len() + 1);
+    for &r in local[..me].iter().chain([&rank]).chain(&local[me..]) {
+        host_cpus.push(crate::cpus::parse_list(&cpus[r]).ok_or_else(|| {
+            Error::Decode(format!("rank {r} published a bad CPU list {:?}", cpus[r]))
+        })?);
+    }
     let quota = crate::cpus::quota();
     let cpu_share = crate::cpus::share(me, &host_cpus, quota);
     log::debug!(
         target: crate::LOG_TARGET,
         "rank {rank}: {cpu_share:.2} CPUs to itself (CPUs {}, {} rank(s) on this host, CPU \
          quota {})",
-        crate::cpus::format_list(&cpus[rank]),
+        cpus[rank],
         host_cpus.len(),
         quota.map_or("none".to_string(), |q| format!("{q:.2}"))
     );
@@ -274,8 +277,8 @@ struct Met<P: ControlPlane> {
     coord_addr: CoordinatorAddr,
     /// Each rank's host name.
     hosts: Vec<String>,
-    /// The CPUs each rank may run on.
-    cpus: Vec<Vec<usize>>,
+    /// The CPUs each rank may run on, as it published them (parsed for this host's ranks only).
+    cpus: Vec<String>,
     /// This rank's offer segment and every rank's address of it (jobs of more than one rank).
     offers: Option<(Exposed, Vec<Vec<u8>>)>,
 }
@@ -316,7 +319,7 @@ fn alone<P: ControlPlane>(
         coordinator: Some(coordinator),
         coord_addr: at,
         hosts: vec![config.hostname.clone()],
-        cpus: vec![crate::cpus::allowed()],
+        cpus: vec![crate::cpus::format_list(&crate::cpus::allowed())],
         offers: None,
     })
 }
@@ -366,12 +369,17 @@ fn meet<P: ControlPlane>(
         config.tuning.shared_settings(),
         u8::from(config.dynamic_process_sets)
     );
-    // Every rank offers a segment for the fast path's records; they are shared only when every
-    // rank turns out to be on this host, and every rank could make one (a host that forbids
-    // abstract Unix sockets makes none: its jobs go without the fast path).
-    let exposed = Exposed::new(OFFER_SEGMENT_BYTES)
+    // Every rank offers a segment for the fast path's records, unless its launcher says the
+    // ranks span hosts; they are shared only when every rank turns out to be on this host and
+    // every rank made one (a rank that made none publishes an empty address, so all decide
+    // alike; a host that forbids abstract Unix sockets makes none).
+    let one_host = size > 1 && config.launch.local.map_or(true, |(_, ls, _, _)| ls == size);
+    let exposed = one_host
+        .then(|| Exposed::new(OFFER_SEGMENT_BYTES))
+        .transpose()
         .map_err(|e| log::debug!(target: crate::LOG_TARGET, "rank {rank}: no offer records: {e}"))
-        .ok();
+        .ok()
+        .flatten();
     let me = format!(
         "{}\n{}\n{}\n{}\n{settings}",
         data.local_addr()?,
@@ -401,10 +409,7 @@ fn meet<P: ControlPlane>(
                 Error::Decode(format!("rank {r} published a bad offer address {o:?}"))
             })?,
         );
-        cpus.push(
-            crate::cpus::parse_list(c)
-                .ok_or_else(|| Error::Decode(format!("rank {r} published a bad CPU list {c:?}")))?,
-        );
+        cpus.push(c.to_string());
         addrs.push(
             a.parse::<SocketAddr>().map_err(|e| {
                 Error::Decode(format!("rank {r} published a bad address {a:?}: {e}"))
