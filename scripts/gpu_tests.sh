@@ -42,10 +42,12 @@ print("ferrovod", ferrovod.__file__, "| torch", torch.__version__, "| CUDA",
 PY
 
 status=0
+# pytest runs several jobs at once: bound, each job's workers would all take the first cores.
+export FERROVOD_BIND_CORES="${FERROVOD_BIND_CORES:-0}"
 # Limits (seconds) for the whole test run and for each benchmark run: a device path that hangs
 # must not eat a lent machine's time.
 PYTHONUNBUFFERED=1 timeout "${GPU_TESTS_LIMIT:-900}" "$PY" -m pytest tests/python/gpu \
-    -p no:cacheprovider -rA -q --timeout=400 -n 4 2>&1 | tee "$LOGS/pytest.log"
+    -p no:cacheprovider -rA -q --durations=0 --timeout=400 -n 6 2>&1 | tee "$LOGS/pytest.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 if [[ $BENCH -eq 1 ]]; then

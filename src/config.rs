@@ -53,6 +53,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_YIELD_WHEN_IDLE", alias: None, default: "auto", doc: "Whether idle waits are crowded: yield the core between every poll for the whole FERROVOD_SPIN_US, never spin without yielding, and never block early because the core is contended (Open MPI's mpi_yield_when_idle). auto: when this rank has less than one CPU to itself (its affinity shared with its host's other ranks, or the host's cgroup CPU quota, e.g. a Kubernetes CPU limit, split between them), as with more ranks than cores; at debug log level each rank says what it found. 1: always; 0: never." },
     Var { name: "FERROVOD_NCCL_LIBRARY", alias: None, default: "unset", doc: "Path of the `libnccl.so.2` to use; when set, no other place is searched. Unset: the dynamic linker's search, then the `nvidia-nccl-*` wheel that torch installs." },
     Var { name: "FERROVOD_NCCL_DISPATCH", alias: None, default: "1", doc: "1: CUDA tensors (torch) of allreduce, allgather, broadcast, alltoall and evenly split reducescatter run on NCCL on the device where every rank of the process set can use NCCL and no two ranks share a GPU; elsewhere the engine stages them through pinned host memory, saying why once. 0: the engine always stages them. Must be the same on every rank." },
+    Var { name: "FERROVOD_NCCL_SHARED_GPU", alias: None, default: "0", doc: "1: the ranks of a process set that share a GPU still run its CUDA ops on NCCL, instead of being staged through host memory: each such rank appends its process id to `NCCL_HOSTID` (the host name where that is unset), so NCCL takes it for a host of its own and joins the ranks through its network transport (choose it with `NCCL_SOCKET_IFNAME`, e.g. `lo` on one machine). Their kernels time-share the GPU: for tests, and for jobs that place several ranks on each GPU. Needs 1 on every rank of the set; where one lacks it, the set is staged. 0: such sets are staged, saying why once." },
     Var { name: "FERROVOD_SHM_DISABLE", alias: None, default: "0", doc: "Ranks on the same host talk over TCP instead of shared memory (memfd segments, which leave nothing behind even after SIGKILL), and ranks on rank 0's host send control messages over its Unix socket instead of shared-memory rings." },
     Var { name: "FERROVOD_SMALL_ALLREDUCE_BYTES", alias: None, default: "65536", doc: "Allreduce payloads up to this size use the latency-optimal algorithm." },
     Var { name: "FERROVOD_HIERARCHICAL_ALLREDUCE", alias: Some("HOROVOD_HIERARCHICAL_ALLREDUCE"), default: "unset (auto)", doc: "Allreduce in a process set that spans hosts, with more than one rank on some host: reduce inside each host (shared memory), allreduce across hosts, spread inside each host, so less crosses the network. Unset or `auto`: for payloads above FERROVOD_SMALL_ALLREDUCE_BYTES; 1: for every payload; 0: never. Sets on one host are not affected. Must be the same on every rank (init() checks, as for FERROVOD_SMALL_ALLREDUCE_BYTES and FERROVOD_CHUNK_BYTES)." },
@@ -152,6 +153,36 @@ pub fn nccl_dispatch() -> bool {
         Ok(v) if !v.trim().is_empty() => is_on(v.trim()),
         _ => is_on(default_of(name)),
     }
+}
+
+/// `FERROVOD_NCCL_SHARED_GPU`: read apart from [`Config`], like [`nccl_dispatch`], beside
+/// which the device path decides.
+pub fn nccl_shared_gpu() -> bool {
+    let name = "FERROVOD_NCCL_SHARED_GPU";
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => is_on(v.trim()),
+        _ => is_on(default_of(name)),
+    }
+}
+
+/// Makes this process a host of its own in NCCL's eyes, for communicators created from now
+/// on: NCCL refuses two ranks on one GPU only when their host hashes, which it derives from
+/// `NCCL_HOSTID` when set, are equal. Done once per process; returns the value in force.
+///
+/// NCCL reads the variable when it creates a communicator, on this (the engine's) thread,
+/// which is the one place the process writes its environment after start-up.
+pub fn nccl_host_of_its_own() -> String {
+    static SET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SET.get_or_init(|| {
+        let base = std::env::var("NCCL_HOSTID")
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+            .unwrap_or_else(system_hostname);
+        let id = format!("{base}/pid{}", std::process::id());
+        std::env::set_var("NCCL_HOSTID", &id);
+        id
+    })
+    .clone()
 }
 
 /// The default of variable `name`, as its row in [`VARS`] gives it: the one place a default is

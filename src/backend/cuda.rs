@@ -133,6 +133,8 @@ struct CudaFns {
         unsafe extern "C" fn(cu::CUdeviceptr, cu::CUdeviceptr, usize, cu::CUstream) -> c_int,
     mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int,
     mem_free_host: unsafe extern "C" fn(*mut c_void) -> c_int,
+    mem_alloc: unsafe extern "C" fn(*mut cu::CUdeviceptr, usize) -> c_int,
+    mem_free: unsafe extern "C" fn(cu::CUdeviceptr) -> c_int,
 }
 
 /// How many GPUs the CUDA driver sees, or (`InvalidArgument`, "CUDA cannot be used: …") why
@@ -194,6 +196,8 @@ impl Device {
             memcpy_dtod: resolve!(lib, "cuMemcpyDtoDAsync_v2").map_err(missing)?,
             mem_host_alloc: resolve!(lib, "cuMemHostAlloc").map_err(missing)?,
             mem_free_host: resolve!(lib, "cuMemFreeHost").map_err(missing)?,
+            mem_alloc: resolve!(lib, "cuMemAlloc_v2").map_err(missing)?,
+            mem_free: resolve!(lib, "cuMemFree_v2").map_err(missing)?,
         };
         // The resolved functions must stay valid: never close this handle.
         lib.keep();
@@ -373,6 +377,53 @@ impl Device {
             fns: self.fns,
             stream,
         })
+    }
+}
+
+impl Device {
+    /// `bytes` of this device's memory, for the backend's own use (the fusion buffer).
+    pub(super) fn alloc(&self, bytes: usize) -> Result<DeviceMem> {
+        self.make_current()?;
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; freed in DeviceMem's Drop.
+        let rc = unsafe { (self.fns.mem_alloc)(&mut ptr, bytes.max(1)) };
+        check_cu(&self.fns, rc, "cuMemAlloc")?;
+        Ok(DeviceMem {
+            fns: self.fns,
+            ctx: self.ctx,
+            ptr,
+            len: bytes,
+        })
+    }
+}
+
+/// Device memory from [`Device::alloc`]; freed on drop, which must come before the
+/// device's context is released (declare it before the [`Device`]).
+pub(super) struct DeviceMem {
+    fns: CudaFns,
+    ctx: cu::CUcontext,
+    ptr: cu::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceMem {
+    /// The whole allocation, for enqueueing work on it.
+    pub(super) fn buf(&self) -> DeviceBuf {
+        DeviceBuf {
+            ptr: self.ptr as usize,
+            bytes: self.len,
+        }
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        // SAFETY: the context is still retained (see the type's doc); the pointer came from
+        // cuMemAlloc in it and is freed once. cuMemFree waits for work still using it.
+        unsafe {
+            (self.fns.ctx_set_current)(self.ctx);
+            (self.fns.mem_free)(self.ptr);
+        }
     }
 }
 

@@ -153,7 +153,17 @@ def _cuda_target(tensors: Sequence[torch.Tensor], kind: int, what: str, op: int 
         if reason is not None:
             _warn_staging(dev, reason)
             return None
-    return int(dev.index), int(torch.cuda.current_stream(dev).cuda_stream)
+    return int(dev.index), _raw_stream(dev)
+
+
+def _raw_stream(dev: torch.device) -> int:
+    """The handle of ``dev``'s current stream. torch's private accessor returns it without
+    building a ``torch.cuda.Stream`` (about 3.5 us of a 4 B allreduce's 40 on one H200);
+    ``current_stream`` where a torch lacks it."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(dev.index))
+    return int(torch.cuda.current_stream(dev).cuda_stream)
 
 
 def _on_device(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:

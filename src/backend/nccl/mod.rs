@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys as nc;
 
-use super::cuda::{Device, DeviceBuf, Event, OwnedStream, Stream};
+use super::cuda::{Device, DeviceBuf, DeviceMem, Event, OwnedStream, Stream};
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 pub use library::{unique_id_key, Nccl, UniqueId};
@@ -212,6 +212,9 @@ pub struct DeviceComm {
     /// The communicator's own stream ([`DeviceComm::stream`]), created on first use. Declared
     /// before `device`: fields drop in order, and the stream goes before its context.
     stream: Option<OwnedStream>,
+    /// The fusion buffer of [`DeviceComm::allreduce_fused`], grown to the largest fused
+    /// response. Declared before `device`, like `stream`.
+    fusion: Option<DeviceMem>,
     device: Device,
     /// NULL once destroyed or aborted.
     comm: Comm,
@@ -306,6 +309,7 @@ impl DeviceComm {
             nccl: nccl.clone(),
             fns,
             stream: None,
+            fusion: None,
             device,
             comm,
             rank,
@@ -370,6 +374,58 @@ impl DeviceComm {
         // contract), the stream is Stream's contract, the communicator is live.
         let rc = unsafe { f(send.src(), recv.dst(), count, nd, nop, comm, stream.nccl()) };
         self.after_reduction(rc, "ncclAllReduce", plan, nop)
+    }
+
+    /// Several allreduces of one dtype, op and scaling as one NCCL call: each `(send, recv)`
+    /// pair's bytes are copied into the fusion buffer, reduced there in place, and copied
+    /// out, all on `stream` (a fused response of many small gradients costs one collective's
+    /// fixed cost, not one per tensor). Not inside a group: a group would launch the
+    /// collective at its end, after the copies out enqueued before it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allreduce_fused(
+        &mut self,
+        parts: &[(DeviceBuf, DeviceBuf)],
+        dtype: DType,
+        op: ReduceOp,
+        prescale: f64,
+        postscale: f64,
+        stream: Stream,
+    ) -> Result<()> {
+        let total: usize = parts.iter().map(|(send, _)| send.len()).sum();
+        if total % dtype.size() != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "fused allreduce of {total} bytes is not a whole number of {dtype:?} elements"
+            )));
+        }
+        if self.fusion.as_ref().map_or(true, |f| f.buf().len() < total) {
+            self.fusion = None; // the old one is freed before the larger one is taken
+            self.fusion = Some(self.device.alloc(total)?);
+        }
+        let fused = self.fusion.as_ref().expect("allocated above").buf();
+        let mut at = 0;
+        for (send, _) in parts {
+            self.device
+                .copy_async(send, &fused.slice(at, send.len())?, stream)?;
+            at += send.len();
+        }
+        let whole = fused.slice(0, total)?;
+        self.allreduce(
+            &whole,
+            &whole,
+            total / dtype.size(),
+            dtype,
+            op,
+            prescale,
+            postscale,
+            stream,
+        )?;
+        let mut at = 0;
+        for (send, recv) in parts {
+            self.device
+                .copy_async(&fused.slice(at, send.len())?, recv, stream)?;
+            at += send.len();
+        }
+        Ok(())
     }
 
     /// Every rank's `count` elements of `send`, concatenated in rank order into `recv`.

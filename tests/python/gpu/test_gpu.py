@@ -6,15 +6,20 @@ machine; elsewhere every test here is skipped, saying so).
 - two ranks on one GPU over the staged path: the same, NCCL not asked for;
 - two ranks on one GPU with NCCL asked for: NCCL cannot take two ranks of one device, so the
   engine says so once and stages those sets' ops; one-rank sets still run on NCCL;
-- a rank killed in the middle of CUDA allreduces: the survivor raises within bounded time.
+- a rank killed in the middle of CUDA allreduces: the survivor raises within bounded time;
+- 2 and 4 ranks sharing the GPU with FERROVOD_NCCL_SHARED_GPU=1: every op over NCCL (each rank
+  a host of its own to NCCL, joined through its socket transport on the loopback), a killed
+  rank, and an elastic job that loses a rank and rebuilds its communicators.
 """
 
+import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_ok, describe, lines_matching, run_job
+from conftest import _env, _run, assert_ok, describe, lines_matching, run_job
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -22,6 +27,10 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
+
+# Ranks sharing the one GPU on NCCL: NCCL's socket transport joins them over the loopback.
+SHARED_NCCL = {"FERROVOD_NCCL_DISPATCH": "1", "FERROVOD_NCCL_SHARED_GPU": "1",
+               "NCCL_SOCKET_IFNAME": "lo"}
 
 HERE = Path(__file__).resolve().parent
 OPS_WORKER = HERE.parent / "torch" / "torch_ops_worker.py"
@@ -65,3 +74,44 @@ def test_a_killed_peer_on_the_staged_path_is_an_error_in_bounded_time():
     got = lines_matching(res, 0, r"^RANKFAIL elapsed=([\d.]+)")
     assert got, f"rank 0 did not raise\n{describe(res)}"
     assert float(got[0].group(1)) < 10.0, describe(res)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_sharing_the_gpu_run_every_op_on_nccl_when_they_opt_in(n):
+    env = {**SHARED_NCCL, "GPU_EXPECT_NCCL": "1"}
+    res = run_job(n, HERE / "gpu_worker.py", "ops", env=env, timeout=600)
+    assert_ok(res, n, min_checks=300)
+    # Sets are not staged; ops NCCL cannot do alone (an uneven reducescatter) still may be.
+    text = res.stdout + res.stderr
+    assert "CUDA tensors are staged" not in text and "share one GPU" not in text, describe(res)
+    if n == 2:
+        res = run_job(n, OPS_WORKER, 43, "cuda", env=env, timeout=600)
+        assert_ok(res, n, min_checks=1000)
+
+
+def test_a_killed_peer_on_shared_gpu_nccl_is_an_error_in_bounded_time():
+    env = {**SHARED_NCCL, "FERROVOD_TIMEOUT_SECONDS": "30"}
+    res = run_job(2, HERE / "gpu_worker.py", "kill", env=env, timeout=120)
+    assert res.returncode != 0, describe(res)
+    got = lines_matching(res, 0, r"^RANKFAIL elapsed=([\d.]+)")
+    assert got, f"rank 0 did not raise\n{describe(res)}"
+    assert float(got[0].group(1)) < 20.0, describe(res)
+
+
+def test_an_elastic_job_on_nccl_loses_a_rank_and_rebuilds_its_communicators(tmp_path):
+    """torch/elastic_worker.py with its model on the GPU: one of 4 ranks (2 hosts of 2 on this
+    machine) SIGKILLs itself mid-epoch; the 2 survivors re-form, create new communicators and
+    train on, every sample trained once, weights equal to a one-process replay."""
+    worker = HERE.parent / "torch" / "elastic_worker.py"
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("localhost:2\n127.0.0.1:2\n")
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "4",
+           "--host-discovery-script", f"cat {hosts_file}", "--min-np", "2",
+           "--elastic-timeout", "30",
+           sys.executable, str(worker), "kill", str(hosts_file), str(tmp_path)]
+    res = _run(cmd, _env({**SHARED_NCCL, "ELASTIC_DEVICE": "cuda"}), 240)
+    assert res.returncode == 0, describe(res)
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["size"] == 2 and got["resets"] == 1, got
+    text = res.stdout + res.stderr
+    assert "CUDA tensors are staged" not in text and "share one GPU" not in text, describe(res)

@@ -38,6 +38,9 @@ N, EPOCHS, BATCH, COMMIT_EVERY, AT = 48, 3, 2, 2, 5
 LR, MOMENTUM = 0.05, 0.9
 # Seconds per step: long enough runs for a blacklisted host to come back mid-training.
 STEP_SLEEP = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
+# "cuda": the model and the data live on the GPU (tests/python/gpu); the replay stays on the
+# host.
+DEVICE = os.environ.get("ELASTIC_DEVICE", "cpu")
 
 
 def data():
@@ -61,6 +64,9 @@ def main():
     hvd.init()
     x, y = data()
     model = make_model()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        x, y, model = x.cuda(), y.cuda(), model.cuda()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     sampler = hvd.elastic.ElasticSampler(range(N), shuffle=True, seed=3)
@@ -124,12 +130,13 @@ def main():
             checks += 1
         ref = make_model()
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+        hx, hy = x.cpu(), y.cpu()
         for s in state.steps:
             ref_opt.zero_grad()
-            loss_of(ref, x[s], y[s]).backward()
+            loss_of(ref, hx[s], hy[s]).backward()
             ref_opt.step()
         want = torch.cat([p.detach().flatten() for p in ref.parameters()])
-        err = (weights - want).abs().max().item()
+        err = (weights.cpu() - want).abs().max().item()
         assert err < 5e-5, f"weights differ from the replay by {err}"
         checks += 1
         with open(os.path.join(out_dir, "result.json"), "w") as f:
