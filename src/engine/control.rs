@@ -13,6 +13,7 @@ use std::io::{self, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::net::Stream;
@@ -121,6 +122,19 @@ impl Stream for ControlStream {
 /// Largest control frame accepted (responses for thousands of tensors fit easily).
 pub const MAX_FRAME: usize = 256 << 20;
 
+/// Control frames this process sent and received, on every connection (its engine's and, on
+/// rank 0, the coordinator's): what negotiation costs each rank, for the scale benchmark.
+static FRAMES_SENT: AtomicU64 = AtomicU64::new(0);
+static FRAMES_RECEIVED: AtomicU64 = AtomicU64::new(0);
+
+/// `(sent, received)` control frames of this process so far (see [`FRAMES_SENT`]).
+pub fn frames() -> (u64, u64) {
+    (
+        FRAMES_SENT.load(Ordering::Relaxed),
+        FRAMES_RECEIVED.load(Ordering::Relaxed),
+    )
+}
+
 /// One control connection to `peer`.
 ///
 /// Sends never block: a frame the peer cannot take yet waits in `out` and goes out on later
@@ -176,6 +190,7 @@ impl FrameConn {
         self.out
             .extend_from_slice(&(payload.len() as u32).to_le_bytes());
         self.out.extend_from_slice(payload);
+        FRAMES_SENT.fetch_add(1, Ordering::Relaxed);
         self.flush(timeout).map(|_| ())
     }
 
@@ -268,6 +283,7 @@ impl FrameConn {
         }
         let frame = avail[4..4 + len].to_vec();
         self.start += 4 + len;
+        FRAMES_RECEIVED.fetch_add(1, Ordering::Relaxed);
         Ok(Some(frame))
     }
 
