@@ -124,3 +124,35 @@ fn ranks_run_ahead_of_a_slow_reader_without_losing_an_offer() {
     });
     assert!(results.iter().all(|&s| s == (1500, 0)), "{results:?}");
 }
+
+#[test]
+fn split_allreduces_sum_every_segment_and_run_ahead_safely() {
+    // Five ranks (segments of unequal length) and tensors whose inputs add up to at least
+    // the split size, between small unsplit ones: each rank reduces one segment and copies
+    // the others' from their records, so a segment read in the wrong slot, or before its
+    // owner reduced it, gives a wrong sum somewhere.
+    const N: usize = 5;
+    let one_host = [("FERROVOD_HOSTNAME", "host0")];
+    let results = common::jobs::job_with(N, &[], SECRET, &one_host, |rank, e| {
+        for i in 0..300usize {
+            let len = [16384, 13109, 7, 16381, 14000, 1][i % 6];
+            let data: Vec<f32> = (0..len)
+                .map(|k| ((rank * 31 + i * 7 + k) % 1000) as f32)
+                .collect();
+            let expect: Vec<f32> = (0..len)
+                .map(|k| (0..N).map(|r| ((r * 31 + i * 7 + k) % 1000) as f32).sum())
+                .collect();
+            if rank == (i / 50) % N && i % 5 == 0 {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            let (o, got) = blocking(e, op(&format!("s{}", i % 4), &data));
+            assert_eq!(o, Outcome::Done, "rank {rank} op {i}");
+            assert!(
+                got == expect,
+                "rank {rank} op {i} (length {len}): wrong sums"
+            );
+        }
+        e.fast_path().stats()
+    });
+    assert!(results.iter().all(|&s| s == (300, 0)), "{results:?}");
+}

@@ -19,7 +19,9 @@
 //! rank sums all inputs in rank order itself, so every rank gets the same bits (a broadcast's
 //! root offers its tensor, the others copy it; an allgather's rows travel beside the
 //! descriptor, and each rank concatenates; a reducescatter's rank sums its own rows of every
-//! input, in rank order, and an alltoall's rank copies its block of every input). Otherwise
+//! input, in rank order, and an alltoall's rank copies its block of every input; an allreduce
+//! whose inputs add up to [`SPLIT_READ_BYTES`] is split: each rank reduces one segment and
+//! the others copy it from its record, after one more meeting, the `Reduced` word). Otherwise
 //! every offering
 //! rank hands its op to the engine as usual (the slot is spent either way), where the
 //! coordinator matches it, or reports what disagreed, as for any op. Every rank decides from
@@ -66,6 +68,12 @@ use crate::types::{OpKind, ReduceOp};
 use super::tensor::TensorBuf;
 use super::OpSpec;
 
+/// An allreduce whose inputs add up to this many bytes (its size times the ranks) is split:
+/// each rank reduces one segment of every input, leaves it in its offer record, and copies
+/// the others' segments, reading each input once between them (about twice the tensor per
+/// rank) instead of every rank reading every input (the ranks times the tensor per rank:
+/// 4 MiB per rank for 64 KiB on 64 ranks), for one more meeting.
+const SPLIT_READ_BYTES: usize = 256 << 10;
 /// How long a wait polls without yielding the core before it polls between yields.
 const PURE_SPIN: Duration = Duration::from_micros(20);
 /// How long one sleep on a peer's bell lasts before the liveness and shutdown checks.
@@ -438,6 +446,8 @@ impl FastPath {
                     .as_mut_slice();
                 if op.kind == OpKind::Broadcast {
                     peers::broadcast_from(&offers, op.root, out);
+                } else if self.size > 2 && out.len().saturating_mul(self.size) >= SPLIT_READ_BYTES {
+                    self.split_allreduce(&offers, &op.name, dtype, op.op, factor, out, stop)?;
                 } else {
                     peers::reduce_in_rank_order(&offers, None, 0, dtype, op.op, factor, out)?;
                 }
@@ -468,6 +478,71 @@ impl FastPath {
             _ => unreachable!("checked by eligible"),
         }
         Ok(Outcome::Done)
+    }
+
+    /// A split allreduce (see [`SPLIT_READ_BYTES`]): this rank's segment of every input
+    /// (Horovod's split of elements, as a reducescatter's rows) reduced in rank order into
+    /// `out` and its result area, `Reduced` published, then every peer's segment copied from
+    /// its result area once it has published its own. Every rank publishes before it waits,
+    /// so the meeting cannot hang where the offers did not; a peer that closed before its
+    /// `Reduced` (its engine failed) fails the op.
+    #[allow(clippy::too_many_arguments)] // the reduction's terms and its meeting's
+    fn split_allreduce(
+        &self,
+        offers: &Offers<'_>,
+        name: &str,
+        dtype: crate::types::DType,
+        op: ReduceOp,
+        factor: f64,
+        out: &mut [u8],
+        stop: &dyn Fn() -> bool,
+    ) -> Result<()> {
+        let records = self
+            .records
+            .as_ref()
+            .expect("complete: every peer's records");
+        let slot = offers.slot;
+        let esize = dtype.size();
+        let elems = out.len() / esize;
+        let segment = |r: usize| {
+            let (first, count) = split_rows(elems, self.size, r);
+            first * esize..(first + count) * esize
+        };
+        let mine = segment(self.rank);
+        peers::reduce_in_rank_order(
+            offers,
+            None,
+            mine.start,
+            dtype,
+            op,
+            factor,
+            &mut out[mine.clone()],
+        )?;
+        records.write_result(slot, mine.start, &out[mine]);
+        self.publish(BoardWord::Reduced, slot + 1);
+        self.ring();
+        for b in &self.boards {
+            let reduced =
+                |b: &BoardView| b.theirs(BoardWord::Reduced).load(Ordering::Acquire) > slot;
+            self.wait(b, name, stop, |b| {
+                reduced(b) || b.theirs(BoardWord::Posted).load(Ordering::Acquire) == u64::MAX
+            })?;
+            if !reduced(b) {
+                if let Some(e) = &*self.failed.lock() {
+                    return Err(e.clone());
+                }
+                return Err(Error::PeerLost {
+                    rank: b.peer(),
+                    detail: format!(
+                        "rank {} left before reducing its part of allreduce '{name}'",
+                        b.peer()
+                    ),
+                });
+            }
+            let theirs = segment(b.peer());
+            out[theirs.clone()].copy_from_slice(records.result(b.peer(), slot, theirs));
+        }
+        Ok(())
     }
 
     /// Every rank's allgather rows (of `row_bytes` each), this rank's `own_rows` and the

@@ -25,8 +25,10 @@ const PAGE: usize = 4096;
 /// Payload bytes a record holds: the fast path's largest op.
 pub const OFFER_DATA_BYTES: usize = 64 << 10;
 /// A record: a page holding the offer's slot, the descriptor's length, the payload's rows and
-/// the descriptor, then the payload.
-const RECORD: usize = PAGE + OFFER_DATA_BYTES;
+/// the descriptor, then the payload, then the result area (where a split allreduce leaves the
+/// segment this rank reduced, at the segment's place in the tensor).
+const RECORD: usize = PAGE + 2 * OFFER_DATA_BYTES;
+const RESULT: usize = PAGE + OFFER_DATA_BYTES;
 /// Bytes of a rank's segment: its two records.
 pub const OFFER_SEGMENT_BYTES: usize = 2 * RECORD;
 /// 1 + the slot of the offer the record holds (0: none yet).
@@ -116,6 +118,20 @@ impl OfferRecords {
         self.maps[r]
             .atomic(record(slot) + OFF_ROWS)
             .load(Ordering::Relaxed)
+    }
+
+    /// Writes `bytes` at `at` of this rank's result area of `slot` (before it publishes
+    /// `Reduced`, whose release makes them visible).
+    pub(crate) fn write_result(&self, slot: u64, at: usize, bytes: &[u8]) {
+        assert!(at + bytes.len() <= OFFER_DATA_BYTES);
+        self.maps[self.rank].write(record(slot) + RESULT + at, bytes);
+    }
+
+    /// Bytes `range` of rank `r`'s result area of `slot`: valid from its `Reduced` past
+    /// `slot` until this rank publishes a `Done` past it.
+    pub(crate) fn result(&self, r: usize, slot: u64, range: Range<usize>) -> &[u8] {
+        assert!(range.start <= range.end && range.end <= OFFER_DATA_BYTES);
+        self.maps[r].bytes(record(slot) + RESULT + range.start, range.len())
     }
 
     /// Bytes `range` of rank `r`'s payload of `slot`, read where they lie: valid from its

@@ -20,7 +20,7 @@ pub(super) const BOARD: usize = HEADER;
 const fn off_board(side: usize, word: BoardWord) -> usize {
     BOARD + side * BOARD_SIDE + LINE * word as usize
 }
-const _: () = assert!(LINE * (BoardWord::Waiting as usize + 1) <= PAGE);
+const _: () = assert!(LINE * (BoardWord::Reduced as usize + 1) <= PAGE);
 
 /// The words of a side's board record, each on its own line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +33,8 @@ pub(crate) enum BoardWord {
     Bell = 2,
     /// This side sleeps on the other side's bell.
     Waiting = 3,
+    /// Slots whose split allreduce this side has reduced its segment of (in its offer record).
+    Reduced = 4,
 }
 
 impl ShmLink {
