@@ -390,20 +390,55 @@ fn meet<P: ControlPlane>(
             .map_or(String::new(), |e| auth::secret_to_hex(&e.address()))
     );
     store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
+    // Rank 0 reads every rank's record and publishes them as one table, which every other
+    // rank reads once: N + N store requests in all, where every rank reading every record
+    // made N^2 (a million at 1024 ranks). Rank 0 also compares the settings, so every rank
+    // fails alike, before any collective could hang on the difference.
+    let table = if rank == 0 {
+        let mut table = String::new();
+        let mut disagree = String::new();
+        for r in 0..size {
+            let v = if r == 0 {
+                me.clone().into_bytes()
+            } else {
+                store.get(&key(&format!("peer/{r}")), deadline)?
+            };
+            let text = String::from_utf8_lossy(&v).to_string();
+            let (record, theirs) = split_record(&text);
+            if theirs != settings && disagree.is_empty() {
+                disagree = format!("{r}\n{settings}\n{theirs}");
+            }
+            table.push_str(record);
+            table.push('\n');
+        }
+        let table = format!("{disagree}\n\n{table}");
+        store.set(&key("table"), table.as_bytes())?;
+        table
+    } else {
+        String::from_utf8_lossy(&store.get(&key("table"), deadline)?).to_string()
+    };
+    let (verdict, records) = table.split_once("\n\n").unwrap_or((table.as_str(), ""));
+    if !verdict.is_empty() {
+        let mut v = verdict.splitn(3, '\n');
+        let (r, first, theirs) = (v.next(), v.next(), v.next());
+        return Err(Error::InvalidArgument(format!(
+            "ranks disagree on settings every rank must share: rank 0 has `{}`, rank {} has \
+             `{}`; set them the same everywhere (ferrovodrun passes its environment, and \
+             `-x VAR=value`, to every rank; every rank must pass the same \
+             init(process_sets=...))",
+            first.unwrap_or_default(),
+            r.unwrap_or_default(),
+            theirs.unwrap_or_default()
+        )));
+    }
     let mut addrs = Vec::with_capacity(size);
     let mut hosts = Vec::with_capacity(size);
     let mut cpus = Vec::with_capacity(size);
     let mut offer_addrs = Vec::with_capacity(size);
-    let mut disagree = None;
+    let mut lines = records.split('\n');
     for r in 0..size {
-        let v = store.get(&key(&format!("peer/{r}")), deadline)?;
-        let text = String::from_utf8_lossy(&v).to_string();
-        let mut lines = text.splitn(5, '\n');
-        let a = lines.next().unwrap_or_default();
-        let h = lines.next().unwrap_or_default();
-        let c = lines.next().unwrap_or_default();
-        let o = lines.next().unwrap_or_default();
-        let theirs = lines.next().unwrap_or_default();
+        let mut field = || lines.next().unwrap_or_default();
+        let (a, h, c, o) = (field(), field(), field(), field());
         offer_addrs.push(
             auth::secret_from_hex(o).map_err(|_| {
                 Error::Decode(format!("rank {r} published a bad offer address {o:?}"))
@@ -416,19 +451,6 @@ fn meet<P: ControlPlane>(
             })?,
         );
         hosts.push(h.to_string());
-        if theirs != settings && disagree.is_none() {
-            disagree = Some((r, theirs.to_string()));
-        }
-    }
-    // Every rank reads every entry, so every rank fails here alike, before any collective
-    // could hang on the difference.
-    if let Some((r, theirs)) = disagree {
-        return Err(Error::InvalidArgument(format!(
-            "ranks disagree on settings every rank must share: rank {rank} has `{settings}`, \
-             rank {r} has `{theirs}`; set them the same everywhere (ferrovodrun passes its \
-             environment, and `-x VAR=value`, to every rank; every rank must pass the same \
-             init(process_sets=...))"
-        )));
     }
     let coord = store.get(&key("coordinator"), deadline)?;
     let coord = String::from_utf8_lossy(&coord).to_string();
@@ -453,6 +475,19 @@ fn meet<P: ControlPlane>(
             .filter(|_| offer_addrs.iter().all(|a| !a.is_empty()))
             .map(|e| (e, offer_addrs)),
     })
+}
+
+/// A rank's rendezvous record split into its table part (address, host, CPUs, offer address:
+/// four lines) and its settings (the rest).
+fn split_record(text: &str) -> (&str, &str) {
+    let mut at = 0;
+    for _ in 0..4 {
+        match text[at..].find('\n') {
+            Some(i) => at += i + 1,
+            None => return (text, ""),
+        }
+    }
+    (&text[..at - 1], &text[at..])
 }
 
 /// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other
