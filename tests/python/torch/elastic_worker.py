@@ -15,13 +15,16 @@ keeps them, so after the run rank 0 checks, independently of ferrovod:
 
 SCENARIO says what happens at global step ``AT`` (only once, in the first membership):
   kill       the worker on host 127.0.0.1 with local rank 1 SIGKILLs itself
+  first      the worker on host localhost (the first host, rank 0's) with local rank 1 does
   twice      as kill; then host 127.0.0.2's worker SIGKILLs itself during the reset
   raise      that worker raises an exception instead
   all        every worker raises an exception
   add        rank 0 writes a second host into HOSTS_FILE (the discovery script reads it)
   remove     rank 0 removes host 127.0.0.1 from HOSTS_FILE
   none       nothing
-Prints ``size S rank R epoch E step T`` at every reset and ``DONE ...`` / ``OK n`` at the end.
+Prints ``size S rank R epoch E step T`` at every reset and ``DONE ...`` / ``OK n`` at the end;
+rank 0 appends the committed steps to ``OUT_DIR/commits`` at every commit (they must never go
+back: a rank 0 without the committed state would hand every rank its empty one).
 """
 
 import json
@@ -86,6 +89,12 @@ def main():
 
     state.register_reset_callbacks([on_reset])
 
+    def commit():
+        state.commit()
+        if hvd.rank() == 0:
+            with open(os.path.join(out_dir, "commits"), "a") as f:
+                f.write(f"{len(state.steps)}\n")
+
     @hvd.elastic.run
     def train(state):
         print(f"size {hvd.size()} rank {hvd.rank()} epoch {state.epoch} step {len(state.steps)}",
@@ -105,10 +114,10 @@ def main():
                 state.steps.append(sorted(j for part in everyone for j in part))
                 state.sampler.record_indices(idx)
                 if len(state.steps) % COMMIT_EVERY == 0:
-                    state.commit()
+                    commit()
             state.epoch = epoch + 1
             state.sampler.set_epoch(epoch + 1)
-            state.commit()
+            commit()
 
     train(state)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -155,7 +164,9 @@ FIRST = os.environ.get("ELASTIC_FIRST_HOST", "localhost")
 
 def act(scenario, host, slot_lr, hosts_file):
     victim = host == VICTIM and slot_lr == (0 if scenario == "twice" else 1)
-    if scenario in ("kill", "twice") and victim:
+    if scenario == "first":
+        victim = host == FIRST and slot_lr == 1
+    if scenario in ("kill", "twice", "first") and victim:
         print("killing myself", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "raise" and victim:

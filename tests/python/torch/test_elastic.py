@@ -37,7 +37,10 @@ def elastic_job(tmp_path, hosts, np_, scenario="none", flags=(), timeout=120, en
 
 
 def result(tmp_path):
-    return json.loads((tmp_path / "result.json").read_text())
+    got = json.loads((tmp_path / "result.json").read_text())
+    commits = [int(x) for x in (tmp_path / "commits").read_text().split()]
+    assert commits == sorted(commits), f"committed steps went back: {commits}"
+    return got
 
 
 def sizes_seen(res):
@@ -144,6 +147,21 @@ def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
     assert "blacklisting 127.0.0.1 for 2 s" in res.stderr, describe(res)
     epochs = [ln for ln in res.stderr.splitlines() if "elastic: epoch" in ln]
     assert len(epochs) >= 3 and "4 worker(s)" in epochs[-1], describe(res)
+    assert result(tmp_path)["size"] == 4
+
+
+def test_a_host_back_from_its_cooldown_never_takes_rank_0_from_the_survivors(tmp_path):
+    """The first host (rank 0's) loses a worker and is blacklisted for 2 s: the survivors on
+    127.0.0.1 hold the committed state, and when localhost comes back its fresh workers must
+    come after them, or the new rank 0 would hand every rank its empty state (the committed
+    steps, which result() checks, would go back)."""
+    res = elastic_job(tmp_path, BOTH, 4, "first", ["--min-np", "2",
+                                                   "--blacklist-cooldown-range", "1", "2"],
+                      env={"ELASTIC_STEP_SLEEP": "0.4"})
+    assert res.returncode == 0, describe(res)
+    assert "blacklisting localhost for 2 s" in res.stderr, describe(res)
+    epochs = [ln for ln in res.stderr.splitlines() if "elastic: epoch" in ln]
+    assert "4 worker(s)" in epochs[-1] and "127.0.0.1[0]=0" in epochs[-1], describe(res)
     assert result(tmp_path)["size"] == 4
 
 

@@ -6,7 +6,8 @@
   failures are retried until the elastic timeout. Without a script the hosts are ``-H`` /
   ``--hostfile``'s, fixed (fault tolerance only).
 * **Order.** Hosts keep the order they joined in, oldest first, and ranks are dealt in that
-  order: the new rank 0 is always a survivor, which holds the committed state.
+  order: the new rank 0 is always a survivor, which holds the committed state. A blacklisted
+  host goes to the end: when it comes back, its workers are new.
 * **Failures.** A worker that exits non-zero puts its host on the blacklist: for good, or with
   ``--blacklist-cooldown-range LO HI`` for ``LO * 2**n`` seconds (at most ``HI``) after its
   n-th failure, as Horovod does, after which discovery may bring it back.
@@ -393,6 +394,13 @@ class ElasticDriver:
         if self.finishing or self.aborted:
             return False
         span = self.blacklist.add(w.host, time.monotonic())
+        # Its workers all leave, so when its cooldown ends it comes back holding no state,
+        # like a new host: at the end of the order, never ahead of the survivors' hosts (a
+        # returning host first in the order gave rank 0 to a fresh worker, whose empty state
+        # the sync then gave every rank).
+        if w.host in self.order:
+            self.order.remove(w.host)
+            self.order.append(w.host)
         for_how_long = "for good" if span == math.inf else f"for {span:g} s"
         self.log(f"elastic: {w.host}[{w.local_rank}] failed with {describe_status(code)}; "
                  f"blacklisting {w.host} {for_how_long}")
