@@ -21,6 +21,7 @@ SCENARIO says what happens at global step ``AT`` (only once, in the first member
   all        every worker raises an exception
   add        rank 0 writes a second host into HOSTS_FILE (the discovery script reads it)
   remove     rank 0 removes host 127.0.0.1 from HOSTS_FILE
+  replace    rank 0 replaces every host in HOSTS_FILE with 127.0.0.2, where no survivor is
   none       nothing
 Prints ``size S rank R epoch E step T`` at every reset and ``DONE ...`` / ``OK n`` at the end;
 rank 0 appends the committed steps to ``OUT_DIR/commits`` at every commit (they must never go
@@ -173,8 +174,10 @@ def act(scenario, host, slot_lr, hosts_file):
         raise RuntimeError("a worker's own error, mid-epoch")
     if scenario == "all":
         raise RuntimeError("every worker's own error, mid-epoch")
-    if scenario in ("add", "remove") and hvd.rank() == 0:
+    if scenario in ("add", "remove", "replace") and hvd.rank() == 0:
         lines = [f"{FIRST}:2"] + ([f"{VICTIM}:2"] if scenario == "add" else [])
+        if scenario == "replace":
+            lines = ["127.0.0.2:2"]
         tmp = hosts_file + ".tmp"
         with open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")

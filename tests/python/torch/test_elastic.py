@@ -165,6 +165,17 @@ def test_a_host_back_from_its_cooldown_never_takes_rank_0_from_the_survivors(tmp
     assert result(tmp_path)["size"] == 4
 
 
+def test_hosts_that_would_leave_no_survivor_never_restart_training(tmp_path):
+    """Discovery replaces the only host with a new one: a membership of new workers alone
+    would start training over from their empty state. The driver makes none and says so;
+    the current workers train on to the end."""
+    res = elastic_job(tmp_path, "localhost:2\n", 2, "replace", ["--min-np", "2"], timeout=90)
+    assert res.returncode == 0, describe(res)
+    assert "keep no worker of the current membership" in res.stderr, describe(res)
+    got = result(tmp_path)
+    assert got["size"] == 2 and got["resets"] == 0, got
+
+
 @pytest.mark.parametrize("hosts,flags,env,message", [
     ("localhost\n", [], {}, "without a slot count"),
     ("localhost\n", ["--slots-per-host", "2"], {}, None),

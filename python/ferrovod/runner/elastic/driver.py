@@ -7,7 +7,9 @@
   ``--hostfile``'s, fixed (fault tolerance only).
 * **Order.** Hosts keep the order they joined in, oldest first, and ranks are dealt in that
   order: the new rank 0 is always a survivor, which holds the committed state. A blacklisted
-  host goes to the end: when it comes back, its workers are new.
+  host goes to the end: when it comes back, its workers are new. A membership whose rank 0
+  would still be a new worker (discovery removed every survivor's host) is not made: the
+  current workers train on.
 * **Failures.** A worker that exits non-zero puts its host on the blacklist: for good, or with
   ``--blacklist-cooldown-range LO HI`` for ``LO * 2**n`` seconds (at most ``HI``) after its
   n-th failure, as Horovod does, after which discovery may bring it back.
@@ -410,6 +412,7 @@ class ElasticDriver:
         pending_change = False
         failed = False
         below_since: Optional[float] = None
+        orphaned_logged = False
         while True:
             event = self.sup.next_event(0.1)
             now = time.monotonic()
@@ -472,6 +475,22 @@ class ElasticDriver:
                     self._abort(why)
                     return self._end(1)
                 continue
+            # Rank 0 hands every rank its state at the reset, so it must be a worker that holds
+            # the committed state. A membership whose rank 0 would be a new worker (discovery
+            # removed the hosts of every survivor and listed fresh ones) would start training
+            # over: none is made, and the current workers train on (if they die, the job ends
+            # as any job whose every worker failed).
+            holders = {(w.host, w.local_rank) for w in self.workers.values()
+                       if w.alive and not w.removed and (w.host, w.local_rank) in old}
+            first = min(slots, key=lambda slot: slot.rank)
+            if holders and (first.hostname, first.local_rank) not in holders:
+                if not orphaned_logged:
+                    orphaned_logged = True
+                    self.log("elastic: the hosts listed keep no worker of the current membership "
+                             "to be rank 0 and hand on the committed state; the current workers "
+                             "train on until one of their hosts is listed again")
+                continue
+            orphaned_logged = False
             below_since = None
             if self.s.reset_limit is not None and self.resets >= self.s.reset_limit:
                 why = constants.RESET_LIMIT_EXCEEDED_MESSAGE.format(self.s.reset_limit)
