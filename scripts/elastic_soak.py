@@ -41,6 +41,27 @@ from netns import Cluster, missing_tools  # noqa: E402
 WORKER = str(ROOT / "scripts" / "elastic_soak_worker.py")
 
 
+def epochs(log_path: Path) -> int:
+    """Memberships the launcher has published so far (its ``elastic: epoch`` lines)."""
+    try:
+        return log_path.read_text(errors="replace").count("elastic: epoch ")
+    except OSError:
+        return 0
+
+
+def current_hosts(log_path: Path) -> list:
+    """The hosts of the launcher's latest membership (its last ``elastic: epoch`` line)."""
+    try:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
+                 if "elastic: epoch " in ln]
+    except OSError:
+        return []
+    if not lines:
+        return []
+    slots = lines[-1].split("worker(s): ", 1)[-1].split(", ")
+    return sorted({slot.split("[", 1)[0] for slot in slots})
+
+
 def progress(out: Path):
     """(time, steps, size) of the job's last commit, or None before the first."""
     try:
@@ -87,16 +108,25 @@ def main() -> int:
                "-p", "2222", "-i", str(cluster.key),
                sys.executable, WORKER, str(out)]  # fmt: skip
         log = open(Path(tmp) / "job.log", "w")
+        choice, t_sent = "", time.time()
         start = time.monotonic()
         job = cluster.popen("h0", cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
         waits, failed = [], None
         last_steps = -1
+        log_path = Path(tmp) / "job.log"
         for e in range(args.events + 1):
             t_event = time.time()
+            # After a kill, wait for the membership that follows it, then for a commit in it:
+            # the time from the kill to training again.
+            seen = epochs(log_path)
+            need_epoch = e > 0 and choice == "kill"
             while True:
                 got = progress(out)
-                if got and got[1] != last_steps and got[0] > t_event - 0.001:
+                if need_epoch and epochs(log_path) > seen:
+                    need_epoch, t_epoch = False, time.time()
+                    t_event = t_epoch
+                if got and not need_epoch and got[1] != last_steps and got[0] > t_event - 0.001:
                     break
                 if job.poll() is not None:
                     failed = f"the job ended (exit {job.returncode}) before event {e}"
@@ -111,15 +141,20 @@ def main() -> int:
                 failed = f"committed steps went back from {last_steps} to {got[1]} after event {e}"
                 break
             if e > 0:
-                waits.append(got[0] - t_event)
-                print(f"  event {e}: next commit after {got[0] - t_event:.1f} s "
+                waits.append(got[0] - t_sent)
+                print(f"  event {e}: next commit after {got[0] - t_sent:.1f} s "
                       f"(step {got[1]}, size {got[2]})", flush=True)
             last_steps = got[1]
             if e == args.events:
                 break
+            t_sent = time.time()
             unlisted = [h for h in names if h not in listed]
             choice = rng.choice(["kill"] * 3 + ["remove", "add"])
-            if choice == "remove" and len(listed) <= args.min_hosts:
+            # A removal keeps a host of the current membership listed: removing every host
+            # that holds the committed state ends the job (by design), not a soak's question.
+            members = current_hosts(log_path)
+            removable = [h for h in listed if [m for m in members if m in listed and m != h]]
+            if choice == "remove" and (len(listed) <= args.min_hosts or not removable):
                 choice = "add" if unlisted else "kill"
             if choice == "add" and not unlisted:
                 choice = "kill"
@@ -137,7 +172,7 @@ def main() -> int:
                 except ProcessLookupError:
                     pass
             elif choice == "remove":
-                host = rng.choice(listed)
+                host = rng.choice(removable)
                 listed.remove(host)
                 write_hosts()
                 print(f"event {e + 1}: remove {host}", flush=True)

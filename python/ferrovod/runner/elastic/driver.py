@@ -9,7 +9,7 @@
   order: the new rank 0 is always a survivor, which holds the committed state. A blacklisted
   host goes to the end: when it comes back, its workers are new. A membership whose rank 0
   would still be a new worker (discovery removed every survivor's host) is not made: the
-  current workers train on.
+  current workers train on, or, when one of them failed, the job ends saying why.
 * **Failures.** A worker that exits non-zero puts its host on the blacklist: for good, or with
   ``--blacklist-cooldown-range LO HI`` for ``LO * 2**n`` seconds (at most ``HI``) after its
   n-th failure, as Horovod does, after which discovery may bring it back.
@@ -484,6 +484,14 @@ class ElasticDriver:
                        if w.alive and not w.removed and (w.host, w.local_rank) in old}
             first = min(slots, key=lambda slot: slot.rank)
             if holders and (first.hostname, first.local_rank) not in holders:
+                if failed:
+                    # The survivors wait in their reset for a membership none can be given.
+                    why = ("a worker failed and the hosts listed keep no worker of the current "
+                           "membership to be rank 0 and hand on the committed state (discovery "
+                           "removed their hosts); new workers alone would start training over")
+                    self.log(f"error: {why}")
+                    self._abort(why)
+                    return self._end(1)
                 if not orphaned_logged:
                     orphaned_logged = True
                     self.log("elastic: the hosts listed keep no worker of the current membership "
