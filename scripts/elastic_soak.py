@@ -10,8 +10,11 @@ has committed a step since the last one (else the job is reported as hung, and t
 
 * ``kill``: a random worker on a random listed host is SIGKILLed; the launcher blacklists the
   host, which comes back after its cooldown (``--blacklist-cooldown-range``);
-* ``remove``: a listed host is taken out of the hosts file (its workers leave at a commit);
-* ``add``: a host taken out comes back.
+* ``add``: a host not listed is added (the job starts with one host unlisted);
+* ``remove`` (with ``--removals``): a listed host is taken out of the hosts file (its workers
+  leave at a commit), keeping a host of the current membership listed. Removals and kills
+  together can leave no worker that holds the committed state to lead the next membership;
+  the job then ends saying so (by design: new workers alone would start training over).
 
 At least ``--min-hosts`` hosts stay listed. Prints each event, the time from it to the next
 commit, and a summary; the exit status is non-zero on a hang, a failed job or a failed check.
@@ -80,6 +83,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--hang-after", type=float, default=180.0,
                    help="seconds without a commit after which the job counts as hung")
+    p.add_argument("--removals", action="store_true", help="also remove listed hosts")
     p.add_argument("--log", help="also write the job's output to this file")
     args = p.parse_args()
     why = missing_tools()
@@ -93,7 +97,7 @@ def main() -> int:
         out = Path(tmp) / "out"
         out.mkdir()
         hosts_file = Path(tmp) / "hosts"
-        listed = list(names)
+        listed = names[:-1] if len(names) > args.min_hosts else list(names)
 
         def write_hosts():
             hosts_file.write_text("".join(f"{h}:{args.slots}\n" for h in listed))
@@ -101,7 +105,8 @@ def main() -> int:
         write_hosts()
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("FERROVOD_", "HOROVOD_", "OMPI_", "PMI"))}
-        cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_),
+        cmd = [sys.executable, "-m", "ferrovod.runner.launch",
+               "-np", str(len(listed) * args.slots),
                "--min-np", str(args.min_hosts * args.slots), "--max-np", str(np_),
                "--host-discovery-script", f"cat {hosts_file}",
                "--blacklist-cooldown-range", "5", "20", "--elastic-timeout", "120",
@@ -149,7 +154,7 @@ def main() -> int:
                 break
             t_sent = time.time()
             unlisted = [h for h in names if h not in listed]
-            choice = rng.choice(["kill"] * 3 + ["remove", "add"])
+            choice = rng.choice(["kill"] * 4 + ["add"] + (["remove"] if args.removals else []))
             # A removal keeps a host of the current membership listed: removing every host
             # that holds the committed state ends the job (by design), not a soak's question.
             members = current_hosts(log_path)

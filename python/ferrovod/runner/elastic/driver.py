@@ -258,6 +258,11 @@ class ElasticDriver:
                   if h in self.hosts and not self.blacklist.blocked(h, now)]
         if not usable:
             return []
+        # Hosts whose workers hold the committed state come first, whatever their age: rank 0
+        # hands every rank its state (a host back from its cooldown, or added, is fresh).
+        holding = {w.host for w in self.workers.values() if w.alive and not w.removed
+                   and (w.host, w.local_rank) in self.current.slots}
+        usable.sort(key=lambda h: h.hostname not in holding)
         try:
             return get_host_assignments(usable, 0, self.s.max_np)
         except HostSpecError:
