@@ -148,17 +148,17 @@ pub fn nccl_library() -> Option<String> {
 /// `FERROVOD_NCCL_DISPATCH`: read apart from [`Config`], like [`nccl_library`], because the
 /// torch adapter asks before (and without) the engine.
 pub fn nccl_dispatch() -> bool {
-    let name = "FERROVOD_NCCL_DISPATCH";
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => is_on(v.trim()),
-        _ => is_on(default_of(name)),
-    }
+    flag_apart("FERROVOD_NCCL_DISPATCH")
 }
 
 /// `FERROVOD_NCCL_SHARED_GPU`: read apart from [`Config`], like [`nccl_dispatch`], beside
 /// which the device path decides.
 pub fn nccl_shared_gpu() -> bool {
-    let name = "FERROVOD_NCCL_SHARED_GPU";
+    flag_apart("FERROVOD_NCCL_SHARED_GPU")
+}
+
+/// Flag `name` read from the environment now, its table default where unset or empty.
+fn flag_apart(name: &str) -> bool {
     match std::env::var(name) {
         Ok(v) if !v.trim().is_empty() => is_on(v.trim()),
         _ => is_on(default_of(name)),

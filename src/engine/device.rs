@@ -298,25 +298,24 @@ impl DeviceState {
                         (Err(e), true) => e.clone(),
                         _ => format!("rank {} cannot use NCCL", members[m]),
                     });
-                } else if theirs[17] == 0 && shared.is_some() {
-                    why = shared.take();
-                } else if let Some(first) = seen.iter().position(|u| u[..16] == theirs[..16]) {
-                    let text = format!(
-                        "ranks {} and {} share one GPU (GPU-{}), and NCCL takes one GPU per \
-                         rank; give each rank its own GPU, e.g. \
-                         torch.cuda.set_device(hvd.local_rank()), or set \
-                         FERROVOD_NCCL_SHARED_GPU=1 on every rank",
-                        members[first],
-                        members[m],
-                        uuid_text(&theirs[..16])
-                    );
-                    if seen.iter().chain([&theirs]).all(|u| u[17] == 1) {
-                        shared.get_or_insert(text);
-                    } else {
-                        why = Some(text);
+                } else if shared.is_none() {
+                    if let Some(first) = seen.iter().position(|u| u[..16] == theirs[..16]) {
+                        shared = Some(format!(
+                            "ranks {} and {} share one GPU (GPU-{}), and NCCL takes one GPU \
+                             per rank; give each rank its own GPU, e.g. \
+                             torch.cuda.set_device(hvd.local_rank()), or set \
+                             FERROVOD_NCCL_SHARED_GPU=1 on every rank",
+                            members[first],
+                            members[m],
+                            uuid_text(&theirs[..16])
+                        ));
                     }
                 }
                 seen.push(theirs);
+            }
+            // Ranks that share a GPU take NCCL only where every member lets them.
+            if why.is_none() && shared.is_some() && !seen.iter().all(|u| u[17] == 1) {
+                why = shared.take();
             }
             if let Some(why) = why {
                 return staged(device, why);
@@ -520,8 +519,6 @@ fn uuid_text(u: &[u8]) -> String {
     )
 }
 
-/// Enqueues one call per tensor of the response on `stream` (inside the caller's group);
-/// `me` is this rank's position in `members`.
 /// A fused allreduce's tensors, for the device fusion buffer: their (input, output) pairs and
 /// the reduction they share.
 struct Fused {
@@ -573,6 +570,8 @@ fn fusable(resp: &Response, members: &[usize], entries: &[Option<Entry>]) -> Res
     Ok(fused.filter(|f| f.parts.len() > 1))
 }
 
+/// Enqueues one call per tensor of the response on `stream` (inside the caller's group);
+/// `me` is this rank's position in `members`.
 fn enqueue(
     comm: &mut DeviceComm,
     members: &[usize],
