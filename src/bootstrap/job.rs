@@ -398,12 +398,12 @@ fn meet<P: ControlPlane>(
         let mut table = String::new();
         let mut disagree = String::new();
         for r in 0..size {
-            let v = if r == 0 {
-                me.clone().into_bytes()
+            let text = if r == 0 {
+                me.clone()
             } else {
-                store.get(&key(&format!("peer/{r}")), deadline)?
+                String::from_utf8_lossy(&store.get(&key(&format!("peer/{r}")), deadline)?)
+                    .into_owned()
             };
-            let text = String::from_utf8_lossy(&v).to_string();
             let (record, theirs) = split_record(&text);
             if theirs != settings && disagree.is_empty() {
                 disagree = format!("{r}\n{settings}\n{theirs}");
@@ -480,14 +480,9 @@ fn meet<P: ControlPlane>(
 /// A rank's rendezvous record split into its table part (address, host, CPUs, offer address:
 /// four lines) and its settings (the rest).
 fn split_record(text: &str) -> (&str, &str) {
-    let mut at = 0;
-    for _ in 0..4 {
-        match text[at..].find('\n') {
-            Some(i) => at += i + 1,
-            None => return (text, ""),
-        }
-    }
-    (&text[..at - 1], &text[at..])
+    text.match_indices('\n')
+        .nth(3)
+        .map_or((text, ""), |(i, _)| (&text[..i], &text[i + 1..]))
 }
 
 /// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other

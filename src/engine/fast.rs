@@ -415,10 +415,7 @@ impl FastPath {
             })?;
             // A peer that offered this slot and has since closed (it finished the op and
             // shut down) still offered: its record stays until every reader is done.
-            let records = self
-                .records
-                .as_ref()
-                .expect("complete: every peer's records");
+            let records = self.peer_records();
             let fast = records.offered(b.peer(), slot)
                 && records.same_desc(b.peer(), slot, &sc.desc, &mut sc.peer_desc);
             if !fast {
@@ -497,10 +494,7 @@ impl FastPath {
         out: &mut [u8],
         stop: &dyn Fn() -> bool,
     ) -> Result<()> {
-        let records = self
-            .records
-            .as_ref()
-            .expect("complete: every peer's records");
+        let records = self.peer_records();
         let slot = offers.slot;
         let esize = dtype.size();
         let elems = out.len() / esize;
@@ -545,6 +539,13 @@ impl FastPath {
         Ok(())
     }
 
+    /// Every rank's offer records, which a complete fast path (the only one that offers) has.
+    fn peer_records(&self) -> &OfferRecords {
+        self.records
+            .as_ref()
+            .expect("complete: every peer's records")
+    }
+
     /// Every rank's allgather rows (of `row_bytes` each), this rank's `own_rows` and the
     /// peers' from their offer records, checked against a record's capacity before any byte
     /// is read.
@@ -555,15 +556,12 @@ impl FastPath {
         own_rows: usize,
         row_bytes: usize,
     ) -> Result<Vec<usize>> {
-        let records = self.records.as_ref();
         (0..self.size)
             .map(|r| {
                 if r == self.rank {
                     return Ok(own_rows);
                 }
-                let n = records
-                    .expect("complete: every peer's records")
-                    .rows(r, slot);
+                let n = self.peer_records().rows(r, slot);
                 usize::try_from(n)
                     .ok()
                     .filter(|&n| n.saturating_mul(row_bytes) <= OFFER_DATA_BYTES)
