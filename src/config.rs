@@ -42,6 +42,7 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_FUSION_THRESHOLD", alias: Some("HOROVOD_FUSION_THRESHOLD"), default: "134217728", doc: "Bytes of allreduce tensors fused into one collective; 0 disables fusion." },
     Var { name: "FERROVOD_CYCLE_TIME", alias: Some("HOROVOD_CYCLE_TIME"), default: "0", doc: "Milliseconds the coordinator may wait after a tensor is ready to gather more for fusion. 0: respond at once (fusing whatever is ready together)." },
     Var { name: "FERROVOD_CACHE_CAPACITY", alias: Some("HOROVOD_CACHE_CAPACITY"), default: "1024", doc: "Response-cache entries per process set (names seen before travel as small ids); 0 disables it." },
+    Var { name: "FERROVOD_CONTROL_FANOUT", alias: None, default: "32", doc: "Children per node of the control tree. Each host's first rank relays the control messages (submissions up, the coordinator's answers down) of up to this many of the host's other ranks (a tree of them beyond), and those first ranks form a tree of this fanout under rank 0, so no process holds more than this many control connections plus its own, and the coordinator answers each of its links once per op rather than every rank. 0: every rank connects to rank 0 (a star). Must be the same on every rank." },
     Var { name: "FERROVOD_TIMEOUT_SECONDS", alias: Some("HOROVOD_GLOO_TIMEOUT_SECONDS"), default: "30", doc: "Seconds a peer may make no progress in a collective before the op fails (a dead peer is detected at once). Must be above 0: there is no \"never\"." },
     Var { name: "FERROVOD_START_TIMEOUT", alias: Some("HOROVOD_START_TIMEOUT"), default: "60", doc: "Seconds init() waits for every rank to rendezvous. Must be above 0." },
     Var { name: "FERROVOD_DYNAMIC_PROCESS_SETS", alias: Some("HOROVOD_DYNAMIC_PROCESS_SETS"), default: "0", doc: "Allow add_process_set/remove_process_set after init()." },
@@ -86,6 +87,8 @@ pub struct Config {
     pub cycle_time: Duration,
     /// Response cache capacity per process set.
     pub cache_capacity: usize,
+    /// Children per node of the control tree (0: a star under rank 0).
+    pub control_fanout: usize,
     /// Progress timeout for collectives.
     pub timeout: Duration,
     /// Rendezvous timeout.
@@ -312,6 +315,7 @@ impl Config {
                 },
             )?,
             cache_capacity: int("FERROVOD_CACHE_CAPACITY")?,
+            control_fanout: int("FERROVOD_CONTROL_FANOUT")?,
             timeout: seconds(
                 "FERROVOD_TIMEOUT_SECONDS",
                 " (how long a peer may make no progress before the op fails; there is no \"never\")",

@@ -4,15 +4,18 @@
 //!
 //! 1. check the membership, pick the address to listen on and the job secret;
 //! 2. when no launcher of ours serves the rendezvous store, rank 0 serves it;
-//! 3. rank 0 starts the coordinator and publishes where it listens;
-//! 4. every rank publishes its data address, its host name and the settings every rank must
+//! 3. every rank publishes its data address, its host name and the settings every rank must
 //!    share, and reads everyone else's (a difference fails every rank alike);
+//! 4. every rank derives the control tree from the host table ([`ControlTree`]); rank 0
+//!    starts the coordinator, every rank with children a relay, and each publishes where it
+//!    listens;
 //! 5. the TCP mesh, then the move of each same-host pair to shared memory;
-//! 6. the control connection to the coordinator, which completes once every rank has joined.
+//! 6. the control connection to this rank's node (its own, else its parent's), which
+//!    completes once every rank has joined.
 //!
 //! The coordinator and the messages on the control connection are the engine's (the
 //! coordinator negotiates ops), so bootstrap does not build them: the engine hands [`form`] a
-//! [`ControlPlane`] whose two hooks it calls at steps 3 and 6, on the listeners and the address
+//! [`ControlPlane`] whose two hooks it calls at steps 4 and 6, on the listeners and the address
 //! bootstrap chose. That keeps the start-up order in one place without bootstrap knowing any
 //! engine type; the engine in turn knows nothing of stores, meshes or host names.
 //!
@@ -28,7 +31,7 @@ use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
 use super::auth;
 use super::net::interfaces;
 use super::tcp_store::{TcpStore, TcpStoreServer};
-use super::topology::{host_indices, Topology};
+use super::topology::{host_indices, ControlTree, Topology};
 use super::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -58,10 +61,10 @@ pub struct CoordinatorListeners {
     pub local: Option<UnixListener>,
 }
 
-/// Where a rank reaches the coordinator.
+/// Where a rank reaches a node of the control tree (the coordinator, or a relay).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CoordinatorAddr {
-    /// The coordinator's TCP address.
+    /// The node's TCP address.
     pub tcp: SocketAddr,
     /// The abstract name of its Unix socket, given only to ranks on rank 0's host (others
     /// could not reach it).
@@ -71,25 +74,33 @@ pub struct CoordinatorAddr {
 /// The job's control plane, which the engine defines: rank 0's coordinator and each rank's
 /// connection to it. [`form`] calls the hooks; see the module doc for when.
 pub trait ControlPlane {
-    /// A running coordinator (rank 0's).
+    /// A running node of the control tree: rank 0's coordinator, or a relay.
     type Coordinator;
-    /// This rank's connection to the coordinator.
+    /// This rank's connection to its node.
     type Control;
 
-    /// Starts the coordinator on `listeners` (rank 0 only), before their address is
-    /// published. `secret` is the job secret every control connection must prove.
-    fn start_coordinator(
+    /// Starts this rank's node of the control tree on `listeners`, before their address is
+    /// published: the coordinator on rank 0 (`parent` is `None`), else a relay, which
+    /// connects to its parent's node at `parent` (rank `tree.parent(rank)`) once the links
+    /// below it have connected. `secret` is the job secret every control connection must
+    /// prove.
+    fn start_node(
         &mut self,
         listeners: CoordinatorListeners,
         secret: &[u8],
+        tree: &ControlTree,
+        rank: usize,
+        parent: Option<CoordinatorAddr>,
     ) -> Result<Self::Coordinator>;
 
-    /// Connects this rank (`rank`) to the coordinator at `at`, once the data links are up,
-    /// and returns when every rank has connected: forming a job is collective.
+    /// Connects this rank (`rank`) to the node of rank `node` at `at` (its own node, or its
+    /// parent's), once the data links are up, and returns when every rank has connected:
+    /// forming a job is collective.
     fn connect(
         &mut self,
         at: &CoordinatorAddr,
         rank: usize,
+        node: usize,
         secret: &[u8],
     ) -> Result<Self::Control>;
 }
@@ -109,9 +120,10 @@ pub struct Job<P: ControlPlane> {
     pub cpu_share: f64,
     /// Every rank's fast-path offer records, when every rank is on this host.
     pub offer_records: Option<OfferRecords>,
-    /// Rank 0's coordinator.
+    /// This rank's node of the control tree: rank 0's coordinator, a relay on a rank with
+    /// children, none on the others.
     pub coordinator: Option<P::Coordinator>,
-    /// The connection to the coordinator.
+    /// The connection to this rank's node (its own, or its parent's).
     pub control: P::Control,
     /// The rendezvous store, when rank 0 serves it (launchers other than ferrovodrun).
     pub store_server: Option<TcpStoreServer>,
@@ -188,6 +200,7 @@ pub fn form<P: ControlPlane>(
         mut tcp,
         coordinator,
         coord_addr,
+        node,
         hosts,
         cpus,
         offers,
@@ -223,7 +236,7 @@ pub fn form<P: ControlPlane>(
         .collect();
     log::debug!(
         target: crate::LOG_TARGET,
-        "rank {rank}: transport to each peer: {}; coordinator at {}{}",
+        "rank {rank}: transport to each peer: {}; control node (rank {node}) at {}{}",
         if links.is_empty() { "none (one rank)".to_string() } else { links.join(", ") },
         coord_addr.tcp,
         if coord_addr.local.is_some() { " (reached over a local socket)" } else { "" }
@@ -253,7 +266,7 @@ pub fn form<P: ControlPlane>(
         host_cpus.len(),
         quota.map_or("none".to_string(), |q| format!("{q:.2}"))
     );
-    let control = plane.connect(&coord_addr, rank, &secret)?;
+    let control = plane.connect(&coord_addr, rank, node, &secret)?;
     Ok(Job {
         topology,
         hosts: host_indices(&hosts),
@@ -271,10 +284,12 @@ pub fn form<P: ControlPlane>(
 struct Met<P: ControlPlane> {
     /// The TCP mesh.
     tcp: TcpTransport,
-    /// Rank 0's coordinator.
+    /// This rank's node, if it runs one.
     coordinator: Option<P::Coordinator>,
-    /// Where the coordinator listens.
+    /// Where this rank's node listens (its own, or its parent's).
     coord_addr: CoordinatorAddr,
+    /// That node's rank.
+    node: usize,
     /// Each rank's host name.
     hosts: Vec<String>,
     /// The CPUs each rank may run on, as it published them (parsed for this host's ranks only).
@@ -294,12 +309,15 @@ fn alone<P: ControlPlane>(
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let (local, local_name) = bind_local_control().unzip();
-    let coordinator = plane.start_coordinator(
+    let coordinator = plane.start_node(
         CoordinatorListeners {
             tcp: listener,
             local,
         },
         secret,
+        &ControlTree::new(&[0], config.control_fanout),
+        0,
+        None,
     )?;
     let data = TcpListener::bind((ip, 0))?;
     let tcp = TcpTransport::connect_mesh(
@@ -318,6 +336,7 @@ fn alone<P: ControlPlane>(
         tcp,
         coordinator: Some(coordinator),
         coord_addr: at,
+        node: 0,
         hosts: vec![config.hostname.clone()],
         cpus: vec![crate::cpus::format_list(&crate::cpus::allowed())],
         offers: None,
@@ -344,30 +363,14 @@ fn meet<P: ControlPlane>(
     };
     let data = TcpListener::bind((ip, 0))?;
     let key = |k: &str| format!("g{}/{k}", membership.generation);
-    let coordinator = if rank == 0 {
-        let listener = TcpListener::bind((ip, 0))?;
-        let addr = listener.local_addr()?;
-        let (local, local_name) = bind_local_control().unzip();
-        let c = plane.start_coordinator(
-            CoordinatorListeners {
-                tcp: listener,
-                local,
-            },
-            secret,
-        )?;
-        let published = format!("{addr}\n{}", local_name.unwrap_or_default());
-        store.set(&key("coordinator"), published.as_bytes())?;
-        Some(c)
-    } else {
-        None
-    };
     // Process sets are registered by position (ids 1, 2, ...) and added or removed in dynamic
     // mode by every rank alike: a rank that differs would get other ids or wait alone for a
     // change the others refuse.
     let settings = format!(
-        "{} process_sets={process_sets:?} dynamic_process_sets={}",
+        "{} process_sets={process_sets:?} dynamic_process_sets={} control_fanout={}",
         config.tuning.shared_settings(),
-        u8::from(config.dynamic_process_sets)
+        u8::from(config.dynamic_process_sets),
+        config.control_fanout
     );
     // Every rank offers a segment for the fast path's records, unless its launcher says the
     // ranks span hosts; they are shared only when every rank turns out to be on this host and
@@ -452,23 +455,68 @@ fn meet<P: ControlPlane>(
         );
         hosts.push(h.to_string());
     }
-    let coord = store.get(&key("coordinator"), deadline)?;
-    let coord = String::from_utf8_lossy(&coord).to_string();
-    let (tcp, local) = coord.split_once('\n').unwrap_or((coord.as_str(), ""));
-    let at = CoordinatorAddr {
-        tcp: tcp
-            .parse::<SocketAddr>()
-            .map_err(|e| Error::Decode(format!("bad coordinator address: {e}")))?,
-        // Only a rank on rank 0's host can reach its abstract socket; a rank whose host merely
-        // has the same name falls back to TCP when connecting fails.
-        local: (!local.is_empty() && !hosts[0].is_empty() && hosts[rank] == hosts[0])
-            .then(|| local.to_string()),
+    // The control tree: every rank derives the same one from the same host table. A node
+    // publishes where it listens before it reads its parent's address, so no rank waits on
+    // one that waits on it.
+    let tree = ControlTree::new(&host_indices(&hosts), config.control_fanout);
+    let node_key = |r: usize| {
+        key(&if r == 0 {
+            "coordinator".to_string()
+        } else {
+            format!("node/{r}")
+        })
+    };
+    // Only a rank on the node's host can reach its abstract socket; a rank whose host merely
+    // has the same name falls back to TCP when connecting fails.
+    let node_addr = |r: usize| -> Result<CoordinatorAddr> {
+        let text = String::from_utf8_lossy(&store.get(&node_key(r), deadline)?).to_string();
+        let (tcp, local) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+        Ok(CoordinatorAddr {
+            tcp: tcp
+                .parse::<SocketAddr>()
+                .map_err(|e| Error::Decode(format!("bad address of rank {r}'s node: {e}")))?,
+            local: (!local.is_empty() && !hosts[r].is_empty() && hosts[rank] == hosts[r])
+                .then(|| local.to_string()),
+        })
+    };
+    let coordinator = if tree.has_node(rank) {
+        let listener = TcpListener::bind((ip, 0))?;
+        let addr = listener.local_addr()?;
+        let (local, local_name) = bind_local_control().unzip();
+        let published = format!("{addr}\n{}", local_name.clone().unwrap_or_default());
+        store.set(&node_key(rank), published.as_bytes())?;
+        let parent = tree.parent(rank).map(node_addr).transpose()?;
+        let node = plane.start_node(
+            CoordinatorListeners {
+                tcp: listener,
+                local,
+            },
+            secret,
+            &tree,
+            rank,
+            parent,
+        )?;
+        Some((
+            node,
+            CoordinatorAddr {
+                tcp: addr,
+                local: local_name,
+            },
+        ))
+    } else {
+        None
+    };
+    let node = tree.control_node(rank);
+    let (coordinator, at) = match coordinator {
+        Some((c, at)) => (Some(c), at),
+        None => (None, node_addr(node)?),
     };
     let tcp = TcpTransport::connect_mesh(rank, size, &data, &addrs, secret, deadline)?;
     Ok(Met {
         tcp,
         coordinator,
         coord_addr: at,
+        node,
         hosts,
         cpus,
         offers: exposed

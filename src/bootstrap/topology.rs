@@ -74,6 +74,122 @@ pub fn host_indices(hosts: &[String]) -> Vec<u32> {
         .collect()
 }
 
+/// A link of a node: the rank at its far end, and every rank it reaches.
+pub type NodeLink = (usize, Vec<usize>);
+
+/// The control plane's tree: every rank's control connection goes to its parent's node, not
+/// to rank 0, so that no process talks to more than `fanout` children plus its own engine
+/// whatever the size of the job. Each host's first rank (its leader) is the parent of that
+/// host's other ranks (`fanout` per level), and the leaders form a `fanout`-ary tree of their
+/// own under rank 0, so only leaders talk across hosts. A fanout of 0 is the flat star: every
+/// rank under rank 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlTree {
+    parent: Vec<Option<usize>>,
+    children: Vec<Vec<usize>>,
+}
+
+impl ControlTree {
+    /// The tree for ranks with the host indices `hosts` ([`host_indices`]).
+    pub fn new(hosts: &[u32], fanout: usize) -> ControlTree {
+        let size = hosts.len();
+        let mut parent = vec![None; size];
+        if let Some(fanout) = std::num::NonZeroUsize::new(fanout) {
+            let fanout = fanout.get();
+            let mut by_host: Vec<Vec<usize>> = Vec::new();
+            for (r, &h) in hosts.iter().enumerate() {
+                let h = h as usize;
+                if by_host.len() <= h {
+                    by_host.resize(h + 1, Vec::new());
+                }
+                by_host[h].push(r);
+            }
+            by_host.retain(|ranks| !ranks.is_empty());
+            // Rank 0's host leads: host indices follow first appearance, so it is host 0.
+            let leaders: Vec<usize> = by_host.iter().map(|ranks| ranks[0]).collect();
+            for (i, &l) in leaders.iter().enumerate().skip(1) {
+                parent[l] = Some(leaders[(i - 1) / fanout]);
+            }
+            for ranks in &by_host {
+                for (j, &r) in ranks.iter().enumerate().skip(1) {
+                    parent[r] = Some(ranks[(j - 1) / fanout]);
+                }
+            }
+        } else {
+            for p in parent.iter_mut().skip(1) {
+                *p = Some(0);
+            }
+        }
+        let mut children = vec![Vec::new(); size];
+        for (r, p) in parent.iter().enumerate() {
+            if let Some(p) = *p {
+                children[p].push(r);
+            }
+        }
+        ControlTree { parent, children }
+    }
+
+    /// Ranks in the job.
+    pub fn size(&self) -> usize {
+        self.parent.len()
+    }
+
+    /// The rank whose node `rank` reports to (`None` for rank 0).
+    pub fn parent(&self, rank: usize) -> Option<usize> {
+        self.parent[rank]
+    }
+
+    /// The ranks that report to `rank`'s node, ascending.
+    pub fn children(&self, rank: usize) -> &[usize] {
+        &self.children[rank]
+    }
+
+    /// Whether `rank` runs a node: rank 0 always (the coordinator), any other rank with
+    /// children (a relay).
+    pub fn has_node(&self, rank: usize) -> bool {
+        rank == 0 || !self.children[rank].is_empty()
+    }
+
+    /// Where `rank` connects its engine's control connection: its own node when it has one,
+    /// else its parent's.
+    pub fn control_node(&self, rank: usize) -> usize {
+        if self.has_node(rank) {
+            rank
+        } else {
+            self.parent[rank].unwrap_or(0)
+        }
+    }
+
+    /// `rank` and every rank below it, ascending.
+    pub fn subtree(&self, rank: usize) -> Vec<usize> {
+        let mut out = vec![rank];
+        let mut i = 0;
+        while i < out.len() {
+            out.extend_from_slice(&self.children[out[i]]);
+            i += 1;
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The links of `node`'s node: its own engine (`node`, reaching only itself) and each
+    /// child's (reaching its subtree), and for every rank below the node, the link its
+    /// messages travel by (`None` for ranks elsewhere).
+    pub fn links(&self, node: usize) -> (Vec<NodeLink>, Vec<Option<usize>>) {
+        let mut route = vec![None; self.size()];
+        route[node] = Some(node);
+        let mut links = vec![(node, vec![node])];
+        for &c in &self.children[node] {
+            let below = self.subtree(c);
+            for &r in &below {
+                route[r] = Some(c);
+            }
+            links.push((c, below));
+        }
+        (links, route)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +220,48 @@ mod tests {
             .map(|s| s.to_string())
             .collect();
         assert_eq!(host_indices(&hosts), vec![0, 1, 0, 2, 1, 3]);
+    }
+
+    #[test]
+    fn control_tree_leaders_across_hosts_and_fanout_within() {
+        // Two hosts of 4, fanout 2: rank 4 leads the second host under rank 0.
+        let t = ControlTree::new(&[0, 0, 0, 0, 1, 1, 1, 1], 2);
+        let parents: Vec<Option<usize>> = (0..8).map(|r| t.parent(r)).collect();
+        assert_eq!(
+            parents,
+            vec![
+                None,
+                Some(0),
+                Some(0),
+                Some(1),
+                Some(0),
+                Some(4),
+                Some(4),
+                Some(5)
+            ]
+        );
+        assert_eq!(t.children(0), &[1, 2, 4]);
+        assert_eq!(t.subtree(4), vec![4, 5, 6, 7]);
+        assert!(t.has_node(5) && !t.has_node(7));
+        assert_eq!((t.control_node(5), t.control_node(7)), (5, 5));
+        let (links, route) = t.links(0);
+        let ids: Vec<usize> = links.iter().map(|l| l.0).collect();
+        assert_eq!(ids, vec![0, 1, 2, 4]);
+        assert_eq!(route[3], Some(1));
+        assert_eq!(route[7], Some(4));
+        // Every rank is reached from the root exactly once.
+        let mut all: Vec<usize> = links.iter().flat_map(|l| l.1.clone()).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn control_tree_fanout_zero_is_the_star() {
+        let t = ControlTree::new(&[0, 1, 1, 2], 0);
+        assert_eq!(t.children(0), &[1, 2, 3]);
+        assert!((1..4).all(|r| !t.has_node(r) && t.control_node(r) == 0));
+        // One host under the fanout is a star too.
+        let t = ControlTree::new(&[0; 5], 4);
+        assert_eq!(t.children(0), &[1, 2, 3, 4]);
     }
 }

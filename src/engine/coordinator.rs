@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::bootstrap::{auth, net};
+use crate::bootstrap::{auth, net, ControlTree};
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 
@@ -23,6 +23,7 @@ use super::control::{ControlStream, FrameConn, OUTPUT_RETRY};
 use super::lease::Lease;
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
+use super::relay::{Addressed, Links};
 use super::sys::{wait_readable, Waker};
 use crate::transport::shm::ShmLink;
 
@@ -50,6 +51,12 @@ pub struct CoordinatorConfig {
     pub autotune: Option<AutotuneConfig>,
     /// How long an idle wait polls (yielding) before it blocks.
     pub spin: Duration,
+    /// This node's rank.
+    pub rank: usize,
+    /// The control tree every rank derived from the same host table.
+    pub tree: ControlTree,
+    /// A relay's way up to its parent's node; `None` for the coordinator (rank 0).
+    pub parent: Option<ConnectUp>,
 }
 
 /// A running coordinator; dropping it (or `stop`) ends the thread.
@@ -152,7 +159,7 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
     let spin = state.lock().cfg.spin;
     let mut idle = Spin::new(spin);
     loop {
-        let stopping = stop.load(Ordering::Acquire);
+        let stopping = stop.load(Ordering::Acquire) && state.lock().may_stop();
         if let (false, Some(left)) = (stopping, lease.remaining()) {
             let _ = wait_readable(&[waker.fd()], left);
             waker.clear();
@@ -194,80 +201,129 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
 /// descriptors: new connections and hang-ups may wait this long to be seen while it spins.
 const ASSIST_POLL: Duration = Duration::from_micros(50);
 
-/// Everything the coordinator keeps between turns.
+/// What rank 0's node does with what reaches it: negotiate.
+struct Root {
+    neg: Negotiator,
+    ready_since: Option<Instant>,
+    last_inspection: Instant,
+    cycle_time: Duration,
+    tuner: Option<Autotuner>,
+    /// Ranks that sent `Leave`.
+    left: Vec<bool>,
+}
+
+/// What any other node does: pass messages up and down.
+struct Relay {
+    /// The link to the parent's node, once every link below has connected.
+    parent: Option<FrameConn>,
+    /// How to make that link (it returns once every rank of the job has connected).
+    connect: Option<ConnectUp>,
+    /// Messages of the ranks below for the parent, sent once per turn.
+    up: Vec<(usize, ToCoordinator)>,
+    /// The parent shut down cleanly (its `RankLeft` passed by).
+    parent_left: bool,
+    /// The path above is gone: links below were told and closed; nothing more runs.
+    cut: bool,
+}
+
+/// A relay's connection to its parent's node (see [`CoordinatorConfig::parent`]).
+pub type ConnectUp = Box<dyn FnOnce() -> Result<FrameConn> + Send>;
+
+enum Role {
+    Root(Box<Root>),
+    Relay(Box<Relay>),
+}
+
+/// Everything a node keeps between turns.
 struct State {
     cfg: CoordinatorConfig,
     listener: TcpListener,
     local: Option<UnixListener>,
     waker: Arc<Waker>,
-    neg: Negotiator,
+    role: Role,
+    links: Links,
+    /// Indexed by the link's rank.
     conns: Vec<Option<FrameConn>>,
-    left: Vec<bool>,
     registered: Vec<bool>,
     tx: mpsc::Sender<(usize, ControlStream)>,
     rx: mpsc::Receiver<(usize, ControlStream)>,
     out: Outbox,
-    ready_since: Option<Instant>,
-    last_inspection: Instant,
-    cycle_time: Duration,
-    tuner: Option<Autotuner>,
     stopped: bool,
     /// When [`State::poll_and_turn`] last polled the descriptors.
     last_poll: Instant,
+    /// When this relay was asked to stop (it waits for the links below to close first).
+    stop_asked: Option<Instant>,
 }
 
 impl State {
     fn new(
         listener: TcpListener,
         local: Option<UnixListener>,
-        cfg: CoordinatorConfig,
+        mut cfg: CoordinatorConfig,
         waker: Arc<Waker>,
     ) -> State {
-        let mut neg = Negotiator::new(
-            cfg.size,
-            &cfg.process_sets,
-            cfg.fusion_threshold,
-            cfg.cache_capacity,
-        );
-        let mut cycle_time = cfg.cycle_time;
-        let tuner = cfg.autotune.clone().map(|a| {
-            neg.record_emitted();
-            Autotuner::new(
-                a,
-                Knobs {
-                    fusion_threshold: cfg.fusion_threshold,
-                    cycle_time: cfg.cycle_time,
-                },
-            )
-        });
-        if let Some(t) = &tuner {
-            let k = t.knobs();
-            neg.set_fusion_threshold(k.fusion_threshold);
-            cycle_time = k.cycle_time;
-        }
+        let links = Links::new(&cfg.tree, cfg.rank);
+        let role = match cfg.parent.take() {
+            Some(connect) => Role::Relay(Box::new(Relay {
+                parent: None,
+                connect: Some(connect),
+                up: Vec::new(),
+                parent_left: false,
+                cut: false,
+            })),
+            None => {
+                let mut neg = Negotiator::new(
+                    cfg.size,
+                    &cfg.process_sets,
+                    cfg.fusion_threshold,
+                    cfg.cache_capacity,
+                );
+                let mut cycle_time = cfg.cycle_time;
+                let tuner = cfg.autotune.clone().map(|a| {
+                    neg.record_emitted();
+                    Autotuner::new(
+                        a,
+                        Knobs {
+                            fusion_threshold: cfg.fusion_threshold,
+                            cycle_time: cfg.cycle_time,
+                        },
+                    )
+                });
+                if let Some(t) = &tuner {
+                    let k = t.knobs();
+                    neg.set_fusion_threshold(k.fusion_threshold);
+                    cycle_time = k.cycle_time;
+                }
+                Role::Root(Box::new(Root {
+                    neg,
+                    ready_since: None,
+                    last_inspection: Instant::now(),
+                    cycle_time,
+                    tuner,
+                    left: vec![false; cfg.size],
+                }))
+            }
+        };
         let (tx, rx) = mpsc::channel::<(usize, ControlStream)>();
         State {
             conns: (0..cfg.size).map(|_| None).collect(),
-            left: vec![false; cfg.size],
             registered: vec![false; cfg.size],
             cfg,
             listener,
             local,
             waker,
-            neg,
+            role,
+            links,
             tx,
             rx,
             out: Vec::new(),
-            ready_since: None,
-            last_inspection: Instant::now(),
-            cycle_time,
-            tuner,
             stopped: false,
             last_poll: Instant::now(),
+            stop_asked: None,
         }
     }
 
-    /// Ranks with an open connection, in the order [`State::fds`] lists them after the waker
+    /// Links with an open connection, in the order [`State::fds`] lists them after the waker
     /// and the listeners.
     fn ranks(&self) -> Vec<usize> {
         (0..self.cfg.size)
@@ -275,12 +331,20 @@ impl State {
             .collect()
     }
 
+    fn parent(&self) -> Option<&FrameConn> {
+        match &self.role {
+            Role::Relay(r) => r.parent.as_ref(),
+            Role::Root(_) => None,
+        }
+    }
+
     /// Descriptors to wait on: the waker, the listeners (TCP, then the local one, if any),
-    /// then each open connection.
+    /// each open connection, then a relay's link to its parent.
     fn fds(&self) -> Vec<RawFd> {
         let mut fds = vec![self.waker.fd(), self.listener.as_raw_fd()];
         fds.extend(self.local.as_ref().map(AsRawFd::as_raw_fd));
         fds.extend(self.conns.iter().flatten().map(FrameConn::fd));
+        fds.extend(self.parent().map(FrameConn::fd));
         fds
     }
 
@@ -292,31 +356,36 @@ impl State {
     /// How long an idle wait may block: until the batching window closes, if one is open, and
     /// briefly while answers wait to be written.
     fn timeout(&self, stopping: bool) -> Duration {
-        if stopping {
-            Duration::ZERO
-        } else {
-            let window = match self.ready_since {
-                Some(t) => self.cycle_time.saturating_sub(t.elapsed()),
+        if stopping || !self.out.is_empty() {
+            return Duration::ZERO;
+        }
+        let window = match &self.role {
+            Role::Root(root) => match root.ready_since {
+                Some(t) => root.cycle_time.saturating_sub(t.elapsed()),
                 None => Duration::from_secs(1),
-            };
-            if self.has_output() {
-                window.min(OUTPUT_RETRY)
-            } else {
-                window
-            }
+            },
+            // A relay asked to stop looks again at the links below now and then.
+            Role::Relay(_) if self.stop_asked.is_some() => Duration::from_millis(20),
+            Role::Relay(_) => Duration::from_secs(1),
+        };
+        if self.has_output() {
+            window.min(OUTPUT_RETRY)
+        } else {
+            window
         }
     }
 
     /// Whether a connection's ring holds input (no system call).
     fn has_input(&self) -> bool {
         self.conns.iter().flatten().any(FrameConn::has_input)
+            || self.parent().is_some_and(FrameConn::has_input)
     }
 
     /// Before blocking on [`State::fds`]: arms every ring. False when input is already there.
     fn arm(&self) -> bool {
         // Arm them all even when one has input: `disarm` follows either way.
         let mut quiet = true;
-        for c in self.conns.iter().flatten() {
+        for c in self.conns.iter().flatten().chain(self.parent()) {
             quiet &= c.arm();
         }
         quiet
@@ -327,14 +396,38 @@ impl State {
         for c in self.conns.iter_mut().flatten() {
             c.disarm(false);
         }
+        if let Role::Relay(r) = &mut self.role {
+            if let Some(p) = r.parent.as_mut() {
+                p.disarm(false);
+            }
+        }
+    }
+
+    /// Whether the thread may stop now: the coordinator at once (every rank's path ends with
+    /// it), a relay once the links below it have closed or the timeout has passed, so that
+    /// ranks finishing later than this one are not cut off.
+    fn may_stop(&mut self) -> bool {
+        if matches!(self.role, Role::Root(_)) {
+            return true;
+        }
+        let asked = *self.stop_asked.get_or_insert_with(Instant::now);
+        let me = self.cfg.rank;
+        let below_open = (0..self.cfg.size).any(|r| r != me && self.conns[r].is_some());
+        let cut = matches!(&self.role, Role::Relay(r) if r.cut);
+        !below_open || cut || asked.elapsed() >= self.cfg.timeout
     }
 
     /// Polls every descriptor without blocking and handles what is readable. Returns whether
-    /// anything was received or sent. `assist`: rank 0's caller is turning the coordinator in
-    /// a loop; when every connection is a ring, the descriptors (listeners, the waker, ring
+    /// anything was received or sent. `assist`: this rank's caller is turning the node in a
+    /// loop; when every connection is a ring, the descriptors (listeners, the waker, ring
     /// hang-ups) are polled at most every [`ASSIST_POLL`], saving a system call per turn.
     fn poll_and_turn(&mut self, stopping: bool, assist: bool) -> bool {
-        let rings_only = self.conns.iter().flatten().all(FrameConn::has_ring);
+        let rings_only = self
+            .conns
+            .iter()
+            .flatten()
+            .chain(self.parent())
+            .all(FrameConn::has_ring);
         let polled = if assist && rings_only && self.last_poll.elapsed() < ASSIST_POLL {
             Vec::new()
         } else {
@@ -347,8 +440,8 @@ impl State {
     }
 
     /// One turn: accept, read what `readable` (indexes into [`State::fds`]) says arrived,
-    /// negotiate, inspect for stalls, flush and send. Returns whether anything was sent.
-    /// `owner`: the coordinator thread, the only one that may consume a ring's wake-up bytes
+    /// negotiate or pass on, inspect for stalls, flush and send. Returns whether anything was
+    /// sent. `owner`: the node's thread, the only one that may consume a ring's wake-up bytes
     /// and clear its sleeping flag — the thread sleeps on them, so anyone else doing it could
     /// leave it asleep while messages arrive (until its poll times out).
     fn turn(&mut self, readable: &[usize], stopping: bool, owner: bool) -> bool {
@@ -364,14 +457,13 @@ impl State {
             );
         }
         while let Ok((rank, stream)) = self.rx.try_recv() {
-            if rank < self.cfg.size && self.conns[rank].is_none() && !self.registered[rank] {
+            let expected = self.links.expected().any(|l| l == rank);
+            if expected && self.conns[rank].is_none() && !self.registered[rank] {
                 if let Ok(c) = FrameConn::new(stream, rank) {
                     self.conns[rank] = Some(c);
                     self.registered[rank] = true;
-                    if self.registered.iter().all(|&r| r) {
-                        for r in 0..self.cfg.size {
-                            self.out.push((r, FromCoordinator::Ready));
-                        }
+                    if self.links.expected().all(|l| self.registered[l]) {
+                        self.all_connected();
                     }
                 }
             }
@@ -387,74 +479,79 @@ impl State {
             }
             self.receive(rank);
         }
-        if let Some(check) = self.cfg.stall_check {
-            // Cheap, but not worth doing for every message: a few times a second is plenty
-            // for limits counted in seconds.
-            if self.last_inspection.elapsed() >= Duration::from_millis(250) {
-                self.last_inspection = Instant::now();
-                if let Some(warning) =
-                    self.neg
-                        .inspect(self.last_inspection, check, self.cfg.stall_shutdown)
-                {
-                    log::warn!(target: crate::LOG_TARGET, "{warning}");
+        let parent_at = first + ranks.len();
+        if let Role::Relay(relay) = &mut self.role {
+            if let Some(p) = relay.parent.as_mut() {
+                let rang = readable.contains(&parent_at);
+                if rang && owner {
+                    p.disarm(true);
+                }
+                if rang || p.has_input() || stopping {
+                    self.read_parent();
                 }
             }
         }
-        if self.neg.has_ready() {
-            let since = *self.ready_since.get_or_insert_with(Instant::now);
-            if stopping || since.elapsed() >= self.cycle_time {
-                self.neg.flush(&mut self.out);
-                self.ready_since = None;
-                if let Some(t) = self.tuner.as_mut() {
-                    for (name, bytes) in self.neg.take_emitted() {
-                        if let Some(k) = t.observe(&name, bytes) {
-                            self.neg.set_fusion_threshold(k.fusion_threshold);
-                            self.cycle_time = k.cycle_time;
-                        }
-                    }
-                    if t.settled() {
-                        self.tuner = None;
-                        self.neg.stop_recording_emitted();
-                    }
-                }
-            }
+        if let Role::Root(root) = &mut self.role {
+            root.cycle(&self.cfg, stopping, &mut self.out);
         }
         let sent = !self.out.is_empty();
         let flushed = self.flush_pending();
         self.send_out();
-        sent || flushed
+        let went_up = self.send_up();
+        sent || flushed || went_up
     }
 
-    /// Reads and negotiates every complete message from `rank`; notices a closed connection.
-    fn receive(&mut self, rank: usize) {
-        let Some(conn) = self.conns[rank].as_mut() else {
+    /// Every link has connected: the coordinator tells each that the job is formed; a relay
+    /// first connects to its parent, which answers once the whole job has, and then tells its
+    /// links.
+    fn all_connected(&mut self) {
+        if let Role::Relay(relay) = &mut self.role {
+            let Some(connect) = relay.connect.take() else {
+                return;
+            };
+            match connect() {
+                Ok(conn) => relay.parent = Some(conn),
+                Err(e) => {
+                    let parent = self.cfg.tree.parent(self.cfg.rank).unwrap_or(0);
+                    self.cut_off(parent, false, format!("could not reach its node: {e}"));
+                    return;
+                }
+            }
+        }
+        for l in self.links.expected().collect::<Vec<_>>() {
+            if let Some(c) = self.conns[l].as_mut() {
+                let _ = c.send(&FromCoordinator::Ready.encode(), self.cfg.timeout);
+            }
+        }
+    }
+
+    /// Reads and handles every complete message on `link`; notices a closed connection.
+    fn receive(&mut self, link: usize) {
+        let Some(conn) = self.conns[link].as_mut() else {
             return;
         };
         let open = conn.fill();
         loop {
+            let Some(conn) = self.conns[link].as_mut() else {
+                return;
+            };
             match conn.next_frame() {
                 Ok(Some(frame)) => match ToCoordinator::decode(&frame) {
                     Ok(msg) => {
-                        if msg == ToCoordinator::Leave {
-                            self.left[rank] = true;
+                        if let Err(why) = self.take(link, msg) {
+                            self.lose(link, why);
+                            return;
                         }
-                        self.neg.handle(rank, msg, &mut self.out);
                     }
                     Err(e) => {
-                        self.neg.rank_gone(
-                            rank,
-                            Gone::Died,
-                            format!("sent a malformed message ({e})"),
-                            &mut self.out,
-                        );
-                        break;
+                        self.lose(link, format!("sent a malformed message ({e})"));
+                        return;
                     }
                 },
                 Ok(None) => break,
                 Err(e) => {
-                    self.neg
-                        .rank_gone(rank, Gone::Died, e.to_string(), &mut self.out);
-                    break;
+                    self.lose(link, e.to_string());
+                    return;
                 }
             }
         }
@@ -465,20 +562,211 @@ impl State {
                     Err(e) => e.to_string(),
                     _ => "its connection closed (the process exited or was killed)".into(),
                 };
-                self.neg
-                    .rank_gone(rank, gone(self.left[rank]), detail, &mut self.out);
-                self.conns[rank] = None;
+                self.lose(link, detail);
             }
         }
     }
 
+    /// One message from `link`: negotiated at the coordinator, queued for the parent at a
+    /// relay. A node's link may only speak for the ranks it reaches.
+    fn take(&mut self, link: usize, msg: ToCoordinator) -> std::result::Result<(), String> {
+        let plain = self.links.plain(link);
+        let msgs = match msg {
+            ToCoordinator::Relayed(msgs) if !plain => msgs,
+            ToCoordinator::Relayed(_) => return Err("relayed messages as an engine".into()),
+            m if plain => vec![(link, m)],
+            m => return Err(format!("sent {m:?} as a node")),
+        };
+        for (from, m) in &msgs {
+            let speaks = match m {
+                ToCoordinator::Lost { rank, .. } => {
+                    self.links.reaches(link, *from) && self.links.reaches(link, *rank)
+                }
+                _ => self.links.reaches(link, *from),
+            };
+            if !speaks {
+                return Err(format!("spoke for rank {from}, which it does not reach"));
+            }
+        }
+        match &mut self.role {
+            Role::Relay(relay) => relay.up.extend(msgs),
+            Role::Root(root) => {
+                for (from, m) in msgs {
+                    match m {
+                        ToCoordinator::Lost { rank, detail } => {
+                            let reach = if from == rank {
+                                vec![rank]
+                            } else {
+                                self.cfg.tree.subtree(rank)
+                            };
+                            root.lost(rank, &reach, detail, &mut self.out);
+                        }
+                        m => {
+                            if m == ToCoordinator::Leave {
+                                root.left[from] = true;
+                            }
+                            root.neg.handle(from, m, &mut self.out);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `link` closed or broke (`detail`): the coordinator counts its ranks gone; a relay
+    /// tells its parent.
+    fn lose(&mut self, link: usize, detail: String) {
+        if let Some(mut c) = self.conns[link].take() {
+            c.close();
+        }
+        let me = self.links.me;
+        let reach = self.links.reach(link).to_vec();
+        match &mut self.role {
+            Role::Root(root) => root.lost(link, &reach, detail, &mut self.out),
+            Role::Relay(relay) => relay
+                .up
+                .push((me, ToCoordinator::Lost { rank: link, detail })),
+        }
+    }
+
+    /// A relay reads its parent: batches to pass down, or the news that the path above is
+    /// gone.
+    fn read_parent(&mut self) {
+        let Role::Relay(relay) = &mut self.role else {
+            return;
+        };
+        let Some(p) = relay.parent.as_mut() else {
+            return;
+        };
+        let open = p.fill();
+        let mut down: Addressed = Vec::new();
+        let mut closed: Option<FromCoordinator> = None;
+        loop {
+            match p.next_frame() {
+                Ok(Some(frame)) => match FromCoordinator::decode(&frame) {
+                    Ok(FromCoordinator::Down(msgs)) => down.extend(msgs),
+                    Ok(m @ FromCoordinator::PathClosed { .. }) => {
+                        closed = Some(m);
+                        break;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        closed = Some(self.path_closed(false, format!("malformed ({e})")));
+                        break;
+                    }
+                },
+                Ok(None) => break,
+                Err(e) => {
+                    closed = Some(self.path_closed(false, e.to_string()));
+                    break;
+                }
+            }
+        }
+        let parent = self.cfg.tree.parent(self.cfg.rank).unwrap_or(0);
+        if let Role::Relay(relay) = &mut self.role {
+            relay.parent_left |= down
+                .iter()
+                .any(|(_, m)| matches!(m, FromCoordinator::RankLeft { rank } if *rank == parent));
+        }
+        for (link, msg) in self.links.sort(down) {
+            if let Some(c) = self.conns[link].as_mut() {
+                if let Err(e) = c.send(&msg.encode(), self.cfg.timeout) {
+                    self.lose(link, e.to_string());
+                }
+            }
+        }
+        if closed.is_none() && !matches!(open, Ok(true)) {
+            let clean = matches!(&self.role, Role::Relay(r) if r.parent_left);
+            let detail = match open {
+                Err(e) => e.to_string(),
+                _ => "its connection closed (the process exited or was killed)".into(),
+            };
+            closed = Some(self.path_closed(clean, detail));
+        }
+        if let Some(FromCoordinator::PathClosed {
+            rank,
+            clean,
+            detail,
+        }) = closed
+        {
+            self.cut_off(rank, clean, detail);
+        }
+    }
+
+    fn path_closed(&self, clean: bool, detail: String) -> FromCoordinator {
+        FromCoordinator::PathClosed {
+            rank: self.cfg.tree.parent(self.cfg.rank).unwrap_or(0),
+            clean,
+            detail,
+        }
+    }
+
+    /// The path above this relay is gone through `rank`: tells every link below, then closes
+    /// them all; from then on the relay does nothing.
+    fn cut_off(&mut self, rank: usize, clean: bool, detail: String) {
+        let notice = FromCoordinator::PathClosed {
+            rank,
+            clean,
+            detail,
+        }
+        .encode();
+        for l in self.links.expected().collect::<Vec<_>>() {
+            if let Some(mut c) = self.conns[l].take() {
+                let _ = c.send(&notice, self.cfg.timeout);
+                let _ = c.flush_all(self.cfg.timeout);
+                c.close();
+            }
+        }
+        if let Role::Relay(relay) = &mut self.role {
+            if let Some(mut p) = relay.parent.take() {
+                p.close();
+            }
+            relay.up.clear();
+            relay.cut = true;
+        }
+    }
+
+    /// A relay sends what the ranks below said since its last turn, in one frame. Returns
+    /// whether it sent anything.
+    fn send_up(&mut self) -> bool {
+        let Role::Relay(relay) = &mut self.role else {
+            return false;
+        };
+        let Some(p) = relay.parent.as_mut() else {
+            return false;
+        };
+        if relay.up.is_empty() {
+            return false;
+        }
+        let batch = ToCoordinator::Relayed(std::mem::take(&mut relay.up));
+        if let Err(e) = p.send(&batch.encode(), self.cfg.timeout) {
+            let detail = e.to_string();
+            let closed = self.path_closed(false, detail);
+            if let FromCoordinator::PathClosed {
+                rank,
+                clean,
+                detail,
+            } = closed
+            {
+                self.cut_off(rank, clean, detail);
+            }
+        }
+        true
+    }
+
     fn send_out(&mut self) {
-        let out = std::mem::take(&mut self.out);
-        for (to, msg) in out {
-            let bytes = msg.encode();
-            if let Some(conn) = self.conns[to].as_mut() {
-                if let Err(e) = conn.send(&bytes, self.cfg.timeout) {
-                    self.drop_conn(to, e);
+        let out: Addressed = std::mem::take(&mut self.out)
+            .into_iter()
+            .map(|(to, m)| (Some(vec![to]), m))
+            .collect();
+        if out.is_empty() {
+            return;
+        }
+        for (link, msg) in self.links.sort(out) {
+            if let Some(conn) = self.conns[link].as_mut() {
+                if let Err(e) = conn.send(&msg.encode(), self.cfg.timeout) {
+                    self.drop_conn(link, e);
                 }
             }
         }
@@ -497,12 +785,33 @@ impl State {
                 Err(e) => self.drop_conn(to, e),
             }
         }
+        if let Role::Relay(relay) = &mut self.role {
+            if let Some(p) = relay.parent.as_mut().filter(|p| p.has_output()) {
+                match p.flush(self.cfg.timeout) {
+                    Ok(m) => moved |= m,
+                    Err(e) => {
+                        if let FromCoordinator::PathClosed {
+                            rank,
+                            clean,
+                            detail,
+                        } = self.path_closed(false, e.to_string())
+                        {
+                            self.cut_off(rank, clean, detail);
+                        }
+                    }
+                }
+            }
+        }
         moved
     }
 
     /// Whether some connection has answers waiting to be written.
     fn has_output(&self) -> bool {
-        self.conns.iter().flatten().any(FrameConn::has_output)
+        self.conns
+            .iter()
+            .flatten()
+            .chain(self.parent())
+            .any(FrameConn::has_output)
     }
 
     /// Closes the connection to `to` after sending to it failed with `e`, and tells the
@@ -512,29 +821,86 @@ impl State {
         // shut down while an answer to it was being written has its `Leave` unread yet (a
         // clean shutdown was reported as "rank N is gone" then).
         self.receive(to);
-        match self.conns[to].take() {
-            Some(mut conn) => conn.close(),
+        if self.conns[to].is_none() {
             // `receive` saw the connection close and recorded how.
-            None => return,
+            return;
         }
-        let mut more = Vec::new();
-        self.neg
-            .rank_gone(to, gone(self.left[to]), e.to_string(), &mut more);
-        // Notices about this failure go out on the next turn of the loop.
-        self.neg.flush(&mut more);
-        for (t, m) in more {
-            if let Some(c) = self.conns[t].as_mut() {
-                let _ = c.send(&m.encode(), self.cfg.timeout);
-            }
+        self.lose(to, e.to_string());
+        if let Role::Root(root) = &mut self.role {
+            // Notices about this failure go out on the next turn of the loop; the answers
+            // they fail go now, as before any later message.
+            root.neg.flush(&mut self.out);
         }
     }
 
     fn close(&mut self) {
         self.stopped = true;
+        // Last messages up before the links below close.
+        self.send_up();
         for c in self.conns.iter_mut().flatten() {
             // Last answers (a failure notice, the shutdown) before the hang-up.
             let _ = c.flush_all(self.cfg.timeout);
             c.close();
+        }
+        if let Role::Relay(relay) = &mut self.role {
+            if let Some(mut p) = relay.parent.take() {
+                let _ = p.flush_all(self.cfg.timeout);
+                p.close();
+            }
+        }
+    }
+}
+
+impl Root {
+    /// The link to `rank`, reaching `reach`, is gone (`detail`): `rank` left or died, and
+    /// any other rank it reached that has not left is cut off from the coordinator.
+    fn lost(&mut self, rank: usize, reach: &[usize], detail: String, out: &mut Outbox) {
+        for &r in reach {
+            let how = gone(self.left[r]);
+            let why = if r == rank {
+                detail.clone()
+            } else {
+                format!("its control path ran through rank {rank}, which is gone: {detail}")
+            };
+            self.neg.rank_gone(r, how, why, out);
+        }
+    }
+
+    /// Inspects for stalls, and sends what is ready once the batching window has closed.
+    fn cycle(&mut self, cfg: &CoordinatorConfig, stopping: bool, out: &mut Outbox) {
+        if let Some(check) = cfg.stall_check {
+            // Cheap, but not worth doing for every message: a few times a second is plenty
+            // for limits counted in seconds.
+            if self.last_inspection.elapsed() >= Duration::from_millis(250) {
+                self.last_inspection = Instant::now();
+                if let Some(warning) =
+                    self.neg
+                        .inspect(self.last_inspection, check, cfg.stall_shutdown)
+                {
+                    log::warn!(target: crate::LOG_TARGET, "{warning}");
+                }
+            }
+        }
+        if !self.neg.has_ready() {
+            return;
+        }
+        let since = *self.ready_since.get_or_insert_with(Instant::now);
+        if !stopping && since.elapsed() < self.cycle_time {
+            return;
+        }
+        self.neg.flush(out);
+        self.ready_since = None;
+        if let Some(t) = self.tuner.as_mut() {
+            for (name, bytes) in self.neg.take_emitted() {
+                if let Some(k) = t.observe(&name, bytes) {
+                    self.neg.set_fusion_threshold(k.fusion_threshold);
+                    self.cycle_time = k.cycle_time;
+                }
+            }
+            if t.settled() {
+                self.tuner = None;
+                self.neg.stop_recording_emitted();
+            }
         }
     }
 }

@@ -20,6 +20,7 @@ pub mod names;
 pub mod negotiate;
 pub mod pool;
 pub mod progress;
+mod relay;
 pub mod sys;
 pub mod tensor;
 pub mod timeline;
@@ -37,7 +38,9 @@ use parking_lot::Mutex;
 
 use crate::bootstrap::tcp_store::TcpStoreServer;
 use crate::bootstrap::{self, auth, net};
-use crate::bootstrap::{ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership};
+use crate::bootstrap::{
+    ControlPlane, ControlTree, CoordinatorAddr, CoordinatorListeners, Job, Membership,
+};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -376,12 +379,23 @@ impl ControlPlane for EnginePlane<'_> {
     type Coordinator = Coordinator;
     type Control = control::FrameConn;
 
-    fn start_coordinator(
+    fn start_node(
         &mut self,
         listeners: CoordinatorListeners,
         secret: &[u8],
+        tree: &ControlTree,
+        rank: usize,
+        parent: Option<CoordinatorAddr>,
     ) -> Result<Coordinator> {
         let config = self.config;
+        let rings = (!config.shm_disable).then_some(crate::transport::shm::CONTROL_RING_BYTES);
+        let parent = parent.map(|at| {
+            let secret = secret.to_vec();
+            let node = tree.parent(rank).unwrap_or(0);
+            let (start, liveness) = (config.start_timeout, config.timeout);
+            Box::new(move || connect_control(&at, rank, node, &secret, start, liveness, rings))
+                as coordinator::ConnectUp
+        });
         let cfg = CoordinatorConfig {
             size: config.launch.size,
             secret: secret.to_vec(),
@@ -394,6 +408,9 @@ impl ControlPlane for EnginePlane<'_> {
             stall_shutdown: config.stall_shutdown,
             autotune: config.autotune.clone(),
             spin: config.spin,
+            rank,
+            tree: tree.clone(),
+            parent,
         };
         Coordinator::start(listeners.tcp, listeners.local, cfg)
     }
@@ -402,6 +419,7 @@ impl ControlPlane for EnginePlane<'_> {
         &mut self,
         at: &CoordinatorAddr,
         rank: usize,
+        node: usize,
         secret: &[u8],
     ) -> Result<control::FrameConn> {
         let config = self.config;
@@ -409,6 +427,7 @@ impl ControlPlane for EnginePlane<'_> {
         connect_control(
             at,
             rank,
+            node,
             secret,
             config.start_timeout,
             config.timeout,
@@ -423,13 +442,14 @@ fn connect_local(name: Option<&str>) -> Option<UnixStream> {
     UnixStream::connect_addr(&addr).ok()
 }
 
-/// This rank's control connection: the coordinator's local socket when this rank can reach
-/// it, else TCP; authenticated, introduced with this rank's number, moved onto shared-memory
-/// rings where the coordinator takes them, and returned once the coordinator says every rank
-/// has joined.
+/// A control connection from `rank` (its engine, or its relay) to the node of rank `node` (the
+/// coordinator, or a relay): the node's local socket when this rank can reach it, else TCP;
+/// authenticated, introduced with this rank's number, moved onto shared-memory rings where
+/// the node takes them, and returned once the node says every rank has joined.
 fn connect_control(
     coordinator: &CoordinatorAddr,
     rank: usize,
+    node: usize,
     secret: &[u8],
     timeout: Duration,
     liveness: Duration,
@@ -449,7 +469,7 @@ fn connect_control(
             }
             Err(e) => {
                 return Err(Error::Timeout {
-                    what: format!("connecting to the coordinator at {addr}: {e}"),
+                    what: format!("connecting to rank {node}'s control node at {addr}: {e}"),
                     after: timeout,
                 })
             }
@@ -465,7 +485,7 @@ fn connect_control(
             stream = ControlStream::Shm(Box::new(link));
         }
     }
-    let mut conn = control::FrameConn::new(stream, 0)?;
+    let mut conn = control::FrameConn::new(stream, node)?;
     // init() is collective: wait until every rank has registered with the coordinator.
     loop {
         // Read before parsing: the ready message and an immediate close (rank 0 shutting down
@@ -481,8 +501,8 @@ fn connect_control(
         }
         if !open {
             return Err(Error::PeerLost {
-                rank: 0,
-                detail: "the coordinator closed the connection during start-up".into(),
+                rank: node,
+                detail: format!("rank {node}'s control node closed the connection during start-up"),
             });
         }
         let left = deadline.saturating_duration_since(Instant::now());

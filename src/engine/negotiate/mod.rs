@@ -196,6 +196,8 @@ impl Negotiator {
                 out,
             ),
             ToCoordinator::Stalled { .. } => {}
+            // A node unpacks these before anything reaches the negotiator.
+            ToCoordinator::Relayed(_) | ToCoordinator::Lost { .. } => {}
         }
     }
 

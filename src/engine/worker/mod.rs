@@ -48,6 +48,8 @@ pub(super) struct Worker {
     tuning: Tuning,
     failed: Option<Error>,
     coordinator_left: bool,
+    /// Why the control path above this rank's node closed, when a relay said so.
+    path_closed: Option<Error>,
     control_open: bool,
     /// Rank 0's timeline, when one is being written.
     timeline: Option<Timeline>,
@@ -104,6 +106,7 @@ impl Worker {
             tuning: config.tuning.clone(),
             failed: None,
             coordinator_left: false,
+            path_closed: None,
             control_open: true,
             shutdown_requested: false,
             finished: false,
@@ -473,14 +476,22 @@ impl Worker {
             self.fail(verdict);
             return;
         }
-        let e = if self.coordinator_left {
-            Error::Shutdown(
-                "rank 0 has shut down, so this job cannot run collectives any more".into(),
-            )
-        } else {
-            coordinator_lost(e)
-        };
+        let e = self.control_closed(e);
         self.fail(e);
+    }
+
+    /// The error for a control connection that closed or broke with `e`: what the node said
+    /// before it went, if anything, else that the path to the coordinator is gone.
+    fn control_closed(&mut self, e: Error) -> Error {
+        if let Some(why) = self.path_closed.take() {
+            return why;
+        }
+        if self.coordinator_left {
+            return Error::Shutdown(
+                "rank 0 has shut down, so this job cannot run collectives any more".into(),
+            );
+        }
+        coordinator_lost(e, self.control.peer)
     }
 
     /// Reads and handles control messages. Returns whether anything happened.
@@ -517,17 +528,10 @@ impl Worker {
             Ok(true) => {}
             Ok(false) | Err(_) => {
                 if self.failed.is_none() {
-                    let e = if self.coordinator_left {
-                        Error::Shutdown(
-                            "rank 0 has shut down, so this job cannot run collectives any more"
-                                .into(),
-                        )
-                    } else {
-                        coordinator_lost(match open {
-                            Err(e) => e,
-                            _ => Error::Io("connection closed".into()),
-                        })
-                    };
+                    let e = self.control_closed(match open {
+                        Err(e) => e,
+                        _ => Error::Io("connection closed".into()),
+                    });
                     self.fail(e);
                 }
                 any = true;
@@ -598,6 +602,27 @@ impl Worker {
                 let e = self.verdict(rank, detail, stalled);
                 self.fail(e);
             }
+            FromCoordinator::PathClosed {
+                rank,
+                clean,
+                detail,
+            } => {
+                self.path_closed = Some(if clean {
+                    Error::Shutdown(format!(
+                        "rank {rank} has shut down and this rank's control path ran through \
+                         it, so this job cannot run collectives any more"
+                    ))
+                } else {
+                    Error::PeerLost {
+                        rank,
+                        detail: format!(
+                            "this rank's control path to the coordinator ran through it: {detail}"
+                        ),
+                    }
+                });
+            }
+            // Only a node gets batches to pass down.
+            FromCoordinator::Down(_) => {}
         }
     }
 
@@ -654,13 +679,17 @@ impl Worker {
     fn verdict_in_flight(&mut self) -> (Option<Error>, bool) {
         let open = matches!(self.control.fill(), Ok(true));
         while let Ok(Some(frame)) = self.control.next_frame() {
-            if let Ok(FromCoordinator::RankFailed {
-                rank,
-                detail,
-                stalled,
-            }) = FromCoordinator::decode(&frame)
-            {
-                return (Some(self.verdict(rank, detail, stalled)), open);
+            match FromCoordinator::decode(&frame) {
+                Ok(FromCoordinator::RankFailed {
+                    rank,
+                    detail,
+                    stalled,
+                }) => return (Some(self.verdict(rank, detail, stalled)), open),
+                Ok(m @ FromCoordinator::PathClosed { .. }) => {
+                    self.on_message(m);
+                    return (self.path_closed.take(), open);
+                }
+                _ => {}
             }
         }
         (None, open)
@@ -708,15 +737,19 @@ impl Worker {
     }
 }
 
-fn coordinator_lost(e: Error) -> Error {
-    match e {
-        Error::PeerLost { detail, .. } => Error::PeerLost {
-            rank: 0,
-            detail: format!("lost the connection to the coordinator on rank 0 ({detail})"),
-        },
-        other => Error::PeerLost {
-            rank: 0,
-            detail: format!("lost the connection to the coordinator on rank 0 ({other})"),
-        },
+/// The error for a broken control connection to the node of rank `node`.
+fn coordinator_lost(e: Error, node: usize) -> Error {
+    let detail = match e {
+        Error::PeerLost { detail, .. } => detail,
+        other => other.to_string(),
+    };
+    let to = if node == 0 {
+        "the coordinator on rank 0".to_string()
+    } else {
+        format!("its control node on rank {node}")
+    };
+    Error::PeerLost {
+        rank: node,
+        detail: format!("lost the connection to {to} ({detail})"),
     }
 }

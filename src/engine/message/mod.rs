@@ -249,6 +249,17 @@ pub enum ToCoordinator {
         /// What was observed.
         detail: String,
     },
+    /// From a relay node (see `engine/coordinator.rs`): the messages of the ranks below it,
+    /// each with its sender, in the order they arrived.
+    Relayed(Vec<(usize, ToCoordinator)>),
+    /// From a relay node: its link to `rank` (an engine, or a node with ranks below it)
+    /// closed. `rank` is gone, and the ranks below it are cut off from the coordinator.
+    Lost {
+        /// The rank at the far end of the link.
+        rank: usize,
+        /// What was observed.
+        detail: String,
+    },
 }
 
 /// One entry of a response: the validated request every rank executes.
@@ -326,12 +337,30 @@ pub enum FromCoordinator {
         /// It stopped making progress (alive but stuck) rather than disappearing.
         stalled: bool,
     },
+    /// To a relay node: messages to pass down, each to every rank below the link (`None`) or
+    /// to the listed ranks only.
+    Down(Vec<(Option<Vec<usize>>, FromCoordinator)>),
+    /// From a relay node to the ranks below it, just before it closes their links: their
+    /// control path through `rank`'s node is gone (`clean`: `rank` shut down).
+    PathClosed {
+        /// The rank whose node went.
+        rank: usize,
+        /// It shut down cleanly rather than failing.
+        clean: bool,
+        /// What was observed.
+        detail: String,
+    },
 }
 
 impl ToCoordinator {
     /// Encodes for the wire.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
+        self.encode_into(&mut w);
+        w.finish()
+    }
+
+    fn encode_into(&self, w: &mut Writer) {
         match self {
             ToCoordinator::Hello { rank } => {
                 w.u8(0).usize(*rank);
@@ -342,14 +371,14 @@ impl ToCoordinator {
                     match s {
                         Submit::Full(req) => {
                             w.u8(0);
-                            req.encode(&mut w);
+                            req.encode(w);
                         }
                         Submit::Cached { set_id, id } => {
                             w.u8(1).u32(*set_id).u64(*id);
                         }
                         Submit::Rejected { request, reason } => {
                             w.u8(2);
-                            request.encode(&mut w);
+                            request.encode(w);
                             w.str(reason);
                         }
                     }
@@ -370,13 +399,29 @@ impl ToCoordinator {
             ToCoordinator::Stalled { rank, detail } => {
                 w.u8(6).usize(*rank).str(detail);
             }
+            ToCoordinator::Relayed(msgs) => {
+                w.u8(7).u32(msgs.len() as u32);
+                for (from, m) in msgs {
+                    w.usize(*from);
+                    m.encode_into(w);
+                }
+            }
+            ToCoordinator::Lost { rank, detail } => {
+                w.u8(8).usize(*rank).str(detail);
+            }
         }
-        w.finish()
     }
 
     /// Decodes from the wire.
     pub fn decode(buf: &[u8]) -> Result<ToCoordinator> {
         let mut r = Reader::new(buf);
+        let msg = ToCoordinator::decode_from(&mut r, true)?;
+        r.finish()?;
+        Ok(msg)
+    }
+
+    /// One message; `outer`: a relayed batch may hold messages, but not batches or hellos.
+    fn decode_from(r: &mut Reader<'_>, outer: bool) -> Result<ToCoordinator> {
         let msg = match r.u8()? {
             0 => ToCoordinator::Hello { rank: r.usize()? },
             1 => {
@@ -387,13 +432,13 @@ impl ToCoordinator {
                 let mut subs = Vec::with_capacity(n);
                 for _ in 0..n {
                     subs.push(match r.u8()? {
-                        0 => Submit::Full(Request::decode(&mut r)?),
+                        0 => Submit::Full(Request::decode(r)?),
                         1 => Submit::Cached {
                             set_id: r.u32()?,
                             id: r.u64()?,
                         },
                         2 => Submit::Rejected {
-                            request: Request::decode(&mut r)?,
+                            request: Request::decode(r)?,
                             reason: r.str()?.to_string(),
                         },
                         t => return Err(Error::Decode(format!("bad submission tag {t}"))),
@@ -409,9 +454,29 @@ impl ToCoordinator {
                 rank: r.usize()?,
                 detail: r.str()?.to_string(),
             },
+            7 if outer => {
+                let n = r.u32()? as usize;
+                if n > r.remaining() {
+                    return Err(Error::Decode(format!(
+                        "{n} relayed messages exceed the message"
+                    )));
+                }
+                let mut msgs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let from = r.usize()?;
+                    msgs.push((from, ToCoordinator::decode_from(r, false)?));
+                }
+                ToCoordinator::Relayed(msgs)
+            }
+            8 => ToCoordinator::Lost {
+                rank: r.usize()?,
+                detail: r.str()?.to_string(),
+            },
             t => return Err(Error::Decode(format!("bad message tag {t}"))),
         };
-        r.finish()?;
+        if !outer && matches!(msg, ToCoordinator::Hello { .. }) {
+            return Err(Error::Decode("a hello inside a relayed batch".into()));
+        }
         Ok(msg)
     }
 }
@@ -485,11 +550,16 @@ impl FromCoordinator {
     /// Encodes for the wire.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
+        self.encode_into(&mut w);
+        w.finish()
+    }
+
+    fn encode_into(&self, w: &mut Writer) {
         match self {
             FromCoordinator::Responses(rs) => {
                 w.u8(0).u32(rs.len() as u32);
                 for r in rs {
-                    r.encode(&mut w);
+                    r.encode(w);
                 }
             }
             FromCoordinator::CacheMiss { set_id, id } => {
@@ -522,22 +592,43 @@ impl FromCoordinator {
             } => {
                 w.u8(5).usize(*rank).str(detail).bool(*stalled);
             }
+            FromCoordinator::Down(msgs) => {
+                w.u8(7).u32(msgs.len() as u32);
+                for (to, m) in msgs {
+                    match to {
+                        Some(ranks) => w.u8(1).usizes(ranks),
+                        None => w.u8(0),
+                    };
+                    m.encode_into(w);
+                }
+            }
+            FromCoordinator::PathClosed {
+                rank,
+                clean,
+                detail,
+            } => {
+                w.u8(8).usize(*rank).bool(*clean).str(detail);
+            }
         }
-        w.finish()
     }
 
     /// Decodes from the wire.
     pub fn decode(buf: &[u8]) -> Result<FromCoordinator> {
         let mut r = Reader::new(buf);
+        let msg = FromCoordinator::decode_from(&mut r, true)?;
+        r.finish()?;
+        Ok(msg)
+    }
+
+    /// One message; `outer`: a batch to pass down may not hold another.
+    fn decode_from(r: &mut Reader<'_>, outer: bool) -> Result<FromCoordinator> {
         let msg = match r.u8()? {
             0 => {
                 let n = r.u32()? as usize;
                 if n > r.remaining() {
                     return Err(Error::Decode(format!("{n} responses exceed the message")));
                 }
-                let rs = (0..n)
-                    .map(|_| Response::decode(&mut r))
-                    .collect::<Result<_>>()?;
+                let rs = (0..n).map(|_| Response::decode(r)).collect::<Result<_>>()?;
                 FromCoordinator::Responses(rs)
             }
             1 => FromCoordinator::CacheMiss {
@@ -569,143 +660,30 @@ impl FromCoordinator {
                 detail: r.str()?.to_string(),
                 stalled: r.bool()?,
             },
+            7 if outer => {
+                let n = r.u32()? as usize;
+                if n > r.remaining() {
+                    return Err(Error::Decode(format!(
+                        "{n} messages to pass down exceed the message"
+                    )));
+                }
+                let mut msgs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let to = if r.bool()? { Some(r.usizes()?) } else { None };
+                    msgs.push((to, FromCoordinator::decode_from(r, false)?));
+                }
+                FromCoordinator::Down(msgs)
+            }
+            8 => FromCoordinator::PathClosed {
+                rank: r.usize()?,
+                clean: r.bool()?,
+                detail: r.str()?.to_string(),
+            },
             t => return Err(Error::Decode(format!("bad message tag {t}"))),
         };
-        r.finish()?;
         Ok(msg)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn req() -> Request {
-        Request {
-            spec: Op {
-                set_id: 3,
-                name: "grad.w1".into(),
-                kind: OpKind::Allgather,
-                op: ReduceOp::Sum,
-                root: 2,
-                prescale: 0.5,
-                postscale: 2.0,
-                tensors: vec![
-                    TensorMeta {
-                        dtype: DType::BF16,
-                        shape: vec![3, 4],
-                    },
-                    TensorMeta {
-                        dtype: DType::F32,
-                        shape: vec![],
-                    },
-                ],
-                splits: vec![1, 2],
-            },
-            device: DeviceKind::Cuda,
-        }
-    }
-
-    fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
-        let to = vec![
-            ToCoordinator::Hello { rank: 7 },
-            ToCoordinator::Submit(vec![
-                Submit::Full(req()),
-                Submit::Cached { set_id: 0, id: 9 },
-            ]),
-            ToCoordinator::Join,
-            ToCoordinator::AddSet { ranks: vec![0, 2] },
-            ToCoordinator::RemoveSet { id: 4 },
-            ToCoordinator::Leave,
-            ToCoordinator::Stalled {
-                rank: 2,
-                detail: "no progress".into(),
-            },
-        ];
-        let from = vec![
-            FromCoordinator::Responses(vec![Response {
-                set_id: 1,
-                kind: OpKind::Allgather,
-                items: vec![Item {
-                    request: req(),
-                    cache_id: Some(8),
-                    first_dims: vec![vec![1, 2], vec![0, 0]],
-                    split_matrix: vec![1, 2, 3, 4],
-                }],
-                joined: vec![1],
-                last_joined: 1,
-                error: Some((3, "Mismatched".into())),
-            }]),
-            FromCoordinator::CacheMiss { set_id: 1, id: 2 },
-            FromCoordinator::SetAdded {
-                ranks: vec![1],
-                result: Err("dup".into()),
-            },
-            FromCoordinator::SetAdded {
-                ranks: vec![1],
-                result: Ok(2),
-            },
-            FromCoordinator::SetRemoved {
-                id: 2,
-                result: Ok(true),
-            },
-            FromCoordinator::SetRemoved {
-                id: 3,
-                result: Err("busy".into()),
-            },
-            FromCoordinator::RankLeft { rank: 1 },
-            FromCoordinator::Ready,
-            FromCoordinator::RankFailed {
-                rank: 1,
-                detail: "eof".into(),
-                stalled: true,
-            },
-        ];
-        (to, from)
-    }
-
-    #[test]
-    fn round_trips() {
-        let (to, from) = samples();
-        for m in to {
-            assert_eq!(ToCoordinator::decode(&m.encode()).unwrap(), m);
-        }
-        for m in from {
-            assert_eq!(FromCoordinator::decode(&m.encode()).unwrap(), m);
-        }
-    }
-
-    #[test]
-    fn truncated_messages_are_errors_not_panics() {
-        let (to, from) = samples();
-        for m in to {
-            let b = m.encode();
-            for cut in 0..b.len() {
-                assert!(ToCoordinator::decode(&b[..cut]).is_err());
-            }
-        }
-        for m in from {
-            let b = m.encode();
-            for cut in 0..b.len() {
-                assert!(FromCoordinator::decode(&b[..cut]).is_err());
-            }
-        }
-    }
-
-    #[test]
-    fn garbage_is_an_error_not_a_panic() {
-        let mut x: u32 = 12345;
-        for len in 0..200usize {
-            for _ in 0..50 {
-                let b: Vec<u8> = (0..len)
-                    .map(|_| {
-                        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                        (x >> 24) as u8
-                    })
-                    .collect();
-                let _ = ToCoordinator::decode(&b);
-                let _ = FromCoordinator::decode(&b);
-            }
-        }
-    }
-}
+mod tests;

@@ -1,0 +1,170 @@
+use super::*;
+
+fn req() -> Request {
+    Request {
+        spec: Op {
+            set_id: 3,
+            name: "grad.w1".into(),
+            kind: OpKind::Allgather,
+            op: ReduceOp::Sum,
+            root: 2,
+            prescale: 0.5,
+            postscale: 2.0,
+            tensors: vec![
+                TensorMeta {
+                    dtype: DType::BF16,
+                    shape: vec![3, 4],
+                },
+                TensorMeta {
+                    dtype: DType::F32,
+                    shape: vec![],
+                },
+            ],
+            splits: vec![1, 2],
+        },
+        device: DeviceKind::Cuda,
+    }
+}
+
+fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
+    let to = vec![
+        ToCoordinator::Hello { rank: 7 },
+        ToCoordinator::Submit(vec![
+            Submit::Full(req()),
+            Submit::Cached { set_id: 0, id: 9 },
+        ]),
+        ToCoordinator::Join,
+        ToCoordinator::AddSet { ranks: vec![0, 2] },
+        ToCoordinator::RemoveSet { id: 4 },
+        ToCoordinator::Leave,
+        ToCoordinator::Stalled {
+            rank: 2,
+            detail: "no progress".into(),
+        },
+        ToCoordinator::Relayed(vec![
+            (
+                3,
+                ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id: 9 }]),
+            ),
+            (5, ToCoordinator::Leave),
+            (
+                4,
+                ToCoordinator::Lost {
+                    rank: 6,
+                    detail: "closed".into(),
+                },
+            ),
+        ]),
+        ToCoordinator::Lost {
+            rank: 2,
+            detail: "eof".into(),
+        },
+    ];
+    let mut from = vec![
+        FromCoordinator::Responses(vec![Response {
+            set_id: 1,
+            kind: OpKind::Allgather,
+            items: vec![Item {
+                request: req(),
+                cache_id: Some(8),
+                first_dims: vec![vec![1, 2], vec![0, 0]],
+                split_matrix: vec![1, 2, 3, 4],
+            }],
+            joined: vec![1],
+            last_joined: 1,
+            error: Some((3, "Mismatched".into())),
+        }]),
+        FromCoordinator::CacheMiss { set_id: 1, id: 2 },
+        FromCoordinator::SetAdded {
+            ranks: vec![1],
+            result: Err("dup".into()),
+        },
+        FromCoordinator::SetAdded {
+            ranks: vec![1],
+            result: Ok(2),
+        },
+        FromCoordinator::SetRemoved {
+            id: 2,
+            result: Ok(true),
+        },
+        FromCoordinator::SetRemoved {
+            id: 3,
+            result: Err("busy".into()),
+        },
+        FromCoordinator::RankLeft { rank: 1 },
+        FromCoordinator::Ready,
+        FromCoordinator::RankFailed {
+            rank: 1,
+            detail: "eof".into(),
+            stalled: true,
+        },
+        FromCoordinator::PathClosed {
+            rank: 3,
+            clean: false,
+            detail: "eof".into(),
+        },
+    ];
+    let down = FromCoordinator::Down(vec![
+        (None, from[0].clone()),
+        (Some(vec![4, 9]), FromCoordinator::RankLeft { rank: 2 }),
+    ]);
+    from.push(down);
+    (to, from)
+}
+
+#[test]
+fn round_trips() {
+    let (to, from) = samples();
+    for m in to {
+        assert_eq!(ToCoordinator::decode(&m.encode()).unwrap(), m);
+    }
+    for m in from {
+        assert_eq!(FromCoordinator::decode(&m.encode()).unwrap(), m);
+    }
+}
+
+#[test]
+fn truncated_messages_are_errors_not_panics() {
+    let (to, from) = samples();
+    for m in to {
+        let b = m.encode();
+        for cut in 0..b.len() {
+            assert!(ToCoordinator::decode(&b[..cut]).is_err());
+        }
+    }
+    for m in from {
+        let b = m.encode();
+        for cut in 0..b.len() {
+            assert!(FromCoordinator::decode(&b[..cut]).is_err());
+        }
+    }
+}
+
+#[test]
+fn garbage_is_an_error_not_a_panic() {
+    let mut x: u32 = 12345;
+    for len in 0..200usize {
+        for _ in 0..50 {
+            let b: Vec<u8> = (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (x >> 24) as u8
+                })
+                .collect();
+            let _ = ToCoordinator::decode(&b);
+            let _ = FromCoordinator::decode(&b);
+        }
+    }
+}
+
+#[test]
+fn batches_do_not_nest() {
+    let inner = ToCoordinator::Relayed(vec![(1, ToCoordinator::Join)]);
+    let outer = ToCoordinator::Relayed(vec![(2, inner)]);
+    assert!(ToCoordinator::decode(&outer.encode()).is_err());
+    let hello = ToCoordinator::Relayed(vec![(2, ToCoordinator::Hello { rank: 2 })]);
+    assert!(ToCoordinator::decode(&hello.encode()).is_err());
+    let inner = FromCoordinator::Down(vec![(None, FromCoordinator::Ready)]);
+    let outer = FromCoordinator::Down(vec![(None, inner)]);
+    assert!(FromCoordinator::decode(&outer.encode()).is_err());
+}
