@@ -12,7 +12,10 @@ received per op: rank 0's and the most of any other rank's. Columns:
 - ``ferrovod``: as a job runs by default (small blocking ops of ranks on one host take the
   fast path, which sends no control frames);
 - ``fv engine``: ``FERROVOD_FAST_PATH_BYTES=0``, every op negotiated through rank 0's
-  coordinator, as ops of ranks on several hosts, async ops and ops above 64 KiB are;
+  coordinator, as ops of ranks on several hosts, async ops and ops above 64 KiB are; the
+  control messages travel the control tree (``FERROVOD_CONTROL_FANOUT``, default 32);
+- ``fv star``: ``fv engine`` with ``FERROVOD_CONTROL_FANOUT=0``, every rank's control
+  connection to rank 0 (as before the tree);
 - ``Open MPI``.
 
 Stacks alternate within each round (these VMs have windows in which everything is slower).
@@ -41,7 +44,7 @@ from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = "SCALE_RESULT "
-STACKS = ("ferrovod", "fv engine", "Open MPI")
+STACKS = ("ferrovod", "fv engine", "fv star", "Open MPI")
 
 
 def build(tmp: str) -> Dict[str, List[str]]:
@@ -49,7 +52,7 @@ def build(tmp: str) -> Dict[str, List[str]]:
     subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "scale_worker"],
                    cwd=ROOT, check=True)
     workers = {s: [os.path.join(ROOT, "target", "release", "examples", "scale_worker")]
-               for s in STACKS[:2]}
+               for s in STACKS[:3]}
     mpicc = shutil.which("mpicc.openmpi")
     if mpicc and shutil.which("mpirun"):
         exe = os.path.join(tmp, "scale_worker_mpi")
@@ -73,8 +76,10 @@ def command(stack: str, worker: List[str], n: int, iters: int) -> List[str]:
 def run(stack: str, worker: List[str], n: int, iters: int, timeout: float) -> Optional[dict]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))}
-    if stack == "fv engine":
+    if stack in ("fv engine", "fv star"):
         env["FERROVOD_FAST_PATH_BYTES"] = "0"
+    if stack == "fv star":
+        env["FERROVOD_CONTROL_FANOUT"] = "0"
     start = time.perf_counter()
     try:
         p = subprocess.run(command(stack, worker, n, iters), env=env, capture_output=True,
@@ -120,10 +125,11 @@ def main() -> None:
                               f"us, 64 KiB {r['us_64KiB']:9.1f} us, init {r['init_s']:.2f} s, "
                               f"job {r['wall_s']:.1f} s", file=sys.stderr, flush=True)
     print(f"\nnproc {os.cpu_count()}; us per allreduce (best round); init: the slowest "
-          "rank's start-up, job: the launcher's whole run (medians); frames: control frames "
-          "a rank sent and received per op (rank 0 / the most of any other)\n")
+          "rank's start-up, job: the launcher's whole run (medians); frames, bytes: control "
+          "frames a rank sent and received per op, and their bytes (rank 0 / the most of any "
+          "other)\n")
     head = ["ranks", "stack", "4 B us", "64 KiB us", "init s", "job s", "frames 4 B",
-            "fds (rank 0)", "threads", "RSS MiB"]
+            "bytes 4 B", "fds (rank 0)", "threads", "RSS MiB"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for n in ranks:
@@ -132,14 +138,16 @@ def main() -> None:
             if not runs:
                 bad = got.get((stack, n), [{}])
                 why = "timed out" if any(r.get("timed_out") for r in bad) else "failed"
-                print(f"| {n} | {stack} | {why} (limit {args.timeout:.0f} s) |" + " |" * 7)
+                print(f"| {n} | {stack} | {why} (limit {args.timeout:.0f} s) |" + " |" * 8)
                 continue
             best = lambda k: min(r[k] for r in runs)  # noqa: E731
             med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
             frames = (f"{med('frames_4B_rank0'):.1f} / {med('frames_4B_others'):.1f}"
                       if "frames_4B_rank0" in runs[0] else "-")
+            nbytes = (f"{med('bytes_4B_rank0'):.0f} / {med('bytes_4B_others'):.0f}"
+                      if "bytes_4B_rank0" in runs[0] else "-")
             print(f"| {n} | {stack} | {best('us_4B'):.1f} | {best('us_64KiB'):.1f} | "
-                  f"{med('init_s'):.2f} | {med('wall_s'):.1f} | {frames} | "
+                  f"{med('init_s'):.2f} | {med('wall_s'):.1f} | {frames} | {nbytes} | "
                   f"{med('fds'):.0f} ({med('fds_rank0'):.0f}) | {med('threads'):.0f} | "
                   f"{med('rss_kib') / 1024:.1f} |")
 

@@ -14,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use _core::config::Config;
-use _core::engine::control::frames;
+use _core::engine::control::{frame_bytes, frames};
 use _core::engine::{Engine, OpSpec, Ran, TensorBuf, TensorMeta, TensorSpec};
 use _core::{DType, OpKind, ReduceOp};
 
@@ -87,6 +87,7 @@ fn main() {
     let init_s = t0.elapsed().as_secs_f64();
     let (rank, size) = (e.topology().rank, e.topology().size);
     let mut row = vec![init_s];
+    let mut bytes = Vec::new();
     for (label, elems) in [("4B", 1usize), ("64KiB", 16384)] {
         let input: Vec<u8> = (0..elems)
             .flat_map(|i| ((rank + i) as f32).to_le_bytes())
@@ -97,25 +98,31 @@ fn main() {
         assert_eq!(f32::from_le_bytes(first[..4].try_into().unwrap()), want);
         let mut best = f64::MAX;
         let mut frames_per_op = 0.0;
+        let mut bytes_per_op = 0.0;
         for _ in 0..3 {
             let (s0, r0) = frames();
+            let (bs0, br0) = frame_bytes();
             let t = Instant::now();
             for _ in 0..iters {
                 run(&e, spec(&name, DType::F32, input.clone(), ReduceOp::Sum));
             }
             let us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
             let (s1, r1) = frames();
+            let (bs1, br1) = frame_bytes();
             if us < best {
                 best = us;
                 frames_per_op = (s1 - s0 + r1 - r0) as f64 / iters as f64;
+                bytes_per_op = (bs1 - bs0 + br1 - br0) as f64 / iters as f64;
             }
         }
         row.push(best);
         row.push(frames_per_op);
+        bytes.push(bytes_per_op);
     }
     row.push(count("/proc/self/fd"));
     row.push(count("/proc/self/task"));
     row.push(rss_kib());
+    row.push(bytes[0]);
     let all = gather(&e, "scale.stats", rank, size, &row);
     if rank == 0 {
         let col = |i: usize| all.iter().map(|r| r[i]).collect::<Vec<f64>>();
@@ -132,7 +139,8 @@ fn main() {
             "SCALE_RESULT {{\"ranks\": {size}, \"init_s\": {:.3}, \"us_4B\": {:.1}, \
              \"us_64KiB\": {:.1}, \"frames_4B_rank0\": {:.2}, \"frames_4B_others\": {:.2}, \
              \"frames_64KiB_rank0\": {:.2}, \"frames_64KiB_others\": {:.2}, \"fds\": {}, \
-             \"fds_rank0\": {}, \"threads\": {}, \"rss_kib\": {}}}",
+             \"fds_rank0\": {}, \"threads\": {}, \"rss_kib\": {}, \"bytes_4B_rank0\": {:.0}, \
+             \"bytes_4B_others\": {:.0}}}",
             max(&col(0)),
             max(&col(1)),
             max(&col(3)),
@@ -144,6 +152,8 @@ fn main() {
             all[0][5],
             max(&col(6)),
             max(&col(7)),
+            all[0][8],
+            others(8),
         );
     }
     drop(e);

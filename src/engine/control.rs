@@ -126,12 +126,22 @@ pub const MAX_FRAME: usize = 256 << 20;
 /// rank 0, the coordinator's): what negotiation costs each rank, for the scale benchmark.
 static FRAMES_SENT: AtomicU64 = AtomicU64::new(0);
 static FRAMES_RECEIVED: AtomicU64 = AtomicU64::new(0);
+static BYTES_SENT: AtomicU64 = AtomicU64::new(0);
+static BYTES_RECEIVED: AtomicU64 = AtomicU64::new(0);
 
 /// `(sent, received)` control frames of this process so far (see [`FRAMES_SENT`]).
 pub fn frames() -> (u64, u64) {
     (
         FRAMES_SENT.load(Ordering::Relaxed),
         FRAMES_RECEIVED.load(Ordering::Relaxed),
+    )
+}
+
+/// `(sent, received)` bytes of those frames.
+pub fn frame_bytes() -> (u64, u64) {
+    (
+        BYTES_SENT.load(Ordering::Relaxed),
+        BYTES_RECEIVED.load(Ordering::Relaxed),
     )
 }
 
@@ -191,6 +201,7 @@ impl FrameConn {
             .extend_from_slice(&(payload.len() as u32).to_le_bytes());
         self.out.extend_from_slice(payload);
         FRAMES_SENT.fetch_add(1, Ordering::Relaxed);
+        BYTES_SENT.fetch_add(4 + payload.len() as u64, Ordering::Relaxed);
         self.flush(timeout).map(|_| ())
     }
 
@@ -284,6 +295,7 @@ impl FrameConn {
         let frame = avail[4..4 + len].to_vec();
         self.start += 4 + len;
         FRAMES_RECEIVED.fetch_add(1, Ordering::Relaxed);
+        BYTES_RECEIVED.fetch_add(4 + len as u64, Ordering::Relaxed);
         Ok(Some(frame))
     }
 

@@ -21,9 +21,10 @@ use crate::spin::Spin;
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
 use super::control::{ControlStream, FrameConn, OUTPUT_RETRY};
 use super::lease::Lease;
+use super::message::Submit;
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
-use super::relay::{Addressed, Links};
+use super::relay::{self, Addressed, Held, Links, Up};
 use super::sys::{wait_readable, Waker};
 use crate::transport::shm::ShmLink;
 
@@ -219,7 +220,9 @@ struct Relay {
     /// How to make that link (it returns once every rank of the job has connected).
     connect: Option<ConnectUp>,
     /// Messages of the ranks below for the parent, sent once per turn.
-    up: Vec<(usize, ToCoordinator)>,
+    up: Up,
+    /// Cached submissions held until every link below has made them.
+    held: Held,
     /// The parent shut down cleanly (its `RankLeft` passed by).
     parent_left: bool,
     /// The path above is gone: links below were told and closed; nothing more runs.
@@ -268,6 +271,7 @@ impl State {
                 parent: None,
                 connect: Some(connect),
                 up: Vec::new(),
+                held: Held::new(cfg.size, &cfg.process_sets),
                 parent_left: false,
                 cut: false,
             })),
@@ -366,7 +370,9 @@ impl State {
             },
             // A relay asked to stop looks again at the links below now and then.
             Role::Relay(_) if self.stop_asked.is_some() => Duration::from_millis(20),
-            Role::Relay(_) => Duration::from_secs(1),
+            Role::Relay(r) => r.held.deadline().map_or(Duration::from_secs(1), |d| {
+                d.saturating_duration_since(Instant::now())
+            }),
         };
         if self.has_output() {
             window.min(OUTPUT_RETRY)
@@ -491,8 +497,15 @@ impl State {
                 }
             }
         }
-        if let Role::Root(root) = &mut self.role {
-            root.cycle(&self.cfg, stopping, &mut self.out);
+        match &mut self.role {
+            Role::Root(root) => root.cycle(&self.cfg, stopping, &mut self.out),
+            Role::Relay(relay) => {
+                if relay.held.deadline().is_some_and(|d| d <= Instant::now()) {
+                    relay
+                        .held
+                        .expire(&self.links, Instant::now(), &mut relay.up);
+                }
+            }
         }
         let sent = !self.out.is_empty();
         let flushed = self.flush_pending();
@@ -589,10 +602,18 @@ impl State {
             }
         }
         match &mut self.role {
-            Role::Relay(relay) => relay.up.extend(msgs),
+            Role::Relay(relay) => {
+                for (from, m) in msgs {
+                    relay.take(&self.links, link, from, m);
+                }
+            }
             Role::Root(root) => {
                 for (from, m) in msgs {
                     match m {
+                        ToCoordinator::CachedBelow { set_id, ids } => {
+                            let below = self.cfg.tree.subtree(from);
+                            root.claimed(set_id, &ids, &below, &mut self.out);
+                        }
                         ToCoordinator::Lost { rank, detail } => {
                             let reach = if from == rank {
                                 vec![rank]
@@ -624,9 +645,12 @@ impl State {
         let reach = self.links.reach(link).to_vec();
         match &mut self.role {
             Role::Root(root) => root.lost(link, &reach, detail, &mut self.out),
-            Role::Relay(relay) => relay
-                .up
-                .push((me, ToCoordinator::Lost { rank: link, detail })),
+            Role::Relay(relay) => {
+                relay.held.stop(&self.links, &mut relay.up);
+                relay
+                    .up
+                    .push((me, ToCoordinator::Lost { rank: link, detail }));
+            }
         }
     }
 
@@ -668,6 +692,13 @@ impl State {
             relay.parent_left |= down
                 .iter()
                 .any(|(_, m)| matches!(m, FromCoordinator::RankLeft { rank } if *rank == parent));
+            let mut stop = false;
+            for (_, m) in &down {
+                stop |= relay.held.observe(m);
+            }
+            if stop {
+                relay.held.stop(&self.links, &mut relay.up);
+            }
         }
         for (link, msg) in self.links.sort(down) {
             if let Some(c) = self.conns[link].as_mut() {
@@ -851,7 +882,68 @@ impl State {
     }
 }
 
+impl Relay {
+    /// One message from `from` that came in on `link`: cached submissions of the link's own
+    /// (its engine's, or its node's claim) are held; anything that could be ordered after
+    /// them (a join, a departure, a set change, a stall) first lets go of what is held.
+    fn take(&mut self, links: &Links, link: usize, from: usize, msg: ToCoordinator) {
+        match msg {
+            ToCoordinator::Submit(subs) if from == link => {
+                let mut rest = Vec::new();
+                for sub in subs {
+                    match sub {
+                        Submit::Cached { set_id, id } => {
+                            self.held.submit(links, link, set_id, id, &mut self.up)
+                        }
+                        other => rest.push(other),
+                    }
+                }
+                if !rest.is_empty() {
+                    self.up.push((from, ToCoordinator::Submit(rest)));
+                }
+            }
+            ToCoordinator::CachedBelow { set_id, ids } if from == link => {
+                for id in ids {
+                    self.held.submit(links, link, set_id, id, &mut self.up);
+                }
+            }
+            m @ (ToCoordinator::Submit(_) | ToCoordinator::CachedBelow { .. }) => {
+                self.up.push((from, m))
+            }
+            m @ (ToCoordinator::AddSet { .. } | ToCoordinator::RemoveSet { .. }) => {
+                // Held ops of a set keep it from being removed, as at the coordinator.
+                self.held
+                    .expire(links, Instant::now() + relay::HOLD, &mut self.up);
+                self.up.push((from, m));
+            }
+            m => {
+                self.held.stop(links, &mut self.up);
+                self.up.push((from, m));
+            }
+        }
+    }
+}
+
 impl Root {
+    /// A relay's claim: every member of set `set_id` among `below` submitted each of `ids`.
+    fn claimed(&mut self, set_id: u32, ids: &[u64], below: &[usize], out: &mut Outbox) {
+        let members: Vec<usize> = match self.neg.members(set_id) {
+            Some(m) => below
+                .iter()
+                .copied()
+                .filter(|r| m.binary_search(r).is_ok())
+                .collect(),
+            // The negotiator answers each rank that its set does not exist.
+            None => below.to_vec(),
+        };
+        for &id in ids {
+            for &r in &members {
+                let sub = ToCoordinator::Submit(vec![Submit::Cached { set_id, id }]);
+                self.neg.handle(r, sub, out);
+            }
+        }
+    }
+
     /// The link to `rank`, reaching `reach`, is gone (`detail`): `rank` left or died, and
     /// any other rank it reached that has not left is cut off from the coordinator.
     fn lost(&mut self, rank: usize, reach: &[usize], detail: String, out: &mut Outbox) {

@@ -37,12 +37,17 @@ def test_ops_before_init_raise_not_initialized():
     assert res.returncode == 0 and "OK " in res.stdout, describe(res)
 
 
-@pytest.mark.parametrize("n,link", [(3, "shm"), (4, "shm"), (3, "tcp")])
+@pytest.mark.parametrize("n,link", [(3, "shm"), (4, "shm"), (3, "tcp"), (5, "relay")])
 def test_killed_rank_is_reported_by_every_survivor(n, link):
-    """Within 2 s of the kill, over shared memory (ranks on one host) and over TCP alike."""
+    """Within 2 s of the kill, over shared memory (ranks on one host) and over TCP alike; and
+    when the killed rank relays the others' control messages (a control tree of fanout 1 is
+    the chain 0 <- 1 <- 2 <- 3 <- 4, every op through the coordinator): the ranks below it,
+    cut off from the coordinator, name it too."""
     marker = f"fvkill-{time.time_ns()}"
     t0 = time.monotonic()
     env = {"FERROVOD_TIMEOUT_SECONDS": 30, "FERROVOD_SHM_DISABLE": "1" if link == "tcp" else "0"}
+    if link == "relay":
+        env.update({"FERROVOD_CONTROL_FANOUT": "1", "FERROVOD_FAST_PATH_BYTES": "0"})
     res = run_job(n, "errors_worker.py", "kill", marker, 40, env=env, timeout=90)
     total = time.monotonic() - t0
     assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"

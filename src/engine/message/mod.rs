@@ -252,6 +252,15 @@ pub enum ToCoordinator {
     /// From a relay node (see `engine/coordinator.rs`): the messages of the ranks below it,
     /// each with its sender, in the order they arrived.
     Relayed(Vec<(usize, ToCoordinator)>),
+    /// From a relay node, in a relayed batch under the relay's own rank: every member of
+    /// process set `set_id` that the relay reaches has submitted each of the cached `ids`
+    /// (the relay held their submissions until the last came).
+    CachedBelow {
+        /// Process set.
+        set_id: u32,
+        /// Cache ids.
+        ids: Vec<u64>,
+    },
     /// From a relay node: its link to `rank` (an engine, or a node with ranks below it)
     /// closed. `rank` is gone, and the ranks below it are cut off from the coordinator.
     Lost {
@@ -409,6 +418,12 @@ impl ToCoordinator {
             ToCoordinator::Lost { rank, detail } => {
                 w.u8(8).usize(*rank).str(detail);
             }
+            ToCoordinator::CachedBelow { set_id, ids } => {
+                w.u8(9).u32(*set_id).u32(ids.len() as u32);
+                for id in ids {
+                    w.u64(*id);
+                }
+            }
         }
     }
 
@@ -472,6 +487,15 @@ impl ToCoordinator {
                 rank: r.usize()?,
                 detail: r.str()?.to_string(),
             },
+            9 => {
+                let set_id = r.u32()?;
+                let n = r.u32()? as usize;
+                if n > r.remaining() {
+                    return Err(Error::Decode(format!("{n} cache ids exceed the message")));
+                }
+                let ids = (0..n).map(|_| r.u64()).collect::<Result<_>>()?;
+                ToCoordinator::CachedBelow { set_id, ids }
+            }
             t => return Err(Error::Decode(format!("bad message tag {t}"))),
         };
         if !outer && matches!(msg, ToCoordinator::Hello { .. }) {

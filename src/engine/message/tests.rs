@@ -48,6 +48,13 @@ fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
             ),
             (5, ToCoordinator::Leave),
             (
+                2,
+                ToCoordinator::CachedBelow {
+                    set_id: 1,
+                    ids: vec![4, 7],
+                },
+            ),
+            (
                 4,
                 ToCoordinator::Lost {
                     rank: 6,

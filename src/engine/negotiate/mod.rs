@@ -132,6 +132,11 @@ impl Negotiator {
         }
     }
 
+    /// The members of process set `id`, if it exists.
+    pub fn members(&self, id: u32) -> Option<&[usize]> {
+        self.sets.get(&id).map(|s| s.ranks.as_slice())
+    }
+
     /// Changes the fusion threshold (autotune).
     pub fn set_fusion_threshold(&mut self, bytes: usize) {
         self.fusion_threshold = bytes;
@@ -197,7 +202,9 @@ impl Negotiator {
             ),
             ToCoordinator::Stalled { .. } => {}
             // A node unpacks these before anything reaches the negotiator.
-            ToCoordinator::Relayed(_) | ToCoordinator::Lost { .. } => {}
+            ToCoordinator::Relayed(_)
+            | ToCoordinator::Lost { .. }
+            | ToCoordinator::CachedBelow { .. } => {}
         }
     }
 
