@@ -24,6 +24,11 @@ stops being able to form a job on this machine, and that is a result too::
 
     python benchmarks/scale_many.py                          # N = 64, 128, 256; 2 rounds
     python benchmarks/scale_many.py --ranks 512,1024 --rounds 1 --timeout 900
+    sudo .venv/bin/python benchmarks/scale_many.py --hosts 4 --ranks 32 --stacks "fv engine,fv star"
+
+With ``--hosts K`` the ranks are spread over K network-namespace hosts (``tests/python/netns.py``;
+needs root, iproute2 and openssh), ``ferrovodrun`` on a host of its own reaching them over ssh;
+ferrovod only (every op then goes through the coordinator, as across real hosts).
 
 Needs cargo (it builds the worker), ``ferrovodrun`` from this environment, and for the Open MPI
 column ``mpirun`` and ``mpicc.openmpi`` (Debian: openmpi-bin, libopenmpi-dev).
@@ -32,6 +37,7 @@ column ``mpirun`` and ``mpicc.openmpi`` (Debian: openmpi-bin, libopenmpi-dev).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,16 +71,22 @@ def build(tmp: str) -> Dict[str, List[str]]:
     return workers
 
 
-def command(stack: str, worker: List[str], n: int, iters: int) -> List[str]:
+def command(stack: str, worker: List[str], n: int, iters: int, cluster=None) -> List[str]:
     if stack == "Open MPI":
         extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + \
             worker + [str(iters)]
     run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
-    return [run, "-np", str(n)] + worker + [str(iters)]
+    if cluster is None:
+        return [run, "-np", str(n)] + worker + [str(iters)]
+    names = [h for h in cluster.hosts if h != "h0"]
+    hosts = ",".join(f"{h}:{n // len(names)}" for h in names)
+    return cluster.command("h0", [run, "-np", str(n), "-H", hosts, "-p", "2222", "-i",
+                                  str(cluster.key)] + worker + [str(iters)])
 
 
-def run(stack: str, worker: List[str], n: int, iters: int, timeout: float) -> Optional[dict]:
+def run(stack: str, worker: List[str], n: int, iters: int, timeout: float,
+        cluster=None) -> Optional[dict]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))}
     if stack in ("fv engine", "fv star"):
@@ -82,7 +95,7 @@ def run(stack: str, worker: List[str], n: int, iters: int, timeout: float) -> Op
         env["FERROVOD_CONTROL_FANOUT"] = "0"
     start = time.perf_counter()
     try:
-        p = subprocess.run(command(stack, worker, n, iters), env=env, capture_output=True,
+        p = subprocess.run(command(stack, worker, n, iters, cluster), env=env, capture_output=True,
                            text=True, timeout=timeout, start_new_session=True)
     except subprocess.TimeoutExpired as e:
         print(f"  {stack} -np {n}: no result in {timeout:.0f} s", file=sys.stderr)
@@ -108,17 +121,33 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=6400,
                    help="ops per timed loop at 1 rank; at N ranks ops/N (at least 10)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="spread the ranks over this many network-namespace hosts")
     args = p.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack_:
+        tmp = stack_.enter_context(tempfile.TemporaryDirectory())
         workers = build(tmp)
+        cluster = None
+        if args.hosts:
+            sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+            from netns import Cluster, missing_tools
+
+            why = missing_tools()
+            if why:
+                sys.exit(f"scale_many: --hosts {why}")
+            names = ["h0"] + [f"h{i}" for i in range(1, args.hosts + 1)]
+            (Path(tmp) / "cluster").mkdir()
+            cluster = stack_.enter_context(Cluster(names, Path(tmp) / "cluster"))
+            workers.pop("Open MPI", None)
         stacks = [s for s in args.stacks.split(",") if s in workers]
         got: Dict[tuple, List[dict]] = {}
         for rnd in range(args.rounds):
             for n in ranks:
                 order = stacks if rnd % 2 == 0 else stacks[::-1]
                 for stack in order:
-                    r = run(stack, workers[stack], n, max(10, args.ops // n), args.timeout)
+                    r = run(stack, workers[stack], n, max(10, args.ops // n), args.timeout,
+                            cluster)
                     got.setdefault((stack, n), []).append(r)
                     if "us_4B" in r:
                         print(f"  round {rnd + 1}: {stack:9s} -np {n:4d}: 4 B {r['us_4B']:9.1f} "
