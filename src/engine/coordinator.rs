@@ -271,7 +271,11 @@ impl State {
                 parent: None,
                 connect: Some(connect),
                 up: Vec::new(),
-                held: Held::new(cfg.size, &cfg.process_sets),
+                held: Held::new(
+                    cfg.size,
+                    &cfg.process_sets,
+                    relay::hold_for(cfg.stall_check),
+                ),
                 parent_left: false,
                 cut: false,
             })),
@@ -912,8 +916,7 @@ impl Relay {
             }
             m @ (ToCoordinator::AddSet { .. } | ToCoordinator::RemoveSet { .. }) => {
                 // Held ops of a set keep it from being removed, as at the coordinator.
-                self.held
-                    .expire(links, Instant::now() + relay::HOLD, &mut self.up);
+                self.held.release(links, &mut self.up);
                 self.up.push((from, m));
             }
             m => {

@@ -22,9 +22,14 @@ use crate::bootstrap::ControlTree;
 use super::message::{FromCoordinator, Submit, ToCoordinator};
 
 /// How long a relay holds a cached submission while other links below it have not submitted
-/// the same op: then it passes each on by itself, so that the coordinator's stall inspector
-/// sees which ranks are missing, as it would without the relay.
-pub(super) const HOLD: Duration = Duration::from_secs(1);
+/// the same op, at most: then it passes each on by itself, so that the coordinator's stall
+/// inspector sees which ranks are missing, as it would without the relay. An eighth of the
+/// stall-check time where that is shorter, so that even a few relays deep every submission
+/// has reached the coordinator before its first inspection.
+pub(super) fn hold_for(stall_check: Option<Duration>) -> Duration {
+    let most = Duration::from_secs(1);
+    stall_check.map_or(most, |c| (c / 8).min(most))
+}
 
 /// A node's links: its own engine's and each child's.
 pub(super) struct Links {
@@ -152,6 +157,8 @@ pub(super) struct Held {
     size: usize,
     /// (set, cache id) → the links that have submitted it this round.
     entries: HashMap<(u32, u64), Entry>,
+    /// See [`hold_for`].
+    hold: Duration,
     /// A join, a departure or a failure has passed: the relay holds nothing any more. A joined
     /// rank never submits (it would be waited for), and a gone one never again; both are rare
     /// enough that passing every submission on from then on costs nothing that matters.
@@ -167,8 +174,9 @@ struct Entry {
 }
 
 impl Held {
-    /// Nothing held; `process_sets` are the static sets (ids 1, 2, ...).
-    pub fn new(size: usize, process_sets: &[Vec<usize>]) -> Held {
+    /// Nothing held; `process_sets` are the static sets (ids 1, 2, ...), `hold` from
+    /// [`hold_for`].
+    pub fn new(size: usize, process_sets: &[Vec<usize>], hold: Duration) -> Held {
         let mut sets: HashMap<u32, Vec<usize>> = HashMap::new();
         sets.insert(0, (0..size).collect());
         for (i, ranks) in process_sets.iter().enumerate() {
@@ -178,6 +186,7 @@ impl Held {
             sets,
             size,
             entries: HashMap::new(),
+            hold,
             off: false,
         }
     }
@@ -231,15 +240,21 @@ impl Held {
 
     /// Passes on everything held, one by one, and holds nothing from now on (see `off`).
     pub fn stop(&mut self, links: &Links, up: &mut Up) {
-        self.pass(links, up, |_| true);
+        self.release(links, up);
         self.entries.clear();
         self.off = true;
     }
 
-    /// Passes on, one by one, what was held since before `now - HOLD`.
+    /// Passes on everything held, one by one.
+    pub fn release(&mut self, links: &Links, up: &mut Up) {
+        self.pass(links, up, |_| true);
+    }
+
+    /// Passes on, one by one, what has been held for the hold time by `now`.
     pub fn expire(&mut self, links: &Links, now: Instant, up: &mut Up) {
+        let hold = self.hold;
         self.pass(links, up, |e| {
-            now.saturating_duration_since(e.since) >= HOLD
+            now.saturating_duration_since(e.since) >= hold
         });
     }
 
@@ -265,7 +280,7 @@ impl Held {
         self.entries
             .values()
             .filter(|e| !e.passed)
-            .map(|e| e.since + HOLD)
+            .map(|e| e.since + self.hold)
             .min()
     }
 
@@ -382,7 +397,8 @@ mod tests {
         // Rank 4's node (two hosts of 4, fanout 2) reaches 4, 5 (a node: 5 and 7) and 6.
         let tree = ControlTree::new(&[0, 0, 0, 0, 1, 1, 1, 1], 2);
         let links = Links::new(&tree, 4);
-        let mut held = Held::new(8, &[vec![0, 6, 7]]);
+        let hold = hold_for(None);
+        let mut held = Held::new(8, &[vec![0, 6, 7]], hold);
         let mut up = Up::new();
         held.submit(&links, 4, 0, 9, &mut up);
         held.submit(&links, 6, 0, 9, &mut up);
@@ -413,7 +429,7 @@ mod tests {
         // Held too long: passed on one by one, and so is the next link of that round.
         up.clear();
         held.submit(&links, 6, 0, 9, &mut up);
-        held.expire(&links, Instant::now() + HOLD, &mut up);
+        held.expire(&links, Instant::now() + hold, &mut up);
         held.submit(&links, 5, 0, 9, &mut up);
         assert_eq!(
             up,
@@ -441,5 +457,9 @@ mod tests {
         held.submit(&links, 4, 0, 9, &mut up);
         assert_eq!(up.len(), 2);
         assert!(held.deadline().is_none());
+        assert_eq!(
+            hold_for(Some(Duration::from_secs(1))),
+            Duration::from_millis(125)
+        );
     }
 }

@@ -8,8 +8,11 @@ from conftest import describe, run_job
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
 
-def test_rank_that_skips_a_tensor_is_named_in_the_warning():
-    res = run_job(3, "stall_worker.py", "warn", env={"FERROVOD_STALL_CHECK_TIME_SECONDS": "1"},
+# Fanout 1: the chain 0 <- 1 <- 2, rank 2's submissions reach the coordinator through rank 1.
+@pytest.mark.parametrize("fanout", ["32", "1"])
+def test_rank_that_skips_a_tensor_is_named_in_the_warning(fanout):
+    res = run_job(3, "stall_worker.py", "warn", env={"FERROVOD_STALL_CHECK_TIME_SECONDS": "1",
+                                                     "FERROVOD_CONTROL_FANOUT": fanout},
                   timeout=60)
     assert res.returncode == 0, describe(res)
     warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("[0]<stderr>:")]
@@ -22,10 +25,12 @@ def test_rank_that_skips_a_tensor_is_named_in_the_warning():
                    if ln.startswith(("[1]", "[2]"))), "only rank 0 inspects"
 
 
-def test_stall_shutdown_fails_the_op_on_every_rank():
+@pytest.mark.parametrize("fanout", ["32", "1"])
+def test_stall_shutdown_fails_the_op_on_every_rank(fanout):
     res = run_job(3, "stall_worker.py", "shutdown",
                   env={"FERROVOD_STALL_CHECK_TIME_SECONDS": "1",
-                       "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"}, timeout=60)
+                       "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2",
+                       "FERROVOD_CONTROL_FANOUT": fanout}, timeout=60)
     assert res.returncode == 0, describe(res)
     for r in (0, 2):
         line = next((ln for ln in res.ranks[r] if ln.startswith("OK FerrovodTimeoutError")), None)

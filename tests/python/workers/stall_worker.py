@@ -1,5 +1,7 @@
-"""Rank 1 skips one tensor. Rank 0's stall inspector must warn, naming the tensor and rank 1;
-with a shutdown time, every rank's pending op on it must fail instead of hanging."""
+"""Rank 1 skips one tensor, which every rank reduced once before (so the others submit it as
+a cached id, which relays hold while a rank below them has not submitted it). Rank 0's stall
+inspector must warn, naming the tensor and rank 1; with a shutdown time, every rank's pending
+op on it must fail instead of hanging."""
 
 import sys
 import time
@@ -11,6 +13,8 @@ import ferrovod as fv
 mode = sys.argv[1]
 fv.init()
 r = fv.rank()
+# Through the engine (an async op), so that the name gets a response-cache id.
+fv.synchronize(fv.allreduce_async(np.ones(3, np.float32), name="skipped.by.rank1"))
 if r != 1:
     h = fv.allreduce_async(np.ones(3, np.float32), name="skipped.by.rank1")
 if mode == "warn":
