@@ -12,6 +12,10 @@ and ferrovod's time over Open MPI's (below 1: ferrovod is faster)::
     python benchmarks/scale.py                      # N = 2 4 8 16 32, 3 rounds
     python benchmarks/scale.py --ranks 4,8 --rounds 5
     python benchmarks/scale.py --stacks ferrovod    # without Open MPI
+    python benchmarks/scale.py --stacks ferrovod,mpi,horovod
+
+``horovod`` is Horovod 0.28.1's ``horovod.torch`` (``hvd.allreduce_``) under ``mpirun``, its MPI
+controller, from the venv ``scripts/install_horovod.sh`` builds (``--horovod-python``).
 
 With more ranks than cores every job is oversubscribed, as in a pod whose CPU limit is below
 its ranks' threads; ``nproc`` is printed with the table. Needs ``ferrovodrun`` (this
@@ -62,6 +66,22 @@ def worker(stack: str, iters: int) -> None:
         def gather(x: float) -> List[float]:
             return [float(v) for v in fv.allgather(np.array([x]), name="gather")]
 
+    elif stack == "horovod":
+        import horovod.torch as hvd
+        import torch
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+
+        def allreduce(buf: "np.ndarray") -> None:
+            hvd.allreduce_(torch.from_numpy(buf), op=hvd.Sum, name="x")
+
+        def slowest(x: float) -> float:
+            return float(hvd.allreduce(torch.tensor([x]), op=hvd.Max, name="slowest")[0])
+
+        def gather(x: float) -> List[float]:
+            return [float(v) for v in hvd.allgather(torch.tensor([x]), name="gather")]
+
     else:
         from mpi4py import MPI
 
@@ -107,8 +127,9 @@ def worker(stack: str, iters: int) -> None:
         fv.shutdown()
 
 
-def _command(stack: str, n: int, iters: int) -> List[str]:
-    me = [sys.executable, os.path.abspath(__file__), "--worker", stack, "--iters", str(iters)]
+def _command(stack: str, n: int, iters: int, horovod_python: str = "") -> List[str]:
+    python = horovod_python if stack == "horovod" else sys.executable
+    me = [python, os.path.abspath(__file__), "--worker", stack, "--iters", str(iters)]
     if stack == "ferrovod":
         run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
         return [run, "-np", str(n)] + me
@@ -116,15 +137,16 @@ def _command(stack: str, n: int, iters: int) -> List[str]:
     return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + me
 
 
-def _run(stack: str, n: int, iters: int, timeout: float) -> Optional[Dict[str, float]]:
+def _run(stack: str, n: int, iters: int, timeout: float,
+         horovod_python: str = "") -> Optional[Dict[str, float]]:
     env = dict(os.environ)
     # mpirun's workers must not take ferrovod's job for theirs, nor the other way round.
     for k in [k for k in env if k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))]:
         env.pop(k)
     start = time.perf_counter()
     try:
-        p = subprocess.run(_command(stack, n, iters), env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(_command(stack, n, iters, horovod_python), env=env,
+                           capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"  {stack} -np {n}: timed out after {timeout:.0f} s", file=sys.stderr)
         return None
@@ -144,7 +166,11 @@ def driver(args: argparse.Namespace) -> None:
     stacks = args.stacks.split(",")
     if "mpi" in stacks and shutil.which("mpirun") is None:
         print("scale: no mpirun here; timing ferrovod alone", file=sys.stderr)
-        stacks = [s for s in stacks if s != "mpi"]
+        stacks = [s for s in stacks if s not in ("mpi", "horovod")]
+    if "horovod" in stacks and not os.access(args.horovod_python, os.X_OK):
+        print(f"scale: no {args.horovod_python} (scripts/install_horovod.sh builds it); "
+              "timing without Horovod", file=sys.stderr)
+        stacks = [s for s in stacks if s != "horovod"]
     ranks = [int(r) for r in args.ranks.split(",")]
     got: Dict[tuple, List[Dict[str, float]]] = {}
     for rnd in range(args.rounds):
@@ -152,7 +178,7 @@ def driver(args: argparse.Namespace) -> None:
             iters = max(20, args.ops // n)
             order = stacks if rnd % 2 == 0 else stacks[::-1]
             for stack in order:
-                r = _run(stack, n, iters, args.timeout)
+                r = _run(stack, n, iters, args.timeout, args.horovod_python)
                 if r is not None:
                     got.setdefault((stack, n), []).append(r)
                     print(f"  round {rnd + 1}: {stack:8s} -np {n:3d}: 4 B {r['4 B']:9.1f} us, "
@@ -162,6 +188,9 @@ def driver(args: argparse.Namespace) -> None:
     head = ["ranks"]
     for label in SIZES:
         head += [f"ferrovod {label}", f"Open MPI {label}", "ratio"]
+    hvd = "horovod" in stacks
+    if hvd:
+        head += [f"Horovod {label}" for label in SIZES]
     head += ["fds (fv/MPI)", "threads (fv/MPI)", "init s (fv/MPI)", "job s (fv/MPI)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -178,6 +207,8 @@ def driver(args: argparse.Namespace) -> None:
         for label in SIZES:
             f, m = best("ferrovod", n, label), best("mpi", n, label)
             row += [fmt(f), fmt(m), fmt(f / m if f and m else None, ".2f")]
+        if hvd:
+            row += [fmt(best("horovod", n, label)) for label in SIZES]
         for key, spec in (("fds_max", ".0f"), ("threads_max", ".0f"), ("init_s", ".2f"),
                           ("wall_s", ".1f")):
             row.append(f"{fmt(best('ferrovod', n, key, statistics.median), spec)} / "
@@ -189,11 +220,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="2,4,8,16,32", help="comma-separated numbers of ranks")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--stacks", default="ferrovod,mpi", help="ferrovod, mpi, or both")
+    p.add_argument("--stacks", default="ferrovod,mpi",
+                   help="comma-separated: ferrovod, mpi, horovod")
+    p.add_argument("--horovod-python",
+                   default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+                       __file__))), ".venv-horovod", "bin", "python"),
+                   help="the interpreter of the venv scripts/install_horovod.sh builds")
     p.add_argument("--ops", type=int, default=4000,
                    help="ops per timed loop at 1 rank; a loop at N ranks runs ops/N (at least 20)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
-    p.add_argument("--worker", choices=("ferrovod", "mpi"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("ferrovod", "mpi", "horovod"), help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=100, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:

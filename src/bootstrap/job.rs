@@ -3,20 +3,21 @@
 //! order on every rank:
 //!
 //! 1. check the membership, pick the address to listen on and the job secret;
-//! 2. when no launcher of ours serves the rendezvous store, rank 0 serves it;
+//! 2. when no launcher of ours serves the rendezvous store, rank 0 serves it, and rank 0 starts
+//!    its coordinator and publishes where it listens;
 //! 3. every rank publishes its data address, its host name and the settings every rank must
 //!    share, and reads everyone else's (a difference fails every rank alike);
-//! 4. every rank derives the control tree from the host table ([`ControlTree`]); rank 0
-//!    starts the coordinator, every rank with children a relay, and each publishes where it
-//!    listens;
+//! 4. every rank derives the control tree from the host table ([`ControlTree`]): rank 0 gives
+//!    it to its coordinator, every other rank with children starts a relay and publishes where
+//!    it listens;
 //! 5. the TCP mesh, then the move of each same-host pair to shared memory;
 //! 6. the control connection to this rank's node (its own, else its parent's), which
 //!    completes once every rank has joined.
 //!
 //! The coordinator and the messages on the control connection are the engine's (the
 //! coordinator negotiates ops), so bootstrap does not build them: the engine hands [`form`] a
-//! [`ControlPlane`] whose two hooks it calls at steps 4 and 6, on the listeners and the address
-//! bootstrap chose. That keeps the start-up order in one place without bootstrap knowing any
+//! [`ControlPlane`] whose hooks it calls at steps 2, 4 and 6, on the listeners and the
+//! addresses bootstrap chose. That keeps the start-up order in one place without bootstrap knowing any
 //! engine type; the engine in turn knows nothing of stores, meshes or host names.
 //!
 //! Everything a forming creates is owned by the [`Job`] it returns (or dropped when it fails),
@@ -79,19 +80,22 @@ pub trait ControlPlane {
     /// This rank's connection to its node.
     type Control;
 
-    /// Starts this rank's node of the control tree on `listeners`, before their address is
-    /// published: the coordinator on rank 0 (`parent` is `None`), else a relay, which
-    /// connects to its parent's node at `parent` (rank `tree.parent(rank)`) once the links
-    /// below it have connected. `secret` is the job secret every control connection must
-    /// prove.
+    /// Starts this rank's node of the control tree on `listeners`: the coordinator on rank 0
+    /// (`parent` is `None`), else a relay, which connects to its parent's node at `parent`
+    /// (rank `tree.parent(rank)`) once the links below it have connected. `secret` is the job
+    /// secret every control connection must prove. Rank 0 starts before the host table is
+    /// read, with no `tree` (connections wait until [`ControlPlane::place`] gives it one).
     fn start_node(
         &mut self,
         listeners: CoordinatorListeners,
         secret: &[u8],
-        tree: &ControlTree,
+        tree: Option<&ControlTree>,
         rank: usize,
         parent: Option<CoordinatorAddr>,
     ) -> Result<Self::Coordinator>;
+
+    /// Gives rank 0's coordinator, started early, the control tree.
+    fn place(&mut self, node: &Self::Coordinator, tree: &ControlTree);
 
     /// Connects this rank (`rank`) to the node of rank `node` at `at` (its own node, or its
     /// parent's), once the data links are up, and returns when every rank has connected:
@@ -315,7 +319,7 @@ fn alone<P: ControlPlane>(
             local,
         },
         secret,
-        &ControlTree::new(&[0], config.control_fanout),
+        Some(&ControlTree::new(&[0], config.control_fanout)),
         0,
         None,
     )?;
@@ -363,6 +367,35 @@ fn meet<P: ControlPlane>(
     };
     let data = TcpListener::bind((ip, 0))?;
     let key = |k: &str| format!("g{}/{k}", membership.generation);
+    // Rank 0's coordinator starts, and says where it listens, before the host table is read
+    // (the control tree comes from it): connections are authenticated at once and register
+    // once the tree is known.
+    let early = if rank == 0 {
+        let listener = TcpListener::bind((ip, 0))?;
+        let addr = listener.local_addr()?;
+        let (local, local_name) = bind_local_control().unzip();
+        let published = format!("{addr}\n{}", local_name.clone().unwrap_or_default());
+        let c = plane.start_node(
+            CoordinatorListeners {
+                tcp: listener,
+                local,
+            },
+            secret,
+            None,
+            0,
+            None,
+        )?;
+        store.set(&key("coordinator"), published.as_bytes())?;
+        Some((
+            c,
+            CoordinatorAddr {
+                tcp: addr,
+                local: local_name,
+            },
+        ))
+    } else {
+        None
+    };
     // Process sets are registered by position (ids 1, 2, ...) and added or removed in dynamic
     // mode by every rank alike: a rank that differs would get other ids or wait alone for a
     // change the others refuse.
@@ -479,7 +512,10 @@ fn meet<P: ControlPlane>(
                 .then(|| local.to_string()),
         })
     };
-    let coordinator = if tree.has_node(rank) {
+    let coordinator = if let Some((c, at)) = early {
+        plane.place(&c, &tree);
+        Some((c, at))
+    } else if tree.has_node(rank) {
         let listener = TcpListener::bind((ip, 0))?;
         let addr = listener.local_addr()?;
         let (local, local_name) = bind_local_control().unzip();
@@ -492,7 +528,7 @@ fn meet<P: ControlPlane>(
                 local,
             },
             secret,
-            &tree,
+            Some(&tree),
             rank,
             parent,
         )?;

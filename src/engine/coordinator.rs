@@ -54,8 +54,9 @@ pub struct CoordinatorConfig {
     pub spin: Duration,
     /// This node's rank.
     pub rank: usize,
-    /// The control tree every rank derived from the same host table.
-    pub tree: ControlTree,
+    /// The control tree every rank derived from the same host table; `None` for a coordinator
+    /// started before the table was read (see [`Coordinator::place`]).
+    pub tree: Option<ControlTree>,
     /// A relay's way up to its parent's node; `None` for the coordinator (rank 0).
     pub parent: Option<ConnectUp>,
 }
@@ -97,6 +98,17 @@ impl Coordinator {
             lease,
             thread: Some(thread),
         })
+    }
+
+    /// Gives a coordinator started before the host table was read its control tree: from now
+    /// on the connections it authenticated register.
+    pub fn place(&self, tree: &ControlTree) {
+        let mut st = self.state.lock();
+        st.links = Links::new(tree, st.cfg.rank);
+        st.cfg.tree = Some(tree.clone());
+        st.placed = true;
+        drop(st);
+        self.waker.wake();
     }
 
     /// Lets another thread turn the coordinator when it is idle (rank 0's caller waiting for
@@ -245,6 +257,8 @@ struct State {
     waker: Arc<Waker>,
     role: Role,
     links: Links,
+    /// The tree is known: connections may register (they wait in the channel until then).
+    placed: bool,
     /// Indexed by the link's rank.
     conns: Vec<Option<FrameConn>>,
     registered: Vec<bool>,
@@ -265,7 +279,11 @@ impl State {
         mut cfg: CoordinatorConfig,
         waker: Arc<Waker>,
     ) -> State {
-        let links = Links::new(&cfg.tree, cfg.rank);
+        let placed = cfg.tree.is_some();
+        let tree = cfg
+            .tree
+            .get_or_insert_with(|| ControlTree::new(&vec![0; cfg.size], 0));
+        let links = Links::new(tree, cfg.rank);
         let role = match cfg.parent.take() {
             Some(connect) => Role::Relay(Box::new(Relay {
                 parent: None,
@@ -322,6 +340,7 @@ impl State {
             waker,
             role,
             links,
+            placed,
             tx,
             rx,
             out: Vec::new(),
@@ -337,6 +356,10 @@ impl State {
         (0..self.cfg.size)
             .filter(|&r| self.conns[r].is_some())
             .collect()
+    }
+
+    fn tree(&self) -> &ControlTree {
+        tree_of(&self.cfg)
     }
 
     fn parent(&self) -> Option<&FrameConn> {
@@ -466,7 +489,7 @@ impl State {
                 &self.waker,
             );
         }
-        while let Ok((rank, stream)) = self.rx.try_recv() {
+        while let Some((rank, stream)) = self.placed.then(|| self.rx.try_recv().ok()).flatten() {
             let expected = self.links.expected().any(|l| l == rank);
             if expected && self.conns[rank].is_none() && !self.registered[rank] {
                 if let Ok(c) = FrameConn::new(stream, rank) {
@@ -529,7 +552,7 @@ impl State {
             match connect() {
                 Ok(conn) => relay.parent = Some(conn),
                 Err(e) => {
-                    let parent = self.cfg.tree.parent(self.cfg.rank).unwrap_or(0);
+                    let parent = self.tree().parent(self.cfg.rank).unwrap_or(0);
                     self.cut_off(parent, false, format!("could not reach its node: {e}"));
                     return;
                 }
@@ -615,14 +638,14 @@ impl State {
                 for (from, m) in msgs {
                     match m {
                         ToCoordinator::CachedBelow { set_id, ids } => {
-                            let below = self.cfg.tree.subtree(from);
+                            let below = tree_of(&self.cfg).subtree(from);
                             root.claimed(set_id, &ids, &below, &mut self.out);
                         }
                         ToCoordinator::Lost { rank, detail } => {
                             let reach = if from == rank {
                                 vec![rank]
                             } else {
-                                self.cfg.tree.subtree(rank)
+                                tree_of(&self.cfg).subtree(rank)
                             };
                             root.lost(rank, &reach, detail, &mut self.out);
                         }
@@ -691,7 +714,7 @@ impl State {
                 }
             }
         }
-        let parent = self.cfg.tree.parent(self.cfg.rank).unwrap_or(0);
+        let parent = self.tree().parent(self.cfg.rank).unwrap_or(0);
         if let Role::Relay(relay) = &mut self.role {
             relay.parent_left |= down
                 .iter()
@@ -731,7 +754,7 @@ impl State {
 
     fn path_closed(&self, clean: bool, detail: String) -> FromCoordinator {
         FromCoordinator::PathClosed {
-            rank: self.cfg.tree.parent(self.cfg.rank).unwrap_or(0),
+            rank: self.tree().parent(self.cfg.rank).unwrap_or(0),
             clean,
             detail,
         }
@@ -998,6 +1021,11 @@ impl Root {
             }
         }
     }
+}
+
+/// The node's control tree (every node has one from its construction on).
+fn tree_of(cfg: &CoordinatorConfig) -> &ControlTree {
+    cfg.tree.as_ref().expect("set at construction")
 }
 
 fn gone(left: bool) -> Gone {

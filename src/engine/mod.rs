@@ -383,7 +383,7 @@ impl ControlPlane for EnginePlane<'_> {
         &mut self,
         listeners: CoordinatorListeners,
         secret: &[u8],
-        tree: &ControlTree,
+        tree: Option<&ControlTree>,
         rank: usize,
         parent: Option<CoordinatorAddr>,
     ) -> Result<Coordinator> {
@@ -391,7 +391,7 @@ impl ControlPlane for EnginePlane<'_> {
         let rings = (!config.shm_disable).then_some(crate::transport::shm::CONTROL_RING_BYTES);
         let parent = parent.map(|at| {
             let secret = secret.to_vec();
-            let node = tree.parent(rank).unwrap_or(0);
+            let node = tree.and_then(|t| t.parent(rank)).unwrap_or(0);
             let (start, liveness) = (config.start_timeout, config.timeout);
             Box::new(move || connect_control(&at, rank, node, &secret, start, liveness, rings))
                 as coordinator::ConnectUp
@@ -409,10 +409,14 @@ impl ControlPlane for EnginePlane<'_> {
             autotune: config.autotune.clone(),
             spin: config.spin,
             rank,
-            tree: tree.clone(),
+            tree: tree.cloned(),
             parent,
         };
         Coordinator::start(listeners.tcp, listeners.local, cfg)
+    }
+
+    fn place(&mut self, node: &Coordinator, tree: &ControlTree) {
+        node.place(tree);
     }
 
     fn connect(
