@@ -98,6 +98,38 @@ fn ops_through_relays_match_fuse_cache_and_reach_process_sets() {
 }
 
 #[test]
+fn a_straggler_below_two_relays_is_waited_for_after_they_pass_on_what_they_held() {
+    // Fanout 1 over 6 ranks, two per host: 0 <- 1, 0 <- 2 <- 4, 2 <- 3, 4 <- 5. With a stall
+    // check of 1 s a relay holds a cached submission 125 ms; rank 5 is 400 ms late every
+    // round, so rank 4's relay passes rank 4's submission on by itself, under rank 4, and
+    // rank 2's relay must not take that for rank 4's node's claim for 4 and 5.
+    let extra = [
+        ("FERROVOD_CONTROL_FANOUT", "1"),
+        ("FERROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ];
+    let results = common::jobs::job_with(6, &[], SECRET, &extra, |rank, e| {
+        (0..4)
+            .map(|round| {
+                if rank == 5 && round > 0 {
+                    std::thread::sleep(Duration::from_millis(400));
+                }
+                let op = allreduce_op("late", &[rank as f32, round as f32], ReduceOp::Sum, 0);
+                result_f32(&e.submit(op).unwrap()).unwrap()
+            })
+            .collect::<Vec<_>>()
+    });
+    for (rank, sums) in results.into_iter().enumerate() {
+        for (round, s) in sums.into_iter().enumerate() {
+            assert_eq!(
+                s,
+                vec![15.0, 6.0 * round as f32],
+                "rank {rank} round {round}"
+            );
+        }
+    }
+}
+
+#[test]
 fn mismatch_and_join_through_relays_reach_every_rank() {
     let n = 6;
     let results = job(n, "1", &[], |rank, e| {

@@ -910,12 +910,14 @@ impl State {
 }
 
 impl Relay {
-    /// One message from `from` that came in on `link`: cached submissions of the link's own
-    /// (its engine's, or its node's claim) are held; anything that could be ordered after
-    /// them (a join, a departure, a set change, a stall) first lets go of what is held.
+    /// One message from `from` that came in on `link`: cached submissions that speak for the
+    /// whole link (an engine's own on its link, a node's claim on its) are held; anything that
+    /// could be ordered after them (a join, a departure, a set change, a stall) first lets go
+    /// of what is held. A node passes its own rank's submissions on under its own rank too, one
+    /// by one: those speak for that rank alone.
     fn take(&mut self, links: &Links, link: usize, from: usize, msg: ToCoordinator) {
         match msg {
-            ToCoordinator::Submit(subs) if from == link => {
+            ToCoordinator::Submit(subs) if links.plain(link) => {
                 let mut rest = Vec::new();
                 for sub in subs {
                     match sub {
