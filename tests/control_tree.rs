@@ -5,7 +5,7 @@
 //! sets, a mismatch, a join, a relay that shuts down while the ranks below it go on, and a
 //! rank leaving while others wait for it.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use _core::engine::Engine;
 use _core::{Error, ReduceOp};
@@ -204,24 +204,5 @@ fn a_relay_that_shuts_down_first_keeps_carrying_the_ranks_below_it() {
 
 #[test]
 fn a_rank_that_leaves_below_a_relay_fails_the_ops_waiting_for_it_naming_it() {
-    let n = 6;
-    let all = std::sync::Barrier::new(n - 1);
-    let results = job(n, "1", &[], |rank, e| {
-        if rank == 5 {
-            return None;
-        }
-        let h = e
-            .submit(allreduce_op("never", &[1.0], ReduceOp::Sum, 0))
-            .unwrap();
-        let start = Instant::now();
-        let r = result_f32(&h);
-        let took = start.elapsed();
-        all.wait();
-        Some((r, took))
-    });
-    for (r, took) in results.into_iter().flatten() {
-        let err = r.unwrap_err();
-        assert!(err.to_string().contains("rank 5"), "{err}");
-        assert!(took < Duration::from_secs(5), "{took:?}");
-    }
+    common::jobs::assert_a_leaver_is_named(6, 5, SECRET, &[("FERROVOD_CONTROL_FANOUT", "1")]);
 }

@@ -186,28 +186,7 @@ fn process_sets_can_be_added_and_removed_and_foreign_sets_are_rejected() {
 
 #[test]
 fn a_rank_that_leaves_fails_the_ops_waiting_for_it_naming_it() {
-    // Ranks 0 and 1 shut down only once both have their result: otherwise rank 0 (the
-    // coordinator) may be gone before rank 1 has even submitted, and rank 1 is then rightly
-    // told that rank 0 shut down instead.
-    let both = std::sync::Barrier::new(2);
-    let results = job(3, &[], |rank, e| {
-        if rank == 2 {
-            return None;
-        }
-        let h = e
-            .submit(allreduce_op("never", &[1.0], ReduceOp::Sum, 0))
-            .unwrap();
-        let start = Instant::now();
-        let r = result_f32(&h);
-        let took = start.elapsed();
-        both.wait();
-        Some((r, took))
-    });
-    for (r, took) in results.into_iter().flatten() {
-        let err = r.unwrap_err();
-        assert!(err.to_string().contains("rank 2"), "{err}");
-        assert!(took < Duration::from_secs(5), "{took:?}");
-    }
+    common::jobs::assert_a_leaver_is_named(3, 2, SECRET, &[]);
 }
 
 #[test]

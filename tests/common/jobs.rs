@@ -82,6 +82,37 @@ pub fn job_with<R: Send>(
     })
 }
 
+/// Every rank of an `n`-rank job but `leaver` submits an allreduce that `leaver` never does
+/// (it shuts down at once); each must fail promptly, naming it.
+pub fn assert_a_leaver_is_named(
+    n: usize,
+    leaver: usize,
+    secret: &[u8],
+    extra: &[(&'static str, &str)],
+) {
+    // The others shut down only once all have their result: rank 0 (the coordinator) gone
+    // early would rightly be reported instead.
+    let all = std::sync::Barrier::new(n - 1);
+    let results = job_with(n, &[], secret, extra, |rank, e| {
+        if rank == leaver {
+            return None;
+        }
+        let h = e
+            .submit(allreduce_op("never", &[1.0], ReduceOp::Sum, 0))
+            .unwrap();
+        let start = std::time::Instant::now();
+        let r = h.wait(std::time::Duration::ZERO).expect("first wait");
+        let took = start.elapsed();
+        all.wait();
+        Some((r.err(), took))
+    });
+    for (err, took) in results.into_iter().flatten() {
+        let err = err.expect("the op must fail");
+        assert!(err.to_string().contains(&format!("rank {leaver}")), "{err}");
+        assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    }
+}
+
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

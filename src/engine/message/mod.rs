@@ -361,12 +361,25 @@ pub enum FromCoordinator {
     },
 }
 
+/// A whole frame from `write`.
+fn frame(write: impl FnOnce(&mut Writer)) -> Vec<u8> {
+    let mut w = Writer::new();
+    write(&mut w);
+    w.finish()
+}
+
+/// One message read from a whole frame by `read`; bytes left over are an error.
+fn unframe<T>(buf: &[u8], read: impl FnOnce(&mut Reader<'_>) -> Result<T>) -> Result<T> {
+    let mut r = Reader::new(buf);
+    let msg = read(&mut r)?;
+    r.finish()?;
+    Ok(msg)
+}
+
 impl ToCoordinator {
     /// Encodes for the wire.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
-        self.encode_into(&mut w);
-        w.finish()
+        frame(|w| self.encode_into(w))
     }
 
     fn encode_into(&self, w: &mut Writer) {
@@ -429,10 +442,7 @@ impl ToCoordinator {
 
     /// Decodes from the wire.
     pub fn decode(buf: &[u8]) -> Result<ToCoordinator> {
-        let mut r = Reader::new(buf);
-        let msg = ToCoordinator::decode_from(&mut r, true)?;
-        r.finish()?;
-        Ok(msg)
+        unframe(buf, |r| ToCoordinator::decode_from(r, true))
     }
 
     /// One message; `outer`: a relayed batch may hold messages, but not batches or hellos.
@@ -573,9 +583,7 @@ impl Response {
 impl FromCoordinator {
     /// Encodes for the wire.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
-        self.encode_into(&mut w);
-        w.finish()
+        frame(|w| self.encode_into(w))
     }
 
     fn encode_into(&self, w: &mut Writer) {
@@ -638,10 +646,7 @@ impl FromCoordinator {
 
     /// Decodes from the wire.
     pub fn decode(buf: &[u8]) -> Result<FromCoordinator> {
-        let mut r = Reader::new(buf);
-        let msg = FromCoordinator::decode_from(&mut r, true)?;
-        r.finish()?;
-        Ok(msg)
+        unframe(buf, |r| FromCoordinator::decode_from(r, true))
     }
 
     /// One message; `outer`: a batch to pass down may not hold another.
