@@ -106,7 +106,6 @@ impl Coordinator {
         let mut st = self.state.lock();
         st.links = Links::new(tree, st.cfg.rank);
         st.cfg.tree = Some(tree.clone());
-        st.placed = true;
         drop(st);
         self.waker.wake();
     }
@@ -256,9 +255,8 @@ struct State {
     local: Option<UnixListener>,
     waker: Arc<Waker>,
     role: Role,
+    /// Empty until the tree is known (`cfg.tree`): connections wait in the channel until then.
     links: Links,
-    /// The tree is known: connections may register (they wait in the channel until then).
-    placed: bool,
     /// Indexed by the link's rank.
     conns: Vec<Option<FrameConn>>,
     registered: Vec<bool>,
@@ -279,11 +277,10 @@ impl State {
         mut cfg: CoordinatorConfig,
         waker: Arc<Waker>,
     ) -> State {
-        let placed = cfg.tree.is_some();
-        let tree = cfg
-            .tree
-            .get_or_insert_with(|| ControlTree::new(&vec![0; cfg.size], 0));
-        let links = Links::new(tree, cfg.rank);
+        let links = match &cfg.tree {
+            Some(tree) => Links::new(tree, cfg.rank),
+            None => Links::none(cfg.rank),
+        };
         let role = match cfg.parent.take() {
             Some(connect) => Role::Relay(Box::new(Relay {
                 parent: None,
@@ -340,7 +337,6 @@ impl State {
             waker,
             role,
             links,
-            placed,
             tx,
             rx,
             out: Vec::new(),
@@ -489,7 +485,8 @@ impl State {
                 &self.waker,
             );
         }
-        while let Some((rank, stream)) = self.placed.then(|| self.rx.try_recv().ok()).flatten() {
+        let placed = self.cfg.tree.is_some();
+        while let Some((rank, stream)) = placed.then(|| self.rx.try_recv().ok()).flatten() {
             let expected = self.links.expected().any(|l| l == rank);
             if expected && self.conns[rank].is_none() && !self.registered[rank] {
                 if let Ok(c) = FrameConn::new(stream, rank) {
@@ -552,8 +549,7 @@ impl State {
             match connect() {
                 Ok(conn) => relay.parent = Some(conn),
                 Err(e) => {
-                    let parent = self.tree().parent(self.cfg.rank).unwrap_or(0);
-                    self.cut_off(parent, false, format!("could not reach its node: {e}"));
+                    self.cut_off(self.path_closed(false, format!("could not reach its node: {e}")));
                     return;
                 }
             }
@@ -742,16 +738,12 @@ impl State {
             };
             closed = Some(self.path_closed(clean, detail));
         }
-        if let Some(FromCoordinator::PathClosed {
-            rank,
-            clean,
-            detail,
-        }) = closed
-        {
-            self.cut_off(rank, clean, detail);
+        if let Some(notice) = closed {
+            self.cut_off(notice);
         }
     }
 
+    /// The notice for the links below when the link to this relay's parent is gone.
     fn path_closed(&self, clean: bool, detail: String) -> FromCoordinator {
         FromCoordinator::PathClosed {
             rank: self.tree().parent(self.cfg.rank).unwrap_or(0),
@@ -760,15 +752,10 @@ impl State {
         }
     }
 
-    /// The path above this relay is gone through `rank`: tells every link below, then closes
-    /// them all; from then on the relay does nothing.
-    fn cut_off(&mut self, rank: usize, clean: bool, detail: String) {
-        let notice = FromCoordinator::PathClosed {
-            rank,
-            clean,
-            detail,
-        }
-        .encode();
+    /// The path above this relay is gone (`notice`, a `PathClosed`): tells every link below,
+    /// then closes them all; from then on the relay does nothing.
+    fn cut_off(&mut self, notice: FromCoordinator) {
+        let notice = notice.encode();
         for l in self.links.expected().collect::<Vec<_>>() {
             if let Some(mut c) = self.conns[l].take() {
                 let _ = c.send(&notice, self.cfg.timeout);
@@ -799,16 +786,7 @@ impl State {
         }
         let batch = ToCoordinator::Relayed(std::mem::take(&mut relay.up));
         if let Err(e) = p.send(&batch.encode(), self.cfg.timeout) {
-            let detail = e.to_string();
-            let closed = self.path_closed(false, detail);
-            if let FromCoordinator::PathClosed {
-                rank,
-                clean,
-                detail,
-            } = closed
-            {
-                self.cut_off(rank, clean, detail);
-            }
+            self.cut_off(self.path_closed(false, e.to_string()));
         }
         true
     }
@@ -847,16 +825,7 @@ impl State {
             if let Some(p) = relay.parent.as_mut().filter(|p| p.has_output()) {
                 match p.flush(self.cfg.timeout) {
                     Ok(m) => moved |= m,
-                    Err(e) => {
-                        if let FromCoordinator::PathClosed {
-                            rank,
-                            clean,
-                            detail,
-                        } = self.path_closed(false, e.to_string())
-                        {
-                            self.cut_off(rank, clean, detail);
-                        }
-                    }
+                    Err(e) => self.cut_off(self.path_closed(false, e.to_string())),
                 }
             }
         }
@@ -1025,9 +994,10 @@ impl Root {
     }
 }
 
-/// The node's control tree (every node has one from its construction on).
+/// The node's control tree: a relay has it from the start, the coordinator before any link
+/// registers (nothing that needs it runs earlier).
 fn tree_of(cfg: &CoordinatorConfig) -> &ControlTree {
-    cfg.tree.as_ref().expect("set at construction")
+    cfg.tree.as_ref().expect("placed before any link registers")
 }
 
 fn gone(left: bool) -> Gone {

@@ -59,6 +59,15 @@ impl Links {
         Links { me, links, route }
     }
 
+    /// No links yet: a coordinator's before its tree is placed.
+    pub fn none(me: usize) -> Links {
+        Links {
+            me,
+            links: Vec::new(),
+            route: Vec::new(),
+        }
+    }
+
     /// The ranks of the links this node expects to connect.
     pub fn expected(&self) -> impl Iterator<Item = usize> + '_ {
         self.links.iter().map(|l| l.0)
