@@ -72,6 +72,17 @@ pub struct CoordinatorAddr {
     pub local: Option<String>,
 }
 
+impl CoordinatorAddr {
+    /// How a node publishes it in the rendezvous store (read back in `meet`).
+    fn record(&self) -> String {
+        format!(
+            "{}\n{}",
+            self.tcp,
+            self.local.as_deref().unwrap_or_default()
+        )
+    }
+}
+
 /// The job's control plane, which the engine defines: rank 0's coordinator and each rank's
 /// connection to it. [`form`] calls the hooks; see the module doc for when.
 pub trait ControlPlane {
@@ -310,14 +321,9 @@ fn alone<P: ControlPlane>(
     plane: &mut P,
 ) -> Result<Met<P>> {
     let ip = bind_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    let listener = TcpListener::bind((ip, 0))?;
-    let addr = listener.local_addr()?;
-    let (local, local_name) = bind_local_control().unzip();
+    let (listeners, at) = bind_node(ip)?;
     let coordinator = plane.start_node(
-        CoordinatorListeners {
-            tcp: listener,
-            local,
-        },
+        listeners,
         secret,
         Some(&ControlTree::new(&[0], config.control_fanout)),
         0,
@@ -332,10 +338,6 @@ fn alone<P: ControlPlane>(
         secret,
         config.start_timeout,
     )?;
-    let at = CoordinatorAddr {
-        tcp: addr,
-        local: local_name,
-    };
     Ok(Met {
         tcp,
         coordinator: Some(coordinator),
@@ -371,28 +373,10 @@ fn meet<P: ControlPlane>(
     // (the control tree comes from it): connections are authenticated at once and register
     // once the tree is known.
     let early = if rank == 0 {
-        let listener = TcpListener::bind((ip, 0))?;
-        let addr = listener.local_addr()?;
-        let (local, local_name) = bind_local_control().unzip();
-        let published = format!("{addr}\n{}", local_name.clone().unwrap_or_default());
-        let c = plane.start_node(
-            CoordinatorListeners {
-                tcp: listener,
-                local,
-            },
-            secret,
-            None,
-            0,
-            None,
-        )?;
-        store.set(&key("coordinator"), published.as_bytes())?;
-        Some((
-            c,
-            CoordinatorAddr {
-                tcp: addr,
-                local: local_name,
-            },
-        ))
+        let (listeners, at) = bind_node(ip)?;
+        let c = plane.start_node(listeners, secret, None, 0, None)?;
+        store.set(&key("coordinator"), at.record().as_bytes())?;
+        Some((c, at))
     } else {
         None
     };
@@ -516,29 +500,11 @@ fn meet<P: ControlPlane>(
         plane.place(&c, &tree);
         Some((c, at))
     } else if tree.has_node(rank) {
-        let listener = TcpListener::bind((ip, 0))?;
-        let addr = listener.local_addr()?;
-        let (local, local_name) = bind_local_control().unzip();
-        let published = format!("{addr}\n{}", local_name.clone().unwrap_or_default());
-        store.set(&node_key(rank), published.as_bytes())?;
+        let (listeners, at) = bind_node(ip)?;
+        store.set(&node_key(rank), at.record().as_bytes())?;
         let parent = tree.parent(rank).map(node_addr).transpose()?;
-        let node = plane.start_node(
-            CoordinatorListeners {
-                tcp: listener,
-                local,
-            },
-            secret,
-            Some(&tree),
-            rank,
-            parent,
-        )?;
-        Some((
-            node,
-            CoordinatorAddr {
-                tcp: addr,
-                local: local_name,
-            },
-        ))
+        let node = plane.start_node(listeners, secret, Some(&tree), rank, parent)?;
+        Some((node, at))
     } else {
         None
     };
@@ -631,6 +597,18 @@ fn advertised_ip(rendezvous: &str) -> Result<IpAddr> {
     let s = UdpSocket::bind(bind)?;
     s.connect(target)?;
     Ok(s.local_addr()?.ip())
+}
+
+/// A node's listeners (TCP on `ip`, and a local socket where the host allows one) and the
+/// address they make.
+fn bind_node(ip: IpAddr) -> Result<(CoordinatorListeners, CoordinatorAddr)> {
+    let tcp = TcpListener::bind((ip, 0))?;
+    let (local, name) = bind_local_control().unzip();
+    let at = CoordinatorAddr {
+        tcp: tcp.local_addr()?,
+        local: name,
+    };
+    Ok((CoordinatorListeners { tcp, local }, at))
 }
 
 /// Binds the coordinator's local control socket under a random abstract name (no file to
