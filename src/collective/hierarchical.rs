@@ -55,11 +55,16 @@ impl Layout {
     /// The layout of `comm`'s set, when a hierarchical algorithm can apply: hosts are known,
     /// there are at least two, and some host has more than one member.
     pub fn of(comm: &Communicator<'_>) -> Option<Layout> {
-        let n = comm.size();
+        Layout::new(comm.size(), comm.rank(), |r| comm.host_of(r))
+    }
+
+    /// The layout of a set of `n` ranks, this one `me`, where set rank `r` is on host
+    /// `host_of(r)` (`None`: hosts unknown); `None` where [`Layout::of`] says so.
+    pub fn new(n: usize, me: usize, host_of: impl Fn(usize) -> Option<u32>) -> Option<Layout> {
         let mut index: HashMap<u32, usize> = HashMap::new();
         let mut hosts: Vec<Vec<usize>> = Vec::new();
         for r in 0..n {
-            let h = comm.host_of(r)?;
+            let h = host_of(r)?;
             let i = *index.entry(h).or_insert_with(|| {
                 hosts.push(Vec::new());
                 hosts.len() - 1
@@ -69,7 +74,6 @@ impl Layout {
         if hosts.len() < 2 || hosts.iter().all(|g| g.len() == 1) {
             return None;
         }
-        let me = comm.rank();
         let mine = hosts.iter().position(|g| g.contains(&me))?;
         let local = hosts[mine].iter().position(|&r| r == me)?;
         Some(Layout { hosts, mine, local })

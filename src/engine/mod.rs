@@ -207,12 +207,14 @@ impl Engine {
             control,
             shared.clone(),
             sets,
-            hosts,
+            hosts.clone(),
             device::DeviceState::new(
                 config.launch.rendezvous_addr.clone().map(|a| (a, secret)),
                 generation,
                 config.timeout,
                 config.start_timeout,
+                hosts,
+                config.tuning.hierarchical == crate::comm::Hierarchical::Always,
             ),
         )?;
         let (thread, progress) = progress::start(

@@ -397,11 +397,7 @@ impl DeviceComm {
                 "fused allreduce of {total} bytes is not a whole number of {dtype:?} elements"
             )));
         }
-        if self.fusion.as_ref().map_or(true, |f| f.buf().len() < total) {
-            self.fusion = None; // the old one is freed before the larger one is taken
-            self.fusion = Some(self.device.alloc(total)?);
-        }
-        let fused = self.fusion.as_ref().expect("allocated above").buf();
+        let fused = self.scratch(total)?;
         let mut at = 0;
         for (send, _) in parts {
             self.device
@@ -426,6 +422,22 @@ impl DeviceComm {
             at += send.len();
         }
         Ok(())
+    }
+
+    /// The communicator's fusion buffer, at least `bytes` long: device memory that lives as
+    /// long as the communicator, grown (its contents lost) when asked for more. Work on it
+    /// belongs on [`DeviceComm::stream`], which orders every user of the buffer.
+    pub fn scratch(&mut self, bytes: usize) -> Result<DeviceBuf> {
+        if self.fusion.as_ref().map_or(true, |f| f.buf().len() < bytes) {
+            self.fusion = None; // the old one is freed before the larger one is taken
+            self.fusion = Some(self.device.alloc(bytes)?);
+        }
+        Ok(self.fusion.as_ref().expect("allocated above").buf())
+    }
+
+    /// The GPU the communicator runs on, for copies around its collectives.
+    pub fn gpu(&self) -> &Device {
+        &self.device
     }
 
     /// Every rank's `count` elements of `send`, concatenated in rank order into `recv`.

@@ -103,9 +103,17 @@ impl Worker {
                 Ok(Some(s)) => staging = Some(s),
                 Ok(None) | Err(_) => {
                     trace.begin(device_activity(resp.kind));
+                    let (transport, timeout) = (&mut *self.transport, self.timeout);
+                    let tuning = &self.tuning;
+                    // A layered set's step across hosts: the host collectives, flat.
+                    let mut cross = |group: &[usize], buf: &mut [u8], dtype, op, factor| {
+                        let mut comm =
+                            Communicator::new(&mut *transport, group, timeout, tuning.clone());
+                        collective::allreduce_scaled(&mut comm, buf, dtype, op, factor)
+                    };
                     let result = staged.and_then(|_| {
                         self.device
-                            .execute(self.rank, &members, &resp, &mut entries)
+                            .execute(self.rank, &members, &resp, &mut entries, &mut cross)
                     });
                     trace.end();
                     trace.end_op(&resp.items);

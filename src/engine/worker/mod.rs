@@ -150,11 +150,12 @@ impl Worker {
                 // Closing drops what is still queued: the coordinator must hear that we left.
                 let _ = self.control.flush_all(wait);
             }
+            let healthy = self.failed.is_none();
             self.fail_all(Error::Shutdown(
                 "ferrovod was shut down on this rank".into(),
             ));
             self.control.close();
-            self.device.close();
+            self.device.close(healthy);
             self.finished = true;
             return Step::Finished;
         }

@@ -9,7 +9,9 @@ machine; elsewhere every test here is skipped, saying so).
 - a rank killed in the middle of CUDA allreduces: the survivor raises within bounded time;
 - 2 and 4 ranks sharing the GPU with FERROVOD_NCCL_SHARED_GPU=1: every op over NCCL (each rank
   a host of its own to NCCL, joined through its socket transport on the loopback), a killed
-  rank, and an elastic job that loses a rank and rebuilds its communicators.
+  rank, and an elastic job that loses a rank and rebuilds its communicators;
+- FERROVOD_HIERARCHICAL_ALLREDUCE=1 on 2 simulated hosts (2+2 and 2+1 ranks): allreduces
+  through NCCL inside each host and the engine's TCP collectives across.
 """
 
 import json
@@ -87,6 +89,25 @@ def test_ranks_sharing_the_gpu_run_every_op_on_nccl_when_they_opt_in(n):
     if n == 2:
         res = run_job(n, OPS_WORKER, 43, "cuda", env=env, timeout=600)
         assert_ok(res, n, min_checks=1000)
+
+
+@pytest.mark.parametrize("hosts,shape", [("localhost:2,127.0.0.1:2", "2-D"),
+                                         ("localhost:2,127.0.0.1:1", "through each host's")])
+def test_hierarchical_allreduce_nccl_inside_hosts_tcp_across(hosts, shape):
+    """FERROVOD_HIERARCHICAL_ALLREDUCE=1 on ranks of 2 simulated hosts (host names the
+    launcher tells apart on this one machine): CUDA allreduces reduce inside each host over
+    NCCL and across hosts over the engine's TCP connections, every op, dtype, scaling and
+    grouping of gpu_worker.py against host references; 2+2 ranks take the 2-D shape, 2+1 the
+    one through each host's first rank."""
+    n = sum(int(h.split(":")[1]) for h in hosts.split(","))
+    env = {**SHARED_NCCL, "GPU_EXPECT_NCCL": "1", "FERROVOD_HIERARCHICAL_ALLREDUCE": "1",
+           "FERROVOD_LOG_LEVEL": "info"}
+    res = run_job(n, HERE / "gpu_worker.py", "ops", env=env, timeout=600,
+                  launcher_args=("-H", hosts))
+    assert_ok(res, n, min_checks=300)
+    told = re.findall(r"CUDA allreduces are hierarchical: NCCL inside each host .*\(([^)]*)\)$",
+                      res.stderr, re.M)
+    assert len(told) == n and all(t.startswith(shape) for t in told), describe(res)
 
 
 def test_a_killed_peer_on_shared_gpu_nccl_is_an_error_in_bounded_time():

@@ -33,6 +33,12 @@
 //! on NCCL after all: each member becomes a host of its own to NCCL
 //! ([`crate::config::nccl_host_of_its_own`]), which then joins them through its network
 //! transport, the ranks' kernels time-sharing the GPU.
+//!
+//! With `FERROVOD_HIERARCHICAL_ALLREDUCE=1`, a set that spans hosts also gets a communicator
+//! of its members on this host, and its allreduces go through [`layered`]: NCCL inside the
+//! host, the host collectives across hosts.
+
+mod layered;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -41,6 +47,8 @@ use crate::backend::cuda::{cuda_ready, Device, DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
 use crate::bootstrap::tcp_store::TcpStore;
 use crate::bootstrap::Store;
+use crate::collective::hierarchical::Layout;
+use crate::collective::post_factor;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp};
 
@@ -48,6 +56,7 @@ use super::entry::Entry;
 use super::message::{DeviceKind, Response};
 use super::tensor::TensorBuf;
 use super::OpSpec;
+pub(super) use layered::Cross;
 
 /// Where a communicator's unique id is exchanged, and the limits of the waits.
 pub(super) struct DeviceState {
@@ -61,12 +70,17 @@ pub(super) struct DeviceState {
     connect_timeout: Duration,
     /// Per process set: how its CUDA responses run, or why they cannot.
     comms: HashMap<u32, std::result::Result<Route, Error>>,
+    /// Host index of every global rank, and whether allreduces of sets that span hosts go
+    /// hierarchical (`FERROVOD_HIERARCHICAL_ALLREDUCE=1`; see [`layered`]).
+    hosts: Vec<u32>,
+    layered: bool,
 }
 
 /// How a process set's CUDA responses run.
 enum Route {
-    /// On the set's NCCL communicator.
-    Nccl(Box<DeviceComm>),
+    /// On the set's NCCL communicator; allreduces also through a communicator of this host's
+    /// members where the set's are layered ([`layered`]).
+    Nccl(Box<DeviceComm>, Option<Box<layered::Local>>),
     /// Through host memory, by the host collectives ([`Staging`]).
     Staged(Box<Stager>),
 }
@@ -85,6 +99,8 @@ impl DeviceState {
         generation: u64,
         timeout: Duration,
         connect_timeout: Duration,
+        hosts: Vec<u32>,
+        layered: bool,
     ) -> DeviceState {
         DeviceState {
             rendezvous,
@@ -92,20 +108,24 @@ impl DeviceState {
             timeout,
             connect_timeout,
             comms: HashMap::new(),
+            hosts,
+            layered,
         }
     }
 
-    /// Runs the collectives of a CUDA response (`entries` line up with its items). The
-    /// caller completes the handles with the result.
+    /// Runs the collectives of a CUDA response (`entries` line up with its items); `cross`
+    /// runs the cross-host step of a layered allreduce. The caller completes the handles
+    /// with the result.
     pub(super) fn execute(
         &mut self,
         rank: usize,
         members: &[usize],
         resp: &Response,
         entries: &mut [Option<Entry>],
+        cross: Cross<'_>,
     ) -> Result<()> {
         let ordinal = device_of(entries)?;
-        let Route::Nccl(comm) = self.route(resp.set_id, members, rank, ordinal)? else {
+        let Route::Nccl(comm, local) = self.route(resp.set_id, members, rank, ordinal)? else {
             return Err(Error::Io(
                 "internal error: a staged set's response sent to NCCL".into(),
             ));
@@ -123,21 +143,20 @@ impl DeviceState {
             comm.abort();
             return Err(e);
         }
-        let nccl_stream = comm.stream()?;
-        let mut waited: Vec<usize> = Vec::new();
-        for e in entries.iter().flatten() {
-            for t in &e.spec.tensors {
-                let (_, s) = t.input.cuda().expect("checked by device_of");
-                if !waited.contains(&s) {
-                    // SAFETY: the submitter named this stream of the tensor's device, live
-                    // until the op completes (TensorBuf::device's contract).
-                    let user = unsafe { Stream::from_raw(s) };
-                    let ready = comm.record(user)?;
-                    comm.stream_wait(nccl_stream, &ready)?;
-                    waited.push(s);
+        if let Some(local) = local.as_deref_mut() {
+            if resp.kind == OpKind::Allreduce {
+                if let Some(f) = same_reduction(entries)? {
+                    let result = layered_allreduce(local, &f, members, entries, cross);
+                    if result.is_err() {
+                        // The set's other members may wait in either communicator.
+                        local.comm.abort();
+                        comm.abort();
+                    }
+                    return result;
                 }
             }
         }
+        let nccl_stream = after_submitters(comm, entries)?;
         let me = rank_in(members, rank)?;
         if let Some(f) = fusable(resp, members, entries)? {
             comm.allreduce_fused(
@@ -174,7 +193,7 @@ impl DeviceState {
         let timeout = self.timeout;
         let n = members.len();
         match self.route(resp.set_id, members, rank, ordinal)? {
-            Route::Nccl(_) => Ok(None),
+            Route::Nccl(..) => Ok(None),
             Route::Staged(stager) => Staging::take(
                 stager,
                 resp.kind,
@@ -209,13 +228,27 @@ impl DeviceState {
         if !self.comms.contains_key(&set_id) {
             let made = self.create(set_id, members, rank, ordinal);
             match &made {
-                Ok(Route::Nccl(c)) => log::debug!(
-                    target: crate::LOG_TARGET,
-                    "rank {rank}: NCCL communicator of process set {set_id} on CUDA device \
-                     {ordinal} ({} of {})",
-                    c.rank(),
-                    c.size()
-                ),
+                Ok(Route::Nccl(c, local)) => {
+                    log::debug!(
+                        target: crate::LOG_TARGET,
+                        "rank {rank}: NCCL communicator of process set {set_id} on CUDA device \
+                         {ordinal} ({} of {})",
+                        c.rank(),
+                        c.size()
+                    );
+                    if let Some(l) = local {
+                        log::info!(
+                            target: crate::LOG_TARGET,
+                            "rank {rank}: process set {set_id}'s CUDA allreduces are \
+                             hierarchical: NCCL inside each host ({} of {} here), TCP across \
+                             {} hosts ({})",
+                            l.comm.rank(),
+                            l.comm.size(),
+                            l.layout.hosts.len(),
+                            if l.layout.uniform() { "2-D" } else { "through each host's first rank" }
+                        );
+                    }
+                }
                 Ok(Route::Staged(_)) => {}
                 Err(e) => log::warn!(
                     target: crate::LOG_TARGET,
@@ -343,25 +376,62 @@ impl DeviceState {
             }
         };
         drop(device);
-        DeviceComm::init(
+        let comm = DeviceComm::init(
             &nccl,
             &id,
             me,
             members.len(),
             ordinal as usize,
             self.timeout,
-        )
-        .map(|c| Route::Nccl(Box::new(c)))
+        )?;
+        let layout = match (&store, self.layered) {
+            (Some(_), true) => {
+                Layout::new(members.len(), me, |r| self.hosts.get(members[r]).copied())
+            }
+            _ => None,
+        };
+        let local = match (store, layout) {
+            (Some(store), Some(layout)) => {
+                // Every member made the set's communicator before any makes its host's.
+                let host = &layout.hosts[layout.mine];
+                let key = format!(
+                    "{}/engine",
+                    unique_id_key(self.generation, set_id, 1 + layout.mine as u32)
+                );
+                let id = nccl.exchange_unique_id(&store, &key, layout.local, self.timeout)?;
+                let c = DeviceComm::init(
+                    &nccl,
+                    &id,
+                    layout.local,
+                    host.len(),
+                    ordinal as usize,
+                    self.timeout,
+                )?;
+                Some(Box::new(layered::Local::new(c, layout)))
+            }
+            _ => None,
+        };
+        Ok(Route::Nccl(Box::new(comm), local))
     }
 
-    /// Aborts every communicator (all their work has completed: each op waits for its own),
-    /// which unlike a finalize needs nothing from peers that may be gone already.
-    pub(super) fn close(&mut self) {
+    /// Closes every communicator. `healthy` (the engine never failed): each is finalized
+    /// first, which waits (bounded) until NCCL has delivered what this rank still owes its
+    /// peers: an op completes here once this rank's GPU is done with it, while NCCL's proxy
+    /// may still be sending its last bytes (the socket transport), and a communicator
+    /// aborted then fails a peer's last op. Otherwise each is aborted, which needs nothing
+    /// from peers that may be gone already.
+    pub(super) fn close(&mut self, healthy: bool) {
         for route in self.comms.values_mut().flatten() {
-            if let Route::Nccl(c) = route {
-                c.abort();
+            if let Route::Nccl(c, local) = route {
+                if !healthy {
+                    c.abort();
+                    if let Some(l) = local {
+                        l.comm.abort();
+                    }
+                }
             }
         }
+        // Dropping a live communicator finalizes it (DeviceComm's Drop).
         self.comms.clear();
     }
 }
@@ -537,6 +607,11 @@ fn fusable(resp: &Response, members: &[usize], entries: &[Option<Entry>]) -> Res
     if resp.kind != OpKind::Allreduce || members.len() < 2 {
         return Ok(None);
     }
+    Ok(same_reduction(entries)?.filter(|f| f.parts.len() > 1))
+}
+
+/// The non-empty tensors of an allreduce response when they share one dtype, op and scaling.
+fn same_reduction(entries: &[Option<Entry>]) -> Result<Option<Fused>> {
     let mut fused: Option<Fused> = None;
     for e in entries.iter().flatten() {
         let req = &e.request;
@@ -567,7 +642,44 @@ fn fusable(resp: &Response, members: &[usize], entries: &[Option<Entry>]) -> Res
             f.parts.push((device_buf(&t.input), output));
         }
     }
-    Ok(fused.filter(|f| f.parts.len() > 1))
+    Ok(fused)
+}
+
+/// Orders `comm`'s stream after each stream the submitters of `entries` named (recorded
+/// now: the work they enqueued before the op), and returns it.
+fn after_submitters(comm: &mut DeviceComm, entries: &[Option<Entry>]) -> Result<Stream> {
+    let stream = comm.stream()?;
+    let mut waited: Vec<usize> = Vec::new();
+    for e in entries.iter().flatten() {
+        for t in &e.spec.tensors {
+            let (_, s) = t.input.cuda().expect("checked by device_of");
+            if !waited.contains(&s) {
+                // SAFETY: the submitter named this stream of the tensor's device, live until
+                // the op completes (TensorBuf::device's contract).
+                let user = unsafe { Stream::from_raw(s) };
+                let ready = comm.record(user)?;
+                comm.stream_wait(stream, &ready)?;
+                waited.push(s);
+            }
+        }
+    }
+    Ok(stream)
+}
+
+/// A layered set's allreduce ([`layered`]) on its host communicator's stream; returns once
+/// the results are in the callers' memory.
+fn layered_allreduce(
+    local: &mut layered::Local,
+    f: &Fused,
+    members: &[usize],
+    entries: &[Option<Entry>],
+    cross: Cross<'_>,
+) -> Result<()> {
+    let stream = after_submitters(&mut local.comm, entries)?;
+    let factor = f.prescale * post_factor(f.op, f.postscale, members.len());
+    local.allreduce(&f.parts, f.dtype, f.op, factor, members, stream, cross)?;
+    let done = local.comm.record(stream)?;
+    local.comm.wait(&done)
 }
 
 /// Enqueues one call per tensor of the response on `stream` (inside the caller's group);

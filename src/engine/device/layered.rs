@@ -1,0 +1,141 @@
+//! Hierarchical allreduce of CUDA tensors (`FERROVOD_HIERARCHICAL_ALLREDUCE=1` on a set that
+//! spans hosts): NCCL inside each host, the engine's TCP collectives across hosts, NCCL again
+//! inside each host — Horovod's NCCL hierarchical allreduce, with the host collectives in MPI's
+//! place. It is for clusters whose network NCCL does not drive well (TCP-only links, or a job
+//! that wants every cross-host byte on the engine's own, authenticated connections): only
+//! what crosses hosts leaves the GPU, and it crosses as the host path's hierarchical
+//! allreduce's cross-host step does.
+//!
+//! The shapes follow [`crate::collective::hierarchical`], with `L` members on this host:
+//!
+//! - **2-D** (every host has `L` members): the fused payload, padded to `L` equal segments in
+//!   the local communicator's device buffer, is reduce-scattered by NCCL inside the host, so
+//!   local index `i` holds its host's partial of segment `i`; that segment's real elements go
+//!   to pinned host memory and are allreduced with the ranks of local index `i` on the other
+//!   hosts; back on the device, an NCCL allgather inside the host spreads every segment.
+//! - **leaders** (hosts of unequal size): NCCL allreduces inside the host, the first member
+//!   of each host allreduces the whole payload with the other hosts' first members, and
+//!   broadcasts it inside its host.
+//!
+//! The NCCL steps are unscaled; the cross-host step applies the whole factor (pre- and
+//! post-scale, and an average's 1/n), so every rank gets the bits the cross-host step
+//! produced: each segment is reduced at one place per host, then by a host algorithm that
+//! already gives its members identical results, and only copied afterwards.
+
+use crate::backend::cuda::{DeviceBuf, PinnedBuf, Stream};
+use crate::backend::nccl::DeviceComm;
+use crate::collective::hierarchical::Layout;
+use crate::error::Result;
+use crate::types::{DType, ReduceOp};
+
+/// The cross-host step: allreduces a host buffer among the given global ranks, multiplying
+/// the result by the factor (the engine's host collectives on its transport).
+pub(in crate::engine) type Cross<'a> =
+    &'a mut dyn FnMut(&[usize], &mut [u8], DType, ReduceOp, f64) -> Result<()>;
+
+/// A layered set's communicator of this host's members and what its allreduces need.
+pub(super) struct Local {
+    /// This host's members of the set, in set order (local index = NCCL rank).
+    pub(super) comm: DeviceComm,
+    /// How the set's members sit on hosts (set positions).
+    pub(super) layout: Layout,
+    /// Page-locked room for the cross-host step, grown to the largest seen.
+    bounce: Option<PinnedBuf>,
+}
+
+impl Local {
+    pub(super) fn new(comm: DeviceComm, layout: Layout) -> Local {
+        Local {
+            comm,
+            layout,
+            bounce: None,
+        }
+    }
+
+    /// Allreduces `parts` (each `(input, output)`, all of `dtype`) across the set whose
+    /// global ranks are `members`, as the module doc says, on `stream` (the local
+    /// communicator's, already ordered after the submitters' streams). `op` and the scaling
+    /// are the request's; returns once the results are enqueued on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn allreduce(
+        &mut self,
+        parts: &[(DeviceBuf, DeviceBuf)],
+        dtype: DType,
+        op: ReduceOp,
+        factor: f64,
+        members: &[usize],
+        stream: Stream,
+        cross: Cross<'_>,
+    ) -> Result<()> {
+        let es = dtype.size();
+        let total: usize = parts.iter().map(|(send, _)| send.len()).sum();
+        let elems = total / es;
+        let l = self.comm.size();
+        let two_d = l > 1 && self.layout.uniform();
+        let seg = if two_d { elems.div_ceil(l) } else { elems };
+        let room = if two_d { seg * l * es } else { total };
+        let buf = self.comm.scratch(room)?;
+        let mut at = 0;
+        for (send, _) in parts {
+            let gpu = self.comm.gpu();
+            gpu.copy_async(send, &buf.slice(at, send.len())?, stream)?;
+            at += send.len();
+        }
+        // NCCL reduces inside the host unscaled; the cross-host step scales.
+        let local_op = if op == ReduceOp::Average {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        let me = self.layout.local;
+        let hosts = &self.layout.hosts;
+        let (group, lo, hi): (Option<Vec<usize>>, usize, usize) = if two_d {
+            let mine = buf.slice(me * seg * es, seg * es)?;
+            self.comm
+                .reducescatter(&buf, &mine, seg, dtype, local_op, 1.0, 1.0, stream)?;
+            let (lo, hi) = ((me * seg).min(elems), ((me + 1) * seg).min(elems));
+            let column = hosts.iter().map(|g| members[g[me]]).collect();
+            (Some(column), lo, hi)
+        } else {
+            if l > 1 {
+                self.comm
+                    .allreduce(&buf, &buf, elems, dtype, local_op, 1.0, 1.0, stream)?;
+            }
+            let firsts = hosts.iter().map(|g| members[g[0]]).collect();
+            (Some(firsts).filter(|_| me == 0), 0, elems)
+        };
+        // Every member of a cross-host group has the same range (one local index): all of
+        // them skip an empty one alike.
+        if let Some(group) = group.filter(|_| hi > lo) {
+            let bytes = (hi - lo) * es;
+            if self.bounce.as_ref().map_or(true, |b| b.len() < bytes) {
+                self.bounce = None; // the old one is freed before the larger one is taken
+                self.bounce = Some(self.comm.gpu().pinned(bytes)?);
+            }
+            let host = &mut self
+                .bounce
+                .as_mut()
+                .expect("allocated above")
+                .as_mut_slice()[..bytes];
+            let place = buf.slice(lo * es, bytes)?;
+            self.comm.gpu().read_async(&place, host, stream)?;
+            let read = self.comm.record(stream)?;
+            self.comm.wait(&read)?;
+            cross(&group, host, dtype, local_op, factor)?;
+            self.comm.gpu().write_async(host, &place, stream)?;
+        }
+        if two_d {
+            let mine = buf.slice(me * seg * es, seg * es)?;
+            self.comm.allgather(&mine, &buf, seg, dtype, stream)?;
+        } else if l > 1 {
+            self.comm.broadcast(&buf, &buf, elems, dtype, 0, stream)?;
+        }
+        let mut at = 0;
+        for (send, recv) in parts {
+            let gpu = self.comm.gpu();
+            gpu.copy_async(&buf.slice(at, send.len())?, recv, stream)?;
+            at += send.len();
+        }
+        Ok(())
+    }
+}
