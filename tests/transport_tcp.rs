@@ -1,6 +1,7 @@
 //! TCP transport over real 127.0.0.1 sockets, ranks as threads: mesh set-up (late peers,
-//! strangers, wrong secrets), ring and all-pairs exchanges with content checks, peer loss,
-//! abort and idle timeouts.
+//! strangers, wrong secrets), links made on first use (two ranks dialling each other at once,
+//! a gone peer), ring and all-pairs exchanges with content checks, peer loss, abort and idle
+//! timeouts.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -557,4 +558,130 @@ fn misplaced_address_is_reported() {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("expected rank 0"), "{m}"),
         other => panic!("{other:?}"),
     }
+}
+
+/// `n` transports over 127.0.0.1 that link only when a transfer needs it.
+fn lazy_mesh(n: usize) -> (Vec<TcpTransport>, Vec<TcpListener>) {
+    let (ls, addrs) = bind_n(n);
+    let ts = thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (l, a) = (&ls[r], &addrs);
+                s.spawn(move || TcpTransport::connect(r, n, l, a, SECRET, LONG, &|_| false))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    (ts, ls)
+}
+
+fn all_pairs(t: &mut TcpTransport, len: usize) -> bool {
+    let (r, n) = (t.rank(), t.size());
+    let sends: Vec<Vec<u8>> = (0..n).map(|p| pattern(seed(r, p, len), len)).collect();
+    let mut recvs: Vec<Vec<u8>> = vec![vec![0u8; len]; n];
+    let mut xfers = Vec::new();
+    for (p, (s, rv)) in sends.iter().zip(recvs.iter_mut()).enumerate() {
+        xfers.push(Xfer::Send { peer: p, buf: s });
+        xfers.push(Xfer::Recv { peer: p, buf: rv });
+    }
+    t.exchange(&mut xfers, LONG).unwrap();
+    drop(xfers);
+    (0..n).all(|p| recvs[p] == pattern(seed(p, r, len), len))
+}
+
+#[test]
+fn links_are_made_on_first_use_and_only_where_used() {
+    let n = 5;
+    let (mut ts, _ls) = lazy_mesh(n);
+    assert!(ts.iter().all(|t| t.linked_peers().is_empty()));
+    for len in [1usize, 4096, 300_001] {
+        let got = run(&mut ts, |t| ring_step(t, len));
+        for (r, g) in got.iter().enumerate() {
+            let prev = (r + n - 1) % n;
+            assert_eq!(
+                *g,
+                pattern(seed(prev, r, len), len),
+                "rank {r}, {len} bytes"
+            );
+        }
+    }
+    // A ring talks to two neighbours: two links per rank, one per pair.
+    for (r, t) in ts.iter().enumerate() {
+        assert_eq!(t.linked_peers(), {
+            let mut v = vec![(r + 1) % n, (r + n - 1) % n];
+            v.sort_unstable();
+            v
+        });
+    }
+    // Every pair at once, each side dialling the other in the same exchange.
+    for len in [1usize, 1000, 300_001] {
+        let ok = run(&mut ts, |t| all_pairs(t, len));
+        assert!(ok.iter().all(|&b| b), "len={len}: {ok:?}");
+    }
+    for (r, t) in ts.iter().enumerate() {
+        let others: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+        assert_eq!(t.linked_peers(), others, "rank {r}");
+    }
+}
+
+#[test]
+fn two_ranks_dialling_each_other_at_once_keep_one_link() {
+    // Both ranks send and receive in their first exchange, so both dial at the same moment;
+    // the verdicts must leave exactly one connection, whichever side's it is.
+    for round in 0..40 {
+        let (mut ts, _ls) = lazy_mesh(2);
+        let ok = run(&mut ts, |t| all_pairs(t, 1 + round * 997));
+        assert!(ok.iter().all(|&b| b), "round {round}: {ok:?}");
+        let ok = run(&mut ts, |t| all_pairs(t, 65_536));
+        assert!(ok.iter().all(|&b| b), "round {round}: {ok:?}");
+        assert_eq!(ts[0].linked_peers(), vec![1]);
+        assert_eq!(ts[1].linked_peers(), vec![0]);
+    }
+}
+
+#[test]
+fn a_link_to_a_gone_peer_is_peer_lost_at_once() {
+    let (mut ts, mut ls) = lazy_mesh(3);
+    // Rank 2 goes away before anyone linked with it: its listener closes with it.
+    drop(ts.pop());
+    drop(ls.pop());
+    let t0 = &mut ts[0];
+    let start = Instant::now();
+    let err = t0
+        .exchange(
+            &mut [Xfer::Send {
+                peer: 2,
+                buf: &[1, 2, 3],
+            }],
+            LONG,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::PeerLost { rank: 2, .. }),
+        "unexpected error: {err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    // The others still link and talk.
+    let got = run(&mut ts, |t| {
+        let peer = 1 - t.rank();
+        let send = pattern(seed(t.rank(), peer, 10), 10);
+        let mut recv = vec![0u8; 10];
+        t.exchange(
+            &mut [
+                Xfer::Send { peer, buf: &send },
+                Xfer::Recv {
+                    peer,
+                    buf: &mut recv,
+                },
+            ],
+            LONG,
+        )
+        .unwrap();
+        recv == pattern(seed(peer, t.rank(), 10), 10)
+    });
+    assert_eq!(got, vec![true, true]);
 }

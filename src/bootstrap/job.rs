@@ -513,7 +513,10 @@ fn meet<P: ControlPlane>(
         Some((c, at)) => (Some(c), at),
         None => (None, node_addr(node)?),
     };
-    let tcp = TcpTransport::connect_mesh(rank, size, &data, &addrs, secret, deadline)?;
+    // Links to the ranks on this host are made now (they move to shared memory next); the
+    // others on first use, so a rank holds links to the few peers its algorithms talk to.
+    let same_host = |r: usize| !hosts[rank].is_empty() && hosts[r] == hosts[rank];
+    let tcp = TcpTransport::connect(rank, size, &data, &addrs, secret, deadline, &same_host)?;
     Ok(Met {
         tcp,
         coordinator,

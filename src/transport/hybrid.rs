@@ -18,9 +18,10 @@ use std::net::{Shutdown, TcpStream};
 use std::thread;
 use std::time::Duration;
 
+use super::dial::Dialer;
 use super::exchange::{self, Links};
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
-use super::tcp::{poll_for, progress, TcpTransport};
+use super::tcp::{link_up, poll_for, progress, Parts, TcpTransport};
 use super::{Transport, Xfer};
 use crate::bootstrap::net::{deadline_after, poll, poll_fd, PollFd, POLL_IN};
 use crate::error::{Error, Result};
@@ -51,6 +52,8 @@ enum Link {
     Me,
     Tcp(TcpStream),
     Shm(Box<ShmLink>),
+    /// Not linked yet: made over TCP on first use ([`super::dial`]).
+    Later,
 }
 
 /// A full mesh where each peer is reached over shared memory or TCP.
@@ -58,6 +61,8 @@ pub struct HybridTransport {
     rank: usize,
     size: usize,
     links: Vec<Link>,
+    /// Makes the links to peers not linked at start.
+    dialer: Option<Dialer>,
     aborted: bool,
     /// How long `exchange` keeps retrying after the last byte moved before it blocks in
     /// `poll` (taken from the TCP mesh by [`HybridTransport::upgrade`]).
@@ -95,7 +100,14 @@ impl HybridTransport {
         options: &ShmOptions,
         timeout: Duration,
     ) -> Result<HybridTransport> {
-        let (rank, size, streams, spin, aborted) = tcp.into_parts();
+        let Parts {
+            rank,
+            size,
+            peers: streams,
+            dialer,
+            spin,
+            aborted,
+        } = tcp.into_parts();
         if aborted {
             return Err(Error::Shutdown("the TCP transport was aborted".into()));
         }
@@ -117,11 +129,18 @@ impl HybridTransport {
         let deadline = deadline_after(timeout);
         let mut links: Vec<Link> = streams
             .into_iter()
-            .map(|s| s.map_or(Link::Me, Link::Tcp))
+            .enumerate()
+            .map(|(r, s)| match s {
+                Some(s) => Link::Tcp(s),
+                None if r == rank => Link::Me,
+                None => Link::Later,
+            })
             .collect();
         for &p in &peers {
             let Link::Tcp(stream) = &mut links[p] else {
-                unreachable!("a TCP link to every other rank");
+                return Err(Error::InvalidArgument(format!(
+                    "rank {rank}: no TCP link with local peer {p} to set shared memory up on"
+                )));
             };
             stream.set_nonblocking(false)?;
             let link = ShmLink::establish(stream, rank, p, ring, deadline, timeout).map_err(
@@ -142,6 +161,7 @@ impl HybridTransport {
             rank,
             size,
             links,
+            dialer,
             aborted: false,
             spin,
         };
@@ -222,7 +242,9 @@ impl Links for Routes<'_> {
         match &mut self.links[x.peer()] {
             Link::Tcp(s) => progress(s, x, off),
             Link::Shm(l) => l.progress(x, off),
-            Link::Me => unreachable!("transfers to self are copied up front"),
+            Link::Me | Link::Later => {
+                unreachable!("transfers to self are copied up front, and link_up made the others")
+            }
         }
     }
 
@@ -248,7 +270,11 @@ impl Links for Routes<'_> {
                     }
                     ready |= l.ready(matches!(x, Xfer::Send { .. }));
                 }
-                Link::Me => unreachable!("transfers to self are copied up front"),
+                Link::Me | Link::Later => {
+                    unreachable!(
+                        "transfers to self are copied up front, and link_up made the others"
+                    )
+                }
             }
         }
         let first_bell = self.fds.len();
@@ -286,6 +312,13 @@ impl Transport for HybridTransport {
         if self.aborted {
             return Err(Error::Shutdown("the transport was aborted".into()));
         }
+        let links = &self.links;
+        let made = link_up(self.rank, &mut self.dialer, xfers, idle_timeout, |p| {
+            links.get(p).map_or(true, |l| !matches!(l, Link::Later))
+        })?;
+        for (p, s) in made {
+            self.links[p] = Link::Tcp(s);
+        }
         let mut routes = Routes {
             links: &mut self.links,
             fds: Vec::new(),
@@ -303,6 +336,7 @@ impl Transport for HybridTransport {
 
     fn abort(&mut self) {
         self.aborted = true;
+        self.dialer = None;
         for link in &mut self.links {
             match link {
                 // The socket may already be dead; there is nothing more to do for it then.
@@ -310,7 +344,7 @@ impl Transport for HybridTransport {
                     let _ = s.shutdown(Shutdown::Both);
                 }
                 Link::Shm(l) => l.abort(),
-                Link::Me => {}
+                Link::Me | Link::Later => {}
             }
         }
     }

@@ -1,8 +1,9 @@
 //! Point-to-point transports. A collective algorithm talks to peers only through
 //! [`Transport::exchange`]; it never knows whether bytes travel over TCP or shared memory.
 //!
-//! - [`tcp::TcpTransport`]: the authenticated full mesh every job starts with;
-//! - [`hybrid::HybridTransport`]: that mesh with the peers on this host moved to
+//! - [`tcp::TcpTransport`]: authenticated TCP links, to the ranks on this host from the start,
+//!   to the others on first use ([`dial`]);
+//! - [`hybrid::HybridTransport`]: those links with the peers on this host moved to
 //!   shared-memory links ([`shm`]), chosen per peer, progressed together;
 //! - [`host_memory`]: not a link but memory of each rank that the other ranks of its host map,
 //!   for algorithms that read their peers' buffers where they lie; [`offers`] lays the fast
@@ -17,6 +18,7 @@
 //! Peers are identified by **global** rank here; [`crate::comm::Communicator`] maps process-set
 //! ranks onto them.
 
+mod dial;
 mod exchange;
 pub mod host_memory;
 pub mod hybrid;

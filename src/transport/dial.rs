@@ -1,0 +1,528 @@
+//! Making the TCP links of the data mesh: at start for the peers the job names (the ranks on
+//! this host, which move to shared memory next), on first use for every other peer.
+//!
+//! A full mesh costs every rank a descriptor and a socket buffer per peer (1024 ranks exceed
+//! the default `ulimit -n`), and its start makes `N·(N-1)/2` handshakes, while a rank's
+//! algorithms talk to a few peers: ring neighbours, recursive-doubling partners, the other
+//! hosts' ranks of its local index. So links to ranks on other hosts are made when a transfer
+//! first needs one.
+//!
+//! Each connection runs the mutual HMAC handshake of [`crate::bootstrap::auth`], then a
+//! 16-byte hello each way (`"FVM1"`, sender rank, receiver rank, job size), which both sides
+//! validate, then one verdict byte from the accepting side. An **acceptor thread** per rank
+//! takes every incoming connection (each handshake on a short-lived thread of its own, so a
+//! stranger that sends garbage or nothing holds up nobody) for the life of the transport: a
+//! link never needs the peer's engine thread, whatever that thread is busy with, so making
+//! one inside a collective cannot deadlock.
+//!
+//! Two ranks may dial each other at once. Exactly one connection per pair is kept: the
+//! acceptor of rank `a` takes a connection from rank `b` unless `b > a` and `a` has dialled
+//! `b` itself; a dialler refused that way waits for `a`'s connection, which `b`'s acceptor
+//! always takes (it comes from the lower rank). Dialling and deciding share one lock per
+//! rank ([`Claims`]), so a rank never both takes a connection and dials its own.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::auth::authenticate;
+use crate::bootstrap::net::{poll, poll_fd, read_exact_until, write_all_until, POLL_IN};
+use crate::error::{Error, Result};
+use crate::wire::{Reader, Writer};
+
+const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"FVM1");
+const HELLO_LEN: usize = 16;
+
+/// What reaches the owner of a [`Dialer`]: a link made by its acceptor or by its start-up
+/// connector, or why the connector gave up.
+pub(super) enum Event {
+    Peer(usize, TcpStream),
+    Failed(Error),
+}
+
+/// Who dialled whom, and whose connection was taken, for the verdicts (see the module doc).
+struct Claims {
+    dialled: Vec<bool>,
+    taken: Vec<bool>,
+}
+
+/// This rank's acceptor and the links it made that nobody has asked for yet.
+pub(super) struct Dialer {
+    rank: usize,
+    size: usize,
+    addrs: Arc<[SocketAddr]>,
+    secret: Arc<[u8]>,
+    claims: Arc<Mutex<Claims>>,
+    tx: mpsc::Sender<Event>,
+    rx: mpsc::Receiver<Event>,
+    /// Rung after each event; readable while events may wait.
+    bell: UnixStream,
+    ringer: Arc<UnixStream>,
+    /// Links made but not asked for yet.
+    arrived: HashMap<usize, TcpStream>,
+    stop: Arc<AtomicBool>,
+    /// Written on drop, so the acceptor leaves its poll at once.
+    stop_bell: UnixStream,
+    acceptor: Option<thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Dialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialer")
+            .field("rank", &self.rank)
+            .field("arrived", &self.arrived.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Dialer {
+    /// Starts accepting on `listener` (this rank's data listener, `addrs[rank]`) for rank
+    /// `rank` of `size`; `timeout` bounds each incoming handshake.
+    pub(super) fn start(
+        rank: usize,
+        size: usize,
+        listener: &TcpListener,
+        addrs: &[SocketAddr],
+        secret: &[u8],
+        timeout: Duration,
+    ) -> Result<Dialer> {
+        let listener = listener.try_clone()?;
+        listener.set_nonblocking(true)?;
+        let (bell, ringer) = UnixStream::pair()?;
+        bell.set_nonblocking(true)?;
+        ringer.set_nonblocking(true)?;
+        let (stop_bell, stop_rx) = UnixStream::pair()?;
+        let (tx, rx) = mpsc::channel();
+        let mut d = Dialer {
+            rank,
+            size,
+            addrs: Arc::from(addrs),
+            secret: Arc::from(secret),
+            claims: Arc::new(Mutex::new(Claims {
+                dialled: vec![false; size],
+                taken: vec![false; size],
+            })),
+            tx,
+            rx,
+            bell,
+            ringer: Arc::new(ringer),
+            arrived: HashMap::new(),
+            stop: Arc::new(AtomicBool::new(false)),
+            stop_bell,
+            acceptor: None,
+        };
+        let acceptor = Acceptor {
+            rank,
+            size,
+            secret: d.secret.clone(),
+            claims: d.claims.clone(),
+            tx: d.tx.clone(),
+            ringer: d.ringer.clone(),
+            stop: d.stop.clone(),
+            timeout,
+        };
+        let handle = thread::Builder::new()
+            .name(format!("ferrovod-accept-{rank}"))
+            .spawn(move || acceptor.run(&listener, &stop_rx))?;
+        d.acceptor = Some(handle);
+        Ok(d)
+    }
+
+    /// Dials `peers` (each lower than this rank) one after another on a thread of its own,
+    /// retrying a peer not listening yet until `deadline`; each link, or the first failure,
+    /// arrives as an [`Event`] (see [`Dialer::next_event`]).
+    pub(super) fn dial_in_background(
+        &self,
+        peers: Vec<usize>,
+        start: Instant,
+        deadline: Instant,
+    ) -> Result<()> {
+        if peers.is_empty() {
+            return Ok(());
+        }
+        let (rank, size) = (self.rank, self.size);
+        let (addrs, secret, claims) =
+            (self.addrs.clone(), self.secret.clone(), self.claims.clone());
+        let (tx, ringer, stop) = (self.tx.clone(), self.ringer.clone(), self.stop.clone());
+        thread::Builder::new()
+            .name(format!("ferrovod-connect-{rank}"))
+            .spawn(move || {
+                for peer in peers {
+                    claims.lock().expect("claims lock").dialled[peer] = true;
+                    let ev = match connect_peer(
+                        rank,
+                        size,
+                        peer,
+                        addrs[peer],
+                        &secret,
+                        Retry::Until(start),
+                        deadline,
+                        &stop,
+                    ) {
+                        Ok(Some(s)) => Event::Peer(peer, s),
+                        Ok(None) => Event::Failed(Error::Io(format!(
+                            "rank {peer} refused rank {rank}'s data connection at start"
+                        ))),
+                        Err(e) => Event::Failed(e),
+                    };
+                    let failed = matches!(ev, Event::Failed(_));
+                    if tx.send(ev).is_err() || failed {
+                        break;
+                    }
+                    ring(&ringer);
+                }
+                ring(&ringer);
+            })?;
+        Ok(())
+    }
+
+    /// The next event, waiting for it until `deadline` (`None`: the deadline passed).
+    pub(super) fn next_event(&mut self, deadline: Instant) -> Result<Option<Event>> {
+        loop {
+            if let Ok(ev) = self.rx.try_recv() {
+                return Ok(Some(ev));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            let mut fds = [poll_fd(&self.bell, POLL_IN)];
+            poll(&mut fds, Some(left))?;
+            let mut sink = [0u8; 64];
+            while matches!((&self.bell).read(&mut sink), Ok(n) if n > 0) {}
+        }
+    }
+
+    /// Keeps a link the owner has no place for yet.
+    pub(super) fn keep(&mut self, peer: usize, s: TcpStream) {
+        self.arrived.insert(peer, s);
+    }
+
+    /// Takes the link to `peer` that arrived, if one did.
+    pub(super) fn take(&mut self, peer: usize) -> Option<TcpStream> {
+        self.arrived.remove(&peer)
+    }
+
+    /// The link to `peer`, made now if no link has arrived: dialled (a peer not listening
+    /// is gone: every rank's acceptor runs before any collective), or, where the peer dials
+    /// us at the same time, its connection awaited. Within `timeout`; non-blocking, no delay.
+    pub(super) fn link(&mut self, peer: usize, timeout: Duration) -> Result<TcpStream> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let s = self.make(peer, start, deadline)?;
+        s.set_nodelay(true)?;
+        s.set_nonblocking(true)?;
+        Ok(s)
+    }
+
+    fn make(&mut self, peer: usize, start: Instant, deadline: Instant) -> Result<TcpStream> {
+        self.drain();
+        if let Some(s) = self.take(peer) {
+            return Ok(s);
+        }
+        let dial = {
+            let mut c = self.claims.lock().expect("claims lock");
+            if !c.taken[peer] {
+                c.dialled[peer] = true;
+            }
+            !c.taken[peer]
+        };
+        if dial {
+            let made = connect_peer(
+                self.rank,
+                self.size,
+                peer,
+                self.addrs[peer],
+                &self.secret,
+                Retry::Never,
+                deadline,
+                &self.stop,
+            )?;
+            if let Some(s) = made {
+                return Ok(s);
+            }
+        }
+        // The peer's own connection is coming (or came) through the acceptor.
+        loop {
+            match self.next_event(deadline)? {
+                Some(Event::Peer(r, s)) if r == peer => return Ok(s),
+                Some(Event::Peer(r, s)) => self.keep(r, s),
+                Some(Event::Failed(e)) => return Err(e),
+                None => {
+                    return Err(Error::Timeout {
+                        what: format!(
+                            "rank {} waiting for the data connection of rank {peer}",
+                            self.rank
+                        ),
+                        after: deadline - start,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Moves every link the acceptor made into `arrived`.
+    fn drain(&mut self) {
+        while let Ok(ev) = self.rx.try_recv() {
+            if let Event::Peer(r, s) = ev {
+                self.arrived.insert(r, s);
+            }
+        }
+    }
+}
+
+impl Drop for Dialer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = (&self.stop_bell).write(&[1]);
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The acceptor thread's state.
+struct Acceptor {
+    rank: usize,
+    size: usize,
+    secret: Arc<[u8]>,
+    claims: Arc<Mutex<Claims>>,
+    tx: mpsc::Sender<Event>,
+    ringer: Arc<UnixStream>,
+    stop: Arc<AtomicBool>,
+    timeout: Duration,
+}
+
+impl Acceptor {
+    fn run(self, listener: &TcpListener, stop_rx: &UnixStream) {
+        let me = Arc::new(self);
+        while !me.stop.load(Ordering::Relaxed) {
+            let mut fds = [poll_fd(listener, POLL_IN), poll_fd(stop_rx, POLL_IN)];
+            if poll(&mut fds, None).is_err() || fds[1].revents != 0 {
+                continue;
+            }
+            loop {
+                let stream = match listener.accept() {
+                    Ok((s, _)) => s,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    // WouldBlock, or a transient per-connection failure (the client reset
+                    // before we accepted, out of descriptors): wait for the next one.
+                    Err(_) => break,
+                };
+                let a = me.clone();
+                let spawned = thread::Builder::new()
+                    .name(format!("ferrovod-hello-{}", me.rank))
+                    .spawn(move || a.greet(stream));
+                if let Err(e) = spawned {
+                    log::warn!(target: crate::LOG_TARGET, "rank {}: no thread for a data connection: {e}", me.rank);
+                }
+            }
+        }
+    }
+
+    /// Runs one incoming handshake and hands the link over when it is taken.
+    fn greet(&self, mut s: TcpStream) {
+        let deadline = Instant::now() + self.timeout;
+        let decide = |from: usize| {
+            let mut c = self.claims.lock().expect("claims lock");
+            let take = from < self.rank || !c.dialled[from];
+            if take {
+                c.taken[from] = true;
+            }
+            take
+        };
+        match accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide) {
+            Ok(Some(from)) => {
+                if !self.stop.load(Ordering::Relaxed) && self.tx.send(Event::Peer(from, s)).is_ok()
+                {
+                    ring(&self.ringer);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => log::warn!(
+                target: crate::LOG_TARGET,
+                "rank {} dropped a data connection from {}: {e}",
+                self.rank,
+                s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string())
+            ),
+        }
+    }
+}
+
+/// Rings a [`Dialer`]'s bell. A full socket buffer already guarantees a wake-up, so a failed
+/// write loses nothing.
+fn ring(mut ringer: &UnixStream) {
+    let _ = ringer.write(&[1]);
+}
+
+fn encode_hello(from: usize, to: usize, size: usize) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(HELLO_MAGIC)
+        .u32(from as u32)
+        .u32(to as u32)
+        .u32(size as u32);
+    w.finish()
+}
+
+/// (from, to, size) of a hello.
+fn decode_hello(bytes: &[u8]) -> Result<(usize, usize, usize)> {
+    let mut r = Reader::new(bytes);
+    if r.u32()? != HELLO_MAGIC {
+        return Err(Error::Decode("bad mesh hello".into()));
+    }
+    let hello = (r.u32()? as usize, r.u32()? as usize, r.u32()? as usize);
+    r.finish()?;
+    Ok(hello)
+}
+
+/// Whether a refused connection is tried again.
+#[derive(Clone, Copy)]
+enum Retry {
+    /// At start, until the deadline: the peer may not be listening yet (the `Instant` is
+    /// when the whole start began, for the error).
+    Until(Instant),
+    /// Later: every rank listens before any collective, so a refusal means the peer is gone.
+    Never,
+}
+
+/// Connects to `peer` at `addr`; `None` when its acceptor declined the link because `peer`
+/// dials this rank itself (see the module doc).
+#[allow(clippy::too_many_arguments)]
+fn connect_peer(
+    rank: usize,
+    size: usize,
+    peer: usize,
+    addr: SocketAddr,
+    secret: &[u8],
+    retry: Retry,
+    deadline: Instant,
+    cancel: &AtomicBool,
+) -> Result<Option<TcpStream>> {
+    let mut backoff = Duration::from_millis(2);
+    let mut last_error = String::from("none");
+    let begun = Instant::now();
+    loop {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(Error::Shutdown("mesh set-up abandoned".into()));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let start = match retry {
+                Retry::Until(start) => start,
+                Retry::Never => begun,
+            };
+            return Err(Error::Timeout {
+                what: format!(
+                    "rank {rank} connecting to rank {peer} at {addr} (last error: {last_error})"
+                ),
+                after: deadline - start,
+            });
+        }
+        // Refused or unreachable: at start the peer may not be listening yet, so wait and
+        // retry. So too a connect that met itself: one to a free port of this host's
+        // ephemeral range can pick that very port as its own source (TCP's simultaneous
+        // open), and elastic re-forming reconnects to addresses whose owner may be gone.
+        let attempt = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())
+            .and_then(|s| {
+                if is_self_connection(&s) {
+                    Err(format!(
+                        "connected to itself at {addr} (rank {peer} not listening)"
+                    ))
+                } else {
+                    Ok(s)
+                }
+            });
+        let mut s = match (attempt, retry) {
+            (Ok(s), _) => s,
+            (Err(why), Retry::Never) => {
+                return Err(Error::PeerLost {
+                    rank: peer,
+                    detail: format!("its data listener at {addr} is gone ({why})"),
+                })
+            }
+            (Err(why), Retry::Until(_)) => {
+                last_error = why;
+                thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+                continue;
+            }
+        };
+        s.set_nodelay(true)?;
+        // From here on the peer is listening; its acceptor answers within the handshake's
+        // deadline, so there is nothing left worth retrying.
+        authenticate(&mut s, secret, true, left)?;
+        let what = format!("waiting for the mesh hello of rank {peer}");
+        write_all_until(&mut s, &encode_hello(rank, peer, size), deadline, &what)?;
+        let mut reply = [0u8; HELLO_LEN + 1];
+        read_exact_until(&mut s, &mut reply, deadline, &what)?;
+        let (from, to, their_size) = decode_hello(&reply[..HELLO_LEN])?;
+        if from != peer || to != rank || their_size != size {
+            return Err(Error::InvalidArgument(format!(
+                "the process at {addr} is rank {from} of {their_size}, but rank {rank} of \
+                 {size} expected rank {peer} there"
+            )));
+        }
+        return Ok((reply[HELLO_LEN] == 1).then_some(s));
+    }
+}
+
+/// True when the connection's two ends are one socket address: a connect that met itself.
+pub(super) fn is_self_connection(s: &TcpStream) -> bool {
+    matches!((s.local_addr(), s.peer_addr()), (Ok(l), Ok(p)) if l == p)
+}
+
+/// Authenticates an accepted connection, reads its hello and answers it with `take`'s
+/// verdict on the dialler's rank; returns that rank when the link is taken.
+fn accept_peer(
+    s: &mut TcpStream,
+    rank: usize,
+    size: usize,
+    secret: &[u8],
+    deadline: Instant,
+    take: impl FnOnce(usize) -> bool,
+) -> Result<Option<usize>> {
+    s.set_nodelay(true)?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    authenticate(s, secret, false, left)?;
+    let mut hello = [0u8; HELLO_LEN];
+    read_exact_until(s, &mut hello, deadline, "waiting for a mesh hello")?;
+    let (from, to, their_size) = decode_hello(&hello)?;
+    let valid = to == rank && their_size == size && from != rank && from < size;
+    let taken = valid && take(from);
+    // Answer even a hello we reject, so the dialler can say precisely what is misconfigured.
+    let mut reply = encode_hello(rank, from, size);
+    reply.push(u8::from(taken));
+    write_all_until(s, &reply, deadline, "answering a mesh hello")?;
+    if !valid {
+        return Err(Error::InvalidArgument(format!(
+            "rank {from} of {their_size} connected to rank {rank} of {size} expecting rank {to}"
+        )));
+    }
+    Ok(taken.then_some(from))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_to_itself_is_recognised() {
+        // A socket that connects to its own bound address meets itself (simultaneous open).
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        let own = s.local_addr().unwrap();
+        s.connect(&own).unwrap();
+        assert!(is_self_connection(&s.into()));
+
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        assert!(!is_self_connection(&c));
+    }
+}
