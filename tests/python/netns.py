@@ -8,6 +8,8 @@ used only between these namespaces; there is no default route. Every host:
   bind-mounts over ``/etc/hosts``);
 * runs sshd on port 2222 with key-only root login (the MPI operator's image setup), under its
   own hostname (``unshare --uts``) and with a private ``/run`` for sshd's privilege separation;
+  its sessions read a plain rc that sets the harness's ``PATH`` in place of the user's
+  ``~/.bashrc``;
 * optionally has an ``/etc/ssh/ssh_config`` of its own (port 2222, the test key, no host key
   checks), which is how the MPI operator's images make plain ``ssh host`` work.
 
@@ -18,6 +20,7 @@ in the namespaces and removes them. Needs root, iproute2, util-linux ``unshare``
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -155,15 +158,22 @@ class Cluster:
 
     def _start_sshd(self, host: Host) -> None:
         log = open(self.workdir / f"sshd-{host.name}.log", "wb")
+        # Sessions read the harness's own rc, not the user's interactive one: version managers
+        # there rehash under a lock on every login, and a dozen hosts' logins at once held it
+        # past the launcher's host check (a killed login then left the lock behind, and every
+        # later login waited a minute). Cluster images give ssh sessions a plain environment.
+        rc = self.workdir / "bashrc"
+        rc.write_text(f"export PATH={shlex.quote(os.environ.get('PATH', '/usr/bin:/bin'))}\n")
         script = (
             'hostname "$0" && mount -t tmpfs tmpfs /run && mkdir /run/sshd && '
+            'if [ -f "$3" ]; then mount --bind "$2" "$3"; fi && '
             f'exec {SSHD} -D -e -f "$1"'
         )
         self._sshd.append(
             subprocess.Popen(
                 ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--mount",
                  "--propagation", "private", "sh", "-c", script, host.hostname,
-                 str(self.workdir / "sshd_config")],  # fmt: skip
+                 str(self.workdir / "sshd_config"), str(rc), str(Path.home() / ".bashrc")],  # fmt: skip
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
