@@ -398,12 +398,7 @@ impl DeviceComm {
             )));
         }
         let fused = self.scratch(total)?;
-        let mut at = 0;
-        for (send, _) in parts {
-            self.device
-                .copy_async(send, &fused.slice(at, send.len())?, stream)?;
-            at += send.len();
-        }
+        self.pack(parts, &fused, stream)?;
         let whole = fused.slice(0, total)?;
         self.allreduce(
             &whole,
@@ -415,10 +410,37 @@ impl DeviceComm {
             postscale,
             stream,
         )?;
+        self.unpack(&fused, parts, stream)
+    }
+
+    /// Enqueues on `stream` copies of every `(send, _)` pair's bytes into `buf`, one after
+    /// another from its start (a fused response's layout in a device buffer).
+    pub fn pack(
+        &self,
+        parts: &[(DeviceBuf, DeviceBuf)],
+        buf: &DeviceBuf,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut at = 0;
+        for (send, _) in parts {
+            self.device
+                .copy_async(send, &buf.slice(at, send.len())?, stream)?;
+            at += send.len();
+        }
+        Ok(())
+    }
+
+    /// The reverse of [`DeviceComm::pack`]: each pair's share of `buf` into its `recv`.
+    pub fn unpack(
+        &self,
+        buf: &DeviceBuf,
+        parts: &[(DeviceBuf, DeviceBuf)],
+        stream: Stream,
+    ) -> Result<()> {
         let mut at = 0;
         for (send, recv) in parts {
             self.device
-                .copy_async(&fused.slice(at, send.len())?, recv, stream)?;
+                .copy_async(&buf.slice(at, send.len())?, recv, stream)?;
             at += send.len();
         }
         Ok(())

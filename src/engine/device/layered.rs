@@ -75,12 +75,7 @@ impl Local {
         let seg = if two_d { elems.div_ceil(l) } else { elems };
         let room = if two_d { seg * l * es } else { total };
         let buf = self.comm.scratch(room)?;
-        let mut at = 0;
-        for (send, _) in parts {
-            let gpu = self.comm.gpu();
-            gpu.copy_async(send, &buf.slice(at, send.len())?, stream)?;
-            at += send.len();
-        }
+        self.comm.pack(parts, &buf, stream)?;
         // NCCL reduces inside the host unscaled; the cross-host step scales.
         let local_op = if op == ReduceOp::Average {
             ReduceOp::Sum
@@ -108,15 +103,8 @@ impl Local {
         // them skip an empty one alike.
         if let Some(group) = group.filter(|_| hi > lo) {
             let bytes = (hi - lo) * es;
-            if self.bounce.as_ref().map_or(true, |b| b.len() < bytes) {
-                self.bounce = None; // the old one is freed before the larger one is taken
-                self.bounce = Some(self.comm.gpu().pinned(bytes)?);
-            }
-            let host = &mut self
-                .bounce
-                .as_mut()
-                .expect("allocated above")
-                .as_mut_slice()[..bytes];
+            let host = &mut super::grown(&mut self.bounce, self.comm.gpu(), bytes)?.as_mut_slice()
+                [..bytes];
             let place = buf.slice(lo * es, bytes)?;
             self.comm.gpu().read_async(&place, host, stream)?;
             let read = self.comm.record(stream)?;
@@ -130,12 +118,6 @@ impl Local {
         } else if l > 1 {
             self.comm.broadcast(&buf, &buf, elems, dtype, 0, stream)?;
         }
-        let mut at = 0;
-        for (send, recv) in parts {
-            let gpu = self.comm.gpu();
-            gpu.copy_async(&buf.slice(at, send.len())?, recv, stream)?;
-            at += send.len();
-        }
-        Ok(())
+        self.comm.unpack(&buf, parts, stream)
     }
 }

@@ -482,15 +482,7 @@ impl Staging {
             .flat_map(|e| e.spec.tensors.iter())
             .map(room)
             .sum();
-        if stager.bounce.as_ref().map_or(true, |b| b.len() < total) {
-            stager.bounce = None; // the old one is freed before the larger one is taken
-            stager.bounce = Some(stager.device.pinned(total)?);
-        }
-        let bounce = stager
-            .bounce
-            .as_mut()
-            .expect("allocated above")
-            .as_mut_slice();
+        let bounce = grown(&mut stager.bounce, &stager.device, total)?.as_mut_slice();
         let base = bounce.as_mut_ptr();
         let mut results = Vec::new();
         let mut streams: Vec<usize> = Vec::new();
@@ -568,6 +560,21 @@ impl Staging {
         }
         Ok(())
     }
+}
+
+/// `buf`, replaced by a larger one when it holds fewer than `bytes`: page-locked memory kept
+/// across responses, since allocating and first touching fresh host memory for every op cost
+/// more than the copies themselves.
+fn grown<'a>(
+    buf: &'a mut Option<PinnedBuf>,
+    device: &Device,
+    bytes: usize,
+) -> Result<&'a mut PinnedBuf> {
+    if buf.as_ref().map_or(true, |b| b.len() < bytes) {
+        *buf = None; // the old one is freed before the larger one is taken
+        *buf = Some(device.pinned(bytes)?);
+    }
+    Ok(buf.as_mut().expect("allocated above"))
 }
 
 /// `rank`'s position in the set.
