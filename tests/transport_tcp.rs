@@ -143,20 +143,7 @@ fn all_pairs_exchange() {
     let n = 4;
     let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
     for len in [1usize, 1000, 300_001] {
-        let ok = run(&mut ts, |t| {
-            let r = t.rank();
-            let sends: Vec<Vec<u8>> = (0..n).map(|p| pattern(seed(r, p, len), len)).collect();
-            let mut recvs: Vec<Vec<u8>> = vec![vec![0u8; len]; n];
-            let mut xfers = Vec::new();
-            for (p, (s, rv)) in sends.iter().zip(recvs.iter_mut()).enumerate() {
-                // Includes this rank itself: a send/receive pair to self is a copy.
-                xfers.push(Xfer::Send { peer: p, buf: s });
-                xfers.push(Xfer::Recv { peer: p, buf: rv });
-            }
-            t.exchange(&mut xfers, LONG).unwrap();
-            drop(xfers);
-            (0..n).all(|p| recvs[p] == pattern(seed(p, r, len), len))
-        });
+        let ok = run(&mut ts, |t| all_pairs(t, len));
         assert!(ok.iter().all(|&b| b), "len={len}: {ok:?}");
     }
 }
@@ -575,6 +562,8 @@ fn lazy_mesh(n: usize) -> (Vec<TcpTransport>, Vec<TcpListener>) {
     (ts, ls)
 }
 
+/// One exchange with every rank, this one included (a send/receive pair to self is a copy);
+/// whether every received block is its sender's pattern.
 fn all_pairs(t: &mut TcpTransport, len: usize) -> bool {
     let (r, n) = (t.rank(), t.size());
     let sends: Vec<Vec<u8>> = (0..n).map(|p| pattern(seed(r, p, len), len)).collect();

@@ -204,7 +204,7 @@ impl Dialer {
     }
 
     /// Takes the link to `peer` that arrived, if one did.
-    pub(super) fn take(&mut self, peer: usize) -> Option<TcpStream> {
+    fn take(&mut self, peer: usize) -> Option<TcpStream> {
         self.arrived.remove(&peer)
     }
 
