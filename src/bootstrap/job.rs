@@ -390,10 +390,13 @@ fn meet<P: ControlPlane>(
         config.control_fanout
     );
     // Every rank offers a segment for the fast path's records, unless its launcher says the
-    // ranks span hosts; they are shared only when every rank turns out to be on this host and
-    // every rank made one (a rank that made none publishes an empty address, so all decide
-    // alike; a host that forbids abstract Unix sockets makes none).
-    let one_host = size > 1 && config.launch.local.map_or(true, |(_, ls, _, _)| ls == size);
+    // ranks span hosts or shared memory is off; they are shared only when every rank turns
+    // out to be on this host and every rank made one (a rank that made none publishes an
+    // empty address, so all decide alike; a host that forbids abstract Unix sockets makes
+    // none).
+    let one_host = size > 1
+        && !config.shm_disable
+        && config.launch.local.map_or(true, |(_, ls, _, _)| ls == size);
     let exposed = one_host
         .then(|| Exposed::new(OFFER_SEGMENT_BYTES))
         .transpose()

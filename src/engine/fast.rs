@@ -12,7 +12,7 @@
 //! (0, 1, 2, …): a blocking op of those kinds that qualifies *offers* (it
 //! writes its descriptor and its pre-scaled input into its offer record for the slot's
 //! parity, marked as the offer of that slot ([`crate::transport::offers`]: written once, read
-//! by every peer where it lies), then publishes `Posted = slot + 1` on every pair's board),
+//! by every peer where it lies), then publishes `Posted = slot + 1` on its board there),
 //! any other op *declines* (it publishes only `Posted`). An offering rank
 //! waits until every peer has posted that slot; the slot is fast when every rank offered the
 //! same descriptor (kind, name, dtype, shape, reduction, root, scale factors), and then each
@@ -43,10 +43,15 @@
 //! a turn on a core per op.
 //!
 //! **Waiting** spins for `FERROVOD_SPIN_US` (yielding the core), then sleeps on the peer's
-//! bell (a futex in the shared segment; the `Waiting` flag and fences of
-//! [`BoardView::ring`]/[`BoardView::sleep`] lose no wake-up). A peer whose process dies is
-//! `PeerLost` within one sleep slice (its doorbell hangs up), and a wait longer than the
+//! bell (a futex in its segment; the sleepers' count and fences of
+//! [`OfferRecords::ring`]/[`OfferRecords::sleep`] lose no wake-up). A wait longer than the
 //! stall-check time is logged, naming the missing rank.
+//!
+//! **A peer that dies** is learned by the engine, not here: its control connection hangs up,
+//! the coordinator tells every rank (`RankFailed`), and the engine fails the fast path with
+//! that verdict, which a waiting op returns within one sleep slice. The fast path holds
+//! nothing per peer (no pair, no descriptor), so a host of many ranks needs shared-memory
+//! pairs only where the engine's algorithms move data.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -60,8 +65,7 @@ use crate::collective::reduce::{check_reducible, scale};
 use crate::collective::{post_factor, split_rows};
 use crate::error::{Error, Result};
 use crate::spin::Spin;
-use crate::transport::offers::{OfferRecords, OFFER_DATA_BYTES, OFFER_DESC_BYTES};
-use crate::transport::shm::{BoardView, BoardWord};
+use crate::transport::offers::{BoardWord, OfferRecords, OFFER_DATA_BYTES, OFFER_DESC_BYTES};
 use crate::transport::PeersMemory;
 use crate::types::{OpKind, ReduceOp};
 
@@ -76,12 +80,8 @@ use super::OpSpec;
 const SPLIT_READ_BYTES: usize = 256 << 10;
 /// How long a wait polls without yielding the core before it polls between yields.
 const PURE_SPIN: Duration = Duration::from_micros(20);
-/// How long one sleep on a peer's bell lasts before the liveness and shutdown checks.
+/// How long one sleep on a peer's bell lasts before the failure and shutdown checks.
 const SLEEP_SLICE: Duration = Duration::from_millis(20);
-/// How long a wait on a peer that closed its board (its engine failed or shut down) and then
-/// went gives this rank's engine to reach its own verdict: the peer is not the rank that
-/// failed, only one that learned of it first, and blaming it would name the wrong rank.
-const CLOSED_PEER_GRACE: Duration = Duration::from_secs(1);
 
 /// What became of an op offered to the fast path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,12 +141,10 @@ impl PeersMemory for Offers<'_> {
 pub struct FastPath {
     rank: usize,
     size: usize,
-    /// The boards of this rank's shared-memory pairs.
-    boards: Vec<BoardView>,
-    /// Every rank's offer records (`None` with one rank, or where they could not be mapped).
+    /// Every rank's board and offer records (`None` with one rank, where the ranks span hosts,
+    /// or where they could not be mapped: this rank then only ever declines).
     records: Option<OfferRecords>,
-    /// Whether `boards` and `records` reach every other rank; otherwise this rank only ever
-    /// declines.
+    /// Whether `records` reach every other rank (or there is none).
     complete: bool,
     max_bytes: usize,
     spin: Duration,
@@ -176,22 +174,20 @@ impl std::fmt::Debug for FastPath {
 }
 
 impl FastPath {
-    /// `boards`: this rank's shared-memory pairs; `max_bytes` 0 turns offering off (the
+    /// `records`: every rank's board and offer records; `max_bytes` 0 turns offering off (the
     /// rank still posts its slots, so that peers never wait on it).
     pub(crate) fn new(
         rank: usize,
         size: usize,
-        boards: Vec<BoardView>,
         records: Option<OfferRecords>,
         max_bytes: usize,
         spin: Duration,
         stall: Option<Duration>,
     ) -> FastPath {
-        let complete = boards.len() + 1 == size && (size == 1 || records.is_some());
+        let complete = size == 1 || records.as_ref().is_some_and(|r| r.size() == size);
         FastPath {
             rank,
             size,
-            boards,
             records,
             complete,
             max_bytes: max_bytes.min(OFFER_DATA_BYTES),
@@ -236,15 +232,21 @@ impl FastPath {
     }
 
     fn publish(&self, word: BoardWord, value: u64) {
-        for b in &self.boards {
-            b.mine(word).store(value, Ordering::Release);
+        if let Some(records) = &self.records {
+            records.mine(word).store(value, Ordering::Release);
         }
     }
 
     fn ring(&self) {
-        for b in &self.boards {
-            b.ring();
+        if let Some(records) = &self.records {
+            records.ring();
         }
+    }
+
+    /// The other ranks.
+    fn peers(&self) -> impl Iterator<Item = usize> {
+        let rank = self.rank;
+        (0..self.size).filter(move |&r| r != rank)
     }
 
     /// Takes a slot for an op that goes to the engine.
@@ -373,9 +375,9 @@ impl FastPath {
         // Nobody may still be reading the offer last written to this slot's record.
         let slot = st.posted;
         let last = st.last_offer[(slot % 2) as usize];
-        for b in &self.boards {
-            self.wait(b, &op.name, stop, |b| {
-                b.theirs(BoardWord::Done).load(Ordering::Acquire) >= last
+        for r in self.peers() {
+            self.wait(r, &op.name, stop, |b| {
+                b.theirs(r, BoardWord::Done).load(Ordering::Acquire) >= last
             })?;
         }
         if let Some(records) = &self.records {
@@ -409,15 +411,15 @@ impl FastPath {
         sc: &mut Scratch,
         stop: &dyn Fn() -> bool,
     ) -> Result<Outcome> {
-        for b in &self.boards {
-            self.wait(b, &op.name, stop, |b| {
-                b.theirs(BoardWord::Posted).load(Ordering::Acquire) > slot
+        for r in self.peers() {
+            self.wait(r, &op.name, stop, |b| {
+                b.theirs(r, BoardWord::Posted).load(Ordering::Acquire) > slot
             })?;
             // A peer that offered this slot and has since closed (it finished the op and
             // shut down) still offered: its record stays until every reader is done.
             let records = self.peer_records();
-            let fast = records.offered(b.peer(), slot)
-                && records.same_desc(b.peer(), slot, &sc.desc, &mut sc.peer_desc);
+            let fast =
+                records.offered(r, slot) && records.same_desc(r, slot, &sc.desc, &mut sc.peer_desc);
             if !fast {
                 return Ok(Outcome::Declined);
             }
@@ -515,26 +517,23 @@ impl FastPath {
         records.write_result(slot, mine.start, &out[mine]);
         self.publish(BoardWord::Reduced, slot + 1);
         self.ring();
-        for b in &self.boards {
+        for r in self.peers() {
             let reduced =
-                |b: &BoardView| b.theirs(BoardWord::Reduced).load(Ordering::Acquire) > slot;
-            self.wait(b, name, stop, |b| {
-                reduced(b) || b.theirs(BoardWord::Posted).load(Ordering::Acquire) == u64::MAX
+                |b: &OfferRecords| b.theirs(r, BoardWord::Reduced).load(Ordering::Acquire) > slot;
+            self.wait(r, name, stop, |b| {
+                reduced(b) || b.theirs(r, BoardWord::Posted).load(Ordering::Acquire) == u64::MAX
             })?;
-            if !reduced(b) {
+            if !reduced(records) {
                 if let Some(e) = &*self.failed.lock() {
                     return Err(e.clone());
                 }
                 return Err(Error::PeerLost {
-                    rank: b.peer(),
-                    detail: format!(
-                        "rank {} left before reducing its part of allreduce '{name}'",
-                        b.peer()
-                    ),
+                    rank: r,
+                    detail: format!("rank {r} left before reducing its part of allreduce '{name}'"),
                 });
             }
-            let theirs = segment(b.peer());
-            out[theirs.clone()].copy_from_slice(records.result(b.peer(), slot, theirs));
+            let theirs = segment(r);
+            out[theirs.clone()].copy_from_slice(records.result(r, slot, theirs));
         }
         Ok(())
     }
@@ -574,16 +573,17 @@ impl FastPath {
             .collect()
     }
 
-    /// Waits until `ready(b)`: spins, then sleeps on the peer's bell in slices, failing when
-    /// the peer dies or this rank shuts down, and warning once if it takes longer than the
-    /// stall-check time.
+    /// Waits until `ready(records)`: spins, then sleeps on rank `peer`'s bell in slices,
+    /// failing when the engine fails (a peer died) or this rank shuts down, and warning once
+    /// if it takes longer than the stall-check time.
     fn wait(
         &self,
-        b: &BoardView,
+        peer: usize,
         name: &str,
         stop: &dyn Fn() -> bool,
-        ready: impl Fn(&BoardView) -> bool,
+        ready: impl Fn(&OfferRecords) -> bool,
     ) -> Result<()> {
+        let b = self.peer_records();
         if ready(b) {
             return Ok(());
         }
@@ -614,32 +614,14 @@ impl FastPath {
             }
         }
         let mut warned = false;
-        let mut closed_gone: Option<Instant> = None;
         loop {
-            let gone = b.sleep(|| ready(b), SLEEP_SLICE);
+            b.sleep(peer, || ready(b), SLEEP_SLICE);
             if ready(b) {
                 return Ok(());
             }
-            // A peer that closed before it went: the engine's verdict (below) is awaited,
-            // briefly.
-            let excused = gone
-                && b.theirs(BoardWord::Posted).load(Ordering::Acquire) == u64::MAX
-                && closed_gone.get_or_insert_with(Instant::now).elapsed() < CLOSED_PEER_GRACE;
-            if excused {
-                std::thread::sleep(Duration::from_millis(1));
-            } else if gone {
-                return Err(Error::PeerLost {
-                    rank: b.peer(),
-                    detail: format!(
-                        "rank {} was waiting for it in allreduce '{name}'",
-                        self.rank
-                    ),
-                });
-            }
             if stop() {
                 return Err(Error::Interrupted(format!(
-                    "'{name}' waited for rank {}",
-                    b.peer()
+                    "'{name}' waited for rank {peer}"
                 )));
             }
             if self.closing.load(Ordering::Acquire) {
@@ -648,8 +630,7 @@ impl FastPath {
                     return Err(e.clone());
                 }
                 return Err(Error::Shutdown(format!(
-                    "ferrovod shut down while allreduce '{name}' waited for rank {}",
-                    b.peer()
+                    "ferrovod shut down while allreduce '{name}' waited for rank {peer}"
                 )));
             }
             if let Some(stall) = self.stall {
@@ -657,11 +638,10 @@ impl FastPath {
                     warned = true;
                     log::warn!(
                         target: crate::LOG_TARGET,
-                        "rank {}: allreduce '{name}' has waited {:.0} s for rank {} to submit \
-                         its next op (ranks must submit the same ops)",
+                        "rank {}: allreduce '{name}' has waited {:.0} s for rank {peer} to \
+                         submit its next op (ranks must submit the same ops)",
                         self.rank,
                         start.elapsed().as_secs_f64(),
-                        b.peer()
                     );
                 }
             }

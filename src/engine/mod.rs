@@ -171,7 +171,6 @@ impl Engine {
         let fast = Arc::new(fast::FastPath::new(
             rank,
             size,
-            transport.boards()?,
             offer_records,
             // A fast op cannot be given up on one rank alone (a peer may be reading its
             // offer), so a job that asks for stalled ops to fail keeps every op in the engine.

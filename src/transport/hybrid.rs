@@ -174,17 +174,6 @@ impl HybridTransport {
         Ok(t)
     }
 
-    /// The boards of the pairs on shared memory, ascending by peer (see [`super::shm::BoardView`]).
-    pub(crate) fn boards(&self) -> Result<Vec<super::shm::BoardView>> {
-        self.links
-            .iter()
-            .filter_map(|l| match l {
-                Link::Shm(link) => Some(link.board()),
-                _ => None,
-            })
-            .collect()
-    }
-
     /// The peers reached over shared memory, ascending.
     pub fn shm_peers(&self) -> Vec<usize> {
         (0..self.size)

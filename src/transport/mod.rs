@@ -9,8 +9,8 @@
 //!   for algorithms that read their peers' buffers where they lie; [`offers`] lays the fast
 //!   path's records out in such segments.
 //!
-//! Algorithms over links see a [`Transport`]; algorithms over peers' memory (a shared-memory
-//! pair's board, or [`host_memory`]'s segments) see a [`PeersMemory`].
+//! Algorithms over links see a [`Transport`]; algorithms over peers' memory ([`host_memory`]'s
+//! segments, the fast path's offers among them) see a [`PeersMemory`].
 //!
 //! Both transports run `exchange` through one loop (the private `exchange` module); each
 //! brings only how to move bytes on one of its links and how to sleep on several.

@@ -1,11 +1,15 @@
-//! Offer records: a small segment per rank of a one-host job, mapped by every other rank
-//! ([`super::host_memory`]'s segments), where the fast path writes the op it offers (a
-//! descriptor, the payload's rows, the payload) once for all its peers to read in place.
+//! Offer records and boards: a small segment per rank of a one-host job, mapped by every other
+//! rank ([`super::host_memory`]'s segments). The fast path writes there the op it offers (a
+//! descriptor, the payload's rows, the payload) once for all its peers to read in place, and
+//! the words by which the ranks agree on ops and sleep: its *board*.
 //!
-//! **Why not on the pairs' boards.** An offer written to every pair's board is written
-//! `n - 1` times: on 16 ranks a 64 KiB allreduce wrote 960 KiB per rank and op, half of what
-//! the whole op moved through memory. Here it is written once. The pairs' boards keep the
-//! words the ranks agree and sleep on.
+//! **Why one record per rank, not one per pair.** Every word a rank publishes (the slots it
+//! has taken, those it will not read again, the split allreduce's `Reduced`) is the same for
+//! all its peers. Written to a board per pair, an offer was written `n - 1` times (on 16 ranks
+//! a 64 KiB allreduce wrote 960 KiB per rank and op, half of what the whole op moved through
+//! memory), each word `n - 1` times and each bell rung `n - 1` times; and the fast path needed a
+//! shared-memory pair with every rank of the host from the start. Here each is written once,
+//! a ring is one store and at most one wake-up, and the fast path needs no pair at all.
 //!
 //! **Two records per rank**, used by slot parity: an offer of slot `s` goes to record `s % 2`,
 //! marked with `s`, so a rank can post its next offer while a peer still reads its last one.
@@ -13,15 +17,47 @@
 //! when ranks outnumber cores that is one more turn on a core per rank and op, for every rank.
 //! The caller's protocol (the boards' `Posted` and `Done` words) says when a record may be
 //! read and rewritten; a peer's words are untrusted here: lengths are range-checked.
+//!
+//! **Sleeping.** A rank's board has a bell (bumped after every change of its words; its low
+//! half is the futex word peers sleep on) and a count of the peers asleep on it. A sleeper
+//! counts itself in, issues a `SeqCst` fence and checks its condition once more before it
+//! blocks; a ringer bumps the bell, issues a `SeqCst` fence and wakes every sleeper if the
+//! count is not zero. Either the sleeper sees the new words or the ringer sees the count, so no
+//! wake-up is lost, and a rank whose peers are all awake rings without a system call. A peer
+//! that dies is not seen here: the engine learns it from the control connections and fails
+//! the fast path (see `engine::fast`).
 
 use std::ops::Range;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::host_memory::HostMemory;
-use super::sys::Mapping;
+use super::sys::{self, Mapping};
 
 const PAGE: usize = 4096;
+/// Each board word has a 128-byte line of its own (two cache lines: adjacent-line prefetch),
+/// so a peer polling one word does not slow the writer of another.
+const LINE: usize = 128;
+
+/// The words of a rank's board.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BoardWord {
+    /// Slots this rank has taken (`u64::MAX`: never again).
+    Posted = 0,
+    /// Slots below this one this rank will never read again.
+    Done = 1,
+    /// Changes with every store above; its low 32 bits are the futex word peers sleep on.
+    Bell = 2,
+    /// Peers asleep on this rank's bell (written by them).
+    Sleepers = 3,
+    /// Slots whose split allreduce this rank has reduced its segment of (in its record).
+    Reduced = 4,
+}
+const _: () = assert!(LINE * (BoardWord::Reduced as usize + 1) <= PAGE);
+
+/// The board comes first in a rank's segment, then its two records.
+const RECORDS: usize = PAGE;
 /// Payload bytes a record holds: the fast path's largest op.
 pub const OFFER_DATA_BYTES: usize = 64 << 10;
 /// A record: a page holding the offer's slot, the descriptor's length, the payload's rows and
@@ -29,8 +65,8 @@ pub const OFFER_DATA_BYTES: usize = 64 << 10;
 /// segment this rank reduced, at the segment's place in the tensor).
 const RECORD: usize = PAGE + 2 * OFFER_DATA_BYTES;
 const RESULT: usize = PAGE + OFFER_DATA_BYTES;
-/// Bytes of a rank's segment: its two records.
-pub const OFFER_SEGMENT_BYTES: usize = 2 * RECORD;
+/// Bytes of a rank's segment: its board and its two records.
+pub const OFFER_SEGMENT_BYTES: usize = RECORDS + 2 * RECORD;
 /// 1 + the slot of the offer the record holds (0: none yet).
 const OFF_OFFER: usize = 0;
 const OFF_DESC_LEN: usize = 8;
@@ -41,11 +77,12 @@ pub const OFFER_DESC_BYTES: usize = PAGE - OFF_DESC;
 
 /// Offset of the record an offer of `slot` uses.
 const fn record(slot: u64) -> usize {
-    (slot % 2) as usize * RECORD
+    RECORDS + (slot % 2) as usize * RECORD
 }
 
-/// Every rank's offer records as this rank sees them: its own (written only by this rank's
-/// fast path, under its lock) and the others' (read only).
+/// Every rank's board and offer records as this rank sees them: its own (written only by this
+/// rank's fast path, under its lock, but for the count of sleepers) and the others' (read
+/// only, but for that count).
 pub struct OfferRecords {
     rank: usize,
     maps: Vec<Arc<Mapping>>,
@@ -73,6 +110,49 @@ impl OfferRecords {
             .into_iter()
             .collect::<Option<Vec<_>>>()?;
         Some(OfferRecords { rank, maps })
+    }
+
+    /// The number of ranks.
+    pub(crate) fn size(&self) -> usize {
+        self.maps.len()
+    }
+
+    /// One of this rank's board words.
+    pub(crate) fn mine(&self, w: BoardWord) -> &AtomicU64 {
+        self.theirs(self.rank, w)
+    }
+
+    /// One of rank `r`'s board words.
+    pub(crate) fn theirs(&self, r: usize, w: BoardWord) -> &AtomicU64 {
+        self.maps[r].atomic(LINE * w as usize)
+    }
+
+    /// The low half of rank `r`'s bell, as a futex word.
+    fn bell_word(&self, r: usize) -> &AtomicU32 {
+        self.maps[r].atomic32(LINE * BoardWord::Bell as usize)
+    }
+
+    /// Bumps this rank's bell after its words changed and wakes the peers asleep on it. The
+    /// `SeqCst` fence pairs with the one in [`OfferRecords::sleep`].
+    pub(crate) fn ring(&self) {
+        self.mine(BoardWord::Bell).fetch_add(1, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if self.mine(BoardWord::Sleepers).load(Ordering::Relaxed) != 0 {
+            sys::futex_wake(self.bell_word(self.rank));
+        }
+    }
+
+    /// Sleeps until rank `r` rings (or `timeout`), unless `ready` turns true once this rank
+    /// has counted itself among `r`'s sleepers.
+    pub(crate) fn sleep(&self, r: usize, ready: impl Fn() -> bool, timeout: Duration) {
+        let seen = self.bell_word(r).load(Ordering::Acquire);
+        let sleepers = self.theirs(r, BoardWord::Sleepers);
+        sleepers.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if !ready() {
+            sys::futex_wait(self.bell_word(r), seen, timeout);
+        }
+        sleepers.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Writes this rank's offer of `slot`: its descriptor, payload and the payload's rows

@@ -19,11 +19,12 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
 
 /// A shared, read-write mapping of a whole memfd segment, unmapped on drop.
 ///
-/// Within this process the link's thread touches the rings and the pair's board view the
-/// board (see the `Sync` impl), so the copies below never race with each other. The *other*
-/// process writes the same pages concurrently, but only regions the ring protocol gives it
-/// (the other ring half and its own header words): the bytes we copy are ones the peer
-/// published and will not touch until we advance our head, and the board payload lent by
+/// Within this process one thread at a time copies into or out of a given range (a link's
+/// rings are its owner's; a host-memory segment's ranges are its caller's protocol: see the
+/// `Sync` impl), so the copies below never race with each other. The *other* processes write
+/// the same pages concurrently, but only regions their protocol gives them (the other ring
+/// half and their own header words; their own offer record): the bytes we copy are ones the
+/// peer published and will not touch until we advance our head, and the payload lent by
 /// [`Mapping::bytes`] is one the peer will not touch until this side is done with it. A
 /// misbehaving peer could only corrupt payload bytes (any bit pattern is a valid `u8`); indices
 /// it writes are range-checked by the caller.
@@ -35,10 +36,10 @@ pub(in crate::transport) struct Mapping {
 // SAFETY: the mapping is plain memory owned by this value (like a `Box<[u8]>`); moving it
 // to another thread moves the only handle to it.
 unsafe impl Send for Mapping {}
-// SAFETY: shared between a link (its owning thread touches only the rings and the header)
-// and that pair's board view (touched only by its one user, under that user's lock): the two
-// never copy into or out of the same bytes, and the words they share are atomics. That
-// is the same discipline the two processes follow with each other (see above).
+// SAFETY: a host-memory segment is shared by the threads of this process that use it (the
+// fast path under its lock, a sharded optimizer's steps between barriers): they never copy
+// into or out of the same bytes at once, and the words they share are atomics. That is the
+// same discipline the processes follow with each other (see above).
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
@@ -169,7 +170,7 @@ impl Mapping {
 
     /// The `len` bytes at `off`, lent while `self` is: only for bytes the other process
     /// published and, by the protocol of their region, does not write until this side says it
-    /// is done with them (a pair's board payload).
+    /// is done with them (a peer's offer).
     pub(super) fn bytes(&self, off: usize, len: usize) -> &[u8] {
         assert!(
             off <= self.len && len <= self.len - off,

@@ -1,10 +1,8 @@
 //! Shared-memory links between two ranks on the same host, used by
 //! [`super::hybrid::HybridTransport`] in place of their TCP connection.
 //!
-//! **Segment.** One segment per pair of ranks: a 4 KiB header, the pair's *board* (a page of
-//! words per side, where the two ranks agree on ops without a go-between: see [`BoardView`]), then
-//! two single-producer / single-consumer byte rings, one per direction (ring 0 carries lower
-//! rank → higher rank).
+//! **Segment.** One segment per pair of ranks: a 4 KiB header, then two single-producer /
+//! single-consumer byte rings, one per direction (ring 0 carries lower rank → higher rank).
 //! Each ring has a `tail` (bytes ever published, written by its producer) and a `head` (bytes
 //! ever consumed, written by its consumer), monotonic `u64`s on cache lines of their own,
 //! stored with `Release` and loaded with `Acquire`. Transfers stream through the ring in chunks
@@ -23,10 +21,9 @@
 //! `Error::PeerLost` as fast as over TCP; a peer that drops or aborts its transport also sets a
 //! `closed` flag, noticed even while spinning.
 //!
-//! The set-up handshake and the segment's safety are described in `setup`; the board's layout
-//! and accessors are in `board`.
+//! The set-up handshake and the segment's safety are described in `setup`.
 //!
-//! **Memory.** A pair maps `4 KiB + 8 KiB (board) + 2 × ring_bytes` (2 MiB by default), with
+//! **Memory.** A pair maps `4 KiB + 2 × ring_bytes` (2 MiB by default), with
 //! pages allocated only as transfers first reach them; `n` ranks on a host have `n·(n-1)/2` pairs.
 //! memfd pages live on the kernel's internal tmpfs, so the size of a container's `/dev/shm` mount
 //! (64 MiB by default under Docker) does not limit them; they count against the memory cgroup.
@@ -34,7 +31,6 @@
 //! All raw-pointer, `mmap` and `sendmsg`/`recvmsg` code is in the transport's private `sys`
 //! module.
 
-mod board;
 mod setup;
 #[cfg(test)]
 mod tests;
@@ -43,13 +39,11 @@ use std::io::{ErrorKind, Read};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::Arc;
 
 use super::sys;
 use super::Xfer;
 use crate::error::{Error, Result};
 
-pub(crate) use board::{BoardView, BoardWord};
 pub(crate) use setup::random_name;
 pub(super) use setup::random_name_with;
 
@@ -99,8 +93,8 @@ fn ring_stride(cap: usize) -> usize {
     cap.div_ceil(PAGE) * PAGE
 }
 
-/// The rings follow the header and the board's two sides.
-const RINGS: usize = board::BOARD + 2 * board::BOARD_SIDE;
+/// The rings follow the header.
+const RINGS: usize = HEADER;
 
 fn segment_len(cap: usize) -> usize {
     RINGS + 2 * ring_stride(cap)
@@ -110,8 +104,7 @@ fn segment_len(cap: usize) -> usize {
 pub struct ShmLink {
     peer: usize,
     side: usize,
-    /// Shared with this pair's [`BoardView`], which touches only the board.
-    map: Arc<sys::Mapping>,
+    map: sys::Mapping,
     cap: u64,
     chunk: usize,
     /// Byte offsets of the outbound and inbound rings' data.
@@ -123,9 +116,7 @@ pub struct ShmLink {
     /// Consumer state of the inbound ring: our head, the last tail we loaded.
     head: u64,
     tail_seen: u64,
-    /// Shared with the pair's [`BoardView`], which only polls it for hang-up: one descriptor
-    /// per pair, not two (a rank with many peers on its host holds one per peer).
-    doorbell: Arc<UnixStream>,
+    doorbell: UnixStream,
     /// The doorbell reported end of stream, hang-up or an error: the peer process is gone.
     dead: bool,
 }
@@ -323,7 +314,7 @@ impl ShmLink {
         }
         let mut sink = [0u8; 64];
         loop {
-            match (&*self.doorbell).read(&mut sink) {
+            match (&self.doorbell).read(&mut sink) {
                 Ok(0) => {
                     self.dead = true;
                     break;

@@ -23,7 +23,6 @@ use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{
@@ -230,7 +229,7 @@ impl ShmLink {
         Ok(ShmLink {
             peer,
             side,
-            map: Arc::new(map),
+            map,
             cap: cap as u64,
             chunk: CHUNK_BYTES.min(cap.div_ceil(4)),
             out_base: RINGS + side * stride,
@@ -239,7 +238,7 @@ impl ShmLink {
             head_seen: 0,
             head: 0,
             tail_seen: 0,
-            doorbell: Arc::new(doorbell),
+            doorbell,
             dead: false,
         })
     }
