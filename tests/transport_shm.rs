@@ -211,6 +211,77 @@ fn mixed_mesh_routes_each_peer_and_progresses_both_kinds_together() {
     check_collectives(&mut ts, "mixed 5 ranks");
 }
 
+/// `hosts.len()` transports that make every link on first use, as a job's do (index = rank).
+fn lazy_mesh(hosts: &[usize], ring: usize) -> Vec<HybridTransport> {
+    let n = hosts.len();
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let options = ShmOptions {
+        ring_bytes: ring,
+        disabled: false,
+    };
+    thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let (l, addrs, options) = (&listeners[r], &addrs, &options);
+                let local: Vec<usize> =
+                    (0..n).filter(|&p| p != r && hosts[p] == hosts[r]).collect();
+                s.spawn(move || {
+                    HybridTransport::connect(r, n, l, addrs, SECRET, LONG, &local, options).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn links_are_made_on_first_use_and_those_on_one_host_move_to_shared_memory() {
+    // Host A: ranks 0-3; host B: ranks 4, 5.
+    let hosts = [0, 0, 0, 0, 1, 1];
+    let n = hosts.len();
+    let mut ts = lazy_mesh(&hosts, 64 << 10);
+    assert!(ts.iter().all(|t| t.linked_peers().is_empty()));
+    for t in ts.iter_mut() {
+        t.spin = Duration::ZERO;
+    }
+    for len in [1usize, 4099, 300_001] {
+        let got = run(&mut ts, |t| ring_step(t, len));
+        for (r, g) in got.iter().enumerate() {
+            let prev = (r + n - 1) % n;
+            assert!(
+                *g == pattern(seed(prev, r, len), len),
+                "ring len={len} rank={r}"
+            );
+        }
+    }
+    for (r, t) in ts.iter().enumerate() {
+        let mut ring = vec![(r + 1) % n, (r + n - 1) % n];
+        ring.sort_unstable();
+        assert_eq!(t.linked_peers(), ring, "rank {r}");
+        let shm: Vec<usize> = ring.into_iter().filter(|&p| hosts[p] == hosts[r]).collect();
+        assert_eq!(t.shm_peers(), shm, "rank {r}");
+    }
+    // Every rank dials every peer not linked yet at once: crossing dials keep one link per
+    // pair, on shared memory where the pair shares a host.
+    for len in [7usize, 70_001] {
+        let ok = all_pairs(&mut ts, len);
+        assert!(ok.iter().all(|&b| b), "len={len}: {ok:?}");
+    }
+    for (r, t) in ts.iter().enumerate() {
+        let others: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+        assert_eq!(t.linked_peers(), others, "rank {r}");
+        let shm: Vec<usize> = others
+            .into_iter()
+            .filter(|&p| hosts[p] == hosts[r])
+            .collect();
+        assert_eq!(t.shm_peers(), shm, "rank {r}");
+    }
+    check_collectives(&mut ts, "links on first use, 6 ranks on 2 hosts");
+}
+
 #[test]
 fn declined_or_partial_setups_keep_tcp() {
     // Rank 2 declines shared memory: 0–1 upgrade, pairs with 2 stay on TCP on both sides.

@@ -39,7 +39,6 @@ use crate::error::{Error, Result};
 use crate::transport::host_memory::Exposed;
 use crate::transport::hybrid::{HybridTransport, ShmOptions};
 use crate::transport::offers::{OfferRecords, OFFER_SEGMENT_BYTES};
-use crate::transport::tcp::TcpTransport;
 
 /// What a forming needs beyond the launch environment (`config.launch`: this rank, the job's
 /// size, the rendezvous address and secret).
@@ -212,7 +211,7 @@ pub fn form<P: ControlPlane>(
     };
 
     let Met {
-        mut tcp,
+        mut transport,
         coordinator,
         coord_addr,
         node,
@@ -223,19 +222,8 @@ pub fn form<P: ControlPlane>(
         None => alone(config, bind_ip, &secret, plane)?,
         Some(rdv) => meet(config, membership, rdv, bind_ip, &secret, plane)?,
     };
-    tcp.spin = config.spin;
-    // Peers that published this rank's host name move to shared memory. Every rank derives
-    // the lists from the same host table, so they are symmetric, as the handshake needs; a
-    // pair that cannot share memory (same name, different machines or network namespaces)
-    // stays on TCP.
-    let local: Vec<usize> = (0..size)
-        .filter(|&r| r != rank && !hosts[rank].is_empty() && hosts[r] == hosts[rank])
-        .collect();
-    let options = ShmOptions {
-        disabled: config.shm_disable,
-        ..ShmOptions::default()
-    };
-    let transport = HybridTransport::upgrade(tcp, &local, &options, config.start_timeout)?;
+    transport.spin = config.spin;
+    let local = local_peers(rank, &hosts);
     // The fast path's offer records, where every rank is on this host (every rank decides
     // alike, from the same host table).
     let offer_records = match offers {
@@ -244,15 +232,13 @@ pub fn form<P: ControlPlane>(
         }
         _ => None,
     };
-    let shm = transport.shm_peers();
-    let links: Vec<String> = (0..size)
-        .filter(|&r| r != rank)
-        .map(|r| format!("{r} {}", if shm.contains(&r) { "shm" } else { "tcp" }))
-        .collect();
     log::debug!(
         target: crate::LOG_TARGET,
-        "rank {rank}: transport to each peer: {}; control node (rank {node}) at {}{}",
-        if links.is_empty() { "none (one rank)".to_string() } else { links.join(", ") },
+        "rank {rank}: data links made on first use, over shared memory with {} rank(s) of this \
+         host{}, over TCP with the other {}; control node (rank {node}) at {}{}",
+        local.len(),
+        if config.shm_disable { " (off: TCP)" } else { "" },
+        size - 1 - local.len(),
         coord_addr.tcp,
         if coord_addr.local.is_some() { " (reached over a local socket)" } else { "" }
     );
@@ -297,8 +283,8 @@ pub fn form<P: ControlPlane>(
 
 /// What steps 3 and 4 leave.
 struct Met<P: ControlPlane> {
-    /// The TCP mesh.
-    tcp: TcpTransport,
+    /// The data links (made on first use).
+    transport: HybridTransport,
     /// This rank's node, if it runs one.
     coordinator: Option<P::Coordinator>,
     /// Where this rank's node listens (its own, or its parent's).
@@ -311,6 +297,23 @@ struct Met<P: ControlPlane> {
     cpus: Vec<String>,
     /// This rank's offer segment and every rank's address of it (jobs of more than one rank).
     offers: Option<(Exposed, Vec<Vec<u8>>)>,
+}
+
+/// The peers that published this rank's host name: their links move to shared memory. Every
+/// rank derives the lists from the same host table, so they are symmetric, as the handshake
+/// needs; a pair that cannot share memory (same name, different machines or network
+/// namespaces) stays on TCP.
+fn local_peers(rank: usize, hosts: &[String]) -> Vec<usize> {
+    (0..hosts.len())
+        .filter(|&r| r != rank && !hosts[rank].is_empty() && hosts[r] == hosts[rank])
+        .collect()
+}
+
+fn shm_options(config: &Config) -> ShmOptions {
+    ShmOptions {
+        disabled: config.shm_disable,
+        ..ShmOptions::default()
+    }
 }
 
 /// A job of one rank with no rendezvous: its own coordinator, and a mesh of itself.
@@ -330,16 +333,18 @@ fn alone<P: ControlPlane>(
         None,
     )?;
     let data = TcpListener::bind((ip, 0))?;
-    let tcp = TcpTransport::connect_mesh(
+    let transport = HybridTransport::connect(
         0,
         1,
         &data,
         &[data.local_addr()?],
         secret,
         config.start_timeout,
+        &[],
+        &shm_options(config),
     )?;
     Ok(Met {
-        tcp,
+        transport,
         coordinator: Some(coordinator),
         coord_addr: at,
         node: 0,
@@ -516,12 +521,20 @@ fn meet<P: ControlPlane>(
         Some((c, at)) => (Some(c), at),
         None => (None, node_addr(node)?),
     };
-    // Links to the ranks on this host are made now (they move to shared memory next); the
-    // others on first use, so a rank holds links to the few peers its algorithms talk to.
-    let same_host = |r: usize| !hosts[rank].is_empty() && hosts[r] == hosts[rank];
-    let tcp = TcpTransport::connect(rank, size, &data, &addrs, secret, deadline, &same_host)?;
+    // Every link is made on first use, so a rank holds links to the few peers its algorithms
+    // talk to; those to the ranks on this host move to shared memory as they are made.
+    let transport = HybridTransport::connect(
+        rank,
+        size,
+        &data,
+        &addrs,
+        secret,
+        deadline,
+        &local_peers(rank, &hosts),
+        &shm_options(config),
+    )?;
     Ok(Met {
-        tcp,
+        transport,
         coordinator,
         coord_addr: at,
         node,

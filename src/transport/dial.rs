@@ -1,15 +1,17 @@
-//! Making the TCP links of the data mesh: at start for the peers the job names (the ranks on
-//! this host, which move to shared memory next), on first use for every other peer.
+//! Making the links of the data mesh: at start for the peers the caller names, on first use
+//! for every other peer.
 //!
 //! A full mesh costs every rank a descriptor and a socket buffer per peer (1024 ranks exceed
-//! the default `ulimit -n`), and its start makes `N·(N-1)/2` handshakes, while a rank's
-//! algorithms talk to a few peers: ring neighbours, recursive-doubling partners, the other
-//! hosts' ranks of its local index. So links to ranks on other hosts are made when a transfer
-//! first needs one.
+//! the default `ulimit -n`), or on one host a shared-memory pair and its doorbell, and its
+//! start makes `N·(N-1)/2` handshakes, while a rank's algorithms talk to a few peers: ring
+//! neighbours, recursive-doubling partners, the other hosts' ranks of its local index. So a
+//! link is made when a transfer first needs it.
 //!
 //! Each connection runs the mutual HMAC handshake of [`crate::bootstrap::auth`], then a
 //! 16-byte hello each way (`"FVM1"`, sender rank, receiver rank, job size), which both sides
-//! validate, then one verdict byte from the accepting side. An **acceptor thread** per rank
+//! validate, then one verdict byte from the accepting side, then the owner's [`Finish`] on both
+//! sides (a peer on this host moves to shared memory over the new connection, see
+//! [`super::shm`]; the connection is then closed). An **acceptor thread** per rank
 //! takes every incoming connection (each handshake on a short-lived thread of its own, so a
 //! stranger that sends garbage or nothing holds up nobody) for the life of the transport: a
 //! link never needs the peer's engine thread, whatever that thread is busy with, so making
@@ -30,6 +32,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::shm::ShmLink;
 use crate::bootstrap::auth::authenticate;
 use crate::bootstrap::net::{poll, poll_fd, read_exact_until, write_all_until, POLL_IN};
 use crate::error::{Error, Result};
@@ -38,10 +41,39 @@ use crate::wire::{Reader, Writer};
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"FVM1");
 const HELLO_LEN: usize = 16;
 
+/// A link made: the connection itself, or the shared-memory link set up over it.
+pub(super) enum Made {
+    Tcp(TcpStream),
+    Shm(Box<ShmLink>),
+}
+
+/// What a new connection to a peer becomes, run by both sides once the link is agreed (by the
+/// dialler on its own thread, by the acceptor on the connection's handshake thread, so that it
+/// never needs the peer's engine thread): `Some` moves the pair to shared memory, `None` keeps
+/// the connection. Both sides must decide alike for a peer (the same host table).
+pub(super) type Finish =
+    Arc<dyn Fn(usize, &mut TcpStream, Instant) -> Result<Option<ShmLink>> + Send + Sync>;
+
+/// The link `s` to `peer` becomes through `finish`.
+fn finished(
+    finish: Option<&Finish>,
+    peer: usize,
+    mut s: TcpStream,
+    deadline: Instant,
+) -> Result<Made> {
+    let Some(f) = finish else {
+        return Ok(Made::Tcp(s));
+    };
+    Ok(match f(peer, &mut s, deadline)? {
+        Some(link) => Made::Shm(Box::new(link)),
+        None => Made::Tcp(s),
+    })
+}
+
 /// What reaches the owner of a [`Dialer`]: a link made by its acceptor or by its start-up
 /// connector, or why the connector gave up.
 pub(super) enum Event {
-    Peer(usize, TcpStream),
+    Peer(usize, Made),
     Failed(Error),
 }
 
@@ -57,6 +89,7 @@ pub(super) struct Dialer {
     size: usize,
     addrs: Arc<[SocketAddr]>,
     secret: Arc<[u8]>,
+    finish: Option<Finish>,
     claims: Arc<Mutex<Claims>>,
     tx: mpsc::Sender<Event>,
     rx: mpsc::Receiver<Event>,
@@ -64,7 +97,7 @@ pub(super) struct Dialer {
     bell: UnixStream,
     ringer: Arc<UnixStream>,
     /// Links made but not asked for yet.
-    arrived: HashMap<usize, TcpStream>,
+    arrived: HashMap<usize, Made>,
     stop: Arc<AtomicBool>,
     /// Written on drop, so the acceptor leaves its poll at once.
     stop_bell: UnixStream,
@@ -82,7 +115,8 @@ impl std::fmt::Debug for Dialer {
 
 impl Dialer {
     /// Starts accepting on `listener` (this rank's data listener, `addrs[rank]`) for rank
-    /// `rank` of `size`; `timeout` bounds each incoming handshake.
+    /// `rank` of `size`; `timeout` bounds each incoming handshake; every link made goes
+    /// through `finish`.
     pub(super) fn start(
         rank: usize,
         size: usize,
@@ -90,6 +124,7 @@ impl Dialer {
         addrs: &[SocketAddr],
         secret: &[u8],
         timeout: Duration,
+        finish: Option<Finish>,
     ) -> Result<Dialer> {
         let listener = listener.try_clone()?;
         listener.set_nonblocking(true)?;
@@ -103,6 +138,7 @@ impl Dialer {
             size,
             addrs: Arc::from(addrs),
             secret: Arc::from(secret),
+            finish,
             claims: Arc::new(Mutex::new(Claims {
                 dialled: vec![false; size],
                 taken: vec![false; size],
@@ -120,6 +156,7 @@ impl Dialer {
             rank,
             size,
             secret: d.secret.clone(),
+            finish: d.finish.clone(),
             claims: d.claims.clone(),
             tx: d.tx.clone(),
             ringer: d.ringer.clone(),
@@ -148,13 +185,14 @@ impl Dialer {
         let (rank, size) = (self.rank, self.size);
         let (addrs, secret, claims) =
             (self.addrs.clone(), self.secret.clone(), self.claims.clone());
+        let finish = self.finish.clone();
         let (tx, ringer, stop) = (self.tx.clone(), self.ringer.clone(), self.stop.clone());
         thread::Builder::new()
             .name(format!("ferrovod-connect-{rank}"))
             .spawn(move || {
                 for peer in peers {
                     claims.lock().expect("claims lock").dialled[peer] = true;
-                    let ev = match connect_peer(
+                    let made = connect_peer(
                         rank,
                         size,
                         peer,
@@ -163,8 +201,13 @@ impl Dialer {
                         Retry::Until(start),
                         deadline,
                         &stop,
-                    ) {
-                        Ok(Some(s)) => Event::Peer(peer, s),
+                    )
+                    .and_then(|s| {
+                        s.map(|s| finished(finish.as_ref(), peer, s, deadline))
+                            .transpose()
+                    });
+                    let ev = match made {
+                        Ok(Some(m)) => Event::Peer(peer, m),
                         Ok(None) => Event::Failed(Error::Io(format!(
                             "rank {peer} refused rank {rank}'s data connection at start"
                         ))),
@@ -199,28 +242,31 @@ impl Dialer {
     }
 
     /// Keeps a link the owner has no place for yet.
-    pub(super) fn keep(&mut self, peer: usize, s: TcpStream) {
-        self.arrived.insert(peer, s);
+    pub(super) fn keep(&mut self, peer: usize, m: Made) {
+        self.arrived.insert(peer, m);
     }
 
     /// Takes the link to `peer` that arrived, if one did.
-    fn take(&mut self, peer: usize) -> Option<TcpStream> {
+    fn take(&mut self, peer: usize) -> Option<Made> {
         self.arrived.remove(&peer)
     }
 
     /// The link to `peer`, made now if no link has arrived: dialled (a peer not listening
     /// is gone: every rank's acceptor runs before any collective), or, where the peer dials
-    /// us at the same time, its connection awaited. Within `timeout`; non-blocking, no delay.
-    pub(super) fn link(&mut self, peer: usize, timeout: Duration) -> Result<TcpStream> {
+    /// us at the same time, its connection awaited. Within `timeout`; a connection kept is
+    /// non-blocking, without delay.
+    pub(super) fn link(&mut self, peer: usize, timeout: Duration) -> Result<Made> {
         let start = Instant::now();
         let deadline = start + timeout;
-        let s = self.make(peer, start, deadline)?;
-        s.set_nodelay(true)?;
-        s.set_nonblocking(true)?;
-        Ok(s)
+        let m = self.make(peer, start, deadline)?;
+        if let Made::Tcp(s) = &m {
+            s.set_nodelay(true)?;
+            s.set_nonblocking(true)?;
+        }
+        Ok(m)
     }
 
-    fn make(&mut self, peer: usize, start: Instant, deadline: Instant) -> Result<TcpStream> {
+    fn make(&mut self, peer: usize, start: Instant, deadline: Instant) -> Result<Made> {
         self.drain();
         if let Some(s) = self.take(peer) {
             return Ok(s);
@@ -244,14 +290,14 @@ impl Dialer {
                 &self.stop,
             )?;
             if let Some(s) = made {
-                return Ok(s);
+                return finished(self.finish.as_ref(), peer, s, deadline);
             }
         }
         // The peer's own connection is coming (or came) through the acceptor.
         loop {
             match self.next_event(deadline)? {
-                Some(Event::Peer(r, s)) if r == peer => return Ok(s),
-                Some(Event::Peer(r, s)) => self.keep(r, s),
+                Some(Event::Peer(r, m)) if r == peer => return Ok(m),
+                Some(Event::Peer(r, m)) => self.keep(r, m),
                 Some(Event::Failed(e)) => return Err(e),
                 None => {
                     return Err(Error::Timeout {
@@ -291,6 +337,7 @@ struct Acceptor {
     rank: usize,
     size: usize,
     secret: Arc<[u8]>,
+    finish: Option<Finish>,
     claims: Arc<Mutex<Claims>>,
     tx: mpsc::Sender<Event>,
     ringer: Arc<UnixStream>,
@@ -336,9 +383,15 @@ impl Acceptor {
             }
             take
         };
-        match accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide) {
-            Ok(Some(from)) => {
-                if !self.stop.load(Ordering::Relaxed) && self.tx.send(Event::Peer(from, s)).is_ok()
+        let from_addr = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
+        let made = accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide)
+            .and_then(|from| {
+                from.map(|from| Ok((from, finished(self.finish.as_ref(), from, s, deadline)?)))
+                    .transpose()
+            });
+        match made {
+            Ok(Some((from, m))) => {
+                if !self.stop.load(Ordering::Relaxed) && self.tx.send(Event::Peer(from, m)).is_ok()
                 {
                     ring(&self.ringer);
                 }
@@ -346,9 +399,8 @@ impl Acceptor {
             Ok(None) => {}
             Err(e) => log::warn!(
                 target: crate::LOG_TARGET,
-                "rank {} dropped a data connection from {}: {e}",
+                "rank {} dropped a data connection from {from_addr}: {e}",
                 self.rank,
-                s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string())
             ),
         }
     }

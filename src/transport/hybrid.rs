@@ -1,11 +1,13 @@
 //! The routing transport: per peer either a shared-memory link ([`super::shm`]) or the TCP
 //! connection of the mesh it was built from, behind one [`Transport`].
 //!
-//! Shape: [`TcpTransport::connect_mesh`] builds the full mesh as before; then
-//! [`HybridTransport::upgrade`] takes that mesh and, collectively with the peers named in
-//! `local_peers` (the ranks on this host), replaces their TCP connections by shared-memory
-//! links, using each TCP connection (already authenticated) to set its link up. Peers not
-//! named, and pairs where shared memory turns out to be unavailable or declined, keep TCP.
+//! Shape: [`HybridTransport::connect`] (what a job uses) makes every link on first use
+//! ([`super::dial`]), and a link to a peer named in `local_peers` (the ranks on this host)
+//! moves to shared memory over its new, authenticated TCP connection, which is then closed: a
+//! rank holds a pair and a doorbell only for the peers its algorithms reach.
+//! [`HybridTransport::upgrade`] takes a mesh whose links were made at start and,
+//! collectively with the peers named, moves theirs the same way. Pairs where shared memory
+//! turns out to be unavailable or declined keep TCP.
 //!
 //! Data path: one `exchange` progresses all its transfers together, whatever their links.
 //! When nothing moves it retries (yielding the core) for [`HybridTransport::spin`], then
@@ -14,11 +16,12 @@
 //! [`super::shm`] for why no wake-up is lost). A peer lost on either kind of link is
 //! `Error::PeerLost` at once.
 
-use std::net::{Shutdown, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use super::dial::Dialer;
+use super::dial::{Dialer, Finish, Made};
 use super::exchange::{self, Links};
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
 use super::tcp::{link_up, poll_for, progress, Parts, TcpTransport};
@@ -81,6 +84,55 @@ impl std::fmt::Debug for HybridTransport {
 }
 
 impl HybridTransport {
+    /// Links this rank with its peers on first use, as [`TcpTransport::connect`] does with
+    /// no link made at start, and each link to a peer in `local_peers` moves to shared
+    /// memory as it is made (kept on TCP when either side declines or cannot share memory).
+    /// `local_peers` must be symmetric (every rank derives it from the same host table).
+    ///
+    /// Errors: those of [`TcpTransport::connect`], and `InvalidArgument` for a bad peer list
+    /// or ring size.
+    #[allow(clippy::too_many_arguments)] // connect's, and where shared memory goes
+    pub fn connect(
+        rank: usize,
+        size: usize,
+        listener: &TcpListener,
+        addrs: &[SocketAddr],
+        secret: &[u8],
+        timeout: Duration,
+        local_peers: &[usize],
+        options: &ShmOptions,
+    ) -> Result<HybridTransport> {
+        let ring = ring_option(rank, size, local_peers, options)?;
+        let mut local = vec![false; size];
+        for &p in local_peers {
+            local[p] = true;
+        }
+        let finish: Finish = Arc::new(move |peer, stream, deadline| {
+            if !local[peer] {
+                return Ok(None);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            ShmLink::establish(stream, rank, peer, ring, deadline, left).map_err(|e| match e {
+                Error::Io(m) => Error::PeerLost {
+                    rank: peer,
+                    detail: format!("while setting up shared memory: {m}"),
+                },
+                e => e,
+            })
+        });
+        let tcp = TcpTransport::connect_with(
+            rank,
+            size,
+            listener,
+            addrs,
+            secret,
+            timeout,
+            &|_| false,
+            Some(finish),
+        )?;
+        HybridTransport::upgrade(tcp, &[], options, timeout)
+    }
+
     /// Takes over `tcp` and moves the peers in `local_peers` to shared memory.
     ///
     /// Collective: every rank named must call this with this rank in its own `local_peers`
@@ -111,21 +163,9 @@ impl HybridTransport {
         if aborted {
             return Err(Error::Shutdown("the TCP transport was aborted".into()));
         }
+        let ring = ring_option(rank, size, local_peers, options)?;
         let mut peers = local_peers.to_vec();
         peers.sort_unstable();
-        peers.dedup();
-        if peers.len() != local_peers.len() || peers.iter().any(|&p| p >= size || p == rank) {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} of {size}: invalid local peers {local_peers:?}"
-            )));
-        }
-        if !options.disabled && !(MIN_RING_BYTES..=MAX_RING_BYTES).contains(&options.ring_bytes) {
-            return Err(Error::InvalidArgument(format!(
-                "shared-memory ring of {} bytes (allowed {MIN_RING_BYTES}..={MAX_RING_BYTES})",
-                options.ring_bytes
-            )));
-        }
-        let ring = (!options.disabled).then_some(options.ring_bytes);
         let deadline = deadline_after(timeout);
         let mut links: Vec<Link> = streams
             .into_iter()
@@ -174,6 +214,13 @@ impl HybridTransport {
         Ok(t)
     }
 
+    /// The peers this rank has a link with (either kind), ascending.
+    pub fn linked_peers(&self) -> Vec<usize> {
+        (0..self.size)
+            .filter(|&p| matches!(self.links[p], Link::Tcp(_) | Link::Shm(_)))
+            .collect()
+    }
+
     /// The peers reached over shared memory, ascending.
     pub fn shm_peers(&self) -> Vec<usize> {
         (0..self.size)
@@ -215,6 +262,31 @@ impl HybridTransport {
                 .collect()
         })
     }
+}
+
+/// The ring bytes of this rank's shared-memory pairs (`None`: declined), once `local_peers`
+/// and `options` are checked.
+fn ring_option(
+    rank: usize,
+    size: usize,
+    local_peers: &[usize],
+    options: &ShmOptions,
+) -> Result<Option<usize>> {
+    let mut peers = local_peers.to_vec();
+    peers.sort_unstable();
+    peers.dedup();
+    if peers.len() != local_peers.len() || peers.iter().any(|&p| p >= size || p == rank) {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} of {size}: invalid local peers {local_peers:?}"
+        )));
+    }
+    if !options.disabled && !(MIN_RING_BYTES..=MAX_RING_BYTES).contains(&options.ring_bytes) {
+        return Err(Error::InvalidArgument(format!(
+            "shared-memory ring of {} bytes (allowed {MIN_RING_BYTES}..={MAX_RING_BYTES})",
+            options.ring_bytes
+        )));
+    }
+    Ok((!options.disabled).then_some(options.ring_bytes))
 }
 
 /// The links for one [`exchange::run`], with the poll set and the armed doorbells reused
@@ -305,8 +377,11 @@ impl Transport for HybridTransport {
         let made = link_up(self.rank, &mut self.dialer, xfers, idle_timeout, |p| {
             links.get(p).map_or(true, |l| !matches!(l, Link::Later))
         })?;
-        for (p, s) in made {
-            self.links[p] = Link::Tcp(s);
+        for (p, m) in made {
+            self.links[p] = match m {
+                Made::Tcp(s) => Link::Tcp(s),
+                Made::Shm(l) => Link::Shm(l),
+            };
         }
         let mut routes = Routes {
             links: &mut self.links,

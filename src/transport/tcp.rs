@@ -20,7 +20,7 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::dial::{Dialer, Event};
+use super::dial::{Dialer, Event, Finish, Made};
 use super::exchange::{self, Links};
 use super::{Transport, Xfer};
 use crate::bootstrap::net::{self, poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
@@ -98,6 +98,23 @@ impl TcpTransport {
         timeout: Duration,
         now: &dyn Fn(usize) -> bool,
     ) -> Result<TcpTransport> {
+        Self::connect_with(rank, size, listener, addrs, secret, timeout, now, None)
+    }
+
+    /// [`TcpTransport::connect`] where every link made on first use goes through `finish` (see
+    /// [`super::dial`]): for [`super::hybrid::HybridTransport`], which takes the mesh over
+    /// before any exchange, and `now` naming no peer `finish` moves to shared memory.
+    #[allow(clippy::too_many_arguments)] // connect's, and the finisher
+    pub(super) fn connect_with(
+        rank: usize,
+        size: usize,
+        listener: &TcpListener,
+        addrs: &[SocketAddr],
+        secret: &[u8],
+        timeout: Duration,
+        now: &dyn Fn(usize) -> bool,
+        finish: Option<Finish>,
+    ) -> Result<TcpTransport> {
         if rank >= size || addrs.len() != size {
             return Err(Error::InvalidArgument(format!(
                 "connect_mesh: rank {rank}, size {size}, {} addresses",
@@ -108,20 +125,20 @@ impl TcpTransport {
         let dialer = if size > 1 {
             let start = Instant::now();
             let deadline = net::deadline_after(timeout);
-            let mut d = Dialer::start(rank, size, listener, addrs, secret, timeout)?;
+            let mut d = Dialer::start(rank, size, listener, addrs, secret, timeout, finish)?;
             d.dial_in_background((0..rank).filter(|&p| now(p)).collect(), start, deadline)?;
             let mut missing = (0..size).filter(|&p| p != rank && now(p)).count();
             while missing > 0 {
                 match d.next_event(deadline)? {
                     // A repeated rank means its dialler gave up on a first attempt after we
                     // took it: the newer connection is the live one.
-                    Some(Event::Peer(r, s)) if now(r) => {
+                    Some(Event::Peer(r, Made::Tcp(s))) if now(r) => {
                         if peers[r].replace(s).is_none() {
                             missing -= 1;
                         }
                     }
                     // A peer that already uses the link it needs with us.
-                    Some(Event::Peer(r, s)) => d.keep(r, s),
+                    Some(Event::Peer(r, m)) => d.keep(r, m),
                     Some(Event::Failed(e)) => return Err(e),
                     None => {
                         let absent: Vec<String> = (0..size)
@@ -169,10 +186,18 @@ impl TcpTransport {
         link_up(self.rank, &mut self.dialer, xfers, timeout, |p| {
             self.peers.get(p).map_or(true, Option::is_some)
         })
-        .map(|made| {
-            for (p, s) in made {
+        .and_then(|made| {
+            for (p, m) in made {
+                let Made::Tcp(s) = m else {
+                    return Err(Error::Io(format!(
+                        "internal error: rank {} got a shared-memory link to rank {p} in a TCP \
+                         transport",
+                        self.rank
+                    )));
+                };
                 self.peers[p] = Some(s);
             }
+            Ok(())
         })
     }
 
@@ -301,8 +326,8 @@ pub(super) fn link_up(
     xfers: &[Xfer<'_>],
     timeout: Duration,
     linked: impl Fn(usize) -> bool,
-) -> Result<Vec<(usize, TcpStream)>> {
-    let mut made: Vec<(usize, TcpStream)> = Vec::new();
+) -> Result<Vec<(usize, Made)>> {
+    let mut made: Vec<(usize, Made)> = Vec::new();
     for x in xfers {
         let p = x.peer();
         let empty = match x {
