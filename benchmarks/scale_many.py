@@ -26,6 +26,13 @@ stops being able to form a job on this machine, and that is a result too::
     python benchmarks/scale_many.py --ranks 512,1024 --rounds 1 --timeout 900
     sudo .venv/bin/python benchmarks/scale_many.py --hosts 4 --ranks 32 --stacks "fv engine,fv star"
 
+``--before PATH`` adds each ferrovod stack run with another build of the worker (``X before``),
+alternating with this one, for a before/after table in one sitting::
+
+    git worktree add /tmp/base <commit> && (cd /tmp/base && cargo build --release --example scale_worker)
+    python benchmarks/scale_many.py --ranks 64 --stacks "ferrovod,fv engine" \
+        --before /tmp/base/target/release/examples/scale_worker
+
 With ``--hosts K`` the ranks are spread over K network-namespace hosts (``tests/python/netns.py``;
 needs root, iproute2 and openssh), ``ferrovodrun`` on a host of its own reaching them over ssh;
 ferrovod only (every op then goes through the coordinator, as across real hosts).
@@ -89,9 +96,10 @@ def run(stack: str, worker: List[str], n: int, iters: int, timeout: float,
         cluster=None) -> Optional[dict]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))}
-    if stack in ("fv engine", "fv star"):
+    base = stack.removesuffix(" before")
+    if base in ("fv engine", "fv star"):
         env["FERROVOD_FAST_PATH_BYTES"] = "0"
-    if stack == "fv star":
+    if base == "fv star":
         env["FERROVOD_CONTROL_FANOUT"] = "0"
     start = time.perf_counter()
     try:
@@ -123,6 +131,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--hosts", type=int, default=0,
                    help="spread the ranks over this many network-namespace hosts")
+    p.add_argument("--before", help="another build of examples/scale_worker: each ferrovod "
+                   "stack also runs with it, as 'X before'")
     args = p.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     with contextlib.ExitStack() as stack_:
@@ -141,6 +151,11 @@ def main() -> None:
             cluster = stack_.enter_context(Cluster(names, Path(tmp) / "cluster"))
             workers.pop("Open MPI", None)
         stacks = [s for s in args.stacks.split(",") if s in workers]
+        if args.before:
+            stacks = [x for s in stacks
+                      for x in ([s, f"{s} before"] if s in STACKS[:3] else [s])]
+            for s in STACKS[:3]:
+                workers[f"{s} before"] = [os.path.abspath(args.before)]
         got: Dict[tuple, List[dict]] = {}
         for rnd in range(args.rounds):
             for n in ranks:

@@ -378,6 +378,12 @@ impl Transport for HybridTransport {
             links.get(p).map_or(true, |l| !matches!(l, Link::Later))
         })?;
         for (p, m) in made {
+            log::debug!(
+                target: crate::LOG_TARGET,
+                "rank {}: data link to rank {p} made, over {}",
+                self.rank,
+                if matches!(m, Made::Shm(_)) { "shared memory" } else { "TCP" }
+            );
             self.links[p] = match m {
                 Made::Tcp(s) => Link::Tcp(s),
                 Made::Shm(l) => Link::Shm(l),

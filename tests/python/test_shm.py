@@ -31,11 +31,13 @@ def test_two_jobs_on_one_host_at_once():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
         assert out.count("OK ") >= 3, out[-3000:]
-        # Every pair of ranks of each job used shared memory.
+        # Every pair of ranks of each job linked over shared memory, and over nothing else.
         for r in range(3):
-            peers = [q for q in range(3) if q != r]
-            want = ", ".join(f"{q} shm" for q in peers)
-            assert f"rank {r}: transport to each peer: {want}" in err, err[-3000:]
+            for q in range(3):
+                if q != r:
+                    assert f"rank {r}: data link to rank {q} made, over shared memory" in err, \
+                        err[-3000:]
+        assert "made, over TCP" not in err, err[-3000:]
     assert _shm_entries() == before
 
 
