@@ -26,6 +26,10 @@ stops being able to form a job on this machine, and that is a result too::
     python benchmarks/scale_many.py --ranks 512,1024 --rounds 1 --timeout 900
     sudo .venv/bin/python benchmarks/scale_many.py --hosts 4 --ranks 32 --stacks "fv engine,fv star"
 
+``--kill`` ends each ferrovod job by SIGKILLing its last rank while the others wait for it in
+an allreduce, and adds the time until the last of them got an error (``kill s``, with the
+errors' classes); Open MPI has no such column (a dead rank aborts its whole job).
+
 ``--before PATH`` adds each ferrovod stack run with another build of the worker (``X before``),
 alternating with this one, for a before/after table in one sitting::
 
@@ -70,30 +74,56 @@ def build(tmp: str) -> Dict[str, List[str]]:
     mpicc = shutil.which("mpicc.openmpi")
     if mpicc and shutil.which("mpirun"):
         exe = os.path.join(tmp, "scale_worker_mpi")
-        subprocess.run([mpicc, "-O2", "-o", exe, os.path.join(ROOT, "benchmarks",
-                                                               "scale_worker.c")], check=True)
-        workers["Open MPI"] = [exe]
+        made = subprocess.run([mpicc, "-O2", "-o", exe,
+                               os.path.join(ROOT, "benchmarks", "scale_worker.c")],
+                              capture_output=True, text=True)
+        if made.returncode == 0:
+            workers["Open MPI"] = [exe]
+        else:
+            print("scale_many: mpicc.openmpi failed (Debian: libopenmpi-dev); timing ferrovod "
+                  f"alone\n{made.stderr[-500:]}", file=sys.stderr)
     else:
         print("scale_many: no mpicc.openmpi/mpirun here; timing ferrovod alone", file=sys.stderr)
     return workers
 
 
-def command(stack: str, worker: List[str], n: int, iters: int, cluster=None) -> List[str]:
+def command(stack: str, worker: List[str], n: int, iters: int, cluster=None,
+            kill: bool = False) -> List[str]:
     if stack == "Open MPI":
         extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + \
             worker + [str(iters)]
     run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
+    args = worker + [str(iters)] + (["kill"] if kill else [])
     if cluster is None:
-        return [run, "-np", str(n)] + worker + [str(iters)]
+        return [run, "-np", str(n)] + args
     names = [h for h in cluster.hosts if h != "h0"]
     hosts = ",".join(f"{h}:{n // len(names)}" for h in names)
     return cluster.command("h0", [run, "-np", str(n), "-H", hosts, "-p", "2222", "-i",
-                                  str(cluster.key)] + worker + [str(iters)])
+                                  str(cluster.key)] + args)
+
+
+def kill_result(stdout: str) -> dict:
+    """The ``SCALE_KILL`` lines: seconds from the kill until the last survivor's error, and
+    the survivors' error classes with their counts."""
+    killed, failed, errors = None, [], {}
+    for line in stdout.splitlines():
+        at = line.find("SCALE_KILL ")
+        if at < 0:
+            continue
+        r = json.loads(line[at + len("SCALE_KILL "):])
+        if "killed_at" in r:
+            killed = r["killed_at"]
+        else:
+            failed.append(r["failed_at"])
+            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    if killed is None or not failed:
+        return {}
+    return {"kill_s": max(failed) - killed, "kill_seen": len(failed), "kill_errors": errors}
 
 
 def run(stack: str, worker: List[str], n: int, iters: int, timeout: float,
-        cluster=None) -> Optional[dict]:
+        cluster=None, kill: bool = False) -> Optional[dict]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))}
     base = stack.removesuffix(" before")
@@ -103,7 +133,9 @@ def run(stack: str, worker: List[str], n: int, iters: int, timeout: float,
         env["FERROVOD_CONTROL_FANOUT"] = "0"
     start = time.perf_counter()
     try:
-        p = subprocess.run(command(stack, worker, n, iters, cluster), env=env, capture_output=True,
+        kill = kill and stack != "Open MPI"
+        p = subprocess.run(command(stack, worker, n, iters, cluster, kill), env=env,
+                           capture_output=True,
                            text=True, timeout=timeout, start_new_session=True)
     except subprocess.TimeoutExpired as e:
         print(f"  {stack} -np {n}: no result in {timeout:.0f} s", file=sys.stderr)
@@ -114,6 +146,8 @@ def run(stack: str, worker: List[str], n: int, iters: int, timeout: float,
         if at >= 0:
             out = json.loads(line[at + len(TAG):])
             out["wall_s"] = wall
+            if kill:
+                out.update(kill_result(p.stdout))
             return out
     print(f"  {stack} -np {n}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}",
           file=sys.stderr)
@@ -131,6 +165,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--hosts", type=int, default=0,
                    help="spread the ranks over this many network-namespace hosts")
+    p.add_argument("--kill", action="store_true",
+                   help="end each ferrovod job by killing its last rank; time the others' errors")
     p.add_argument("--before", help="another build of examples/scale_worker: each ferrovod "
                    "stack also runs with it, as 'X before'")
     args = p.parse_args()
@@ -162,18 +198,21 @@ def main() -> None:
                 order = stacks if rnd % 2 == 0 else stacks[::-1]
                 for stack in order:
                     r = run(stack, workers[stack], n, max(10, args.ops // n), args.timeout,
-                            cluster)
+                            cluster, args.kill)
                     got.setdefault((stack, n), []).append(r)
                     if "us_4B" in r:
                         print(f"  round {rnd + 1}: {stack:9s} -np {n:4d}: 4 B {r['us_4B']:9.1f} "
                               f"us, 64 KiB {r['us_64KiB']:9.1f} us, init {r['init_s']:.2f} s, "
-                              f"job {r['wall_s']:.1f} s", file=sys.stderr, flush=True)
+                              f"job {r['wall_s']:.1f} s"
+                              + (f", kill seen by {r['kill_seen']} in {r['kill_s']:.3f} s "
+                                 f"{r['kill_errors']}" if "kill_s" in r else ""),
+                              file=sys.stderr, flush=True)
     print(f"\nnproc {os.cpu_count()}; us per allreduce (best round); init: the slowest "
           "rank's start-up, job: the launcher's whole run (medians); frames, bytes: control "
           "frames a rank sent and received per op, and their bytes (rank 0 / the most of any "
           "other)\n")
     head = ["ranks", "stack", "4 B us", "64 KiB us", "init s", "job s", "frames 4 B",
-            "bytes 4 B", "fds (rank 0)", "threads", "RSS MiB"]
+            "bytes 4 B", "fds (rank 0)", "threads", "RSS MiB"] + (["kill s"] if args.kill else [])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for n in ranks:
@@ -193,7 +232,9 @@ def main() -> None:
             print(f"| {n} | {stack} | {best('us_4B'):.1f} | {best('us_64KiB'):.1f} | "
                   f"{med('init_s'):.2f} | {med('wall_s'):.1f} | {frames} | {nbytes} | "
                   f"{med('fds'):.0f} ({med('fds_rank0'):.0f}) | {med('threads'):.0f} | "
-                  f"{med('rss_kib') / 1024:.1f} |")
+                  f"{med('rss_kib') / 1024:.1f} |"
+                  + (f" {med('kill_s'):.3f} |" if args.kill and all("kill_s" in r for r in runs)
+                     else (" - |" if args.kill else "")))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,12 @@
 //! control frames each rank sent and received per op (rank 0's and the others'), file
 //! descriptors, threads and resident memory.
 //!
-//! Usage: scale_worker [ITERS]
+//! With `kill`, the last rank then SIGKILLs itself while the others are blocked in a 4-byte
+//! allreduce, and each rank prints `SCALE_KILL {json}`: the last rank the wall-clock time just
+//! before its kill, every other rank the time its allreduce failed and the error's class, so
+//! the harness can say how long the others took to learn of the dead rank.
+//!
+//! Usage: scale_worker [ITERS] [kill]
 
 use std::time::{Duration, Instant};
 
@@ -76,11 +81,59 @@ fn rss_kib() -> f64 {
         .unwrap_or(0.0)
 }
 
+fn epoch_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The last rank SIGKILLs itself once the others have entered a 4-byte allreduce it never
+/// joins; the others report when and how theirs failed.
+fn kill_last(e: &Engine, rank: usize, size: usize) {
+    use std::io::Write;
+    // Everyone is here, so the others are about to block in the next op.
+    run(e, spec("kill.meet", DType::F32, vec![0; 4], ReduceOp::Sum));
+    if rank + 1 == size {
+        std::thread::sleep(Duration::from_millis(200));
+        println!(
+            "SCALE_KILL {{\"rank\": {rank}, \"killed_at\": {:.6}}}",
+            epoch_s()
+        );
+        let _ = std::io::stdout().flush();
+        // SAFETY: kill(2) on this process's own id; nothing is touched after it.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        unreachable!("SIGKILL is not caught");
+    }
+    let got = e.run(
+        spec("kill.wait", DType::F32, vec![0; 4], ReduceOp::Sum),
+        Some(&|| false),
+    );
+    let got = match got {
+        Ok(Ran::Queued(h, _)) => h.wait(Duration::ZERO).map_or(Ok(()), |r| r.map(|_| ())),
+        Ok(Ran::Done(_)) => Ok(()),
+        Err(err) => Err(err),
+    };
+    let what = match got {
+        Ok(()) => "succeeded".to_string(),
+        Err(err) => format!("{err:?}")
+            .split(['(', ' ', '{'])
+            .next()
+            .unwrap_or("?")
+            .to_string(),
+    };
+    println!(
+        "SCALE_KILL {{\"rank\": {rank}, \"failed_at\": {:.6}, \"error\": \"{what}\"}}",
+        epoch_s()
+    );
+    let _ = std::io::stdout().flush();
+}
+
 fn main() {
     let iters: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(200);
+    let kill = std::env::args().nth(2).as_deref() == Some("kill");
     let t0 = Instant::now();
     let config = Config::from_env().expect("configuration");
     let e = Engine::start(&config, &[], 0).expect("init");
@@ -155,6 +208,9 @@ fn main() {
             all[0][8],
             others(8),
         );
+    }
+    if kill && size > 1 {
+        kill_last(&e, rank, size);
     }
     drop(e);
 }
