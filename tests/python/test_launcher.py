@@ -912,3 +912,27 @@ def test_horovod_runner_util_threads_in_thread():
     assert not quiet.is_alive() and not quiet.daemon
     with pytest.raises(ValueError):
         in_thread(got.append, 7)
+
+
+def test_launcher_raises_its_open_file_limit_as_far_as_the_job_needs(base_env: Dict[str, str]) -> None:
+    """The launcher holds two pipes per worker, so a common default ``ulimit -n`` of 1024 is
+    full at about 300 local workers: it raises its soft limit as far as the job needs, and
+    where even the hard limit is too low it says so before starting anything."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+    def run_with_limit(soft: int, hard_: int) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            launcher_argv("-np", "24", sys.executable, "-c", "print('up')"),
+            env=base_env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard_)),
+        )
+
+    res = run_with_limit(40, hard)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("up") == 24, res.stdout
+    res = run_with_limit(40, 40)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "24 workers need about" in res.stderr and "hard limit is 40" in res.stderr, res.stderr
+    assert "up" not in res.stdout, res.stdout

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import os
 import queue
+import resource
 import signal
 import subprocess
 import sys
@@ -43,6 +44,10 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.02
 _REMOTE_EXTRA_S = 2.0
+# Descriptors the launcher holds per worker: its stdout and stderr pipes, and a remote
+# worker's ssh stdin; and what the launcher needs besides (store, watchdog, logs, Python).
+_FDS_PER_WORKER = 3
+_FDS_BESIDES = 256
 _WATCHDOG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
 
 Log = Callable[[str], None]
@@ -153,6 +158,24 @@ def _bind(preexec: Optional[Callable[[], None]],
         bind()
 
     return bound
+
+
+def ensure_descriptors(workers: int) -> None:
+    """Raises this process's soft ``RLIMIT_NOFILE`` as far as ``workers`` workers need (up to
+    the hard limit): the common default of 1024 is full at about 300 local workers. Raises
+    ``OSError`` naming the numbers when even the hard limit is too low."""
+    need = _FDS_PER_WORKER * workers + _FDS_BESIDES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise OSError(
+            errno.EMFILE,
+            f"{workers} workers need about {need} open files in the launcher, and its hard "
+            f"limit is {hard} (raise it: ulimit -Hn, or LimitNOFILE/nofile for a service or "
+            f"container)",
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def _group_alive(pgid: int) -> bool:
@@ -293,6 +316,7 @@ class Supervisor:
         self._watchdog = _Watchdog()
         preexec = _die_with_parent_fn()
         try:
+            self._ensure_descriptors(len(specs), specs)
             for spec in specs:
                 self._record(self._spawn(spec, preexec))
         except SpawnError:
@@ -306,6 +330,7 @@ class Supervisor:
         the thread that called :meth:`start`. Raises :class:`SpawnError` if one cannot be
         started (the others started so far keep running)."""
         preexec = _die_with_parent_fn()
+        self._ensure_descriptors(len(self._workers) + len(specs), specs)
         for spec in specs:
             worker = self._spawn(spec, preexec)
             self._record(worker)
@@ -316,6 +341,15 @@ class Supervisor:
                                           name=f"ferrovodrun-wait-{spec.rank}", daemon=True)
                 self._reapers.append(waiter)
                 waiter.start()
+
+    @staticmethod
+    def _ensure_descriptors(workers: int, specs: Sequence[WorkerSpec]) -> None:
+        if not specs:
+            return
+        try:
+            ensure_descriptors(workers)
+        except OSError as exc:
+            raise SpawnError(specs[0].rank, specs[0].argv[0], exc) from None
 
     def _record(self, worker: _Worker) -> None:
         self._workers.append(worker)
