@@ -4,7 +4,7 @@
 //! against independent references on shared-memory and mixed shm/TCP meshes, peer loss,
 //! abort, idle timeouts, declined set-ups, and that no segment name is left anywhere.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,7 +17,6 @@ use _core::comm::{Communicator, Tuning};
 use _core::error::Error;
 use _core::transport::hybrid::{HybridTransport, ShmOptions};
 use _core::transport::shm::{DEFAULT_RING_BYTES, NAME_PREFIX};
-use _core::transport::tcp::TcpTransport;
 use _core::transport::{Transport, Xfer};
 use _core::{DType, ReduceOp};
 
@@ -213,23 +212,28 @@ fn mixed_mesh_routes_each_peer_and_progresses_both_kinds_together() {
 
 /// `hosts.len()` transports that make every link on first use, as a job's do (index = rank).
 fn lazy_mesh(hosts: &[usize], ring: usize) -> Vec<HybridTransport> {
+    lazy_mesh_with(hosts, |_| ShmOptions {
+        ring_bytes: ring,
+        disabled: false,
+    })
+}
+
+/// [`lazy_mesh`] with each rank's shared-memory options.
+fn lazy_mesh_with(hosts: &[usize], options: impl Fn(usize) -> ShmOptions) -> Vec<HybridTransport> {
     let n = hosts.len();
     let listeners: Vec<TcpListener> = (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
     let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    let options = ShmOptions {
-        ring_bytes: ring,
-        disabled: false,
-    };
     thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
-                let (l, addrs, options) = (&listeners[r], &addrs, &options);
+                let (l, addrs, options) = (&listeners[r], &addrs, options(r));
                 let local: Vec<usize> =
                     (0..n).filter(|&p| p != r && hosts[p] == hosts[r]).collect();
                 s.spawn(move || {
-                    HybridTransport::connect(r, n, l, addrs, SECRET, LONG, &local, options).unwrap()
+                    HybridTransport::connect(r, n, l, addrs, SECRET, LONG, &local, &options)
+                        .unwrap()
                 })
             })
             .collect();
@@ -284,43 +288,32 @@ fn links_are_made_on_first_use_and_those_on_one_host_move_to_shared_memory() {
 
 #[test]
 fn declined_or_partial_setups_keep_tcp() {
-    // Rank 2 declines shared memory: 0–1 upgrade, pairs with 2 stay on TCP on both sides.
-    let tcp = TcpTransport::loopback_mesh(3, SECRET).unwrap();
-    let mut ts: Vec<HybridTransport> = thread::scope(|s| {
-        let hs: Vec<_> = tcp
-            .into_iter()
-            .enumerate()
-            .map(|(r, t)| {
-                s.spawn(move || {
-                    let options = ShmOptions {
-                        ring_bytes: 1 << 16,
-                        disabled: r == 2,
-                    };
-                    let local: Vec<usize> = (0..3).filter(|&p| p != r).collect();
-                    HybridTransport::upgrade(t, &local, &options, LONG).unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    // Rank 2 declines shared memory: 0–1 move to it, pairs with 2 stay on TCP on both sides.
+    let mut ts = lazy_mesh_with(&[0, 0, 0], |r| ShmOptions {
+        ring_bytes: 1 << 16,
+        disabled: r == 2,
     });
-    let peers: Vec<Vec<usize>> = ts.iter().map(|t| t.shm_peers()).collect();
-    assert_eq!(peers, vec![vec![1], vec![0], vec![]]);
     let ok = all_pairs(&mut ts, 300_001);
     assert!(ok.iter().all(|&b| b), "{ok:?}");
+    let peers: Vec<Vec<usize>> = ts.iter().map(|t| t.shm_peers()).collect();
+    assert_eq!(peers, vec![vec![1], vec![0], vec![]]);
+    let linked: Vec<Vec<usize>> = ts.iter().map(|t| t.linked_peers()).collect();
+    assert_eq!(linked, vec![vec![1, 2], vec![0, 2], vec![0, 1]]);
 
     // Bad arguments fail before any handshake.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![l.local_addr().unwrap(); 2];
     for (local, ring) in [
         (vec![1], 10usize),
         (vec![0], 4096),
         (vec![1, 1], 4096),
         (vec![5], 4096),
     ] {
-        let t = TcpTransport::loopback_mesh(2, SECRET).unwrap().remove(0);
         let options = ShmOptions {
             ring_bytes: ring,
             disabled: false,
         };
-        let res = HybridTransport::upgrade(t, &local, &options, LONG);
+        let res = HybridTransport::connect(0, 2, &l, &addrs, SECRET, LONG, &local, &options);
         assert!(
             matches!(res, Err(Error::InvalidArgument(_))),
             "{local:?} {ring}: {res:?}"
@@ -663,9 +656,26 @@ fn child_process_entry() {
     let rank: usize = parts[0].parse().unwrap();
     let addrs: Vec<std::net::SocketAddr> = parts[1..].iter().map(|a| a.parse().unwrap()).collect();
     let listener = TcpListener::bind(addrs[rank]).unwrap();
-    let tcp = TcpTransport::connect_mesh(rank, 2, &listener, &addrs, SECRET, LONG).unwrap();
-    let mut t = HybridTransport::upgrade(tcp, &[1 - rank], &ShmOptions::default(), LONG).unwrap();
+    let mut t = HybridTransport::connect(
+        rank,
+        2,
+        &listener,
+        &addrs,
+        SECRET,
+        LONG,
+        &[1 - rank],
+        &ShmOptions::default(),
+    )
+    .unwrap();
     t.spin = Duration::ZERO;
+    // Both acceptors run before either dials (a job's start gives the same guarantee).
+    println!("READY");
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+    // The link is made on first use: one byte each way.
+    let (one, mut got) = ([1u8], [0u8]);
+    t.exchange(&mut [tx(1 - rank, &one), rx(1 - rank, &mut got)], LONG)
+        .unwrap();
     println!("SHM {:?} MAPS {}", t.shm_peers(), mapped_segments());
     const LEN: usize = 64 << 20;
     if rank == 1 {
@@ -700,6 +710,7 @@ fn sigkilled_process_is_lost_fast_and_leaves_nothing() {
             .args(["--exact", "child_process_entry", "--ignored", "--nocapture"])
             .args(["--test-threads", "1"])
             .env(CHILD_ENV, format!("{rank} {} {}", addrs[0], addrs[1]))
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -715,6 +726,11 @@ fn sigkilled_process_is_lost_fast_and_leaves_nothing() {
             .find_map(|l| l.find(marker).map(|at| l[at..].to_string()))
             .unwrap_or_else(|| panic!("no {marker:?} line from a child"))
     };
+    assert_eq!(line_with(&mut out0, "READY"), "READY");
+    assert_eq!(line_with(&mut out1, "READY"), "READY");
+    for c in [&mut c0, &mut c1] {
+        c.stdin.as_mut().unwrap().write_all(b"GO\n").unwrap();
+    }
     assert_eq!(line_with(&mut out1, "SHM"), "SHM [0] MAPS 1");
     assert_eq!(line_with(&mut out0, "SHM"), "SHM [1] MAPS 1");
     assert_eq!(line_with(&mut out1, "GOT"), "GOT true");

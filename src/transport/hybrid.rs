@@ -4,10 +4,8 @@
 //! Shape: [`HybridTransport::connect`] (what a job uses) makes every link on first use
 //! ([`super::dial`]), and a link to a peer named in `local_peers` (the ranks on this host)
 //! moves to shared memory over its new, authenticated TCP connection, which is then closed: a
-//! rank holds a pair and a doorbell only for the peers its algorithms reach.
-//! [`HybridTransport::upgrade`] takes a mesh whose links were made at start and,
-//! collectively with the peers named, moves theirs the same way. Pairs where shared memory
-//! turns out to be unavailable or declined keep TCP.
+//! rank holds a pair and a doorbell only for the peers its algorithms reach. Pairs where
+//! shared memory turns out to be unavailable or declined keep TCP.
 //!
 //! Data path: one `exchange` progresses all its transfers together, whatever their links.
 //! When nothing moves it retries (yielding the core) for [`HybridTransport::spin`], then
@@ -26,7 +24,7 @@ use super::exchange::{self, Links};
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
 use super::tcp::{link_up, poll_for, progress, Parts, TcpTransport};
 use super::{Transport, Xfer};
-use crate::bootstrap::net::{deadline_after, poll, poll_fd, PollFd, POLL_IN};
+use crate::bootstrap::net::{poll, poll_fd, PollFd, POLL_IN};
 use crate::error::{Error, Result};
 
 /// How [`HybridTransport::upgrade`] uses shared memory.
@@ -130,28 +128,12 @@ impl HybridTransport {
             &|_| false,
             Some(finish),
         )?;
-        HybridTransport::upgrade(tcp, &[], options, timeout)
+        HybridTransport::from_tcp(tcp)
     }
 
-    /// Takes over `tcp` and moves the peers in `local_peers` to shared memory.
-    ///
-    /// Collective: every rank named must call this with this rank in its own `local_peers`
-    /// (as happens when all ranks derive the lists from the same host table), and with no
-    /// exchange on the mesh in between. Pairs are set up one at a time in ascending peer
-    /// order on each rank, an order all ranks share, so the calls cannot deadlock. A pair
-    /// keeps TCP when either rank has `options.disabled` or the segment cannot be shared (a
-    /// warning is logged); [`HybridTransport::shm_peers`] says which peers ended up on shared
-    /// memory. `tcp.spin` carries over.
-    ///
-    /// Errors: `InvalidArgument` for a bad peer list or ring size, `Shutdown` for an aborted
-    /// mesh, `Timeout` when a peer does not take part before `timeout`, `Io`/`PeerLost` when
-    /// a TCP connection fails during set-up.
-    pub fn upgrade(
-        tcp: TcpTransport,
-        local_peers: &[usize],
-        options: &ShmOptions,
-        timeout: Duration,
-    ) -> Result<HybridTransport> {
+    /// Takes over `tcp`, whose links to the peers of this host were not made at start (so
+    /// that each moves to shared memory as it is made).
+    fn from_tcp(tcp: TcpTransport) -> Result<HybridTransport> {
         let Parts {
             rank,
             size,
@@ -163,11 +145,7 @@ impl HybridTransport {
         if aborted {
             return Err(Error::Shutdown("the TCP transport was aborted".into()));
         }
-        let ring = ring_option(rank, size, local_peers, options)?;
-        let mut peers = local_peers.to_vec();
-        peers.sort_unstable();
-        let deadline = deadline_after(timeout);
-        let mut links: Vec<Link> = streams
+        let links = streams
             .into_iter()
             .enumerate()
             .map(|(r, s)| match s {
@@ -176,42 +154,14 @@ impl HybridTransport {
                 None => Link::Later,
             })
             .collect();
-        for &p in &peers {
-            let Link::Tcp(stream) = &mut links[p] else {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {rank}: no TCP link with local peer {p} to set shared memory up on"
-                )));
-            };
-            stream.set_nonblocking(false)?;
-            let link = ShmLink::establish(stream, rank, p, ring, deadline, timeout).map_err(
-                |e| match e {
-                    Error::Io(m) => Error::PeerLost {
-                        rank: p,
-                        detail: format!("while setting up shared memory: {m}"),
-                    },
-                    e => e,
-                },
-            )?;
-            stream.set_nonblocking(true)?;
-            if let Some(link) = link {
-                links[p] = Link::Shm(Box::new(link));
-            }
-        }
-        let t = HybridTransport {
+        Ok(HybridTransport {
             rank,
             size,
             links,
             dialer,
             aborted: false,
             spin,
-        };
-        log::debug!(
-            target: crate::LOG_TARGET,
-            "rank {rank}: shared memory with rank(s) {:?}, TCP with the other {}",
-            t.shm_peers(),
-            size - 1 - t.shm_peers().len()
-        );
-        Ok(t)
+        })
     }
 
     /// The peers this rank has a link with (either kind), ascending.
@@ -228,8 +178,9 @@ impl HybridTransport {
             .collect()
     }
 
-    /// Test support: `hosts.len()` transports over 127.0.0.1 (index = rank), where ranks with
-    /// equal `hosts` entries are upgraded to shared memory with rings of `ring_bytes`.
+    /// Test support: `hosts.len()` transports over 127.0.0.1 (index = rank), made as a job's
+    /// are ([`HybridTransport::connect`], ranks with equal `hosts` entries on shared memory
+    /// with rings of `ring_bytes`), then every pair linked by one exchange of a byte.
     #[doc(hidden)]
     pub fn loopback_mesh(
         hosts: &[usize],
@@ -237,28 +188,44 @@ impl HybridTransport {
         secret: &[u8],
     ) -> Result<Vec<HybridTransport>> {
         let n = hosts.len();
-        let tcp = TcpTransport::loopback_mesh(n, secret)?;
+        let listeners = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let addrs = listeners
+            .iter()
+            .map(TcpListener::local_addr)
+            .collect::<std::io::Result<Vec<_>>>()?;
         let options = ShmOptions {
             ring_bytes,
             disabled: false,
         };
+        let timeout = Duration::from_secs(60);
         thread::scope(|scope| {
-            let handles: Vec<_> = tcp
-                .into_iter()
-                .enumerate()
-                .map(|(rank, t)| {
+            let handles: Vec<_> = (0..n)
+                .map(|rank| {
                     let local: Vec<usize> = (0..n)
                         .filter(|&p| p != rank && hosts[p] == hosts[rank])
                         .collect();
-                    let options = &options;
+                    let (l, addrs, options) = (&listeners[rank], &addrs, &options);
                     scope.spawn(move || {
-                        HybridTransport::upgrade(t, &local, options, Duration::from_secs(60))
+                        let mut t = HybridTransport::connect(
+                            rank, n, l, addrs, secret, timeout, &local, options,
+                        )?;
+                        let ones = vec![1u8; n];
+                        let mut got = vec![0u8; n];
+                        let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(2 * n);
+                        for (p, (s, r)) in ones.chunks(1).zip(got.chunks_mut(1)).enumerate() {
+                            xfers.push(Xfer::Send { peer: p, buf: s });
+                            xfers.push(Xfer::Recv { peer: p, buf: r });
+                        }
+                        t.exchange(&mut xfers, timeout)?;
+                        Ok(t)
                     })
                 })
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().expect("upgrade thread panicked"))
+                .map(|h| h.join().expect("mesh thread panicked"))
                 .collect()
         })
     }
