@@ -794,7 +794,7 @@ impl State {
     fn send_out(&mut self) {
         let out: Addressed = std::mem::take(&mut self.out)
             .into_iter()
-            .map(|(to, m)| (Some(vec![to]), m))
+            .map(|(to, m)| (Some(to), m))
             .collect();
         if out.is_empty() {
             return;

@@ -44,11 +44,15 @@ pub enum Gone {
 /// What `gone` records for a rank that shut down cleanly.
 const LEFT: &str = "shut down";
 
-/// Messages to send: (destination global rank, message).
-pub type Outbox = Vec<(usize, FromCoordinator)>;
+/// Messages to send: (destination global ranks, ascending, message). Ranks that get the same
+/// message share one entry: the answer to a global op is the same for every rank, and the
+/// root should not build it once per rank.
+pub type Outbox = Vec<(Vec<usize>, FromCoordinator)>;
 
 struct Pending {
     reqs: Vec<Option<Request>>,
+    /// Members whose request is in `reqs`.
+    got: usize,
     /// (global rank, reason) of members that refused the op (see [`Submit::Rejected`]).
     rejected: Vec<(usize, String)>,
     all_cached: bool,
@@ -91,6 +95,9 @@ pub struct Negotiator {
     joined: Vec<bool>,
     last_joined: usize,
     gone: Vec<Option<String>>,
+    /// Some rank joined or went since the last join ended: a name may then be ready (or fail)
+    /// before every member submitted it, and readiness takes a scan of the set.
+    joined_or_gone: bool,
     set_ops: Vec<VecDeque<ToCoordinator>>,
     fusion_threshold: usize,
     cache_capacity: usize,
@@ -124,6 +131,7 @@ impl Negotiator {
             joined: vec![false; size],
             last_joined: 0,
             gone: vec![None; size],
+            joined_or_gone: false,
             set_ops: vec![VecDeque::new(); size],
             fusion_threshold,
             cache_capacity,
@@ -176,6 +184,7 @@ impl Negotiator {
             }
             ToCoordinator::Join => {
                 self.joined[from] = true;
+                self.joined_or_gone = true;
                 self.last_joined = from;
                 if self.fail_join() {
                     return;
@@ -218,6 +227,7 @@ impl Negotiator {
             log::warn!(target: crate::LOG_TARGET, "rank {rank} is gone: {detail}");
         }
         self.gone[rank] = Some(if clean { LEFT.into() } else { detail.clone() });
+        self.joined_or_gone = true;
         let notice = if clean {
             FromCoordinator::RankLeft { rank }
         } else {
@@ -227,9 +237,7 @@ impl Negotiator {
                 stalled: how == Gone::Stalled,
             }
         };
-        for r in self.live_ranks().collect::<Vec<_>>() {
-            out.push((r, notice.clone()));
-        }
+        out.push((self.live_ranks().collect(), notice));
         // Names waiting on `rank` can no longer complete: `check_ready` fails them, naming it.
         let waiting: Vec<(u32, String)> = self
             .sets
@@ -263,6 +271,7 @@ impl Negotiator {
     /// next round of joins.
     fn end_join(&mut self, error: Option<(u8, String)>) {
         self.joined.iter_mut().for_each(|j| *j = false);
+        self.joined_or_gone = self.gone.iter().any(Option::is_some);
         self.ready.push(Response {
             set_id: 0,
             kind: OpKind::Join,
@@ -293,24 +302,24 @@ impl Negotiator {
             }
             fused.push(resp);
         }
-        // One message per destination keeps the number of frames (and wake-ups) low.
-        let mut per_rank: HashMap<usize, Vec<Response>> = HashMap::new();
-        for resp in fused {
-            let members: Vec<usize> = match self.sets.get(&resp.set_id) {
-                Some(s) => s.ranks.clone(),
-                None => (0..self.size).collect(),
-            };
-            for r in members {
-                if self.gone[r].is_none() {
-                    per_rank.entry(r).or_default().push(resp.clone());
-                }
+        // One message per destination keeps the number of frames (and wake-ups) low, and
+        // ranks that get the same responses (every rank, for the global set's ops) share it.
+        let mut per_rank: Vec<Vec<usize>> = vec![Vec::new(); self.size];
+        for (k, resp) in fused.iter().enumerate() {
+            match self.sets.get(&resp.set_id) {
+                Some(s) => s.ranks.iter().for_each(|&r| per_rank[r].push(k)),
+                None => per_rank.iter_mut().for_each(|ks| ks.push(k)),
             }
         }
-        let mut ranks: Vec<usize> = per_rank.keys().copied().collect();
-        ranks.sort_unstable();
-        for r in ranks {
-            let rs = per_rank.remove(&r).expect("key listed above");
-            out.push((r, FromCoordinator::Responses(rs)));
+        let mut groups: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
+        for (r, ks) in per_rank.into_iter().enumerate() {
+            if !ks.is_empty() && self.gone[r].is_none() {
+                groups.entry(ks).or_default().push(r);
+            }
+        }
+        for (ks, ranks) in groups {
+            let rs = ks.iter().map(|&k| fused[k].clone()).collect();
+            out.push((ranks, FromCoordinator::Responses(rs)));
         }
     }
 
@@ -428,7 +437,7 @@ impl Negotiator {
                 match hit {
                     Some(req) => (req, true),
                     None => {
-                        out.push((from, FromCoordinator::CacheMiss { set_id, id }));
+                        out.push((vec![from], FromCoordinator::CacheMiss { set_id, id }));
                         return;
                     }
                 }
@@ -456,6 +465,7 @@ impl Negotiator {
         let n = set.ranks.len();
         let p = set.table.entry(name.clone()).or_insert_with(|| Pending {
             reqs: vec![None; n],
+            got: 0,
             rejected: Vec::new(),
             all_cached: true,
             since: Instant::now(),
@@ -467,6 +477,7 @@ impl Negotiator {
             return;
         }
         p.reqs[idx] = Some(request);
+        p.got += 1;
         p.all_cached &= cached;
         if let Some(reason) = rejected {
             p.rejected.push((from, reason));
@@ -479,6 +490,12 @@ impl Negotiator {
         let Some(p) = set.table.get(name) else {
             return;
         };
+        // Without a join or a loss, only the last member's submission can make the name
+        // ready: every other one costs a count, not a scan of the set (N scans of N members
+        // per op at the root).
+        if p.got < set.ranks.len() && !self.joined_or_gone {
+            return;
+        }
         let joined = &self.joined;
         // A member that has gone will never submit: fail the name now, naming it.
         let missing_gone = set.ranks.iter().enumerate().find_map(|(i, &g)| {
@@ -599,9 +616,7 @@ impl Negotiator {
                 },
                 _ => unreachable!("only set operations are queued"),
             };
-            for r in live {
-                out.push((r, reply.clone()));
-            }
+            out.push((live, reply));
         }
     }
 }

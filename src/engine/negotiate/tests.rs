@@ -24,7 +24,7 @@ fn req(name: &str, dtype: DType, shape: &[usize]) -> Request {
 
 fn responses(out: &Outbox, to: usize) -> Vec<Response> {
     out.iter()
-        .filter(|(r, _)| *r == to)
+        .filter(|(r, _)| r.contains(&to))
         .flat_map(|(_, m)| match m {
             FromCoordinator::Responses(rs) => rs.clone(),
             _ => vec![],
@@ -239,9 +239,11 @@ fn dead_rank_fails_pending_names() {
     n.flush(&mut out);
     let r = responses(&out, 0);
     assert!(r[0].error.as_ref().unwrap().1.contains("rank 2 failed"));
-    assert!(out
-        .iter()
-        .any(|(to, m)| *to == 1 && matches!(m, FromCoordinator::RankFailed { rank: 2, .. })));
+    assert!(
+        out.iter()
+            .any(|(to, m)| to.contains(&1)
+                && matches!(m, FromCoordinator::RankFailed { rank: 2, .. }))
+    );
 }
 
 #[test]
@@ -301,4 +303,72 @@ fn join_counts_as_submitted_and_reports_last_rank() {
     n.flush(&mut out);
     let r = responses(&out, 0);
     assert_eq!((r[0].kind, r[0].last_joined), (OpKind::Join, 1));
+}
+
+#[test]
+fn an_answer_every_rank_gets_is_one_message_for_all_of_them() {
+    // The root answers a global op once, not once per rank (it forwards one copy per link).
+    let size = 300;
+    let mut n = Negotiator::new(size, &[vec![0, 1]], 1 << 20, 16);
+    let mut out = Vec::new();
+    let mut id = None;
+    for round in 0..3 {
+        out.clear();
+        for r in (0..size).rev() {
+            let sub = match id {
+                Some(id) => Submit::Cached { set_id: 0, id },
+                None => Submit::Full(req("g", DType::F32, &[4])),
+            };
+            n.handle(r, ToCoordinator::Submit(vec![sub]), &mut out);
+            if r > 0 {
+                n.flush(&mut out);
+                assert!(
+                    out.is_empty(),
+                    "round {round}: ready before rank 0 submitted"
+                );
+            }
+        }
+        n.flush(&mut out);
+        assert_eq!(out.len(), 1, "round {round}");
+        assert_eq!(out[0].0, (0..size).collect::<Vec<_>>(), "round {round}");
+        id = responses(&out, 0)[0].items[0].cache_id;
+        assert!(id.is_some(), "round {round}: cached");
+    }
+    // An op of a process set and one of the global set: ranks 0 and 1 get both in one
+    // message, the others only the global one.
+    out.clear();
+    let mut in_set = req("s", DType::F32, &[4]);
+    in_set.spec.set_id = 1;
+    for r in 0..2 {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![Submit::Full(in_set.clone())]),
+            &mut out,
+        );
+    }
+    for r in 0..size {
+        let sub = Submit::Cached {
+            set_id: 0,
+            id: id.unwrap(),
+        };
+        n.handle(r, ToCoordinator::Submit(vec![sub]), &mut out);
+    }
+    n.flush(&mut out);
+    assert_eq!(
+        out.len(),
+        2,
+        "{:?}",
+        out.iter().map(|(to, _)| to.len()).collect::<Vec<_>>()
+    );
+    for (to, m) in &out {
+        let FromCoordinator::Responses(rs) = m else {
+            panic!("{m:?}")
+        };
+        if to == &vec![0, 1] {
+            assert_eq!(rs.len(), 2);
+        } else {
+            assert_eq!(to, &(2..size).collect::<Vec<_>>());
+            assert_eq!(rs.len(), 1);
+        }
+    }
 }
