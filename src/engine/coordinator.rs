@@ -934,10 +934,7 @@ impl Root {
             None => below.to_vec(),
         };
         for &id in ids {
-            for &r in &members {
-                let sub = ToCoordinator::Submit(vec![Submit::Cached { set_id, id }]);
-                self.neg.handle(r, sub, out);
-            }
+            self.neg.claim_cached(&members, set_id, id, out);
         }
     }
 

@@ -20,6 +20,7 @@
 //!    it fail at once, naming it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
@@ -50,7 +51,8 @@ const LEFT: &str = "shut down";
 pub type Outbox = Vec<(Vec<usize>, FromCoordinator)>;
 
 struct Pending {
-    reqs: Vec<Option<Request>>,
+    /// Each member's request (shared: a cached op's is the cache's own, for every member).
+    reqs: Vec<Option<Arc<Request>>>,
     /// Members whose request is in `reqs`.
     got: usize,
     /// (global rank, reason) of members that refused the op (see [`Submit::Rejected`]).
@@ -62,11 +64,24 @@ struct Pending {
     warned: Option<Instant>,
 }
 
+impl Pending {
+    fn new(members: usize) -> Pending {
+        Pending {
+            reqs: vec![None; members],
+            got: 0,
+            rejected: Vec::new(),
+            all_cached: true,
+            since: Instant::now(),
+            warned: None,
+        }
+    }
+}
+
 struct SetState {
     ranks: Vec<usize>,
     table: HashMap<String, Pending>,
     /// name → (cache id, validated request); `by_id` is its inverse.
-    cache: HashMap<String, (u64, Request)>,
+    cache: HashMap<String, (u64, Arc<Request>)>,
     by_id: HashMap<u64, String>,
     lru: Lru,
 }
@@ -304,6 +319,15 @@ impl Negotiator {
         }
         // One message per destination keeps the number of frames (and wake-ups) low, and
         // ranks that get the same responses (every rank, for the global set's ops) share it.
+        if fused.iter().all(|r| r.set_id == 0) {
+            if !fused.is_empty() {
+                out.push((
+                    self.live_ranks().collect(),
+                    FromCoordinator::Responses(fused),
+                ));
+            }
+            return;
+        }
         let mut per_rank: Vec<Vec<usize>> = vec![Vec::new(); self.size];
         for (k, resp) in fused.iter().enumerate() {
             match self.sets.get(&resp.set_id) {
@@ -374,7 +398,8 @@ impl Negotiator {
                 .filter(|&(i, _)| p.reqs[i].is_none())
                 .map(|(_, &g)| g)
                 .collect();
-            let request = p.reqs.into_iter().flatten().next().expect("non-empty");
+            let request =
+                Arc::unwrap_or_clone(p.reqs.into_iter().flatten().next().expect("non-empty"));
             let msg = format!(
                 "{} of tensor '{name}' stalled for more than {:.0} s: ranks {absent:?} never \
                  submitted it, so ferrovod gives up on it (FERROVOD_STALL_SHUTDOWN_TIME_SECONDS)",
@@ -419,13 +444,53 @@ impl Negotiator {
         (0..self.size).filter(|&r| self.gone[r].is_none())
     }
 
+    /// A relay's claim that every rank of `ranks` (members of set `set_id`, ascending)
+    /// submitted the cached op `id`: as their `Submit::Cached` each, at the cost of one
+    /// submission and a pointer per rank.
+    pub fn claim_cached(&mut self, ranks: &[usize], set_id: u32, id: u64, out: &mut Outbox) {
+        let Some(set) = self.sets.get_mut(&set_id) else {
+            // Each rank is answered that its set does not exist, as for its own submission.
+            for &r in ranks {
+                self.submit(r, Submit::Cached { set_id, id }, out);
+            }
+            return;
+        };
+        let hit = set.by_id.get(&id).and_then(|name| {
+            let req = set.cache.get(name)?.1.clone();
+            Some((name.clone(), req))
+        });
+        let Some((name, req)) = hit else {
+            out.push((ranks.to_vec(), FromCoordinator::CacheMiss { set_id, id }));
+            return;
+        };
+        set.lru.touch(id);
+        let SetState {
+            ranks: members,
+            table,
+            ..
+        } = set;
+        let p = table
+            .entry(name.clone())
+            .or_insert_with(|| Pending::new(members.len()));
+        for r in ranks {
+            // A relay claims only members; a second copy is dropped, as in `submit`.
+            if let Ok(idx) = members.binary_search(r) {
+                if p.reqs[idx].is_none() {
+                    p.reqs[idx] = Some(req.clone());
+                    p.got += 1;
+                }
+            }
+        }
+        self.check_ready(set_id, &name);
+    }
+
     fn submit(&mut self, from: usize, sub: Submit, out: &mut Outbox) {
         let mut rejected = None;
         let (request, cached) = match sub {
-            Submit::Full(req) => (req, false),
+            Submit::Full(req) => (Arc::new(req), false),
             Submit::Rejected { request, reason } => {
                 rejected = Some(reason);
-                (request, false)
+                (Arc::new(request), false)
             }
             Submit::Cached { set_id, id } => {
                 let hit = self.sets.get_mut(&set_id).and_then(|s| {
@@ -447,7 +512,7 @@ impl Negotiator {
         let name = request.name.clone();
         let Some(set) = self.sets.get_mut(&set_id) else {
             self.ready.push(error_response(
-                request,
+                Arc::unwrap_or_clone(request),
                 Error::InvalidArgument(String::new()).kind_code(),
                 format!("process set {set_id} does not exist or has been removed"),
             ));
@@ -456,21 +521,17 @@ impl Negotiator {
         let Some(idx) = set.set_rank(from) else {
             let msg = format!("rank {from} is not a member of process set {set_id}");
             self.ready.push(error_response(
-                request,
+                Arc::unwrap_or_clone(request),
                 Error::InvalidArgument(String::new()).kind_code(),
                 msg,
             ));
             return;
         };
         let n = set.ranks.len();
-        let p = set.table.entry(name.clone()).or_insert_with(|| Pending {
-            reqs: vec![None; n],
-            got: 0,
-            rejected: Vec::new(),
-            all_cached: true,
-            since: Instant::now(),
-            warned: None,
-        });
+        let p = set
+            .table
+            .entry(name.clone())
+            .or_insert_with(|| Pending::new(n));
         if p.reqs[idx].is_some() {
             // The engine refuses duplicates before they get here; a second copy is a bug or a
             // hostile peer: drop it rather than corrupt the table.
@@ -506,7 +567,8 @@ impl Negotiator {
         });
         if let Some((g, detail)) = missing_gone {
             let p = set.table.remove(name).expect("present above");
-            let request = p.reqs.into_iter().flatten().next().expect("non-empty");
+            let request =
+                Arc::unwrap_or_clone(p.reqs.into_iter().flatten().next().expect("non-empty"));
             let (code, why) = gone_error(g, &detail, "");
             let msg = format!(
                 "{} of tensor '{name}' cannot complete: {why}",

@@ -107,7 +107,7 @@ pub(super) fn build_response(
         .reqs
         .iter()
         .enumerate()
-        .filter_map(|(i, r)| r.as_ref().map(|r| (set.ranks[i], r)))
+        .filter_map(|(i, r)| r.as_deref().map(|r| (set.ranks[i], r)))
         .collect();
     let base = submitted[0].1.clone();
     let name = base.name.clone();
@@ -183,7 +183,7 @@ pub(super) fn build_response(
     };
     let cache_id = if capacity > 0 && base.cacheable() {
         match set.cache.get(&name) {
-            Some((id, req)) if *req == base => {
+            Some((id, req)) if **req == base => {
                 let id = *id;
                 set.lru.touch(id);
                 Some(id)
@@ -203,7 +203,8 @@ pub(super) fn build_response(
                 }
                 let id = *next_cache_id;
                 *next_cache_id += 1;
-                set.cache.insert(name.clone(), (id, base.clone()));
+                set.cache
+                    .insert(name.clone(), (id, std::sync::Arc::new(base.clone())));
                 set.by_id.insert(id, name.clone());
                 set.lru.touch(id);
                 Some(id)

@@ -372,3 +372,47 @@ fn an_answer_every_rank_gets_is_one_message_for_all_of_them() {
         }
     }
 }
+
+#[test]
+fn a_relays_claim_counts_for_each_rank_it_names() {
+    let size = 40;
+    let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    for r in 0..size {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![Submit::Full(req("c", DType::F32, &[4]))]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
+    out.clear();
+    // Ranks 8..40 are claimed by a relay (twice: the second copy counts for nothing), ranks
+    // 0..8 submit for themselves; the op is ready with the last of them, not before.
+    let below: Vec<usize> = (8..size).collect();
+    n.claim_cached(&below, 0, id, &mut out);
+    n.claim_cached(&below, 0, id, &mut out);
+    for r in 0..8 {
+        n.flush(&mut out);
+        assert!(out.is_empty(), "ready with rank {r} missing");
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id }]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].0, (0..size).collect::<Vec<_>>());
+    assert_eq!(responses(&out, 39)[0].items[0].request.name, "c");
+    // A claim of an id the root no longer holds is one cache miss for all the ranks claimed.
+    out.clear();
+    n.claim_cached(&below, 0, id + 1000, &mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].0, below);
+    assert!(matches!(
+        out[0].1,
+        FromCoordinator::CacheMiss { set_id: 0, .. }
+    ));
+}
