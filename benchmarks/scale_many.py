@@ -221,7 +221,8 @@ def main() -> None:
             if not runs:
                 bad = got.get((stack, n), [{}])
                 why = "timed out" if any(r.get("timed_out") for r in bad) else "failed"
-                print(f"| {n} | {stack} | {why} (limit {args.timeout:.0f} s) |" + " |" * 8)
+                print(f"| {n} | {stack} | {why} (limit {args.timeout:.0f} s) |"
+                      + " |" * (len(head) - 3))
                 continue
             best = lambda k: min(r[k] for r in runs)  # noqa: E731
             med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
