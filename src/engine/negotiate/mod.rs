@@ -96,6 +96,13 @@ impl SetState {
             lru: Lru::default(),
         }
     }
+    /// The validated request cached under `id` (marked as just used), if the set holds it.
+    fn cached(&mut self, id: u64) -> Option<Arc<Request>> {
+        let req = self.cache.get(self.by_id.get(&id)?)?.1.clone();
+        self.lru.touch(id);
+        Some(req)
+    }
+
     fn set_rank(&self, global: usize) -> Option<usize> {
         self.ranks.binary_search(&global).ok()
     }
@@ -455,15 +462,11 @@ impl Negotiator {
             }
             return;
         };
-        let hit = set.by_id.get(&id).and_then(|name| {
-            let req = set.cache.get(name)?.1.clone();
-            Some((name.clone(), req))
-        });
-        let Some((name, req)) = hit else {
+        let Some(req) = set.cached(id) else {
             out.push((ranks.to_vec(), FromCoordinator::CacheMiss { set_id, id }));
             return;
         };
-        set.lru.touch(id);
+        let name = req.name.clone();
         let SetState {
             ranks: members,
             table,
@@ -493,13 +496,7 @@ impl Negotiator {
                 (Arc::new(request), false)
             }
             Submit::Cached { set_id, id } => {
-                let hit = self.sets.get_mut(&set_id).and_then(|s| {
-                    let name = s.by_id.get(&id)?;
-                    let req = s.cache.get(name)?.1.clone();
-                    s.lru.touch(id);
-                    Some(req)
-                });
-                match hit {
+                match self.sets.get_mut(&set_id).and_then(|s| s.cached(id)) {
                     Some(req) => (req, true),
                     None => {
                         out.push((vec![from], FromCoordinator::CacheMiss { set_id, id }));
