@@ -219,26 +219,11 @@ fn lazy_mesh(hosts: &[usize], ring: usize) -> Vec<HybridTransport> {
 }
 
 /// [`lazy_mesh`] with each rank's shared-memory options.
-fn lazy_mesh_with(hosts: &[usize], options: impl Fn(usize) -> ShmOptions) -> Vec<HybridTransport> {
-    let n = hosts.len();
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-    thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let (l, addrs, options) = (&listeners[r], &addrs, options(r));
-                let local: Vec<usize> =
-                    (0..n).filter(|&p| p != r && hosts[p] == hosts[r]).collect();
-                s.spawn(move || {
-                    HybridTransport::connect(r, n, l, addrs, SECRET, LONG, &local, &options)
-                        .unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+fn lazy_mesh_with(
+    hosts: &[usize],
+    options: impl Fn(usize) -> ShmOptions + Sync,
+) -> Vec<HybridTransport> {
+    HybridTransport::loopback_unlinked(hosts, &options, SECRET).expect("mesh")
 }
 
 #[test]

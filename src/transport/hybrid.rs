@@ -178,13 +178,51 @@ impl HybridTransport {
             .collect()
     }
 
-    /// Test support: `hosts.len()` transports over 127.0.0.1 (index = rank), made as a job's
-    /// are ([`HybridTransport::connect`], ranks with equal `hosts` entries on shared memory
-    /// with rings of `ring_bytes`), then every pair linked by one exchange of a byte.
+    /// Test support: [`HybridTransport::loopback_unlinked`] with rings of `ring_bytes` on
+    /// every rank, then every pair linked by one exchange of a byte.
     #[doc(hidden)]
     pub fn loopback_mesh(
         hosts: &[usize],
         ring_bytes: usize,
+        secret: &[u8],
+    ) -> Result<Vec<HybridTransport>> {
+        let options = ShmOptions {
+            ring_bytes,
+            disabled: false,
+        };
+        let mut ts = Self::loopback_unlinked(hosts, &|_| options.clone(), secret)?;
+        let n = hosts.len();
+        thread::scope(|scope| {
+            let handles: Vec<_> = ts
+                .iter_mut()
+                .map(|t| {
+                    scope.spawn(move || {
+                        let ones = vec![1u8; n];
+                        let mut got = vec![0u8; n];
+                        let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(2 * n);
+                        for (p, (s, r)) in ones.chunks(1).zip(got.chunks_mut(1)).enumerate() {
+                            xfers.push(Xfer::Send { peer: p, buf: s });
+                            xfers.push(Xfer::Recv { peer: p, buf: r });
+                        }
+                        t.exchange(&mut xfers, LOOPBACK_TIMEOUT)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("mesh thread panicked"))
+                .collect::<Result<Vec<()>>>()
+        })?;
+        Ok(ts)
+    }
+
+    /// Test support: `hosts.len()` transports over 127.0.0.1 (index = rank), made as a job's
+    /// are ([`HybridTransport::connect`]: no link yet; ranks with equal `hosts` entries move
+    /// to shared memory, with rank r's `options(r)`, as their links are made).
+    #[doc(hidden)]
+    pub fn loopback_unlinked(
+        hosts: &[usize],
+        options: &(dyn Fn(usize) -> ShmOptions + Sync),
         secret: &[u8],
     ) -> Result<Vec<HybridTransport>> {
         let n = hosts.len();
@@ -195,31 +233,24 @@ impl HybridTransport {
             .iter()
             .map(TcpListener::local_addr)
             .collect::<std::io::Result<Vec<_>>>()?;
-        let options = ShmOptions {
-            ring_bytes,
-            disabled: false,
-        };
-        let timeout = Duration::from_secs(60);
         thread::scope(|scope| {
             let handles: Vec<_> = (0..n)
                 .map(|rank| {
                     let local: Vec<usize> = (0..n)
                         .filter(|&p| p != rank && hosts[p] == hosts[rank])
                         .collect();
-                    let (l, addrs, options) = (&listeners[rank], &addrs, &options);
+                    let (l, addrs, options) = (&listeners[rank], &addrs, options(rank));
                     scope.spawn(move || {
-                        let mut t = HybridTransport::connect(
-                            rank, n, l, addrs, secret, timeout, &local, options,
-                        )?;
-                        let ones = vec![1u8; n];
-                        let mut got = vec![0u8; n];
-                        let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(2 * n);
-                        for (p, (s, r)) in ones.chunks(1).zip(got.chunks_mut(1)).enumerate() {
-                            xfers.push(Xfer::Send { peer: p, buf: s });
-                            xfers.push(Xfer::Recv { peer: p, buf: r });
-                        }
-                        t.exchange(&mut xfers, timeout)?;
-                        Ok(t)
+                        HybridTransport::connect(
+                            rank,
+                            n,
+                            l,
+                            addrs,
+                            secret,
+                            LOOPBACK_TIMEOUT,
+                            &local,
+                            &options,
+                        )
                     })
                 })
                 .collect();
@@ -230,6 +261,9 @@ impl HybridTransport {
         })
     }
 }
+
+/// How long the test meshes above wait for a peer.
+const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The ring bytes of this rank's shared-memory pairs (`None`: declined), once `local_peers`
 /// and `options` are checked.
