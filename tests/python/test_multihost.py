@@ -99,6 +99,39 @@ def test_hostfile_with_local_and_remote_slots(cluster, tmp_path):
     assert ok_ranks(res.stdout) == {0, 1, 2}, describe(res)
 
 
+def test_each_host_starts_its_workers_through_one_ssh_session(cluster, tmp_path):
+    """12 ranks on h1 and 4 on h2: one ssh login per host (sshd drops concurrent logins past
+    its MaxStartups, 10 by default), and every rank's streams still reach the launcher whole,
+    prefixed with the rank, and in its --output-filename files; a command missing on the host
+    is named there, with the shell's 127."""
+    out_dir = tmp_path / "logs"
+    streams = str(REPO / "tests" / "python" / "launcher_scripts" / "echo_streams.py")
+    work = ["sh", "-c", f'echo "conn $FERROVOD_RANK $FERROVOD_HOSTNAME $SSH_CONNECTION"; '
+                        f'exec "$0" {streams} 3', PY]
+    res = cluster.run("h0", [*LAUNCH, "-np", "16", "-H", "h1:12,h2:4", *ssh_flags(cluster),
+                             "--output-filename", str(out_dir), *work],
+                      timeout=120, env=clean_env())
+    assert res.returncode == 0, describe(res)
+    sessions = {}
+    for line in res.stdout.splitlines():
+        if "<stdout>:conn " in line:
+            _, rank, host, client, client_port, *_ = line.split("<stdout>:")[1].split()
+            sessions.setdefault(host, set()).add((client, client_port))
+    assert {h: len(s) for h, s in sessions.items()} == {"h1": 1, "h2": 1}, describe(res)
+    for rank in range(16):
+        for i in range(3):
+            assert f"[{rank}]<stdout>:out rank={rank} i={i} end\n" in res.stdout, describe(res)
+            assert f"[{rank}]<stderr>:err rank={rank} i={i}\n" in res.stderr, describe(res)
+        assert f"[{rank}]<stdout>:tail rank={rank}\n" in res.stdout, describe(res)
+        written = (out_dir / f"rank.{rank:02d}" / "stdout").read_text()
+        assert written.endswith("".join(f"out rank={rank} i={i} end\n" for i in range(3))
+                                + f"tail rank={rank}"), written
+    res = cluster.run("h0", [*LAUNCH, "-np", "3", "-H", "h1:2,h2:1", *ssh_flags(cluster),
+                             "ferrovod-no-such-command-xyz"], timeout=60, env=clean_env())
+    assert res.returncode == 127, describe(res)
+    assert "cannot start ferrovod-no-such-command-xyz on h" in res.stderr, describe(res)
+
+
 def test_remote_failure_stops_every_host(cluster):
     res = cluster.run("h0", [*LAUNCH, "-np", "4", "-H", "h1:2,h2:2", *ssh_flags(cluster),
                              PY, CTL, "fail", "3"], timeout=120, env=clean_env())

@@ -1,21 +1,25 @@
 """Forwarding of worker output: whole lines, prefixed ``[rank]<stdout>:`` as horovodrun does.
 
-Each worker stream is read by its own thread. Complete lines are written to the launcher's
-stream under a per-destination lock with a single write, so lines of different ranks never mix
-inside a line. ``\\r`` ends a line too (as in horovodrun), so progress bars keep updating; a
-``\\r\\n`` pair counts as one ending. With ``--output-filename`` the raw, unprefixed bytes also
-go to ``DIR/rank.<padded rank>/{stdout,stderr}``.
+Each local worker stream is read by its own thread; the streams of a remote host's workers
+come over that host's one ssh session as frames (``SessionReader``), read by one thread per
+host. Complete lines are written to the launcher's stream under a per-destination lock with a
+single write, so lines of different ranks never mix inside a line. ``\\r`` ends a line too (as
+in horovodrun), so progress bars keep updating; a ``\\r\\n`` pair counts as one ending. With
+``--output-filename`` the raw, unprefixed bytes also go to
+``DIR/rank.<padded rank>/{stdout,stderr}``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import struct
 import threading
 import time
-from typing import BinaryIO, Callable, List, Optional
+from typing import BinaryIO, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["LineSplitter", "Sink", "StreamForwarder", "pad_rank", "rank_output_dir"]
+__all__ = ["FrameDecoder", "LineSplitter", "RankStream", "SessionReader", "Sink", "StreamForwarder",
+           "encode_frame", "pad_rank", "rank_output_dir"]
 
 _READ_SIZE = 65536
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -97,26 +101,24 @@ def _asctime_prefix() -> bytes:
     return time.asctime(time.localtime()).encode("ascii")
 
 
-class StreamForwarder(threading.Thread):
-    """Reads one worker stream until EOF and forwards it (see the module doc).
+class RankStream:
+    """One worker stream on its way to the launcher's: whole lines, each prefixed (see the
+    module doc), and the raw bytes to the ``--output-filename`` copy.
 
-    Owns ``fd`` and ``copy`` (the ``--output-filename`` file, opened by the caller so that a
-    bad path fails before any worker starts) and closes both at EOF.
+    Owns ``copy`` (opened by the caller so that a bad path fails before any worker starts) and
+    closes it in :meth:`close`.
     """
 
     def __init__(
         self,
-        fd: int,
-        rank: int,
+        label: str,
         stream_name: str,
         sink: Sink,
         copy: Optional[BinaryIO] = None,
         timestamp: bool = False,
         clock: Callable[[], bytes] = _asctime_prefix,
     ) -> None:
-        super().__init__(name=f"ferrovodrun-{stream_name}-{rank}", daemon=True)
-        self._fd = fd
-        self._prefix = f"[{rank}]<{stream_name}>:".encode("ascii")
+        self._prefix = f"[{label}]<{stream_name}>:".encode("ascii", "replace")
         self._sink = sink
         self._copy = copy
         self._timestamp = timestamp
@@ -132,31 +134,159 @@ class StreamForwarder(threading.Thread):
             for line in lines
         )
 
-    def run(self) -> None:
-        """Forwards until the write end is closed by every process holding it."""
-        try:
-            self._pump(self._copy)
-        finally:
-            if self._copy is not None:
-                _close_quietly(self._copy)
-            os.close(self._fd)
+    def feed(self, data: bytes) -> None:
+        """Forwards the complete lines ``data`` ends and copies ``data`` to the file."""
+        if self._copy is not None and not _write_quietly(self._copy, data):
+            self._copy = None  # e.g. disk full: keep forwarding so the worker never blocks
+        self._sink.write(self._prefixed(self._splitter.feed(data)))
 
-    def _pump(self, copy: Optional[BinaryIO]) -> None:
-        while True:
-            try:
-                data = os.read(self._fd, _READ_SIZE)
-            except InterruptedError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                break
-            if copy is not None and not _write_quietly(copy, data):
-                copy = None  # e.g. disk full: keep draining the pipe so the worker never blocks
-            self._sink.write(self._prefixed(self._splitter.feed(data)))
+    def close(self) -> None:
+        """Forwards what is left (a last line without an ending) and closes the copy."""
         rest = self._splitter.flush()
         if rest is not None:
             self._sink.write(self._prefixed([rest]))
+        if self._copy is not None:
+            _close_quietly(self._copy)
+            self._copy = None
+
+
+class StreamForwarder(threading.Thread):
+    """Reads one worker stream until EOF and forwards it through a :class:`RankStream`.
+
+    Owns ``fd`` and ``copy`` and closes both at EOF.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        rank: int,
+        stream_name: str,
+        sink: Sink,
+        copy: Optional[BinaryIO] = None,
+        timestamp: bool = False,
+        clock: Callable[[], bytes] = _asctime_prefix,
+        label: Optional[str] = None,
+    ) -> None:
+        super().__init__(name=f"ferrovodrun-{stream_name}-{label or rank}", daemon=True)
+        self._fd = fd
+        self._stream = RankStream(
+            str(rank) if label is None else label, stream_name, sink, copy, timestamp, clock
+        )
+
+    def run(self) -> None:
+        """Forwards until the write end is closed by every process holding it."""
+        try:
+            while True:
+                data = _read(self._fd)
+                if not data:
+                    break
+                self._stream.feed(data)
+        finally:
+            self._stream.close()
+            os.close(self._fd)
+
+
+# -- one host's workers over one ssh session ----------------------------------------------------
+#
+# A host's agent (``remote_agent``) runs all of that host's workers and sends their output and
+# exit statuses back on its one stdout as frames: a header (rank, kind, payload length), then
+# the payload.
+
+FRAME_HEADER = struct.Struct("!IBI")
+#: A worker's stdout bytes.
+FRAME_STDOUT = 1
+#: A worker's stderr bytes.
+FRAME_STDERR = 2
+#: A worker ended: the payload is its ``Popen`` return code (``-N`` for signal N), as ``!i``.
+FRAME_EXIT = 3
+EXIT_CODE = struct.Struct("!i")
+
+
+def encode_frame(rank: int, kind: int, payload: bytes) -> bytes:
+    """One frame of a host agent's output stream."""
+    return FRAME_HEADER.pack(rank, kind, len(payload)) + payload
+
+
+class FrameDecoder:
+    """Cuts a host agent's output stream into ``(rank, kind, payload)`` frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> List[Tuple[int, int, bytes]]:
+        """Adds ``data``; returns the frames it completed."""
+        self._buf += data
+        frames = []
+        at = 0
+        while len(self._buf) - at >= FRAME_HEADER.size:
+            rank, kind, length = FRAME_HEADER.unpack_from(self._buf, at)
+            end = at + FRAME_HEADER.size + length
+            if end > len(self._buf):
+                break
+            frames.append((rank, kind, bytes(self._buf[at + FRAME_HEADER.size : end])))
+            at = end
+        del self._buf[:at]
+        return frames
+
+    def pending(self) -> int:
+        """Bytes of a frame not yet complete."""
+        return len(self._buf)
+
+
+def _read(fd: int) -> bytes:
+    """The next bytes of ``fd``; empty at EOF (or on an error, which ends the stream too)."""
+    while True:
+        try:
+            return os.read(fd, _READ_SIZE)
+        except InterruptedError:
+            continue
+        except OSError:
+            return b""
+
+
+class SessionReader(threading.Thread):
+    """Reads one host agent's framed output (its ssh session's stdout) until EOF: each frame
+    of a worker's stream goes to that rank's :class:`RankStream`, each exit to ``on_exit(rank,
+    returncode)``; then ``on_eof(ranks that were never reported)``. Owns ``fd`` and the
+    streams."""
+
+    def __init__(
+        self,
+        fd: int,
+        label: str,
+        streams: Dict[Tuple[int, int], RankStream],
+        on_exit: Callable[[int, int], None],
+        on_eof: Callable[[List[int]], None],
+    ) -> None:
+        super().__init__(name=f"ferrovodrun-session-{label}", daemon=True)
+        self._fd = fd
+        self._streams = streams
+        self._on_exit = on_exit
+        self._on_eof = on_eof
+
+    def run(self) -> None:
+        """Dispatches frames until the session's stdout closes."""
+        decoder = FrameDecoder()
+        ranks = sorted({rank for rank, _ in self._streams})
+        unreported = set(ranks)
+        try:
+            while True:
+                data = _read(self._fd)
+                if not data:
+                    break
+                for rank, kind, payload in decoder.feed(data):
+                    if kind == FRAME_EXIT and rank in unreported:
+                        unreported.discard(rank)
+                        self._on_exit(rank, EXIT_CODE.unpack(payload)[0])
+                    else:
+                        stream = self._streams.get((rank, kind))
+                        if stream is not None:
+                            stream.feed(payload)
+        finally:
+            for stream in self._streams.values():
+                stream.close()
+            os.close(self._fd)
+            self._on_eof([r for r in ranks if r in unreported])
 
 
 def _write_quietly(f: BinaryIO, data: bytes) -> bool:

@@ -1,9 +1,10 @@
 """The launcher's side of multi-host jobs: ssh command lines, host checks, forwarded environment.
 
-A remote worker is started as ``ssh <host> <python> -m ferrovod.runner.remote_agent``; the
-agent (:mod:`.remote_agent`) reads the worker's command line, environment and working directory
-as one JSON line on stdin, so neither the secret nor quoting ever meets a remote shell, and it
-stops the worker when that stdin closes. ``<python>`` is the launcher's own interpreter path:
+A remote host's workers are started by one ``ssh <host> <python> -m
+ferrovod.runner.remote_agent``; the agent (:mod:`.remote_agent`) reads their command lines,
+environments and working directory as one JSON line on stdin, so neither the secret nor
+quoting ever meets a remote shell, sends their output and exits back as frames, and stops them
+when that stdin closes. ``<python>`` is the launcher's own interpreter path:
 hosts are expected to have the same installation at the same path (a shared file system, or one
 container image), as horovodrun expects of its task services.
 
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
     from .supervisor import WorkerSpec
 
 __all__ = [
+    "RemoteStart",
     "over_ssh",
+    "session_request",
     "HostReport",
     "Ssh",
     "check_hosts",
@@ -230,23 +233,42 @@ def forwarded_env(
 
 
 def agent_argv(python: Optional[str] = None) -> List[str]:
-    """The command the ssh session runs on a remote host to start one worker."""
+    """The command the ssh session runs on a remote host to start that host's workers."""
     return [python or sys.executable, "-m", AGENT_MODULE]
+
+
+@dataclass(frozen=True)
+class RemoteStart:
+    """How a worker starts on another host: the ssh command line that runs the host's agent
+    (the same for every worker of the host: they share one session) and this worker's entry
+    in the agent's request."""
+
+    ssh_argv: Tuple[str, ...]
+    cwd: str
+    entry: Dict[str, Any]
 
 
 def over_ssh(spec: "WorkerSpec", command: Sequence[str], ssh: Ssh, exports: Mapping[str, str],
              local_size: int, env: Dict[str, str], base_env: Mapping[str, str],
              computed: Sequence[str], cwd: str) -> None:
-    """Makes ``spec`` start its worker on its host through ssh and the host's agent, which
-    reads the command, environment and secret as one JSON line on stdin (the secret never
-    on a command line)."""
-    request = {
-        "argv": list(command),
-        "env": forwarded_env(env, exports, computed),
-        "cwd": cwd,
-        "local_size": local_size,
-    }
-    spec.argv = ssh.argv(spec.hostname, agent_argv())
+    """Makes ``spec`` start its worker on its host through the host's agent, in the one ssh
+    session of that host's workers (the secret travels on the session's stdin, never on a
+    command line)."""
+    spec.remote = RemoteStart(
+        ssh_argv=tuple(ssh.argv(spec.hostname, agent_argv())),
+        cwd=cwd,
+        entry={
+            "rank": spec.rank,
+            "argv": list(command),
+            "env": forwarded_env(env, exports, computed),
+            "local_size": local_size,
+        },
+    )
     spec.env = {k: v for k, v in base_env.items() if k != SECRET_VAR}
     spec.inherit_stdin = False
-    spec.stdin_payload = (json.dumps(request) + "\n").encode()
+
+
+def session_request(starts: Sequence[RemoteStart]) -> bytes:
+    """The JSON line one host's agent reads: the workers its session starts."""
+    request = {"cwd": starts[0].cwd, "workers": [s.entry for s in starts]}
+    return (json.dumps(request) + "\n").encode()

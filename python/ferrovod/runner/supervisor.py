@@ -36,7 +36,9 @@ from typing import (BinaryIO, Callable, Dict, FrozenSet, List, Mapping, Optional
                     Tuple)
 
 from .cpus import bind_in_child
-from .output import Sink, StreamForwarder
+from .output import (FRAME_STDERR, FRAME_STDOUT, RankStream, SessionReader, Sink,
+                     StreamForwarder)
+from .remote import RemoteStart, session_request
 
 __all__ = ["JobOutcome", "SpawnError", "Supervisor", "WorkerSpec", "exit_status"]
 
@@ -89,9 +91,9 @@ class WorkerSpec:
     stdout_copy: Optional[BinaryIO] = None
     stderr_copy: Optional[BinaryIO] = None
     inherit_stdin: bool = False
-    # Written to the worker's stdin, which then stays open until the job stops: a remote
-    # worker's agent reads its job from it, and stops the worker when it closes.
-    stdin_payload: Optional[bytes] = None
+    # Set for a worker on another host: it starts through that host's agent, in the one ssh
+    # session of the host's workers (see :mod:`.remote`).
+    remote: Optional[RemoteStart] = None
     # The CPUs the worker is bound to (``--bind-cores``); None: unbound.
     cpus: Optional[FrozenSet[int]] = None
 
@@ -109,13 +111,26 @@ class JobOutcome:
 @dataclass
 class _Worker:
     spec: WorkerSpec
+    # The worker itself, or for a remote worker its host's ssh session (shared by the host's
+    # workers; its stdin is the agent's, and closing it stops them there).
     proc: subprocess.Popen[bytes]
     threads: List[threading.Thread] = field(default_factory=list)
     returncode: Optional[int] = None
 
     @property
     def pgid(self) -> int:
-        return self.proc.pid  # start_new_session makes the worker its group's leader
+        return self.proc.pid  # start_new_session makes the process its group's leader
+
+
+@dataclass
+class _Session:
+    """One remote host's ssh session, whose agent runs ``ranks`` and reports their exits."""
+
+    hostname: str
+    proc: subprocess.Popen[bytes]
+    ranks: List[int]
+    threads: List[threading.Thread] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event)
 
 
 def _load_prctl() -> Optional[Callable[..., int]]:
@@ -289,11 +304,12 @@ class Supervisor:
         self._adopt = adopt_orphans
         self._events: queue.SimpleQueue[Tuple[str, int, int]] = queue.SimpleQueue()
         self._workers: List[_Worker] = []
+        self._sessions: List[_Session] = []
         self._reapers: List[threading.Thread] = []
         self._watchdog: Optional[_Watchdog] = None
-        # The reaper's view of the workers (it may reap a worker before add() has recorded
-        # it: that exit waits in _unclaimed until it has).
-        self._by_pid: Dict[int, _Worker] = {}
+        # The reaper's view of the processes started, each with what its exit means (it may
+        # reap one before it is recorded: that exit waits in _unclaimed until it is).
+        self._by_pid: Dict[int, Callable[[int], None]] = {}
         self._unclaimed: Dict[int, int] = {}
         self._own: Set[int] = set()  # children run_command waits for itself
         self._pid_lock = threading.Lock()
@@ -317,8 +333,7 @@ class Supervisor:
         preexec = _die_with_parent_fn()
         try:
             self._ensure_descriptors(len(specs), specs)
-            for spec in specs:
-                self._record(self._spawn(spec, preexec))
+            self._spawn_all(specs, preexec)
         except SpawnError:
             self._start_threads()
             self._stop()
@@ -331,16 +346,11 @@ class Supervisor:
         started (the others started so far keep running)."""
         preexec = _die_with_parent_fn()
         self._ensure_descriptors(len(self._workers) + len(specs), specs)
-        for spec in specs:
-            worker = self._spawn(spec, preexec)
-            self._record(worker)
-            for thread in worker.threads:
-                thread.start()
-            if not self._adopt:
-                waiter = threading.Thread(target=self._wait_for, args=(worker,),
-                                          name=f"ferrovodrun-wait-{spec.rank}", daemon=True)
-                self._reapers.append(waiter)
-                waiter.start()
+        workers, sessions = len(self._workers), len(self._sessions)
+        try:
+            self._spawn_all(specs, preexec)
+        finally:
+            self._start_threads(self._workers[workers:], self._sessions[sessions:])
 
     @staticmethod
     def _ensure_descriptors(workers: int, specs: Sequence[WorkerSpec]) -> None:
@@ -351,22 +361,115 @@ class Supervisor:
         except OSError as exc:
             raise SpawnError(specs[0].rank, specs[0].argv[0], exc) from None
 
-    def _record(self, worker: _Worker) -> None:
-        self._workers.append(worker)
+    def _spawn_all(self, specs: Sequence[WorkerSpec],
+                   preexec: Optional[Callable[[], None]]) -> None:
+        """Spawns the local workers one by one and each remote host's workers through one ssh
+        session (specs of one host with the same ssh command line)."""
+        hosts: Dict[Tuple[str, ...], List[WorkerSpec]] = {}
+        for spec in specs:
+            if spec.remote is None:
+                worker = self._spawn(spec, preexec)
+                self._workers.append(worker)
+                self._claim(worker.proc, lambda code, w=worker: self._worker_exited(w, code))
+            else:
+                hosts.setdefault(spec.remote.ssh_argv, []).append(spec)
+        for group in hosts.values():
+            session = self._spawn_session(group, preexec)
+            self._sessions.append(session)
+            self._workers += [_Worker(spec, session.proc) for spec in group]
+            self._claim(session.proc, lambda code, s=session: self._session_exited(s, code))
+
+    def _claim(self, proc: subprocess.Popen[bytes], on_exit: Callable[[int], None]) -> None:
+        """Records what ``proc``'s exit means (at once if the reaper already took it)."""
         with self._pid_lock:
-            self._by_pid[worker.proc.pid] = worker
-            code = self._unclaimed.pop(worker.proc.pid, None)
+            self._by_pid[proc.pid] = on_exit
+            code = self._unclaimed.pop(proc.pid, None)
         if code is not None:
-            worker.proc.returncode = code
-            self._events.put(("exit", worker.spec.rank, code))
+            on_exit(code)
+
+    def _worker_exited(self, worker: _Worker, code: int) -> None:
+        worker.proc.returncode = code  # keeps Popen from waiting for it again
+        self._events.put(("exit", worker.spec.rank, code))
+
+    def _session_exited(self, session: _Session, code: int) -> None:
+        # The ranks' exits come from the agent (SessionReader): this only says the session
+        # is over, for ranks the agent never reported.
+        session.proc.returncode = code
+        session.ended.set()
+
+    def _session_eof(self, session: _Session, unreported: List[int]) -> None:
+        """The session's output ended: ranks its agent did not report end with its status."""
+        if not unreported:
+            return
+        session.ended.wait(timeout=10.0)
+        code = session.proc.returncode
+        if code is None or code == 0:
+            code = 255
+        self._log(
+            f"the ssh session to {session.hostname} ended ({describe_status(code)}) before its "
+            f"agent reported rank(s) {', '.join(map(str, unreported))}"
+        )
+        for rank in unreported:
+            self._events.put(("exit", rank, code))
+
+    def _spawn_session(self, specs: Sequence[WorkerSpec],
+                       preexec: Optional[Callable[[], None]]) -> _Session:
+        first = specs[0]
+        assert first.remote is not None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                list(first.remote.ssh_argv),
+                env=dict(first.env),
+                stdin=subprocess.PIPE,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                preexec_fn=preexec,
+                close_fds=True,
+            )
+        except OSError as exc:
+            os.close(out_r)
+            os.close(err_r)
+            raise SpawnError(first.rank, first.remote.ssh_argv[0], exc) from None
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        if self._watchdog is not None:
+            self._watchdog.add(proc.pid)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(session_request([s.remote for s in specs if s.remote is not None]))
+            proc.stdin.flush()
+        except OSError:
+            pass  # ssh died at once; its status tells why
+        session = _Session(first.hostname, proc, [s.rank for s in specs])
+        streams = {}
+        for spec in specs:
+            streams[(spec.rank, FRAME_STDOUT)] = RankStream(
+                str(spec.rank), "stdout", self._stdout, spec.stdout_copy, self._timestamp)
+            streams[(spec.rank, FRAME_STDERR)] = RankStream(
+                str(spec.rank), "stderr", self._stderr, spec.stderr_copy, self._timestamp)
+        session.threads = [
+            SessionReader(
+                out_r, first.hostname, streams,
+                lambda rank, code: self._events.put(("exit", rank, code)),
+                lambda unreported: self._session_eof(session, unreported),
+            ),
+            # ssh's own messages, and the agent's if it could not run at all.
+            StreamForwarder(err_r, first.rank, "stderr", self._stderr, None, self._timestamp,
+                            label=first.hostname),
+        ]
+        if self._verbose:
+            self._log(f"started rank(s) {', '.join(map(str, session.ranks))} on "
+                      f"{first.hostname} through one ssh session (pid {proc.pid})")
+        return session
 
     def _spawn(self, spec: WorkerSpec, preexec: Optional[Callable[[], None]]) -> _Worker:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        if spec.stdin_payload is not None:
-            stdin: Optional[int] = subprocess.PIPE
-        else:
-            stdin = None if spec.inherit_stdin else subprocess.DEVNULL
+        stdin = None if spec.inherit_stdin else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
                 list(spec.argv),
@@ -387,12 +490,6 @@ class Supervisor:
             os.close(err_w)
         if self._watchdog is not None:
             self._watchdog.add(proc.pid)
-        if spec.stdin_payload is not None and proc.stdin is not None:
-            try:
-                proc.stdin.write(spec.stdin_payload)
-                proc.stdin.flush()
-            except OSError:
-                pass  # it died at once; its exit status tells why
         worker = _Worker(spec, proc)
         worker.threads = [
             StreamForwarder(
@@ -406,29 +503,35 @@ class Supervisor:
             self._log(f"started rank {spec.rank} on {spec.hostname} as pid {proc.pid}")
         return worker
 
-    def _start_threads(self) -> None:
-        for worker in self._workers:
-            for thread in worker.threads:
-                thread.start()
+    def _start_threads(self, workers: Optional[Sequence[_Worker]] = None,
+                       sessions: Optional[Sequence[_Session]] = None) -> None:
+        """Starts the output threads of ``workers`` and ``sessions`` (all so far by default)
+        and what reaps them: one reaper of every child when adopting orphans (started once),
+        else a waiter per process."""
+        first = workers is None
+        workers = self._workers if workers is None else workers
+        sessions = self._sessions if sessions is None else sessions
+        for thread in [t for w in workers for t in w.threads] + [
+                t for s in sessions for t in s.threads]:
+            thread.start()
         if self._adopt:
-            self._reapers = [
-                threading.Thread(target=self._reap_all, name="ferrovodrun-reaper", daemon=True)
-            ]
+            new = [threading.Thread(target=self._reap_all, name="ferrovodrun-reaper",
+                                    daemon=True)] if first else []
         else:
-            self._reapers = [
-                threading.Thread(
-                    target=self._wait_for,
-                    args=(w,),
-                    name=f"ferrovodrun-wait-{w.spec.rank}",
-                    daemon=True,
-                )
-                for w in self._workers
-            ]
-        for thread in self._reapers:
+            procs = [w.proc for w in workers if w.spec.remote is None] + [s.proc for s in sessions]
+            new = [threading.Thread(target=self._wait_for, args=(p,),
+                                    name=f"ferrovodrun-wait-{p.pid}", daemon=True)
+                   for p in procs]
+        self._reapers += new
+        for thread in new:
             thread.start()
 
-    def _wait_for(self, worker: _Worker) -> None:
-        self._events.put(("exit", worker.spec.rank, worker.proc.wait()))
+    def _wait_for(self, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        with self._pid_lock:
+            on_exit = self._by_pid.get(proc.pid)
+        if on_exit is not None:
+            on_exit(code)
 
     def _reap_all(self) -> None:
         while True:
@@ -457,13 +560,12 @@ class Supervisor:
                 continue
             code = os.waitstatus_to_exitcode(status)
             with self._pid_lock:
-                worker = self._by_pid.get(pid)
-                if worker is None:
-                    # An adopted orphan, the watchdog, or a worker add() has not recorded yet.
+                on_exit = self._by_pid.get(pid)
+                if on_exit is None:
+                    # An adopted orphan, the watchdog, or a process not yet recorded.
                     self._unclaimed[pid] = code
                     continue
-            worker.proc.returncode = code  # keeps Popen from waiting for it again
-            self._events.put(("exit", worker.spec.rank, code))
+            on_exit(code)
 
     def keep_reaping(self, on: bool) -> None:
         """While on, the reaper waits for children that :meth:`add` may start later instead
@@ -573,7 +675,9 @@ class Supervisor:
         self._finish()
 
     def _live_groups(self) -> List[int]:
-        return [w.pgid for w in self._workers if w.returncode is None or _group_alive(w.pgid)]
+        # A host's ssh session is one group for all of that host's workers.
+        return list(dict.fromkeys(
+            w.pgid for w in self._workers if w.returncode is None or _group_alive(w.pgid)))
 
     def _wait_events(self, timeout: float) -> bool:
         """Records exits for up to ``timeout`` s; True as soon as a signal asks to hurry."""
@@ -631,10 +735,10 @@ class Supervisor:
             if worker.returncode is None:  # pragma: no cover - SIGKILL cannot be ignored
                 self._log(f"rank {worker.spec.rank} (pid {worker.proc.pid}) did not exit")
         deadline = time.monotonic() + 5.0
-        for worker in self._workers:
-            for thread in worker.threads:
-                if thread.ident is not None:
-                    thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for thread in [t for w in self._workers for t in w.threads] + [
+                t for s in self._sessions for t in s.threads]:
+            if thread.ident is not None:
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         for worker in self._workers:
             if worker.proc.stdin is not None:
                 try:
@@ -642,9 +746,9 @@ class Supervisor:
                 except OSError:
                     pass
         if self._watchdog is not None:
-            for worker in self._workers:
-                if not _group_alive(worker.pgid):
-                    self._watchdog.remove(worker.pgid)
+            for pgid in dict.fromkeys(w.pgid for w in self._workers):
+                if not _group_alive(pgid):
+                    self._watchdog.remove(pgid)
             self._watchdog.close()
             self._watchdog = None
         for thread in self._reapers:
