@@ -705,8 +705,37 @@ def test_sigkill_of_launcher_leaves_no_worker(base_env: Dict[str, str], tmp_path
     pids = read_pids(tmp_path, ("pid", "child"), 2)
     launcher.kill()
     launcher.communicate(timeout=10)
-    # Workers die through PDEATHSIG; their children through the watchdog.
+    # The watchdog kills the workers' groups and every process carrying its mark.
     assert wait_until(lambda: not any(alive(p) for p in pids), 5.0), [p for p in pids if alive(p)]
+
+
+def test_watchdog_kills_what_carries_its_mark(tmp_path: Path) -> None:
+    """A launcher killed between spawning a worker and registering its group: the watchdog
+    still finds the worker by the mark in its environment (and a process of another session
+    that carries it), and leaves alone what does not carry it."""
+    watchdog = subprocess.Popen(
+        [sys.executable, "-I", str(PYTHON_DIR / "ferrovod" / "runner" / "_watchdog.py"),
+         "FV_TEST_MARK"],
+        stdin=subprocess.PIPE, start_new_session=True,
+    )
+    mark = {"FV_TEST_MARK": str(watchdog.pid)}
+    marked = [subprocess.Popen(["sleep", "60"], env={**os.environ, **mark},
+                               start_new_session=session) for session in (True, False)]
+    other = subprocess.Popen(["sleep", "60"], env={**os.environ, "FV_TEST_MARK": "1"},
+                             start_new_session=True)
+    registered = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert watchdog.stdin is not None
+        watchdog.stdin.write(f"+{registered.pid}\n".encode())
+        watchdog.stdin.close()  # the launcher died: no "exit"
+        assert watchdog.wait(timeout=10) == 0
+        for proc in [*marked, registered]:
+            assert proc.wait(timeout=5) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for proc in [*marked, other, registered]:
+            proc.kill()
+            proc.wait()
 
 
 def test_command_not_found(base_env: Dict[str, str]) -> None:

@@ -51,7 +51,7 @@ AGENT_MODULE = "ferrovod.runner.remote_agent"
 # own (horovodrun skips the same, and CUDA_VISIBLE_DEVICES, which is per machine).
 _NOT_FORWARDED = re.compile(
     r"^(BASH_FUNC_.*|OLDPWD|PWD|HOSTNAME|SHLVL|_|HOME|USER|LOGNAME|MAIL|SHELL|TERM|TMUX.*|"
-    r"SSH_.*|DISPLAY|XDG_.*|.*CUDA_VISIBLE_DEVICES)$"
+    r"SSH_.*|DISPLAY|XDG_.*|.*CUDA_VISIBLE_DEVICES|FERROVOD_WATCHDOG)$"
 )
 
 

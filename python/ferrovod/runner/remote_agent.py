@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
-from .cpus import bind_in_child, bind_worker, usable_cpu_count
+from .cpus import bind_worker, spawning_bound, usable_cpu_count
 from .output import EXIT_CODE, FRAME_EXIT, FRAME_STDERR, FRAME_STDOUT, encode_frame
 from .supervisor import _group_alive, _signal_group
 from .worker_env import thread_share
@@ -145,17 +145,17 @@ def _start(entry: Mapping[str, Any], cwd: Optional[str], out: _Output) -> Option
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            start_new_session=True,
-            close_fds=True,
-            preexec_fn=None if cpus is None else bind_in_child(cpus),
-        )
+        with spawning_bound(cpus):
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                start_new_session=True,
+                close_fds=True,
+            )
     except OSError as exc:
         os.close(out_r)
         os.close(err_r)
