@@ -28,6 +28,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+use std::time::Instant;
 
 use super::auth;
 use super::net::interfaces;
@@ -38,7 +39,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::host_memory::Exposed;
 use crate::transport::hybrid::{HybridTransport, ShmOptions};
-use crate::transport::offers::{OfferRecords, OFFER_SEGMENT_BYTES};
+use crate::transport::offers::OfferRecords;
 
 /// What a forming needs beyond the launch environment (`config.launch`: this rank, the job's
 /// size, the rendezvous address and secret).
@@ -227,9 +228,13 @@ pub fn form<P: ControlPlane>(
     // The fast path's offer records, where every rank is on this host (every rank decides
     // alike, from the same host table).
     let offer_records = match offers {
-        Some((exposed, addrs)) if local.len() + 1 == size => {
-            OfferRecords::new(exposed.share(&addrs, rank, config.start_timeout)?)
-        }
+        Some((made, address)) if local.len() + 1 == size => OfferRecords::form(
+            rank,
+            size,
+            made,
+            &address,
+            Instant::now() + config.start_timeout,
+        ),
         _ => None,
     };
     log::debug!(
@@ -295,8 +300,9 @@ struct Met<P: ControlPlane> {
     hosts: Vec<String>,
     /// The CPUs each rank may run on, as it published them (parsed for this host's ranks only).
     cpus: Vec<String>,
-    /// This rank's offer segment and every rank's address of it (jobs of more than one rank).
-    offers: Option<(Exposed, Vec<Vec<u8>>)>,
+    /// Where every rank of a one-host job takes part in the fast path's records: the segment
+    /// rank 0 made (on rank 0) and its address.
+    offers: Option<(Option<Exposed>, Vec<u8>)>,
 }
 
 /// The peers that published this rank's host name: their links move to shared memory. Every
@@ -394,28 +400,31 @@ fn meet<P: ControlPlane>(
         u8::from(config.dynamic_process_sets),
         config.control_fanout
     );
-    // Every rank offers a segment for the fast path's records, unless its launcher says the
-    // ranks span hosts or shared memory is off; they are shared only when every rank turns
-    // out to be on this host and every rank made one (a rank that made none publishes an
-    // empty address, so all decide alike; a host that forbids abstract Unix sockets makes
-    // none).
+    // Every rank takes part in the fast path's records, unless its launcher says the ranks
+    // span hosts or shared memory is off; rank 0 makes their one segment (a host that forbids
+    // abstract Unix sockets lets it make none). They are used only when every rank turns out
+    // to be on this host and every rank takes part: a rank that does not publishes an empty
+    // field, rank 0 its segment's address, the others a mark, so all decide alike.
     let one_host = size > 1
         && !config.shm_disable
         && config.launch.local.map_or(true, |(_, ls, _, _)| ls == size);
-    let exposed = one_host
-        .then(|| Exposed::new(OFFER_SEGMENT_BYTES))
+    let exposed = (one_host && rank == 0)
+        .then(|| Exposed::new(OfferRecords::segment_bytes(size)))
         .transpose()
         .map_err(|e| log::debug!(target: crate::LOG_TARGET, "rank {rank}: no offer records: {e}"))
         .ok()
         .flatten();
+    let offer_field = match &exposed {
+        Some(e) => auth::secret_to_hex(&e.address()),
+        None if one_host && rank != 0 => auth::secret_to_hex(&[1]),
+        None => String::new(),
+    };
     let me = format!(
         "{}\n{}\n{}\n{}\n{settings}",
         data.local_addr()?,
         config.hostname,
         crate::cpus::format_list(&crate::cpus::allowed()),
-        exposed
-            .as_ref()
-            .map_or(String::new(), |e| auth::secret_to_hex(&e.address()))
+        offer_field
     );
     store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
     // Rank 0 reads every rank's record and publishes them as one table, which every other
@@ -540,9 +549,10 @@ fn meet<P: ControlPlane>(
         node,
         hosts,
         cpus,
-        offers: exposed
-            .filter(|_| offer_addrs.iter().all(|a| !a.is_empty()))
-            .map(|e| (e, offer_addrs)),
+        offers: offer_addrs
+            .iter()
+            .all(|a| !a.is_empty())
+            .then(|| (exposed, offer_addrs.swap_remove(0))),
     })
 }
 

@@ -9,7 +9,9 @@
 //! allgather is needed at all (see `ferrovod.torch.sharded`).
 //!
 //! **Set-up** ([`Exposed::new`], then [`Exposed::share`]; a collective over the ranks that take
-//! part, which exchange their [`Exposed::address`] by any means, e.g. an allgather). Each rank
+//! part, which exchange their [`Exposed::address`] by any means, e.g. an allgather). One
+//! segment for all the ranks of a host is [`Exposed::serve`]d by the rank that made it and
+//! [`fetch`]ed by the others, one exchange each. Each rank
 //! creates its segment with `memfd_create` (sealed against resizing) and binds a Unix socket in
 //! the abstract namespace under a random name; its address is that name and a random key. Each
 //! rank connects to every other rank's socket and presents that rank's key, and each rank
@@ -136,22 +138,7 @@ impl Exposed {
         }
         // Reachability is symmetric (one host, one network namespace), so as many ranks ask
         // as this rank asked.
-        let mut served = 0;
-        while served < asked.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            let mut fds = [poll_fd(&self.listener, POLL_IN)];
-            poll(&mut fds, Some(left))?;
-            loop {
-                match self.listener.accept() {
-                    Ok((s, _)) => served += usize::from(self.answer(s, len)),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(_) => break,
-                }
-            }
-        }
+        self.answer_all(asked.len(), deadline)?;
         let mut segments: Vec<Option<Arc<Mapping>>> = vec![None; addresses.len()];
         segments[rank] = Some(self.map.clone());
         for (p, s) in asked {
@@ -171,6 +158,41 @@ impl Exposed {
         })
     }
 
+    /// Hands this segment to each rank of the host that asks for it ([`fetch`]) until
+    /// `askers` have had it or `deadline` passes; returns the segment and how many had it.
+    /// One segment for all ranks costs each rank one exchange, where [`Exposed::share`]
+    /// costs each `n - 1`.
+    pub(super) fn serve(self, askers: usize, deadline: Instant) -> (Arc<Mapping>, usize) {
+        let served = self.answer_all(askers, deadline).unwrap_or_else(|e| {
+            log::warn!(target: crate::LOG_TARGET, "host memory: serving stopped: {e}");
+            0
+        });
+        (self.map, served)
+    }
+
+    /// Answers the ranks that ask for this segment until `askers` have had it or `deadline`
+    /// passes; how many had it.
+    fn answer_all(&self, askers: usize, deadline: Instant) -> Result<usize> {
+        let len = self.map.len();
+        let mut served = 0;
+        while served < askers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut fds = [poll_fd(&self.listener, POLL_IN)];
+            poll(&mut fds, Some(left))?;
+            loop {
+                match self.listener.accept() {
+                    Ok((s, _)) => served += usize::from(self.answer(s, len)),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        Ok(served)
+    }
+
     /// Sends this segment's descriptor on `s` if it presents the key; whether it did.
     fn answer(&self, mut s: UnixStream, len: usize) -> bool {
         let mut key = [0u8; ADDRESS_LEN - 16];
@@ -182,6 +204,26 @@ impl Exposed {
             && key[..] == self.address[16..]
             && sys::send_with_fd(&s, &(len as u64).to_le_bytes(), &self.fd).is_ok()
     }
+}
+
+/// Maps the segment of `len` bytes another rank of this host exposed at `address` (its
+/// [`Exposed::address`]) and hands out with [`Exposed::serve`].
+pub(super) fn fetch(
+    address: &[u8],
+    len: usize,
+    deadline: Instant,
+) -> std::result::Result<Mapping, String> {
+    if address.len() != ADDRESS_LEN {
+        return Err(format!(
+            "an address of {} bytes, not {ADDRESS_LEN}",
+            address.len()
+        ));
+    }
+    let mut s = socket_addr(address)
+        .and_then(|a| UnixStream::connect_addr(&a))
+        .map_err(|e| e.to_string())?;
+    s.write_all(&address[16..]).map_err(|e| e.to_string())?;
+    receive(&s, len, deadline)
 }
 
 /// Waits on `s` for a peer's answer: its segment's length and descriptor, mapped.
@@ -244,11 +286,6 @@ impl HostMemory {
     /// Whether every rank's segment is mapped here.
     pub fn complete(&self) -> bool {
         self.segments.iter().all(Option::is_some)
-    }
-
-    /// The segments' mappings, in rank order (`None`: not mapped here).
-    pub(super) fn into_mappings(self) -> Vec<Option<Arc<Mapping>>> {
-        self.segments
     }
 
     /// Rank `r`'s segment: its first byte and length, valid while the returned handle lives.

@@ -1,7 +1,13 @@
-//! Offer records and boards: a small segment per rank of a one-host job, mapped by every other
-//! rank ([`super::host_memory`]'s segments). The fast path writes there the op it offers (a
-//! descriptor, the payload's rows, the payload) once for all its peers to read in place, and
-//! the words by which the ranks agree on ops and sleep: its *board*.
+//! Offer records and boards: a part per rank of one segment that every rank of a one-host job
+//! maps. The fast path writes in its part the op it offers (a descriptor, the payload's rows,
+//! the payload) once for all its peers to read in place, and the words by which the ranks agree
+//! on ops and sleep: its *board*.
+//!
+//! **One segment for the host.** The first rank makes it and hands it to each other rank
+//! ([`super::host_memory`]'s `serve` and `fetch`): a rank makes one exchange and one mapping at
+//! start, not one per peer (at 512 ranks on one host, the exchanges of a segment per rank took
+//! 3.4 s of the job's 8.8 s start). The ranks that mapped it count themselves on the first
+//! rank's board, which then says whether all did, so every rank uses the records or none does.
 //!
 //! **Why one record per rank, not one per pair.** Every word a rank publishes (the slots it
 //! has taken, those it will not read again, the split allreduce's `Reduced`) is the same for
@@ -30,9 +36,9 @@
 use std::ops::Range;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::host_memory::HostMemory;
+use super::host_memory::{fetch, Exposed};
 use super::sys::{self, Mapping};
 
 const PAGE: usize = 4096;
@@ -53,10 +59,14 @@ pub(crate) enum BoardWord {
     Sleepers = 3,
     /// Slots whose split allreduce this rank has reduced its segment of (in its record).
     Reduced = 4,
+    /// Ranks that mapped the segment (on the first rank's board, at start).
+    Joined = 5,
+    /// Whether every rank mapped it: 1 yes, 2 no, 0 not yet said (the first rank's board).
+    Verdict = 6,
 }
-const _: () = assert!(LINE * (BoardWord::Reduced as usize + 1) <= PAGE);
+const _: () = assert!(LINE * (BoardWord::Verdict as usize + 1) <= PAGE);
 
-/// The board comes first in a rank's segment, then its two records.
+/// The board comes first in a rank's part, then its two records.
 const RECORDS: usize = PAGE;
 /// Payload bytes a record holds: the fast path's largest op.
 pub const OFFER_DATA_BYTES: usize = 64 << 10;
@@ -65,8 +75,8 @@ pub const OFFER_DATA_BYTES: usize = 64 << 10;
 /// segment this rank reduced, at the segment's place in the tensor).
 const RECORD: usize = PAGE + 2 * OFFER_DATA_BYTES;
 const RESULT: usize = PAGE + OFFER_DATA_BYTES;
-/// Bytes of a rank's segment: its board and its two records.
-pub const OFFER_SEGMENT_BYTES: usize = RECORDS + 2 * RECORD;
+/// Bytes of a rank's part of the segment: its board and its two records.
+const PART: usize = RECORDS + 2 * RECORD;
 /// 1 + the slot of the offer the record holds (0: none yet).
 const OFF_OFFER: usize = 0;
 const OFF_DESC_LEN: usize = 8;
@@ -75,7 +85,12 @@ const OFF_DESC: usize = 24;
 /// Largest descriptor a record holds.
 pub const OFFER_DESC_BYTES: usize = PAGE - OFF_DESC;
 
-/// Offset of the record an offer of `slot` uses.
+/// Offset of rank `r`'s part of the segment.
+const fn part(r: usize) -> usize {
+    r * PART
+}
+
+/// Offset of the record an offer of `slot` uses, in a rank's part.
 const fn record(slot: u64) -> usize {
     RECORDS + (slot % 2) as usize * RECORD
 }
@@ -85,36 +100,85 @@ const fn record(slot: u64) -> usize {
 /// only, but for that count).
 pub struct OfferRecords {
     rank: usize,
-    maps: Vec<Arc<Mapping>>,
+    size: usize,
+    map: Arc<Mapping>,
 }
 
 impl std::fmt::Debug for OfferRecords {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OfferRecords")
             .field("rank", &self.rank)
-            .field("ranks", &self.maps.len())
+            .field("ranks", &self.size)
             .finish()
     }
 }
 
 impl OfferRecords {
-    /// The records of `memory` (segments of [`OFFER_SEGMENT_BYTES`], one per rank of the job),
-    /// or `None` unless every rank's segment is mapped here.
-    pub fn new(memory: HostMemory) -> Option<OfferRecords> {
-        let rank = memory.rank();
-        if memory.len() != OFFER_SEGMENT_BYTES {
-            return None;
+    /// Bytes of the segment that holds `size` ranks' boards and records (pages are allocated
+    /// as they are first touched: each rank touches its board, and its records as it offers).
+    pub fn segment_bytes(size: usize) -> usize {
+        size * PART
+    }
+
+    /// The records of a host's `size` ranks, or `None` on every rank alike. The first rank
+    /// passes the segment it made (`made`, of [`OfferRecords::segment_bytes`]) and hands it
+    /// to the others, which fetch it from its `address`; the first rank then says on its
+    /// board whether all of them mapped it, by `deadline` (the others wait a little longer
+    /// for its word).
+    pub fn form(
+        rank: usize,
+        size: usize,
+        made: Option<Exposed>,
+        address: &[u8],
+        deadline: Instant,
+    ) -> Option<OfferRecords> {
+        let len = Self::segment_bytes(size);
+        if rank == 0 {
+            let (map, _) = made?.serve(size - 1, deadline);
+            let records = OfferRecords { rank, size, map };
+            let joined = records.mine(BoardWord::Joined);
+            while joined.load(Ordering::Acquire) < (size - 1) as u64 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            let all = joined.load(Ordering::Acquire) == (size - 1) as u64;
+            records.publish_verdict(if all { 1 } else { 2 });
+            return all.then_some(records);
         }
-        let maps = memory
-            .into_mappings()
-            .into_iter()
-            .collect::<Option<Vec<_>>>()?;
-        Some(OfferRecords { rank, maps })
+        let map = match fetch(address, len, deadline) {
+            Ok(map) => Arc::new(map),
+            Err(why) => {
+                log::warn!(
+                    target: crate::LOG_TARGET,
+                    "rank {rank}: no fast-path records from rank 0: {why}"
+                );
+                return None;
+            }
+        };
+        let records = OfferRecords { rank, size, map };
+        records
+            .theirs(0, BoardWord::Joined)
+            .fetch_add(1, Ordering::AcqRel);
+        let verdict = || {
+            records
+                .theirs(0, BoardWord::Verdict)
+                .load(Ordering::Acquire)
+        };
+        let late = deadline + Duration::from_secs(10);
+        while verdict() == 0 && Instant::now() < late {
+            records.sleep(0, || verdict() != 0, Duration::from_millis(20));
+        }
+        (verdict() == 1).then_some(records)
+    }
+
+    fn publish_verdict(&self, verdict: u64) {
+        self.mine(BoardWord::Verdict)
+            .store(verdict, Ordering::Release);
+        self.ring();
     }
 
     /// The number of ranks.
     pub(crate) fn size(&self) -> usize {
-        self.maps.len()
+        self.size
     }
 
     /// One of this rank's board words.
@@ -124,12 +188,12 @@ impl OfferRecords {
 
     /// One of rank `r`'s board words.
     pub(crate) fn theirs(&self, r: usize, w: BoardWord) -> &AtomicU64 {
-        self.maps[r].atomic(LINE * w as usize)
+        self.map.atomic(part(r) + LINE * w as usize)
     }
 
     /// The low half of rank `r`'s bell, as a futex word.
     fn bell_word(&self, r: usize) -> &AtomicU32 {
-        self.maps[r].atomic32(LINE * BoardWord::Bell as usize)
+        self.map.atomic32(part(r) + LINE * BoardWord::Bell as usize)
     }
 
     /// Bumps this rank's bell after its words changed and wakes the peers asleep on it. The
@@ -159,8 +223,8 @@ impl OfferRecords {
     /// (before it publishes `Posted`, whose release makes them visible).
     pub(crate) fn write_offer(&self, slot: u64, desc: &[u8], data: &[u8], rows: u64) {
         assert!(desc.len() <= OFFER_DESC_BYTES && data.len() <= OFFER_DATA_BYTES);
-        let map = &self.maps[self.rank];
-        let base = record(slot);
+        let map = &self.map;
+        let base = part(self.rank) + record(slot);
         map.atomic(base + OFF_OFFER)
             .store(slot + 1, Ordering::Relaxed);
         map.write(base + OFF_DESC, desc);
@@ -174,8 +238,8 @@ impl OfferRecords {
     /// `Acquire`). The record stays until this rank's `Done` passes `slot`, so a peer already
     /// posting its next offer does not hide this one.
     pub(crate) fn offered(&self, r: usize, slot: u64) -> bool {
-        self.maps[r]
-            .atomic(record(slot) + OFF_OFFER)
+        self.map
+            .atomic(part(r) + record(slot) + OFF_OFFER)
             .load(Ordering::Relaxed)
             == slot + 1
     }
@@ -183,8 +247,8 @@ impl OfferRecords {
     /// Whether rank `r`'s descriptor of `slot` equals `desc` (read once
     /// [`OfferRecords::offered`] said so).
     pub(crate) fn same_desc(&self, r: usize, slot: u64, desc: &[u8], scratch: &mut [u8]) -> bool {
-        let map = &self.maps[r];
-        let base = record(slot);
+        let map = &self.map;
+        let base = part(r) + record(slot);
         let len = map.atomic(base + OFF_DESC_LEN).load(Ordering::Relaxed);
         if len != desc.len() as u64 || desc.len() > scratch.len() {
             return false;
@@ -195,8 +259,8 @@ impl OfferRecords {
 
     /// The rows of rank `r`'s payload of `slot` (an allgather's first dimension), unchecked.
     pub(crate) fn rows(&self, r: usize, slot: u64) -> u64 {
-        self.maps[r]
-            .atomic(record(slot) + OFF_ROWS)
+        self.map
+            .atomic(part(r) + record(slot) + OFF_ROWS)
             .load(Ordering::Relaxed)
     }
 
@@ -204,20 +268,23 @@ impl OfferRecords {
     /// `Reduced`, whose release makes them visible).
     pub(crate) fn write_result(&self, slot: u64, at: usize, bytes: &[u8]) {
         assert!(at + bytes.len() <= OFFER_DATA_BYTES);
-        self.maps[self.rank].write(record(slot) + RESULT + at, bytes);
+        self.map
+            .write(part(self.rank) + record(slot) + RESULT + at, bytes);
     }
 
     /// Bytes `range` of rank `r`'s result area of `slot`: valid from its `Reduced` past
     /// `slot` until this rank publishes a `Done` past it.
     pub(crate) fn result(&self, r: usize, slot: u64, range: Range<usize>) -> &[u8] {
         assert!(range.start <= range.end && range.end <= OFFER_DATA_BYTES);
-        self.maps[r].bytes(record(slot) + RESULT + range.start, range.len())
+        self.map
+            .bytes(part(r) + record(slot) + RESULT + range.start, range.len())
     }
 
     /// Bytes `range` of rank `r`'s payload of `slot`, read where they lie: valid from its
     /// offer of `slot` until this rank publishes a `Done` past it.
     pub(crate) fn data(&self, r: usize, slot: u64, range: Range<usize>) -> &[u8] {
         assert!(range.start <= range.end && range.end <= OFFER_DATA_BYTES);
-        self.maps[r].bytes(record(slot) + PAGE + range.start, range.len())
+        self.map
+            .bytes(part(r) + record(slot) + PAGE + range.start, range.len())
     }
 }
