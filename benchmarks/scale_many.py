@@ -38,8 +38,8 @@ alternating with this one, for a before/after table in one sitting::
         --before /tmp/base/target/release/examples/scale_worker
 
 With ``--hosts K`` the ranks are spread over K network-namespace hosts (``tests/python/netns.py``;
-needs root, iproute2 and openssh), ``ferrovodrun`` on a host of its own reaching them over ssh;
-ferrovod only (every op then goes through the coordinator, as across real hosts).
+needs root, iproute2 and openssh), ``ferrovodrun`` (or ``mpirun``) on a host of its own reaching
+them over ssh; every ferrovod op then goes through the coordinator, as across real hosts.
 
 Needs cargo (it builds the worker), ``ferrovodrun`` from this environment, and for the Open MPI
 column ``mpirun`` and ``mpicc.openmpi`` (Debian: openmpi-bin, libopenmpi-dev).
@@ -89,16 +89,21 @@ def build(tmp: str) -> Dict[str, List[str]]:
 
 def command(stack: str, worker: List[str], n: int, iters: int, cluster=None,
             kill: bool = False) -> List[str]:
+    names = [h for h in cluster.hosts if h != "h0"] if cluster is not None else []
+    hosts = ",".join(f"{h}:{n // len(names)}" for h in names)
     if stack == "Open MPI":
         extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + \
-            worker + [str(iters)]
+        mpirun = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra
+        if cluster is None:
+            return mpirun + worker + [str(iters)]
+        # Over ssh to the hosts' sshd (port 2222), TCP between hosts, shared memory within.
+        return cluster.command("h0", mpirun + [
+            "-H", hosts, "-mca", "plm_rsh_args", " ".join(cluster.ssh_args()),
+            "-mca", "pml", "ob1", "-mca", "btl", "^openib"] + worker + [str(iters)])
     run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
     args = worker + [str(iters)] + (["kill"] if kill else [])
     if cluster is None:
         return [run, "-np", str(n)] + args
-    names = [h for h in cluster.hosts if h != "h0"]
-    hosts = ",".join(f"{h}:{n // len(names)}" for h in names)
     return cluster.command("h0", [run, "-np", str(n), "-H", hosts, "-p", "2222", "-i",
                                   str(cluster.key)] + args)
 
@@ -185,7 +190,6 @@ def main() -> None:
             names = ["h0"] + [f"h{i}" for i in range(1, args.hosts + 1)]
             (Path(tmp) / "cluster").mkdir()
             cluster = stack_.enter_context(Cluster(names, Path(tmp) / "cluster"))
-            workers.pop("Open MPI", None)
         stacks = [s for s in args.stacks.split(",") if s in workers]
         if args.before:
             stacks = [x for s in stacks
