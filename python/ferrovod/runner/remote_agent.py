@@ -217,8 +217,9 @@ def _relay(workers: List[_Running], out: _Output) -> None:
         if w.exit_fd is not None:
             sel.register(w.exit_fd, selectors.EVENT_READ, (w, None))
     polled = any(w.exit_fd is None for w in workers)
-    ended: Dict[int, float] = {}  # rank -> when its exit was seen
+    ended: Dict[int, float] = {}  # rank -> when its exit was seen, until it is reported
     while any(not w.reported for w in workers):
+        # Wake up only to poll exits (no pidfd) or to stop waiting for a drain.
         timeout = _POLL_S if polled or ended else None
         for key, _ in sel.select(timeout):
             w, fd = key.data
@@ -249,6 +250,7 @@ def _relay(workers: List[_Running], out: _Output) -> None:
             if w.rank in ended and (not w.pipes or now - ended[w.rank] > _DRAIN_S):
                 out.send(w.rank, FRAME_EXIT, EXIT_CODE.pack(w.proc.wait()))
                 w.reported = True
+                del ended[w.rank]
     for key in list(sel.get_map().values()):
         os.close(key.fd)
     sel.close()
