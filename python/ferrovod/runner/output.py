@@ -118,6 +118,8 @@ class RankStream:
         timestamp: bool = False,
         clock: Callable[[], bytes] = _asctime_prefix,
     ) -> None:
+        #: ``label`` and ``stream_name``, for the thread that forwards it.
+        self.name = f"{stream_name}-{label}"
         self._prefix = f"[{label}]<{stream_name}>:".encode("ascii", "replace")
         self._sink = sink
         self._copy = copy
@@ -151,27 +153,15 @@ class RankStream:
 
 
 class StreamForwarder(threading.Thread):
-    """Reads one worker stream until EOF and forwards it through a :class:`RankStream`.
+    """Reads one worker stream until EOF and forwards it through ``stream``.
 
-    Owns ``fd`` and ``copy`` and closes both at EOF.
+    Owns ``fd`` and ``stream`` and closes both at EOF.
     """
 
-    def __init__(
-        self,
-        fd: int,
-        rank: int,
-        stream_name: str,
-        sink: Sink,
-        copy: Optional[BinaryIO] = None,
-        timestamp: bool = False,
-        clock: Callable[[], bytes] = _asctime_prefix,
-        label: Optional[str] = None,
-    ) -> None:
-        super().__init__(name=f"ferrovodrun-{stream_name}-{label or rank}", daemon=True)
+    def __init__(self, fd: int, stream: RankStream) -> None:
+        super().__init__(name=f"ferrovodrun-{stream.name}", daemon=True)
         self._fd = fd
-        self._stream = RankStream(
-            str(rank) if label is None else label, stream_name, sink, copy, timestamp, clock
-        )
+        self._stream = stream
 
     def run(self) -> None:
         """Forwards until the write end is closed by every process holding it."""
@@ -227,10 +217,6 @@ class FrameDecoder:
             at = end
         del self._buf[:at]
         return frames
-
-    def pending(self) -> int:
-        """Bytes of a frame not yet complete."""
-        return len(self._buf)
 
 
 def _read(fd: int) -> bytes:

@@ -136,6 +136,11 @@ class _Session:
     ended: threading.Event = field(default_factory=threading.Event)
 
 
+def _threads(workers: Sequence[_Worker], sessions: Sequence[_Session]) -> List[threading.Thread]:
+    """The output threads of ``workers`` (local ones) and ``sessions`` (a remote host's)."""
+    return [t for w in workers for t in w.threads] + [t for s in sessions for t in s.threads]
+
+
 def _load_prctl() -> Optional[Callable[..., int]]:
     if not sys.platform.startswith("linux"):
         return None
@@ -308,14 +313,18 @@ class Supervisor:
         if self._watchdog.marker is None:
             self._log("warning: the launcher's watchdog did not start: if the launcher is "
                       "killed, its workers stay")
+        if self._adopt:
+            self._reapers.append(threading.Thread(target=self._reap_all,
+                                                  name="ferrovodrun-reaper", daemon=True))
+            self._reapers[-1].start()
         try:
             self._ensure_descriptors(len(specs), specs)
             self._spawn_all(specs)
         except SpawnError:
-            self._start_threads()
+            self._start_threads(self._workers, self._sessions)
             self._stop()
             raise
-        self._start_threads()
+        self._start_threads(self._workers, self._sessions)
 
     def add(self, specs: Sequence[WorkerSpec]) -> None:
         """Spawns more workers into a running job (an elastic job's new slots). Call it from
@@ -390,27 +399,8 @@ class Supervisor:
     def _spawn_session(self, specs: Sequence[WorkerSpec]) -> _Session:
         first = specs[0]
         assert first.remote is not None
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                list(first.remote.ssh_argv),
-                env=self._marked(first.env),
-                stdin=subprocess.PIPE,
-                stdout=out_w,
-                stderr=err_w,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except OSError as exc:
-            os.close(out_r)
-            os.close(err_r)
-            raise SpawnError(first.rank, first.remote.ssh_argv[0], exc) from None
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        if self._watchdog is not None:
-            self._watchdog.add(proc.pid)
+        proc, out_r, err_r = self._popen(first.rank, first.remote.ssh_argv, first.env,
+                                         subprocess.PIPE)
         assert proc.stdin is not None
         try:
             proc.stdin.write(session_request([s.remote for s in specs if s.remote is not None]))
@@ -431,30 +421,31 @@ class Supervisor:
                 lambda unreported: self._session_eof(session, unreported),
             ),
             # ssh's own messages, and the agent's if it could not run at all.
-            StreamForwarder(err_r, first.rank, "stderr", self._stderr, None, self._timestamp,
-                            label=first.hostname),
+            StreamForwarder(err_r, RankStream(first.hostname, "stderr", self._stderr, None,
+                                              self._timestamp)),
         ]
         if self._verbose:
             self._log(f"started rank(s) {', '.join(map(str, session.ranks))} on "
                       f"{first.hostname} through one ssh session (pid {proc.pid})")
         return session
 
-    def _marked(self, env: Mapping[str, str]) -> Dict[str, str]:
-        """``env`` with the watchdog's mark, by which it finds every process of the job."""
-        out = dict(env)
+    def _popen(self, rank: int, argv: Sequence[str], env: Mapping[str, str],
+               stdin: Optional[int], cpus: Optional[FrozenSet[int]] = None,
+               ) -> Tuple[subprocess.Popen[bytes], int, int]:
+        """Starts ``argv`` in a session of its own, its stdout and stderr on new pipes, and
+        registers its group with the watchdog; returns it and the pipes' read ends. Its
+        environment carries the watchdog's mark, by which the watchdog finds every process
+        of the job. Raises :class:`SpawnError` (naming ``rank``) if it cannot start."""
+        env = dict(env)
         if self._watchdog is not None and self._watchdog.marker is not None:
-            out[WATCHDOG_VAR] = self._watchdog.marker
-        return out
-
-    def _spawn(self, spec: WorkerSpec) -> _Worker:
+            env[WATCHDOG_VAR] = self._watchdog.marker
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        stdin = None if spec.inherit_stdin else subprocess.DEVNULL
         try:
-            with spawning_bound(spec.cpus):
+            with spawning_bound(cpus):
                 proc = subprocess.Popen(
-                    list(spec.argv),
-                    env=self._marked(spec.env),
+                    list(argv),
+                    env=env,
                     stdin=stdin,
                     stdout=out_w,
                     stderr=err_w,
@@ -464,46 +455,42 @@ class Supervisor:
         except OSError as exc:
             os.close(out_r)
             os.close(err_r)
-            raise SpawnError(spec.rank, spec.argv[0], exc) from None
+            raise SpawnError(rank, argv[0], exc) from None
         finally:
             os.close(out_w)
             os.close(err_w)
         if self._watchdog is not None:
             self._watchdog.add(proc.pid)
+        return proc, out_r, err_r
+
+    def _spawn(self, spec: WorkerSpec) -> _Worker:
+        stdin = None if spec.inherit_stdin else subprocess.DEVNULL
+        proc, out_r, err_r = self._popen(spec.rank, spec.argv, spec.env, stdin, spec.cpus)
         worker = _Worker(spec, proc)
+        label = str(spec.rank)
         worker.threads = [
-            StreamForwarder(
-                out_r, spec.rank, "stdout", self._stdout, spec.stdout_copy, self._timestamp
-            ),
-            StreamForwarder(
-                err_r, spec.rank, "stderr", self._stderr, spec.stderr_copy, self._timestamp
-            ),
+            StreamForwarder(out_r, RankStream(label, "stdout", self._stdout, spec.stdout_copy,
+                                              self._timestamp)),
+            StreamForwarder(err_r, RankStream(label, "stderr", self._stderr, spec.stderr_copy,
+                                              self._timestamp)),
         ]
         if self._verbose:
             self._log(f"started rank {spec.rank} on {spec.hostname} as pid {proc.pid}")
         return worker
 
-    def _start_threads(self, workers: Optional[Sequence[_Worker]] = None,
-                       sessions: Optional[Sequence[_Session]] = None) -> None:
-        """Starts the output threads of ``workers`` and ``sessions`` (all so far by default)
-        and what reaps them: one reaper of every child when adopting orphans (started once),
-        else a waiter per process."""
-        first = workers is None
-        workers = self._workers if workers is None else workers
-        sessions = self._sessions if sessions is None else sessions
-        for thread in [t for w in workers for t in w.threads] + [
-                t for s in sessions for t in s.threads]:
+    def _start_threads(self, workers: Sequence[_Worker], sessions: Sequence[_Session]) -> None:
+        """Starts the output threads of ``workers`` and ``sessions`` and, unless one reaper
+        takes every child (adopting orphans), a waiter per process."""
+        for thread in _threads(workers, sessions):
             thread.start()
         if self._adopt:
-            new = [threading.Thread(target=self._reap_all, name="ferrovodrun-reaper",
-                                    daemon=True)] if first else []
-        else:
-            procs = [w.proc for w in workers if w.spec.remote is None] + [s.proc for s in sessions]
-            new = [threading.Thread(target=self._wait_for, args=(p,),
+            return
+        procs = [w.proc for w in workers if w.spec.remote is None] + [s.proc for s in sessions]
+        waiters = [threading.Thread(target=self._wait_for, args=(p,),
                                     name=f"ferrovodrun-wait-{p.pid}", daemon=True)
                    for p in procs]
-        self._reapers += new
-        for thread in new:
+        self._reapers += waiters
+        for thread in waiters:
             thread.start()
 
     def _wait_for(self, proc: subprocess.Popen[bytes]) -> None:
@@ -715,8 +702,7 @@ class Supervisor:
             if worker.returncode is None:  # pragma: no cover - SIGKILL cannot be ignored
                 self._log(f"rank {worker.spec.rank} (pid {worker.proc.pid}) did not exit")
         deadline = time.monotonic() + 5.0
-        for thread in [t for w in self._workers for t in w.threads] + [
-                t for s in self._sessions for t in s.threads]:
+        for thread in _threads(self._workers, self._sessions):
             if thread.ident is not None:
                 thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         for worker in self._workers:
