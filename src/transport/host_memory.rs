@@ -159,20 +159,18 @@ impl Exposed {
     }
 
     /// Hands this segment to each rank of the host that asks for it ([`fetch`]) until
-    /// `askers` have had it or `deadline` passes; returns the segment and how many had it.
-    /// One segment for all ranks costs each rank one exchange, where [`Exposed::share`]
-    /// costs each `n - 1`.
-    pub(super) fn serve(self, askers: usize, deadline: Instant) -> (Arc<Mapping>, usize) {
-        let served = self.answer_all(askers, deadline).unwrap_or_else(|e| {
+    /// `askers` have had it or `deadline` passes, and returns it. One segment for all ranks
+    /// costs each rank one exchange, where [`Exposed::share`] costs each `n - 1`.
+    pub(super) fn serve(self, askers: usize, deadline: Instant) -> Arc<Mapping> {
+        if let Err(e) = self.answer_all(askers, deadline) {
             log::warn!(target: crate::LOG_TARGET, "host memory: serving stopped: {e}");
-            0
-        });
-        (self.map, served)
+        }
+        self.map
     }
 
     /// Answers the ranks that ask for this segment until `askers` have had it or `deadline`
-    /// passes; how many had it.
-    fn answer_all(&self, askers: usize, deadline: Instant) -> Result<usize> {
+    /// passes.
+    fn answer_all(&self, askers: usize, deadline: Instant) -> Result<()> {
         let len = self.map.len();
         let mut served = 0;
         while served < askers {
@@ -190,7 +188,7 @@ impl Exposed {
                 }
             }
         }
-        Ok(served)
+        Ok(())
     }
 
     /// Sends this segment's descriptor on `s` if it presents the key; whether it did.

@@ -90,9 +90,9 @@ const fn part(r: usize) -> usize {
     r * PART
 }
 
-/// Offset of the record an offer of `slot` uses, in a rank's part.
-const fn record(slot: u64) -> usize {
-    RECORDS + (slot % 2) as usize * RECORD
+/// Offset of the record rank `r`'s offer of `slot` uses.
+const fn record(r: usize, slot: u64) -> usize {
+    part(r) + RECORDS + (slot % 2) as usize * RECORD
 }
 
 /// Every rank's board and offer records as this rank sees them: its own (written only by this
@@ -134,7 +134,7 @@ impl OfferRecords {
     ) -> Option<OfferRecords> {
         let len = Self::segment_bytes(size);
         if rank == 0 {
-            let (map, _) = made?.serve(size - 1, deadline);
+            let map = made?.serve(size - 1, deadline);
             let records = OfferRecords { rank, size, map };
             let joined = records.mine(BoardWord::Joined);
             while joined.load(Ordering::Acquire) < (size - 1) as u64 && Instant::now() < deadline {
@@ -224,7 +224,7 @@ impl OfferRecords {
     pub(crate) fn write_offer(&self, slot: u64, desc: &[u8], data: &[u8], rows: u64) {
         assert!(desc.len() <= OFFER_DESC_BYTES && data.len() <= OFFER_DATA_BYTES);
         let map = &self.map;
-        let base = part(self.rank) + record(slot);
+        let base = record(self.rank, slot);
         map.atomic(base + OFF_OFFER)
             .store(slot + 1, Ordering::Relaxed);
         map.write(base + OFF_DESC, desc);
@@ -239,7 +239,7 @@ impl OfferRecords {
     /// posting its next offer does not hide this one.
     pub(crate) fn offered(&self, r: usize, slot: u64) -> bool {
         self.map
-            .atomic(part(r) + record(slot) + OFF_OFFER)
+            .atomic(record(r, slot) + OFF_OFFER)
             .load(Ordering::Relaxed)
             == slot + 1
     }
@@ -248,7 +248,7 @@ impl OfferRecords {
     /// [`OfferRecords::offered`] said so).
     pub(crate) fn same_desc(&self, r: usize, slot: u64, desc: &[u8], scratch: &mut [u8]) -> bool {
         let map = &self.map;
-        let base = part(r) + record(slot);
+        let base = record(r, slot);
         let len = map.atomic(base + OFF_DESC_LEN).load(Ordering::Relaxed);
         if len != desc.len() as u64 || desc.len() > scratch.len() {
             return false;
@@ -260,7 +260,7 @@ impl OfferRecords {
     /// The rows of rank `r`'s payload of `slot` (an allgather's first dimension), unchecked.
     pub(crate) fn rows(&self, r: usize, slot: u64) -> u64 {
         self.map
-            .atomic(part(r) + record(slot) + OFF_ROWS)
+            .atomic(record(r, slot) + OFF_ROWS)
             .load(Ordering::Relaxed)
     }
 
@@ -268,8 +268,7 @@ impl OfferRecords {
     /// `Reduced`, whose release makes them visible).
     pub(crate) fn write_result(&self, slot: u64, at: usize, bytes: &[u8]) {
         assert!(at + bytes.len() <= OFFER_DATA_BYTES);
-        self.map
-            .write(part(self.rank) + record(slot) + RESULT + at, bytes);
+        self.map.write(record(self.rank, slot) + RESULT + at, bytes);
     }
 
     /// Bytes `range` of rank `r`'s result area of `slot`: valid from its `Reduced` past
@@ -277,7 +276,7 @@ impl OfferRecords {
     pub(crate) fn result(&self, r: usize, slot: u64, range: Range<usize>) -> &[u8] {
         assert!(range.start <= range.end && range.end <= OFFER_DATA_BYTES);
         self.map
-            .bytes(part(r) + record(slot) + RESULT + range.start, range.len())
+            .bytes(record(r, slot) + RESULT + range.start, range.len())
     }
 
     /// Bytes `range` of rank `r`'s payload of `slot`, read where they lie: valid from its
@@ -285,6 +284,6 @@ impl OfferRecords {
     pub(crate) fn data(&self, r: usize, slot: u64, range: Range<usize>) -> &[u8] {
         assert!(range.start <= range.end && range.end <= OFFER_DATA_BYTES);
         self.map
-            .bytes(part(r) + record(slot) + PAGE + range.start, range.len())
+            .bytes(record(r, slot) + PAGE + range.start, range.len())
     }
 }
