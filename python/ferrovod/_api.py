@@ -336,24 +336,6 @@ def _allreduce(
     return _Pending(core, _AllreduceResult(tensors, originals, inputs, outputs, inplace, single))
 
 
-def _allreduce_now(tensor: np.ndarray, out: np.ndarray, name: str, op: Optional[int],
-                   average: Optional[bool], prescale: float, postscale: float) -> bool:
-    """The blocking one-array allreduce as one waiting call into the engine (which may take its
-    fast path): no handle, result holder or pending op. False, having done nothing, for what
-    it does not take (non-contiguous, byte-swapped or bfloat16 arrays, Adasum): the general
-    path then runs, under the same name. Like the other one-call forms, it hands
-    :func:`_run`'s arguments straight to the door (the global set's id is 0): a Python frame
-    is a tenth of a small op."""
-    try:
-        rop = _resolve_op(op, average)
-    except _BadArgument:
-        return False
-    if rop == Adasum:
-        return False
-    return _core.run(_core.ALLREDUCE, name, 0, tensor, out, True, rop, 0, float(prescale),
-                     float(postscale)) is not None
-
-
 def allreduce_async(tensor: Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0,
@@ -368,11 +350,15 @@ def allreduce(tensor: Tensor, average: Optional[bool] = None, name: Optional[str
               postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduces ``tensor`` across ranks (default: Average) and returns the result."""
-    name = _auto_name("allreduce", name)
+    if name is None:
+        name = _auto_name("allreduce", None)
+    # A plain array of the global set: one waiting call into the engine (see
+    # ``_core.allreduce_now``), which declines what it does not take, bad arguments among them.
     if type(tensor) is np.ndarray and process_set is global_process_set \
             and tensor.nbytes < _ENGINE_OUTPUT_BYTES:
         out = np.empty_like(tensor, order="C")
-        if _allreduce_now(tensor, out, name, op, average, prescale_factor, postscale_factor):
+        if _core.allreduce_now(tensor, out, name, op, average, prescale_factor,
+                               postscale_factor):
             return out
     return _now(_allreduce([tensor], False, average, name, op, prescale_factor,
                            postscale_factor, process_set, "allreduce", single=True, now=True))
@@ -392,10 +378,12 @@ def allreduce_(tensor: Tensor, average: Optional[bool] = None, name: Optional[st
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
-    name = _auto_name("allreduce", name)
-    if type(tensor) is np.ndarray and process_set is global_process_set:
-        if _allreduce_now(tensor, tensor, name, op, average, prescale_factor, postscale_factor):
-            return tensor
+    if name is None:
+        name = _auto_name("allreduce", None)
+    # One waiting call into the engine for a plain array of the global set (see allreduce).
+    if process_set is global_process_set and _core.allreduce_now(
+            tensor, tensor, name, op, average, prescale_factor, postscale_factor):
+        return tensor
     return _now(_allreduce([tensor], True, average, name, op, prescale_factor,
                            postscale_factor, process_set, "allreduce", single=True, now=True))
 
@@ -466,7 +454,7 @@ def _one_call(kind: int, tensor: Tensor, name: str, process_set: ProcessSet, op:
               prescale: float = 1.0, postscale: float = 1.0) -> Optional[np.ndarray]:
     """A blocking op with a new result (allgather, reducescatter, evenly split alltoall) of
     one plain array in the global set, as one waiting call into the engine (see
-    _allreduce_now). None: the general path (another kind of tensor or set, an array the
+    allreduce). None: the general path (another kind of tensor or set, an array the
     engine does not read as it lies, or a malformed op, whose error the general path gives)."""
     if type(tensor) is not np.ndarray or process_set is not global_process_set \
             or tensor.ndim == 0:
@@ -549,7 +537,7 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
             and root_rank >= 0:
         out = np.empty_like(tensor, order="C")
-        # One waiting call into the engine (see _allreduce_now); None (a root outside the job
+        # One waiting call into the engine (see allreduce); None (a root outside the job
         # among others): the general path.
         if _core.run(_core.BROADCAST, name, 0, tensor, out, True, Sum,
                      root_rank) is not None:
@@ -569,7 +557,7 @@ def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     name = _auto_name("broadcast", name)
     if type(tensor) is np.ndarray and process_set is global_process_set and type(root_rank) is int \
             and root_rank >= 0:
-        # One waiting call into the engine (see _allreduce_now); None (a root outside the job
+        # One waiting call into the engine (see allreduce); None (a root outside the job
         # among others): the general path.
         if _core.run(_core.BROADCAST, name, 0, tensor, tensor, True, Sum,
                      root_rank) is not None:

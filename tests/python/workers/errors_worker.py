@@ -117,6 +117,12 @@ def case_invalid():
         ck.raises(ValueError, lambda: fv.broadcast(x, bad_root), f"broadcast root={bad_root}")
         ck.raises(ValueError, lambda: fv.broadcast_(x.copy(), bad_root), f"broadcast_ root={bad_root}")
     ck.raises(ValueError, lambda: fv.allreduce(x, average=False, op=fv.Sum), "average= with op=")
+    # What the one-call path of a plain array declines, the general path refuses, by name.
+    for bad in (True, "sum", 1.0, 99):
+        ck.raises(ValueError, lambda: fv.allreduce(x, op=bad), f"allreduce op={bad!r}",
+                  contains=(f"op={bad!r}", "not a reduction"))
+        ck.raises(ValueError, lambda: fv.allreduce_(x.copy(), op=bad), f"allreduce_ op={bad!r}",
+                  contains=(f"op={bad!r}", "not a reduction"))
     ck.raises((ValueError, fv.FerrovodError), lambda: fv.allgather(np.float32(3.0) * np.ones(())),
               "allgather of a 0-d array")
     ck.raises((ValueError, fv.FerrovodError), lambda: fv.alltoall(np.ones(2 * n + 1, np.float32)),

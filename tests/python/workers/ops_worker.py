@@ -99,6 +99,16 @@ def sec_allreduce(c):
     c.ck.array(fv.allreduce(x, average=True), T.ref_reduce(xs, AVERAGE, np.float64, c.n), "average=True")
     c.ck.array(fv.allreduce(x, average=False), T.ref_reduce(xs, SUM, np.float64, c.n), "average=False")
     c.ck.raises(ValueError, lambda: fv.allreduce(x, average=True, op=fv.Sum), "average= and op= together")
+    # Forms the one-call path of a plain array hands on to the general one: an op or average
+    # as a NumPy scalar, a name that is not a string, scale factors as NumPy scalars.
+    want = T.ref_reduce(xs, SUM, np.float64, c.n)
+    c.ck.array(fv.allreduce(x, op=np.int64(fv.Sum), name=7, prescale_factor=np.float32(2.0)),
+               2.0 * want, "op as np.int64, name 7, prescale as np.float32")
+    c.ck.array(fv.allreduce_(x.copy(), average=np.bool_(False), name=8.5,
+                             postscale_factor=np.float64(3.0)),
+               3.0 * want, "in place, average as np.bool_, name 8.5, postscale as np.float64")
+    c.ck.array(fv.allreduce_(x.copy(), op=np.int32(fv.Max)), T.ref_reduce(xs, MAX, np.float64, c.n),
+               "in place, op as np.int32")
     sec_adasum(c)
 
 
