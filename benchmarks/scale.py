@@ -37,6 +37,8 @@ from typing import Dict, List, Optional
 
 SIZES = {"4 B": 1, "64 KiB": 16384}  # float32 elements
 TAG = "SCALE_RESULT "
+WARM_S = 0.2  # seconds of the op before timing it
+LOOP_S = 0.02  # seconds a timed loop lasts at least
 
 
 def _fds() -> int:
@@ -116,20 +118,30 @@ def worker(stack: str, iters: int) -> None:
     result: Dict[str, object] = {"ranks": size, "init_s": init_s}
     for label, n in SIZES.items():
         buf = np.ones(n, dtype=np.float32)
-        for _ in range(max(5, iters // 10)):
+        # Warm up for WARM_S: right after init the ranks' shares of the cores are uneven (the
+        # ones that slept in init are owed CPU), which for the first tens of milliseconds
+        # makes a waiting rank's yields keep its core. A training step's compute evens them
+        # out; here the warm-up does. Counted from the slowest rank's pace, so that every
+        # rank runs as many ops. Each timed loop lasts at least LOOP_S as well.
+        pace = time.perf_counter()
+        for _ in range(10):
             allreduce(buf)
+        per_op = slowest((time.perf_counter() - pace) / 10)
+        for _ in range(int(WARM_S / per_op)):
+            allreduce(buf)
+        loop = max(iters, int(LOOP_S / per_op))
         best = float("inf")
         for _ in range(3):
             buf[:] = 1.0
             cpu, switches = time.process_time(), _switches()
             start = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(loop):
                 allreduce(buf)
-            per_op = slowest((time.perf_counter() - start) / iters)
+            per_op = slowest((time.perf_counter() - start) / loop)
             # What each rank spent per op: CPU (every thread of the process) and switches,
             # the mean over the ranks, of the best loop.
-            cpu = sum(gather((time.process_time() - cpu) / iters)) / size
-            switches = sum(gather((_switches() - switches) / iters)) / size
+            cpu = sum(gather((time.process_time() - cpu) / loop)) / size
+            switches = sum(gather((_switches() - switches) / loop)) / size
             if per_op < best:
                 result[f"cpu {label}"] = cpu * 1e6
                 result[f"switches {label}"] = switches
