@@ -106,7 +106,7 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
 
     # name-version-python-abi-platform.whl
     _, _, python_tag, abi_tag, platform_tag = wheel.name[: -len(".whl")].split("-")
-    assert (python_tag, abi_tag) == ("cp39", "abi3"), wheel.name
+    assert (python_tag, abi_tag) == ("cp310", "abi3"), wheel.name
     assert "manylinux" in platform_tag, f"not a manylinux wheel: {wheel.name}"
 
     with zipfile.ZipFile(wheel) as archive:
@@ -115,7 +115,7 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
         tags = re.findall(r"^Tag: (\S+)$", archive.read(meta).decode(), flags=re.M)
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         scripts = archive.read(entry_points).decode()
-    assert tags and all(tag.startswith("cp39-abi3-manylinux") for tag in tags), tags
+    assert tags and all(tag.startswith("cp310-abi3-manylinux") for tag in tags), tags
     assert "ferrovod/_core.abi3.so" in names, [n for n in names if n.endswith(".so")]
     assert "ferrovod/__init__.py" in names
     assert re.search(r"^ferrovodrun\s*=", scripts, flags=re.M), scripts
