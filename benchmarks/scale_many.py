@@ -13,7 +13,7 @@ received per op: rank 0's and the most of any other rank's. Columns:
   fast path, which sends no control frames);
 - ``fv engine``: ``FERROVOD_FAST_PATH_BYTES=0``, every op negotiated through rank 0's
   coordinator, as ops of ranks on several hosts, async ops and ops above 64 KiB are; the
-  control messages travel the control tree (``FERROVOD_CONTROL_FANOUT``, default 32);
+  control messages travel the control tree (``FERROVOD_CONTROL_FANOUT``, default 16);
 - ``fv star``: ``fv engine`` with ``FERROVOD_CONTROL_FANOUT=0``, every rank's control
   connection to rank 0 (as before the tree);
 - ``Open MPI``.
