@@ -792,9 +792,15 @@ impl State {
     }
 
     fn send_out(&mut self) {
+        // A message to every rank of the job goes to every link as it is, without sorting a
+        // thousand ranks into their links (destinations list each rank once).
+        let everyone = match &self.role {
+            Role::Root(root) => root.neg.size(),
+            _ => usize::MAX,
+        };
         let out: Addressed = std::mem::take(&mut self.out)
             .into_iter()
-            .map(|(to, m)| (Some(to), m))
+            .map(|(to, m)| ((to.len() != everyone).then_some(to), m))
             .collect();
         if out.is_empty() {
             return;
@@ -924,14 +930,16 @@ impl Relay {
 impl Root {
     /// A relay's claim: every member of set `set_id` among `below` submitted each of `ids`.
     fn claimed(&mut self, set_id: u32, ids: &[u64], below: &[usize], out: &mut Outbox) {
-        let members: Vec<usize> = match self.neg.members(set_id) {
+        let members: std::borrow::Cow<[usize]> = match self.neg.members(set_id) {
+            // Every rank below is a member of a set of every rank.
+            Some(m) if m.len() == self.neg.size() => below.into(),
             Some(m) => below
                 .iter()
                 .copied()
                 .filter(|r| m.binary_search(r).is_ok())
                 .collect(),
             // The negotiator answers each rank that its set does not exist.
-            None => below.to_vec(),
+            None => below.into(),
         };
         for &id in ids {
             self.neg.claim_cached(&members, set_id, id, out);

@@ -51,10 +51,18 @@ const LEFT: &str = "shut down";
 pub type Outbox = Vec<(Vec<usize>, FromCoordinator)>;
 
 struct Pending {
-    /// Each member's request (shared: a cached op's is the cache's own, for every member).
-    reqs: Vec<Option<Arc<Request>>>,
-    /// Members whose request is in `reqs`.
+    /// Members of the op's set.
+    members: usize,
+    /// Which members submitted, a bit each in set order.
+    got_bits: Vec<u64>,
+    /// Members whose request is in.
     got: usize,
+    /// The one request every submission so far shares (a cached op's members all submit the
+    /// cache's own): a pointer for the op, not one per rank, at the root of a large job.
+    shared: Option<Arc<Request>>,
+    /// Each member's request, once two submissions differ (a full request among cached
+    /// ones, or two full ones): what validation compares.
+    each: Option<Vec<Option<Arc<Request>>>>,
     /// (global rank, reason) of members that refused the op (see [`Submit::Rejected`]).
     rejected: Vec<(usize, String)>,
     all_cached: bool,
@@ -67,13 +75,61 @@ struct Pending {
 impl Pending {
     fn new(members: usize) -> Pending {
         Pending {
-            reqs: vec![None; members],
+            members,
+            got_bits: vec![0; members.div_ceil(64)],
             got: 0,
+            shared: None,
+            each: None,
             rejected: Vec::new(),
             all_cached: true,
             since: Instant::now(),
             warned: None,
         }
+    }
+
+    /// Whether the member at set index `idx` submitted.
+    fn has(&self, idx: usize) -> bool {
+        self.got_bits[idx / 64] & (1 << (idx % 64)) != 0
+    }
+
+    /// Records the submission of the member at `idx` (which has not submitted), its request
+    /// `req`, cloned only when the op does not hold it already.
+    fn put(&mut self, idx: usize, req: &Arc<Request>) {
+        self.got_bits[idx / 64] |= 1 << (idx % 64);
+        self.got += 1;
+        if let Some(each) = self.each.as_mut() {
+            each[idx] = Some(req.clone());
+            return;
+        }
+        match &self.shared {
+            None => self.shared = Some(req.clone()),
+            Some(s) if Arc::ptr_eq(s, req) => {}
+            Some(s) => {
+                let s = s.clone();
+                let mut each: Vec<Option<Arc<Request>>> = (0..self.members)
+                    .map(|i| self.has(i).then(|| s.clone()))
+                    .collect();
+                each[idx] = Some(req.clone());
+                self.each = Some(each);
+            }
+        }
+    }
+
+    /// The request of the member at `idx`, if it submitted.
+    fn request(&self, idx: usize) -> Option<&Arc<Request>> {
+        match &self.each {
+            Some(each) => each[idx].as_ref(),
+            None => self.shared.as_ref().filter(|_| self.has(idx)),
+        }
+    }
+
+    /// A submitted request (the op has at least one).
+    fn first(&self) -> Request {
+        let any = match &self.each {
+            Some(each) => each.iter().flatten().next(),
+            None => self.shared.as_ref(),
+        };
+        Request::clone(any.expect("a pending op has a submission"))
     }
 }
 
@@ -160,6 +216,11 @@ impl Negotiator {
             ready: Vec::new(),
             emitted: None,
         }
+    }
+
+    /// Ranks in the job.
+    pub fn size(&self) -> usize {
+        self.size
     }
 
     /// The members of process set `id`, if it exists.
@@ -388,7 +449,7 @@ impl Negotiator {
                     format!("{name} (process set {set_id})")
                 };
                 for (i, &g) in set.ranks.iter().enumerate() {
-                    if p.reqs[i].is_none() && !(set_id == 0 && self.joined[g]) {
+                    if !(p.has(i) || (set_id == 0 && self.joined[g])) {
                         missing.entry(g).or_default().push(label.clone());
                     }
                 }
@@ -402,11 +463,10 @@ impl Negotiator {
                 .ranks
                 .iter()
                 .enumerate()
-                .filter(|&(i, _)| p.reqs[i].is_none())
+                .filter(|&(i, _)| !p.has(i))
                 .map(|(_, &g)| g)
                 .collect();
-            let request =
-                Arc::unwrap_or_clone(p.reqs.into_iter().flatten().next().expect("non-empty"));
+            let request = p.first();
             let msg = format!(
                 "{} of tensor '{name}' stalled for more than {:.0} s: ranks {absent:?} never \
                  submitted it, so ferrovod gives up on it (FERROVOD_STALL_SHUTDOWN_TIME_SECONDS)",
@@ -477,10 +537,14 @@ impl Negotiator {
             .or_insert_with(|| Pending::new(members.len()));
         for r in ranks {
             // A relay claims only members; a second copy is dropped, as in `submit`.
-            if let Ok(idx) = members.binary_search(r) {
-                if p.reqs[idx].is_none() {
-                    p.reqs[idx] = Some(req.clone());
-                    p.got += 1;
+            // A set of every rank holds rank r at index r.
+            let idx = match members.get(*r) {
+                Some(m) if m == r => Ok(*r),
+                _ => members.binary_search(r),
+            };
+            if let Ok(idx) = idx {
+                if !p.has(idx) {
+                    p.put(idx, &req);
                 }
             }
         }
@@ -529,13 +593,12 @@ impl Negotiator {
             .table
             .entry(name.clone())
             .or_insert_with(|| Pending::new(n));
-        if p.reqs[idx].is_some() {
+        if p.has(idx) {
             // The engine refuses duplicates before they get here; a second copy is a bug or a
             // hostile peer: drop it rather than corrupt the table.
             return;
         }
-        p.reqs[idx] = Some(request);
-        p.got += 1;
+        p.put(idx, &request);
         p.all_cached &= cached;
         if let Some(reason) = rejected {
             p.rejected.push((from, reason));
@@ -554,42 +617,48 @@ impl Negotiator {
         if p.got < set.ranks.len() && !self.joined_or_gone {
             return;
         }
-        let joined = &self.joined;
-        // A member that has gone will never submit: fail the name now, naming it.
-        let missing_gone = set.ranks.iter().enumerate().find_map(|(i, &g)| {
-            if p.reqs[i].is_some() {
-                return None;
+        // A name every member submitted is complete: the scans below are for joins and losses.
+        if p.got < set.ranks.len() {
+            let joined = &self.joined;
+            // A member that has gone will never submit: fail the name now, naming it.
+            let missing_gone = set.ranks.iter().enumerate().find_map(|(i, &g)| {
+                if p.has(i) {
+                    return None;
+                }
+                self.gone[g].as_ref().map(|d| (g, d.clone()))
+            });
+            if let Some((g, detail)) = missing_gone {
+                let p = set.table.remove(name).expect("present above");
+                let request = p.first();
+                let (code, why) = gone_error(g, &detail, "");
+                let msg = format!(
+                    "{} of tensor '{name}' cannot complete: {why}",
+                    request.kind.name()
+                );
+                self.ready.push(error_response(request, code, msg));
+                return;
             }
-            self.gone[g].as_ref().map(|d| (g, d.clone()))
-        });
-        if let Some((g, detail)) = missing_gone {
-            let p = set.table.remove(name).expect("present above");
-            let request =
-                Arc::unwrap_or_clone(p.reqs.into_iter().flatten().next().expect("non-empty"));
-            let (code, why) = gone_error(g, &detail, "");
-            let msg = format!(
-                "{} of tensor '{name}' cannot complete: {why}",
-                request.kind.name()
-            );
-            self.ready.push(error_response(request, code, msg));
-            return;
-        }
-        let complete = set
-            .ranks
-            .iter()
-            .enumerate()
-            .all(|(i, &g)| p.reqs[i].is_some() || (set_id == 0 && joined[g]));
-        if !complete {
-            return;
+            let complete = set
+                .ranks
+                .iter()
+                .enumerate()
+                .all(|(i, &g)| p.has(i) || (set_id == 0 && joined[g]));
+            if !complete {
+                return;
+            }
         }
         let p = set.table.remove(name).expect("present above");
-        let joined_ranks: Vec<usize> = set
-            .ranks
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| p.reqs[i].is_none())
-            .map(|(_, &g)| g)
-            .collect();
+        // Every member submitted unless some joined: no scan for the ranks that did not.
+        let joined_ranks: Vec<usize> = if p.got == set.ranks.len() {
+            Vec::new()
+        } else {
+            set.ranks
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| !p.has(i))
+                .map(|(_, &g)| g)
+                .collect()
+        };
         let resp = build_response(
             set_id,
             set,

@@ -103,13 +103,7 @@ pub(super) fn build_response(
     capacity: usize,
     next_cache_id: &mut u64,
 ) -> Response {
-    let submitted: Vec<(usize, &Request)> = p
-        .reqs
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| r.as_deref().map(|r| (set.ranks[i], r)))
-        .collect();
-    let base = submitted[0].1.clone();
+    let base = p.first();
     let name = base.name.clone();
     let fail = |code: u8, msg: String| error_response(base.clone(), code, msg);
     let mismatch = Error::Mismatch {
@@ -123,6 +117,11 @@ pub(super) fn build_response(
         return fail(invalid, rejection_message(&base, &p.rejected));
     }
     if !p.all_cached {
+        // Cached submissions are the validated request itself: only full ones are compared,
+        // so the root builds this list (a pointer per member) only for them.
+        let submitted: Vec<(usize, &Request)> = (0..set.ranks.len())
+            .filter_map(|i| p.request(i).map(|r| (set.ranks[i], &**r)))
+            .collect();
         if let Some(msg) = validate(&name, &submitted) {
             return fail(mismatch, msg);
         }
@@ -161,10 +160,9 @@ pub(super) fn build_response(
     let first_dims = if base.kind == OpKind::Allgather {
         (0..base.tensors.len())
             .map(|t| {
-                p.reqs
-                    .iter()
-                    .map(|r| {
-                        r.as_ref()
+                (0..set.ranks.len())
+                    .map(|i| {
+                        p.request(i)
                             .map_or(0, |r| r.tensors[t].shape.first().copied().unwrap_or(0))
                     })
                     .collect()
@@ -174,9 +172,8 @@ pub(super) fn build_response(
         Vec::new()
     };
     let split_matrix = if base.kind == OpKind::Alltoall {
-        p.reqs
-            .iter()
-            .flat_map(|r| r.as_ref().map(|r| r.splits.clone()).unwrap_or_default())
+        (0..set.ranks.len())
+            .flat_map(|i| p.request(i).map(|r| r.splits.clone()).unwrap_or_default())
             .collect()
     } else {
         Vec::new()

@@ -416,3 +416,92 @@ fn a_relays_claim_counts_for_each_rank_it_names() {
         FromCoordinator::CacheMiss { set_id: 0, .. }
     ));
 }
+
+#[test]
+fn a_full_request_among_claimed_cached_ones_is_checked_against_them() {
+    let size = 70;
+    let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    for r in 0..size {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![Submit::Full(req("g", DType::F32, &[4]))]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
+    out.clear();
+    // Every rank but 65 is claimed from the cache (more than one word of members); rank 65
+    // sends a request of another shape in full, which must fail the op, naming it.
+    let below: Vec<usize> = (0..size).filter(|&r| r != 65).collect();
+    n.claim_cached(&below, 0, id, &mut out);
+    n.flush(&mut out);
+    assert!(out.is_empty(), "ready with rank 65 missing");
+    n.handle(
+        65,
+        ToCoordinator::Submit(vec![Submit::Full(req("g", DType::F32, &[5]))]),
+        &mut out,
+    );
+    n.flush(&mut out);
+    for rank in [0, 64, 65, 69] {
+        let r = responses(&out, rank);
+        let (_, msg) = r[0].error.clone().expect("error response");
+        assert!(msg.contains("'g'") && msg.contains("rank 65"), "{msg}");
+    }
+    // The same op, claimed from the cache by every rank, is answered without an error.
+    out.clear();
+    let all: Vec<usize> = (0..size).collect();
+    n.claim_cached(&all[..30], 0, id, &mut out);
+    n.claim_cached(&all[30..], 0, id, &mut out);
+    n.flush(&mut out);
+    let r = responses(&out, 69);
+    assert!(r[0].error.is_none(), "{:?}", r[0].error);
+    assert_eq!(r[0].items[0].request.name, "g");
+}
+
+/// What one cached global op costs the root's negotiator, as in a job of `size` ranks whose
+/// first 16 ranks submit for themselves and whose other ranks are claimed by 16 relays.
+/// `cargo test --release --lib negotiate::tests::bench -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn bench_cached_op_at_the_root() {
+    for size in [64usize, 256, 1024] {
+        let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+        let mut out = Vec::new();
+        for r in 0..size {
+            n.handle(
+                r,
+                ToCoordinator::Submit(vec![Submit::Full(req("c", DType::F32, &[1]))]),
+                &mut out,
+            );
+        }
+        n.flush(&mut out);
+        let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
+        let per = (size - 16) / 16;
+        let claims: Vec<Vec<usize>> = (0..16)
+            .map(|k| (16 + k * per..if k == 15 { size } else { 16 + (k + 1) * per }).collect())
+            .collect();
+        let ops = 2000;
+        let start = std::time::Instant::now();
+        for _ in 0..ops {
+            out.clear();
+            for r in 0..16 {
+                n.handle(
+                    r,
+                    ToCoordinator::Submit(vec![Submit::Cached { set_id: 0, id }]),
+                    &mut out,
+                );
+            }
+            for below in &claims {
+                n.claim_cached(below, 0, id, &mut out);
+            }
+            n.flush(&mut out);
+            assert_eq!(out.len(), 1);
+        }
+        println!(
+            "{size} ranks: {:.2} us per cached op at the root",
+            start.elapsed().as_secs_f64() * 1e6 / ops as f64
+        );
+    }
+}
