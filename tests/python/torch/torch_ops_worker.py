@@ -88,6 +88,12 @@ def sec_allreduce(c):
                 got = hvd.allreduce_(x, op=OPS[opn])
                 c.ck.true(got is x and x.data_ptr() == ptr, f"{what} in place: same tensor")
                 c.tensor(x, exp, f"{what} in place")
+                if opn == SUM:
+                    # non-contiguous, blocking in place: the general path, written back
+                    v = noncontig(to_torch(xs[c.rank]))
+                    c.ck.true(hvd.allreduce_(v, op=hvd.Sum) is v,
+                              f"{what} non-contiguous in place: same tensor")
+                    c.tensor(v, exp, f"{what} non-contiguous in place")
                 # non-contiguous, async in place: written back through the strided view
                 v = noncontig(to_torch(xs[c.rank]))
                 h = hvd.allreduce_async_(v, op=OPS[opn])
@@ -106,6 +112,21 @@ def sec_allreduce(c):
                  f"allreduce_async {dt} average=True")
     c.ck.raises(ValueError, lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum),
                 "average and op together")
+    # in place into a leaf that requires grad, unnamed, with the factors and average= given
+    # as NumPy scalars; then the arguments the engine declines, refused by name
+    k = c.key()
+    xs = c.inputs(k, np.float32, (6,))
+    w = torch.tensor(xs[c.rank], requires_grad=True)
+    got = hvd.allreduce_(w, average=np.bool_(False), prescale_factor=np.float32(0.5),
+                         postscale_factor=np.float64(3.0))
+    c.ck.true(got is w, "allreduce_ of a leaf that requires grad: same tensor")
+    c.tensor(w.detach(), T.ref_reduce(xs, SUM, np.float32, c.n, pre=0.5, post=3.0),
+             "allreduce_ of a leaf that requires grad, scaled")
+    for bad in (True, "sum", 99):
+        c.ck.raises(ValueError, lambda: hvd.allreduce_(torch.ones(2), op=bad),
+                    f"allreduce_ op={bad!r}", contains=("not a reduction",))
+    c.ck.raises(ValueError, lambda: hvd.allreduce_(torch.ones(2), average=True, op=hvd.Sum),
+                "allreduce_ with average and op together")
 
 
 def sec_grouped(c):
