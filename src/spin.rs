@@ -36,6 +36,14 @@ pub(crate) fn crowded() -> bool {
     CROWDED.load(Ordering::Relaxed)
 }
 
+/// The least a crowded wait of the fast path yields before it blocks (unless waits block at
+/// once, `FERROVOD_SPIN_US=0`). With 32 ranks to a core a peer can be off its core for a
+/// scheduler slice (0.75-3 ms with the kernel's defaults) while the waiter's 250 us run out,
+/// and every wait then costs a wake-up: a 4-byte allreduce on 64 ranks and 2 cores took
+/// 1.2-1.9 ms with 250 us and 1.06 ms with 2 ms (Open MPI, which never blocks: 1.07-1.13);
+/// from 4 to 32 ranks the two were within each other's noise.
+pub(crate) const CROWDED_SPIN: Duration = Duration::from_millis(2);
+
 /// A yield this long means another thread had the core: a system call alone takes about a
 /// microsecond, and a scheduler slice hundreds.
 const CONTENDED: Duration = Duration::from_micros(50);

@@ -179,7 +179,11 @@ impl Engine {
             } else {
                 config.fast_path_bytes
             },
-            config.spin,
+            if crowded && !config.spin.is_zero() {
+                config.spin.max(crate::spin::CROWDED_SPIN)
+            } else {
+                config.spin
+            },
             config.stall_check,
         ));
         // A timeline from the start records every op, so none may bypass the engine.
