@@ -2,7 +2,9 @@
 ``init()`` asks :func:`address_and_secret` before it starts the engine.
 
 Under ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks agree over MPI (mpi4py); under
-torchrun whose agent store the workers may use, through that store. Either way rank 0 picks an
+torchrun whose agent store the workers may use, through that store; and where torch's
+variables describe the job and its process group is already up (Ray Train's ``TorchTrainer``,
+a script that calls ``init_process_group`` first), through that group's store. Either way rank 0 picks an
 address of its own every other host can reach, a free port and (unless ``FERROVOD_SECRET`` is
 set) a random secret, and every rank gets the same answer — or the same error. Everything else
 about the launch (which launcher, rank, size, the address when the environment gives it) is
@@ -30,7 +32,44 @@ def address_and_secret(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optio
         return over_mpi(comm, info)
     if info["agent_store"] is not None:
         return through_agent_store(info)
+    store = torch_group_store(info)
+    if store is not None:
+        return through_group_store(store, info)
     return None, None
+
+
+#: How many rendezvous this process made through torch's process group: each ``init()`` takes
+#: its own keys in the group's store, and every rank calls ``init()`` as often.
+_group_rounds = 0
+
+
+def torch_group_store(info: Dict[str, Any]) -> Optional[Any]:
+    """The store of torch's default process group, when this rank's job comes from the torch
+    variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) with no rendezvous address of ours,
+    and the script (or Ray Train's ``TorchTrainer``, which does it before the training function
+    runs) has started that group: its store then holds ``MASTER_PORT``. torch is looked up,
+    never imported."""
+    if info["launcher"] != "torchrun" or os.environ.get("FERROVOD_RENDEZVOUS_ADDR"):
+        return None
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size() != info["size"] or dist.get_rank() != info["rank"]:
+        raise InvalidArgumentError(
+            f"torch's process group has rank {dist.get_rank()} of {dist.get_world_size()} but "
+            f"RANK and WORLD_SIZE say rank {info['rank']} of {info['size']}: set "
+            "FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> on every rank instead")
+    return dist.distributed_c10d._get_default_store()
+
+
+def through_group_store(store: Any, info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
+    """The exchange of :func:`through_agent_store`, through the store of torch's process
+    group: rank 0 picks an address and a free port of its own, so ferrovod's store never
+    contends for ``MASTER_PORT``."""
+    global _group_rounds
+    _group_rounds += 1
+    return exchange(store, f"ferrovod/rendezvous/{_group_rounds}/", info,
+                    "torch's process group store")
 
 
 def is_world_comm(comm: Any) -> bool:
@@ -105,6 +144,17 @@ def through_agent_store(info: Dict[str, Any]) -> Tuple[Optional[str], Optional[b
     timeout = datetime.timedelta(seconds=float(info["start_timeout"]))
     try:
         store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"finding a rendezvous address through torchrun's store at {endpoint}: {e}. Set "
+            "FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> on every rank instead") from None
+    return exchange(store, prefix, info, f"torchrun's store at {endpoint}")
+
+
+def exchange(store: Any, prefix: str, info: Dict[str, Any], what: str) -> Tuple[str, Optional[bytes]]:
+    """Every rank puts its host identity under ``prefix`` in a torch store; rank 0 answers
+    (:func:`answer`) under the same prefix, and every rank returns that answer."""
+    try:
         me = host_identity(info)
         store.set(f"{prefix}host/{info['rank']}", json.dumps(me))
         if info["rank"] == 0:
@@ -114,10 +164,10 @@ def through_agent_store(info: Dict[str, Any]) -> Tuple[Optional[str], Optional[b
         status, text, secret_hex = json.loads(store.get(f"{prefix}reply"))
     except (RuntimeError, OSError, ValueError) as e:
         raise InvalidArgumentError(
-            f"finding a rendezvous address through torchrun's store at {endpoint}: {e}. Set "
+            f"finding a rendezvous address through {what}: {e}. Set "
             "FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> on every rank instead") from None
     if status != "ok":
-        raise InvalidArgumentError(f"finding a rendezvous address through torchrun's store: {text}")
+        raise InvalidArgumentError(f"finding a rendezvous address through {what}: {text}")
     return text, bytes.fromhex(secret_hex) if secret_hex else None
 
 

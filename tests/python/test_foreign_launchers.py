@@ -85,6 +85,21 @@ def test_pytorchjob_environment_without_torchrun():
     _assert_all_ok(_run_ranks(envs), 3)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_ranks_whose_torch_process_group_holds_master_port():
+    """Ray Train's TorchTrainer sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and starts
+    torch's process group (its store on MASTER_PORT) before the training function runs: init()
+    agrees on its own rendezvous through that group's store rather than taking the port."""
+    port = _free_port_pair()
+    envs = []
+    for r in range(3):
+        e = _base_env()
+        e.update(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="3",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        envs.append(e)
+    _assert_all_ok(_run_ranks(envs, mode="torch_group", timeout=120), 3)
+
+
 def test_open_mpi_environment_with_an_explicit_rendezvous():
     addr = f"127.0.0.1:{_free_port()}"
     envs = []

@@ -10,6 +10,12 @@ import numpy as np
 import ferrovod as fv
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "ops"
+if mode == "torch_group":
+    # As Ray Train's TorchTrainer (or a script calling init_process_group first) does: torch's
+    # process group already serves its store on MASTER_PORT.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
 fv.init()
 r, n = fv.rank(), fv.size()
 out = fv.allreduce(np.full(5, r + 1, np.float64), op=fv.Sum, name="sum")
@@ -37,5 +43,13 @@ if mode == "cut":
     except fv.FerrovodError as e:
         print(f"ERR {type(e).__name__} {time.time():.3f} {e}", flush=True)
         sys.exit(0)
+if mode == "torch_group":
+    # A second init() agrees on its rendezvous through the same group again.
+    fv.shutdown()
+    fv.init()
+    out = fv.allreduce(np.full(3, r, np.float64), op=fv.Sum, name="again")
+    assert (out == n * (n - 1) / 2).all(), out
+    dist.barrier()
+    dist.destroy_process_group()
 print(f"OK rank={r} size={n} local_rank={fv.local_rank()} local_size={fv.local_size()} "
       f"cross_size={fv.cross_size()}", flush=True)
