@@ -32,6 +32,23 @@ fn responses(out: &Outbox, to: usize) -> Vec<Response> {
         .collect()
 }
 
+/// A negotiator of `size` ranks that has answered a float32 allreduce `name` of `shape` once,
+/// every rank submitting it in full, and the cache id that answer gave it.
+fn answered_once(size: usize, name: &str, shape: &[usize]) -> (Negotiator, u64) {
+    let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    for r in 0..size {
+        n.handle(
+            r,
+            ToCoordinator::Submit(vec![Submit::Full(req(name, DType::F32, shape))]),
+            &mut out,
+        );
+    }
+    n.flush(&mut out);
+    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
+    (n, id)
+}
+
 #[test]
 fn ready_only_when_every_rank_submitted_in_any_order() {
     let mut n = Negotiator::new(3, &[], 1 << 20, 16);
@@ -99,18 +116,8 @@ fn mismatch_names_tensor_and_ranks() {
 
 #[test]
 fn cached_submissions_replay_and_fuse() {
-    let mut n = Negotiator::new(2, &[], 1 << 20, 16);
+    let (mut n, id) = answered_once(2, "x", &[4]);
     let mut out = Vec::new();
-    for r in 0..2 {
-        n.handle(
-            r,
-            ToCoordinator::Submit(vec![Submit::Full(req("x", DType::F32, &[4]))]),
-            &mut out,
-        );
-    }
-    n.flush(&mut out);
-    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
-    out.clear();
     for r in 0..2 {
         n.handle(
             r,
@@ -376,18 +383,8 @@ fn an_answer_every_rank_gets_is_one_message_for_all_of_them() {
 #[test]
 fn a_relays_claim_counts_for_each_rank_it_names() {
     let size = 40;
-    let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+    let (mut n, id) = answered_once(size, "c", &[4]);
     let mut out = Vec::new();
-    for r in 0..size {
-        n.handle(
-            r,
-            ToCoordinator::Submit(vec![Submit::Full(req("c", DType::F32, &[4]))]),
-            &mut out,
-        );
-    }
-    n.flush(&mut out);
-    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
-    out.clear();
     // Ranks 8..40 are claimed by a relay (twice: the second copy counts for nothing), ranks
     // 0..8 submit for themselves; the op is ready with the last of them, not before.
     let below: Vec<usize> = (8..size).collect();
@@ -420,18 +417,8 @@ fn a_relays_claim_counts_for_each_rank_it_names() {
 #[test]
 fn a_full_request_among_claimed_cached_ones_is_checked_against_them() {
     let size = 70;
-    let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+    let (mut n, id) = answered_once(size, "g", &[4]);
     let mut out = Vec::new();
-    for r in 0..size {
-        n.handle(
-            r,
-            ToCoordinator::Submit(vec![Submit::Full(req("g", DType::F32, &[4]))]),
-            &mut out,
-        );
-    }
-    n.flush(&mut out);
-    let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
-    out.clear();
     // Every rank but 65 is claimed from the cache (more than one word of members); rank 65
     // sends a request of another shape in full, which must fail the op, naming it.
     let below: Vec<usize> = (0..size).filter(|&r| r != 65).collect();
@@ -467,17 +454,8 @@ fn a_full_request_among_claimed_cached_ones_is_checked_against_them() {
 #[ignore = "a measurement, not a check"]
 fn bench_cached_op_at_the_root() {
     for size in [64usize, 256, 1024] {
-        let mut n = Negotiator::new(size, &[], 1 << 20, 16);
+        let (mut n, id) = answered_once(size, "c", &[1]);
         let mut out = Vec::new();
-        for r in 0..size {
-            n.handle(
-                r,
-                ToCoordinator::Submit(vec![Submit::Full(req("c", DType::F32, &[1]))]),
-                &mut out,
-            );
-        }
-        n.flush(&mut out);
-        let id = responses(&out, 0)[0].items[0].cache_id.expect("cached");
         let per = (size - 16) / 16;
         let claims: Vec<Vec<usize>> = (0..16)
             .map(|k| (16 + k * per..if k == 15 { size } else { 16 + (k + 1) * per }).collect())
