@@ -217,26 +217,22 @@ fn allreduce_now<'py>(
 /// The reduction `op`/`average` name when they are the plain forms (`op` an `int` code of an
 /// elementwise reduction, or `average` a `bool`, or neither: Average); `None` for anything
 /// the general path must judge.
-fn plain_reduction<'py>(op: &Bound<'py, PyAny>, average: &Bound<'py, PyAny>) -> Option<u8> {
-    fn given<'a, 'py>(o: &'a Bound<'py, PyAny>) -> Option<&'a Bound<'py, PyAny>> {
-        (!o.is_none()).then_some(o)
-    }
-    let code = match (given(op), given(average)) {
-        (None, None) => ReduceOp::Average as u8,
-        (None, Some(a)) => {
-            let a = a.cast_exact::<pyo3::types::PyBool>().ok()?;
-            if a.is_true() {
+fn plain_reduction(op: &Bound<'_, PyAny>, average: &Bound<'_, PyAny>) -> Option<u8> {
+    let code = match (op.is_none(), average.is_none()) {
+        (true, true) => ReduceOp::Average as u8,
+        (true, false) => {
+            if average.cast_exact::<pyo3::types::PyBool>().ok()?.is_true() {
                 ReduceOp::Average as u8
             } else {
                 ReduceOp::Sum as u8
             }
         }
-        (Some(o), None) => o
+        (false, true) => op
             .cast_exact::<pyo3::types::PyInt>()
             .ok()?
             .extract::<u8>()
             .ok()?,
-        (Some(_), Some(_)) => return None,
+        (false, false) => return None,
     };
     match ReduceOp::from_code(code) {
         Ok(ReduceOp::Adasum) | Err(_) => None,
