@@ -19,6 +19,7 @@ in the namespaces and removes them. Needs root, iproute2, util-linux ``unshare``
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -32,6 +33,10 @@ from typing import Dict, List, Optional, Sequence
 SUBNET = "10.213.8"
 SSH_PORT = 2222
 SSHD = "/usr/sbin/sshd"
+# Held by a cluster from its first put_etc until its close: a directory that put_etc adds to
+# the machine's /etc is shared by every test run here, so a second run (another checkout's
+# suite) must not see it half-made or remove it under a launcher still starting.
+ETC_LOCK = "/run/lock/ferrovod-netns-etc.lock"
 
 
 def missing_tools() -> Optional[str]:
@@ -81,6 +86,7 @@ class Cluster:
         self._sshd: List[subprocess.Popen] = []
         self._etc_dirs: List[Path] = []
         self._created_dirs: List[Path] = []
+        self._etc_lock: Optional[int] = None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -224,10 +230,15 @@ class Cluster:
 
         ``ip netns exec`` bind-mounts each entry of ``/etc/netns/<ns>/`` over the same name in
         ``/etc``, which must exist: a missing top directory is created empty and removed again
-        by :meth:`close`.
+        by :meth:`close`. The cluster holds ``ETC_LOCK`` from here to :meth:`close`, so
+        clusters of concurrent test runs on this machine take their turns with such a directory.
         """
         top = relpath.split("/", 1)[0]
         target = Path("/etc") / top
+        if "/" in relpath and self._etc_lock is None:
+            os.makedirs(os.path.dirname(ETC_LOCK), exist_ok=True)
+            self._etc_lock = os.open(ETC_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self._etc_lock, fcntl.LOCK_EX)
         if "/" in relpath and not target.exists():
             target.mkdir()
             self._created_dirs.append(target)
@@ -310,4 +321,7 @@ class Cluster:
                 made.rmdir()
             except OSError:
                 pass
+        if self._etc_lock is not None:
+            os.close(self._etc_lock)
+            self._etc_lock = None
 
