@@ -46,6 +46,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dic
 
     from .flags import build_parser
     from .launch import Exchange, _run
+    from .outcome import first_failure
 
     argv = ["-np", str(np)]
     for flag, value in (("--min-np", min_np), ("--max-np", max_np),
@@ -88,12 +89,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[Dic
         raise ValueError(f"ferrovod.run: {exc}") from None
     except RuntimeError as exc:
         failure = exc
-    raised = sorted((t, rank, tb) for rank, (kind, tb, t) in results.items() if kind == "error")
-    if raised:
-        _, rank, tb = raised[0]
-        others = [r for _, r, _ in raised[1:]]
-        also = f" (then rank(s) {others}, most likely because of it)" if others else ""
-        raise RuntimeError(f"ferrovod.run: rank {rank} raised an exception{also}:\n{tb}")
+    raised = first_failure("ferrovod.run", results)
+    if raised is not None:
+        raise raised
     if failure is not None:
         raise RuntimeError(f"ferrovod.run: {failure}") from None
     missing = [r for r in range(size) if r not in results]

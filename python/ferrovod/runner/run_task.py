@@ -10,12 +10,12 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Tuple
 
+from .outcome import Outcome, capture
 from .run_func import FUNC_KEY, SIZE_KEY, result_key
 
 
-def _pickled(outcome: Tuple[str, Any, float]) -> bytes:
+def _pickled(outcome: Outcome) -> bytes:
     import cloudpickle
 
     try:
@@ -40,15 +40,14 @@ def main() -> int:
     if payload is None:
         sys.stderr.write("ferrovod.runner.run_task: the launcher gave no function to run\n")
         return 2
-    try:
-        func, args, kwargs = cloudpickle.loads(payload)
-        outcome: Tuple[str, Any, float] = ("ok", func(*args, **kwargs), time.time())
-        code = 0
-    except SystemExit:
-        raise  # a worker an elastic job removed leaves no result: its rank went to another
-    except BaseException:  # noqa: BLE001 - the caller gets the traceback, naming the rank
-        # The time tells the first failure from the others it caused.
-        outcome, code = ("error", traceback.format_exc(), time.time()), 1
+
+    def call() -> object:
+        func, args, kwargs = cloudpickle.loads(payload)  # a missing module is this rank's error
+        return func(*args, **kwargs)
+
+    # SystemExit passes: a worker an elastic job removed leaves no result, its rank went on.
+    outcome = capture(call)
+    code = 0 if outcome[0] == "ok" else 1
     # The rank of the job's last membership (an elastic worker's may have changed).
     rank, size = int(os.environ.get("FERROVOD_RANK", "0")), int(os.environ.get("FERROVOD_SIZE", "1"))
     store.set(result_key(rank), _pickled(outcome))

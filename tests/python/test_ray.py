@@ -1,0 +1,209 @@
+"""``ferrovod.ray.RayExecutor`` on a real local Ray cluster (started here, on loopback): ranks
+as Ray actors, results against NumPy and a one-process torch reference, and every failure the
+executor must turn into a clear error in bounded time."""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import WORKERS
+
+# Ray puts a one-node cluster on the machine's routed address, even when given 127.0.0.1,
+# unless told (before it is imported) that this is no multi-node cluster; tests use loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray", reason="make test installs ray (scripts/setup_venv.sh)")
+
+sys.path.insert(0, str(WORKERS))
+import ray_tasks as T  # noqa: E402
+
+from ferrovod.ray import RayExecutor  # noqa: E402
+
+CPUS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A one-node Ray cluster of ``CPUS`` logical CPUs on 127.0.0.1; its GCS address."""
+    # The actors inherit this process's environment: they import ray_tasks by reference.
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH",)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
+    ray.init(num_cpus=CPUS, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
+             log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def settings(**kw):
+    kw.setdefault("timeout_s", 60)
+    kw.setdefault("placement_group_timeout_s", 30)
+    return RayExecutor.create_settings(**kw)
+
+
+@pytest.fixture
+def executor(cluster):
+    made = []
+
+    def make(**kw):
+        s = kw.pop("settings", None) or settings()
+        ex = RayExecutor(s, **kw)
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.shutdown()
+
+
+def test_run_returns_every_ranks_results_checked_against_numpy(executor):
+    ex = executor(num_workers=3)
+    ex.start()
+    results = ex.run(T.collectives)
+    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
+    for rank, _, out in results:
+        for dtype in T.DTYPES:
+            for shape in T.SHAPES:
+                xs = [T.rank_input(r, dtype, shape).astype(np.float64) for r in range(3)]
+                want = {
+                    "sum": np.sum(xs, axis=0), "min": np.min(xs, axis=0),
+                    "max": np.max(xs, axis=0), "average": np.mean(xs, axis=0),
+                    "allgather": np.concatenate(
+                        [np.concatenate([T.rank_input(r, dtype, shape, salt=1)] * (r + 1))
+                         for r in range(3)]),
+                    "broadcast": xs[2],
+                }
+                for op, expected in want.items():
+                    if (op, dtype, shape) not in out:
+                        assert op == "average" and not dtype.startswith("float")
+                        continue
+                    got = out[op, dtype, shape]
+                    assert got.dtype == np.dtype(dtype), (rank, op, dtype, shape)
+                    tol = 1e-2 if dtype == "float16" else 1e-6
+                    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol,
+                                               err_msg=f"rank {rank} {op} {dtype} {shape}")
+
+
+def test_ranks_know_their_host_and_the_executor_keeps_its_actors(executor):
+    ex = executor(num_hosts=1, num_workers_per_host=2, cpus_per_worker=2)
+    ex.start(extra_env_vars={"RAY_TEST_EXTRA": "from the driver"})
+    first = ex.run(T.topology)
+    assert [t["rank"] for t in first] == [0, 1]
+    for t in first:
+        assert (t["size"], t["local_size"], t["cross_rank"], t["cross_size"]) == (2, 2, 0, 1)
+        assert t["hostname"] == "127.0.0.1"
+        assert t["extra"] == "from the driver"
+        assert t["omp"] == "2"  # Ray gives a 2-CPU actor's thread pools 2 threads
+    assert [t["local_rank"] for t in first] == [0, 1]
+    again = ex.run(T.topology)
+    assert [t["pid"] for t in again] == [t["pid"] for t in first]
+
+
+def test_execute_hands_each_rank_its_executable(executor):
+    ex = executor(num_workers=2)
+    ex.start(executable_cls=T.Counter, executable_args=[10], executable_kwargs={"step": 5})
+    assert ex.execute(lambda c: c.bump()) == [30, 30]  # (10 + 5) on each rank, summed
+    assert ex.execute(lambda c: c.bump()) == [40, 40]
+    assert ex.execute_single(lambda c: c.value) == 20
+    refs = ex.run_remote(T.raise_on, args=[-1])
+    assert ray.get(refs) == [[2.0, 2.0, 2.0]] * 2
+
+
+def test_distributed_optimizer_matches_one_process_on_the_whole_batch(executor):
+    torch = pytest.importorskip("torch")
+    steps, batch = 5, 12
+    ex = executor(num_workers=3)
+    ex.start()
+    weights = ex.run(T.torch_train, args=[steps, batch])
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = T.global_batch(batch)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for rank, w in enumerate(weights):
+        for name, ref in model.state_dict().items():
+            np.testing.assert_allclose(w[name], ref.numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank} {name}")
+
+
+def test_a_raising_rank_is_named_with_its_traceback_and_the_job_goes_on(executor):
+    ex = executor(num_workers=3)
+    ex.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        ex.run(T.raise_on, args=[1])
+    text = str(err.value)
+    assert "ferrovod.ray: rank 1 raised an exception" in text
+    assert "ValueError: rank 1 refuses its batch" in text and "in raise_on" in text
+    assert time.monotonic() - t0 < 30
+    # Every rank returned (the others' allreduce failed with their peer's engine gone), so
+    # the actors are still there and the next call works.
+    assert ex.run(T.raise_on, args=[-1]) == [[3.0, 3.0, 3.0]] * 3
+
+
+def test_ranks_stuck_behind_a_failed_peer_are_stopped(executor):
+    ex = executor(num_workers=3)
+    ex.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        ex.run(T.raise_before_init_on, args=[2])
+    assert "rank 2 raised an exception" in str(err.value)
+    assert "KeyError: 'no such dataset'" in str(err.value)
+    assert time.monotonic() - t0 < 30  # not the 60 s start timeout the others wait under
+    with pytest.raises(RuntimeError, match=r"stopped after a failed call \(rank\(s\) \[0, 1\]"):
+        ex.run(T.topology)
+
+
+def test_an_actor_that_dies_is_named(executor):
+    ex = executor(num_workers=3)
+    ex.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the actor of rank 1 died"):
+        ex.run(T.exit_on, args=[1])
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_job_too_big_for_the_cluster_fails_after_the_placement_timeout(executor, cluster):
+    ex = executor(num_workers=CPUS + 1, settings=settings(placement_group_timeout_s=3))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        ex.start()
+    assert 3 <= time.monotonic() - t0 < 30
+    text = str(err.value)
+    assert "within 3 s (placement_group_timeout_s)" in text
+    assert f"asked for {CPUS + 1} bundle(s) of {{'CPU': 1.0}}" in text
+    assert not ex.workers
+    # Nothing is left reserved: a job that fits starts at once.
+    fits = executor(num_workers=CPUS, settings=settings(placement_group_timeout_s=10))
+    fits.start()
+    assert len(fits.run(T.topology)) == CPUS
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "give num_workers, or num_hosts"),
+    ({"num_workers": 2, "num_hosts": 1}, "give num_workers, or num_hosts"),
+    ({"num_workers": 0}, "num_workers must be a positive integer"),
+    ({"num_workers": 2, "min_workers": 1}, "not both"),
+    ({"max_workers": 4}, "max_workers needs a positive min_workers"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayExecutor(settings(), **kwargs)
+
+
+def test_calls_before_start_say_so(executor):
+    ex = executor(num_workers=2)
+    with pytest.raises(RuntimeError, match="call start"):
+        ex.run(T.topology)

@@ -1,0 +1,128 @@
+"""Functions that test_ray.py runs on every rank of a ``ferrovod.ray.RayExecutor`` job.
+
+They live in a module of their own (on the actors' ``PYTHONPATH``) so that Ray ships them by
+reference, as a user's own module would be.
+"""
+
+import os
+
+import numpy as np
+
+DTYPES = ("float32", "float64", "int32", "int64", "float16")
+SHAPES = ((1,), (7,), (3, 5), (2, 3, 3))
+
+
+def rank_input(rank, dtype, shape, salt=0):
+    """What ``rank`` contributes (the test recomputes it for its reference)."""
+    rng = np.random.default_rng([rank, DTYPES.index(dtype), len(shape), salt])
+    return (rng.integers(-20, 20, size=shape)).astype(dtype)
+
+
+def collectives():
+    """Allreduce (sum, average, min, max), a ragged allgather and a broadcast from the last
+    rank, over every dtype and shape; returns this rank's outputs by (op, dtype, shape)."""
+    import ferrovod as fv
+
+    fv.init()
+    rank, size = fv.rank(), fv.size()
+    out = {}
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            x = rank_input(rank, dtype, shape)
+            out["sum", dtype, shape] = fv.allreduce(x, op=fv.Sum)
+            if dtype.startswith("float"):
+                out["average", dtype, shape] = fv.allreduce(x, op=fv.Average)
+            out["min", dtype, shape] = fv.allreduce(x, op=fv.Min)
+            out["max", dtype, shape] = fv.allreduce(x, op=fv.Max)
+            ragged = np.concatenate([rank_input(rank, dtype, shape, salt=1)] * (rank + 1))
+            out["allgather", dtype, shape] = fv.allgather(ragged)
+            out["broadcast", dtype, shape] = fv.broadcast(x, root_rank=size - 1)
+    return rank, size, out
+
+
+def topology():
+    """This rank's place in the job, as ferrovod and its environment say."""
+    import ferrovod as fv
+
+    fv.init()
+    return {
+        "rank": fv.rank(), "size": fv.size(), "local_rank": fv.local_rank(),
+        "local_size": fv.local_size(), "cross_rank": fv.cross_rank(),
+        "cross_size": fv.cross_size(), "hostname": os.environ.get("FERROVOD_HOSTNAME"),
+        "pid": os.getpid(), "extra": os.environ.get("RAY_TEST_EXTRA"),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+class Counter:
+    """An ``executable_cls``: state that lives in the actor between calls."""
+
+    def __init__(self, start, step=1):
+        self.value = start
+        self.step = step
+
+    def bump(self):
+        import ferrovod as fv
+
+        fv.init()
+        self.value += self.step
+        return int(fv.allreduce(np.array([self.value]), op=fv.Sum)[0])
+
+
+def raise_on(bad_rank):
+    """Every rank joins an allreduce, except ``bad_rank``, which raises first."""
+    import ferrovod as fv
+
+    fv.init()
+    if fv.rank() == bad_rank:
+        raise ValueError(f"rank {bad_rank} refuses its batch")
+    return fv.allreduce(np.ones(3), op=fv.Sum).tolist()
+
+
+def raise_before_init_on(bad_rank):
+    """``bad_rank`` raises before it ever calls init(): the others wait for it in init()."""
+    import ferrovod as fv
+
+    if int(os.environ["FERROVOD_RANK"]) == bad_rank:
+        raise KeyError("no such dataset")
+    fv.init()
+    return fv.allreduce(np.ones(3), op=fv.Sum).tolist()
+
+
+def exit_on(bad_rank):
+    """``bad_rank``'s process ends (an OOM kill, a segfault) while the others reduce."""
+    import ferrovod as fv
+
+    fv.init()
+    if fv.rank() == bad_rank:
+        os._exit(3)
+    return fv.allreduce(np.ones(3), op=fv.Sum).tolist()
+
+
+def torch_train(steps, batch):
+    """``steps`` of SGD on this rank's shard of one fixed global batch through
+    ``DistributedOptimizer``; returns the final weights (rank 0's broadcast at the start)."""
+    import torch
+
+    import ferrovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(1234 + hvd.rank())  # different on purpose: broadcast must fix it
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = global_batch(batch)
+    mine = slice(hvd.rank() * batch // hvd.size(), (hvd.rank() + 1) * batch // hvd.size())
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def global_batch(batch):
+    import torch
+
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(batch, 6, generator=g), torch.randn(batch, 2, generator=g)
