@@ -6,6 +6,7 @@
 #   openmpi-bin     Open MPI's mpirun (tests of workers started by mpirun, with mpi4py);
 #   mpich           MPICH's mpiexec.hydra (workers started by Hydra). Open MPI keeps the
 #                   `mpirun` name: Debian ranks its alternative higher.
+#   default-jre-headless  Java for Spark (ferrovod.spark's tests on a local Spark).
 # Installed only when missing and only as root; otherwise the tests that need them skip and
 # say why.
 set -euo pipefail
@@ -15,6 +16,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v mpiexec.hydra >/dev/null 2>&1 || need+=(mpich)
+command -v java >/dev/null 2>&1 || need+=(default-jre-headless)
 if [ "${#need[@]}" = 0 ]; then
     exit 0
 fi

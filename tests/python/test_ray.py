@@ -17,7 +17,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="make test installs ray (scripts/setup_venv.sh)")
 
 sys.path.insert(0, str(WORKERS))
-import ray_tasks as T  # noqa: E402
+import func_tasks as T  # noqa: E402
 
 from ferrovod.ray import RayExecutor  # noqa: E402
 
@@ -27,7 +27,7 @@ CPUS = 4
 @pytest.fixture(scope="module")
 def cluster():
     """A one-node Ray cluster of ``CPUS`` logical CPUs on 127.0.0.1; its GCS address."""
-    # The actors inherit this process's environment: they import ray_tasks by reference.
+    # The actors inherit this process's environment: they import func_tasks by reference.
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH",)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
     ray.init(num_cpus=CPUS, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
@@ -94,7 +94,7 @@ def test_run_returns_every_ranks_results_checked_against_numpy(executor):
 
 def test_ranks_know_their_host_and_the_executor_keeps_its_actors(executor):
     ex = executor(num_hosts=1, num_workers_per_host=2, cpus_per_worker=2)
-    ex.start(extra_env_vars={"RAY_TEST_EXTRA": "from the driver"})
+    ex.start(extra_env_vars={"FUNC_TEST_EXTRA": "from the driver"})
     first = ex.run(T.topology)
     assert [t["rank"] for t in first] == [0, 1]
     for t in first:

@@ -1,7 +1,8 @@
-"""Functions that test_ray.py runs on every rank of a ``ferrovod.ray.RayExecutor`` job.
+"""Functions that test_ray.py and test_spark.py run on every rank (``ferrovod.ray``'s
+executor, ``ferrovod.spark.run``).
 
-They live in a module of their own (on the actors' ``PYTHONPATH``) so that Ray ships them by
-reference, as a user's own module would be.
+They live in a module of their own, on the ranks' ``PYTHONPATH``, so that they travel by
+reference, as a user's own module's functions would.
 """
 
 import os
@@ -49,8 +50,8 @@ def topology():
         "rank": fv.rank(), "size": fv.size(), "local_rank": fv.local_rank(),
         "local_size": fv.local_size(), "cross_rank": fv.cross_rank(),
         "cross_size": fv.cross_size(), "hostname": os.environ.get("FERROVOD_HOSTNAME"),
-        "pid": os.getpid(), "extra": os.environ.get("RAY_TEST_EXTRA"),
-        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "pid": os.getpid(), "extra": os.environ.get("FUNC_TEST_EXTRA"),
+        "omp": os.environ.get("OMP_NUM_THREADS"), "launcher": os.environ.get("FERROVOD_LAUNCHER"),
     }
 
 
@@ -87,6 +88,18 @@ def raise_before_init_on(bad_rank):
         raise KeyError("no such dataset")
     fv.init()
     return fv.allreduce(np.ones(3), op=fv.Sum).tolist()
+
+
+def say_hello():
+    """One line on stdout and one on stderr from every rank."""
+    import sys
+
+    import ferrovod as fv
+
+    fv.init()
+    print(f"hello from rank {fv.rank()}")
+    print(f"warning from rank {fv.rank()}", file=sys.stderr)
+    return fv.rank()
 
 
 def exit_on(bad_rank):
