@@ -37,7 +37,8 @@ done
 # PyYAML reads the Kubernetes examples in their tests; pytest-xdist runs the suite in two
 # processes (most tests wait on the jobs they launch). tensorflow-cpu and keras (Keras 3) are for
 # ferrovod.tensorflow / ferrovod.keras, their tests and examples; >=2.16 is the first TensorFlow
-# that ships Keras 3, the line Horovod 0.28 cannot run on. ray and pyspark are for ferrovod.ray,
+# that ships Keras 3, the line Horovod 0.28 cannot run on. ray (with Ray Train, whose trainers
+# ferrovod runs inside) and pyspark are for ferrovod.ray,
 # ferrovod.spark and their tests (a local Ray cluster and a local Spark the tests start; Spark's
 # Java comes from scripts/system_deps.sh).
 PACKAGES=(
@@ -56,7 +57,7 @@ PACKAGES=(
     "PyYAML>=6"
     "tensorflow-cpu>=2.16,<3"
     "keras>=3,<4"
-    "ray>=2.40,<3"
+    "ray[train]>=2.40,<3"
     "pyspark>=3.5,<5"
 )
 

@@ -207,3 +207,61 @@ def test_calls_before_start_say_so(executor):
     ex = executor(num_workers=2)
     with pytest.raises(RuntimeError, match="call start"):
         ex.run(T.topology)
+
+
+# -- ferrovod inside Ray Train's own trainers, with no settings ------------------------------
+
+
+def _fit(trainer_cls, loop, config, tmp_path, name):
+    from ray.train import RunConfig, ScalingConfig
+
+    trainer = trainer_cls(loop, train_loop_config=config,
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(storage_path=str(tmp_path / "ray_train"),
+                                               name=name))
+    trainer.fit()
+    found = sorted(p.name for p in tmp_path.glob(f"{name.split('_')[0]}-*.npz"))
+    return found, [dict(np.load(tmp_path / f)) for f in found]
+
+
+def test_inside_ray_trains_torch_trainer(cluster, tmp_path):
+    """torch's process group already holds MASTER_PORT in a TorchTrainer worker; ferrovod
+    agrees on its own store through that group's store."""
+    torch = pytest.importorskip("torch")
+    from ray.train.torch import TorchTrainer
+
+    steps, batch = 3, 8
+    found, weights = _fit(TorchTrainer, T.ray_train_torch_loop,
+                          {"steps": steps, "batch": batch, "out": str(tmp_path)},
+                          tmp_path, "torch_trainer")
+    assert found == ["torch-0-of-2.npz", "torch-1-of-2.npz"]
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = T.global_batch(batch)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for rank, w in enumerate(weights):
+        for name, ref in model.state_dict().items():
+            np.testing.assert_allclose(w[name], ref.numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank} {name}")
+
+
+def test_keras_fit_inside_ray_trains_tensorflow_trainer(cluster, tmp_path):
+    """The multi-worker Keras 3 fit that TensorFlow's own strategy does not give: the
+    trainer's TF_CONFIG is all ferrovod needs. Different data and initial weights on each
+    rank end in the same weights, and the loss falls."""
+    pytest.importorskip("tensorflow")
+    from ray.train.tensorflow import TensorflowTrainer
+
+    found, runs = _fit(TensorflowTrainer, T.ray_train_keras_loop,
+                       {"epochs": 3, "out": str(tmp_path)}, tmp_path, "keras_trainer")
+    assert found == ["keras-0-of-2.npz", "keras-1-of-2.npz"]
+    for run in runs:
+        assert run["loss"][-1] < run["loss"][0], run["loss"]
+    names = [k for k in runs[0] if k.startswith("arr_")]
+    assert len(names) == 4
+    for k in names:
+        np.testing.assert_allclose(runs[1][k], runs[0][k], rtol=1e-6, atol=1e-7, err_msg=k)

@@ -139,3 +139,35 @@ def global_batch(batch):
 
     g = torch.Generator().manual_seed(99)
     return torch.randn(batch, 6, generator=g), torch.randn(batch, 2, generator=g)
+
+
+def ray_train_torch_loop(config):
+    """A Ray Train ``TorchTrainer`` worker loop that uses ferrovod.torch and no settings:
+    ``torch_train``'s steps, its weights saved under ``config["out"]`` by rank."""
+    import ferrovod.torch as hvd
+
+    weights = torch_train(config["steps"], config["batch"])
+    np.savez(os.path.join(config["out"], f"torch-{hvd.rank()}-of-{hvd.size()}.npz"), **weights)
+
+
+def ray_train_keras_loop(config):
+    """A Ray Train ``TensorflowTrainer`` worker loop: Keras 3 ``fit`` with ferrovod's
+    ``DistributedOptimizer`` on this rank's shard (different on every rank, as are the initial
+    weights); its final weights and loss history saved under ``config["out"]`` by rank."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
+    import ferrovod.tensorflow.keras as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(7 + hvd.rank())
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = (x @ np.arange(8, dtype="float32") / 8.0)[:, None]
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=config["epochs"], verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    np.savez(os.path.join(config["out"], f"keras-{hvd.rank()}-of-{hvd.size()}.npz"),
+             loss=np.array(history.history["loss"]), *model.get_weights())
