@@ -3,13 +3,14 @@ as Ray actors, results against NumPy and a one-process torch reference, and ever
 executor must turn into a clear error in bounded time."""
 
 import os
+import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import WORKERS
+from conftest import REPO, WORKERS
 
 # Ray puts a one-node cluster on the machine's routed address, even when given 127.0.0.1,
 # unless told (before it is imported) that this is no multi-node cluster; tests use loopback.
@@ -265,3 +266,16 @@ def test_keras_fit_inside_ray_trains_tensorflow_trainer(cluster, tmp_path):
     assert len(names) == 4
     for k in names:
         np.testing.assert_allclose(runs[1][k], runs[0][k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("keras", [False, True], ids=["executor_torch", "trainer_keras"])
+def test_the_example_trains(cluster, keras):
+    """examples/ray_digits.py on this cluster: pytorch_digits.py on the executor, or
+    keras_digits.py inside TensorflowTrainer."""
+    cmd = [sys.executable, str(REPO / "examples" / "ray_digits.py"), "--address", cluster,
+           "--workers", "2", "--epochs", "2"] + (["--keras"] if keras else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    assert "ranks: 2" in out and "test accuracy:" in out, out[-6000:]

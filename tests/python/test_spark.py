@@ -6,13 +6,14 @@ import io
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import WORKERS, live_pids_with_arg
+from conftest import REPO, WORKERS, live_pids_with_arg
 
 pyspark = pytest.importorskip("pyspark", reason="make test installs pyspark (scripts/setup_venv.sh)")
 
@@ -167,3 +168,16 @@ def test_more_ranks_than_slots_fail_after_the_start_timeout(spark):
 def test_bad_num_proc(spark):
     with pytest.raises(ValueError, match="num_proc must be a positive integer"):
         ferrovod.spark.run(T.topology, num_proc=0)
+
+
+@pytest.mark.parametrize("keras", [False, True], ids=["torch", "keras"])
+def test_the_example_trains(keras):
+    """examples/spark_digits.py with its own local Spark: pytorch_digits.py or
+    keras_digits.py, unchanged, one rank per barrier task."""
+    cmd = [sys.executable, str(REPO / "examples" / "spark_digits.py"), "--num-proc", "2",
+           "--epochs", "2"] + (["--keras"] if keras else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **_ENV))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    assert "ranks: 2" in out and "test accuracy:" in out, out[-6000:]
