@@ -46,6 +46,8 @@ MODULES = {
     "horovod.keras.elastic": "ferrovod.keras.elastic",
     "horovod.common.exceptions": "ferrovod.common.exceptions",
     "horovod.data": "ferrovod.data",
+    "horovod.ray": "ferrovod.ray",
+    "horovod.spark": "ferrovod.spark",
 }
 _SOURCES = {
     "horovod": "horovod/__init__.py",
@@ -62,6 +64,8 @@ _SOURCES = {
     "horovod.keras.elastic": "horovod/keras/elastic.py",
     "horovod.common.exceptions": "horovod/common/exceptions.py",
     "horovod.data": "horovod/data/__init__.py",
+    "horovod.ray": "horovod/ray/__init__.py",
+    "horovod.spark": "horovod/spark/__init__.py",
 }
 
 # -- what ferrovod does not provide, and why -------------------------------------------------
@@ -86,6 +90,12 @@ NAMES_NOT_PROVIDED: Dict[Tuple[str, str], str] = {
     ("horovod.torch.elastic", "run_fn"): _HELPER + " (ferrovod's is ferrovod.common.elastic.run_fn)",
     ("horovod.tensorflow.elastic", "run_fn"): _HELPER + " (ferrovod's is "
                                               "ferrovod.common.elastic.run_fn)",
+    ("horovod.ray", "BaseHorovodWorker"): "the executor's actor class; ferrovod's is private "
+                                          "(state of your own goes in start()'s executable_cls)",
+    ("horovod.ray", "ElasticRayExecutor"): "elastic jobs on Ray are not supported yet "
+                                           "(RayExecutor's min_workers raises "
+                                           "NotImplementedError)",
+    ("horovod.spark", "run_elastic"): "elastic jobs on Spark are not supported yet",
 }
 
 FLAGS_NOT_PROVIDED: Dict[str, str] = {}
@@ -131,9 +141,14 @@ VARIABLES: Dict[str, str] = {
     "HOROVOD_WITH_GLOO": "a variable of Horovod's build (pip install compiles it); ferrovod's "
                          "one wheel is built once, with everything",
     "HOROVOD_WITH_MPI": "as HOROVOD_WITH_GLOO",
-    "HOROVOD_SPARK_PYTHONPATH": "no Spark integration",
-    "HOROVOD_SPARK_START_TIMEOUT": "no Spark integration",
-    "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "no Spark integration",
+    "HOROVOD_SPARK_PYTHONPATH": "not read: ferrovod.spark's ranks inherit their executor's "
+                                "environment, PYTHONPATH included",
+    "HOROVOD_SPARK_START_TIMEOUT": "read by ferrovod.spark.run, after "
+                                   "FERROVOD_SPARK_START_TIMEOUT: seconds for every task to "
+                                   "start (600 by default)",
+    "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "not read: ferrovod.spark's ranks see their "
+                                              "executor's GPUs as Spark leaves them and pick "
+                                              "theirs (e.g. by local rank)",
     "HOROVOD_SPARK_WORK_DIR": "no Spark integration",
 }
 

@@ -289,6 +289,15 @@ NAMES = {
         'BaseDataLoader',
         'AsyncDataLoaderMixin',
     ],
+    'horovod.ray': [
+        'BaseHorovodWorker',
+        'RayExecutor',
+        'ElasticRayExecutor',
+    ],
+    'horovod.spark': [
+        'run',
+        'run_elastic',
+    ],
 }
 
 FLAGS = [
