@@ -296,6 +296,19 @@ class Cluster:
                 return left
             time.sleep(0.2)
 
+    def kill_host(self, host: str) -> List[int]:
+        """SIGKILLs every process on ``host`` (its sshd too): the host is lost, as to a power
+        cut, while its network stays. Returns the pids killed."""
+        res = _sh("ip", "netns", "pids", self.hosts[host].ns, check=False)
+        killed = []
+        for pid in res.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+            except (ProcessLookupError, ValueError):
+                pass
+        return killed
+
     # -- teardown ---------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -2,7 +2,9 @@
 as Ray actors, results against NumPy and a one-process torch reference, and every failure the
 executor must turn into a clear error in bounded time."""
 
+import importlib.util
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -15,7 +17,11 @@ from conftest import REPO, WORKERS
 # Ray puts a one-node cluster on the machine's routed address, even when given 127.0.0.1,
 # unless told (before it is imported) that this is no multi-node cluster; tests use loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-ray = pytest.importorskip("ray", reason="make test installs ray (scripts/setup_venv.sh)")
+# A token of this cluster's own: by default every new local cluster writes ~/.ray/auth_token,
+# which would lock out the other test clusters running at the same time.
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("make test installs ray (scripts/setup_venv.sh)", allow_module_level=True)
 
 sys.path.insert(0, str(WORKERS))
 import func_tasks as T  # noqa: E402
@@ -29,6 +35,8 @@ CPUS = 4
 def cluster():
     """A one-node Ray cluster of ``CPUS`` logical CPUs on 127.0.0.1; its GCS address."""
     # The actors inherit this process's environment: they import func_tasks by reference.
+    import ray
+
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH",)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
     ray.init(num_cpus=CPUS, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
@@ -114,28 +122,21 @@ def test_execute_hands_each_rank_its_executable(executor):
     assert ex.execute(lambda c: c.bump()) == [30, 30]  # (10 + 5) on each rank, summed
     assert ex.execute(lambda c: c.bump()) == [40, 40]
     assert ex.execute_single(lambda c: c.value) == 20
+    import ray
+
     refs = ex.run_remote(T.raise_on, args=[-1])
     assert ray.get(refs) == [[2.0, 2.0, 2.0]] * 2
 
 
 def test_distributed_optimizer_matches_one_process_on_the_whole_batch(executor):
-    torch = pytest.importorskip("torch")
     steps, batch = 5, 12
     ex = executor(num_workers=3)
     ex.start()
     weights = ex.run(T.torch_train, args=[steps, batch])
-
-    torch.manual_seed(1234)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = T.global_batch(batch)
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    reference = T.in_fresh_python("torch_reference", steps, batch)
     for rank, w in enumerate(weights):
-        for name, ref in model.state_dict().items():
-            np.testing.assert_allclose(w[name], ref.numpy(), rtol=1e-5, atol=1e-6,
+        for name, ref in reference.items():
+            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
                                        err_msg=f"rank {rank} {name}")
 
 
@@ -213,40 +214,22 @@ def test_calls_before_start_say_so(executor):
 # -- ferrovod inside Ray Train's own trainers, with no settings ------------------------------
 
 
-def _fit(trainer_cls, loop, config, tmp_path, name):
-    from ray.train import RunConfig, ScalingConfig
-
-    trainer = trainer_cls(loop, train_loop_config=config,
-                          scaling_config=ScalingConfig(num_workers=2),
-                          run_config=RunConfig(storage_path=str(tmp_path / "ray_train"),
-                                               name=name))
-    trainer.fit()
-    found = sorted(p.name for p in tmp_path.glob(f"{name.split('_')[0]}-*.npz"))
+def _fit(cluster, kind, config, tmp_path):
+    T.in_fresh_python("ray_train_fit", cluster, kind, dict(config, out=str(tmp_path)))
+    found = sorted(p.name for p in tmp_path.glob(f"{kind}-*.npz"))
     return found, [dict(np.load(tmp_path / f)) for f in found]
 
 
 def test_inside_ray_trains_torch_trainer(cluster, tmp_path):
     """torch's process group already holds MASTER_PORT in a TorchTrainer worker; ferrovod
     agrees on its own store through that group's store."""
-    torch = pytest.importorskip("torch")
-    from ray.train.torch import TorchTrainer
-
     steps, batch = 3, 8
-    found, weights = _fit(TorchTrainer, T.ray_train_torch_loop,
-                          {"steps": steps, "batch": batch, "out": str(tmp_path)},
-                          tmp_path, "torch_trainer")
+    found, weights = _fit(cluster, "torch", {"steps": steps, "batch": batch}, tmp_path)
     assert found == ["torch-0-of-2.npz", "torch-1-of-2.npz"]
-    torch.manual_seed(1234)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = T.global_batch(batch)
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    reference = T.in_fresh_python("torch_reference", steps, batch)
     for rank, w in enumerate(weights):
-        for name, ref in model.state_dict().items():
-            np.testing.assert_allclose(w[name], ref.numpy(), rtol=1e-5, atol=1e-6,
+        for name, ref in reference.items():
+            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
                                        err_msg=f"rank {rank} {name}")
 
 
@@ -254,11 +237,7 @@ def test_keras_fit_inside_ray_trains_tensorflow_trainer(cluster, tmp_path):
     """The multi-worker Keras 3 fit that TensorFlow's own strategy does not give: the
     trainer's TF_CONFIG is all ferrovod needs. Different data and initial weights on each
     rank end in the same weights, and the loss falls."""
-    pytest.importorskip("tensorflow")
-    from ray.train.tensorflow import TensorflowTrainer
-
-    found, runs = _fit(TensorflowTrainer, T.ray_train_keras_loop,
-                       {"epochs": 3, "out": str(tmp_path)}, tmp_path, "keras_trainer")
+    found, runs = _fit(cluster, "keras", {"epochs": 3}, tmp_path)
     assert found == ["keras-0-of-2.npz", "keras-1-of-2.npz"]
     for run in runs:
         assert run["loss"][-1] < run["loss"][0], run["loss"]

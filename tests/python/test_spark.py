@@ -2,6 +2,7 @@
 barrier tasks, results against NumPy and a one-process torch reference, output forwarding, and
 every failure turned into a clear error in bounded time with no task left behind."""
 
+import importlib.util
 import io
 import os
 import re
@@ -9,13 +10,16 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import REPO, WORKERS, live_pids_with_arg
 
-pyspark = pytest.importorskip("pyspark", reason="make test installs pyspark (scripts/setup_venv.sh)")
+if importlib.util.find_spec("pyspark") is None:
+    pytest.skip("make test installs pyspark (scripts/setup_venv.sh)", allow_module_level=True)
 
 sys.path.insert(0, str(WORKERS))
 import func_tasks as T  # noqa: E402
@@ -56,11 +60,30 @@ def spark():
                 os.environ[k] = v
 
 
-def no_ranks_left(within=10.0):
+def marked():
+    """A variable for ``run(env=...)`` that tells this call's rank processes from any other
+    test's (``ferrovod.run`` starts run_task processes too)."""
+    return {"FUNC_TEST_MARK": uuid.uuid4().hex}
+
+
+def no_ranks_left(mark, within=10.0):
+    """No process of the call whose ranks had ``mark`` is alive ``within`` seconds on."""
+    needle = f"FUNC_TEST_MARK={mark['FUNC_TEST_MARK']}".encode()
+
+    def alive():
+        found = []
+        for pid in live_pids_with_arg("ferrovod.runner.run_task"):
+            try:
+                if needle in Path(f"/proc/{pid}/environ").read_bytes():
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
     deadline = time.monotonic() + within
-    while live_pids_with_arg("ferrovod.runner.run_task") and time.monotonic() < deadline:
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
-    return live_pids_with_arg("ferrovod.runner.run_task") == []
+    return alive() == []
 
 
 def test_run_returns_every_ranks_results_checked_against_numpy(spark):
@@ -118,49 +141,42 @@ def test_output_goes_to_the_given_streams_by_rank(spark):
 
 
 def test_distributed_optimizer_matches_one_process_on_the_whole_batch(spark):
-    torch = pytest.importorskip("torch")
     steps, batch = 4, 12
     weights = ferrovod.spark.run(T.torch_train, args=(steps, batch), num_proc=3, verbose=0)
-    torch.manual_seed(1234)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = T.global_batch(batch)
-    for _ in range(steps):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    reference = T.in_fresh_python("torch_reference", steps, batch)
     for rank, w in enumerate(weights):
-        for name, ref in model.state_dict().items():
-            np.testing.assert_allclose(w[name], ref.numpy(), rtol=1e-5, atol=1e-6,
+        for name, ref in reference.items():
+            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
                                        err_msg=f"rank {rank} {name}")
 
 
 def test_a_raising_rank_is_named_with_its_traceback(spark):
-    t0 = time.monotonic()
+    t0, mark = time.monotonic(), marked()
     with pytest.raises(RuntimeError) as err:
-        ferrovod.spark.run(T.raise_on, args=(1,), num_proc=3, verbose=0)
+        ferrovod.spark.run(T.raise_on, args=(1,), num_proc=3, verbose=0, env=mark)
     text = str(err.value)
     assert "ferrovod.spark.run: rank 1 raised an exception" in text
     assert "ValueError: rank 1 refuses its batch" in text and "in raise_on" in text
     assert time.monotonic() - t0 < 60
-    assert no_ranks_left()
+    assert no_ranks_left(mark)
 
 
 def test_a_rank_whose_process_dies_is_named(spark):
+    mark = marked()
     with pytest.raises(RuntimeError, match="the process of rank 2 ended with exit code 3"):
-        ferrovod.spark.run(T.exit_on, args=(2,), num_proc=3, verbose=0)
-    assert no_ranks_left()
+        ferrovod.spark.run(T.exit_on, args=(2,), num_proc=3, verbose=0, env=mark)
+    assert no_ranks_left(mark)
 
 
 def test_more_ranks_than_slots_fail_after_the_start_timeout(spark):
-    t0 = time.monotonic()
+    t0, mark = time.monotonic(), marked()
     with pytest.raises(TimeoutError) as err:
-        ferrovod.spark.run(T.topology, num_proc=SLOTS + 1, start_timeout=4, verbose=0)
+        ferrovod.spark.run(T.topology, num_proc=SLOTS + 1, start_timeout=4, verbose=0, env=mark)
     assert 4 <= time.monotonic() - t0 < 40
     text = str(err.value)
     assert f"Spark started 0 of {SLOTS + 1} task(s) within 4 s (start_timeout)" in text
     assert f"this Spark has {SLOTS} (spark.default.parallelism)" in text
-    assert no_ranks_left()
+    assert no_ranks_left(mark)
     # The cancelled stage holds no slot: a job that fits runs at once.
     assert len(ferrovod.spark.run(T.topology, num_proc=SLOTS, verbose=0)) == SLOTS
 

@@ -171,3 +171,77 @@ def ray_train_keras_loop(config):
                         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     np.savez(os.path.join(config["out"], f"keras-{hvd.rank()}-of-{hvd.size()}.npz"),
              loss=np.array(history.history["loss"]), *model.get_weights())
+
+
+def allreduce_until(seconds, mark_dir):
+    """Allreduces for ``seconds`` after ``init()``, leaving ``<mark_dir>/started-<rank>`` (its
+    host's name inside) once the job has formed, so that a test can fail a host mid-run;
+    returns how many it did."""
+    import time
+
+    import ferrovod as fv
+
+    fv.init()
+    with open(os.path.join(mark_dir, f"started-{fv.rank()}"), "w") as f:
+        f.write(os.environ.get("FERROVOD_HOSTNAME", ""))
+    end, done = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        fv.allreduce(np.ones(1024, dtype=np.float32), op=fv.Sum)
+        done += 1
+    return done
+
+
+def torch_reference(steps, batch):
+    """What ``torch_train`` must end with on every rank: one process, rank 0's initial
+    weights, the whole batch each step. Plain torch, no ferrovod."""
+    import torch
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = global_batch(batch)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def in_fresh_python(name, *args):
+    """``name(*args)`` from this module, called in a new interpreter (test processes keep
+    torch, TensorFlow and Ray's libraries out of one address space: together they abort)."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys, func_tasks; "
+            "sys.stdout.buffer.write(pickle.dumps(getattr(func_tasks, sys.argv[1])"
+            "(*pickle.loads(bytes.fromhex(sys.argv[2])))))")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
+    res = subprocess.run([sys.executable, "-c", code, name, pickle.dumps(args).hex()],
+                         capture_output=True, env=env, timeout=300)
+    if res.returncode != 0:
+        raise RuntimeError(f"{name}{args} failed:\n{res.stderr.decode(errors='replace')}")
+    return pickle.loads(res.stdout)
+
+
+def ray_train_fit(address, kind, config):
+    """Runs a Ray Train trainer (``kind`` "torch": ``TorchTrainer`` with
+    ``ray_train_torch_loop``; "keras": ``TensorflowTrainer`` with ``ray_train_keras_loop``) of
+    2 workers on the cluster at ``address``, as a driver of its own."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+
+    ray.init(address=address, log_to_driver=False)
+    if kind == "torch":
+        from ray.train.torch import TorchTrainer as Trainer
+        loop = ray_train_torch_loop
+    else:
+        from ray.train.tensorflow import TensorflowTrainer as Trainer
+        loop = ray_train_keras_loop
+    Trainer(loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(storage_path=os.path.join(config["out"], "ray_train"),
+                                 name=kind)).fit()
+    ray.shutdown()
