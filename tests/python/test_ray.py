@@ -29,6 +29,9 @@ import func_tasks as T  # noqa: E402
 from ferrovod.ray import RayExecutor  # noqa: E402
 
 CPUS = 4
+# One pytest-xdist worker runs the module: one Ray cluster for all its tests, not one per
+# worker competing for the same cores.
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.fixture(scope="module")

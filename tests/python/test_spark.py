@@ -27,6 +27,8 @@ import func_tasks as T  # noqa: E402
 import ferrovod.spark  # noqa: E402
 
 SLOTS = 3
+# One pytest-xdist worker runs the module: one Spark (a JVM) for all its tests.
+pytestmark = pytest.mark.xdist_group("spark")
 # What the fixture sets while the session lives: the ranks' Python (this one, which has
 # ferrovod), their path to func_tasks, and loopback for Spark itself.
 _ENV = {"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
@@ -197,3 +199,17 @@ def test_the_example_trains(keras):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert "ranks: 2" in out and "test accuracy:" in out, out[-6000:]
+
+
+def test_inside_sparks_torch_distributor(spark):
+    """Spark's own TorchDistributor, one barrier task per process (each starts torchrun):
+    ferrovod.torch finds its job from torchrun's variables, with no settings. It returns rank
+    0's result: the weights of one process on the whole batch."""
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    steps, batch = 3, 8
+    weights = TorchDistributor(num_processes=2, local_mode=False,
+                               use_gpu=False).run(T.torch_train, steps, batch)
+    reference = T.in_fresh_python("torch_reference", steps, batch)
+    for name, ref in reference.items():
+        np.testing.assert_allclose(weights[name], ref, rtol=1e-5, atol=1e-6, err_msg=name)
