@@ -169,6 +169,8 @@ def test_ranks_stuck_behind_a_failed_peer_are_stopped(executor):
     assert time.monotonic() - t0 < 30  # not the 60 s start timeout the others wait under
     with pytest.raises(RuntimeError, match=r"stopped after a failed call \(rank\(s\) \[0, 1\]"):
         ex.run(T.topology)
+    ex.start()  # a new job on new actors
+    assert [t["size"] for t in ex.run(T.topology)] == [3, 3, 3]
 
 
 def test_an_actor_that_dies_is_named(executor):

@@ -157,6 +157,7 @@ class RayExecutor:
             ray.init()
         if self.workers:
             raise RuntimeError(f"{WHO}: start() was already called; shutdown() first")
+        self._broken = None
         try:
             self._start(executable_cls, list(executable_args or []),
                         dict(executable_kwargs or {}), dict(extra_env_vars or {}))
