@@ -61,7 +61,7 @@ class RayExecutor:
     Args:
         settings: from :meth:`create_settings`.
         num_workers: number of ranks, placed where Ray finds room (packed onto few nodes).
-        num_hosts: instead of ``num_workers``: this many nodes, one per node at most...
+        num_hosts: instead of ``num_workers``: this many nodes, all different...
         num_workers_per_host: ...with this many ranks on each.
         cpus_per_worker: CPUs Ray reserves for each rank (its thread pools get as many).
         use_gpu: reserve ``gpus_per_worker`` GPUs (default 1) for each rank.
