@@ -80,28 +80,7 @@ def test_run_returns_every_ranks_results_checked_against_numpy(executor):
     ex = executor(num_workers=3)
     ex.start()
     results = ex.run(T.collectives)
-    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
-    for rank, _, out in results:
-        for dtype in T.DTYPES:
-            for shape in T.SHAPES:
-                xs = [T.rank_input(r, dtype, shape).astype(np.float64) for r in range(3)]
-                want = {
-                    "sum": np.sum(xs, axis=0), "min": np.min(xs, axis=0),
-                    "max": np.max(xs, axis=0), "average": np.mean(xs, axis=0),
-                    "allgather": np.concatenate(
-                        [np.concatenate([T.rank_input(r, dtype, shape, salt=1)] * (r + 1))
-                         for r in range(3)]),
-                    "broadcast": xs[2],
-                }
-                for op, expected in want.items():
-                    if (op, dtype, shape) not in out:
-                        assert op == "average" and not dtype.startswith("float")
-                        continue
-                    got = out[op, dtype, shape]
-                    assert got.dtype == np.dtype(dtype), (rank, op, dtype, shape)
-                    tol = 1e-2 if dtype == "float16" else 1e-6
-                    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol,
-                                               err_msg=f"rank {rank} {op} {dtype} {shape}")
+    T.check_collectives(results, 3)
 
 
 def test_ranks_know_their_host_and_the_executor_keeps_its_actors(executor):
@@ -136,11 +115,7 @@ def test_distributed_optimizer_matches_one_process_on_the_whole_batch(executor):
     ex = executor(num_workers=3)
     ex.start()
     weights = ex.run(T.torch_train, args=[steps, batch])
-    reference = T.in_fresh_python("torch_reference", steps, batch)
-    for rank, w in enumerate(weights):
-        for name, ref in reference.items():
-            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"rank {rank} {name}")
+    T.check_against_reference(weights, steps, batch)
 
 
 def test_a_raising_rank_is_named_with_its_traceback_and_the_job_goes_on(executor):
@@ -231,11 +206,7 @@ def test_inside_ray_trains_torch_trainer(cluster, tmp_path):
     steps, batch = 3, 8
     found, weights = _fit(cluster, "torch", {"steps": steps, "batch": batch}, tmp_path)
     assert found == ["torch-0-of-2.npz", "torch-1-of-2.npz"]
-    reference = T.in_fresh_python("torch_reference", steps, batch)
-    for rank, w in enumerate(weights):
-        for name, ref in reference.items():
-            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"rank {rank} {name}")
+    T.check_against_reference(weights, steps, batch)
 
 
 def test_keras_fit_inside_ray_trains_tensorflow_trainer(cluster, tmp_path):

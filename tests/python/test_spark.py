@@ -13,7 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import REPO, WORKERS, live_pids_with_arg
@@ -90,28 +89,7 @@ def no_ranks_left(mark, within=10.0):
 
 def test_run_returns_every_ranks_results_checked_against_numpy(spark):
     results = ferrovod.spark.run(T.collectives, num_proc=3, verbose=0)
-    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
-    for rank, _, out in results:
-        for dtype in T.DTYPES:
-            for shape in T.SHAPES:
-                xs = [T.rank_input(r, dtype, shape).astype(np.float64) for r in range(3)]
-                want = {
-                    "sum": np.sum(xs, axis=0), "min": np.min(xs, axis=0),
-                    "max": np.max(xs, axis=0), "average": np.mean(xs, axis=0),
-                    "allgather": np.concatenate(
-                        [np.concatenate([T.rank_input(r, dtype, shape, salt=1)] * (r + 1))
-                         for r in range(3)]),
-                    "broadcast": xs[2],
-                }
-                for op, expected in want.items():
-                    if (op, dtype, shape) not in out:
-                        assert op == "average" and not dtype.startswith("float")
-                        continue
-                    got = out[op, dtype, shape]
-                    assert got.dtype == np.dtype(dtype), (rank, op, dtype, shape)
-                    tol = 1e-2 if dtype == "float16" else 1e-6
-                    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol,
-                                               err_msg=f"rank {rank} {op} {dtype} {shape}")
+    T.check_collectives(results, 3)
 
 
 def test_ranks_share_their_host_and_get_env(spark):
@@ -145,11 +123,7 @@ def test_output_goes_to_the_given_streams_by_rank(spark):
 def test_distributed_optimizer_matches_one_process_on_the_whole_batch(spark):
     steps, batch = 4, 12
     weights = ferrovod.spark.run(T.torch_train, args=(steps, batch), num_proc=3, verbose=0)
-    reference = T.in_fresh_python("torch_reference", steps, batch)
-    for rank, w in enumerate(weights):
-        for name, ref in reference.items():
-            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"rank {rank} {name}")
+    T.check_against_reference(weights, steps, batch)
 
 
 def test_a_raising_rank_is_named_with_its_traceback(spark):
@@ -210,6 +184,4 @@ def test_inside_sparks_torch_distributor(spark):
     steps, batch = 3, 8
     weights = TorchDistributor(num_processes=2, local_mode=False,
                                use_gpu=False).run(T.torch_train, steps, batch)
-    reference = T.in_fresh_python("torch_reference", steps, batch)
-    for name, ref in reference.items():
-        np.testing.assert_allclose(weights[name], ref, rtol=1e-5, atol=1e-6, err_msg=name)
+    T.check_against_reference([weights], steps, batch)  # rank 0's, the one returned

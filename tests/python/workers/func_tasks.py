@@ -245,3 +245,40 @@ def ray_train_fit(address, kind, config):
             run_config=RunConfig(storage_path=os.path.join(config["out"], "ray_train"),
                                  name=kind)).fit()
     ray.shutdown()
+
+
+def check_collectives(results, size):
+    """Asserts that ``collectives()``' results from ``size`` ranks are what NumPy computes
+    from the ranks' inputs: every op, dtype and shape, the dtype kept."""
+    assert [r[:2] for r in results] == [(r, size) for r in range(size)]
+    for rank, _, out in results:
+        for dtype in DTYPES:
+            for shape in SHAPES:
+                xs = [rank_input(r, dtype, shape).astype(np.float64) for r in range(size)]
+                want = {
+                    "sum": np.sum(xs, axis=0), "min": np.min(xs, axis=0),
+                    "max": np.max(xs, axis=0), "average": np.mean(xs, axis=0),
+                    "allgather": np.concatenate(
+                        [np.concatenate([rank_input(r, dtype, shape, salt=1)] * (r + 1))
+                         for r in range(size)]),
+                    "broadcast": xs[size - 1],
+                }
+                for op, expected in want.items():
+                    if (op, dtype, shape) not in out:
+                        assert op == "average" and not dtype.startswith("float")
+                        continue
+                    got = out[op, dtype, shape]
+                    assert got.dtype == np.dtype(dtype), (rank, op, dtype, shape)
+                    tol = 1e-2 if dtype == "float16" else 1e-6
+                    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=tol,
+                                               err_msg=f"rank {rank} {op} {dtype} {shape}")
+
+
+def check_against_reference(weights_by_rank, steps, batch):
+    """Asserts that each rank's ``torch_train`` weights equal ``torch_reference``'s (computed
+    in a fresh interpreter)."""
+    reference = in_fresh_python("torch_reference", steps, batch)
+    for rank, w in enumerate(weights_by_rank):
+        for name, ref in reference.items():
+            np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank} {name}")
