@@ -100,10 +100,9 @@ def run(fn: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = No
         if verbose:
             sys.stderr.write(f"{WHO}: {num_proc} rank(s) as Spark barrier tasks, rendezvous "
                              f"at {job['addr']}\n")
-        statuses = _run_stage(sc, job, num_proc, timeout,
-                              StoreClient(str(server.addr), secret, 30.0))
-        _deliver(statuses, stdout, stderr, prefix_output_with_timestamp)
         client = StoreClient(str(server.addr), secret, 30.0)
+        statuses = _run_stage(sc, job, num_proc, timeout, client)
+        _deliver(statuses, stdout, stderr, prefix_output_with_timestamp)
         outcomes = {}
         for rank in range(num_proc):
             raw = client.get(result_key(rank), 0.0)
