@@ -92,9 +92,6 @@ NAMES_NOT_PROVIDED: Dict[Tuple[str, str], str] = {
                                               "ferrovod.common.elastic.run_fn)",
     ("horovod.ray", "BaseHorovodWorker"): "the executor's actor class; ferrovod's is private "
                                           "(state of your own goes in start()'s executable_cls)",
-    ("horovod.ray", "ElasticRayExecutor"): "elastic jobs on Ray are not supported yet "
-                                           "(RayExecutor's min_workers raises "
-                                           "NotImplementedError)",
     ("horovod.spark", "run_elastic"): "elastic jobs on Spark are not supported yet",
 }
 

@@ -234,3 +234,71 @@ def test_the_example_trains(cluster, keras):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert "ranks: 2" in out and "test accuracy:" in out, out[-6000:]
+
+
+# -- elastic jobs (min_workers, ElasticRayExecutor) --------------------------------------------
+
+
+def _check_elastic(results, size, steps):
+    assert [r["rank"] for r in results] == list(range(size))
+    assert all(r["size"] == size for r in results)
+    # Nothing lost, nothing counted twice, and every rank agrees on the sizes it trained at.
+    assert all(r["counted"] == steps for r in results)
+    assert all(r["sizes"] == results[0]["sizes"] for r in results)
+    want = np.sum([T.rank_input(r, "float64", (7,)) for r in range(size)], axis=0)
+    for r in results:
+        np.testing.assert_allclose(r["sum"], want)
+
+
+def test_an_elastic_job_runs_on_the_nodes_ray_has(cluster):
+    ex = RayExecutor(settings(), min_workers=2, max_workers=3, cpus_per_worker=1,
+                     elastic_timeout=30)
+    ex.start()
+    results = ex.run(T.elastic_count, args=[6])
+    # As many ranks as the node's CPUs hold, up to max_workers.
+    _check_elastic(results, 3, 6)
+    assert results[0]["sizes"] == [3] * 6
+    # A second run is a job of its own.
+    _check_elastic(ex.run(T.elastic_count, kwargs={"steps": 3}), 3, 3)
+    ex.shutdown()
+
+
+def test_an_elastic_job_replaces_a_failed_worker_and_trains_on(cluster):
+    from ferrovod.ray import ElasticRayExecutor
+
+    # The one node is blacklisted for 1 s after the failure; then it takes the failed slot
+    # again, with a new actor, and the survivor hands it the committed state.
+    s = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=30,
+                                           cooldown_range=(1, 1), timeout_s=60)
+    ex = ElasticRayExecutor(s, cpus_per_slot=1)
+    ex.start()
+    fail = {"epoch": 1, "local_rank": 1, "step": 3, "how": "kill"}
+    results = ex.run(T.elastic_count, kwargs={"steps": 8, "fail": fail})
+    _check_elastic(results, 2, 8)
+    # The replacement was started for a later membership.
+    assert sorted(r["started_for"] for r in results) == [1, 2]
+
+
+def test_an_elastic_job_that_cannot_recover_names_the_failed_worker(cluster):
+    ex = RayExecutor(settings(), min_workers=2, max_workers=2, elastic_timeout=3)
+    ex.start()
+    t0 = time.monotonic()
+    fail = {"epoch": 1, "local_rank": 1, "step": 2, "how": "raise"}
+    with pytest.raises(RuntimeError) as err:
+        ex.run(T.elastic_count, kwargs={"steps": 8, "fail": fail})
+    text = str(err.value)
+    # Its node is blacklisted for good: no slot is left, and the elastic timeout ends it.
+    assert "for at least 2 slots" in text, text
+    assert "it raised an exception" in text and "fails at step 2" in text, text
+    assert time.monotonic() - t0 < 40
+
+
+def test_an_elastic_job_waits_for_min_workers_at_most_the_elastic_timeout(cluster):
+    ex = RayExecutor(settings(), min_workers=CPUS + 1, elastic_timeout=2)
+    ex.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"for {CPUS + 1} slots .* found {CPUS}"):
+        ex.run(T.elastic_count, args=[2])
+    assert 2 <= time.monotonic() - t0 < 20
+    with pytest.raises(NotImplementedError, match="elastic job"):
+        ex.run_remote(T.topology)

@@ -1,7 +1,8 @@
 """``ferrovod.ray`` on a Ray cluster of two hosts: network namespaces (netns.py), a head node
 (``ray start --head``) on one and a worker node (``ray start --address``) on the other, the
 driver on the head's host. Ranks are placed per node and numbered by host; a node lost mid-run
-becomes an error naming the lost ranks, in bounded time."""
+becomes an error naming the lost ranks, in bounded time, and in an elastic job a recovery: the
+job trains on without the node, and takes it back when it joins the cluster again."""
 
 import importlib.util
 import json
@@ -44,53 +45,69 @@ def env():
     # The cluster's own token: by default each new cluster writes ~/.ray/auth_token, which
     # would lock out other test clusters running at the same time.
     e.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    # A lost node is marked dead within a few seconds (Ray's default waits about 30).
+    e.update(RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="1000",
+             RAY_health_check_failure_threshold="3")
     return e
+
+
+# Short temporary directories: Ray's Unix sockets live under them (108-byte limit).
+TEMP = Path(f"/tmp/fvray-{uuid.uuid4().hex[:6]}")
+COMMON = ["--block", "--num-cpus", "2", "--disable-usage-stats"]
+PROBE = ("import ray,sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+         "print(sum(n['Alive'] for n in ray.nodes()))")
+
+
+def wait_for(c, head, nodes):
+    """Waits until the cluster has ``nodes`` alive nodes."""
+    deadline = time.monotonic() + 120
+    while True:
+        res = c.run("r0", [sys.executable, "-c", PROBE, head], timeout=60, env=env())
+        if res.returncode == 0 and res.stdout.strip().endswith(str(nodes)):
+            return
+        if time.monotonic() > deadline:
+            logs = "".join(p.read_text(errors="replace")[-3000:]
+                           for p in TEMP.parent.glob(TEMP.name + ".*.log"))
+            pytest.fail(f"the Ray cluster did not reach {nodes} node(s): "
+                        f"{res.stderr[-3000:]}\n{logs}")
+        time.sleep(1)
+
+
+def start_worker_node(c, head, nodes=2):
+    """Starts r1's Ray node (again, after a test killed it) and waits for it to join."""
+    c.popen("r1", [RAY, "start", "--address", head, "--node-ip-address", c.hosts["r1"].ip,
+                   *COMMON], env=env(),
+            stdout=open(TEMP.with_suffix(".r1.log"), "ab"), stderr=-2)
+    wait_for(c, head, nodes)
 
 
 @pytest.fixture(scope="module")
 def ray_hosts(tmp_path_factory):
-    # Short temporary directories: Ray's Unix sockets live under them (108-byte limit).
-    temp = Path(f"/tmp/fvray-{uuid.uuid4().hex[:6]}")
     with Cluster(["r0", "r1"], tmp_path_factory.mktemp("rayhosts")) as c:
         ip = {h: c.hosts[h].ip for h in ("r0", "r1")}
         head = f"{ip['r0']}:{PORT}"
-        common = ["--block", "--num-cpus", "2", "--disable-usage-stats"]
         c.popen("r0", [RAY, "start", "--head", "--port", str(PORT), "--node-ip-address",
-                       ip["r0"], "--temp-dir", str(temp / "r0"), "--include-dashboard=false",
-                       *common], env=env(),
-                stdout=open(temp.with_suffix(".r0.log"), "wb"), stderr=-2)
-        probe = ("import ray,sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-                 "print(sum(n['Alive'] for n in ray.nodes()))")
-
-        def wait_for(nodes):
-            deadline = time.monotonic() + 120
-            while True:
-                res = c.run("r0", [sys.executable, "-c", probe, head], timeout=60, env=env())
-                if res.returncode == 0 and res.stdout.strip().endswith(str(nodes)):
-                    return
-                if time.monotonic() > deadline:
-                    logs = "".join(p.read_text(errors="replace")[-3000:]
-                                   for p in temp.parent.glob(temp.name + ".*.log"))
-                    pytest.fail(f"the Ray cluster did not reach {nodes} node(s): "
-                                f"{res.stderr[-3000:]}\n{logs}")
-                time.sleep(1)
-
-        wait_for(1)
-        c.popen("r1", [RAY, "start", "--address", head, "--node-ip-address", ip["r1"],
-                       *common], env=env(),
-                stdout=open(temp.with_suffix(".r1.log"), "wb"), stderr=-2)
-        wait_for(2)
+                       ip["r0"], "--temp-dir", str(TEMP / "r0"), "--include-dashboard=false",
+                       *COMMON], env=env(),
+                stdout=open(TEMP.with_suffix(".r0.log"), "wb"), stderr=-2)
+        wait_for(c, head, 1)
+        start_worker_node(c, head)
         yield c, head
-    shutil.rmtree(temp, ignore_errors=True)
-    for log in temp.parent.glob(temp.name + ".*.log"):
+    shutil.rmtree(TEMP, ignore_errors=True)
+    for log in TEMP.parent.glob(TEMP.name + ".*.log"):
         log.unlink()
+
+
+def last_json(out):
+    """The driver's one JSON line (Ray may print its own notices after it)."""
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
 def driver(c, head, *args, timeout=240):
     res = c.run("r0", [sys.executable, str(WORKERS / "ray_hosts_driver.py"), head, *args],
                 timeout=timeout, env=env())
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return last_json(res.stdout)
 
 
 def test_ranks_are_numbered_by_node(ray_hosts):
@@ -128,7 +145,69 @@ def test_a_lost_node_is_an_error_naming_its_ranks(ray_hosts, tmp_path):
     c.kill_host("r1")
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
-    got = json.loads(out.strip().splitlines()[-1])
+    got = last_json(out)
     assert got["error"] is not None
     assert any(f"rank {r}" in got["error"] for r in lost), (lost, got["error"])
     assert time.monotonic() - lost_at < 90
+
+
+def _marks(marks, host_ip):
+    """{local rank: (count, size)} of the workers on ``host_ip``, as they last wrote."""
+    got = {}
+    for m in marks.glob(f"at-{host_ip}-*"):
+        text = m.read_text().split()
+        if len(text) == 2:
+            got[int(m.name.rsplit("-", 1)[1])] = (int(text[0]), int(text[1]))
+    return got
+
+
+def _wait(proc, what, cond, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.2)
+
+
+def test_an_elastic_job_loses_a_node_trains_on_and_takes_it_back(ray_hosts, tmp_path):
+    c, head = ray_hosts
+    res = c.run("r0", [sys.executable, "-c", PROBE, head], timeout=60, env=env())
+    if res.stdout.strip().endswith("1"):  # an earlier test killed r1's node
+        start_worker_node(c, head)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    r0, r1 = c.hosts["r0"].ip, c.hosts["r1"].ip
+    proc = c.popen("r0", [sys.executable, str(WORKERS / "ray_hosts_driver.py"), head, "elastic",
+                          str(marks)], env=env(), stdout=-1, stderr=-1, text=True)
+    try:
+        _wait(proc, "4 ranks train on both nodes", lambda: len(_marks(marks, r1)) == 2 and len(
+            _marks(marks, r0)) == 2 and all(n == 4 and k >= 3 for k, n in _marks(marks, r0).values()))
+        c.kill_host("r1")
+        lost_at = time.monotonic()
+        at = _marks(marks, r0)[0][0]
+        _wait(proc, "the 2 ranks left train on", lambda: _marks(marks, r0)[0][1] == 2
+              and _marks(marks, r0)[0][0] >= at + 3)
+        assert time.monotonic() - lost_at < 60
+        start_worker_node(c, head)
+        at = _marks(marks, r0)[0][0]
+        _wait(proc, "the node's new workers join", lambda: _marks(marks, r0)[0][1] == 4
+              and _marks(marks, r0)[0][0] >= at + 3 and len(_marks(marks, r1)) == 2)
+        (marks / "stop").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
+    results = last_json(out)["results"]
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert [r["host"] for r in results] == [r0, r0, r1, r1]
+    # Every rank counted every step once, and saw the job shrink to 2 and grow back to 4.
+    assert all(r["counted"] == len(r["sizes"]) for r in results)
+    assert all(r["sizes"] == results[0]["sizes"] for r in results)
+    sizes = [n for i, n in enumerate(results[0]["sizes"]) if i == 0 or results[0]["sizes"][i - 1] != n]
+    assert sizes == [4, 2, 4], sizes
+    want = np.sum([T.rank_input(r, "float64", (7,)) for r in range(4)], axis=0)
+    for r in results:
+        np.testing.assert_allclose(r["sum"], want)
+    assert "epoch" in err and "blacklisting" in err

@@ -18,8 +18,11 @@ ranks from Ray's node ids, the job's rendezvous store, which runs in the driver)
 calls functions on all of them; the function calls ``ferrovod.init()`` itself. Ray assigns
 GPUs; the ranks of one node see all of that node's assigned GPUs, in local-rank order.
 
-Not yet: elastic jobs (``min_workers``/``max_workers``, ``ElasticRayExecutor``) and drivers
-connected through Ray Client (``ray://``); both raise ``NotImplementedError`` saying so.
+Given ``min_workers`` (or as :class:`ElasticRayExecutor`), the job is elastic: ranks are
+placed on Ray's alive nodes as they come and go (:mod:`ferrovod.ray.elastic`).
+
+Not yet: drivers connected through Ray Client (``ray://``); they get ``NotImplementedError``
+saying so.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from ..runner.hosts import HostInfo, SlotInfo, get_host_assignments
 from ..runner.outcome import Outcome, first_failure
 from ..runner.worker_env import SECRET_VAR, slot_env
+from .elastic import ElasticRayExecutor, RayHostDiscovery
 
-__all__ = ["MiniSettings", "RayExecutor"]
+__all__ = ["MiniSettings", "RayExecutor", "ElasticRayExecutor", "RayHostDiscovery"]
 
 WHO = "ferrovod.ray"
 
@@ -68,8 +72,15 @@ class RayExecutor:
         gpus_per_worker: GPUs per rank when ``use_gpu``.
         use_current_placement_group: when this driver itself runs inside a placement group
             (e.g. a Ray Tune trial), place the ranks in it instead of making a new one.
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-        override_discovery: Horovod's elastic mode; not supported yet.
+        min_workers: instead of ``num_workers``: an elastic job of at least this many ranks,
+            placed on Ray's alive nodes as they come and go (see :mod:`ferrovod.ray.elastic`);
+            its functions use ``ferrovod.elastic.run`` (or their framework's).
+        max_workers: at most this many ranks (elastic).
+        reset_limit: at most this many new memberships after the first (elastic).
+        cooldown_range: ``(LO, HI)``: a failed node comes back after ``LO * 2**n`` seconds,
+            at most ``HI`` (elastic; without it, never).
+        elastic_timeout: how long an elastic job waits for ``min_workers`` slots.
+        override_discovery: accepted for Horovod's signature (hosts are Ray's nodes).
     """
 
     @classmethod
@@ -109,10 +120,21 @@ class RayExecutor:
         if min_workers is not None and num_workers is not None:
             raise ValueError(f"{WHO}: give num_workers (a fixed job) or min_workers (an "
                              "elastic one), not both")
+        self._elastic: Optional[ElasticRayExecutor] = None
         if min_workers is not None:
-            raise NotImplementedError(f"{WHO}: elastic jobs on Ray (min_workers) are not "
-                                      "supported yet; give num_workers")
-        if (num_workers is None) == (num_hosts is None):
+            if num_hosts is not None:
+                raise ValueError(f"{WHO}: num_hosts places a fixed job; an elastic one "
+                                 "(min_workers) takes the nodes Ray has")
+            elastic = ElasticRayExecutor.create_settings(
+                min_num_proc=min_workers, max_num_proc=max_workers, reset_limit=reset_limit,
+                elastic_timeout=elastic_timeout, timeout_s=settings.timeout_s,
+                nics=settings.nics, verbose=settings.verbose,
+                cooldown_range=tuple(cooldown_range) if cooldown_range else None)
+            self._elastic = ElasticRayExecutor(elastic, use_gpu=use_gpu,
+                                               cpus_per_slot=cpus_per_worker,
+                                               gpus_per_slot=gpus_per_worker)
+            num_workers = min_workers
+        elif (num_workers is None) == (num_hosts is None):
             raise ValueError(f"{WHO}: give num_workers, or num_hosts with "
                              "num_workers_per_host, not both")
         for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
@@ -155,6 +177,10 @@ class RayExecutor:
                                       "cluster (e.g. with `ray job submit`)")
         if not ray.is_initialized():
             ray.init()
+        if self._elastic is not None:
+            self._elastic.start(executable_cls, executable_args, executable_kwargs,
+                                extra_env_vars)
+            return
         if self.workers:
             raise RuntimeError(f"{WHO}: start() was already called; shutdown() first")
         self._broken = None
@@ -260,7 +286,12 @@ class RayExecutor:
         ``_AFTER_FAILURE_S`` later, or an actor that died, stops all the actors (``start``
         again to go on).
         ``callbacks`` is accepted for Horovod's signature; as in Horovod's executor, nothing
-        calls it."""
+        calls it.
+
+        Elastic (``min_workers``): the ranks start for this call and end with it; the results
+        are those of the last membership's ranks (see :meth:`ElasticRayExecutor.run`)."""
+        if self._elastic is not None:
+            return self._elastic.run(fn, args=args, kwargs=kwargs)
         self._check()
         return self._gather([w.run.remote(fn, list(args or []), dict(kwargs or {}))
                              for w in self.workers])
@@ -270,18 +301,24 @@ class RayExecutor:
         """Calls ``fn(executable)`` on every rank (the ``executable_cls`` instance made by
         :meth:`start`, or None); returns their results, rank 0's first. Failures as in
         :meth:`run`."""
+        if self._elastic is not None:
+            return self._elastic.execute(fn)
         self._check()
         return self._gather([w.execute.remote(fn) for w in self.workers])
 
     def run_remote(self, fn: Callable[..., Any], args: Optional[Sequence[Any]] = None,
                    kwargs: Optional[Dict[str, Any]] = None) -> List[Any]:
         """Starts ``fn(*args, **kwargs)`` on every rank and returns their ``ObjectRef``s at
-        once, in rank order (``ray.get`` them; a rank's exception comes out of its ref)."""
+        once, in rank order (``ray.get`` them; a rank's exception comes out of its ref).
+        Not in an elastic job, whose ranks live only inside :meth:`run`."""
+        self._not_elastic("run_remote")
         self._check()
         return [w.call.remote(fn, list(args or []), dict(kwargs or {})) for w in self.workers]
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
-        """Calls ``fn(executable)`` on rank 0 only and returns its result."""
+        """Calls ``fn(executable)`` on rank 0 only and returns its result. Not in an
+        elastic job, whose ranks live only inside :meth:`run`."""
+        self._not_elastic("execute_single")
         self._check()
         return self._gather([self.workers[0].execute.remote(fn)])[0]
 
@@ -289,6 +326,8 @@ class RayExecutor:
         """Stops the actors, frees the placement group and stops the job's rendezvous store."""
         import ray
 
+        if self._elastic is not None:
+            self._elastic.shutdown()
         for w in self.workers:
             try:
                 ray.kill(w)
@@ -304,6 +343,12 @@ class RayExecutor:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+    def _not_elastic(self, what: str) -> None:
+        if self._elastic is not None:
+            raise NotImplementedError(f"{WHO}: {what} needs ranks that outlive a call; an "
+                                      "elastic job's (min_workers) start and end with run() "
+                                      "and execute()")
 
     def _check(self) -> None:
         if self._broken is not None:

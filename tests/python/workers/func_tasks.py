@@ -191,6 +191,58 @@ def allreduce_until(seconds, mark_dir):
     return done
 
 
+def elastic_count(steps, fail=None, mark_dir=None, pause_s=0.0, until_file=None):
+    """Elastic training without a framework: an ``ObjectState`` counts ``steps`` steps (or
+    until any rank sees ``until_file``), committed every 2, each step an allreduce of ones
+    (the job's size). ``fail`` =
+    ``{"epoch", "local_rank", "step", "how", "host"}``: the worker started for that epoch in that
+    slot (on that host, if given) raises (``how="raise"``) or kills its process (``"kill"``)
+    when the count reaches ``step``. With ``mark_dir``, each worker leaves
+    ``<mark_dir>/at-<host>-<local rank>`` holding its count and the job's size, and
+    ``pid-<host>-<local rank>`` its process id and its parent's. Returns this rank's rank, size,
+    count, the sizes it saw, its host, and a final sum of ``rank_input`` over the ranks."""
+    import signal
+    import time
+
+    import ferrovod as fv
+
+    started_for = int(os.environ["FERROVOD_ELASTIC_EPOCH"])
+    slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
+    host = os.environ["FERROVOD_HOSTNAME"]
+    fv.init()
+    state = fv.elastic.ObjectState(step=0, counted=0, sizes=[])
+
+    @fv.elastic.run
+    def train(state):
+        while state.step < steps:
+            if (fail and state.step == fail["step"] and started_for == fail["epoch"]
+                    and slot_lr == fail["local_rank"] and fail.get("host", host) == host):
+                if fail["how"] == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ValueError(f"worker {host}[{slot_lr}] fails at step {state.step}")
+            stop = float(until_file is not None and os.path.exists(until_file))
+            n = fv.allreduce(np.array([1.0, stop]), op=fv.Sum, name="elastic.step")
+            state.counted += 1
+            state.sizes.append(int(n[0]))
+            state.step += 1
+            if mark_dir:
+                with open(os.path.join(mark_dir, f"at-{host}-{slot_lr}"), "w") as f:
+                    f.write(f"{state.step} {int(n[0])}")
+                with open(os.path.join(mark_dir, f"pid-{host}-{slot_lr}"), "w") as f:
+                    f.write(f"{os.getpid()} {os.getppid()}")
+            if state.step % 2 == 0 or n[1] > 0:
+                state.commit()
+            if n[1] > 0:
+                break
+            time.sleep(pause_s)
+
+    train(state)
+    total = fv.allreduce(rank_input(fv.rank(), "float64", (7,)), op=fv.Sum, name="elastic.end")
+    return {"rank": fv.rank(), "size": fv.size(), "counted": state.counted,
+            "sizes": state.sizes, "host": host, "sum": total.tolist(),
+            "started_for": started_for}
+
+
 def torch_reference(steps, batch):
     """What ``torch_train`` must end with on every rank: one process, rank 0's initial
     weights, the whole batch each step. Plain torch, no ferrovod."""

@@ -33,17 +33,17 @@ import math
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ... import _elastic
 from ..._defaults import default
 from ...common.elastic import HostUpdateResult
 from ..hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile_text
-from ..supervisor import SpawnError, Supervisor, WorkerSpec, describe_status
+from ..supervisor import SpawnError, describe_status
 from . import constants
 
 __all__ = ["ElasticSettings", "Discovery", "DiscoveryError", "Blacklist", "ElasticDriver",
-           "DISCOVER_HOSTS_FREQUENCY_SECS", "ELASTIC_TIMEOUT_SECS"]
+           "HostSource", "WorkerPool", "DISCOVER_HOSTS_FREQUENCY_SECS", "ELASTIC_TIMEOUT_SECS"]
 
 # The two names below are Horovod's (horovod.runner.elastic.driver), which scripts and tests
 # written for Horovod patch; the driver reads them each time it needs them.
@@ -80,6 +80,42 @@ class ElasticSettings:
     slots_per_host: Optional[int]
     #: How many hosts the first membership waits for (besides -np slots).
     min_start_hosts: int = 1
+    #: How long the first membership waits for its slots (default: ``timeout_s``).
+    start_timeout_s: Optional[float] = None
+    #: What the user calls ``min_np`` in the driver's messages (the launcher's flag, or an
+    #: API's argument).
+    min_np_name: str = "--min-np"
+
+
+class HostSource(Protocol):
+    """Where the driver learns which hosts it may use: :class:`Discovery` (a script, or a
+    fixed list), or Ray's cluster state (:mod:`ferrovod.ray.elastic`)."""
+
+    #: Whether a later answer may list hosts this one did not (waiting for hosts can help).
+    dynamic: bool
+
+    def find(self) -> List[HostInfo]:
+        """The hosts available now, with their slots; raises :class:`DiscoveryError`."""
+
+
+class WorkerPool(Protocol):
+    """What starts and watches the workers the driver asks for: ``ferrovodrun``'s
+    :class:`~ferrovod.runner.supervisor.Supervisor` (processes, local or over ssh), or Ray
+    actors (:mod:`ferrovod.ray.elastic`). A worker is known by the number its spec gives."""
+
+    def add(self, specs: Sequence[Any]) -> None:
+        """Starts the workers of ``specs`` (what ``spec_for`` built); raises ``SpawnError``."""
+
+    def next_event(self, timeout: float) -> Optional[Tuple[str, int, int]]:
+        """The next ``("exit", worker, status)`` (a negative status: killed by that signal)
+        or ``("signal", -1, signum)`` (the launcher was asked to stop), or None after
+        ``timeout`` seconds."""
+
+    def keep_reaping(self, on: bool) -> None:
+        """While on, no worker left is not the end of the job (between two memberships)."""
+
+    def stop(self) -> None:
+        """Stops every worker still running."""
 
 
 class DiscoveryError(RuntimeError):
@@ -87,7 +123,10 @@ class DiscoveryError(RuntimeError):
 
 
 class Discovery:
-    """The hosts available now: the script's answer, or the fixed list."""
+    """The hosts available now: the script's answer, or the fixed list.
+
+    ``dynamic``: whether a later answer may list hosts this one did not (a script may; a
+    fixed list never does), so that waiting for hosts can help."""
 
     def __init__(self, settings: ElasticSettings, environ: Dict[str, str],
                  run: Callable[[str, float], "subprocess.CompletedProcess[str]"]) -> None:
@@ -95,6 +134,7 @@ class Discovery:
         self._script = settings.script
         self._fixed = settings.fixed_hosts
         self._default_slots = settings.slots_per_host
+        self.dynamic = self._script is not None
         if self._default_slots is None:
             text = environ.get("OMPI_MCA_orte_set_default_slots", "").strip()
             if text.isdigit() and int(text) > 0:
@@ -187,12 +227,12 @@ class _Membership:
 class ElasticDriver:
     """Runs an elastic job to its end; see the module doc.
 
-    ``spec_for(slot, wid, epoch)`` builds the :class:`WorkerSpec` of a new worker for ``slot``
-    (output prefix ``wid``), ``store`` is the launcher's rendezvous server (``set(key, value)``).
+    ``spec_for(slot, wid, epoch)`` builds what ``supervisor`` starts a new worker for ``slot``
+    from (numbered ``wid``), ``store`` is the launcher's rendezvous server (``set(key, value)``).
     """
 
-    def __init__(self, settings: ElasticSettings, discovery: Discovery, store: object,
-                 supervisor: Supervisor, spec_for: Callable[[SlotInfo, int, int], WorkerSpec],
+    def __init__(self, settings: ElasticSettings, discovery: HostSource, store: object,
+                 supervisor: WorkerPool, spec_for: Callable[[SlotInfo, int, int], Any],
                  log: Log, verbose: bool = False,
                  prepare: Optional[Callable[[List[SlotInfo]], Dict[Tuple[str, int],
                                                                    Dict[str, str]]]] = None
@@ -350,10 +390,13 @@ class ElasticDriver:
         # most the elastic timeout.
         slots = self._plan(start)
         need_hosts = self.s.min_start_hosts
+        wait_s, wait_name = ((self.s.timeout_s, "the elastic timeout")
+                             if self.s.start_timeout_s is None
+                             else (self.s.start_timeout_s, "the start timeout"))
         while len(slots) < self.s.num_proc or len({s.hostname for s in slots}) < need_hosts:
-            if time.monotonic() - start > self.s.timeout_s:
+            if time.monotonic() - start > wait_s:
                 return self._fail(
-                    f"waited {self.s.timeout_s:g} s (the elastic timeout) for {self.s.num_proc} "
+                    f"waited {wait_s:g} s ({wait_name}) for {self.s.num_proc} "
                     f"slots on at least {need_hosts} host(s) to start with; found {len(slots)} "
                     f"on {len({s.hostname for s in slots})}")
             if self._signalled(0.2):
@@ -459,23 +502,26 @@ class ElasticDriver:
             slots = self._plan(now)
             new = {(s.hostname, s.local_rank) for s in slots}
             old = set(self.current.slots)
-            if not pending_change:
-                # A blacklisted host's cooldown may have ended with discovery's list unchanged.
-                if new == old:
-                    continue
-                pending_change = True
+            if new == old and not failed:
+                # A change that moves no slot (a blacklisted host listed or dropped, a host
+                # beyond --max-np) leaves the membership as it is: a reset would cost every
+                # worker a new formation for nothing.
+                pending_change = False
+                continue
+            # A blacklisted host's cooldown may also have ended with discovery's list unchanged.
+            pending_change = True
             if len(slots) < self.s.min_np:
                 if below_since is None:
                     below_since = now
-                    self.log(f"elastic: {len(slots)} slot(s) available, fewer than --min-np "
-                             f"{self.s.min_np}; waiting up to {self.s.timeout_s:g} s for hosts")
+                    self.log(f"elastic: {len(slots)} slot(s) available, fewer than "
+                             f"{self.s.min_np_name} {self.s.min_np}; waiting up to {self.s.timeout_s:g} s for hosts")
                 recoverable = self._can_recover(now)
                 if now - below_since > self.s.timeout_s or not recoverable:
                     why = (f"waited {now - below_since:.0f} s (elastic timeout "
                            f"{self.s.timeout_s:g} s) for at least {self.s.min_np} slots "
-                           f"(--min-np); {len(slots)} available" if recoverable else
+                           f"({self.s.min_np_name}); {len(slots)} available" if recoverable else
                            f"{len(slots)} slot(s) left and no host can come back "
-                           f"(need --min-np {self.s.min_np})")
+                           f"(need {self.s.min_np_name} {self.s.min_np})")
                     self.log(f"error: {why}")
                     self._abort(why)
                     return self._end(1)
@@ -526,9 +572,9 @@ class ElasticDriver:
                 return self._end(exc.exit_code)
 
     def _can_recover(self, now: float) -> bool:
-        """Whether waiting can bring slots: a script may report new hosts, or a blacklisted
+        """Whether waiting can bring slots: discovery may report new hosts, or a blacklisted
         host may come back after its cooldown."""
-        return self.s.script is not None or self.blacklist.any_returning(now)
+        return self.discovery.dynamic or self.blacklist.any_returning(now)
 
     def _end(self, code: int) -> int:
         """After an abort: lets the workers raise it and exit, then stops what is left."""
