@@ -92,7 +92,6 @@ NAMES_NOT_PROVIDED: Dict[Tuple[str, str], str] = {
                                               "ferrovod.common.elastic.run_fn)",
     ("horovod.ray", "BaseHorovodWorker"): "the executor's actor class; ferrovod's is private "
                                           "(state of your own goes in start()'s executable_cls)",
-    ("horovod.spark", "run_elastic"): "elastic jobs on Spark are not supported yet",
 }
 
 FLAGS_NOT_PROVIDED: Dict[str, str] = {}
@@ -140,8 +139,8 @@ VARIABLES: Dict[str, str] = {
     "HOROVOD_WITH_MPI": "as HOROVOD_WITH_GLOO",
     "HOROVOD_SPARK_PYTHONPATH": "not read: ferrovod.spark's ranks inherit their executor's "
                                 "environment, PYTHONPATH included",
-    "HOROVOD_SPARK_START_TIMEOUT": "read by ferrovod.spark.run, after "
-                                   "FERROVOD_SPARK_START_TIMEOUT: seconds for every task to "
+    "HOROVOD_SPARK_START_TIMEOUT": "read by ferrovod.spark.run and run_elastic, after "
+                                   "FERROVOD_SPARK_START_TIMEOUT: seconds for the tasks to "
                                    "start (600 by default)",
     "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "not read: ferrovod.spark's ranks see their "
                                               "executor's GPUs as Spark leaves them and pick "

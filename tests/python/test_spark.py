@@ -1,6 +1,8 @@
 """``ferrovod.spark.run`` on a real local Spark (``local[3]``, JVM and all, on loopback): ranks as
 barrier tasks, results against NumPy and a one-process torch reference, output forwarding, and
-every failure turned into a clear error in bounded time with no task left behind."""
+every failure turned into a clear error in bounded time with no task left behind. Then
+``run_elastic``: a failed worker replaced, a lost task run again by Spark and back in the job,
+and the start and elastic timeouts."""
 
 import importlib.util
 import io
@@ -13,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import REPO, WORKERS, live_pids_with_arg
@@ -43,7 +46,9 @@ def spark():
     os.environ.update(_ENV)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS),
                                                             saved["PYTHONPATH"]) if p)
-    session = (SparkSession.builder.master(f"local[{SLOTS}]").appName("ferrovod-tests")
+    # Up to 4 attempts per task (local mode's default is 1): run_elastic's tasks lost with
+    # their Python worker are run again, as a cluster's are.
+    session = (SparkSession.builder.master(f"local[{SLOTS},4]").appName("ferrovod-tests")
                .config("spark.driver.host", "127.0.0.1")
                .config("spark.driver.bindAddress", "127.0.0.1")
                .config("spark.ui.enabled", "false")
@@ -185,3 +190,146 @@ def test_inside_sparks_torch_distributor(spark):
     weights = TorchDistributor(num_processes=2, local_mode=False,
                                use_gpu=False).run(T.torch_train, steps, batch)
     T.check_against_reference([weights], steps, batch)  # rank 0's, the one returned
+
+
+# -- run_elastic ------------------------------------------------------------------------------
+
+
+def _check_elastic(results, steps=None):
+    size = len(results)
+    assert [r["rank"] for r in results] == list(range(size))
+    assert all(r["size"] == size for r in results)
+    assert all(r["counted"] == len(r["sizes"]) for r in results)
+    if steps is not None:
+        assert all(r["counted"] == steps for r in results)
+    assert all(r["sizes"] == results[0]["sizes"] for r in results)
+    want = np.sum([T.rank_input(r, "float64", (7,)) for r in range(size)], axis=0)
+    for r in results:
+        np.testing.assert_allclose(r["sum"], want)
+
+
+def test_run_elastic_returns_the_ranks_results(spark):
+    mark = marked()
+    results = ferrovod.spark.run_elastic(T.elastic_count, args=(6,), num_proc=SLOTS,
+                                         verbose=0, env=mark)
+    _check_elastic(results, 6)
+    assert len(results) == SLOTS and results[0]["sizes"] == [SLOTS] * 6
+    assert no_ranks_left(mark)
+
+
+def test_run_elastic_replaces_a_failed_worker(spark):
+    # Its host (the only one) is blacklisted for 1 s; then the task that ran the worker offers
+    # it again, and a new worker takes the failed slot from the survivors' commit.
+    mark = marked()
+    fail = {"epoch": 1, "local_rank": 1, "step": 3, "how": "kill"}
+    results = ferrovod.spark.run_elastic(T.elastic_count, kwargs={"steps": 8, "fail": fail},
+                                         num_proc=SLOTS, cooldown_range=(1, 1),
+                                         elastic_timeout=30, verbose=0, env=mark)
+    _check_elastic(results, 8)
+    assert sorted(r["started_for"] for r in results) == [1, 1, 2]
+    assert no_ranks_left(mark)
+
+
+def test_run_elastic_takes_back_a_task_spark_runs_again(spark, tmp_path):
+    """A task lost with its Python worker (as with its executor): Spark runs it again, and
+    the new attempt's worker joins the survivors."""
+    import threading
+
+    mark = marked()
+    out = {}
+
+    def call():
+        try:
+            out["results"] = ferrovod.spark.run_elastic(
+                T.elastic_count, kwargs={"steps": 10 ** 6, "mark_dir": str(tmp_path),
+                                         "pause_s": 0.05, "until_file": str(tmp_path / "stop")},
+                num_proc=SLOTS, cooldown_range=(1, 1), elastic_timeout=60, verbose=0, env=mark)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+
+    def at(lr):
+        try:
+            step, size = (tmp_path / f"at-127.0.0.1-{lr}").read_text().split()
+            return int(step), int(size)
+        except (OSError, ValueError):
+            return 0, 0
+
+    def wait(what, cond, timeout=90):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert thread.is_alive(), out
+            assert time.monotonic() < deadline, f"timed out waiting until {what}"
+            time.sleep(0.2)
+
+    wait("the ranks train", lambda: at(0)[0] >= 3 and at(2)[0] >= 3)
+    rank_pid, task_pid = map(int, (tmp_path / "pid-127.0.0.1-2").read_text().split())
+    os.kill(task_pid, 9)  # the rank dies with it (its parent-death signal)
+    step = at(0)[0]
+    wait("the job recovers with a new worker", lambda: at(0)[0] >= step + 5 and at(0)[1] == SLOTS
+         and int((tmp_path / "pid-127.0.0.1-2").read_text().split()[0]) != rank_pid)
+    (tmp_path / "stop").touch()
+    thread.join(120)
+    assert "error" not in out, out["error"]
+    results = out["results"]
+    _check_elastic(results)
+    assert [r["started_for"] > 1 for r in results] == [False, False, True]
+    sizes = [n for i, n in enumerate(results[0]["sizes"]) if i == 0 or results[0]["sizes"][i - 1] != n]
+    assert sizes[0] == SLOTS and sizes[-1] == SLOTS
+    assert no_ranks_left(mark)
+
+
+def test_run_elastic_fails_after_the_start_timeout_with_too_few_tasks(spark):
+    t0, mark = time.monotonic(), marked()
+    with pytest.raises(RuntimeError, match=rf"waited 3 s \(the start timeout\) for {SLOTS + 1} "
+                                           rf"slots .* found {SLOTS}"):
+        ferrovod.spark.run_elastic(T.elastic_count, args=(2,), num_proc=SLOTS + 1,
+                                   start_timeout=3, verbose=0, env=mark)
+    assert 3 <= time.monotonic() - t0 < 60
+    assert no_ranks_left(mark)
+
+
+def test_run_elastic_names_the_failed_worker_when_it_cannot_go_on(spark):
+    t0, mark = time.monotonic(), marked()
+    fail = {"epoch": 1, "local_rank": 0, "step": 2, "how": "raise"}
+    with pytest.raises(RuntimeError) as err:
+        ferrovod.spark.run_elastic(T.elastic_count, kwargs={"steps": 8, "fail": fail},
+                                   num_proc=2, elastic_timeout=3, verbose=0, env=mark)
+    text = str(err.value)
+    assert "for at least 2 slots (min_num_proc)" in text, text
+    assert "fails at step 2" in text, text  # the traceback, chained
+    assert time.monotonic() - t0 < 60
+    assert no_ranks_left(mark)
+
+
+def test_run_elastic_ends_when_its_spark_job_is_cancelled(spark, tmp_path):
+    import threading
+
+    mark = marked()
+    out = {}
+
+    def call():
+        try:
+            ferrovod.spark.run_elastic(
+                T.elastic_count, kwargs={"steps": 10 ** 6, "mark_dir": str(tmp_path),
+                                         "pause_s": 0.05},
+                num_proc=2, elastic_timeout=60, verbose=0, env=mark)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            out["error"] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "at-127.0.0.1-1").exists():
+        assert thread.is_alive() and time.monotonic() < deadline, out
+        time.sleep(0.2)
+    cancelled_at = time.monotonic()
+    spark.sparkContext.cancelAllJobs()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert isinstance(out.get("error"), RuntimeError), out
+    assert "the Spark job failed" in str(out["error"]) and "cancelled" in str(out["error"])
+    assert time.monotonic() - cancelled_at < 40
+    assert no_ranks_left(mark)

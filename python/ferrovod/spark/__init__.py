@@ -35,7 +35,7 @@ from ..runner.outcome import first_failure
 from ..runner.run_func import FUNC_KEY, result_key
 from ..runner.worker_env import SECRET_VAR, slot_env, thread_share
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]
 
 WHO = "ferrovod.spark.run"
 STARTED_KEY = "spark/started"
@@ -113,8 +113,7 @@ def run(fn: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = No
     raised = first_failure(WHO, outcomes)
     if any(rank < 0 for rank, _, _, _ in statuses):
         raise RuntimeError(f"{WHO}: Spark lost a task and ran the stage again; a job of fixed "
-                           "size does not restart (ferrovod.spark.run_elastic is not provided "
-                           "yet)") from raised
+                           "size does not restart (ferrovod.spark.run_elastic does)") from raised
     # A rank whose process died is the cause of the others' errors (their peer went away).
     died = sorted((rank, code) for rank, code, _, _ in statuses if rank not in outcomes)
     if died:
@@ -192,7 +191,10 @@ def _essence(exc: BaseException) -> str:
     if start >= 0:
         end = text.find("\n\tat ", start)
         return text[start:end if end >= 0 else None].strip()
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("An error occurred while calling"):
+        return lines[1]  # py4j's wrapper: the JVM's exception is on the next line
+    return lines[0] if lines else type(exc).__name__
 
 
 def _slots(hosts: Sequence[str]) -> List[SlotInfo]:
@@ -226,10 +228,22 @@ def _task(job: Dict[str, Any], _: Iterator[int]) -> Iterator[TaskStatus]:
         # state, and run() reports that the job cannot go on.
         yield (-1, 0, b"", b"")
         return
+    env = _rank_env(job, slot_env(slot))
+    pipe = subprocess.PIPE if job["capture"] else None
+    proc = subprocess.Popen([job["executable"] or sys.executable, "-m",
+                             "ferrovod.runner.run_task"], env=env, stdout=pipe, stderr=pipe,
+                            preexec_fn=_die_with_parent)
+    out, err = proc.communicate()
+    yield (slot.rank, proc.returncode, out or b"", err or b"")
+
+
+def _rank_env(job: Dict[str, Any], slot: Dict[str, str]) -> Dict[str, str]:
+    """A rank's environment on its executor: the executor's own, the job's ``env``, the
+    slot's variables (``slot``), its share of the threads, and the job's store."""
     env = dict(os.environ)
     env.update(job["env"])
-    env.update(slot_env(slot))
-    env.update(thread_share(env, slot.local_size))
+    env.update(slot)
+    env.update(thread_share(env, int(slot["FERROVOD_LOCAL_SIZE"])))
     env.update({
         "FERROVOD_RENDEZVOUS_ADDR": job["addr"], SECRET_VAR: job["secret"],
         "FERROVOD_LAUNCHER": "spark", "FERROVOD_START_TIMEOUT": str(job["timeout"]),
@@ -237,12 +251,7 @@ def _task(job: Dict[str, Any], _: Iterator[int]) -> Iterator[TaskStatus]:
     })
     if job["iface"]:
         env["FERROVOD_IFACE"] = job["iface"]
-    pipe = subprocess.PIPE if job["capture"] else None
-    proc = subprocess.Popen([job["executable"] or sys.executable, "-m",
-                             "ferrovod.runner.run_task"], env=env, stdout=pipe, stderr=pipe,
-                            preexec_fn=_die_with_parent)
-    out, err = proc.communicate()
-    yield (slot.rank, proc.returncode, out or b"", err or b"")
+    return env
 
 
 def _die_with_parent() -> None:
@@ -264,3 +273,6 @@ def _deliver(statuses: Sequence[TaskStatus], stdout: Optional[IO[str]],
             for line in data.decode(errors="replace").splitlines():
                 stream.write(f"{stamp}[{rank}]<{name}>:{line}\n")
             stream.flush()
+
+
+from .elastic import run_elastic  # noqa: E402 - it uses this module's helpers

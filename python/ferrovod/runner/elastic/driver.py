@@ -51,6 +51,8 @@ __all__ = ["ElasticSettings", "Discovery", "DiscoveryError", "Blacklist", "Elast
 DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
 #: The elastic timeout when neither --elastic-timeout nor the environment gives one.
 ELASTIC_TIMEOUT_SECS = float(default(_elastic.TIMEOUT_VAR))
+#: Why a job ended when its pool of workers went (``"gone"``).
+GONE_MESSAGE = "the workers' pool ended: no worker can run any more"
 #: After a worker fails, how long to wait for others of the same failure (a lost host takes
 #: all its workers) before publishing one membership for all of them.
 FAILURE_SETTLE_S = 0.3
@@ -107,8 +109,9 @@ class WorkerPool(Protocol):
         """Starts the workers of ``specs`` (what ``spec_for`` built); raises ``SpawnError``."""
 
     def next_event(self, timeout: float) -> Optional[Tuple[str, int, int]]:
-        """The next ``("exit", worker, status)`` (a negative status: killed by that signal)
-        or ``("signal", -1, signum)`` (the launcher was asked to stop), or None after
+        """The next ``("exit", worker, status)`` (a negative status: killed by that signal),
+        ``("signal", -1, signum)`` (the launcher was asked to stop) or ``("gone", -1, 0)``
+        (the pool can run no worker any more: its platform's job ended), or None after
         ``timeout`` seconds."""
 
     def keep_reaping(self, on: bool) -> None:
@@ -399,8 +402,9 @@ class ElasticDriver:
                     f"waited {wait_s:g} s ({wait_name}) for {self.s.num_proc} "
                     f"slots on at least {need_hosts} host(s) to start with; found {len(slots)} "
                     f"on {len({s.hostname for s in slots})}")
-            if self._signalled(0.2):
-                return 130
+            code = self._stopping(0.2)
+            if code is not None:
+                return code
             try:
                 self._discover(time.monotonic())
             except DiscoveryError as exc:
@@ -415,14 +419,18 @@ class ElasticDriver:
             return exc.exit_code
         return self._watch()
 
-    def _signalled(self, timeout: float) -> bool:
+    def _stopping(self, timeout: float) -> Optional[int]:
+        """Waits for the next event; the launcher's exit status when it ends the job (a
+        signal, or the pool gone), else None."""
         event = self.sup.next_event(timeout)
         if event is None:
-            return False
+            return None
         if event[0] == "signal":
-            return True
+            return 128 + event[2]
+        if event[0] == "gone":
+            return self._fail(GONE_MESSAGE)
         self._exited(event[1], event[2])
-        return False
+        return None
 
     def _exited(self, wid: int, code: int) -> bool:
         """Records a worker's exit; returns whether it was a failure of a member."""
@@ -468,6 +476,8 @@ class ElasticDriver:
                 if event[0] == "signal":
                     self.log(f"received signal {event[2]}, stopping the workers")
                     return 128 + event[2]
+                if event[0] == "gone":
+                    return self._fail(GONE_MESSAGE)
                 if self._exited(event[1], event[2]):
                     failed = pending_change = True
                     # Let the rest of one failure (a whole host) arrive before deciding.
@@ -580,7 +590,7 @@ class ElasticDriver:
         """After an abort: lets the workers raise it and exit, then stops what is left."""
         deadline = time.monotonic() + ABORT_GRACE_S
         while any(w.alive for w in self.workers.values()) and time.monotonic() < deadline:
-            if self._signalled(0.1):
+            if self._stopping(0.1) is not None:
                 break
         return code
 
