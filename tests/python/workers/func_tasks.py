@@ -226,10 +226,8 @@ def elastic_count(steps, fail=None, mark_dir=None, pause_s=0.0, until_file=None)
             state.sizes.append(int(n[0]))
             state.step += 1
             if mark_dir:
-                with open(os.path.join(mark_dir, f"at-{host}-{slot_lr}"), "w") as f:
-                    f.write(f"{state.step} {int(n[0])}")
-                with open(os.path.join(mark_dir, f"pid-{host}-{slot_lr}"), "w") as f:
-                    f.write(f"{os.getpid()} {os.getppid()}")
+                _mark(mark_dir, f"at-{host}-{slot_lr}", f"{state.step} {int(n[0])}")
+                _mark(mark_dir, f"pid-{host}-{slot_lr}", f"{os.getpid()} {os.getppid()}")
             if state.step % 2 == 0 or n[1] > 0:
                 state.commit()
             if n[1] > 0:
@@ -241,6 +239,14 @@ def elastic_count(steps, fail=None, mark_dir=None, pause_s=0.0, until_file=None)
     return {"rank": fv.rank(), "size": fv.size(), "counted": state.counted,
             "sizes": state.sizes, "host": host, "sum": total.tolist(),
             "started_for": started_for}
+
+
+def _mark(mark_dir, name, text):
+    """Writes ``<mark_dir>/<name>`` whole at once: a test reading it never sees it empty."""
+    tmp = os.path.join(mark_dir, f".{name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(mark_dir, name))
 
 
 def torch_reference(steps, batch):
