@@ -29,6 +29,9 @@ import func_tasks as T  # noqa: E402
 from ferrovod.ray import RayExecutor  # noqa: E402
 
 CPUS = 4
+# Logical GPUs: Ray assigns their ids to actors that ask for them as it would real ones, so the
+# executors' handling of them runs here (no rank touches a device).
+GPUS = 2
 # One pytest-xdist worker runs the module: one Ray cluster for all its tests, not one per
 # worker competing for the same cores.
 pytestmark = pytest.mark.xdist_group("ray")
@@ -42,7 +45,7 @@ def cluster():
 
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH",)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(WORKERS), saved["PYTHONPATH"]) if p)
-    ray.init(num_cpus=CPUS, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
+    ray.init(num_cpus=CPUS, num_gpus=GPUS, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
              log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
@@ -302,3 +305,44 @@ def test_an_elastic_job_waits_for_min_workers_at_most_the_elastic_timeout(cluste
     assert 2 <= time.monotonic() - t0 < 20
     with pytest.raises(NotImplementedError, match="elastic job"):
         ex.run_remote(T.topology)
+
+
+# -- GPUs as Ray assigns them --------------------------------------------------------------
+
+
+def test_the_ranks_of_a_node_see_its_gpus_in_local_rank_order(executor):
+    ex = executor(num_workers=GPUS, use_gpu=True)
+    ex.start()
+    views = ex.run(T.gpu_view)
+    order = ",".join(g for v in views for g in v["mine"])
+    assert sorted(order.split(",")) == [str(g) for g in range(GPUS)]
+    for v in views:
+        # Every rank sees the node's assigned GPUs, its own at the index of its local rank.
+        assert v["visible"] == order, views
+        assert v["visible"].split(",")[v["local_rank"]] == v["mine"][0]
+
+
+def test_a_rank_of_an_elastic_job_finds_its_gpu_at_its_local_rank(cluster):
+    from ferrovod.ray import ElasticRayExecutor
+
+    s = ElasticRayExecutor.create_settings(min_num_proc=GPUS, max_num_proc=GPUS,
+                                           elastic_timeout=30, timeout_s=60)
+    ex = ElasticRayExecutor(s, use_gpu=True, cpus_per_slot=1)
+    ex.start()
+    views = ex.run(T.gpu_view)
+    assert [v["rank"] for v in views] == list(range(GPUS))
+    assert sorted(g for v in views for g in v["mine"]) == [str(g) for g in range(GPUS)]
+    for v in views:
+        visible = v["visible"].split(",")
+        assert sorted(visible) == [str(g) for g in range(GPUS)], views
+        assert visible[v["local_rank"]] == v["mine"][0], views
+
+
+def test_gpu_order_puts_a_ranks_gpus_at_its_local_rank():
+    from ferrovod.ray._worker import gpu_order
+
+    assert gpu_order(["3"], 1, 4) == ["0", "3", "1", "2"]
+    assert gpu_order(["0"], 2, 4) == ["1", "2", "0", "3"]
+    assert gpu_order(["1", "2"], 0, 4) == ["1", "2", "0", "3"]
+    assert gpu_order(["5"], 9, 2) == ["0", "1", "5"]
+    assert gpu_order([], 0, 4) == []

@@ -249,6 +249,19 @@ def _mark(mark_dir, name, text):
     os.replace(tmp, os.path.join(mark_dir, name))
 
 
+def gpu_view():
+    """What a rank of a ``use_gpu`` Ray job sees: its local rank, its ``CUDA_VISIBLE_DEVICES``
+    and the GPU ids Ray gave its actor (logical GPUs: no device is touched)."""
+    import ray
+
+    import ferrovod as fv
+
+    fv.init()
+    return {"rank": fv.rank(), "local_rank": fv.local_rank(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "mine": [str(g) for g in ray.get_gpu_ids()]}
+
+
 def torch_reference(steps, batch):
     """What ``torch_train`` must end with on every rank: one process, rank 0's initial
     weights, the whole batch each step. Plain torch, no ferrovod."""
