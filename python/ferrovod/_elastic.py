@@ -17,25 +17,41 @@ membership as a numbered *epoch* in the job's rendezvous store, under these keys
 timeout) for an epoch newer than the last one this process formed, takes the newest, rewrites
 the topology variables (as Horovod rewrites ``HOROVOD_RANK`` and the others) and forms the job
 with the epoch as its generation, which every member shares. A watcher thread waits for the
-epoch after the current one and tells the running elastic states of host changes
-(:func:`ferrovod.common.elastic.notify_hosts_updated`), which raise ``HostsUpdatedInterrupt``
-at the next commit on every rank alike.
+epoch after the current one and tells whoever registered with :func:`on_hosts_updated` of
+host changes (the elastic states, through :mod:`ferrovod.common.elastic`), which raise
+``HostsUpdatedInterrupt`` at the next commit on every rank alike.
+
+This module is the protocol both sides import: the keys and variables above, and
+:class:`HostUpdateResult`; the launcher's driver writes what the workers here read. It imports
+neither the driver nor the states.
 """
 
 from __future__ import annotations
 
 import atexit
+import enum
 import json
 import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ._defaults import default, positive_seconds
 from .exceptions import FerrovodError, FerrovodTimeoutError, HorovodInternalError
 
-__all__ = ["enabled", "join_next", "current_epoch", "watch_hosts", "JobStoppedError", "FormingError"]
+__all__ = ["enabled", "join_next", "current_epoch", "watch_hosts", "on_hosts_updated",
+           "HostUpdateResult", "JobStoppedError", "FormingError"]
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What a host update did (Horovod's values): hosts were removed, added, or both."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
+
 
 class JobStoppedError(FerrovodError):
     """The launcher stopped the elastic job (below ``--min-np`` for the elastic timeout, the
@@ -62,8 +78,20 @@ _TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SI
 
 
 def enabled() -> bool:
-    """Whether this process is a worker of an elastic job."""
+    """Whether this process is a worker of an elastic job: the one check, for the engine's
+    start and the optimizers alike (the launchers set ``HOROVOD_ELASTIC`` beside it for
+    scripts written for Horovod)."""
     return os.environ.get(ENABLED_VAR, "") == "1"
+
+
+_host_listeners: List[Callable[[int, HostUpdateResult], None]] = []
+
+
+def on_hosts_updated(listener: Callable[[int, HostUpdateResult], None]) -> None:
+    """Registers ``listener(epoch, update)``, called by the watcher thread for every host
+    update the launcher publishes."""
+    if listener not in _host_listeners:
+        _host_listeners.append(listener)
 
 
 def slot_key(epoch: int, host: str, local_rank: int) -> str:
@@ -192,8 +220,6 @@ class _Worker:
             self.watcher.join(2 * _WATCH_POLL_S + 1.0)
 
     def _watch(self) -> None:
-        from .common.elastic import HostUpdateResult, notify_hosts_updated
-
         told = 0
         while not self.stopping.is_set():
             with self.lock:
@@ -207,7 +233,8 @@ class _Worker:
             told = nxt
             update = HostUpdateResult(int(ready.get("update", 0)))
             if update:
-                notify_hosts_updated(nxt, update)
+                for listener in list(_host_listeners):
+                    listener(nxt, update)
 
 
 _worker: Optional[_Worker] = None

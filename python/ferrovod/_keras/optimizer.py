@@ -27,10 +27,9 @@ offers no public point between "accumulated" and "clipped" where the reduction c
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from .. import _api
+from .. import _api, _elastic
 from .._api import Adasum, Average, Sum
 from .._arguments import _instance_number
 from ..process_sets import ProcessSet, global_process_set
@@ -143,7 +142,7 @@ class _DistributedMixin:
         # In an elastic job a worker that joins builds its optimizer in the state sync, while
         # the others built theirs long ago: a collective here would never meet its peers.
         # A variable the ranks disagree on still fails every rank at the first step, by name.
-        if not st.checked and self._fv_active() and os.environ.get("HOROVOD_ELASTIC") != "1":
+        if not st.checked and self._fv_active() and not _elastic.enabled():
             variable_signature_check([v for v in variables if not self._fv_is_local(v)],
                                      st.process_set, "DistributedOptimizer",
                                      f"{st.prefix}.variables")

@@ -18,25 +18,16 @@ broadcast first.
 from __future__ import annotations
 
 import copy
-import enum
 import functools
 import queue
 import threading
 from typing import Any, Callable, Dict, List, Tuple
 
 from .. import _elastic
+from .._elastic import HostUpdateResult
 from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run_fn", "HostUpdateResult", "notify_hosts_updated"]
-
-
-class HostUpdateResult(enum.IntFlag):
-    """What a host update did (Horovod's values): hosts were removed, added, or both."""
-
-    no_update = 0
-    removed = 1
-    added = 2
-    mixed = removed | added
 
 
 _listeners: List["State"] = []
@@ -50,6 +41,11 @@ def notify_hosts_updated(timestamp: int, update_res: HostUpdateResult) -> None:
         states = list(_listeners)
     for state in states:
         state.on_hosts_updated(timestamp, update_res)
+
+
+# The worker's watcher (ferrovod._elastic) calls it for every host update the launcher
+# publishes; no state exists before this module is imported, so none misses one.
+_elastic.on_hosts_updated(notify_hosts_updated)
 
 
 class State:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from .. import _api, _defaults, _host_memory
+from .. import _api, _defaults, _elastic, _host_memory
 from .._api import Adasum, Average, Sum, allgather_object
 from .._arguments import _instance_number
 from .._groups import split_evenly
@@ -101,7 +101,7 @@ class _DistributedMixin:
         self._grad_accs: List[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        elastic = _elastic.enabled()
         if sharded and elastic:
             raise ValueError("DistributedOptimizer(sharded=True) is not supported in an elastic "
                              "job: its shards are laid out for one membership")
@@ -736,7 +736,7 @@ def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool
         raise ValueError(f"FERROVOD_OVERLAP={setting!r}: expected 1, 0 or auto")
     # In an elastic job, workers that joined later decide under another membership than the
     # survivors did, and the two paths run different collectives: decide without it.
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
+    if _elastic.enabled():
         return True
     if _api.local_size() < _api.size() or any(p.device.type != "cpu" for p in params):
         return True

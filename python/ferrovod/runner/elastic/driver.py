@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ... import _elastic
+from ..._elastic import HostUpdateResult
 from ..._defaults import default
-from ...common.elastic import HostUpdateResult
 from ..hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile_text
 from ..supervisor import SpawnError, describe_status
 from . import constants
