@@ -2,7 +2,8 @@
 
 The optimizer wrapper and the callbacks are written against Keras 3's backend-neutral API;
 only the gradient reduction needs framework ops. It goes to ``ferrovod.tensorflow`` (host op
-through ``tf.numpy_function`` inside ``tf.function``) on the TensorFlow backend and to
+through ``tf.numpy_function`` inside ``tf.function``; reached through the hooks it registers,
+:mod:`ferrovod._frameworks`) on the TensorFlow backend and to
 ``ferrovod.torch`` (zero-copy on CPU tensors) on the torch backend. Each framework is imported
 only when its backend is the one in use.
 """
@@ -14,6 +15,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from .._api import Average
+from .._frameworks import keras_hooks
 from .._groups import plan_groups
 from ..process_sets import ProcessSet
 from .compression import kind_of
@@ -142,12 +144,10 @@ def reduce_gradients(grads: List[Any], variables: Sequence[Any], *, op: int, com
     """Reduces ``grads`` (None entries stay None) across ``process_set`` on the active backend."""
     b = check_backend("DistributedOptimizer")
     if b == "tensorflow":
-        from ..tensorflow import _gradients
-        from ..tensorflow.compression import Compression as TFCompression
-
-        return _gradients.reduce_gradients(
+        tf_hooks = keras_hooks("tensorflow")
+        return tf_hooks.reduce_gradients(
             list(grads), list(variables), op=op,
-            compression=backend_compressor(compression, TFCompression),
+            compression=backend_compressor(compression, tf_hooks.compression),
             sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor,
             num_groups=num_groups, groups=groups, process_set=process_set,
             local_variables=tuple(local_variables), scale_local_gradients=scale_local_gradients,

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _api
 from ..common.elastic import ModelState, run_fn
+from .._frameworks import keras_hooks
 from . import _backend
 from .functions import broadcast_variables
 
@@ -177,7 +178,5 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     collective inside ``tf.function`` into ``HorovodInternalError``, as
     ``ferrovod.tensorflow.elastic.run`` does."""
     if _backend.backend() == "tensorflow":
-        from ..tensorflow.elastic import run as tf_run
-
-        return tf_run(func)
+        return keras_hooks("tensorflow").elastic_run(func)
     return run_fn(func, _reset)

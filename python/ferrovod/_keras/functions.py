@@ -18,6 +18,7 @@ import numpy as np
 from .. import _api
 from .._api import Average
 from ..process_sets import ProcessSet, global_process_set
+from .._frameworks import keras_hooks
 from . import _backend
 from .compression import Compression
 from .compression import kind_of as _kind_of
@@ -32,9 +33,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ``ferrovod.tensorflow.init``, which also gives TensorFlow's thread pools this rank's share
     of the cores when several ranks share a host."""
     if _backend.backend() == "tensorflow":
-        from ..tensorflow import init as tf_init
-
-        tf_init(comm=comm, process_sets=process_sets)
+        keras_hooks("tensorflow").init(comm=comm, process_sets=process_sets)
     else:
         _api.init(comm=comm, process_sets=process_sets)
 

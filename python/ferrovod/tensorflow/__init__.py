@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
 
-from .. import _api
+from .. import _api, _frameworks
 from .._api import build_info
 from ..common.util import (
     get_average_backwards_compatibility_fun,
@@ -472,3 +472,16 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(".elastic", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _elastic_run(func: Any) -> Any:
+    from .elastic import run
+
+    return run(func)
+
+
+# The Keras layer (ferrovod._keras) reaches this adapter through these hooks, never by
+# importing it: on the TensorFlow backend it loads this module, which registers them.
+_frameworks.register_keras_hooks("tensorflow", _frameworks.KerasHooks(
+    init=init, reduce_gradients=reduce_gradients, compression=Compression,
+    elastic_run=_elastic_run))
