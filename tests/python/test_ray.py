@@ -242,27 +242,16 @@ def test_the_example_trains(cluster, keras):
 # -- elastic jobs (min_workers, ElasticRayExecutor) --------------------------------------------
 
 
-def _check_elastic(results, size, steps):
-    assert [r["rank"] for r in results] == list(range(size))
-    assert all(r["size"] == size for r in results)
-    # Nothing lost, nothing counted twice, and every rank agrees on the sizes it trained at.
-    assert all(r["counted"] == steps for r in results)
-    assert all(r["sizes"] == results[0]["sizes"] for r in results)
-    want = np.sum([T.rank_input(r, "float64", (7,)) for r in range(size)], axis=0)
-    for r in results:
-        np.testing.assert_allclose(r["sum"], want)
-
-
 def test_an_elastic_job_runs_on_the_nodes_ray_has(cluster):
     ex = RayExecutor(settings(), min_workers=2, max_workers=3, cpus_per_worker=1,
                      elastic_timeout=30)
     ex.start()
     results = ex.run(T.elastic_count, args=[6])
     # As many ranks as the node's CPUs hold, up to max_workers.
-    _check_elastic(results, 3, 6)
+    T.check_elastic(results, 3, 6)
     assert results[0]["sizes"] == [3] * 6
     # A second run is a job of its own.
-    _check_elastic(ex.run(T.elastic_count, kwargs={"steps": 3}), 3, 3)
+    T.check_elastic(ex.run(T.elastic_count, kwargs={"steps": 3}), 3, 3)
     ex.shutdown()
 
 
@@ -277,7 +266,7 @@ def test_an_elastic_job_replaces_a_failed_worker_and_trains_on(cluster):
     ex.start()
     fail = {"epoch": 1, "local_rank": 1, "step": 3, "how": "kill"}
     results = ex.run(T.elastic_count, kwargs={"steps": 8, "fail": fail})
-    _check_elastic(results, 2, 8)
+    T.check_elastic(results, 2, 8)
     # The replacement was started for a later membership.
     assert sorted(r["started_for"] for r in results) == [1, 2]
 

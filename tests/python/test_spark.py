@@ -15,7 +15,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import REPO, WORKERS, live_pids_with_arg
@@ -195,24 +194,11 @@ def test_inside_sparks_torch_distributor(spark):
 # -- run_elastic ------------------------------------------------------------------------------
 
 
-def _check_elastic(results, steps=None):
-    size = len(results)
-    assert [r["rank"] for r in results] == list(range(size))
-    assert all(r["size"] == size for r in results)
-    assert all(r["counted"] == len(r["sizes"]) for r in results)
-    if steps is not None:
-        assert all(r["counted"] == steps for r in results)
-    assert all(r["sizes"] == results[0]["sizes"] for r in results)
-    want = np.sum([T.rank_input(r, "float64", (7,)) for r in range(size)], axis=0)
-    for r in results:
-        np.testing.assert_allclose(r["sum"], want)
-
-
 def test_run_elastic_returns_the_ranks_results(spark):
     mark = marked()
     results = ferrovod.spark.run_elastic(T.elastic_count, args=(6,), num_proc=SLOTS,
                                          verbose=0, env=mark)
-    _check_elastic(results, 6)
+    T.check_elastic(results, steps=6)
     assert len(results) == SLOTS and results[0]["sizes"] == [SLOTS] * 6
     assert no_ranks_left(mark)
 
@@ -225,7 +211,7 @@ def test_run_elastic_replaces_a_failed_worker(spark):
     results = ferrovod.spark.run_elastic(T.elastic_count, kwargs={"steps": 8, "fail": fail},
                                          num_proc=SLOTS, cooldown_range=(1, 1),
                                          elastic_timeout=30, verbose=0, env=mark)
-    _check_elastic(results, 8)
+    T.check_elastic(results, steps=8)
     assert sorted(r["started_for"] for r in results) == [1, 1, 2]
     assert no_ranks_left(mark)
 
@@ -274,7 +260,7 @@ def test_run_elastic_takes_back_a_task_spark_runs_again(spark, tmp_path):
     thread.join(120)
     assert "error" not in out, out["error"]
     results = out["results"]
-    _check_elastic(results)
+    T.check_elastic(results)
     assert [r["started_for"] > 1 for r in results] == [False, False, True]
     sizes = [n for i, n in enumerate(results[0]["sizes"]) if i == 0 or results[0]["sizes"][i - 1] != n]
     assert sizes[0] == SLOTS and sizes[-1] == SLOTS

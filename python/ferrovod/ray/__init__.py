@@ -28,14 +28,14 @@ saying so.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..runner.hosts import HostInfo, SlotInfo, get_host_assignments
 from ..runner.outcome import Outcome, first_failure
-from ..runner.worker_env import SECRET_VAR, slot_env
+from ..runner.worker_env import slot_env
+from ._store import start_store
 from .elastic import ElasticRayExecutor, RayHostDiscovery
 
 __all__ = ["MiniSettings", "RayExecutor", "ElasticRayExecutor", "RayHostDiscovery"]
@@ -230,7 +230,6 @@ class RayExecutor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .._core import RendezvousServer  # type: ignore[import-not-found,unused-ignore]
         from ._worker import Worker
 
         pg, of_rank = self._reserve()
@@ -252,17 +251,7 @@ class RayExecutor:
         order, self.slots, gpus_of_node = _assign(nodes)
         self.workers = [started[i] for i in order]
 
-        secret = secrets.token_bytes(32)
-        self._server = RendezvousServer(secret, ray.util.get_node_ip_address())
-        common = {
-            "FERROVOD_RENDEZVOUS_ADDR": str(self._server.addr),
-            SECRET_VAR: secret.hex(),
-            "FERROVOD_LAUNCHER": "ray",
-            "FERROVOD_START_TIMEOUT": str(int(self.settings.timeout_s)),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.settings.nics:
-            common["FERROVOD_IFACE"] = sorted(self.settings.nics)[0]
+        self._server, common = start_store(self.settings.timeout_s, self.settings.nics)
         envs = []
         for slot, i in zip(self.slots, order):
             env = dict(common, **slot_env(slot))

@@ -23,7 +23,6 @@ The memberships are decided by the same driver as ``ferrovodrun``'s elastic jobs
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 import time
 import warnings
@@ -34,7 +33,8 @@ from ..runner.elastic import worker_extras
 from ..runner.elastic.driver import DiscoveryError, ElasticDriver, ElasticSettings
 from ..runner.hosts import HostInfo, SlotInfo
 from ..runner.outcome import Outcome, first_failure
-from ..runner.worker_env import SECRET_VAR, slot_env
+from ..runner.worker_env import slot_env
+from ._store import start_store
 
 __all__ = ["ElasticRayExecutor", "RayElasticSettings", "RayHostDiscovery", "ActorPool"]
 
@@ -395,25 +395,11 @@ class ElasticRayExecutor:
         discovery = self.settings.discovery
         source = discovery if isinstance(discovery, RayHostDiscovery) else \
             _UserDiscovery(discovery)
-        from .._core import RendezvousServer  # type: ignore[import-not-found,unused-ignore]
-
-        import ray
-
         pool = ActorPool(call, self.executable, on_executable, self.cpus_per_slot,
                          self.gpus_per_slot, float(self.settings.timeout_s))
         # A store of its own for each run: the epochs of an earlier run must not be read as
         # this one's.
-        secret = secrets.token_bytes(32)
-        server = RendezvousServer(secret, ray.util.get_node_ip_address())
-        common = {
-            "FERROVOD_RENDEZVOUS_ADDR": str(server.addr),
-            SECRET_VAR: secret.hex(),
-            "FERROVOD_LAUNCHER": "ray",
-            "FERROVOD_START_TIMEOUT": str(int(self.settings.timeout_s)),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.settings.nics:
-            common["FERROVOD_IFACE"] = sorted(self.settings.nics)[0]
+        server, common = start_store(self.settings.timeout_s, self.settings.nics)
 
         def spec_for(slot: SlotInfo, wid: int, epoch: int) -> _ActorSpec:
             env = dict(common, **slot_env(slot))

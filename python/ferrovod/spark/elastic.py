@@ -120,7 +120,8 @@ class TaskHosts:
 
     def find(self) -> List[HostInfo]:
         try:
-            self.refresh()
+            # The pool reads the offers too, while it waits for the workers' exits.
+            self.refresh(every_s=BEAT_S)
         except Exception as exc:  # noqa: BLE001 - the store in this process: retried
             raise DiscoveryError(f"{WHO}: cannot read the tasks' offers: {exc}") from None
         slots: Dict[str, int] = {}

@@ -353,3 +353,19 @@ def check_against_reference(weights_by_rank, steps, batch):
         for name, ref in reference.items():
             np.testing.assert_allclose(w[name], ref, rtol=1e-5, atol=1e-6,
                                        err_msg=f"rank {rank} {name}")
+
+
+def check_elastic(results, size=None, steps=None):
+    """The results of an elastic run of ``elastic_count``: ranks 0..size-1 (``size``: as many
+    as returned), each counted every step once (``steps`` of them, when given), all agree on
+    the sizes they trained at, and the final sum matches NumPy's over the ranks' inputs."""
+    size = len(results) if size is None else size
+    assert [r["rank"] for r in results] == list(range(size))
+    assert all(r["size"] == size for r in results)
+    assert all(r["counted"] == len(r["sizes"]) for r in results)
+    if steps is not None:
+        assert all(r["counted"] == steps for r in results)
+    assert all(r["sizes"] == results[0]["sizes"] for r in results)
+    want = np.sum([rank_input(r, "float64", (7,)) for r in range(size)], axis=0)
+    for r in results:
+        np.testing.assert_allclose(r["sum"], want)
