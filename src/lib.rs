@@ -36,4 +36,4 @@ pub use error::{Error, Result};
 /// The `log` target of every record the engine writes: Python sees them on the `ferrovod`
 /// logger (the PyO3 layer bridges `log` into Python's `logging`).
 pub const LOG_TARGET: &str = "ferrovod";
-pub use types::{DType, OpKind, ReduceOp};
+pub use types::{DType, OpKind, ReduceOp, Reduction};

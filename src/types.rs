@@ -150,6 +150,50 @@ impl ReduceOp {
     }
 }
 
+/// What a reduction computes: the elements' type, how they combine, and the factor the
+/// result is multiplied by. One value travels through every reducing function, as Gloo's
+/// options objects do, instead of three loose arguments that can be passed in the wrong order.
+///
+/// The host collectives reduce `Average` as `Sum` and expect its 1/n in `factor`, folded in
+/// by the caller that knows the set's size ([`Reduction::over`]). The NCCL backend has an
+/// average of its own: there `factor` is the caller's post-scale alone, and NCCL divides.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reduction {
+    /// The elements' type.
+    pub dtype: DType,
+    /// How elements combine.
+    pub op: ReduceOp,
+    /// Every element of the result is multiplied by this (1.0: left as reduced).
+    pub factor: f64,
+}
+
+impl Reduction {
+    /// `op` over `dtype` elements, the result left as reduced.
+    pub fn new(dtype: DType, op: ReduceOp) -> Reduction {
+        Reduction {
+            dtype,
+            op,
+            factor: 1.0,
+        }
+    }
+
+    /// This reduction with its result multiplied by `factor` (instead of its own).
+    pub fn scaled(self, factor: f64) -> Reduction {
+        Reduction { factor, ..self }
+    }
+
+    /// `op` over `dtype` elements from `n` ranks, for the host collectives: the result
+    /// multiplied by `postscale`, and by 1/n for `Average`.
+    pub fn over(dtype: DType, op: ReduceOp, postscale: f64, n: usize) -> Reduction {
+        let factor = if op == ReduceOp::Average {
+            postscale / n as f64
+        } else {
+            postscale
+        };
+        Reduction { dtype, op, factor }
+    }
+}
+
 /// The kind of collective a request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]

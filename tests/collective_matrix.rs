@@ -10,7 +10,7 @@ use _core::collective;
 use _core::comm::{Communicator, Tuning};
 use _core::error::Error;
 use _core::transport::tcp::TcpTransport;
-use _core::{DType, ReduceOp};
+use _core::{DType, ReduceOp, Reduction};
 
 mod common;
 use common::*;
@@ -216,7 +216,12 @@ fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
                             })
                             .collect();
                         let mut fused = encode(dtype, &vals);
-                        collective::allreduce::ring(c, &mut fused, dtype, op, factor).unwrap();
+                        collective::allreduce::ring(
+                            c,
+                            &mut fused,
+                            Reduction::new(dtype, op).scaled(factor),
+                        )
+                        .unwrap();
                         // Horovod's split: the lowest `count % n` segments hold one more.
                         let es = dtype.size();
                         let mut segs = Vec::new();
@@ -228,7 +233,10 @@ fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
                         }
                         let mut apart = encode(dtype, &vals);
                         collective::reducescatter::ring_reduce_scatter(
-                            c, &mut apart, &segs, dtype, op, factor,
+                            c,
+                            &mut apart,
+                            &segs,
+                            Reduction::new(dtype, op).scaled(factor),
                         )
                         .unwrap();
                         let original = encode(dtype, &vals);
@@ -240,9 +248,7 @@ fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
                             &original,
                             &mut scratch,
                             &segs,
-                            dtype,
-                            op,
-                            factor,
+                            Reduction::new(dtype, op).scaled(factor),
                             &mut into,
                         )
                         .unwrap();
@@ -264,23 +270,24 @@ fn ring_sharing_final_chunks_equals_reduce_scatter_then_allgather() {
                             c,
                             &original,
                             &mut ring_into,
-                            dtype,
-                            op,
-                            factor,
+                            Reduction::new(dtype, op).scaled(factor),
                         )
                         .unwrap();
                         let mut scaled_into = vec![0xC3u8; original.len()];
-                        collective::allreduce_scaled_into(
+                        collective::allreduce_into(
                             c,
                             &original,
                             &mut scaled_into,
-                            dtype,
-                            op,
-                            factor,
+                            Reduction::new(dtype, op).scaled(factor),
                         )
                         .unwrap();
                         let mut scaled = encode(dtype, &vals);
-                        collective::allreduce_scaled(c, &mut scaled, dtype, op, factor).unwrap();
+                        collective::allreduce(
+                            c,
+                            &mut scaled,
+                            Reduction::new(dtype, op).scaled(factor),
+                        )
+                        .unwrap();
                         assert_eq!(original, encode(dtype, &vals), "input was written");
                         let what = format!(
                             "n={n} {tname} {} {} count={count} rank {}",
@@ -338,9 +345,9 @@ fn allreduce_rejects_bool_integer_adasum_and_partial_elements() {
     let errs = run(2, &Tuning::default(), |c| {
         let mut b = vec![1u8; 8];
         [
-            collective::allreduce(c, &mut b, DType::Bool, ReduceOp::Sum),
-            collective::allreduce(c, &mut b, DType::I32, ReduceOp::Adasum),
-            collective::allreduce(c, &mut b[..6], DType::F32, ReduceOp::Sum),
+            collective::allreduce(c, &mut b, Reduction::new(DType::Bool, ReduceOp::Sum)),
+            collective::allreduce(c, &mut b, Reduction::new(DType::I32, ReduceOp::Adasum)),
+            collective::allreduce(c, &mut b[..6], Reduction::new(DType::F32, ReduceOp::Sum)),
         ]
     });
     for e in errs.into_iter().flatten() {
@@ -490,17 +497,20 @@ fn reducescatter_variable_segments() {
                             &buf,
                             &mut scratch,
                             &bytes,
-                            dtype,
-                            op,
-                            1.0,
+                            Reduction::new(dtype, op),
                             &mut mine,
                         )
                         .unwrap();
                         assert_eq!(buf, encode(dtype, &vals), "reducescatter wrote its input");
                         // In place: the same bits in this rank's segment of the buffer.
                         let mut inplace = buf.clone();
-                        collective::reducescatter_in_place(c, &mut inplace, &bytes, dtype, op, 1.0)
-                            .unwrap();
+                        collective::reducescatter_in_place(
+                            c,
+                            &mut inplace,
+                            &bytes,
+                            Reduction::new(dtype, op),
+                        )
+                        .unwrap();
                         let own: usize = bytes[..r].iter().sum();
                         assert!(
                             inplace[own..own + bytes[r]] == mine[..],
@@ -627,9 +637,7 @@ fn bad_arguments_are_errors_not_hangs() {
                 &b,
                 &mut b2,
                 &[2, 2, 0],
-                DType::F32,
-                ReduceOp::Sum,
-                1.0,
+                Reduction::new(DType::F32, ReduceOp::Sum),
                 &mut out,
             ),
             collective::reducescatter(
@@ -637,9 +645,7 @@ fn bad_arguments_are_errors_not_hangs() {
                 &b,
                 &mut b2,
                 &[4, 0, 0],
-                DType::Bool,
-                ReduceOp::Sum,
-                1.0,
+                Reduction::new(DType::Bool, ReduceOp::Sum),
                 &mut out,
             ),
             // Three ranks need room for partial sums in transit.
@@ -648,9 +654,7 @@ fn bad_arguments_are_errors_not_hangs() {
                 &b,
                 &mut [],
                 &[0, 4, 0],
-                DType::F32,
-                ReduceOp::Sum,
-                1.0,
+                Reduction::new(DType::F32, ReduceOp::Sum),
                 &mut out2,
             ),
         ]

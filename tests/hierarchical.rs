@@ -15,7 +15,7 @@ use _core::comm::{Communicator, Hierarchical, Tuning};
 use _core::error::Result;
 use _core::transport::hybrid::HybridTransport;
 use _core::transport::{Transport, Xfer};
-use _core::{DType, ReduceOp};
+use _core::{DType, ReduceOp, Reduction};
 
 mod common;
 use common::*;
@@ -227,7 +227,7 @@ fn cross_by_mode(hosts: &[u32], small: usize, len: usize) -> [usize; 3] {
     .map(|mode| {
         let (_, sent) = run(hosts, &tuning(mode, small, 4096), |c| {
             let mut buf: Vec<u8> = (0..len / 4).flat_map(|_| 1f32.to_ne_bytes()).collect();
-            collective::allreduce(c, &mut buf, DType::F32, ReduceOp::Sum).unwrap();
+            collective::allreduce(c, &mut buf, Reduction::new(DType::F32, ReduceOp::Sum)).unwrap();
             assert!(buf.chunks_exact(4).all(|x| x == (n as f32).to_ne_bytes()));
         });
         cross_bytes(hosts, &sent)
@@ -289,7 +289,7 @@ fn the_mode_picks_the_algorithm_and_less_crosses_hosts() {
     let per_pair = |mode| {
         run(hosts, &tuning(mode, small, 4096), |c| {
             let mut buf = vec![0u8; b];
-            collective::allreduce(c, &mut buf, DType::F32, ReduceOp::Sum).unwrap();
+            collective::allreduce(c, &mut buf, Reduction::new(DType::F32, ReduceOp::Sum)).unwrap();
         })
         .1
     };
@@ -309,7 +309,8 @@ fn the_mode_picks_the_algorithm_and_less_crosses_hosts() {
                 let tn = tuning(Hierarchical::Always, small, 4096);
                 let mut c = Communicator::new(&mut t, members, IDLE, tn);
                 let mut buf = vec![0u8; b];
-                collective::allreduce(&mut c, &mut buf, DType::F32, ReduceOp::Sum).unwrap();
+                collective::allreduce(&mut c, &mut buf, Reduction::new(DType::F32, ReduceOp::Sum))
+                    .unwrap();
             });
         }
     });

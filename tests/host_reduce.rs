@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use _core::engine;
 use _core::transport::host_memory::{Exposed, HostMemory};
-use _core::{DType, ReduceOp};
+use _core::{DType, ReduceOp, Reduction};
 
 /// Segments of `len` bytes shared among `n` threads; `f(rank, memory, barrier)` runs on each.
 fn on_host<T: Send + 'static>(
@@ -65,7 +65,12 @@ macro_rules! check_dtype {
             barrier.wait(); // every input final
             let (lo, count) = split(rows, n, r);
             let range = lo * esize..(lo + count) * esize;
-            engine::reduce_shard_in_host_memory(&mem, range.clone(), $dtype, op, factor).unwrap();
+            engine::reduce_shard_in_host_memory(
+                &mem,
+                range.clone(),
+                Reduction::new($dtype, op).scaled(factor),
+            )
+            .unwrap();
             barrier.wait(); // every shard reduced: nobody writes what another reads
             mem.with_range(range, |own, _| Ok(own.to_vec())).unwrap()
         });
@@ -145,10 +150,26 @@ fn every_rank_reduces_its_shard_from_the_others_memory() {
 fn bad_ranges_and_reductions_are_refused() {
     let errors = on_host(2, 64, |_, mem, _| {
         [
-            engine::reduce_shard_in_host_memory(&mem, 2..6, DType::F32, ReduceOp::Sum, 1.0),
-            engine::reduce_shard_in_host_memory(&mem, 0..6, DType::F32, ReduceOp::Sum, 1.0),
-            engine::reduce_shard_in_host_memory(&mem, 0..68, DType::F32, ReduceOp::Sum, 1.0),
-            engine::reduce_shard_in_host_memory(&mem, 0..8, DType::Bool, ReduceOp::Sum, 1.0),
+            engine::reduce_shard_in_host_memory(
+                &mem,
+                2..6,
+                Reduction::new(DType::F32, ReduceOp::Sum),
+            ),
+            engine::reduce_shard_in_host_memory(
+                &mem,
+                0..6,
+                Reduction::new(DType::F32, ReduceOp::Sum),
+            ),
+            engine::reduce_shard_in_host_memory(
+                &mem,
+                0..68,
+                Reduction::new(DType::F32, ReduceOp::Sum),
+            ),
+            engine::reduce_shard_in_host_memory(
+                &mem,
+                0..8,
+                Reduction::new(DType::Bool, ReduceOp::Sum),
+            ),
         ]
         .map(|r| r.unwrap_err().to_string())
     });

@@ -17,8 +17,9 @@ use _core::comm::{Communicator, Tuning};
 use _core::error::Error;
 use _core::transport::hybrid::{HybridTransport, ShmOptions};
 use _core::transport::shm::{DEFAULT_RING_BYTES, NAME_PREFIX};
+use _core::transport::tcp::Mesh;
 use _core::transport::{Transport, Xfer};
-use _core::{DType, ReduceOp};
+use _core::{DType, ReduceOp, Reduction};
 
 const SECRET: &[u8] = b"shm-test-secret";
 const LONG: Duration = Duration::from_secs(30);
@@ -298,7 +299,18 @@ fn declined_or_partial_setups_keep_tcp() {
             ring_bytes: ring,
             disabled: false,
         };
-        let res = HybridTransport::connect(0, 2, &l, &addrs, SECRET, LONG, &local, &options);
+        let res = HybridTransport::connect(
+            &Mesh {
+                rank: 0,
+                size: 2,
+                listener: &l,
+                addrs: &addrs,
+                secret: SECRET,
+                timeout: LONG,
+            },
+            &local,
+            &options,
+        );
         assert!(
             matches!(res, Err(Error::InvalidArgument(_))),
             "{local:?} {ring}: {res:?}"
@@ -531,7 +543,7 @@ fn check_collectives(ts: &mut [HybridTransport], what: &str) {
             for (dtype, op) in CASES {
                 for &count in counts {
                     let mut buf: Vec<u8> = (0..count).flat_map(|i| elem(dtype, r, i)).collect();
-                    collective::allreduce(&mut c, &mut buf, dtype, op).unwrap();
+                    collective::allreduce(&mut c, &mut buf, Reduction::new(dtype, op)).unwrap();
                     out.push(buf);
                 }
             }
@@ -562,8 +574,15 @@ fn check_collectives(ts: &mut [HybridTransport], what: &str) {
             let mut mine = vec![0u8; bytes[r]];
             let mut scratch = vec![0u8; buf.len()];
             let (dt, op) = (DType::I32, ReduceOp::Sum);
-            collective::reducescatter(&mut c, &buf, &mut scratch, &bytes, dt, op, 1.0, &mut mine)
-                .unwrap();
+            collective::reducescatter(
+                &mut c,
+                &buf,
+                &mut scratch,
+                &bytes,
+                Reduction::new(dt, op),
+                &mut mine,
+            )
+            .unwrap();
             out.push(mine);
             thread::sleep(Duration::from_millis((r * 15) as u64));
             arrived.fetch_add(1, Ordering::SeqCst);
@@ -641,17 +660,15 @@ fn child_process_entry() {
     let rank: usize = parts[0].parse().unwrap();
     let addrs: Vec<std::net::SocketAddr> = parts[1..].iter().map(|a| a.parse().unwrap()).collect();
     let listener = TcpListener::bind(addrs[rank]).unwrap();
-    let mut t = HybridTransport::connect(
+    let mesh = Mesh {
         rank,
-        2,
-        &listener,
-        &addrs,
-        SECRET,
-        LONG,
-        &[1 - rank],
-        &ShmOptions::default(),
-    )
-    .unwrap();
+        size: 2,
+        listener: &listener,
+        addrs: &addrs,
+        secret: SECRET,
+        timeout: LONG,
+    };
+    let mut t = HybridTransport::connect(&mesh, &[1 - rank], &ShmOptions::default()).unwrap();
     t.spin = Duration::ZERO;
     // Both acceptors run before either dials (a job's start gives the same guarantee).
     println!("READY");
@@ -783,7 +800,8 @@ fn throughput_shm_vs_tcp() {
                 let mut c = Communicator::new(&mut *t, &members, LONG, Tuning::default());
                 barrier.wait();
                 let start = Instant::now();
-                collective::allreduce(&mut c, buf, DType::F32, ReduceOp::Sum).unwrap();
+                collective::allreduce(&mut c, buf, Reduction::new(DType::F32, ReduceOp::Sum))
+                    .unwrap();
                 let b = start.elapsed();
                 assert!(
                     buf[4..8] == 2f32.to_ne_bytes() && buf[4000..4004] == 2000f32.to_ne_bytes()
@@ -803,7 +821,8 @@ fn throughput_shm_vs_tcp() {
             let start = Instant::now();
             for i in 0..SMALL_ROUNDS {
                 let mut b = (i as f32).to_ne_bytes();
-                collective::allreduce(&mut c, &mut b, DType::F32, ReduceOp::Sum).unwrap();
+                collective::allreduce(&mut c, &mut b, Reduction::new(DType::F32, ReduceOp::Sum))
+                    .unwrap();
                 assert_eq!(f32::from_ne_bytes(b), 2.0 * i as f32);
             }
             start.elapsed() / SMALL_ROUNDS

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use _core::bootstrap::auth::authenticate;
 use _core::error::Error;
-use _core::transport::tcp::TcpTransport;
+use _core::transport::tcp::{Mesh, TcpTransport};
 use _core::transport::{Transport, Xfer};
 
 const SECRET: &[u8] = b"transport-test-secret";
@@ -407,7 +407,15 @@ fn invalid_transfers_are_rejected() {
 #[test]
 fn size_one_needs_no_peer() {
     let (ls, addrs) = bind_n(1);
-    let mut t = TcpTransport::connect_mesh(0, 1, &ls[0], &addrs, SECRET, LONG).unwrap();
+    let mut t = TcpTransport::connect_mesh(&Mesh {
+        rank: 0,
+        size: 1,
+        listener: &ls[0],
+        addrs: &addrs,
+        secret: SECRET,
+        timeout: LONG,
+    })
+    .unwrap();
     let mut out = [0u8; 3];
     t.exchange(
         &mut [
@@ -438,13 +446,30 @@ fn late_peer_is_waited_for() {
     let l1 = TcpListener::bind("127.0.0.1:0").unwrap();
     let addrs = vec![port, l1.local_addr().unwrap()];
     let a1 = addrs.clone();
-    let h1 = thread::spawn(move || TcpTransport::connect_mesh(1, 2, &l1, &a1, SECRET, LONG));
+    let h1 = thread::spawn(move || {
+        TcpTransport::connect_mesh(&Mesh {
+            rank: 1,
+            size: 2,
+            listener: &l1,
+            addrs: &a1,
+            secret: SECRET,
+            timeout: LONG,
+        })
+    });
     // Let rank 1 meet at least one refusal before rank 0 listens.
     thread::sleep(Duration::from_millis(300));
     assert!(TcpStream::connect(port).is_err(), "rank 0's port refuses");
     s0.listen(16).unwrap();
     let l0: TcpListener = s0.into();
-    let t0 = TcpTransport::connect_mesh(0, 2, &l0, &addrs, SECRET, LONG).unwrap();
+    let t0 = TcpTransport::connect_mesh(&Mesh {
+        rank: 0,
+        size: 2,
+        listener: &l0,
+        addrs: &addrs,
+        secret: SECRET,
+        timeout: LONG,
+    })
+    .unwrap();
     let t1 = h1.join().unwrap().unwrap();
     let mut ts = vec![t0, t1];
     let got = run(&mut ts, |t| ring_step(t, 100));
@@ -462,7 +487,14 @@ fn wrong_secret_is_rejected_on_both_sides() {
                 let addrs = &addrs;
                 s.spawn(move || {
                     let secret: &[u8] = if r == 0 { b"right" } else { b"wrong" };
-                    TcpTransport::connect_mesh(r, 2, l, addrs, secret, Duration::from_secs(2))
+                    TcpTransport::connect_mesh(&Mesh {
+                        rank: r,
+                        size: 2,
+                        listener: l,
+                        addrs,
+                        secret,
+                        timeout: Duration::from_secs(2),
+                    })
                 })
             })
             .collect();
@@ -500,7 +532,16 @@ fn strangers_do_not_take_a_slot() {
             .enumerate()
             .map(|(r, l)| {
                 let addrs = &addrs;
-                s.spawn(move || TcpTransport::connect_mesh(r, 3, l, addrs, SECRET, LONG))
+                s.spawn(move || {
+                    TcpTransport::connect_mesh(&Mesh {
+                        rank: r,
+                        size: 3,
+                        listener: l,
+                        addrs,
+                        secret: SECRET,
+                        timeout: LONG,
+                    })
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
@@ -535,7 +576,14 @@ fn misplaced_address_is_reported() {
             .map(|(r, l)| {
                 let a = if r == 2 { &wrong } else { &addrs };
                 s.spawn(move || {
-                    TcpTransport::connect_mesh(r, 3, l, a, SECRET, Duration::from_secs(2))
+                    TcpTransport::connect_mesh(&Mesh {
+                        rank: r,
+                        size: 3,
+                        listener: l,
+                        addrs: a,
+                        secret: SECRET,
+                        timeout: Duration::from_secs(2),
+                    })
                 })
             })
             .collect();
@@ -554,7 +602,19 @@ fn lazy_mesh(n: usize) -> (Vec<TcpTransport>, Vec<TcpListener>) {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 let (l, a) = (&ls[r], &addrs);
-                s.spawn(move || TcpTransport::connect(r, n, l, a, SECRET, LONG, &|_| false))
+                s.spawn(move || {
+                    TcpTransport::connect(
+                        &Mesh {
+                            rank: r,
+                            size: n,
+                            listener: l,
+                            addrs: a,
+                            secret: SECRET,
+                            timeout: LONG,
+                        },
+                        &|_| false,
+                    )
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()

@@ -40,6 +40,7 @@ use crate::error::{Error, Result};
 use crate::transport::host_memory::Exposed;
 use crate::transport::hybrid::{HybridTransport, ShmOptions};
 use crate::transport::offers::OfferRecords;
+use crate::transport::tcp::Mesh;
 
 /// What a forming needs beyond the launch environment (`config.launch`: this rank, the job's
 /// size, the rendezvous address and secret).
@@ -339,16 +340,15 @@ fn alone<P: ControlPlane>(
         None,
     )?;
     let data = TcpListener::bind((ip, 0))?;
-    let transport = HybridTransport::connect(
-        0,
-        1,
-        &data,
-        &[data.local_addr()?],
+    let mesh = Mesh {
+        rank: 0,
+        size: 1,
+        listener: &data,
+        addrs: &[data.local_addr()?],
         secret,
-        config.start_timeout,
-        &[],
-        &shm_options(config),
-    )?;
+        timeout: config.start_timeout,
+    };
+    let transport = HybridTransport::connect(&mesh, &[], &shm_options(config))?;
     Ok(Met {
         transport,
         coordinator: Some(coordinator),
@@ -532,16 +532,16 @@ fn meet<P: ControlPlane>(
     };
     // Every link is made on first use, so a rank holds links to the few peers its algorithms
     // talk to; those to the ranks on this host move to shared memory as they are made.
-    let transport = HybridTransport::connect(
+    let mesh = Mesh {
         rank,
         size,
-        &data,
-        &addrs,
+        listener: &data,
+        addrs: &addrs,
         secret,
-        deadline,
-        &local_peers(rank, &hosts),
-        &shm_options(config),
-    )?;
+        timeout: deadline,
+    };
+    let transport =
+        HybridTransport::connect(&mesh, &local_peers(rank, &hosts), &shm_options(config))?;
     Ok(Met {
         transport,
         coordinator,

@@ -1,6 +1,6 @@
 //! Flat allreduce: direct exchange or recursive doubling for small payloads, ring
 //! reduce-scatter + ring allgather for large ones. [`super::hierarchical`] composes these for
-//! sets that span hosts; [`super::allreduce_scaled`] chooses between the two.
+//! sets that span hosts; [`super::allreduce`] chooses between the two.
 //!
 //! Every rank must end with **bitwise identical** results: floats are not associative, and
 //! replicas whose parameters differ by one ulp drift apart over training. Each algorithm fixes
@@ -19,25 +19,19 @@ use crate::comm::Communicator;
 use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::transport::Xfer;
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, ReduceOp, Reduction};
 
 /// Up to this many ranks the small path sends every buffer to every rank (one round trip)
 /// instead of recursive doubling (`log2 n` round trips).
 const DIRECT_MAX_RANKS: usize = 3;
 
-/// [`small`] or [`ring`] by size, whatever the hosts, the result multiplied by `factor`.
-pub fn flat(
-    comm: &mut Communicator<'_>,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
+/// [`small`] or [`ring`] by size, whatever the hosts, the result multiplied by `red.factor`.
+pub fn flat(comm: &mut Communicator<'_>, buf: &mut [u8], red: Reduction) -> Result<()> {
     if buf.len() <= comm.tuning.small_allreduce_bytes {
-        small(comm, buf, dtype, op)?;
-        scale(dtype, buf, factor)
+        small(comm, buf, red.dtype, red.op)?;
+        scale(red.dtype, buf, red.factor)
     } else {
-        ring(comm, buf, dtype, op, factor)
+        ring(comm, buf, red)
     }
 }
 
@@ -60,15 +54,13 @@ pub fn flat_into(
     comm: &mut Communicator<'_>,
     input: &[u8],
     output: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
     if output.len() <= comm.tuning.small_allreduce_bytes {
         copy(output, input);
-        flat(comm, output, dtype, op, factor)
+        flat(comm, output, red)
     } else {
-        ring_into(comm, input, output, dtype, op, factor)
+        ring_into(comm, input, output, red)
     }
 }
 
@@ -227,14 +219,8 @@ fn recursive_doubling_into(
 /// soon as it is final ([`ring_reduce_scatter_and_share`]): with the allgather's first step as
 /// a pass of its own, that segment went out to memory and was read back (13-26 % slower from
 /// 16 MiB up on 2 ranks, the same below).
-pub fn ring(
-    comm: &mut Communicator<'_>,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
-    ring_steps(comm, None, buf, dtype, op, factor)
+pub fn ring(comm: &mut Communicator<'_>, buf: &mut [u8], red: Reduction) -> Result<()> {
+    ring_steps(comm, None, buf, red)
 }
 
 /// [`ring`] of `input` into `output` (as long, else `InvalidArgument`; any contents), `input`
@@ -244,11 +230,9 @@ pub fn ring_into(
     comm: &mut Communicator<'_>,
     input: &[u8],
     output: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
-    ring_steps(comm, Some(input), output, dtype, op, factor)
+    ring_steps(comm, Some(input), output, red)
 }
 
 /// The steps of [`ring`] on `buf`; `input`: this rank's contribution when it is not in `buf`
@@ -257,26 +241,23 @@ fn ring_steps(
     comm: &mut Communicator<'_>,
     input: Option<&[u8]>,
     buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
     if let Some(input) = input {
         same_len("allreduce", input, buf)?;
     }
-    check(buf, dtype, op)?;
+    check(buf, red.dtype, red.op)?;
     if comm.size() == 1 || buf.is_empty() {
         if let Some(input) = input {
             copy(buf, input);
         }
-        return scale(dtype, buf, factor);
+        return scale(red.dtype, buf, red.factor);
     }
-    let segs = even_segments(buf.len() / dtype.size(), comm.size(), dtype.size());
+    let es = red.dtype.size();
+    let segs = even_segments(buf.len() / es, comm.size(), es);
     match input {
-        Some(input) => {
-            ring_reduce_scatter_and_share_from(comm, input, buf, &segs, dtype, op, factor)?
-        }
-        None => ring_reduce_scatter_and_share(comm, buf, &segs, dtype, op, factor)?,
+        Some(input) => ring_reduce_scatter_and_share_from(comm, input, buf, &segs, red)?,
+        None => ring_reduce_scatter_and_share(comm, buf, &segs, red)?,
     }
     ring_allgather_from(comm, buf, &segs, 1)
 }

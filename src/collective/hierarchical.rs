@@ -38,7 +38,7 @@ use super::{even_segments, split_blocks};
 use crate::comm::{Communicator, Hierarchical};
 use crate::error::Result;
 use crate::transport::Xfer;
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, ReduceOp, Reduction};
 
 /// How a set's members sit on hosts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,29 +97,23 @@ pub(crate) fn wanted(comm: &Communicator<'_>, len: usize) -> bool {
 
 /// In-place hierarchical allreduce (see the module doc for both shapes); a set that no
 /// [`Layout`] fits (one host, one member per host, hosts unknown) runs the flat algorithms.
-/// The result is multiplied by `factor`. Bool, Adasum and buffers of partial elements are
+/// The result is multiplied by `red.factor`. Bool, Adasum and buffers of partial elements are
 /// `InvalidArgument`.
-pub fn allreduce(
-    comm: &mut Communicator<'_>,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
-    check(buf, dtype, op)?;
+pub fn allreduce(comm: &mut Communicator<'_>, buf: &mut [u8], red: Reduction) -> Result<()> {
+    check(buf, red.dtype, red.op)?;
     if comm.size() == 1 || buf.is_empty() {
-        return scale(dtype, buf, factor);
+        return scale(red.dtype, buf, red.factor);
     }
     let Some(layout) = Layout::of(comm) else {
-        return flat(comm, buf, dtype, op, factor);
+        return flat(comm, buf, red);
     };
     let small = buf.len() <= comm.tuning.small_allreduce_bytes;
-    // The step across hosts is the last reduction: it applies `factor`, and the hosts share
+    // The step across hosts is the last reduction: it applies the factor, and the hosts share
     // the scaled result.
     if layout.uniform() && !small {
-        two_d(comm, &layout, buf, dtype, op, factor)
+        two_d(comm, &layout, buf, red)
     } else {
-        leaders(comm, &layout, buf, dtype, op, small, factor)
+        leaders(comm, &layout, buf, red, small)
     }
 }
 
@@ -127,29 +121,20 @@ fn two_d(
     comm: &mut Communicator<'_>,
     layout: &Layout,
     buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
     let host = &layout.hosts[layout.mine];
-    let segs = even_segments(buf.len() / dtype.size(), host.len(), dtype.size());
+    let es = red.dtype.size();
+    let segs = even_segments(buf.len() / es, host.len(), es);
     let mut scratch = Vec::new();
-    ring_reduce_scatter(
-        &mut comm.subgroup(host, &mut scratch),
-        buf,
-        &segs,
-        dtype,
-        op,
-        1.0,
-    )?;
+    let local = Reduction::new(red.dtype, red.op);
+    ring_reduce_scatter(&mut comm.subgroup(host, &mut scratch), buf, &segs, local)?;
     let column: Vec<usize> = layout.hosts.iter().map(|g| g[layout.local]).collect();
     let mine = segs[layout.local].clone();
     flat(
         &mut comm.subgroup(&column, &mut scratch),
         &mut buf[mine],
-        dtype,
-        op,
-        factor,
+        red,
     )?;
     ring_allgather(&mut comm.subgroup(host, &mut scratch), buf, &segs)
 }
@@ -158,30 +143,22 @@ fn leaders(
     comm: &mut Communicator<'_>,
     layout: &Layout,
     buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
+    red: Reduction,
     small: bool,
-    factor: f64,
 ) -> Result<()> {
     let host = &layout.hosts[layout.mine];
     let mut scratch = Vec::new();
     if host.len() > 1 {
         let mut local = comm.subgroup(host, &mut scratch);
-        reduce_to_first(&mut local, buf, dtype, op, small)?;
+        reduce_to_first(&mut local, buf, red.dtype, red.op, small)?;
     }
     if layout.local == 0 {
         let firsts: Vec<usize> = layout.hosts.iter().map(|g| g[0]).collect();
-        flat(
-            &mut comm.subgroup(&firsts, &mut scratch),
-            buf,
-            dtype,
-            op,
-            factor,
-        )?;
+        flat(&mut comm.subgroup(&firsts, &mut scratch), buf, red)?;
     }
     if host.len() > 1 {
         let mut local = comm.subgroup(host, &mut scratch);
-        spread_from_first(&mut local, buf, dtype, small)?;
+        spread_from_first(&mut local, buf, red.dtype, small)?;
     }
     Ok(())
 }
@@ -218,7 +195,7 @@ fn reduce_to_first(
         return Ok(());
     }
     let segs = even_segments(b / dtype.size(), n, dtype.size());
-    ring_reduce_scatter(comm, buf, &segs, dtype, op, 1.0)?;
+    ring_reduce_scatter(comm, buf, &segs, Reduction::new(dtype, op))?;
     if comm.rank() != 0 {
         let mine = segs[comm.rank()].clone();
         return comm.send(0, &buf[mine]);

@@ -14,24 +14,20 @@ use super::reduce::{check_reducible, reduce_into, scale};
 use crate::copy::{copy, extend};
 use crate::error::{Error, Result};
 use crate::transport::PeersMemory;
-use crate::types::{DType, ReduceOp};
+use crate::types::Reduction;
 
 /// Bytes reduced at a time by [`reduce_in_rank_order`]: the destination's chunk and the
 /// inputs' stay in cache for the scaling that follows the last fold.
 const CHUNK_BYTES: usize = 64 << 10;
 
-/// `dst` = bytes `at..at + dst.len()` of every rank's input, reduced with `op` and multiplied
-/// by `factor`. With `held: None` the ranks fold in rank order; with `held: Some(h)`, `dst`
+/// `dst` = bytes `at..at + dst.len()` of every rank's input, reduced as `red` says. With `held: None` the ranks fold in rank order; with `held: Some(h)`, `dst`
 /// already holds rank `h`'s bytes (an in-place reduction: its input is the destination), which
 /// fold first, then the others in rank order.
-#[allow(clippy::too_many_arguments)] // the reduction's terms and where its input and output lie
 pub fn reduce_in_rank_order(
     peers: &(impl PeersMemory + ?Sized),
     held: Option<usize>,
     at: usize,
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    Reduction { dtype, op, factor }: Reduction,
     dst: &mut [u8],
 ) -> Result<()> {
     check_reducible(dtype, op)?;
@@ -124,6 +120,7 @@ pub fn gather_shards(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::types::{DType, ReduceOp};
 
     /// Every rank's input in a vector of its own.
     struct Inputs(Vec<Vec<u8>>);
@@ -160,10 +157,24 @@ mod tests {
     fn reduces_in_rank_order_with_the_factor() {
         let peers = ordered();
         let mut dst = vec![0u8; 12];
-        reduce_in_rank_order(&peers, None, 4, DType::F32, ReduceOp::Sum, 0.5, &mut dst).unwrap();
+        reduce_in_rank_order(
+            &peers,
+            None,
+            4,
+            Reduction::new(DType::F32, ReduceOp::Sum).scaled(0.5),
+            &mut dst,
+        )
+        .unwrap();
         assert_eq!(floats(&dst), [3.5, 2.5, 4.375]);
         let mut dst = vec![0u8; 16];
-        reduce_in_rank_order(&peers, None, 0, DType::F32, ReduceOp::Sum, 1.0, &mut dst).unwrap();
+        reduce_in_rank_order(
+            &peers,
+            None,
+            0,
+            Reduction::new(DType::F32, ReduceOp::Sum),
+            &mut dst,
+        )
+        .unwrap();
         assert_eq!(floats(&dst)[0], (1e8f32 + 1.0) + -1e8);
     }
 
@@ -171,10 +182,24 @@ mod tests {
     fn a_held_input_folds_first() {
         let peers = ordered();
         let mut dst = f32s(&[-1e8, 4.0, 5.0, 8.0]);
-        reduce_in_rank_order(&peers, Some(2), 0, DType::F32, ReduceOp::Max, 1.0, &mut dst).unwrap();
+        reduce_in_rank_order(
+            &peers,
+            Some(2),
+            0,
+            Reduction::new(DType::F32, ReduceOp::Max),
+            &mut dst,
+        )
+        .unwrap();
         assert_eq!(floats(&dst), [1e8, 4.0, 5.0, 8.0]);
         let mut dst = f32s(&[-1e8, 4.0, 5.0, 8.0]);
-        reduce_in_rank_order(&peers, Some(2), 0, DType::F32, ReduceOp::Sum, 1.0, &mut dst).unwrap();
+        reduce_in_rank_order(
+            &peers,
+            Some(2),
+            0,
+            Reduction::new(DType::F32, ReduceOp::Sum),
+            &mut dst,
+        )
+        .unwrap();
         assert_eq!(floats(&dst)[0], (-1e8f32 + 1e8) + 1.0);
     }
 
@@ -182,14 +207,22 @@ mod tests {
     fn refuses_partial_elements_and_unreducible_types() {
         let peers = ordered();
         let mut dst = vec![0u8; 4];
-        assert!(
-            reduce_in_rank_order(&peers, None, 2, DType::F32, ReduceOp::Sum, 1.0, &mut dst)
-                .is_err()
-        );
-        assert!(
-            reduce_in_rank_order(&peers, None, 0, DType::Bool, ReduceOp::Sum, 1.0, &mut dst)
-                .is_err()
-        );
+        assert!(reduce_in_rank_order(
+            &peers,
+            None,
+            2,
+            Reduction::new(DType::F32, ReduceOp::Sum),
+            &mut dst
+        )
+        .is_err());
+        assert!(reduce_in_rank_order(
+            &peers,
+            None,
+            0,
+            Reduction::new(DType::Bool, ReduceOp::Sum),
+            &mut dst
+        )
+        .is_err());
     }
 
     #[test]

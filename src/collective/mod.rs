@@ -40,69 +40,49 @@ use std::ops::Range;
 use crate::comm::Communicator;
 use crate::copy::copy;
 use crate::error::{Error, Result};
-use crate::types::{DType, ReduceOp};
+use crate::types::{ReduceOp, Reduction};
 
-/// In-place allreduce of `buf`. `op` is Sum/Min/Max/Product (`Average` reduces as Sum; the
-/// engine applies scale factors). Every rank ends with bitwise-identical results.
-///
-/// Payloads up to `comm.tuning.small_allreduce_bytes` use [`allreduce::small`] (direct exchange
-/// or recursive doubling); larger ones [`allreduce::ring`]. A set spanning hosts goes
-/// [`hierarchical`] as `comm.tuning.hierarchical` says.
-pub fn allreduce(
-    comm: &mut Communicator<'_>,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-) -> Result<()> {
-    allreduce_scaled(comm, buf, dtype, op, 1.0)
-}
-
-/// [`allreduce`], then every element multiplied by `factor` (as [`reduce::scale`] does; the
-/// engine's post-scale, 1/n for Average). On the ring path each rank scales the segment it
-/// reduced while that is still in cache, instead of in one more pass over the whole buffer
-/// (16 MiB on 2 ranks: 1.7 ms summed, 2.8 ms summed then scaled). Results are the same bits.
+/// In-place allreduce of `buf`, every element of the result multiplied by `red.factor` (the
+/// engine's post-scale, 1/n for Average). `red.op` is Sum/Min/Max/Product/Adasum (`Average`
+/// reduces as Sum). Every rank ends with bitwise-identical results.
 ///
 /// [`adasum::allreduce`] for Adasum; else [`hierarchical::allreduce`] when
 /// `comm.tuning.hierarchical` asks for it on this size and the set spans hosts with more than
-/// one member on some host, else [`allreduce::flat`]. Bool and buffers of partial elements are
-/// `InvalidArgument` on every size (every path validates, and short-circuits a single rank,
-/// itself).
-pub fn allreduce_scaled(
-    comm: &mut Communicator<'_>,
-    buf: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
-) -> Result<()> {
-    if op == ReduceOp::Adasum {
-        adasum::allreduce(comm, buf, dtype, factor)
+/// one member on some host, else [`allreduce::flat`]: payloads up to
+/// `comm.tuning.small_allreduce_bytes` [`allreduce::small`] (direct exchange or recursive
+/// doubling), larger ones [`allreduce::ring`]. On the ring path each rank scales the segment
+/// it reduced while that is still in cache, instead of in one more pass over the whole buffer
+/// (16 MiB on 2 ranks: 1.7 ms summed, 2.8 ms summed then scaled). Bool and buffers of partial
+/// elements are `InvalidArgument` on every size (every path validates, and short-circuits a
+/// single rank, itself).
+pub fn allreduce(comm: &mut Communicator<'_>, buf: &mut [u8], red: Reduction) -> Result<()> {
+    if red.op == ReduceOp::Adasum {
+        adasum::allreduce(comm, buf, red.dtype, red.factor)
     } else if hierarchical::wanted(comm, buf.len()) {
-        hierarchical::allreduce(comm, buf, dtype, op, factor)
+        hierarchical::allreduce(comm, buf, red)
     } else {
-        allreduce::flat(comm, buf, dtype, op, factor)
+        allreduce::flat(comm, buf, red)
     }
 }
 
-/// [`allreduce_scaled`] of `input` into `output` (as long, else `InvalidArgument`; any
-/// contents), `input` only read.
+/// [`allreduce`] of `input` into `output` (as long, else `InvalidArgument`; any contents),
+/// `input` only read.
 /// The flat algorithms read `input` where it lies ([`allreduce::flat_into`]); Adasum and the
 /// hierarchical allreduce (when the set spans hosts: on one host it is the flat one) reduce a
 /// copy.
-pub fn allreduce_scaled_into(
+pub fn allreduce_into(
     comm: &mut Communicator<'_>,
     input: &[u8],
     output: &mut [u8],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
     same_len("allreduce", input, output)?;
     let layered = || hierarchical::Layout::of(comm).is_some();
-    if op == ReduceOp::Adasum || (hierarchical::wanted(comm, output.len()) && layered()) {
+    if red.op == ReduceOp::Adasum || (hierarchical::wanted(comm, output.len()) && layered()) {
         copy(output, input);
-        allreduce_scaled(comm, output, dtype, op, factor)
+        allreduce(comm, output, red)
     } else {
-        allreduce::flat_into(comm, input, output, dtype, op, factor)
+        allreduce::flat_into(comm, input, output, red)
     }
 }
 
@@ -163,47 +143,33 @@ pub fn alltoallv(
     alltoall::alltoallv(comm, input, send_counts, output, recv_counts)
 }
 
-/// Reduces `input` across ranks and writes this rank's segment, multiplied by `factor`, into
+/// Reduces `input` across ranks and writes this rank's segment, multiplied by `red.factor`, into
 /// `output`. Segment r has `byte_counts[r]` bytes, segments laid out in rank order; `scratch`
 /// (as long as `input`; unused with two ranks or fewer) holds partial sums in transit.
 ///
 /// See [`reducescatter::reducescatter`] for the algorithm.
-#[allow(clippy::too_many_arguments)] // as reducescatter::reducescatter
 pub fn reducescatter(
     comm: &mut Communicator<'_>,
     input: &[u8],
     scratch: &mut [u8],
     byte_counts: &[usize],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
     output: &mut [u8],
 ) -> Result<()> {
-    reducescatter::reducescatter(comm, input, scratch, byte_counts, dtype, op, factor, output)
+    reducescatter::reducescatter(comm, input, scratch, byte_counts, red, output)
 }
 
 /// [`reducescatter`] in place: this rank's segment of `buf` ends reduced and multiplied by
-/// `factor`; the other segments are left with partial sums.
+/// `red.factor`; the other segments are left with partial sums.
 ///
 /// See [`reducescatter::reducescatter_in_place`] for the algorithm.
 pub fn reducescatter_in_place(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     byte_counts: &[usize],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
-    reducescatter::reducescatter_in_place(comm, buf, byte_counts, dtype, op, factor)
-}
-
-/// The factor applied after the reduction: the user's post-scale, and 1/n for Average.
-pub fn post_factor(op: ReduceOp, postscale: f64, n: usize) -> f64 {
-    if op == ReduceOp::Average {
-        postscale / n as f64
-    } else {
-        postscale
-    }
+    reducescatter::reducescatter_in_place(comm, buf, byte_counts, red)
 }
 
 /// Rank `r`'s rows of a reducescatter over `n` ranks, as (first row, row count): Horovod's

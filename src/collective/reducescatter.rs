@@ -10,35 +10,32 @@ use super::{
 use crate::comm::Communicator;
 use crate::copy::copy;
 use crate::error::{Error, Result};
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, Reduction};
 
 /// Reduces `input` across ranks and writes this rank's segment (`byte_counts[rank]` bytes,
-/// segments in rank order), multiplied by `factor`, into `output`. `input` is only read, so
+/// segments in rank order), multiplied by `red.factor`, into `output`. `input` is only read, so
 /// the caller's tensor needs no copy; `scratch` (as long as `input`) holds the partial sums
 /// of the segments that pass through this rank, and is untouched with two ranks or fewer.
 ///
 /// Steps: [`ring_reduce_scatter_into`] (`n-1` ring steps). Bytes sent per rank: `B - B_rank`,
 /// where `B` is the whole tensor. Segments may have any size, including zero.
-#[allow(clippy::too_many_arguments)] // the ring's three buffers and the reduction's three terms
 pub fn reducescatter(
     comm: &mut Communicator<'_>,
     input: &[u8],
     scratch: &mut [u8],
     byte_counts: &[usize],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
     output: &mut [u8],
 ) -> Result<()> {
     let n = comm.size();
-    let segs = segments(n, byte_counts, input.len(), dtype, op)?;
+    let segs = segments(n, byte_counts, input.len(), red)?;
     // The output's and scratch's lengths are checked where the ring starts, before any byte
     // moves.
-    ring_reduce_scatter_into(comm, input, scratch, &segs, dtype, op, factor, output)
+    ring_reduce_scatter_into(comm, input, scratch, &segs, red, output)
 }
 
 /// [`reducescatter`] in place: `buf` is reduced across ranks and this rank's segment of it
-/// (`byte_counts[rank]` bytes, segments in rank order) ends multiplied by `factor`; the other
+/// (`byte_counts[rank]` bytes, segments in rank order) ends multiplied by `red.factor`; the other
 /// segments are left with partial sums. No input to keep, so no scratch: the ring reduces
 /// into `buf` itself ([`ring_reduce_scatter`]), which is how a sharded optimizer reduces its
 /// flat gradient buffer and finds its shard where its update reads it.
@@ -46,12 +43,10 @@ pub fn reducescatter_in_place(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     byte_counts: &[usize],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
-    let segs = segments(comm.size(), byte_counts, buf.len(), dtype, op)?;
-    ring_reduce_scatter(comm, buf, &segs, dtype, op, factor)
+    let segs = segments(comm.size(), byte_counts, buf.len(), red)?;
+    ring_reduce_scatter(comm, buf, &segs, red)
 }
 
 /// The segments of a reducescatter's `len`-byte buffer, checking the reduction and that
@@ -60,8 +55,7 @@ fn segments(
     n: usize,
     byte_counts: &[usize],
     len: usize,
-    dtype: DType,
-    op: ReduceOp,
+    Reduction { dtype, op, .. }: Reduction,
 ) -> Result<Vec<Range<usize>>> {
     check_reducible(dtype, op)?;
     let segs = blocks(byte_counts, n, len, "reducescatter")?;
@@ -77,24 +71,21 @@ fn segments(
 /// The ring of [`ring_reduce_scatter`], reading the rank's own contribution from `input`
 /// instead of reducing in place: each received chunk is reduced with the matching chunk of
 /// `input` into `scratch` (a segment that travels on) or, at the last step, into `output`
-/// (this rank's segment, `segs[rank].len()` bytes), where it is also multiplied by `factor`.
+/// (this rank's segment, `segs[rank].len()` bytes), where it is also multiplied by `red.factor`.
 /// A segment first leaves a rank straight from `input`. Every element sees the same operands
 /// in the same order as in the in-place ring, so the bits are the same; with two ranks the
 /// only step sends from `input` and lands in `output`, and `scratch` is not used (it may be
 /// empty); with more, it is at least as long as `input`.
-#[allow(clippy::too_many_arguments)] // as reducescatter
 pub fn ring_reduce_scatter_into(
     comm: &mut Communicator<'_>,
     input: &[u8],
     scratch: &mut [u8],
     segs: &[Range<usize>],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
     output: &mut [u8],
 ) -> Result<()> {
     let n = comm.size();
-    check_segments(segs, n, input.len(), dtype.size())?;
+    check_segments(segs, n, input.len(), red.dtype.size())?;
     let mine = segs[comm.rank()].clone();
     if output.len() != mine.len() {
         return Err(Error::InvalidArgument(format!(
@@ -115,7 +106,7 @@ pub fn ring_reduce_scatter_into(
         sums: scratch,
         output: Some(output),
     };
-    reduce_scatter_steps(comm, place, segs, (dtype, op, factor), false)
+    reduce_scatter_steps(comm, place, segs, red, false)
 }
 
 /// The schedule both reduce-scatter rings follow: for `step` in `0..n-1`, rank `r` sends
@@ -185,17 +176,15 @@ impl Ring {
 ///
 /// Every segment is reduced in exactly one place along one chain, so the result is the same
 /// whichever rank later reads it. Each chunk of this rank's own segment is multiplied by
-/// `factor` right after its last reduction, while it is in cache (1.0: left alone); with one
+/// `red.factor` right after its last reduction, while it is in cache (1.0: left alone); with one
 /// rank, the whole segment.
 pub fn ring_reduce_scatter(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     segs: &[Range<usize>],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
-    reduce_scatter_steps(comm, Place::in_place(buf), segs, (dtype, op, factor), false)
+    reduce_scatter_steps(comm, Place::in_place(buf), segs, red, false)
 }
 
 /// [`ring_reduce_scatter`] fused with the first step of [`super::allgather::ring_allgather`]:
@@ -210,11 +199,9 @@ pub fn ring_reduce_scatter_and_share(
     comm: &mut Communicator<'_>,
     buf: &mut [u8],
     segs: &[Range<usize>],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
-    reduce_scatter_steps(comm, Place::in_place(buf), segs, (dtype, op, factor), true)
+    reduce_scatter_steps(comm, Place::in_place(buf), segs, red, true)
 }
 
 /// [`ring_reduce_scatter_and_share`] of `input` (only read) into `buf` (as long; its bytes on
@@ -230,9 +217,7 @@ pub fn ring_reduce_scatter_and_share_from(
     input: &[u8],
     buf: &mut [u8],
     segs: &[Range<usize>],
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
     same_len("reduce-scatter", input, buf)?;
     let place = Place {
@@ -240,7 +225,7 @@ pub fn ring_reduce_scatter_and_share_from(
         sums: buf,
         output: None,
     };
-    reduce_scatter_steps(comm, place, segs, (dtype, op, factor), true)
+    reduce_scatter_steps(comm, place, segs, red, true)
 }
 
 /// Where a reduce-scatter ring reads this rank's contribution and writes its sums.
@@ -265,15 +250,15 @@ impl<'a> Place<'a> {
 }
 
 /// The steps of every reduce-scatter ring, over `place` (in place, from an input into a
-/// full-length buffer, or from an input into this rank's segment alone), reducing with `op`
-/// and scaling this rank's segment by `factor`. `share`: also the allgather's first step,
+/// full-length buffer, or from an input into this rank's segment alone), reducing and scaling
+/// this rank's segment as `red` says. `share`: also the allgather's first step,
 /// chunk by chunk (see [`ring_reduce_scatter_and_share`]); it needs the final segment in
 /// `sums`, where the previous rank's lands beside it.
 fn reduce_scatter_steps(
     comm: &mut Communicator<'_>,
     place: Place<'_>,
     segs: &[Range<usize>],
-    (dtype, op, factor): (DType, ReduceOp, f64),
+    Reduction { dtype, op, factor }: Reduction,
     share: bool,
 ) -> Result<()> {
     let Place {

@@ -62,12 +62,12 @@ use parking_lot::Mutex;
 
 use crate::collective::host_memory as peers;
 use crate::collective::reduce::{check_reducible, scale};
-use crate::collective::{post_factor, split_rows};
+use crate::collective::split_rows;
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 use crate::transport::offers::{BoardWord, OfferRecords, OFFER_DATA_BYTES, OFFER_DESC_BYTES};
 use crate::transport::PeersMemory;
-use crate::types::{OpKind, ReduceOp};
+use crate::types::{OpKind, ReduceOp, Reduction};
 
 use super::tensor::TensorBuf;
 use super::OpSpec;
@@ -424,7 +424,6 @@ impl FastPath {
                 return Ok(Outcome::Declined);
             }
         }
-        let factor = post_factor(op.op, op.postscale, self.size);
         let copied = offers_a_copy(op);
         let t = &mut op.tensors[0];
         let offers = Offers {
@@ -435,6 +434,7 @@ impl FastPath {
             records: self.records.as_ref(),
         };
         let dtype = t.meta.dtype;
+        let red = Reduction::over(dtype, op.op, op.postscale, self.size);
         let row_bytes = t.meta.row_elems() * dtype.size();
         match op.kind {
             OpKind::Allreduce | OpKind::Broadcast => {
@@ -446,9 +446,9 @@ impl FastPath {
                 if op.kind == OpKind::Broadcast {
                     peers::broadcast_from(&offers, op.root, out);
                 } else if self.size > 2 && out.len().saturating_mul(self.size) >= SPLIT_READ_BYTES {
-                    self.split_allreduce(&offers, &op.name, dtype, op.op, factor, out, stop)?;
+                    self.split_allreduce(&offers, &op.name, red, out, stop)?;
                 } else {
-                    peers::reduce_in_rank_order(&offers, None, 0, dtype, op.op, factor, out)?;
+                    peers::reduce_in_rank_order(&offers, None, 0, red, out)?;
                 }
             }
             OpKind::Allgather => {
@@ -464,7 +464,7 @@ impl FastPath {
                 let (first, mine) = split_rows(t.meta.shape[0], self.size, self.rank);
                 let mut out = vec![0u8; mine * row_bytes];
                 let at = first * row_bytes;
-                peers::reduce_in_rank_order(&offers, None, at, dtype, op.op, factor, &mut out)?;
+                peers::reduce_in_rank_order(&offers, None, at, red, &mut out)?;
                 t.meta.shape[0] = mine;
                 t.output = Some(TensorBuf::Owned(out));
             }
@@ -485,35 +485,24 @@ impl FastPath {
     /// its result area once it has published its own. Every rank publishes before it waits,
     /// so the meeting cannot hang where the offers did not; a peer that closed before its
     /// `Reduced` (its engine failed) fails the op.
-    #[allow(clippy::too_many_arguments)] // the reduction's terms and its meeting's
     fn split_allreduce(
         &self,
         offers: &Offers<'_>,
         name: &str,
-        dtype: crate::types::DType,
-        op: ReduceOp,
-        factor: f64,
+        red: Reduction,
         out: &mut [u8],
         stop: &dyn Fn() -> bool,
     ) -> Result<()> {
         let records = self.peer_records();
         let slot = offers.slot;
-        let esize = dtype.size();
+        let esize = red.dtype.size();
         let elems = out.len() / esize;
         let segment = |r: usize| {
             let (first, count) = split_rows(elems, self.size, r);
             first * esize..(first + count) * esize
         };
         let mine = segment(self.rank);
-        peers::reduce_in_rank_order(
-            offers,
-            None,
-            mine.start,
-            dtype,
-            op,
-            factor,
-            &mut out[mine.clone()],
-        )?;
+        peers::reduce_in_rank_order(offers, None, mine.start, red, &mut out[mine.clone()])?;
         records.write_result(slot, mine.start, &out[mine]);
         self.publish(BoardWord::Reduced, slot + 1);
         self.ring();

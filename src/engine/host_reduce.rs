@@ -9,10 +9,10 @@
 use std::ops::Range;
 
 use crate::collective::host_memory as peers;
-use crate::collective::{post_factor, split_rows};
+use crate::collective::split_rows;
 use crate::error::{Error, Result};
 use crate::transport::host_memory::HostMemory;
-use crate::types::{DType, OpKind, ReduceOp};
+use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 use super::door::Door;
 use super::message::TensorMeta;
@@ -45,28 +45,24 @@ impl Door {
         self.run_and_wait(spec, stop).map(|_| ())
     }
 
-    /// Reduces the first `nbytes` of every rank's segment of `mem` (elements of `dtype`; the
-    /// segments of the ranks of set `set_id`, in set order) with `op` (Sum or Average: divided
-    /// by the ranks), times `postscale`, into every rank's; the ranks meet under `name`'s
+    /// Reduces the first `nbytes` of every rank's segment of `mem` (elements of `red.dtype`;
+    /// the segments of the ranks of set `set_id`, in set order) with `red.op` (Sum, or Average
+    /// with its 1/n in the factor: [`Reduction::over`]), times `red.factor`, into every rank's; the ranks meet under `name`'s
     /// `.reduced` and `.gathered`. Every rank's bytes must be final when it calls (the
     /// caller's last meeting ensured it); on return every rank holds the same bits, and any
     /// rank may write its segment again. Each shard is reduced once, by its owner.
-    #[allow(clippy::too_many_arguments)] // the reduction's terms, the set and the wait's stop
     pub fn allreduce_in_host_memory(
         &self,
         mem: &HostMemory,
         set_id: u32,
         name: &str,
         nbytes: usize,
-        dtype: DType,
-        op: ReduceOp,
-        postscale: f64,
+        red: Reduction,
         stop: &dyn Fn() -> bool,
     ) -> Result<()> {
-        let shards = shards(mem.mapped().len(), nbytes, dtype)?;
-        let factor = post_factor(op, postscale, shards.len());
+        let shards = shards(mem.mapped().len(), nbytes, red.dtype)?;
         let mine = shards[mem.rank()].clone();
-        reduce_shard_in_host_memory(mem, mine, dtype, op, factor)?;
+        reduce_shard_in_host_memory(mem, mine, red)?;
         self.meet(set_id, &format!("{name}.reduced"), stop)?;
         gather_shards_in_host_memory(mem, &shards)?;
         self.meet(set_id, &format!("{name}.gathered"), stop)
@@ -75,16 +71,14 @@ impl Door {
 
 /// This rank's shard of a reduce-scatter whose inputs already lie in host memory, each rank's
 /// in its own segment at the same offsets: `range` of this rank's segment becomes the
-/// reduction of `range` over every rank's segment, times `factor`, read straight from the other
+/// reduction of `range` over every rank's segment, as `red` says, read straight from the other
 /// ranks' memory (this rank's bytes fold first, then the others' in rank order). Only a
 /// protocol the caller keeps makes it right: every rank's input is final before any rank
 /// starts, and no rank writes its `range` (or this rank's) until every rank has finished.
 pub fn reduce_shard_in_host_memory(
     mem: &HostMemory,
     range: Range<usize>,
-    dtype: DType,
-    op: ReduceOp,
-    factor: f64,
+    red: Reduction,
 ) -> Result<()> {
     let rank = mem.rank();
     if range.start > range.end {
@@ -94,7 +88,7 @@ pub fn reduce_shard_in_host_memory(
     }
     mem.with_range(0..range.end, |own, others| {
         let at = range.start;
-        peers::reduce_in_rank_order(others, Some(rank), at, dtype, op, factor, &mut own[range])
+        peers::reduce_in_rank_order(others, Some(rank), at, red, &mut own[range])
     })
 }
 

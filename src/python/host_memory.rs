@@ -10,11 +10,10 @@ use pyo3::types::{PyBytes, PyDict};
 use super::errors::to_pyerr;
 use super::op::{interruptible, reduce_op};
 use super::with_engine;
-use crate::collective::post_factor;
 use crate::config::Config;
 use crate::error::Error;
 use crate::transport::host_memory::{Exposed, HostMemory, Segment};
-use crate::types::{DType, ReduceOp};
+use crate::types::{DType, ReduceOp, Reduction};
 
 /// This rank's new segment and the socket that hands it to the other ranks, until `share`.
 #[pyclass(module = "ferrovod._core")]
@@ -108,16 +107,14 @@ impl PyHostMemory {
     ) -> PyResult<()> {
         let (dtype, op) = codes(dtype, op)?;
         let mem = self.inner.clone();
-        let factor = post_factor(op, postscale, mem.mapped().len());
+        let red = Reduction::over(dtype, op, postscale, mem.mapped().len());
         let end = offset.checked_add(nbytes).ok_or_else(|| {
             to_pyerr(Error::InvalidArgument(format!(
                 "host memory: {nbytes} bytes from {offset}"
             )))
         })?;
-        py.detach(move || {
-            crate::engine::reduce_shard_in_host_memory(&mem, offset..end, dtype, op, factor)
-        })
-        .map_err(to_pyerr)
+        py.detach(move || crate::engine::reduce_shard_in_host_memory(&mem, offset..end, red))
+            .map_err(to_pyerr)
     }
 
     /// Reduces the first `nbytes` of every rank's segment (`dtype`, `op` as the engine's
@@ -125,7 +122,7 @@ impl PyHostMemory {
     /// ranks of process set `set_id` meeting under `name` (see the engine's
     /// `Door::allreduce_in_host_memory`); the GIL is released meanwhile. A collective: every
     /// rank's bytes must be final when it calls.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // the Python method's arguments, as it is called
     fn allreduce(
         &self,
         py: Python<'_>,
@@ -137,10 +134,11 @@ impl PyHostMemory {
         postscale: f64,
     ) -> PyResult<()> {
         let (dtype, op) = codes(dtype, op)?;
+        let red = Reduction::over(dtype, op, postscale, self.inner.mapped().len());
         let door = with_engine(|e| Ok(e.door()))?;
         let mem = &self.inner;
         match interruptible(py, |stop| {
-            door.allreduce_in_host_memory(mem, set_id, name, nbytes, dtype, op, postscale, stop)
+            door.allreduce_in_host_memory(mem, set_id, name, nbytes, red, stop)
         }) {
             (_, Some(e)) => Err(e),
             (done, None) => done.map_err(to_pyerr),

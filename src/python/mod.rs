@@ -326,7 +326,6 @@ fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
 /// (kind, dtype and reduce-op codes; `set_size`: ranks of the process set). The torch
 /// adapter stages the op through host memory when it cannot.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
 fn device_op_check(
     kind: u8,
     dtype: u8,
@@ -339,11 +338,12 @@ fn device_op_check(
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let dtype = crate::types::DType::from_code(dtype).map_err(to_pyerr)?;
     let op = op::reduce_op(op)?;
-    Ok(crate::backend::nccl::check_device_op(
-        kind, dtype, op, prescale, postscale, set_size, &shape,
+    let red = crate::types::Reduction::new(dtype, op).scaled(postscale);
+    Ok(
+        crate::backend::nccl::check_device_op(kind, red, prescale, set_size, &shape)
+            .err()
+            .map(|e| e.to_string()),
     )
-    .err()
-    .map(|e| e.to_string()))
 }
 
 /// What this build contains. `nccl`: the NCCL backend is compiled in (every build); whether

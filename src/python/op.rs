@@ -52,7 +52,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 // by PyO3, which checks and iterates each as a generic sequence: a third of a small op's time
 // in this call.
 #[pyo3(signature = (kind, name, set_id, tensors, outputs=None, wait=false, op=1, root=0, prescale=1.0, postscale=1.0, splits=None, device=None, out_bytes=None))]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // the Python function's keywords, as the adapters pass them
 fn run<'py>(
     py: Python<'py>,
     kind: u8,
@@ -169,7 +169,7 @@ fn run<'py>(
 /// frame that resolves arguments runs cache-cold after each switch: the frames around
 /// `run` cost a 4-byte allreduce on 8 ranks and 2 cores 40-50 us against 25-30 without them.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // the Python function's arguments, as `allreduce_` passes them
 fn allreduce_now<'py>(
     py: Python<'py>,
     tensor: &Bound<'py, PyAny>,

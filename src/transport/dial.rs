@@ -195,8 +195,7 @@ impl Dialer {
                     let made = connect_peer(
                         rank,
                         size,
-                        peer,
-                        addrs[peer],
+                        (peer, addrs[peer]),
                         &secret,
                         Retry::Until(start),
                         deadline,
@@ -282,8 +281,7 @@ impl Dialer {
             let made = connect_peer(
                 self.rank,
                 self.size,
-                peer,
-                self.addrs[peer],
+                (peer, self.addrs[peer]),
                 &self.secret,
                 Retry::Never,
                 deadline,
@@ -442,14 +440,12 @@ enum Retry {
     Never,
 }
 
-/// Connects to `peer` at `addr`; `None` when its acceptor declined the link because `peer`
-/// dials this rank itself (see the module doc).
-#[allow(clippy::too_many_arguments)]
+/// Connects to `peer`, listening at `addr`; `None` when its acceptor declined the link
+/// because `peer` dials this rank itself (see the module doc).
 fn connect_peer(
     rank: usize,
     size: usize,
-    peer: usize,
-    addr: SocketAddr,
+    (peer, addr): (usize, SocketAddr),
     secret: &[u8],
     retry: Retry,
     deadline: Instant,

@@ -14,7 +14,7 @@
 //! [`super::shm`] for why no wake-up is lost). A peer lost on either kind of link is
 //! `Error::PeerLost` at once.
 
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
@@ -22,7 +22,7 @@ use std::time::Duration;
 use super::dial::{Dialer, Finish, Made};
 use super::exchange::{self, Links};
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
-use super::tcp::{link_up, poll_for, progress, Parts, TcpTransport};
+use super::tcp::{link_up, poll_for, progress, Mesh, Parts, TcpTransport};
 use super::{Transport, Xfer};
 use crate::bootstrap::net::{poll, poll_fd, PollFd, POLL_IN};
 use crate::error::{Error, Result};
@@ -89,17 +89,12 @@ impl HybridTransport {
     ///
     /// Errors: those of [`TcpTransport::connect`], and `InvalidArgument` for a bad peer list
     /// or ring size.
-    #[allow(clippy::too_many_arguments)] // connect's, and where shared memory goes
     pub fn connect(
-        rank: usize,
-        size: usize,
-        listener: &TcpListener,
-        addrs: &[SocketAddr],
-        secret: &[u8],
-        timeout: Duration,
+        mesh: &Mesh<'_>,
         local_peers: &[usize],
         options: &ShmOptions,
     ) -> Result<HybridTransport> {
+        let (rank, size) = (mesh.rank, mesh.size);
         let ring = ring_option(rank, size, local_peers, options)?;
         let mut local = vec![false; size];
         for &p in local_peers {
@@ -118,16 +113,7 @@ impl HybridTransport {
                 e => e,
             })
         });
-        let tcp = TcpTransport::connect_with(
-            rank,
-            size,
-            listener,
-            addrs,
-            secret,
-            timeout,
-            &|_| false,
-            Some(finish),
-        )?;
+        let tcp = TcpTransport::connect_with(mesh, &|_| false, Some(finish))?;
         HybridTransport::from_tcp(tcp)
     }
 
@@ -241,16 +227,15 @@ impl HybridTransport {
                         .collect();
                     let (l, addrs, options) = (&listeners[rank], &addrs, options(rank));
                     scope.spawn(move || {
-                        HybridTransport::connect(
+                        let mesh = Mesh {
                             rank,
-                            n,
-                            l,
+                            size: n,
+                            listener: l,
                             addrs,
                             secret,
-                            LOOPBACK_TIMEOUT,
-                            &local,
-                            &options,
-                        )
+                            timeout: LOOPBACK_TIMEOUT,
+                        };
+                        HybridTransport::connect(&mesh, &local, &options)
                     })
                 })
                 .collect();

@@ -65,56 +65,60 @@ pub(super) struct Parts {
     pub(super) aborted: bool,
 }
 
+/// What linking a rank into a mesh takes: who it is, where every rank listens, the job's
+/// secret and how long linking at start may take. Every transport's `connect` takes one.
+#[derive(Clone, Copy)]
+pub struct Mesh<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub size: usize,
+    /// This rank's bound data listener, at `addrs[rank]`.
+    pub listener: &'a TcpListener,
+    /// Every rank's listener address, as published through the rendezvous store.
+    pub addrs: &'a [SocketAddr],
+    /// What every connection proves knowledge of, in both directions, before anything else
+    /// is read.
+    pub secret: &'a [u8],
+    /// How long linking at start may take: peers start at different times.
+    pub timeout: Duration,
+}
+
 impl TcpTransport {
     /// Builds the full mesh: [`TcpTransport::connect`] with every link made at once.
-    pub fn connect_mesh(
-        rank: usize,
-        size: usize,
-        listener: &TcpListener,
-        addrs: &[SocketAddr],
-        secret: &[u8],
-        timeout: Duration,
-    ) -> Result<TcpTransport> {
-        Self::connect(rank, size, listener, addrs, secret, timeout, &|_| true)
+    pub fn connect_mesh(mesh: &Mesh<'_>) -> Result<TcpTransport> {
+        Self::connect(mesh, &|_| true)
     }
 
     /// Links this rank with its peers: with each peer `now` names before returning, with
-    /// the others when a transfer first needs them (see [`super::dial`]). `listener` is this
-    /// rank's bound data listener and `addrs[r]` is rank r's listener address (as published
-    /// through the rendezvous store); `now` must name the same pairs on both sides. Every
-    /// connection proves knowledge of `secret` in both directions before anything else is
-    /// read, and the listener goes on taking connections for the transport's life.
+    /// the others when a transfer first needs them (see [`super::dial`]); `now` must name
+    /// the same pairs on both sides. The mesh's listener goes on taking connections for the
+    /// transport's life.
     ///
-    /// Connecting at start retries until `timeout`, since peers start at different times.
-    /// Errors: `Error::Auth` when a peer has another secret, `Error::InvalidArgument` when a
-    /// peer at `addrs[r]` says it is not rank r of a job of `size`, `Error::Timeout` when the
-    /// links asked for are not made in time (naming the missing ranks).
-    pub fn connect(
-        rank: usize,
-        size: usize,
-        listener: &TcpListener,
-        addrs: &[SocketAddr],
-        secret: &[u8],
-        timeout: Duration,
-        now: &dyn Fn(usize) -> bool,
-    ) -> Result<TcpTransport> {
-        Self::connect_with(rank, size, listener, addrs, secret, timeout, now, None)
+    /// Connecting at start retries until the mesh's timeout, since peers start at different
+    /// times. Errors: `Error::Auth` when a peer has another secret, `Error::InvalidArgument`
+    /// when a peer at `addrs[r]` says it is not rank r of a job of `size`, `Error::Timeout`
+    /// when the links asked for are not made in time (naming the missing ranks).
+    pub fn connect(mesh: &Mesh<'_>, now: &dyn Fn(usize) -> bool) -> Result<TcpTransport> {
+        Self::connect_with(mesh, now, None)
     }
 
     /// [`TcpTransport::connect`] where every link made on first use goes through `finish` (see
     /// [`super::dial`]): for [`super::hybrid::HybridTransport`], which takes the mesh over
     /// before any exchange, and `now` naming no peer `finish` moves to shared memory.
-    #[allow(clippy::too_many_arguments)] // connect's, and the finisher
     pub(super) fn connect_with(
-        rank: usize,
-        size: usize,
-        listener: &TcpListener,
-        addrs: &[SocketAddr],
-        secret: &[u8],
-        timeout: Duration,
+        mesh: &Mesh<'_>,
         now: &dyn Fn(usize) -> bool,
         finish: Option<Finish>,
     ) -> Result<TcpTransport> {
+        let Mesh {
+            rank,
+            size,
+            listener,
+            addrs,
+            secret,
+            timeout,
+        } = *mesh;
         if rank >= size || addrs.len() != size {
             return Err(Error::InvalidArgument(format!(
                 "connect_mesh: rank {rank}, size {size}, {} addresses",
@@ -219,7 +223,14 @@ impl TcpTransport {
                 .map(|(rank, l)| {
                     let addrs = &addrs;
                     scope.spawn(move || {
-                        TcpTransport::connect_mesh(rank, n, l, addrs, secret, timeout)
+                        TcpTransport::connect_mesh(&Mesh {
+                            rank,
+                            size: n,
+                            listener: l,
+                            addrs,
+                            secret,
+                            timeout,
+                        })
                     })
                 })
                 .collect();

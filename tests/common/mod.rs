@@ -8,7 +8,7 @@
 pub mod jobs;
 
 use _core::comm::Communicator;
-use _core::{collective, DType, ReduceOp};
+use _core::{collective, DType, ReduceOp, Reduction};
 use half::{bf16, f16};
 
 pub fn splitmix(mut x: u64) -> u64 {
@@ -185,7 +185,7 @@ pub fn allreduce_one(
     let (n, r) = (c.size(), c.rank());
     let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
     let mut buf = encode(dtype, &vals);
-    collective::allreduce(c, &mut buf, dtype, op).expect("allreduce");
+    collective::allreduce(c, &mut buf, Reduction::new(dtype, op)).expect("allreduce");
     buf
 }
 
@@ -223,9 +223,10 @@ pub fn scaled_and_after(
         .map(|&(dtype, op, count, factor)| {
             let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
             let mut folded = encode(dtype, &vals);
-            collective::allreduce_scaled(c, &mut folded, dtype, op, factor).unwrap();
+            collective::allreduce(c, &mut folded, Reduction::new(dtype, op).scaled(factor))
+                .unwrap();
             let mut after = encode(dtype, &vals);
-            collective::allreduce(c, &mut after, dtype, op).unwrap();
+            collective::allreduce(c, &mut after, Reduction::new(dtype, op)).unwrap();
             collective::reduce::scale(dtype, &mut after, factor).unwrap();
             (folded, after)
         })
@@ -283,7 +284,7 @@ pub fn messy_allreduces(c: &mut Communicator<'_>, count: usize) -> Vec<Vec<u8>> 
                 .map(|i| V::F(messy(dtype, c.rank(), i)))
                 .collect();
             let mut buf = encode(dtype, &vals);
-            collective::allreduce(c, &mut buf, dtype, op).unwrap();
+            collective::allreduce(c, &mut buf, Reduction::new(dtype, op)).unwrap();
             out.push(buf);
         }
     }

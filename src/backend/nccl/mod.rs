@@ -17,7 +17,8 @@
 //! pre-multiplication — sum(x·a)·b = sum(x·a·b), equal up to rounding, and how NCCL itself
 //! implements AVERAGE for floats. Integer tensors take only an integer pre-scale; MIN, MAX and
 //! PRODUCT take no scaling. Anything else is `InvalidArgument` (the engine stages those
-//! through host memory).
+//! through host memory). A [`Reduction`]'s factor is the caller's post-scale here, AVERAGE's
+//! 1/n not in it: NCCL divides (`ncclAvg`, or in the pre-multiplication).
 
 mod library;
 
@@ -28,7 +29,7 @@ use cudarc::nccl::sys as nc;
 
 use super::cuda::{Device, DeviceBuf, DeviceMem, Event, OwnedStream, Stream};
 use crate::error::{Error, Result};
-use crate::types::{DType, OpKind, ReduceOp};
+use crate::types::{DType, OpKind, ReduceOp, Reduction};
 pub use library::{unique_id_key, Nccl, UniqueId};
 use library::{Comm, CommFns, IN_PROGRESS, SUCCESS, UNDEF};
 
@@ -62,13 +63,16 @@ pub fn nccl_reduce_dtype(dtype: DType) -> Result<u32> {
 /// rank once the negotiation has validated the op, so every rank decides alike.
 pub fn check_device_op(
     kind: OpKind,
-    dtype: DType,
-    op: ReduceOp,
+    red: Reduction,
     prescale: f64,
-    postscale: f64,
     size: usize,
     shape: &[usize],
 ) -> Result<()> {
+    let Reduction {
+        dtype,
+        op,
+        factor: postscale,
+    } = red;
     match kind {
         OpKind::Broadcast => Ok(()),
         OpKind::Allgather | OpKind::Alltoall if shape.is_empty() => {
@@ -110,7 +114,7 @@ pub fn check_device_op(
 /// How a reduction runs: one of NCCL's operators, or a pre-multiplied sum by `scalar` (the
 /// factor in the tensor's own type, little-endian bytes).
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Reduction {
+enum Plan {
     Builtin { dtype: u32, op: u32 },
     PreMulSum { dtype: u32, scalar: [u8; 8] },
 }
@@ -123,12 +127,12 @@ fn plan_reduction(
     prescale: f64,
     postscale: f64,
     size: usize,
-) -> Result<Reduction> {
+) -> Result<Plan> {
     use nc::ncclRedOp_t as O;
     let nd = nccl_reduce_dtype(dtype)?;
     let scaled = prescale != 1.0 || postscale != 1.0;
     let builtin = |o: O| {
-        Ok(Reduction::Builtin {
+        Ok(Plan::Builtin {
             dtype: nd,
             op: o as u32,
         })
@@ -199,7 +203,7 @@ fn plan_reduction(
                 ),
                 DType::I16 | DType::Bool => unreachable!("rejected by nccl_reduce_dtype"),
             }
-            Ok(Reduction::PreMulSum { dtype: nd, scalar })
+            Ok(Plan::PreMulSum { dtype: nd, scalar })
         }
     }
 }
@@ -351,22 +355,19 @@ impl DeviceComm {
 
     /// Sum, average, min, max or product of `count` elements across ranks, `send` into `recv`
     /// (the same buffer for in place), on `stream`. Scaling: see the module doc.
-    #[allow(clippy::too_many_arguments)]
     pub fn allreduce(
         &mut self,
         send: &DeviceBuf,
         recv: &DeviceBuf,
         count: usize,
-        dtype: DType,
-        op: ReduceOp,
+        red: Reduction,
         prescale: f64,
-        postscale: f64,
         stream: Stream,
     ) -> Result<()> {
-        let bytes = byte_len(count, dtype.size())?;
+        let bytes = byte_len(count, red.dtype.size())?;
         send.fits(bytes, "send")?;
         recv.fits(bytes, "receive")?;
-        let plan = plan_reduction(dtype, op, prescale, postscale, self.size)?;
+        let plan = plan_reduction(red.dtype, red.op, prescale, red.factor, self.size)?;
         let (nd, nop) = self.operator(plan)?;
         let f = self.fns.all_reduce;
         let comm = self.live()?;
@@ -381,17 +382,15 @@ impl DeviceComm {
     /// out, all on `stream` (a fused response of many small gradients costs one collective's
     /// fixed cost, not one per tensor). Not inside a group: a group would launch the
     /// collective at its end, after the copies out enqueued before it.
-    #[allow(clippy::too_many_arguments)]
     pub fn allreduce_fused(
         &mut self,
         parts: &[(DeviceBuf, DeviceBuf)],
-        dtype: DType,
-        op: ReduceOp,
+        red: Reduction,
         prescale: f64,
-        postscale: f64,
         stream: Stream,
     ) -> Result<()> {
         let total: usize = parts.iter().map(|(send, _)| send.len()).sum();
+        let dtype = red.dtype;
         if total % dtype.size() != 0 {
             return Err(Error::InvalidArgument(format!(
                 "fused allreduce of {total} bytes is not a whole number of {dtype:?} elements"
@@ -400,16 +399,7 @@ impl DeviceComm {
         let fused = self.scratch(total)?;
         self.pack(parts, &fused, stream)?;
         let whole = fused.slice(0, total)?;
-        self.allreduce(
-            &whole,
-            &whole,
-            total / dtype.size(),
-            dtype,
-            op,
-            prescale,
-            postscale,
-            stream,
-        )?;
+        self.allreduce(&whole, &whole, total / dtype.size(), red, prescale, stream)?;
         self.unpack(&fused, parts, stream)
     }
 
@@ -483,7 +473,6 @@ impl DeviceComm {
 
     /// `root`'s `count` elements (its `send`) into every rank's `recv` (the same buffer for
     /// in place; `send` is read on the root only).
-    #[allow(clippy::too_many_arguments)]
     pub fn broadcast(
         &mut self,
         send: &DeviceBuf,
@@ -523,22 +512,19 @@ impl DeviceComm {
 
     /// Reduces `recv_count * size` elements of `send` across ranks; rank r receives block r
     /// (`recv_count` elements) in `recv`. Ops and scaling as in [`DeviceComm::allreduce`].
-    #[allow(clippy::too_many_arguments)]
     pub fn reducescatter(
         &mut self,
         send: &DeviceBuf,
         recv: &DeviceBuf,
         recv_count: usize,
-        dtype: DType,
-        op: ReduceOp,
+        red: Reduction,
         prescale: f64,
-        postscale: f64,
         stream: Stream,
     ) -> Result<()> {
-        let bytes = byte_len(recv_count, dtype.size())?;
+        let bytes = byte_len(recv_count, red.dtype.size())?;
         send.fits(byte_len(bytes, self.size)?, "send")?;
         recv.fits(bytes, "receive")?;
-        let plan = plan_reduction(dtype, op, prescale, postscale, self.size)?;
+        let plan = plan_reduction(red.dtype, red.op, prescale, red.factor, self.size)?;
         let (nd, nop) = self.operator(plan)?;
         let f = self.fns.reduce_scatter;
         let comm = self.live()?;
@@ -560,7 +546,6 @@ impl DeviceComm {
     /// Sends `send_counts[r]` elements to rank r (consecutive blocks of `send`) and receives
     /// `recv_counts[r]` from rank r (consecutive blocks of `recv`), as one NCCL group of
     /// send/receive pairs.
-    #[allow(clippy::too_many_arguments)]
     pub fn alltoall(
         &mut self,
         send: &DeviceBuf,
@@ -792,10 +777,10 @@ impl DeviceComm {
     }
 
     /// The (dtype, operator) pair for a plan, creating the pre-multiplied sum when needed.
-    fn operator(&mut self, plan: Reduction) -> Result<(c_uint, c_uint)> {
+    fn operator(&mut self, plan: Plan) -> Result<(c_uint, c_uint)> {
         match plan {
-            Reduction::Builtin { dtype, op } => Ok((dtype, op)),
-            Reduction::PreMulSum { dtype, mut scalar } => {
+            Plan::Builtin { dtype, op } => Ok((dtype, op)),
+            Plan::PreMulSum { dtype, mut scalar } => {
                 let comm = self.live()?;
                 let mut op: c_uint = 0;
                 // SAFETY: `scalar` holds the factor in `dtype`'s type and is read during the
@@ -817,15 +802,9 @@ impl DeviceComm {
 
     /// Settles a reduction's call and releases its operator: at once, or (inside a group,
     /// where the launch happens at group end) when the group ends.
-    fn after_reduction(
-        &mut self,
-        rc: c_int,
-        what: &str,
-        plan: Reduction,
-        op: c_uint,
-    ) -> Result<()> {
+    fn after_reduction(&mut self, rc: c_int, what: &str, plan: Plan, op: c_uint) -> Result<()> {
         let r = self.settle(rc, what);
-        if matches!(plan, Reduction::PreMulSum { .. }) {
+        if matches!(plan, Plan::PreMulSum { .. }) {
             if self.group_depth > 0 {
                 self.pending_ops.push(op);
             } else {

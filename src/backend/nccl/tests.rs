@@ -3,8 +3,8 @@
 use super::*;
 use nc::{ncclDataType_t as T, ncclRedOp_t as O};
 
-fn builtin(dtype: T, op: O) -> Reduction {
-    Reduction::Builtin {
+fn builtin(dtype: T, op: O) -> Plan {
+    Plan::Builtin {
         dtype: dtype as u32,
         op: op as u32,
     }
@@ -55,7 +55,7 @@ fn unscaled_reductions_use_nccls_own_operators() {
 fn one_rank_reductions_never_take_nccls_one_rank_scaling() {
     assert_eq!(
         plan_reduction(DType::F32, ReduceOp::Average, 1.0, 1.0, 1).unwrap(),
-        Reduction::Builtin {
+        Plan::Builtin {
             dtype: T::ncclFloat32 as u32,
             op: O::ncclSum as u32
         }
@@ -67,7 +67,14 @@ fn one_rank_reductions_never_take_nccls_one_rank_scaling() {
     ] {
         let e = plan_reduction(dt, op, pre, post, 1).unwrap_err();
         assert!(e.to_string().contains("staged"), "{e}");
-        assert!(check_device_op(OpKind::Allreduce, dt, op, pre, post, 1, &[4097]).is_err());
+        assert!(check_device_op(
+            OpKind::Allreduce,
+            Reduction::new(dt, op).scaled(post),
+            pre,
+            1,
+            &[4097]
+        )
+        .is_err());
     }
     assert!(plan_reduction(DType::F32, ReduceOp::Sum, 0.5, 3.0, 2).is_ok());
 }
@@ -80,7 +87,7 @@ fn scale_factors_fold_into_one_premultiplied_sum() {
     want.copy_from_slice(&0.375f64.to_le_bytes());
     assert_eq!(
         p,
-        Reduction::PreMulSum {
+        Plan::PreMulSum {
             dtype: T::ncclFloat64 as u32,
             scalar: want
         }
@@ -90,7 +97,7 @@ fn scale_factors_fold_into_one_premultiplied_sum() {
     want[..4].copy_from_slice(&0.25f32.to_le_bytes());
     assert_eq!(
         p,
-        Reduction::PreMulSum {
+        Plan::PreMulSum {
             dtype: T::ncclFloat32 as u32,
             scalar: want
         }
@@ -100,7 +107,7 @@ fn scale_factors_fold_into_one_premultiplied_sum() {
     want[..2].copy_from_slice(&half::bf16::from_f32(2.0).to_bits().to_le_bytes());
     assert_eq!(
         p,
-        Reduction::PreMulSum {
+        Plan::PreMulSum {
             dtype: T::ncclBfloat16 as u32,
             scalar: want
         }
@@ -111,7 +118,7 @@ fn scale_factors_fold_into_one_premultiplied_sum() {
     want[..4].copy_from_slice(&(-3i32).to_le_bytes());
     assert_eq!(
         p,
-        Reduction::PreMulSum {
+        Plan::PreMulSum {
             dtype: T::ncclInt32 as u32,
             scalar: want
         }
@@ -141,7 +148,7 @@ fn what_nccl_cannot_do_is_an_invalid_argument_naming_it() {
 #[test]
 fn the_device_path_takes_what_nccl_can_run_as_it_is() {
     let ok = |kind, dtype, op, pre, shape: &[usize]| {
-        check_device_op(kind, dtype, op, pre, 1.0, 4, shape).map_err(|e| e.to_string())
+        check_device_op(kind, Reduction::new(dtype, op), pre, 4, shape).map_err(|e| e.to_string())
     };
     assert!(ok(OpKind::Allreduce, DType::F16, ReduceOp::Average, 0.5, &[3]).is_ok());
     // Broadcast, allgather and alltoall move bytes: any dtype, any first dimension.

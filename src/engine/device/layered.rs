@@ -26,12 +26,12 @@ use crate::backend::cuda::{DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::DeviceComm;
 use crate::collective::hierarchical::Layout;
 use crate::error::Result;
-use crate::types::{DType, ReduceOp};
+use crate::types::{ReduceOp, Reduction};
 
-/// The cross-host step: allreduces a host buffer among the given global ranks, multiplying
-/// the result by the factor (the engine's host collectives on its transport).
+/// The cross-host step: allreduces a host buffer among the given global ranks as the
+/// reduction says (the engine's host collectives on its transport).
 pub(in crate::engine) type Cross<'a> =
-    &'a mut dyn FnMut(&[usize], &mut [u8], DType, ReduceOp, f64) -> Result<()>;
+    &'a mut dyn FnMut(&[usize], &mut [u8], Reduction) -> Result<()>;
 
 /// A layered set's communicator of this host's members and what its allreduces need.
 pub(super) struct Local {
@@ -52,21 +52,20 @@ impl Local {
         }
     }
 
-    /// Allreduces `parts` (each `(input, output)`, all of `dtype`) across the set whose
+    /// Allreduces `parts` (each `(input, output)`, all of `red.dtype`) across the set whose
     /// global ranks are `members`, as the module doc says, on `stream` (the local
-    /// communicator's, already ordered after the submitters' streams). `op` and the scaling
-    /// are the request's; returns once the results are enqueued on `stream`.
-    #[allow(clippy::too_many_arguments)]
+    /// communicator's, already ordered after the submitters' streams). `red` is the host
+    /// collectives' (the whole scaling in its factor, AVERAGE's 1/n too); returns once the
+    /// results are enqueued on `stream`.
     pub(super) fn allreduce(
         &mut self,
         parts: &[(DeviceBuf, DeviceBuf)],
-        dtype: DType,
-        op: ReduceOp,
-        factor: f64,
+        red: Reduction,
         members: &[usize],
         stream: Stream,
         cross: Cross<'_>,
     ) -> Result<()> {
+        let dtype = red.dtype;
         let es = dtype.size();
         let total: usize = parts.iter().map(|(send, _)| send.len()).sum();
         let elems = total / es;
@@ -77,24 +76,24 @@ impl Local {
         let buf = self.comm.scratch(room)?;
         self.comm.pack(parts, &buf, stream)?;
         // NCCL reduces inside the host unscaled; the cross-host step scales.
-        let local_op = if op == ReduceOp::Average {
+        let local_op = if red.op == ReduceOp::Average {
             ReduceOp::Sum
         } else {
-            op
+            red.op
         };
+        let local = Reduction::new(dtype, local_op);
         let me = self.layout.local;
         let hosts = &self.layout.hosts;
         let (group, lo, hi): (Option<Vec<usize>>, usize, usize) = if two_d {
             let mine = buf.slice(me * seg * es, seg * es)?;
             self.comm
-                .reducescatter(&buf, &mine, seg, dtype, local_op, 1.0, 1.0, stream)?;
+                .reducescatter(&buf, &mine, seg, local, 1.0, stream)?;
             let (lo, hi) = ((me * seg).min(elems), ((me + 1) * seg).min(elems));
             let column = hosts.iter().map(|g| members[g[me]]).collect();
             (Some(column), lo, hi)
         } else {
             if l > 1 {
-                self.comm
-                    .allreduce(&buf, &buf, elems, dtype, local_op, 1.0, 1.0, stream)?;
+                self.comm.allreduce(&buf, &buf, elems, local, 1.0, stream)?;
             }
             let firsts = hosts.iter().map(|g| members[g[0]]).collect();
             (Some(firsts).filter(|_| me == 0), 0, elems)
@@ -109,7 +108,7 @@ impl Local {
             self.comm.gpu().read_async(&place, host, stream)?;
             let read = self.comm.record(stream)?;
             self.comm.wait(&read)?;
-            cross(&group, host, dtype, local_op, factor)?;
+            cross(&group, host, local.scaled(red.factor))?;
             self.comm.gpu().write_async(host, &place, stream)?;
         }
         if two_d {

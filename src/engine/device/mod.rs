@@ -48,9 +48,8 @@ use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
 use crate::bootstrap::tcp_store::TcpStore;
 use crate::bootstrap::Store;
 use crate::collective::hierarchical::Layout;
-use crate::collective::post_factor;
 use crate::error::{Error, Result};
-use crate::types::{DType, OpKind, ReduceOp};
+use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 use super::entry::Entry;
 use super::message::{DeviceKind, Response};
@@ -159,14 +158,8 @@ impl DeviceState {
         let nccl_stream = after_submitters(comm, entries)?;
         let me = rank_in(members, rank)?;
         if let Some(f) = fusable(resp, members, entries)? {
-            comm.allreduce_fused(
-                &f.parts,
-                f.dtype,
-                f.op,
-                f.prescale,
-                f.postscale,
-                nccl_stream,
-            )?;
+            let red = Reduction::new(f.dtype, f.op).scaled(f.postscale);
+            comm.allreduce_fused(&f.parts, red, f.prescale, nccl_stream)?;
         } else {
             comm.group_start()?;
             let enqueued = enqueue(comm, members, me, resp, entries, nccl_stream);
@@ -683,8 +676,10 @@ fn layered_allreduce(
     cross: Cross<'_>,
 ) -> Result<()> {
     let stream = after_submitters(&mut local.comm, entries)?;
-    let factor = f.prescale * post_factor(f.op, f.postscale, members.len());
-    local.allreduce(&f.parts, f.dtype, f.op, factor, members, stream, cross)?;
+    // The host collectives' reduction (the cross-host step scales): the 1/n in the factor.
+    let red = Reduction::over(f.dtype, f.op, f.postscale, members.len());
+    let red = red.scaled(f.prescale * red.factor);
+    local.allreduce(&f.parts, red, members, stream, cross)?;
     let done = local.comm.record(stream)?;
     local.comm.wait(&done)
 }
@@ -742,32 +737,21 @@ fn enqueue(
                 }
                 // Every member has the same shape (validated), so every member skips it.
                 _ if count == 0 => {}
-                OpKind::Allreduce => comm.allreduce(
-                    &input,
-                    &output,
-                    count,
-                    dtype,
-                    req.op,
-                    req.prescale,
-                    req.postscale,
-                    stream,
-                )?,
+                OpKind::Allreduce => {
+                    let red = Reduction::new(dtype, req.op).scaled(req.postscale);
+                    comm.allreduce(&input, &output, count, red, req.prescale, stream)?
+                }
                 OpKind::Broadcast => {
                     let root = members.binary_search(&req.root).map_err(|_| {
                         Error::InvalidArgument(format!("root {} is not in the set", req.root))
                     })?;
                     comm.broadcast(&input, &output, count, dtype, root, stream)?
                 }
-                OpKind::Reducescatter => comm.reducescatter(
-                    &input,
-                    &output,
-                    count / members.len(),
-                    dtype,
-                    req.op,
-                    req.prescale,
-                    req.postscale,
-                    stream,
-                )?,
+                OpKind::Reducescatter => {
+                    let red = Reduction::new(dtype, req.op).scaled(req.postscale);
+                    let rows = count / members.len();
+                    comm.reducescatter(&input, &output, rows, red, req.prescale, stream)?
+                }
                 other => {
                     return Err(Error::InvalidArgument(format!(
                         "{} is not run on the NCCL path",
@@ -888,16 +872,9 @@ pub(super) fn op_device(spec: &OpSpec, n: usize) -> Result<DeviceKind> {
         )));
     }
     for t in &spec.tensors {
-        check_device_op(
-            spec.kind,
-            t.meta.dtype,
-            spec.op,
-            spec.prescale,
-            spec.postscale,
-            n,
-            &t.meta.shape,
-        )
-        .map_err(|e| Error::InvalidArgument(format!("{} on CUDA: {e}", what())))?;
+        let red = Reduction::new(t.meta.dtype, spec.op).scaled(spec.postscale);
+        check_device_op(spec.kind, red, spec.prescale, n, &t.meta.shape)
+            .map_err(|e| Error::InvalidArgument(format!("{} on CUDA: {e}", what())))?;
         let want = match spec.kind {
             OpKind::Reducescatter => Some(t.input.len() / n.max(1)),
             // Sized from every rank's first dimension or splits: checked at execution,

@@ -1,11 +1,11 @@
 //! Executing a response: fusion, scaling and output allocation happen here once, for every
 //! collective; the algorithms in [`crate::collective`] see only contiguous byte buffers.
 
-use crate::collective::{self, post_factor, reduce, split_rows};
+use crate::collective::{self, reduce, split_rows};
 use crate::comm::Communicator;
 use crate::copy::copy;
 use crate::error::{Error, Result};
-use crate::types::{DType, OpKind, ReduceOp};
+use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 use crate::engine::entry::Entry;
 use crate::engine::handle::Output;
@@ -106,10 +106,10 @@ impl Worker {
                     let (transport, timeout) = (&mut *self.transport, self.timeout);
                     let tuning = &self.tuning;
                     // A layered set's step across hosts: the host collectives, flat.
-                    let mut cross = |group: &[usize], buf: &mut [u8], dtype, op, factor| {
+                    let mut cross = |group: &[usize], buf: &mut [u8], red| {
                         let mut comm =
                             Communicator::new(&mut *transport, group, timeout, tuning.clone());
-                        collective::allreduce_scaled(&mut comm, buf, dtype, op, factor)
+                        collective::allreduce(&mut comm, buf, red)
                     };
                     let result = staged.and_then(|_| {
                         self.device
@@ -263,11 +263,8 @@ fn allreduce(
     trace: &Trace<'_>,
 ) -> Result<()> {
     let req0 = &items[0].request;
-    let (op, pre, post) = (
-        req0.op,
-        req0.prescale,
-        post_factor(req0.op, req0.postscale, comm.size()),
-    );
+    let (op, pre, post) = (req0.op, req0.prescale, req0.postscale);
+    let n = comm.size();
     // (item index, tensor index) grouped by dtype, in order of first appearance.
     let mut groups: Vec<(DType, Vec<(usize, usize)>)> = Vec::new();
     for (i, item) in items.iter().enumerate() {
@@ -297,14 +294,16 @@ fn allreduce(
             match entries[i].as_mut() {
                 Some(entry) => {
                     let spec = &mut entry.spec.tensors[t];
-                    reduce_one(comm, spec, dtype, op, pre, post, trace)?;
+                    let red = Reduction::over(dtype, op, post, n);
+                    reduce_one(comm, spec, red, pre, trace)?;
                 }
                 // A joined rank contributes zeros (all-zero bytes are zero in every dtype).
                 None => {
                     let mut zeros = TensorBuf::engine(items[i].request.tensors[t].nbytes())?;
                     zeros.as_mut_slice().fill(0);
                     trace.begin("TCP_ALLREDUCE");
-                    collective::allreduce(comm, zeros.as_mut_slice(), dtype, op)?;
+                    let red = Reduction::new(dtype, op);
+                    collective::allreduce(comm, zeros.as_mut_slice(), red)?;
                     trace.end();
                 }
             }
@@ -334,14 +333,14 @@ fn allreduce(
             }
             let (chunk, tail) = rest.split_at(count);
             rest = tail;
-            let scales = (dtype, op, pre, post);
+            let red = Reduction::over(dtype, op, post, n);
             fused_allreduce(
                 comm,
                 &mut fusion[..total],
                 items,
                 entries,
                 chunk,
-                scales,
+                (red, pre),
                 trace,
             )?;
         }
@@ -356,7 +355,7 @@ fn fused_allreduce(
     items: &[Item],
     entries: &mut [Option<Entry>],
     chunk: &[Slot],
-    (dtype, op, pre, post): (DType, ReduceOp, f64, f64),
+    (red, pre): (Reduction, f64),
     trace: &Trace<'_>,
 ) -> Result<()> {
     let len_of = |&(i, t): &Slot| items[i].request.tensors[t].nbytes();
@@ -372,10 +371,10 @@ fn fused_allreduce(
         }
         off += len;
     }
-    reduce::scale(dtype, buf, pre)?;
+    reduce::scale(red.dtype, buf, pre)?;
     trace.end();
     trace.begin("TCP_ALLREDUCE");
-    collective::allreduce_scaled(comm, buf, dtype, op, post)?;
+    collective::allreduce(comm, buf, red)?;
     trace.end();
     trace.begin("MEMCPY_OUT_FUSION_BUFFER");
     let mut off = 0;
@@ -427,15 +426,13 @@ const FUSION_COPY_LIMIT: usize = 1 << 20;
 // Every packed tensor fits the buffer, so each chunk holds at least one.
 const _: () = assert!(FUSION_COPY_LIMIT <= FUSION_BUFFER_BYTES);
 
-/// Allreduce of one tensor into its own output memory, with the scale factors applied around
-/// it. Not in place, the input is read where it lies (a prescale needs a copy of it first).
+/// Allreduce of one tensor into its own output memory, the input multiplied by `pre` first.
+/// Not in place, the input is read where it lies (a prescale needs a copy of it first).
 fn reduce_one(
     comm: &mut Communicator<'_>,
     spec: &mut TensorSpec,
-    dtype: DType,
-    op: ReduceOp,
+    red: Reduction,
     pre: f64,
-    post: f64,
     trace: &Trace<'_>,
 ) -> Result<()> {
     let out = spec
@@ -446,15 +443,15 @@ fn reduce_one(
     let in_place = out.same_memory(&spec.input);
     if !in_place && pre == 1.0 {
         let input = spec.input.as_slice();
-        collective::allreduce_scaled_into(comm, input, out.as_mut_slice(), dtype, op, post)?;
+        collective::allreduce_into(comm, input, out.as_mut_slice(), red)?;
     } else {
         let buf = out.as_mut_slice();
         if !in_place {
             // The prescale must not touch the caller's input: it is applied to the copy.
             copy(buf, spec.input.as_slice());
         }
-        reduce::scale(dtype, buf, pre)?;
-        collective::allreduce_scaled(comm, buf, dtype, op, post)?;
+        reduce::scale(red.dtype, buf, pre)?;
+        collective::allreduce(comm, buf, red)?;
     }
     trace.end();
     Ok(())
@@ -567,12 +564,13 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
     let n = comm.size();
     let me = comm.rank();
     let req = &entry.request;
-    let (pre, post) = (req.prescale, post_factor(req.op, req.postscale, n));
+    let pre = req.prescale;
     let mut out = Output::default();
     for spec in entry.spec.tensors.iter_mut() {
         let meta = &spec.meta;
         let rows = meta.shape[0];
         let row_bytes = meta.row_elems() * meta.dtype.size();
+        let red = Reduction::over(meta.dtype, req.op, req.postscale, n);
         let counts: Vec<usize> = (0..n)
             .map(|r| split_rows(rows, n, r).1 * row_bytes)
             .collect();
@@ -584,7 +582,7 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
                 // sums are left in the other ranks' rows) and its share lands where it lies.
                 let buf = spec.input.as_mut_slice();
                 reduce::scale(meta.dtype, buf, pre)?;
-                collective::reducescatter_in_place(comm, buf, &counts, meta.dtype, req.op, post)?;
+                collective::reducescatter_in_place(comm, buf, &counts, red)?;
                 continue;
             }
             if result.overlaps(&spec.input) {
@@ -615,9 +613,7 @@ fn reducescatter(comm: &mut Communicator<'_>, entry: &mut Entry) -> Result<Outpu
             input,
             scratch.as_mut_slice(),
             &counts,
-            meta.dtype,
-            req.op,
-            post,
+            red,
             result.as_mut_slice(),
         )?;
         let Some(result) = owned else {

@@ -78,7 +78,7 @@ enum SetWaiter {
 }
 
 impl Worker {
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)] // what the engine's start hands its one worker
     pub(super) fn new(
         config: &Config,
         rank: usize,
