@@ -24,6 +24,8 @@ pub mod engine;
 pub mod error;
 pub mod gpu;
 mod spin;
+#[doc(hidden)]
+pub mod testing;
 pub mod transport;
 pub mod types;
 pub mod wire;

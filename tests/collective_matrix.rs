@@ -9,7 +9,6 @@ use std::time::Duration;
 use _core::collective;
 use _core::comm::{Communicator, Tuning};
 use _core::error::Error;
-use _core::transport::tcp::TcpTransport;
 use _core::{DType, ReduceOp, Reduction};
 
 mod common;
@@ -46,7 +45,7 @@ fn run_sets<R: Send>(
     tuning: &Tuning,
     body: impl Fn(usize, &mut Communicator<'_>) -> R + Sync,
 ) -> Vec<Vec<R>> {
-    let mut mesh = TcpTransport::loopback_mesh(n, b"secret").expect("mesh");
+    let mut mesh = _core::testing::tcp_mesh(n, b"secret").expect("mesh");
     std::thread::scope(|s| {
         let mut handles: Vec<Vec<_>> = sets.iter().map(|_| Vec::new()).collect();
         for (g, t) in mesh.iter_mut().enumerate() {

@@ -96,7 +96,7 @@ fn run<R: Send>(
 ) -> (Vec<R>, Vec<usize>) {
     let n = hosts.len();
     let labels: Vec<usize> = hosts.iter().map(|&h| h as usize).collect();
-    let mut mesh = HybridTransport::loopback_mesh(&labels, RING, b"secret").expect("mesh");
+    let mut mesh = _core::testing::hybrid_mesh(&labels, RING, b"secret").expect("mesh");
     let sent: Vec<AtomicUsize> = (0..n * n).map(|_| AtomicUsize::new(0)).collect();
     let members: Vec<usize> = (0..n).collect();
     let out = std::thread::scope(|s| {
@@ -298,7 +298,7 @@ fn the_mode_picks_the_algorithm_and_less_crosses_hosts() {
     assert_eq!(per_pair(Hierarchical::Auto), never, "{name}");
     // No host labels: flat whatever the mode.
     let hosts = [0usize, 0, 1, 1];
-    let mut mesh = HybridTransport::loopback_mesh(&hosts, RING, b"secret").unwrap();
+    let mut mesh = _core::testing::hybrid_mesh(&hosts, RING, b"secret").unwrap();
     let sent: Vec<AtomicUsize> = (0..16).map(|_| AtomicUsize::new(0)).collect();
     let members = [0, 1, 2, 3];
     std::thread::scope(|s| {
@@ -329,7 +329,7 @@ fn subsets_use_global_host_labels() {
     let hosts: &[u32] = &[0, 0, 1, 1, 0, 1];
     let set = [1usize, 2, 4, 5];
     let labels: Vec<usize> = hosts.iter().map(|&h| h as usize).collect();
-    let mut mesh = HybridTransport::loopback_mesh(&labels, RING, b"secret").unwrap();
+    let mut mesh = _core::testing::hybrid_mesh(&labels, RING, b"secret").unwrap();
     let sent: Vec<AtomicUsize> = (0..36).map(|_| AtomicUsize::new(0)).collect();
     let (dtype, op, count) = (DType::F32, ReduceOp::Sum, 3001);
     let t = tuning(Hierarchical::Always, 256, 1000);

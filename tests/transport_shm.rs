@@ -52,7 +52,7 @@ fn rx(peer: usize, buf: &mut [u8]) -> Xfer<'_> {
 }
 
 fn mesh(hosts: &[usize], ring: usize) -> Vec<HybridTransport> {
-    HybridTransport::loopback_mesh(hosts, ring, SECRET).expect("mesh")
+    _core::testing::hybrid_mesh(hosts, ring, SECRET).expect("mesh")
 }
 
 /// Runs `f` on every transport in its own thread; results in rank order.
@@ -224,7 +224,7 @@ fn lazy_mesh_with(
     hosts: &[usize],
     options: impl Fn(usize) -> ShmOptions + Sync,
 ) -> Vec<HybridTransport> {
-    HybridTransport::loopback_unlinked(hosts, &options, SECRET).expect("mesh")
+    _core::testing::hybrid_unlinked(hosts, &options, SECRET).expect("mesh")
 }
 
 #[test]

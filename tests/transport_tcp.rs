@@ -76,7 +76,7 @@ fn bind_n(n: usize) -> (Vec<TcpListener>, Vec<SocketAddr>) {
 #[test]
 fn ring_small_sizes_on_1_to_5_ranks() {
     for n in 1..=5 {
-        let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+        let mut ts = _core::testing::tcp_mesh(n, SECRET).unwrap();
         for (r, t) in ts.iter().enumerate() {
             assert_eq!((t.rank(), t.size()), (r, n));
         }
@@ -98,7 +98,7 @@ fn ring_small_sizes_on_1_to_5_ranks() {
 fn ring_64_mib_with_throughput() {
     const LEN: usize = 64 << 20;
     for n in [2usize, 3] {
-        let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+        let mut ts = _core::testing::tcp_mesh(n, SECRET).unwrap();
         let sends: Vec<Vec<u8>> = (0..n)
             .map(|r| pattern(seed(r, (r + 1) % n, LEN), LEN))
             .collect();
@@ -141,7 +141,7 @@ fn ring_64_mib_with_throughput() {
 #[test]
 fn all_pairs_exchange() {
     let n = 4;
-    let mut ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+    let mut ts = _core::testing::tcp_mesh(n, SECRET).unwrap();
     for len in [1usize, 1000, 300_001] {
         let ok = run(&mut ts, |t| all_pairs(t, len));
         assert!(ok.iter().all(|&b| b), "len={len}: {ok:?}");
@@ -150,7 +150,7 @@ fn all_pairs_exchange() {
 
 #[test]
 fn repeated_small_exchanges_keep_order() {
-    let mut ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let mut ts = _core::testing::tcp_mesh(2, SECRET).unwrap();
     let ok = run(&mut ts, |t| {
         let other = 1 - t.rank();
         (0..2000u32).all(|i| {
@@ -180,7 +180,7 @@ fn repeated_small_exchanges_keep_order() {
 fn dropped_peer_is_reported_fast() {
     // Rank 2 of 3 leaves before the exchange: ranks 0 and 1 must name it.
     let n = 3;
-    let ts = TcpTransport::loopback_mesh(n, SECRET).unwrap();
+    let ts = _core::testing::tcp_mesh(n, SECRET).unwrap();
     let barrier = Barrier::new(n - 1);
     let results = thread::scope(|s| {
         let hs: Vec<_> = ts
@@ -229,7 +229,7 @@ fn dropped_peer_is_reported_fast() {
 #[test]
 fn peer_dropping_mid_transfer_of_64_mib() {
     const LEN: usize = 64 << 20;
-    let ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let ts = _core::testing::tcp_mesh(2, SECRET).unwrap();
     let mut it = ts.into_iter();
     let (mut t0, mut t1) = (it.next().unwrap(), it.next().unwrap());
     let quitter = thread::spawn(move || {
@@ -275,7 +275,7 @@ fn peer_dropping_mid_transfer_of_64_mib() {
 
 #[test]
 fn abort_fails_the_peer_fast_and_the_aborted_side_stays_failed() {
-    let mut ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let mut ts = _core::testing::tcp_mesh(2, SECRET).unwrap();
     let res = run(&mut ts, |t| {
         if t.rank() == 1 {
             thread::sleep(Duration::from_millis(100));
@@ -312,7 +312,7 @@ fn abort_fails_the_peer_fast_and_the_aborted_side_stays_failed() {
 
 #[test]
 fn idle_timeout_names_the_silent_rank() {
-    let mut ts = TcpTransport::loopback_mesh(3, SECRET).unwrap();
+    let mut ts = _core::testing::tcp_mesh(3, SECRET).unwrap();
     let idle = Duration::from_millis(300);
     let barrier = Barrier::new(3);
     let res = run(&mut ts, |t| {
@@ -368,7 +368,7 @@ fn idle_timeout_names_the_silent_rank() {
 
 #[test]
 fn invalid_transfers_are_rejected() {
-    let mut ts = TcpTransport::loopback_mesh(2, SECRET).unwrap();
+    let mut ts = _core::testing::tcp_mesh(2, SECRET).unwrap();
     let t = &mut ts[0];
     let res = t.exchange(&mut [Xfer::Send { peer: 2, buf: &[1] }], LONG);
     assert!(matches!(res, Err(Error::InvalidArgument(_))), "{res:?}");

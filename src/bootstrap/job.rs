@@ -28,7 +28,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::auth;
 use super::net::interfaces;
@@ -130,8 +130,9 @@ pub struct Job<P: ControlPlane> {
     pub hosts: Vec<u32>,
     /// Data links to every other rank: shared memory on this host, TCP otherwise.
     pub transport: HybridTransport,
-    /// The job secret every connection proved.
-    pub secret: Vec<u8>,
+    /// How to reach the rendezvous store after forming (the device path exchanges NCCL ids
+    /// through it); `None` for a one-rank job without one.
+    pub store: Option<StoreLink>,
     /// How many CPUs this rank has to itself ([`crate::cpus::share`]) among its host's ranks.
     pub cpu_share: f64,
     /// Every rank's fast-path offer records, when every rank is on this host.
@@ -143,6 +144,24 @@ pub struct Job<P: ControlPlane> {
     pub control: P::Control,
     /// The rendezvous store, when rank 0 serves it (launchers other than ferrovodrun).
     pub store_server: Option<TcpStoreServer>,
+}
+
+/// How a formed job's ranks reach its rendezvous store again: its address, the job secret,
+/// and how long connecting may take. A way to connect rather than a connection: most jobs
+/// never use the store after forming, and an idle connection from every rank would hold the
+/// store server's connections for the job's life.
+#[derive(Clone)]
+pub struct StoreLink {
+    addr: String,
+    secret: Vec<u8>,
+    timeout: Duration,
+}
+
+impl StoreLink {
+    /// A new connection to the store, proving the job secret.
+    pub fn connect(&self) -> Result<TcpStore> {
+        TcpStore::connect(self.addr.as_str(), &self.secret, self.timeout)
+    }
 }
 
 /// Forms the job `config.launch` describes with `membership` (see the module doc for the
@@ -274,11 +293,16 @@ pub fn form<P: ControlPlane>(
         quota.map_or("none".to_string(), |q| format!("{q:.2}"))
     );
     let control = plane.connect(&coord_addr, rank, node, &secret)?;
+    let store = launch.rendezvous_addr.as_ref().map(|addr| StoreLink {
+        addr: addr.clone(),
+        secret: secret.clone(),
+        timeout: config.start_timeout,
+    });
     Ok(Job {
         topology,
         hosts: host_indices(&hosts),
         transport,
-        secret,
+        store,
         cpu_share,
         offer_records,
         coordinator,

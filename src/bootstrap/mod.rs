@@ -11,7 +11,9 @@ pub mod tcp_store;
 pub mod topology;
 
 pub use auth::{authenticate, random_secret, secret_from_hex, secret_to_hex};
-pub use job::{form, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership};
+pub use job::{
+    form, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership, StoreLink,
+};
 pub use net::{read_frame, read_frame_until, write_frame};
 pub use tcp_store::{TcpStore, TcpStoreServer};
 pub use topology::{ControlTree, Topology};

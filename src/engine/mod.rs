@@ -5,25 +5,27 @@
 //! The thread sleeps only when it has nothing to do: a submission (through an eventfd) or a
 //! control message (through its socket) wakes it, after a short bounded spin.
 
-pub mod autotune;
+// Public: what the wire's fuzzers and decoders (control, message) and the fast path's tests
+// (fast) reach; everything else a caller needs is re-exported below.
+mod autotune;
 pub mod control;
-pub mod coordinator;
+mod coordinator;
 mod device;
-pub mod door;
+mod door;
 mod entry;
 pub mod fast;
-pub mod handle;
+mod handle;
 mod host_reduce;
 mod lease;
 pub mod message;
-pub mod names;
-pub mod negotiate;
-pub mod pool;
-pub mod progress;
+mod names;
+mod negotiate;
+mod pool;
+mod progress;
 mod relay;
-pub mod sys;
-pub mod tensor;
-pub mod timeline;
+mod sys;
+mod tensor;
+mod timeline;
 mod worker;
 
 use std::collections::HashMap;
@@ -152,7 +154,7 @@ impl Engine {
             topology,
             hosts,
             transport,
-            secret,
+            store,
             cpu_share,
             offer_records,
             coordinator,
@@ -212,10 +214,9 @@ impl Engine {
             sets,
             hosts.clone(),
             device::DeviceState::new(
-                config.launch.rendezvous_addr.clone().map(|a| (a, secret)),
+                store,
                 generation,
                 config.timeout,
-                config.start_timeout,
                 hosts,
                 config.tuning.hierarchical == crate::comm::Hierarchical::Always,
             ),

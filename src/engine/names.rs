@@ -54,16 +54,6 @@ impl InFlight {
             key,
         })
     }
-
-    /// How many names are in flight (for tests).
-    pub fn len(&self) -> usize {
-        self.names.lock().len()
-    }
-
-    /// Whether no name is in flight.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 impl Drop for NameClaim {
@@ -87,6 +77,6 @@ mod tests {
         let _c = f.claim(0, "y", OpKind::Allreduce).unwrap();
         drop(a);
         let _d = f.claim(0, "x", OpKind::Allreduce).unwrap();
-        assert_eq!(f.len(), 3);
+        assert_eq!(f.names.lock().len(), 3);
     }
 }

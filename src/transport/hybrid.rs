@@ -14,9 +14,8 @@
 //! [`super::shm`] for why no wake-up is lost). A peer lost on either kind of link is
 //! `Error::PeerLost` at once.
 
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
-use std::thread;
 use std::time::Duration;
 
 use super::dial::{Dialer, Finish, Made};
@@ -163,92 +162,7 @@ impl HybridTransport {
             .filter(|&p| matches!(self.links[p], Link::Shm(_)))
             .collect()
     }
-
-    /// Test support: [`HybridTransport::loopback_unlinked`] with rings of `ring_bytes` on
-    /// every rank, then every pair linked by one exchange of a byte.
-    #[doc(hidden)]
-    pub fn loopback_mesh(
-        hosts: &[usize],
-        ring_bytes: usize,
-        secret: &[u8],
-    ) -> Result<Vec<HybridTransport>> {
-        let options = ShmOptions {
-            ring_bytes,
-            disabled: false,
-        };
-        let mut ts = Self::loopback_unlinked(hosts, &|_| options.clone(), secret)?;
-        let n = hosts.len();
-        thread::scope(|scope| {
-            let handles: Vec<_> = ts
-                .iter_mut()
-                .map(|t| {
-                    scope.spawn(move || {
-                        let ones = vec![1u8; n];
-                        let mut got = vec![0u8; n];
-                        let mut xfers: Vec<Xfer<'_>> = Vec::with_capacity(2 * n);
-                        for (p, (s, r)) in ones.chunks(1).zip(got.chunks_mut(1)).enumerate() {
-                            xfers.push(Xfer::Send { peer: p, buf: s });
-                            xfers.push(Xfer::Recv { peer: p, buf: r });
-                        }
-                        t.exchange(&mut xfers, LOOPBACK_TIMEOUT)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("mesh thread panicked"))
-                .collect::<Result<Vec<()>>>()
-        })?;
-        Ok(ts)
-    }
-
-    /// Test support: `hosts.len()` transports over 127.0.0.1 (index = rank), made as a job's
-    /// are ([`HybridTransport::connect`]: no link yet; ranks with equal `hosts` entries move
-    /// to shared memory, with rank r's `options(r)`, as their links are made).
-    #[doc(hidden)]
-    pub fn loopback_unlinked(
-        hosts: &[usize],
-        options: &(dyn Fn(usize) -> ShmOptions + Sync),
-        secret: &[u8],
-    ) -> Result<Vec<HybridTransport>> {
-        let n = hosts.len();
-        let listeners = (0..n)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
-            .collect::<std::io::Result<Vec<_>>>()?;
-        let addrs = listeners
-            .iter()
-            .map(TcpListener::local_addr)
-            .collect::<std::io::Result<Vec<_>>>()?;
-        thread::scope(|scope| {
-            let handles: Vec<_> = (0..n)
-                .map(|rank| {
-                    let local: Vec<usize> = (0..n)
-                        .filter(|&p| p != rank && hosts[p] == hosts[rank])
-                        .collect();
-                    let (l, addrs, options) = (&listeners[rank], &addrs, options(rank));
-                    scope.spawn(move || {
-                        let mesh = Mesh {
-                            rank,
-                            size: n,
-                            listener: l,
-                            addrs,
-                            secret,
-                            timeout: LOOPBACK_TIMEOUT,
-                        };
-                        HybridTransport::connect(&mesh, &local, &options)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("mesh thread panicked"))
-                .collect()
-        })
-    }
 }
-
-/// How long the test meshes above wait for a peer.
-const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The ring bytes of this rank's shared-memory pairs (`None`: declined), once `local_peers`
 /// and `options` are checked.

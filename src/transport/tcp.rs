@@ -17,7 +17,6 @@
 
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::thread;
 use std::time::{Duration, Instant};
 
 use super::dial::{Dialer, Event, Finish, Made};
@@ -202,42 +201,6 @@ impl TcpTransport {
                 self.peers[p] = Some(s);
             }
             Ok(())
-        })
-    }
-
-    /// Test support: `n` transports fully connected over 127.0.0.1, index = rank.
-    #[doc(hidden)]
-    pub fn loopback_mesh(n: usize, secret: &[u8]) -> Result<Vec<TcpTransport>> {
-        let listeners = (0..n)
-            .map(|_| TcpListener::bind("127.0.0.1:0"))
-            .collect::<io::Result<Vec<_>>>()?;
-        let addrs = listeners
-            .iter()
-            .map(TcpListener::local_addr)
-            .collect::<io::Result<Vec<_>>>()?;
-        let timeout = Duration::from_secs(60);
-        thread::scope(|scope| {
-            let handles: Vec<_> = listeners
-                .iter()
-                .enumerate()
-                .map(|(rank, l)| {
-                    let addrs = &addrs;
-                    scope.spawn(move || {
-                        TcpTransport::connect_mesh(&Mesh {
-                            rank,
-                            size: n,
-                            listener: l,
-                            addrs,
-                            secret,
-                            timeout,
-                        })
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("connect_mesh thread panicked"))
-                .collect()
         })
     }
 

@@ -45,8 +45,7 @@ use std::time::Duration;
 
 use crate::backend::cuda::{cuda_ready, Device, DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
-use crate::bootstrap::tcp_store::TcpStore;
-use crate::bootstrap::Store;
+use crate::bootstrap::{Store, StoreLink};
 use crate::collective::hierarchical::Layout;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
@@ -59,14 +58,12 @@ pub(super) use layered::Cross;
 
 /// Where a communicator's unique id is exchanged, and the limits of the waits.
 pub(super) struct DeviceState {
-    /// The job's rendezvous store (address, secret); `None` for a one-rank job without one.
-    rendezvous: Option<(String, Vec<u8>)>,
+    /// The job's rendezvous store, as forming left it; `None` for a one-rank job without one.
+    store: Option<StoreLink>,
     /// The engine's `init()` count, which keys the store entries.
     generation: u64,
     /// Bounds the unique-id wait, the communicator's creation and every collective.
     timeout: Duration,
-    /// Bounds connecting to the store.
-    connect_timeout: Duration,
     /// Per process set: how its CUDA responses run, or why they cannot.
     comms: HashMap<u32, std::result::Result<Route, Error>>,
     /// Host index of every global rank, and whether allreduces of sets that span hosts go
@@ -94,18 +91,16 @@ pub(super) struct Stager {
 
 impl DeviceState {
     pub(super) fn new(
-        rendezvous: Option<(String, Vec<u8>)>,
+        store: Option<StoreLink>,
         generation: u64,
         timeout: Duration,
-        connect_timeout: Duration,
         hosts: Vec<u32>,
         layered: bool,
     ) -> DeviceState {
         DeviceState {
-            rendezvous,
+            store,
             generation,
             timeout,
-            connect_timeout,
             comms: HashMap::new(),
             hosts,
             layered,
@@ -278,13 +273,9 @@ impl DeviceState {
                 bounce: None,
             })))
         };
-        let store = match &self.rendezvous {
+        let store = match &self.store {
             _ if members.len() == 1 => None,
-            Some((addr, secret)) => Some(TcpStore::connect(
-                addr.as_str(),
-                secret,
-                self.connect_timeout,
-            )?),
+            Some(link) => Some(link.connect()?),
             None => {
                 return Err(Error::InvalidArgument(
                     "CUDA ops of several ranks need the job's rendezvous store, and this job \
