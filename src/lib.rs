@@ -5,8 +5,10 @@
 //! - [`engine`] — one background thread per process: queue → negotiate → fuse → execute;
 //! - [`collective`] — algorithms (one file per collective), written against [`comm::Communicator`];
 //! - [`transport`] — point-to-point links ([`transport::tcp`]); algorithms never see which;
+//! - [`job`] — [`job::form`], which forms a job for the engine from the bootstrap layer and the
+//!   transports (above both);
 //! - [`bootstrap`] — launch environment, job secret, authenticated connections, rendezvous
-//!   store, host grouping, and [`bootstrap::form`], which forms a job for the engine;
+//!   store, host grouping;
 //! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
 //! - [`backend`] — device collectives ([`backend::nccl`]) on the libraries [`gpu`] found;
 //! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`],
@@ -23,7 +25,9 @@ pub mod cpus;
 pub mod engine;
 pub mod error;
 pub mod gpu;
+pub mod job;
 mod spin;
+mod sys;
 #[doc(hidden)]
 pub mod testing;
 pub mod transport;

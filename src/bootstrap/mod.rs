@@ -1,19 +1,15 @@
-//! Bootstrap: everything that turns a set of processes into a job — the launch environment
+//! Bootstrap: what turning a set of processes into a job stands on — the launch environment
 //! ([`launch`]), the job secret and authenticated connections ([`auth`]), the rendezvous store
-//! ([`tcp_store`]), host grouping ([`topology`]), and [`form`], the one entry that forms a job
-//! (rendezvous, data mesh, shared-memory upgrade, control connection) for the engine.
+//! ([`tcp_store`]) and host grouping ([`topology`]). [`crate::job::form`], above this layer and
+//! the transports, forms a job from them for the engine.
 
 pub mod auth;
-pub mod job;
 pub mod launch;
 pub mod net;
 pub mod tcp_store;
 pub mod topology;
 
 pub use auth::{authenticate, random_secret, secret_from_hex, secret_to_hex};
-pub use job::{
-    form, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership, StoreLink,
-};
 pub use net::{read_frame, read_frame_until, write_frame};
 pub use tcp_store::{TcpStore, TcpStoreServer};
 pub use topology::{ControlTree, Topology};

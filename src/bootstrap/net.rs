@@ -1,13 +1,9 @@
-//! Small socket helpers shared by the bootstrap code and the TCP transport: length-prefixed
-//! frames, fixed-size reads and writes bounded by a deadline, `poll(2)`, socket buffer sizes,
-//! and this host's network interfaces (which address a rank listens on).
-//!
-//! This is the only file of the bootstrap/transport layers with `unsafe`: the libc calls std
-//! does not wrap, `poll` and `getifaddrs`.
+//! Small socket helpers shared by the bootstrap code, the transports and the engine's control
+//! connections: length-prefixed frames, and fixed-size reads and writes bounded by a deadline.
+//! The system calls under them are [`crate::sys`]'s.
 
-use std::ffi::CStr;
 use std::io::{self, ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -188,109 +184,6 @@ pub(crate) fn write_all_until(
     Ok(())
 }
 
-/// Readiness flags for [`poll`]: readable.
-pub(crate) const POLL_IN: i16 = libc::POLLIN;
-/// Readiness flags for [`poll`]: writable.
-pub(crate) const POLL_OUT: i16 = libc::POLLOUT;
-
-/// One descriptor watched by [`poll`].
-pub(crate) type PollFd = libc::pollfd;
-
-/// A [`PollFd`] waiting for `events` on `fd`.
-pub(crate) fn poll_fd(fd: &impl AsRawFd, events: i16) -> PollFd {
-    libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events,
-        revents: 0,
-    }
-}
-
-/// Waits until one of `fds` is ready or `timeout` passes (`None`: forever). Returns the number
-/// of ready descriptors (0 on timeout); `revents` is filled in. Retries on `EINTR` with the
-/// time left.
-pub(crate) fn poll(fds: &mut [PollFd], timeout: Option<Duration>) -> io::Result<usize> {
-    let deadline = timeout.map(deadline_after);
-    loop {
-        let ms: libc::c_int = match deadline {
-            None => -1,
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                // Round up: a 0.3 ms wait must not become a busy 0 ms poll.
-                let ms = left.as_nanos().div_ceil(1_000_000);
-                ms.min(i32::MAX as u128) as libc::c_int
-            }
-        };
-        // SAFETY: `fds` is a valid, exclusively borrowed slice of `pollfd` for the whole call
-        // and its length is passed alongside; poll writes only the `revents` fields.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if rc >= 0 {
-            return Ok(rc as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-/// One IPv4 address of a network interface.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Interface {
-    /// Interface name (`lo`, `eth0`, ...).
-    pub name: String,
-    /// The address.
-    pub addr: Ipv4Addr,
-    /// Netmask length in bits.
-    pub prefix: u8,
-}
-
-/// This host's IPv4 interface addresses, in the kernel's order (an interface with several
-/// addresses appears once per address; interfaces without an IPv4 address do not appear).
-pub fn interfaces() -> Result<Vec<Interface>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs only writes the head of a list it allocates into `head`, a valid
-    // local; failure is reported through the return value and then leaves nothing to free.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return Err(Error::Io(format!(
-            "getifaddrs: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    let mut out = Vec::new();
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a non-null node of the list getifaddrs returned, which stays alive
-        // and unmodified until freeifaddrs below. Its name is a NUL-terminated string; its
-        // address and netmask pointers are checked for null, and for AF_INET the kernel stores
-        // a sockaddr_in behind both, read unaligned as a copy (nothing keeps a reference).
-        let (next, found) = unsafe {
-            let ifa = &*cur;
-            let mut found = None;
-            if !ifa.ifa_addr.is_null() && i32::from((*ifa.ifa_addr).sa_family) == libc::AF_INET {
-                let sin = std::ptr::read_unaligned(ifa.ifa_addr.cast::<libc::sockaddr_in>());
-                let mask = if ifa.ifa_netmask.is_null() {
-                    u32::MAX
-                } else {
-                    let m = std::ptr::read_unaligned(ifa.ifa_netmask.cast::<libc::sockaddr_in>());
-                    u32::from_be(m.sin_addr.s_addr)
-                };
-                found = Some(Interface {
-                    name: CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned(),
-                    addr: Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
-                    prefix: mask.count_ones() as u8,
-                });
-            }
-            (ifa.ifa_next, found)
-        };
-        out.extend(found);
-        cur = next;
-    }
-    // SAFETY: `head` came from a successful getifaddrs, is freed exactly once, and no pointer
-    // into the list is used after this.
-    unsafe { libc::freeifaddrs(head) };
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,20 +207,5 @@ mod tests {
         // Truncated payload.
         let mut r: &[u8] = &[5, 0, 0, 0, 1, 2];
         assert!(matches!(read_frame(&mut r, 1 << 20), Err(Error::Io(_))));
-    }
-
-    #[test]
-    fn loopback_is_listed_with_its_prefix() {
-        let all = interfaces().unwrap();
-        let lo = all
-            .iter()
-            .find(|i| i.addr == Ipv4Addr::LOCALHOST)
-            .unwrap_or_else(|| panic!("no 127.0.0.1 in {all:?}"));
-        assert_eq!(lo.prefix, 8, "{all:?}");
-        assert!(!lo.name.is_empty());
-        assert!(
-            all.iter().all(|i| i.prefix <= 32 && !i.name.is_empty()),
-            "{all:?}"
-        );
     }
 }

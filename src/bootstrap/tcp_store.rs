@@ -29,11 +29,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::auth::authenticate;
-use super::net::{
-    deadline_after, poll, poll_fd, read_frame, read_frame_until, write_frame, POLL_IN,
-};
+use super::net::{deadline_after, read_frame, read_frame_until, write_frame};
 use super::Store;
 use crate::error::{Error, Result};
+use crate::sys::{poll, poll_fd, POLL_IN};
 use crate::wire::{Reader, Writer};
 
 /// Largest request or reply frame, in bytes (the store holds addresses and small blobs).

@@ -344,7 +344,7 @@ impl FrameConn {
     /// Blocks until input may be waiting, for at most `timeout`.
     pub fn wait_readable(&mut self, timeout: Duration) -> Result<()> {
         if self.arm() {
-            let ready = super::sys::wait_readable(&[self.fd()], timeout);
+            let ready = crate::sys::wait_readable(&[self.fd()], timeout);
             self.disarm(ready.as_ref().is_ok_and(|r| !r.is_empty()));
             ready?;
         } else {

@@ -25,7 +25,7 @@ use super::message::Submit;
 use super::message::{FromCoordinator, ToCoordinator};
 use super::negotiate::{Gone, Negotiator, Outbox};
 use super::relay::{self, Addressed, Held, Links, Up};
-use super::sys::{wait_readable, Waker};
+use crate::sys::{wait_readable, Waker};
 use crate::transport::shm::ShmLink;
 
 /// Settings the coordinator needs.
@@ -1061,7 +1061,7 @@ fn authenticate_async(
                 Ok(rank) => {
                     let _ = crate::bootstrap::net::Stream::set_read_timeout(&stream, None);
                     if let ControlStream::Tcp(s) = &stream {
-                        let _ = super::sys::detect_unreachable_peer(s.as_raw_fd(), timeout);
+                        let _ = crate::sys::detect_unreachable_peer(s.as_raw_fd(), timeout);
                     }
                     let _ = tx.send((rank, stream));
                     waker.wake();

@@ -23,7 +23,6 @@ mod negotiate;
 mod pool;
 mod progress;
 mod relay;
-mod sys;
 mod tensor;
 mod timeline;
 mod worker;
@@ -39,12 +38,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::bootstrap::tcp_store::TcpStoreServer;
-use crate::bootstrap::{self, auth, net};
-use crate::bootstrap::{
-    ControlPlane, ControlTree, CoordinatorAddr, CoordinatorListeners, Job, Membership,
-};
+use crate::bootstrap::{auth, net, ControlTree};
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::job::{self, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership};
 
 pub use crate::bootstrap::Topology;
 pub use door::{Door, Ran};
@@ -56,10 +53,10 @@ pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;
 
+use crate::sys::Waker;
 use control::ControlStream;
 use coordinator::{Coordinator, CoordinatorConfig};
 use message::{FromCoordinator, ToCoordinator};
-use sys::Waker;
 
 /// One tensor of a submitted op.
 pub struct TensorSpec {
@@ -138,7 +135,7 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Forms the job (see [`bootstrap::form`]) and starts the background thread.
+    /// Forms the job (see [`job::form`]) and starts the background thread.
     /// `generation` counts this process's `init()` calls, so a re-init after `shutdown()`
     /// uses fresh rendezvous keys.
     pub fn start(config: &Config, process_sets: &[Vec<usize>], generation: u64) -> Result<Engine> {
@@ -160,7 +157,7 @@ impl Engine {
             coordinator,
             control,
             store_server,
-        } = bootstrap::form(config, &membership, &mut plane)?;
+        } = job::form(config, &membership, &mut plane)?;
         let (rank, size) = (topology.rank, topology.size);
         let crowded = config.yield_when_idle.unwrap_or(cpu_share < 1.0);
         crate::spin::set_crowded(crowded);
@@ -487,7 +484,7 @@ fn connect_control(
     };
     auth::authenticate(&mut stream, secret, true, timeout)?;
     if let ControlStream::Tcp(s) = &stream {
-        sys::detect_unreachable_peer(std::os::fd::AsRawFd::as_raw_fd(s), liveness)?;
+        crate::sys::detect_unreachable_peer(std::os::fd::AsRawFd::as_raw_fd(s), liveness)?;
     }
     net::write_frame(&mut stream, &ToCoordinator::Hello { rank }.encode())?;
     if let ControlStream::Unix(s) = &mut stream {

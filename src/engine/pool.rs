@@ -194,33 +194,17 @@ impl Pool {
 }
 
 fn map(cap: usize) -> Result<usize> {
-    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
-    // existing memory; the result is checked before use.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            cap,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(Error::Io(format!(
-            "could not map {cap} bytes for an engine buffer: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(p as usize)
+    crate::sys::map_anonymous(cap).map_err(|e| {
+        Error::Io(format!(
+            "could not map {cap} bytes for an engine buffer: {e}"
+        ))
+    })
 }
 
 fn unmap(addr: usize, cap: usize) {
     // SAFETY: `addr` is a mapping of `cap` bytes made by `map` that no PageBuf holds any more
-    // (it was on the free list), so nothing refers to its pages.
-    unsafe {
-        libc::munmap(addr as *mut libc::c_void, cap);
-    }
+    // (it was on the free list), so nothing refers to its pages, and it leaves the list now.
+    unsafe { crate::sys::unmap(addr, cap) }
 }
 
 #[cfg(test)]

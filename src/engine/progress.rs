@@ -26,9 +26,9 @@ use crate::spin::Spin;
 use super::coordinator::Assist;
 use super::handle::{Handle, Output};
 use super::lease::Lease;
-use super::sys::wait_readable;
 use super::worker::{Step, Worker};
 use super::Shared;
+use crate::sys::wait_readable;
 
 /// How often a blocked caller asks whether to stop waiting ([`Progress::wait_or`]): well
 /// below what a person pressing Ctrl-C notices.

@@ -172,7 +172,7 @@ fn launch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// This host's IPv4 interfaces: `[(name, address, prefix length)]`.
 #[pyfunction]
 fn interfaces() -> PyResult<Vec<(String, String, u8)>> {
-    Ok(crate::bootstrap::net::interfaces()
+    Ok(crate::sys::interfaces()
         .map_err(to_pyerr)?
         .into_iter()
         .map(|i| (i.name, i.addr.to_string(), i.prefix))

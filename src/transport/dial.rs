@@ -34,8 +34,9 @@ use std::time::{Duration, Instant};
 
 use super::shm::ShmLink;
 use crate::bootstrap::auth::authenticate;
-use crate::bootstrap::net::{poll, poll_fd, read_exact_until, write_all_until, POLL_IN};
+use crate::bootstrap::net::{read_exact_until, write_all_until};
 use crate::error::{Error, Result};
+use crate::sys::{poll, poll_fd, POLL_IN};
 use crate::wire::{Reader, Writer};
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"FVM1");

@@ -38,10 +38,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::shm::random_name_with;
-use super::sys::{self, Mapping};
 use super::PeersMemory;
-use crate::bootstrap::net::{poll, poll_fd, POLL_IN};
 use crate::error::{Error, Result};
+use crate::sys::{self, Mapping};
+use crate::sys::{poll, poll_fd, POLL_IN};
 
 /// Bytes of an [`Exposed::address`]: the socket's random name, then the key.
 pub const ADDRESS_LEN: usize = 32;
@@ -76,7 +76,7 @@ impl Exposed {
         getrandom::fill(&mut address).map_err(|e| Error::Io(format!("getrandom: {e}")))?;
         // Inherited by a fork: torch tensors view this memory, and a data-loader worker's
         // copies of them must not point at unmapped pages.
-        let (fd, map) = Mapping::create_with(len.max(1), true)
+        let (fd, map) = Mapping::create(super::shm::NAME_PREFIX, len.max(1), true)
             .map_err(|e| Error::Io(format!("host memory segment of {len} bytes: {e}")))?;
         let listener = socket_addr(&address)
             .and_then(|a| UnixListener::bind_addr(&a))
@@ -240,7 +240,7 @@ fn receive(s: &UnixStream, len: usize, deadline: Instant) -> std::result::Result
                 if theirs != len {
                     return Err(format!("its segment has {theirs} bytes, this one {len}"));
                 }
-                return Mapping::open_with(fd, len, true).map_err(|e| e.to_string());
+                return Mapping::open(fd, len, true).map_err(|e| e.to_string());
             }
             Ok((n, _)) => return Err(format!("a malformed answer ({n} bytes)")),
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}

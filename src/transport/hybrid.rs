@@ -23,8 +23,8 @@ use super::exchange::{self, Links};
 use super::shm::{ShmLink, DEFAULT_RING_BYTES, MAX_RING_BYTES, MIN_RING_BYTES};
 use super::tcp::{link_up, poll_for, progress, Mesh, Parts, TcpTransport};
 use super::{Transport, Xfer};
-use crate::bootstrap::net::{poll, poll_fd, PollFd, POLL_IN};
 use crate::error::{Error, Result};
+use crate::sys::{poll, poll_fd, PollFd, POLL_IN};
 
 /// How [`HybridTransport::upgrade`] uses shared memory.
 #[derive(Debug, Clone, PartialEq, Eq)]

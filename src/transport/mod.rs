@@ -24,7 +24,6 @@ pub mod host_memory;
 pub mod hybrid;
 pub mod offers;
 pub mod shm;
-mod sys;
 pub mod tcp;
 
 use std::ops::Range;

@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::host_memory::{fetch, Exposed};
-use super::sys::{self, Mapping};
+use crate::sys::{self, Mapping};
 
 const PAGE: usize = 4096;
 /// Each board word has a 128-byte line of its own (two cache lines: adjacent-line prefetch),

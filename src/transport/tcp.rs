@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 use super::dial::{Dialer, Event, Finish, Made};
 use super::exchange::{self, Links};
 use super::{Transport, Xfer};
-use crate::bootstrap::net::{self, poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
+use crate::bootstrap::net;
 use crate::error::{Error, Result};
+use crate::sys::{poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
 
 /// Default for [`TcpTransport::spin`].
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);

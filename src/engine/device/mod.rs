@@ -45,9 +45,10 @@ use std::time::Duration;
 
 use crate::backend::cuda::{cuda_ready, Device, DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
-use crate::bootstrap::{Store, StoreLink};
+use crate::bootstrap::Store;
 use crate::collective::hierarchical::Layout;
 use crate::error::{Error, Result};
+use crate::job::StoreLink;
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 use super::entry::Entry;

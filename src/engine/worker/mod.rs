@@ -23,9 +23,9 @@ use super::device::{op_device, DeviceState};
 use super::entry::Entry;
 use super::handle::Handle;
 use super::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
-use super::sys::wait_readable;
 use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, Shared};
+use crate::sys::wait_readable;
 use std::os::fd::RawFd;
 
 pub(super) struct Worker {

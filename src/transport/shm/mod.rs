@@ -40,9 +40,9 @@ use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
-use super::sys;
 use super::Xfer;
 use crate::error::{Error, Result};
+use crate::sys;
 
 pub(crate) use setup::random_name;
 pub(super) use setup::random_name_with;

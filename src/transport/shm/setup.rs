@@ -29,9 +29,9 @@ use super::{
     ring_stride, segment_len, ShmLink, CHUNK_BYTES, MAX_RING_BYTES, MIN_RING_BYTES, NAME_PREFIX,
     OFF_MAGIC, OFF_RING_BYTES, RINGS,
 };
-use crate::bootstrap::net::{poll, poll_fd, read_exact_until, remaining, write_all_until, POLL_IN};
+use crate::bootstrap::net::{read_exact_until, remaining, write_all_until};
 use crate::error::{Error, Result};
-use crate::transport::sys;
+use crate::sys::{self, poll, poll_fd, POLL_IN};
 use crate::wire::{Reader, Writer};
 
 const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"FVCTL001");
@@ -245,8 +245,8 @@ impl ShmLink {
 
     /// A new segment of `cap`-byte rings with its header written: its descriptor and mapping.
     fn new_segment(cap: usize) -> std::result::Result<(OwnedFd, sys::Mapping), String> {
-        let (fd, map) =
-            sys::Mapping::create(segment_len(cap)).map_err(|e| format!("memfd segment: {e}"))?;
+        let (fd, map) = sys::Mapping::create(NAME_PREFIX, segment_len(cap), false)
+            .map_err(|e| format!("memfd segment: {e}"))?;
         map.atomic(OFF_RING_BYTES)
             .store(cap as u64, Ordering::Relaxed);
         map.atomic(OFF_MAGIC).store(MAGIC, Ordering::Release);
@@ -255,7 +255,7 @@ impl ShmLink {
 
     /// Maps a received segment and checks its header.
     fn map_segment(fd: OwnedFd, cap: usize) -> std::result::Result<sys::Mapping, String> {
-        let map = sys::Mapping::open(fd, segment_len(cap))
+        let map = sys::Mapping::open(fd, segment_len(cap), false)
             .map_err(|e| format!("mapping the segment: {e}"))?;
         let magic = map.atomic(OFF_MAGIC).load(Ordering::Acquire);
         let ring = map.atomic(OFF_RING_BYTES).load(Ordering::Relaxed);

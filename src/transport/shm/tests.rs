@@ -1,6 +1,6 @@
 use super::setup::{Offer, CONTROL_OFFER_LEN, KEY_LEN, OFFER_LEN};
 use super::*;
-use crate::bootstrap::net::{poll, poll_fd, POLL_IN};
+use crate::sys::{poll, poll_fd, POLL_IN};
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};

@@ -14,11 +14,15 @@
 //! 6. the control connection to this rank's node (its own, else its parent's), which
 //!    completes once every rank has joined.
 //!
+//! Forming sits above both [`crate::bootstrap`] (launch environment, secret, store, host
+//! grouping) and [`crate::transport`] (the data links it makes), so the layers run one way:
+//! neither of those imports the other's users.
+//!
 //! The coordinator and the messages on the control connection are the engine's (the
-//! coordinator negotiates ops), so bootstrap does not build them: the engine hands [`form`] a
+//! coordinator negotiates ops), so forming does not build them: the engine hands [`form`] a
 //! [`ControlPlane`] whose hooks it calls at steps 2, 4 and 6, on the listeners and the
-//! addresses bootstrap chose. That keeps the start-up order in one place without bootstrap knowing any
-//! engine type; the engine in turn knows nothing of stores, meshes or host names.
+//! addresses forming chose. That keeps the start-up order in one place without forming knowing
+//! any engine type; the engine in turn knows no store addresses, meshes or host names.
 //!
 //! Everything a forming creates is owned by the [`Job`] it returns (or dropped when it fails),
 //! and its rendezvous keys carry the membership's generation. So the same process can form a
@@ -30,13 +34,13 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
 use std::time::{Duration, Instant};
 
-use super::auth;
-use super::net::interfaces;
-use super::tcp_store::{TcpStore, TcpStoreServer};
-use super::topology::{host_indices, ControlTree, Topology};
-use super::Store;
+use crate::bootstrap::auth;
+use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
+use crate::bootstrap::topology::{host_indices, ControlTree, Topology};
+use crate::bootstrap::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::sys::interfaces;
 use crate::transport::host_memory::Exposed;
 use crate::transport::hybrid::{HybridTransport, ShmOptions};
 use crate::transport::offers::OfferRecords;

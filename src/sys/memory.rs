@@ -1,13 +1,12 @@
-//! The only `unsafe` of the shared-memory transport: memfd + mmap, copies into and out of the
-//! mapping, and descriptor passing.
+//! Memory maps: anonymous private pages (the engine's buffer pool), and sealed memfd segments
+//! that other processes of the host map as well (shared-memory links, host memory, the fast
+//! path's offer records).
 
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
-use std::time::Duration;
 
 fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
     if rc < 0 {
@@ -28,7 +27,7 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
 /// [`Mapping::bytes`] is one the peer will not touch until this side is done with it. A
 /// misbehaving peer could only corrupt payload bytes (any bit pattern is a valid `u8`); indices
 /// it writes are range-checked by the caller.
-pub(in crate::transport) struct Mapping {
+pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -43,18 +42,13 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// A new sealed memfd of `len` zero bytes, and its mapping (not inherited by a fork).
-    pub(in crate::transport) fn create(len: usize) -> io::Result<(OwnedFd, Mapping)> {
-        Self::create_with(len, false)
-    }
-
-    /// [`Mapping::create`]; `inherit`: a forked child keeps the mapping (memory that
-    /// torch tensors view, which a data-loader worker's copy of them may touch).
-    pub(in crate::transport) fn create_with(
-        len: usize,
-        inherit: bool,
-    ) -> io::Result<(OwnedFd, Mapping)> {
-        let name = std::ffi::CString::new(super::shm::NAME_PREFIX).expect("no NUL in the prefix");
+    /// A new sealed memfd named `name` (as `/proc/<pid>/fd` shows it; no NUL) of `len` zero
+    /// bytes, and its mapping. `inherit`: a forked child keeps the mapping (memory that torch
+    /// tensors view, which a data-loader worker's copy of them may touch); else a fork does
+    /// not inherit it.
+    pub fn create(name: &str, len: usize, inherit: bool) -> io::Result<(OwnedFd, Mapping)> {
+        let name = std::ffi::CString::new(name)
+            .map_err(|_| io::Error::other("a segment name with a NUL byte"))?;
         // SAFETY: `name` is a valid NUL-terminated string that outlives the call; the flags
         // are plain integers. A negative return is handled.
         let fd = cvt(unsafe {
@@ -72,17 +66,9 @@ impl Mapping {
 
     /// Maps a segment received from a peer, after checking that it is exactly `len` bytes
     /// and sealed against shrinking (a shrink would turn our accesses into SIGBUS). The
-    /// descriptor is closed on return; the mapping keeps the memory alive.
-    pub(in crate::transport) fn open(fd: OwnedFd, len: usize) -> io::Result<Mapping> {
-        Self::open_with(fd, len, false)
-    }
-
-    /// [`Mapping::open`]; `inherit` as for [`Mapping::create_with`].
-    pub(in crate::transport) fn open_with(
-        fd: OwnedFd,
-        len: usize,
-        inherit: bool,
-    ) -> io::Result<Mapping> {
+    /// descriptor is closed on return; the mapping keeps the memory alive. `inherit` as for
+    /// [`Mapping::create`].
+    pub fn open(fd: OwnedFd, len: usize, inherit: bool) -> io::Result<Mapping> {
         let file = File::from(fd);
         let size = file.metadata()?.len();
         if size != len as u64 {
@@ -130,17 +116,17 @@ impl Mapping {
     }
 
     /// Bytes mapped.
-    pub(in crate::transport) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
     }
 
     /// The first mapped byte (the mapping lives as long as `self`).
-    pub(in crate::transport) fn as_ptr(&self) -> *mut u8 {
+    pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
     /// The 8-byte header word at `off`.
-    pub(super) fn atomic(&self, off: usize) -> &AtomicU64 {
+    pub fn atomic(&self, off: usize) -> &AtomicU64 {
         assert!(off % 8 == 0 && off + 8 <= self.len, "header offset {off}");
         // SAFETY: in bounds and 8-aligned (the mapping is page-aligned) as asserted; the
         // memory lives as long as `self`. AtomicU64 has interior mutability, so other
@@ -150,14 +136,14 @@ impl Mapping {
     }
 
     /// The 4-byte word at `off` (a futex word).
-    pub(super) fn atomic32(&self, off: usize) -> &AtomicU32 {
+    pub fn atomic32(&self, off: usize) -> &AtomicU32 {
         assert!(off % 4 == 0 && off + 4 <= self.len, "header offset {off}");
         // SAFETY: as for `atomic`, with a 4-aligned in-bounds u32.
         unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() }
     }
 
     /// Copies `src` into the mapping at `off`.
-    pub(super) fn write(&self, off: usize, src: &[u8]) {
+    pub fn write(&self, off: usize, src: &[u8]) {
         assert!(
             off <= self.len && src.len() <= self.len - off,
             "write out of range"
@@ -171,7 +157,7 @@ impl Mapping {
     /// The `len` bytes at `off`, lent while `self` is: only for bytes the other process
     /// published and, by the protocol of their region, does not write until this side says it
     /// is done with them (a peer's offer).
-    pub(super) fn bytes(&self, off: usize, len: usize) -> &[u8] {
+    pub fn bytes(&self, off: usize, len: usize) -> &[u8] {
         assert!(
             off <= self.len && len <= self.len - off,
             "bytes out of range"
@@ -184,7 +170,7 @@ impl Mapping {
     }
 
     /// Copies from the mapping at `off` into `dst`.
-    pub(super) fn read(&self, off: usize, dst: &mut [u8]) {
+    pub fn read(&self, off: usize, dst: &mut [u8]) {
         assert!(
             off <= self.len && dst.len() <= self.len - off,
             "read out of range"
@@ -203,148 +189,34 @@ impl Drop for Mapping {
     }
 }
 
-/// Blocks while `word` holds `seen`, at most `timeout` (a shared futex: the word is in a
-/// mapping other processes share). Spurious returns are fine: callers re-check.
-pub(super) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: FUTEX_WAIT reads the aligned u32 behind `word` (alive for the call) and
-    // sleeps; `ts` outlives the call; the unused arguments are null/0.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            seen,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0u32,
+/// A new private anonymous mapping of `len` bytes, read-write, at an address of the kernel's
+/// choosing; its address. Freed with [`unmap`].
+pub fn map_anonymous(len: usize) -> io::Result<usize> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
+    // existing memory; the result is checked before use.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
         )
     };
-}
-
-/// Wakes every thread (of any process) sleeping on `word`.
-pub(super) fn futex_wake(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE only uses the address as a key; the other arguments are plain.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        )
-    };
-}
-
-/// Sends `payload` with one descriptor attached (SCM_RIGHTS).
-pub(in crate::transport) fn send_with_fd(
-    sock: &UnixStream,
-    payload: &[u8],
-    fd: &OwnedFd,
-) -> io::Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: payload.as_ptr() as *mut libc::c_void,
-        iov_len: payload.len(),
-    };
-    // u64 storage keeps the control buffer aligned for cmsghdr.
-    let mut control = [0u64; 8];
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) };
-    assert!(space as usize <= std::mem::size_of_val(&control));
-    // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as usize;
-    // SAFETY: `msg` points at `control`, large enough for one header with one int (checked
-    // above), so CMSG_FIRSTHDR is non-null and CMSG_DATA is inside `control`; the data is
-    // written unaligned-safe. sendmsg only reads `payload` (through `iov`) and `control`,
-    // both alive for the call.
-    let sent = unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), fd.as_raw_fd());
-        libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-    };
-    if sent < 0 {
+    if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    if sent as usize != payload.len() {
-        return Err(io::Error::other("short sendmsg"));
-    }
-    Ok(())
+    Ok(p as usize)
 }
 
-/// Receives one message without waiting: (bytes, the first descriptor attached). Any
-/// other descriptors are closed. `WouldBlock` when nothing is queued.
-pub(in crate::transport) fn recv_with_fd(
-    sock: &UnixStream,
-    buf: &mut [u8],
-) -> io::Result<(usize, Option<OwnedFd>)> {
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    let mut control = [0u64; 16];
-    // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths).
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control);
-    let flags = libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC;
-    // SAFETY: `iov` describes `buf`, exclusively borrowed, and `msg_control` describes
-    // `control`; the kernel writes within those lengths only.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, flags) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut first = None;
-    // SAFETY: walks the control messages the kernel wrote into `control` with the CMSG_*
-    // macros, which stay within `msg_controllen`; each SCM_RIGHTS payload holds
-    // `(cmsg_len - CMSG_LEN(0)) / sizeof(int)` descriptors now owned by this process, each
-    // read unaligned and wrapped exactly once (so every one is closed unless kept).
+/// Unmaps `len` bytes at `addr`, a mapping [`map_anonymous`] made.
+///
+/// # Safety
+/// Nothing may refer to those pages any more, and they are unmapped once.
+pub unsafe fn unmap(addr: usize, len: usize) {
+    // SAFETY: the caller's promise above.
     unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
-                let bytes = (*cmsg).cmsg_len - libc::CMSG_LEN(0) as usize;
-                for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
-                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
-                    if first.is_none() {
-                        first = Some(fd);
-                    }
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    Ok((n as usize, first))
-}
-
-/// Writes `bytes` without blocking and without SIGPIPE if the peer is gone.
-pub(super) fn send_nosignal(sock: &UnixStream, bytes: &[u8]) -> io::Result<usize> {
-    // SAFETY: send only reads `bytes`, alive for the call.
-    let n = unsafe {
-        libc::send(
-            sock.as_raw_fd(),
-            bytes.as_ptr().cast(),
-            bytes.len(),
-            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
+        libc::munmap(addr as *mut libc::c_void, len);
     }
 }
