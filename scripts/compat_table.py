@@ -107,7 +107,6 @@ VARIABLES: Dict[str, str] = {
     "HOROVOD_CROSS_RANK": "as HOROVOD_RANK",
     "HOROVOD_CROSS_SIZE": "as HOROVOD_RANK",
     "HOROVOD_HOSTNAME": "set by ferrovodrun for every worker (its host's name, the elastic key)",
-    "HOROVOD_ELASTIC": "set by ferrovodrun for the workers of an elastic job",
     "HOROVOD_CONTROLLER": "ignored: ferrovod has one controller (its own coordinator over TCP)",
     "HOROVOD_CPU_OPERATIONS": "ignored: ferrovod has one CPU data plane (its own rings over TCP "
                               "and shared memory)",
@@ -139,9 +138,6 @@ VARIABLES: Dict[str, str] = {
     "HOROVOD_WITH_MPI": "as HOROVOD_WITH_GLOO",
     "HOROVOD_SPARK_PYTHONPATH": "not read: ferrovod.spark's ranks inherit their executor's "
                                 "environment, PYTHONPATH included",
-    "HOROVOD_SPARK_START_TIMEOUT": "read by ferrovod.spark.run and run_elastic, after "
-                                   "FERROVOD_SPARK_START_TIMEOUT: seconds for the tasks to "
-                                   "start (600 by default)",
     "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "not read: ferrovod.spark's ranks see their "
                                               "executor's GPUs as Spark leaves them and pick "
                                               "theirs (e.g. by local rank)",

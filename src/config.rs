@@ -49,6 +49,12 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_FAST_PATH_BYTES", alias: None, default: "65536", doc: "Largest blocking allreduce, broadcast, allgather, reducescatter (Sum, Average) or alltoall without splits (bytes, per rank) that takes the fast path when every rank is on one host over shared memory: the ranks agree through shared memory, without the coordinator, and each sums (or copies) the others' inputs itself. An op the ranks do not all offer alike (or any rank with other ops pending) goes the usual way. 0: off. At most 65536. Off while FERROVOD_STALL_SHUTDOWN_TIME_SECONDS is set (a fast op cannot be abandoned by one rank alone)." },
     Var { name: "FERROVOD_OVERLAP", alias: None, default: "auto", doc: "Whether torch's DistributedOptimizer submits gradients' allreduces during backward (1) or all at step() (0: in the order they came in, or, for dense CPU gradients of one dtype, kept in one flat buffer reduced by one in-place allreduce). auto: overlap, unless every rank is on one host, the gradients are on the CPU and local_size x torch threads fill every core (with FERROVOD_BIND_CORES: torch threads fill the rank's own cores; then the allreduces only take cores from the backward pass: on 2 ranks with 2 cores an MLP trained at 0.80-0.86 of its speed without communication, against 0.73-0.80 overlapped). In an elastic job auto means overlap (workers that join later must choose as the others did). The optimizer's `overlap` argument wins." },
     Var { name: "FERROVOD_ELASTIC_TIMEOUT", alias: Some("HOROVOD_ELASTIC_TIMEOUT"), default: "600", doc: "Elastic jobs: seconds ferrovodrun waits for enough hosts (at the start, for -np slots; later, for --min-np) before the job fails naming what it waited for; its --elastic-timeout flag wins. Workers wait somewhat longer for the launcher's next membership." },
+    Var { name: "FERROVOD_ELASTIC", alias: Some("HOROVOD_ELASTIC"), default: "0", doc: "1 in a worker of an elastic job (set by the launchers: ferrovodrun --min-np, ElasticRayExecutor, spark.run_elastic): init() joins the launcher's memberships, and the optimizers keep their state for resets." },
+    Var { name: "FERROVOD_ELASTIC_EPOCH", alias: None, default: "1", doc: "Elastic jobs: the membership (epoch) the launcher started this worker for; it joins that one or a newer one (set by the launchers)." },
+    Var { name: "FERROVOD_ELASTIC_LOCAL_RANK", alias: None, default: "FERROVOD_LOCAL_RANK, else 0", doc: "Elastic jobs: this worker's slot on its host, which names its place in every membership (set by the launchers)." },
+    Var { name: "FERROVOD_LAUNCHER", alias: None, default: "unset", doc: "What started this worker: ferrovodrun, ray or spark (set by them; for the worker's information, nothing reads it to decide)." },
+    Var { name: "FERROVOD_WATCHDOG", alias: None, default: "unset", doc: "The mark ferrovodrun puts in every worker's environment, by which its supervisor finds the worker's whole process tree when it must stop the job (set by ferrovodrun; kept off ssh sessions)." },
+    Var { name: "FERROVOD_SPARK_START_TIMEOUT", alias: Some("HOROVOD_SPARK_START_TIMEOUT"), default: "600", doc: "ferrovod.spark.run and run_elastic: seconds to wait for Spark to start the tasks (the start_timeout argument wins)." },
     Var { name: "FERROVOD_BIND_CORES", alias: None, default: "auto", doc: "Whether ferrovodrun binds each worker it starts, on every host, to its local rank's share of the CPUs the launcher (or the host's agent) may use: whole physical cores (a core's hyperthreads together), contiguous; its thread pools (OMP_NUM_THREADS and the BLAS ones, unless set) get as many threads, and its threads and child processes inherit the binding. auto (the default): where every worker of the host gets at least one whole physical core; 1 (--bind-cores): always, single CPUs shared round-robin where there are fewer; 0 (--no-bind-cores): never. A synchronous job waits for its slowest rank every step, and a waiting rank's unbound threads can take the core a peer computes on. ferrovodrun sets it to 1 in a worker it bound; --verbose says what it did. Other launchers bind their own way (mpirun --bind-to, Kubernetes' CPU manager)." },
     Var { name: "FERROVOD_SPIN_US", alias: None, default: "250", doc: "Microseconds an idle wait (engine thread, coordinator, a caller driving its own op in synchronize) keeps polling, yielding the core between polls, before it blocks; also how long a caller that drove keeps the background threads asleep. A blocking wake-up costs 40-60 us on a VM. When waits are crowded (FERROVOD_YIELD_WHEN_IDLE), the fast path's waits yield for at least 2 ms. 0: block at once." },
     Var { name: "FERROVOD_YIELD_WHEN_IDLE", alias: None, default: "auto", doc: "Whether idle waits are crowded: yield the core between every poll for the whole FERROVOD_SPIN_US, never spin without yielding, and never block early because the core is contended (Open MPI's mpi_yield_when_idle). auto: when this rank has less than one CPU to itself (its affinity shared with its host's other ranks, or the host's cgroup CPU quota, e.g. a Kubernetes CPU limit, split between them), as with more ranks than cores; at debug log level each rank says what it found. 1: always; 0: never." },
@@ -72,6 +78,19 @@ pub const VARS: &[Var] = &[
     Var { name: "FERROVOD_STALL_SHUTDOWN_TIME_SECONDS", alias: Some("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), default: "0", doc: "A tensor stalled this long fails on every rank (FerrovodTimeoutError). 0: never. Otherwise it must be above the check time, with the stall check on: init() refuses anything else rather than never shut down." },
 ];
 
+/// What the launcher of an elastic job tells each worker.
+#[derive(Debug, Clone)]
+pub struct ElasticWorker {
+    /// Whether this process is a worker of an elastic job (`FERROVOD_ELASTIC`).
+    pub enabled: bool,
+    /// The membership it was started for (`FERROVOD_ELASTIC_EPOCH`, from 1).
+    pub epoch: u64,
+    /// Its slot on its host (`FERROVOD_ELASTIC_LOCAL_RANK`, else the local rank, else 0).
+    pub local_rank: usize,
+    /// How long the launcher waits for hosts (`FERROVOD_ELASTIC_TIMEOUT`).
+    pub timeout: Duration,
+}
+
 /// Every setting, parsed once.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -79,6 +98,8 @@ pub struct Config {
     pub launch: LaunchInfo,
     /// Host identity.
     pub hostname: String,
+    /// This worker's standing in an elastic job, as the launcher set it.
+    pub elastic: ElasticWorker,
     /// Interface whose IPv4 address the listeners bind to (`FERROVOD_IFACE`).
     pub iface: Option<String>,
     /// Fusion buffer limit in bytes.
@@ -303,9 +324,22 @@ impl Config {
             hierarchical,
         };
         let (stall_check, stall_shutdown) = stall_limits(&lookup, &seconds, flag)?;
+        let elastic = ElasticWorker {
+            enabled: flag("FERROVOD_ELASTIC"),
+            epoch: int("FERROVOD_ELASTIC_EPOCH")? as u64,
+            local_rank: if lookup("FERROVOD_ELASTIC_LOCAL_RANK").is_some() {
+                int("FERROVOD_ELASTIC_LOCAL_RANK")?
+            } else if lookup("FERROVOD_LOCAL_RANK").is_some() {
+                int("FERROVOD_LOCAL_RANK")?
+            } else {
+                0
+            },
+            timeout: seconds("FERROVOD_ELASTIC_TIMEOUT", "")?,
+        };
         Ok(Config {
             launch,
             hostname,
+            elastic,
             iface: lookup("FERROVOD_IFACE").map(|(_, v)| v),
             fusion_threshold: int("FERROVOD_FUSION_THRESHOLD")?,
             cycle_time: Duration::try_from_secs_f64(num("FERROVOD_CYCLE_TIME")? / 1e3).map_err(
@@ -431,6 +465,38 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn an_elastic_worker_reads_what_its_launcher_set() {
+        let e = cfg(&[]).unwrap().elastic;
+        assert!(!e.enabled);
+        assert_eq!((e.epoch, e.local_rank), (1, 0));
+        assert_eq!(e.timeout, Duration::from_secs(600));
+        let e = cfg(&[
+            ("HOROVOD_ELASTIC", "1"),
+            ("FERROVOD_ELASTIC_EPOCH", "7"),
+            ("FERROVOD_LOCAL_RANK", "3"),
+            ("HOROVOD_ELASTIC_TIMEOUT", "2.5"),
+        ])
+        .unwrap()
+        .elastic;
+        assert!(e.enabled);
+        assert_eq!((e.epoch, e.local_rank), (7, 3));
+        assert_eq!(e.timeout, Duration::from_millis(2500));
+        let e = cfg(&[
+            ("FERROVOD_ELASTIC_LOCAL_RANK", "5"),
+            ("FERROVOD_LOCAL_RANK", "3"),
+        ]);
+        assert_eq!(e.unwrap().elastic.local_rank, 5);
+        let err = cfg(&[("FERROVOD_ELASTIC_EPOCH", "first")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("FERROVOD_ELASTIC_EPOCH"), "{err}");
+        let err = cfg(&[("FERROVOD_ELASTIC_TIMEOUT", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("FERROVOD_ELASTIC_TIMEOUT"), "{err}");
     }
 
     #[test]

@@ -77,11 +77,19 @@ _WATCH_POLL_S = 0.25
 _TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
 
 
+def _settings() -> Dict[str, Any]:
+    """This worker's launch settings as the engine's config reads them: nothing here parses
+    a variable of the launcher's again, with defaults of its own."""
+    from . import _core
+
+    return _core.elastic_settings()
+
+
 def enabled() -> bool:
-    """Whether this process is a worker of an elastic job: the one check, for the engine's
-    start and the optimizers alike (the launchers set ``HOROVOD_ELASTIC`` beside it for
-    scripts written for Horovod)."""
-    return os.environ.get(ENABLED_VAR, "") == "1"
+    """Whether this process is a worker of an elastic job (``FERROVOD_ELASTIC``, or Horovod's
+    ``HOROVOD_ELASTIC``, as the engine's config reads it): the one check, for the engine's start
+    and the optimizers alike."""
+    return bool(_settings()["enabled"])
 
 
 _host_listeners: List[Callable[[int, HostUpdateResult], None]] = []
@@ -107,8 +115,9 @@ LATEST_KEY = "elastic/latest"
 
 def timeout_s(environ: Optional[Dict[str, str]] = None,
               fallback: Optional[float] = None) -> float:
-    """The elastic timeout in seconds: ``FERROVOD_ELASTIC_TIMEOUT``, else
-    ``HOROVOD_ELASTIC_TIMEOUT``, else ``fallback``, else the engine table's default."""
+    """The launcher's elastic timeout in seconds: ``FERROVOD_ELASTIC_TIMEOUT``, else
+    ``HOROVOD_ELASTIC_TIMEOUT``, else ``fallback``, else the engine table's default. (A worker
+    reads its own through the engine's config, :func:`_settings`.)"""
     env = os.environ if environ is None else environ
     if fallback is None:
         fallback = float(default(TIMEOUT_VAR))
@@ -121,18 +130,17 @@ class _Worker:
     def __init__(self) -> None:
         from . import _core
 
-        self.host = os.environ.get("FERROVOD_HOSTNAME", "localhost")
-        self.local_rank = int(os.environ.get("FERROVOD_ELASTIC_LOCAL_RANK",
-                                             os.environ.get("FERROVOD_LOCAL_RANK", "0")))
+        settings = _settings()
+        self.host = str(settings["hostname"])
+        self.local_rank = int(settings["local_rank"])  # type: ignore[call-overload]
         # The epoch the launcher started this process for; it joins that one or a newer one.
-        self.epoch = int(os.environ.get(EPOCH_VAR, "1")) - 1
-        self.timeout = timeout_s()
-        addr = os.environ.get("FERROVOD_RENDEZVOUS_ADDR")
-        secret = os.environ.get("FERROVOD_SECRET")
+        self.epoch = int(settings["epoch"]) - 1  # type: ignore[call-overload]
+        self.timeout = float(settings["timeout"])  # type: ignore[arg-type]
+        addr, secret = settings["rendezvous_addr"], settings["secret"]
         if not addr or not secret:
             raise FerrovodError("an elastic worker needs FERROVOD_RENDEZVOUS_ADDR and "
                                 "FERROVOD_SECRET (start it with ferrovodrun)")
-        self.store = _core.StoreClient(addr, bytes.fromhex(secret), _PROMPT_S)
+        self.store = _core.StoreClient(str(addr), bytes(secret), _PROMPT_S)  # type: ignore[arg-type]
         self.watcher: Optional[threading.Thread] = None
         self.stopping = threading.Event()
         self.lock = threading.Lock()

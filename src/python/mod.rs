@@ -169,6 +169,30 @@ fn launch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// An elastic worker's launch settings, as the engine's config reads them (so Python parses
+/// none of them again, with defaults of its own): `{"enabled": bool, "epoch": int,
+/// "local_rank": int, "timeout": seconds, "hostname": str, "rendezvous_addr": str or None,
+/// "secret": bytes or None (only one the launcher gave, never a derived one)}`.
+#[pyfunction]
+fn elastic_settings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = Config::from_env().map_err(to_pyerr)?;
+    let e = &c.elastic;
+    let d = PyDict::new(py);
+    d.set_item("enabled", e.enabled)?;
+    d.set_item("epoch", e.epoch)?;
+    d.set_item("local_rank", e.local_rank)?;
+    d.set_item("timeout", e.timeout.as_secs_f64())?;
+    d.set_item("hostname", c.hostname)?;
+    d.set_item("rendezvous_addr", c.launch.rendezvous_addr.clone())?;
+    let given = c
+        .launch
+        .secret
+        .as_deref()
+        .filter(|_| !c.launch.secret_derived);
+    d.set_item("secret", given.map(|s| PyBytes::new(py, s)))?;
+    Ok(d)
+}
+
 /// This host's IPv4 interfaces: `[(name, address, prefix length)]`.
 #[pyfunction]
 fn interfaces() -> PyResult<Vec<(String, String, u8)>> {
@@ -509,6 +533,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     op::register(m)?;
     store::register(m)?;
     m.add_function(wrap_pyfunction!(launch_info, m)?)?;
+    m.add_function(wrap_pyfunction!(elastic_settings, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;

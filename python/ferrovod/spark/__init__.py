@@ -39,7 +39,6 @@ __all__ = ["run", "run_elastic"]
 
 WHO = "ferrovod.spark.run"
 STARTED_KEY = "spark/started"
-_DEFAULT_START_TIMEOUT = 600
 
 # (rank, exit code, captured stdout, captured stderr); rank -1 for a stage Spark re-ran.
 TaskStatus = Tuple[int, int, bytes, bytes]
@@ -130,12 +129,15 @@ def run(fn: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = No
 
 
 def _start_timeout(given: Optional[int]) -> int:
+    """``given``, else ``FERROVOD_SPARK_START_TIMEOUT`` / ``HOROVOD_SPARK_START_TIMEOUT``, else
+    the default of the engine's table."""
     if given is not None:
         return int(given)
-    for name in ("FERROVOD_SPARK_START_TIMEOUT", "HOROVOD_SPARK_START_TIMEOUT"):
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return _DEFAULT_START_TIMEOUT
+    from .._defaults import default, positive_seconds
+
+    names = ("FERROVOD_SPARK_START_TIMEOUT", "HOROVOD_SPARK_START_TIMEOUT")
+    fallback = float(default(names[0]))
+    return int(positive_seconds(os.environ, names, fallback, whole=True))
 
 
 def _driver_address(sc: Any) -> str:
