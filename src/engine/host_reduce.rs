@@ -45,6 +45,66 @@ impl Door {
         self.run_and_wait(spec, stop).map(|_| ())
     }
 
+    /// Whether every rank of set `set_id` says `yes`, agreed under `name`: a one-element Min
+    /// allreduce (through the fast path's board where the ranks share one), so also a
+    /// meeting: every rank has called it when it returns. `stop` as for [`Door::meet`].
+    pub fn agree(
+        &self,
+        set_id: u32,
+        name: &str,
+        yes: bool,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<bool> {
+        let spec = OpSpec {
+            set_id,
+            name: name.to_string(),
+            kind: OpKind::Allreduce,
+            op: ReduceOp::Min,
+            root: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+            tensors: vec![TensorSpec {
+                meta: TensorMeta {
+                    dtype: DType::I32,
+                    shape: vec![1],
+                },
+                input: TensorBuf::Owned(i32::from(yes).to_ne_bytes().to_vec()),
+                output: None,
+            }],
+            splits: Vec::new(),
+        };
+        let out = self.run_and_wait(spec, stop)?;
+        match out.tensors.first() {
+            Some((buf, _)) => Ok(buf.as_slice() == 1i32.to_ne_bytes()),
+            None => Err(Error::Io(format!(
+                "internal error: the agreement '{name}' returned no result"
+            ))),
+        }
+    }
+
+    /// The reduction of a sharded update in host memory, one call for its whole protocol: the
+    /// ranks agree under `name` whether every one is `ready` to reduce in its segment
+    /// ([`Door::agree`], after which every rank's bytes are final), and if all are, `shard` of
+    /// this rank's segment becomes the reduction of `shard` over every rank's segment as `red`
+    /// says ([`reduce_shard_in_host_memory`]). `(set_id, name, stop)`: where the ranks agree,
+    /// and what a waiting rank asks between waits whether to give up. Returns the agreement;
+    /// nothing is reduced without it. No rank may write its `shard` (or read another's)
+    /// until the ranks meet again: the caller's next meeting.
+    pub fn reduce_shard_if_all_ready(
+        &self,
+        mem: &HostMemory,
+        shard: Range<usize>,
+        red: Reduction,
+        ready: bool,
+        (set_id, name, stop): (u32, &str, &dyn Fn() -> bool),
+    ) -> Result<bool> {
+        let all = self.agree(set_id, name, ready, stop)?;
+        if all {
+            reduce_shard_in_host_memory(mem, shard, red)?;
+        }
+        Ok(all)
+    }
+
     /// Reduces the first `nbytes` of every rank's segment of `mem` (elements of `red.dtype`;
     /// the segments of the ranks of set `set_id`, in set order) with `red.op` (Sum, or Average
     /// with its 1/n in the factor: [`Reduction::over`]), times `red.factor`, into every rank's; the ranks meet under `name`'s

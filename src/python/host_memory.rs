@@ -92,29 +92,37 @@ impl PyHostMemory {
             })
     }
 
-    /// Reduces bytes `offset..offset + nbytes` of every rank's segment into this rank's
-    /// (`dtype`, `op` as the engine's codes; Average divides by the number of ranks), then
-    /// multiplies by `postscale`; the GIL is released meanwhile. The caller keeps the protocol
-    /// of `engine::reduce_shard_in_host_memory` (barriers before and after).
-    fn reduce_shard(
+    /// The sharded update's reduction (the engine's `Door::reduce_shard_if_all_ready`): the
+    /// ranks of process set `set_id` agree under `name` whether every one is `ready`, and if
+    /// all are, bytes `shard = (offset, nbytes)` of every rank's segment are reduced into this
+    /// rank's (`reduction = (dtype, op, postscale)`, the engine's codes; Average divides by the
+    /// ranks). Returns the agreement; the GIL is released meanwhile. No rank may write its
+    /// shard until the ranks meet again.
+    fn reduce_shard_if_all_ready(
         &self,
         py: Python<'_>,
-        offset: usize,
-        nbytes: usize,
-        dtype: u8,
-        op: u8,
-        postscale: f64,
-    ) -> PyResult<()> {
-        let (dtype, op) = codes(dtype, op)?;
-        let mem = self.inner.clone();
-        let red = Reduction::over(dtype, op, postscale, mem.mapped().len());
+        name: &str,
+        set_id: u32,
+        ready: bool,
+        shard: (usize, usize),
+        reduction: (u8, u8, f64),
+    ) -> PyResult<bool> {
+        let (offset, nbytes) = shard;
+        let (dtype, op) = codes(reduction.0, reduction.1)?;
+        let red = Reduction::over(dtype, op, reduction.2, self.inner.mapped().len());
         let end = offset.checked_add(nbytes).ok_or_else(|| {
             to_pyerr(Error::InvalidArgument(format!(
                 "host memory: {nbytes} bytes from {offset}"
             )))
         })?;
-        py.detach(move || crate::engine::reduce_shard_in_host_memory(&mem, offset..end, red))
-            .map_err(to_pyerr)
+        let door = with_engine(|e| Ok(e.door()))?;
+        let mem = &self.inner;
+        match interruptible(py, |stop| {
+            door.reduce_shard_if_all_ready(mem, offset..end, red, ready, (set_id, name, stop))
+        }) {
+            (_, Some(e)) => Err(e),
+            (done, None) => done.map_err(to_pyerr),
+        }
     }
 
     /// Reduces the first `nbytes` of every rank's segment (`dtype`, `op` as the engine's

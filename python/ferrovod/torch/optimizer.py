@@ -294,6 +294,14 @@ class _DistributedMixin:
         allreduce (min), so that a sparse gradient on one rank sends them all down the
         per-bucket path together; a rank gathers its gradients before it agrees, so that on
         return every rank's flat buffer is final (host memory reads them there)."""
+        ok = self._gather_flat(prescale)
+        agreed = _api.allreduce(np.array([int(ok)], dtype=np.int32), op=_api.Min,
+                                name=f"{self._flat_name}.ok", process_set=self.process_set)
+        return bool(int(agreed[0]))
+
+    def _gather_flat(self, prescale: float) -> bool:
+        """This rank's half of :meth:`_flat_ready`, before the ranks agree: whether it can
+        reduce in the flat buffer, and if so every gradient in its view, times ``prescale``."""
         ok = not any(self._stays_sparse(p.grad) for p in self._requires_update)
         if ok:
             for p in self._requires_update:
@@ -306,9 +314,7 @@ class _DistributedMixin:
             if prescale != 1.0:
                 assert self._flat is not None
                 self._flat.mul_(prescale)
-        agreed = _api.allreduce(np.array([int(ok)], dtype=np.int32), op=_api.Min,
-                                name=f"{self._flat_name}.ok", process_set=self.process_set)
-        return bool(int(agreed[0]))
+        return ok
 
     def _check_same_parameters(self, instance: int) -> None:
         """Fails on every rank, naming the difference, when ranks registered different
@@ -497,14 +503,18 @@ class _DistributedMixin:
         assert self._shards is not None
         try:
             pre, post = self._scale()
-            host = self._shards.host is not None
-            if not self._flat_ready(pre if host else 1.0):
+            if self._shards.host is not None:
+                # The engine agrees, and reduces this rank's shard once every rank's gradients
+                # are final (the agreement is the meeting), in one call.
+                agreed = self._shards.reduce_in_host_memory(
+                    self._gather_flat(pre), self.op, post, f"{self._flat_name}.ok",
+                    self.process_set)
+            else:
+                agreed = self._flat_ready()
+            if not agreed:
                 raise ValueError("sharded=True cannot reduce sparse gradients; pass "
                                  "sparse_as_dense=True")
-            if host:
-                # Every rank's gradients are final: _flat_ready's agreement was the meeting.
-                self._shards.reduce_in_host_memory(self.op, post)
-            else:
+            if self._shards.host is None:
                 ops.synchronize(ops._reducescatter_in_place_async(
                     self._flat, f"{self._flat_name}.shards", self.op, self.process_set, pre,
                     post))

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import _host_memory
-from .._api import allgather_object
+from .._api import _set_id, allgather_object
 from ..process_sets import ProcessSet
 from . import ops
 
@@ -133,13 +133,17 @@ class Shards:
         for v, start in zip(self.views, self.starts):
             v.grad = self.grad_flat[start:start + v.numel()]
 
-    def reduce_in_host_memory(self, op: int, postscale: float) -> None:
-        """Sums this rank's shard of every rank's gradient buffer into its own (Average
-        divides by the ranks), times ``postscale``. Every rank's gradients must be final."""
+    def reduce_in_host_memory(self, ready: bool, op: int, postscale: float, name: str,
+                              process_set: ProcessSet) -> bool:
+        """One engine call: the ranks agree under ``name`` whether every one is ``ready`` (its
+        gradients final in its buffer), and if all are, this rank's shard of every rank's
+        gradient buffer is summed into its own (Average divides by the ranks), times
+        ``postscale``. Returns the agreement."""
         assert self.host is not None
-        offset, nbytes = self.bytes
-        self.host.reduce_shard(offset, nbytes, ops._code(self.grad_flat, "sharded"), op,
-                               postscale)
+        code = ops._code(self.grad_flat, "sharded")
+        return bool(self.host.reduce_shard_if_all_ready(
+            name, _set_id(process_set), bool(ready), self.bytes, (code, int(op),
+                                                                  float(postscale))))
 
     # ------------------------------------------------------------------ state_dict
 

@@ -40,10 +40,11 @@ def main():
         reduce = opt._shards.reduce_in_host_memory
 
         def reduce_then_die(*args):
-            reduce(*args)
+            agreed = reduce(*args)
             if step == KILL_AT:
                 print("killing myself after reducing my shard", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            return agreed
 
         opt._shards.reduce_in_host_memory = reduce_then_die
     if r != 1:
