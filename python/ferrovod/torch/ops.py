@@ -5,8 +5,8 @@ Every op hands the engine raw ``(data_ptr, nbytes, dtype, shape)`` descriptions 
 ``ferrovod._api._run`` (:func:`_submit`), so no NumPy view is needed (torch bfloat16 works) and a
 contiguous CPU tensor is never copied: the engine reads it, and in-place ops write it, where it
 lies. CUDA tensors of allreduce, broadcast and evenly split reducescatter go to the engine's
-NCCL path where it is usable in this process (NCCL found, CUDA driver working: asked once),
-with outputs allocated here on the same device and the device's current stream to order the
+NCCL path where it is usable in this process (NCCL found, CUDA driver working: asked once;
+the decision is :mod:`ferrovod.torch._cuda`'s), with outputs allocated here on the same device and the device's current stream to order the
 collective after. Other non-contiguous tensors and tensors on another device are staged
 through a contiguous host copy (CUDA ones with a one-time warning saying why); the result is
 copied back (in-place ops) or moved to the input's device (out-of-place ops). Handles are ints in the same table as the framework-free API, so
@@ -16,47 +16,24 @@ engine touches alive until ``synchronize`` returns.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from .. import _api, _build_info, _core
+from .. import _api, _core
 from .._api import Average, Sum
 from .._host_memory import shard as _shard
 from ..exceptions import InvalidArgumentError
 from ..process_sets import ProcessSet, global_process_set
+from ._cuda import _cuda_target, _ddesc, _device_out, _device_sizes, _on_device
+from ._tensors import _check_tensor, _code, _set_rank, _set_size
 
 Handle = int
-
-_CODES = {
-    getattr(torch, n): _api._DTYPES[n]
-    for n in ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
-              "float64", "bool")
-}
 
 # torch gives zero-element tensors a null data pointer; the engine wants a real address even
 # for zero bytes, so they point here.
 _EMPTY = torch.zeros(16, dtype=torch.uint8)
-
-
-def _code(t: torch.Tensor, what: str) -> int:
-    code = _CODES.get(t.dtype)
-    if code is None:
-        names = ", ".join(str(d).replace("torch.", "") for d in _CODES)
-        raise _api._BadArgument(f"{what}: dtype {t.dtype} is not supported (supported: {names})")
-    return code
-
-
-def _check_tensor(t: Any, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise _api._BadArgument(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise _api._BadArgument(
-            f"{what}: {t.layout} tensors are not supported here (sparse gradients go through "
-            "sparse_allreduce_async)")
-    return t
 
 
 def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
@@ -78,143 +55,6 @@ def _host(t: torch.Tensor, what: str) -> Tuple[torch.Tensor, bool]:
         h = h.contiguous()
         copied = True
     return h, copied
-
-
-_staging_warned: set = set()
-
-
-def _warn_staging(device: torch.device, why: str) -> None:
-    """Says once per process and reason that device tensors go through host memory."""
-    if why in _staging_warned:
-        return
-    _staging_warned.add(why)
-    warnings.warn(
-        f"ferrovod: {device.type} tensors are copied to host memory for this collective and "
-        f"back ({why}); expect host-memory speed, not NCCL's",
-        RuntimeWarning, stacklevel=4,
-    )
-
-
-_device_path_answer: Optional[Tuple[bool, str]] = None
-
-
-def _device_path() -> Tuple[bool, str]:
-    """``(usable, why)``: whether CUDA tensors can take the engine's NCCL path in this process
-    (the native core's answer: NCCL found and accepted, CUDA driver working), asked once — the
-    first time a CUDA tensor is seen, so a CPU job never loads the GPU libraries."""
-    global _device_path_answer
-    if _device_path_answer is None:
-        usable, why = _core.device_path(_build_info._nccl_wheel_dirs())
-        _device_path_answer = (bool(usable), str(why))
-    return _device_path_answer
-
-
-def _set_size(process_set: ProcessSet) -> int:
-    if process_set.process_set_id == 0 or not process_set.ranks:
-        return _api.size()
-    return len(process_set.ranks)
-
-
-def _set_rank(process_set: ProcessSet) -> int:
-    if process_set.process_set_id == 0 or not process_set.ranks:
-        return _api.rank()
-    return process_set.ranks.index(_api.rank())
-
-
-def _cuda_target(tensors: Sequence[torch.Tensor], kind: int, what: str, op: int = Sum,
-                 prescale: float = 1.0, postscale: float = 1.0,
-                 process_set: ProcessSet = global_process_set) -> Optional[Tuple[int, int]]:
-    """``(device ordinal, current stream)`` when ``tensors`` go to the NCCL path as they are;
-    ``None`` when they are staged through host memory (CPU tensors; CUDA tensors with a
-    one-time warning saying why). Every rank decides alike from what the negotiation checks to
-    be the same everywhere (kind, dtype, shape, op, scale factors), so ranks never split
-    between the two paths unless their setups differ, which the negotiation reports."""
-    devices = {t.device for t in tensors}
-    if not any(d.type == "cuda" for d in devices):
-        return None
-    dev = next(d for d in devices if d.type == "cuda")
-    if len(devices) != 1:
-        _warn_staging(dev, "the tensors of one op are on different devices")
-        return None
-    usable, why = _device_path()
-    if not usable:
-        _warn_staging(dev, f"the NCCL path cannot be used: {why}")
-        return None
-    sized = kind in (_core.ALLGATHER, _core.ALLTOALL)
-    # An allgather's or alltoall's rows differ between ranks, so they cannot decide on them;
-    # a 0-d tensor is refused after the sizes are exchanged (see _device_sizes).
-    if not sized and any(t.numel() == 0 for t in tensors):
-        return None
-    n = _set_size(process_set)
-    for t in tensors:
-        shape = list(t.shape) if t.dim() or not sized else [1]
-        reason = _core.device_op_check(int(kind), _code(t, what), int(op), float(prescale),
-                                       float(postscale), n, shape)
-        if reason is not None:
-            _warn_staging(dev, reason)
-            return None
-    return int(dev.index), _raw_stream(dev)
-
-
-def _raw_stream(dev: torch.device) -> int:
-    """The handle of ``dev``'s current stream. torch's private accessor returns it without
-    building a ``torch.cuda.Stream`` (about 3.5 us of a 4 B allreduce's 40 on one H200);
-    ``current_stream`` where a torch lacks it."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(dev.index))
-    return int(torch.cuda.current_stream(dev).cuda_stream)
-
-
-def _on_device(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-    """A contiguous tensor on ``t``'s device holding its values, and whether it is a copy."""
-    h = t.detach()
-    if h.is_contiguous():
-        return h, False
-    return h.contiguous(), True
-
-
-def _ddesc(h: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Tuple[int, int, int, List[int], int]:
-    """A device tensor's description (an empty one at a placeholder address, see
-    :func:`_dev_addr`)."""
-    return (_dev_addr(h), h.numel() * h.element_size(), _code(h, what), list(h.shape),
-            0 if out is None else _dev_addr(out))
-
-
-_DEVICE_EMPTY: dict = {}
-
-
-def _dev_addr(t: torch.Tensor) -> int:
-    """``t``'s device address; for an empty tensor (whose address may be 0) that of a
-    placeholder on its device, which the engine never reads or writes."""
-    if t.numel():
-        return int(t.data_ptr())
-    e = _DEVICE_EMPTY.get(t.device)
-    if e is None:
-        e = _DEVICE_EMPTY[t.device] = torch.empty(1, dtype=torch.uint8, device=t.device)
-    return int(e.data_ptr())
-
-
-def _device_sizes(kind: int, mine: List[int], name: str,
-                  process_set: ProcessSet) -> Optional[np.ndarray]:
-    """The sizes a CUDA allgather's or alltoall's outputs are allocated with, exchanged on the
-    host before the op (the engine allocates no device memory): every rank's first dimensions
-    (``ALLGATHER``, a ``(ranks, tensors)`` array) or the rows each rank sends this one
-    (``ALLTOALL``). ``None`` when a rank marked its arguments refused (-1): then every rank
-    takes the host path, where the refusal is negotiated and raised on every rank."""
-    sizes = np.asarray(mine, dtype=np.int64)
-    if kind == _core.ALLGATHER:
-        got = _api.allgather(sizes, f"{name}.sizes", process_set).reshape(-1, len(mine))
-    else:
-        got, _ = _api.alltoall(sizes, [1] * len(mine), f"{name}.sizes", process_set)
-    # This rank's own sizes are among those it gets back.
-    if (got < 0).any():
-        return None
-    return got
-
-
-def _device_out(h: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.empty((int(rows), *h.shape[1:]), dtype=h.dtype, device=h.device)
 
 
 def _device_sized(kind: int, name: str, kind_name: str, process_set: ProcessSet,

@@ -41,7 +41,7 @@ import fvtest as T  # noqa: E402
 
 import ferrovod.torch as hvd  # noqa: E402
 from ferrovod.exceptions import FerrovodError, HorovodInternalError  # noqa: E402
-from ferrovod.torch import ops  # noqa: E402
+from ferrovod.torch import _cuda  # noqa: E402
 
 TORCH_DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
                 torch.bfloat16, torch.float32, torch.float64]
@@ -266,7 +266,7 @@ def ops_mode():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hvd.allreduce(torch.ones(3, device=run.dev), name="probe")
-    usable, why = ops._device_path()
+    usable, why = _cuda._device_path()
     staged = [str(w.message) for w in caught if "host memory" in str(w.message)]
     print(f"PATH usable={usable} why={why} dispatch={os.environ.get('FERROVOD_NCCL_DISPATCH')} "
           f"gpu={torch.cuda.get_device_name(run.dev)} staged_warnings={staged}", flush=True)
@@ -295,9 +295,9 @@ def ops_mode():
               "alltoall whose splits exceed the rows", contains=("split",))
     optimizer_step(run)
     stream_ordering(run)
-    print(f"STAGING_WARNINGS {sorted(ops._staging_warned)}", flush=True)
+    print(f"STAGING_WARNINGS {sorted(_cuda._staging_warned)}", flush=True)
     if os.environ.get("GPU_EXPECT_NCCL") == "1":
-        staged_kinds = [w for w in ops._staging_warned if "ALLGATHER" in w or "ALLTOALL" in w]
+        staged_kinds = [w for w in _cuda._staging_warned if "ALLGATHER" in w or "ALLTOALL" in w]
         ck.equal(staged_kinds, [], "allgather and alltoall took the NCCL path")
     hvd.shutdown()
     return ck.count

@@ -28,7 +28,7 @@ import ferrovod.torch as hvd  # noqa: E402
 from ferrovod import _api, _build_info, _core  # noqa: E402
 from ferrovod.exceptions import InvalidArgumentError, MismatchError  # noqa: E402
 from ferrovod.process_sets import global_process_set  # noqa: E402
-from ferrovod.torch import ops  # noqa: E402
+from ferrovod.torch import _cuda, ops  # noqa: E402
 
 TIMEOUT_S = 20  # FERROVOD_TIMEOUT_SECONDS, set by the test
 
@@ -57,14 +57,14 @@ def main():
 
     # CPU tensors never ask about the device path (nor load GPU libraries for it).
     host_sum_ok(ck, r, n, "before")
-    ck.true(ops._device_path_answer is None, "a CPU job does not ask about the NCCL path",
-            f"asked: {ops._device_path_answer!r}")
+    ck.true(_cuda._device_path_answer is None, "a CPU job does not ask about the NCCL path",
+            f"asked: {_cuda._device_path_answer!r}")
 
     usable, why = _core.device_path(_build_info._nccl_wheel_dirs())
     ck.equal(usable, False, "device path usable without a GPU")
     ck.true("CUDA cannot be used" in why, "why the device path is not usable", why)
     print(f"device path: {usable} ({why})", flush=True)
-    ck.equal(ops._device_path(), (False, why), "the torch adapter's answer")
+    ck.equal(_cuda._device_path(), (False, why), "the torch adapter's answer")
     ck.true(_core.device_op_check(_core.ALLREDUCE, _core.DTYPE_FLOAT32, hvd.Sum, 1.0, 1.0, n,
                                   [4]) is None, "an f32 allreduce suits NCCL")
     ck.true(_core.device_op_check(_core.ALLGATHER, _core.DTYPE_FLOAT32, hvd.Sum, 1.0, 1.0, n,
