@@ -901,7 +901,7 @@ def run_on_device(ops: list[str], sizes: list[int], max_iters: int, rounds: int,
     import torch.distributed as dist
 
     import ferrovod.torch as fvt
-    import ferrovod.torch.ops as fvt_ops
+    import ferrovod.torch._cuda as fvt_cuda
 
     device = rank_device(fv.local_rank())
     torch.cuda.set_device(device)
@@ -912,7 +912,7 @@ def run_on_device(ops: list[str], sizes: list[int], max_iters: int, rounds: int,
     # what it decided.
     fvt.allreduce_(torch.ones(1, device=device), op=fvt.Sum, name="bench.cuda_first")
     torch.cuda.synchronize(device)
-    usable, why = fvt_ops._device_path()
+    usable, why = fvt_cuda._device_path()
     init_torch(rank, n, master_addr, backend, device)
     placements = fv.allgather_object((socket.gethostname(), device.index), name="bench.gpus")
     # Ranks that share a GPU only pause before each column, where the other ranks' threads
