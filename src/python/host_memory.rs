@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::to_pyerr;
-use super::op::{interruptible, reduce_op};
+use super::op::{reduce_op, wait_interruptibly};
 use super::with_engine;
 use crate::config::Config;
 use crate::error::Error;
@@ -117,12 +117,9 @@ impl PyHostMemory {
         })?;
         let door = with_engine(|e| Ok(e.door()))?;
         let mem = &self.inner;
-        match interruptible(py, |stop| {
+        wait_interruptibly(py, |stop| {
             door.reduce_shard_if_all_ready(mem, offset..end, red, ready, (set_id, name, stop))
-        }) {
-            (_, Some(e)) => Err(e),
-            (done, None) => done.map_err(to_pyerr),
-        }
+        })
     }
 
     /// Reduces the first `nbytes` of every rank's segment (`dtype`, `op` as the engine's
@@ -145,12 +142,9 @@ impl PyHostMemory {
         let red = Reduction::over(dtype, op, postscale, self.inner.mapped().len());
         let door = with_engine(|e| Ok(e.door()))?;
         let mem = &self.inner;
-        match interruptible(py, |stop| {
+        wait_interruptibly(py, |stop| {
             door.allreduce_in_host_memory(mem, set_id, name, nbytes, red, stop)
-        }) {
-            (_, Some(e)) => Err(e),
-            (done, None) => done.map_err(to_pyerr),
-        }
+        })
     }
 }
 

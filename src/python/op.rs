@@ -151,10 +151,8 @@ fn run<'py>(
         };
         return Ok(Bound::new(py, handle)?.into_any());
     }
-    match interruptible(py, |stop| door.run_and_wait(spec, stop)) {
-        (_, Some(e)) => Err(e),
-        (out, None) => result(py, out.map_err(to_pyerr)?),
-    }
+    let out = wait_interruptibly(py, |stop| door.run_and_wait(spec, stop))?;
+    result(py, out)
 }
 
 /// The blocking allreduce of one plain NumPy array in the global set, its arguments as the
@@ -348,15 +346,24 @@ pub(super) fn interruptible<T: Send>(
     (out, raised.into_inner())
 }
 
+/// [`interruptible`] for a wait that ends in the engine's `Result`: the exception a signal
+/// handler raised, else the wait's error as Python's.
+pub(super) fn wait_interruptibly<T: Send>(
+    py: Python<'_>,
+    wait: impl FnOnce(&dyn Fn() -> bool) -> crate::error::Result<T> + Send,
+) -> PyResult<T> {
+    match interruptible(py, wait) {
+        (_, Some(e)) => Err(e),
+        (done, None) => done.map_err(to_pyerr),
+    }
+}
+
 /// Returns once every rank of process set `set_id` has called it with `name` (the engine's
 /// meeting, `Door::meet`); the GIL is released meanwhile.
 #[pyfunction]
 fn meet(py: Python<'_>, name: &str, set_id: u32) -> PyResult<()> {
     let door = with_engine(|e| Ok(e.door()))?;
-    match interruptible(py, |stop| door.meet(set_id, name, stop)) {
-        (_, Some(e)) => Err(e),
-        (met, None) => met.map_err(to_pyerr),
-    }
+    wait_interruptibly(py, |stop| door.meet(set_id, name, stop))
 }
 
 /// Refuses an op on this rank while taking part in its negotiation: the other members of
