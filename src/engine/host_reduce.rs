@@ -24,24 +24,7 @@ impl Door {
     /// allreduce, which the fast path agrees through its board when the ranks share one.
     /// `stop`: asked between waits whether to give up (an `Interrupted` error then).
     pub fn meet(&self, set_id: u32, name: &str, stop: &dyn Fn() -> bool) -> Result<()> {
-        let spec = OpSpec {
-            set_id,
-            name: name.to_string(),
-            kind: OpKind::Allreduce,
-            op: ReduceOp::Sum,
-            root: 0,
-            prescale: 1.0,
-            postscale: 1.0,
-            tensors: vec![TensorSpec {
-                meta: TensorMeta {
-                    dtype: DType::I32,
-                    shape: vec![1],
-                },
-                input: TensorBuf::Owned(vec![0; 4]),
-                output: Some(TensorBuf::Owned(vec![0; 4])),
-            }],
-            splits: Vec::new(),
-        };
+        let spec = one_int(set_id, name, ReduceOp::Sum, 0);
         self.run_and_wait(spec, stop).map(|_| ())
     }
 
@@ -55,24 +38,7 @@ impl Door {
         yes: bool,
         stop: &dyn Fn() -> bool,
     ) -> Result<bool> {
-        let spec = OpSpec {
-            set_id,
-            name: name.to_string(),
-            kind: OpKind::Allreduce,
-            op: ReduceOp::Min,
-            root: 0,
-            prescale: 1.0,
-            postscale: 1.0,
-            tensors: vec![TensorSpec {
-                meta: TensorMeta {
-                    dtype: DType::I32,
-                    shape: vec![1],
-                },
-                input: TensorBuf::Owned(i32::from(yes).to_ne_bytes().to_vec()),
-                output: None,
-            }],
-            splits: Vec::new(),
-        };
+        let spec = one_int(set_id, name, ReduceOp::Min, i32::from(yes));
         let out = self.run_and_wait(spec, stop)?;
         match out.tensors.first() {
             Some((buf, _)) => Ok(buf.as_slice() == 1i32.to_ne_bytes()),
@@ -126,6 +92,29 @@ impl Door {
         self.meet(set_id, &format!("{name}.reduced"), stop)?;
         gather_shards_in_host_memory(mem, &shards)?;
         self.meet(set_id, &format!("{name}.gathered"), stop)
+    }
+}
+
+/// A one-element i32 allreduce of `value` under `name` in set `set_id`, into a result the
+/// engine allocates: the meetings and agreements above.
+fn one_int(set_id: u32, name: &str, op: ReduceOp, value: i32) -> OpSpec {
+    OpSpec {
+        set_id,
+        name: name.to_string(),
+        kind: OpKind::Allreduce,
+        op,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        tensors: vec![TensorSpec {
+            meta: TensorMeta {
+                dtype: DType::I32,
+                shape: vec![1],
+            },
+            input: TensorBuf::Owned(value.to_ne_bytes().to_vec()),
+            output: None,
+        }],
+        splits: Vec::new(),
     }
 }
 
