@@ -15,8 +15,13 @@ use crate::transport::{Transport, Xfer};
 /// How long a loopback mesh waits for a peer.
 const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// `n` bound listeners on 127.0.0.1 and their addresses.
-fn listeners(n: usize) -> Result<(Vec<TcpListener>, Vec<std::net::SocketAddr>)> {
+/// `connect(mesh)` for each of `n` ranks on a thread of its own, every rank's [`Mesh`] with its
+/// own listener on 127.0.0.1; the transports in rank order.
+fn on_every_rank<T: Send>(
+    n: usize,
+    secret: &[u8],
+    connect: impl Fn(&Mesh<'_>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
     let listeners = (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
         .collect::<std::io::Result<Vec<_>>>()?;
@@ -24,20 +29,14 @@ fn listeners(n: usize) -> Result<(Vec<TcpListener>, Vec<std::net::SocketAddr>)> 
         .iter()
         .map(TcpListener::local_addr)
         .collect::<std::io::Result<Vec<_>>>()?;
-    Ok((listeners, addrs))
-}
-
-/// `n` TCP transports, every pair linked ([`TcpTransport::connect_mesh`]).
-pub fn tcp_mesh(n: usize, secret: &[u8]) -> Result<Vec<TcpTransport>> {
-    let (listeners, addrs) = listeners(n)?;
     thread::scope(|scope| {
         let handles: Vec<_> = listeners
             .iter()
             .enumerate()
             .map(|(rank, listener)| {
-                let addrs = &addrs;
+                let (addrs, connect) = (&addrs, &connect);
                 scope.spawn(move || {
-                    TcpTransport::connect_mesh(&Mesh {
+                    connect(&Mesh {
                         rank,
                         size: n,
                         listener,
@@ -50,9 +49,14 @@ pub fn tcp_mesh(n: usize, secret: &[u8]) -> Result<Vec<TcpTransport>> {
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().expect("connect_mesh thread panicked"))
+            .map(|h| h.join().expect("mesh thread panicked"))
             .collect()
     })
+}
+
+/// `n` TCP transports, every pair linked ([`TcpTransport::connect_mesh`]).
+pub fn tcp_mesh(n: usize, secret: &[u8]) -> Result<Vec<TcpTransport>> {
+    on_every_rank(n, secret, TcpTransport::connect_mesh)
 }
 
 /// `hosts.len()` hybrid transports made as a job's are ([`HybridTransport::connect`]: no link
@@ -64,31 +68,12 @@ pub fn hybrid_unlinked(
     secret: &[u8],
 ) -> Result<Vec<HybridTransport>> {
     let n = hosts.len();
-    let (listeners, addrs) = listeners(n)?;
-    thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let local: Vec<usize> = (0..n)
-                    .filter(|&p| p != rank && hosts[p] == hosts[rank])
-                    .collect();
-                let (listener, addrs, options) = (&listeners[rank], &addrs, options(rank));
-                scope.spawn(move || {
-                    let mesh = Mesh {
-                        rank,
-                        size: n,
-                        listener,
-                        addrs,
-                        secret,
-                        timeout: LOOPBACK_TIMEOUT,
-                    };
-                    HybridTransport::connect(&mesh, &local, &options)
-                })
-            })
+    on_every_rank(n, secret, |mesh| {
+        let rank = mesh.rank;
+        let local: Vec<usize> = (0..n)
+            .filter(|&p| p != rank && hosts[p] == hosts[rank])
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("mesh thread panicked"))
-            .collect()
+        HybridTransport::connect(mesh, &local, &options(rank))
     })
 }
 
