@@ -503,7 +503,8 @@ class _DistributedMixin:
         assert self._shards is not None
         try:
             pre, post = self._scale()
-            if self._shards.host is not None:
+            host = self._shards.host is not None
+            if host:
                 # The engine agrees, and reduces this rank's shard once every rank's gradients
                 # are final (the agreement is the meeting), in one call.
                 agreed = self._shards.reduce_in_host_memory(
@@ -514,7 +515,7 @@ class _DistributedMixin:
             if not agreed:
                 raise ValueError("sharded=True cannot reduce sparse gradients; pass "
                                  "sparse_as_dense=True")
-            if self._shards.host is None:
+            if not host:
                 ops.synchronize(ops._reducescatter_in_place_async(
                     self._flat, f"{self._flat_name}.shards", self.op, self.process_set, pre,
                     post))

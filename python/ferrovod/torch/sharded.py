@@ -140,10 +140,9 @@ class Shards:
         gradient buffer is summed into its own (Average divides by the ranks), times
         ``postscale``. Returns the agreement."""
         assert self.host is not None
-        code = ops._code(self.grad_flat, "sharded")
-        return bool(self.host.reduce_shard_if_all_ready(
-            name, _set_id(process_set), bool(ready), self.bytes, (code, int(op),
-                                                                  float(postscale))))
+        reduction = (ops._code(self.grad_flat, "sharded"), int(op), float(postscale))
+        return bool(self.host.reduce_shard_if_all_ready(name, _set_id(process_set), bool(ready),
+                                                        self.bytes, reduction))
 
     # ------------------------------------------------------------------ state_dict
 
