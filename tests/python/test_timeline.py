@@ -82,3 +82,17 @@ def test_launcher_flag_sets_the_timeline(tmp_path):
     assert res.returncode == 0, describe(res)
     _, per = _load(path)
     assert "tl.a" in per
+
+
+def test_torch_ops_carry_horovods_names(tmp_path):
+    """ferrovod.torch names a named op ``<op>.<name>``, as Horovod's torch does (and its
+    test_timeline.py looks for): an allreduce and a broadcast given one name are two ops, in
+    flight together, each under its own name."""
+    path = tmp_path / "torch.json"
+    res = run_job(2, "timeline_worker.py", "torch", path, env={"FERROVOD_TIMELINE": str(path)},
+                  timeout=90)
+    assert res.returncode == 0, describe(res)
+    _, per = _load(path)
+    assert {"allreduce.tl.twin", "broadcast.tl.twin"} <= set(per), sorted(per)
+    assert "NEGOTIATE_ALLREDUCE" in _activities(per["allreduce.tl.twin"])
+    assert "NEGOTIATE_BROADCAST" in _activities(per["broadcast.tl.twin"])

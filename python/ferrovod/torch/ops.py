@@ -69,6 +69,13 @@ def _device_sized(kind: int, name: str, kind_name: str, process_set: ProcessSet,
                    out_bytes=[o.numel() * o.element_size() for o in outs])
 
 
+def _op_name(kind_name: str, name: Optional[str]) -> str:
+    """The op's name in the engine (its timeline, stall reports and errors), as Horovod's
+    torch names it: ``<kind>.<name>``, or ``<kind>.noname.<n>`` when unnamed. Ops of different
+    kinds given one name are then different ops, and may be in flight together."""
+    return _api._auto_name(kind_name, None) if name is None else f"{kind_name}.{name}"
+
+
 def _submit(kind: int, name: Optional[str], kind_name: str, process_set: ProcessSet,
             descs: Sequence[Tuple[int, int, int, List[int], int]], finish: Callable[[Any], Any],
             keepalive: Any, op: int = Sum, root: int = 0, prescale: float = 1.0,
@@ -152,9 +159,10 @@ def synchronize(handle: Union[Handle, Callable[[], Any]]) -> Any:
 def _allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: Optional[bool],
                      name: Optional[str], op: Optional[int], prescale_factor: float,
                      postscale_factor: float, process_set: ProcessSet, kind_name: str,
-                     single: bool = False, now: bool = False) -> Handle:
-    """``now``: the caller synchronizes at once (see :func:`_submit`)."""
-    name = _api._auto_name(kind_name, name)
+                     single: bool = False, now: bool = False, named: bool = False) -> Handle:
+    """``now``: the caller synchronizes at once (see :func:`_submit`); ``named``: ``name``
+    is already the op's."""
+    name = name if named and name is not None else _op_name(kind_name, name)
     try:
         rop = _api._resolve_op(op, average)
         for t in tensors:
@@ -241,19 +249,18 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduces ``tensor`` across ranks in place and returns it."""
-    if name is None:
-        name = _api._auto_name("allreduce", None)
+    op_name = _op_name("allreduce", name)
     # A contiguous CPU tensor of the global set: one waiting call into the engine through a
     # NumPy view of its memory, as ferrovod.allreduce_ makes (the general path's frames cost
     # a small op 10 us against 3); the engine declines what it does not take, bad arguments
     # among them, and the general path then runs.
     if process_set is global_process_set:
         arr = _numpy_view(tensor)
-        if arr is not None and _core.allreduce_now(arr, arr, name, op, average,
+        if arr is not None and _core.allreduce_now(arr, arr, op_name, op, average,
                                                    prescale_factor, postscale_factor):
             return tensor
-    return _allreduce_blocking(tensor, True, average, name, op, prescale_factor,
-                               postscale_factor, process_set)
+    return _allreduce_blocking(tensor, True, average, op_name, op, prescale_factor,
+                               postscale_factor, process_set, named=True)
 
 
 def _numpy_view(tensor: Any) -> Optional[np.ndarray]:
@@ -269,12 +276,14 @@ def _numpy_view(tensor: Any) -> Optional[np.ndarray]:
 
 def _allreduce_blocking(tensor: torch.Tensor, inplace: bool, average: Optional[bool],
                         name: Optional[str], op: Optional[int], prescale_factor: float,
-                        postscale_factor: float, process_set: ProcessSet) -> torch.Tensor:
+                        postscale_factor: float, process_set: ProcessSet,
+                        named: bool = False) -> torch.Tensor:
     """A one-tensor allreduce waited for at once, so a small one on one host may take the
-    engine's fast path (no negotiation through the coordinator)."""
+    engine's fast path (no negotiation through the coordinator). ``named``: ``name`` is
+    already the op's (see :func:`_op_name`)."""
     return synchronize(_allreduce_async([tensor], inplace, average, name, op, prescale_factor,
                                         postscale_factor, process_set, "allreduce",
-                                        single=True, now=True))
+                                        single=True, now=True, named=named))
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -337,7 +346,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: int,
 def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str],
                      process_set: ProcessSet, kind_name: str, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see :func:`_submit`)."""
-    name = _api._auto_name(kind_name, name)
+    name = _op_name(kind_name, name)
     try:
         for t in tensors:
             _check_tensor(t, kind_name)
@@ -385,7 +394,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str],
                      process_set: ProcessSet, inplace: bool, now: bool = False) -> Handle:
-    name = _api._auto_name("broadcast", name)
+    name = _op_name("broadcast", name)
     try:
         root = _check_root(root_rank)
         _check_tensor(tensor, "broadcast")
@@ -434,7 +443,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
 def _alltoall_async(tensor: torch.Tensor, splits: Any, name: Optional[str],
                     process_set: ProcessSet, want_splits: bool, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see :func:`_submit`)."""
-    name = _api._auto_name("alltoall", name)
+    name = _op_name("alltoall", name)
     try:
         _check_tensor(tensor, "alltoall")
         target = _cuda_target([tensor], _core.ALLTOALL, "alltoall", process_set=process_set)
@@ -526,7 +535,7 @@ def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], o
                          process_set: ProcessSet, prescale_factor: float,
                          postscale_factor: float, kind_name: str, now: bool = False) -> Handle:
     """``now``: the caller synchronizes at once (see :func:`_submit`)."""
-    name = _api._auto_name(kind_name, name)
+    name = _op_name(kind_name, name)
     try:
         op = _api._resolve_op(op, None)
         if op not in (Sum, Average):

@@ -18,6 +18,11 @@
 //!    deadlock (the order is a total order shared by all).
 //! e) A rank that leaves (`shutdown`) or dies is announced to every rank; requests waiting on
 //!    it fail at once, naming it.
+//! f) Ops whose names share a base (`allreduce.grad` and `broadcast.grad`, see
+//!    [`shared_base`]) reach the coordinator one at a time from each rank, in the order the
+//!    rank called them, so every op pending under a base is each rank's same one. When every
+//!    member has sent its op under a base and they are not one name, the ranks disagree on it:
+//!    all of those ops fail on every rank, naming the base, the ranks and what each sent.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -27,9 +32,10 @@ use crate::error::Error;
 use crate::types::OpKind;
 
 use super::message::{FromCoordinator, Request, Response, Submit, ToCoordinator};
+use super::names::shared_base;
 
 mod respond;
-use respond::{build_response, can_fuse, error_response, gone_error};
+use respond::{build_response, can_fuse, error_response, gone_error, kinds_disagree};
 
 /// How a rank went away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,17 +131,24 @@ impl Pending {
 
     /// A submitted request (the op has at least one).
     fn first(&self) -> Request {
+        Request::clone(self.any())
+    }
+
+    fn any(&self) -> &Arc<Request> {
         let any = match &self.each {
             Some(each) => each.iter().flatten().next(),
             None => self.shared.as_ref(),
         };
-        Request::clone(any.expect("a pending op has a submission"))
+        any.expect("a pending op has a submission")
     }
 }
 
 struct SetState {
     ranks: Vec<usize>,
     table: HashMap<String, Pending>,
+    /// Shared base name → the names pending under it (see [`shared_base`]): one, unless
+    /// ranks disagree.
+    bases: HashMap<String, Vec<String>>,
     /// name → (cache id, validated request); `by_id` is its inverse.
     cache: HashMap<String, (u64, Arc<Request>)>,
     by_id: HashMap<u64, String>,
@@ -147,6 +160,7 @@ impl SetState {
         SetState {
             ranks,
             table: HashMap::new(),
+            bases: HashMap::new(),
             cache: HashMap::new(),
             by_id: HashMap::new(),
             lru: Lru::default(),
@@ -161,6 +175,31 @@ impl SetState {
 
     fn set_rank(&self, global: usize) -> Option<usize> {
         self.ranks.binary_search(&global).ok()
+    }
+
+    /// Records that `request`'s name is pending, under its shared base if it has one.
+    fn note_base(&mut self, request: &Request) {
+        if let Some(base) = shared_base(request.kind, &request.name) {
+            let names = self.bases.entry(base.to_string()).or_default();
+            if !names.contains(&request.name) {
+                names.push(request.name.clone());
+            }
+        }
+    }
+
+    /// Takes the op pending under `name` out of the table (and out of its base's names).
+    fn take(&mut self, name: &str) -> Option<Pending> {
+        let p = self.table.remove(name)?;
+        let req = p.any();
+        if let Some(base) = shared_base(req.kind, &req.name) {
+            if let Some(names) = self.bases.get_mut(base) {
+                names.retain(|n| n != name);
+                if names.is_empty() {
+                    self.bases.remove(base);
+                }
+            }
+        }
+        Some(p)
     }
 }
 
@@ -458,7 +497,7 @@ impl Negotiator {
         }
         for (set_id, name) in doomed {
             let set = self.sets.get_mut(&set_id).expect("listed above");
-            let p = set.table.remove(&name).expect("listed above");
+            let p = set.take(&name).expect("listed above");
             let absent: Vec<usize> = set
                 .ranks
                 .iter()
@@ -548,6 +587,11 @@ impl Negotiator {
                 }
             }
         }
+        if p.got == 0 {
+            table.remove(&name);
+            return;
+        }
+        set.note_base(&req);
         self.check_ready(set_id, &name);
     }
 
@@ -603,10 +647,14 @@ impl Negotiator {
         if let Some(reason) = rejected {
             p.rejected.push((from, reason));
         }
+        set.note_base(&request);
         self.check_ready(set_id, &name);
     }
 
     fn check_ready(&mut self, set_id: u32, name: &str) {
+        if self.check_base(set_id, name) {
+            return;
+        }
         let set = self.sets.get_mut(&set_id).expect("caller checked the set");
         let Some(p) = set.table.get(name) else {
             return;
@@ -628,7 +676,7 @@ impl Negotiator {
                 self.gone[g].as_ref().map(|d| (g, d.clone()))
             });
             if let Some((g, detail)) = missing_gone {
-                let p = set.table.remove(name).expect("present above");
+                let p = set.take(name).expect("present above");
                 let request = p.first();
                 let (code, why) = gone_error(g, &detail, "");
                 let msg = format!(
@@ -647,7 +695,7 @@ impl Negotiator {
                 return;
             }
         }
-        let p = set.table.remove(name).expect("present above");
+        let p = set.take(name).expect("present above");
         // Every member submitted unless some joined: no scan for the ranks that did not.
         let joined_ranks: Vec<usize> = if p.got == set.ranks.len() {
             Vec::new()
@@ -668,6 +716,43 @@ impl Negotiator {
             &mut self.next_cache_id,
         );
         self.ready.push(resp);
+    }
+
+    /// Fails the ops pending under `name`'s shared base when there are several and every
+    /// member has sent one (see f) in the module doc). Returns whether it did.
+    fn check_base(&mut self, set_id: u32, name: &str) -> bool {
+        let set = self.sets.get_mut(&set_id).expect("caller checked the set");
+        let Some(req) = set.table.get(name).map(|p| p.any().clone()) else {
+            return false;
+        };
+        let Some(base) = shared_base(req.kind, &req.name) else {
+            return false;
+        };
+        let Some(names) = set.bases.get(base).filter(|n| n.len() > 1) else {
+            return false;
+        };
+        let pending: Vec<&Pending> = names.iter().map(|n| &set.table[n]).collect();
+        // Each rank has one op at most under a base here: the counts add up to the members.
+        let mut complete = pending.iter().map(|p| p.got).sum::<usize>() == set.ranks.len();
+        if !complete && self.joined_or_gone && set_id == 0 {
+            complete = set
+                .ranks
+                .iter()
+                .enumerate()
+                .all(|(i, &g)| self.joined[g] || pending.iter().any(|p| p.has(i)));
+        }
+        if !complete {
+            return false;
+        }
+        let base = base.to_string();
+        let names = set.bases.remove(&base).expect("present above");
+        let ops: Vec<Pending> = names
+            .iter()
+            .map(|n| set.table.remove(n).expect("listed under its base"))
+            .collect();
+        let resp = kinds_disagree(set_id, &set.ranks, &base, ops);
+        self.ready.push(resp);
+        true
     }
 
     /// Names of set `id` submitted and not yet answered (some ranks wait on them), if any.

@@ -73,6 +73,56 @@ pub(super) fn error_response(request: Request, code: u8, message: String) -> Res
     }
 }
 
+/// Every member's error for ops under one shared base that the ranks disagree on (see f) in
+/// the parent module's doc): which ranks sent which op, and the rule they broke.
+pub(super) fn kinds_disagree(
+    set_id: u32,
+    members: &[usize],
+    base: &str,
+    ops: Vec<Pending>,
+) -> Response {
+    let parts: Vec<String> = ops
+        .iter()
+        .map(|p| {
+            let ranks: Vec<usize> = (0..members.len())
+                .filter(|&i| p.has(i))
+                .map(|i| members[i])
+                .collect();
+            let who = match ranks.as_slice() {
+                [one] => format!("rank {one}"),
+                many => format!("ranks {many:?}"),
+            };
+            let req = p.any();
+            format!("{who} sent {} '{}'", req.kind.name(), req.name)
+        })
+        .collect();
+    let set = if set_id == 0 {
+        String::new()
+    } else {
+        format!(" in process set {set_id}")
+    };
+    let message = format!(
+        "Mismatched operations under the name '{base}'{set}: {}. Ops given one name are \
+         matched in the order each rank calls them: every rank must call them in the same \
+         order",
+        parts.join(", ")
+    );
+    let code = Error::Mismatch {
+        name: String::new(),
+        message: String::new(),
+    }
+    .kind_code();
+    let items: Vec<Item> = ops.iter().map(|p| plain_item(p.first())).collect();
+    Response {
+        set_id,
+        kind: items[0].request.kind,
+        items,
+        joined: Vec::new(),
+        last_joined: 0,
+        error: Some((code, message)),
+    }
+}
+
 pub(super) fn can_fuse(a: &Response, b: &Response, threshold: usize) -> bool {
     if a.error.is_some()
         || b.error.is_some()

@@ -44,6 +44,11 @@ impl Worker {
                     .remove(&(i.request.set_id, i.request.name.clone()))
             })
             .collect();
+        for (item, entry) in resp.items.iter().zip(&entries) {
+            if entry.is_some() {
+                self.next_under_base(&item.request);
+            }
+        }
         if let Some((code, msg)) = &resp.error {
             if let Some(t) = &self.timeline {
                 let args = format!("{{\"error\":{}}}", json_string(msg));

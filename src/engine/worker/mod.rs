@@ -8,7 +8,7 @@
 
 mod execute;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{hash_map, HashMap, VecDeque};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -23,6 +23,7 @@ use super::device::{op_device, DeviceState};
 use super::entry::Entry;
 use super::handle::Handle;
 use super::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
+use super::names::shared_base;
 use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, Shared};
 use crate::sys::wait_readable;
@@ -34,6 +35,10 @@ pub(super) struct Worker {
     control: FrameConn,
     shared: Arc<Shared>,
     pending: HashMap<(u32, String), Entry>,
+    /// (set, shared base name) of this rank's op at the coordinator under that base (see
+    /// [`shared_base`]) → the submissions of later ops under it, sent one at a time as each
+    /// op before them completes.
+    bases: HashMap<(u32, String), VecDeque<Submit>>,
     /// Rank-side response cache: (set, name) → (id, request it stands for).
     cache: HashMap<(u32, String), (u64, Request)>,
     cache_capacity: usize,
@@ -95,6 +100,7 @@ impl Worker {
             control,
             shared,
             pending: HashMap::new(),
+            bases: HashMap::new(),
             cache: HashMap::new(),
             cache_capacity: config.cache_capacity,
             join: None,
@@ -324,7 +330,16 @@ impl Worker {
             ))));
             return;
         }
-        submits.push(submit);
+        match shared_base(request.kind, &request.name) {
+            Some(base) => match self.bases.entry((request.set_id, base.to_string())) {
+                hash_map::Entry::Occupied(mut later) => later.get_mut().push_back(submit),
+                hash_map::Entry::Vacant(first) => {
+                    first.insert(VecDeque::new());
+                    submits.push(submit);
+                }
+            },
+            None => submits.push(submit),
+        }
         if let Some(t) = &self.timeline {
             t.begin(&request.name, timeline::negotiate_activity(request.kind));
         }
@@ -722,7 +737,22 @@ impl Worker {
         self.fail_all(err);
     }
 
+    /// `request`'s op completed here: the next op under its shared base, if one waits, goes
+    /// to the coordinator (see [`shared_base`]).
+    fn next_under_base(&mut self, request: &Request) {
+        let Some(base) = shared_base(request.kind, &request.name) else {
+            return;
+        };
+        let key = (request.set_id, base.to_string());
+        match self.bases.get_mut(&key).map(VecDeque::pop_front) {
+            Some(Some(next)) => self.send(ToCoordinator::Submit(vec![next])),
+            Some(None) => drop(self.bases.remove(&key)),
+            None => {}
+        }
+    }
+
     fn fail_all(&mut self, err: Error) {
+        self.bases.clear();
         for (_, e) in self.pending.drain() {
             e.handle.complete(Err(err.clone()));
         }

@@ -1,6 +1,7 @@
 """Runs a known sequence of ops for the timeline tests. Mode "env": the timeline comes from
 FERROVOD_TIMELINE; mode "runtime": start_timeline()/stop_timeline() around part of it; mode
-"live": as "env", and rank 0 then reads the file while the job still runs."""
+"live": as "env", and rank 0 then reads the file while the job still runs. Mode "torch":
+ferrovod.torch's ops, an allreduce and a broadcast given one name, in flight together."""
 
 import sys
 import time
@@ -12,6 +13,18 @@ import ferrovod as fv
 mode, path = sys.argv[1], sys.argv[2]
 fv.init()
 r = fv.rank()
+if mode == "torch":
+    import torch
+
+    import ferrovod.torch as hvd
+
+    a = hvd.allreduce_async(torch.full((4,), float(r)), op=hvd.Sum, name="tl.twin")
+    b = hvd.broadcast_async(torch.full((4,), float(r)), root_rank=0, name="tl.twin")
+    assert hvd.synchronize(b).tolist() == [0.0] * 4
+    assert hvd.synchronize(a).tolist() == [float(sum(range(fv.size())))] * 4
+    fv.barrier()
+    print("OK")
+    sys.exit(0)
 if mode == "runtime":
     fv.allreduce(np.ones(4), name="before.start")
     fv.start_timeline(path, mark_cycles=True)
