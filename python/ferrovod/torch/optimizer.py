@@ -138,6 +138,8 @@ class _DistributedMixin:
     @staticmethod
     def _names(named: Optional[Sequence[Tuple[str, torch.Tensor]]],
                all_params: List[torch.Tensor]) -> Dict[torch.Tensor, str]:
+        # Horovod's names: each gradient's allreduce is then ``allreduce.<name>``, and an
+        # unnamed parameter's ``allreduce.allreduce.noname.<i>``, apart from unnamed ops.
         if named is None:
             return {p: f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
         named = list(named)
@@ -155,7 +157,7 @@ class _DistributedMixin:
             raise ValueError("named_parameters was specified, but one or more model parameters "
                              f"were not named (optimizer parameter indices {unnamed}). Python "
                              "object ids: " + ", ".join(str(id(all_params[i])) for i in unnamed))
-        return {p: f"allreduce.{by_param[p]}" for p in all_params}
+        return {p: by_param[p] for p in all_params}
 
     def _setup_groups(self, groups: Any) -> None:
         if groups is None or groups == 0:
@@ -213,7 +215,7 @@ class _DistributedMixin:
             offset += p.numel()
             if p.grad is not None:
                 self._adopt(p)
-        self._flat_name = f"allreduce.flat_grads.{self._parameter_names[params[0]]}"
+        self._flat_name = f"flat_grads.{self._parameter_names[params[0]]}"
 
     def _make_shards(self) -> None:
         """Moves the parameters into one flat buffer and points each parameter group of the
@@ -451,7 +453,7 @@ class _DistributedMixin:
         pairs = [self._compression.compress(g) for g in grads]
         pre, post = self._scale()
         h = ops.grouped_allreduce_async_([c for c, _ in pairs],
-                                         name=f"grouped_allreduce.{self._parameter_names[params[0]]}",
+                                         name=self._parameter_names[params[0]],
                                          op=self.op, prescale_factor=pre, postscale_factor=post,
                                          process_set=self.process_set)
         self._handles[params] = (h, pairs)
