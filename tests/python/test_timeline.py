@@ -86,12 +86,14 @@ def test_launcher_flag_sets_the_timeline(tmp_path):
 
 def test_torch_ops_carry_horovods_names(tmp_path):
     """ferrovod.torch names a named op ``<op>.<name>``, as Horovod's torch does (and its
-    test_timeline.py looks for): an allreduce and a broadcast given one name are two ops, in
-    flight together, each under its own name."""
+    test_timeline.py looks for): an allreduce, a broadcast and an allgather given one name are
+    three ops, in flight together, each under its own name; called in different orders on
+    different ranks, they fail on every rank and the job goes on."""
     path = tmp_path / "torch.json"
-    res = run_job(2, "timeline_worker.py", "torch", path, env={"FERROVOD_TIMELINE": str(path)},
+    res = run_job(3, "timeline_worker.py", "torch", path, env={"FERROVOD_TIMELINE": str(path)},
                   timeout=90)
     assert res.returncode == 0, describe(res)
+    assert res.stdout.count("OK") == 3, describe(res)
     _, per = _load(path)
     assert {"allreduce.tl.twin", "broadcast.tl.twin"} <= set(per), sorted(per)
     assert "NEGOTIATE_ALLREDUCE" in _activities(per["allreduce.tl.twin"])

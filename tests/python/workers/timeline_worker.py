@@ -1,7 +1,8 @@
 """Runs a known sequence of ops for the timeline tests. Mode "env": the timeline comes from
 FERROVOD_TIMELINE; mode "runtime": start_timeline()/stop_timeline() around part of it; mode
 "live": as "env", and rank 0 then reads the file while the job still runs. Mode "torch":
-ferrovod.torch's ops, an allreduce and a broadcast given one name, in flight together."""
+ferrovod.torch's ops, an allreduce, a broadcast and an allgather given one name, in flight
+together, then two called in different orders."""
 
 import sys
 import time
@@ -18,11 +19,27 @@ if mode == "torch":
 
     import ferrovod.torch as hvd
 
-    a = hvd.allreduce_async(torch.full((4,), float(r)), op=hvd.Sum, name="tl.twin")
-    b = hvd.broadcast_async(torch.full((4,), float(r)), root_rank=0, name="tl.twin")
-    assert hvd.synchronize(b).tolist() == [0.0] * 4
-    assert hvd.synchronize(a).tolist() == [float(sum(range(fv.size())))] * 4
-    fv.barrier()
+    n = fv.size()
+    for step in range(3):  # the first step in full, then from the response cache
+        x = torch.full((4,), float(r + step))
+        a = hvd.allreduce_async(x, op=hvd.Sum, name="tl.twin")
+        b = hvd.broadcast_async(x, root_rank=1, name="tl.twin")
+        g = hvd.allgather_async(torch.full((r + 1, 2), float(r)), name="tl.twin")
+        assert hvd.synchronize(g).tolist() == [[float(k)] * 2 for k in range(n) for _ in range(k + 1)]
+        assert hvd.synchronize(b).tolist() == [1.0 + step] * 4
+        assert hvd.synchronize(a).tolist() == [float(sum(range(n)) + n * step)] * 4
+    # Called in different orders, two ops under one name fail on every rank, both of them.
+    x = torch.ones(3)
+    calls = [lambda: hvd.allreduce_async(x, name="tl.swap"),
+             lambda: hvd.broadcast_async(x, root_rank=0, name="tl.swap")]
+    handles = [c() for c in (calls if r == 0 else calls[::-1])]
+    for h in handles:
+        try:
+            hvd.synchronize(h)
+            raise AssertionError(f"rank {r}: ops called in different orders did not fail")
+        except fv.MismatchError as e:
+            assert "'tl.swap'" in str(e) and "rank 0 sent" in str(e), str(e)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name="tl.after").tolist() == [float(n)] * 2
     print("OK")
     sys.exit(0)
 if mode == "runtime":
