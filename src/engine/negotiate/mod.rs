@@ -149,6 +149,8 @@ struct SetState {
     /// Shared base name → the names pending under it (see [`shared_base`]): one, unless
     /// ranks disagree.
     bases: HashMap<String, Vec<String>>,
+    /// How many bases have more than one name: while none has, no submission looks at them.
+    contested: usize,
     /// name → (cache id, validated request); `by_id` is its inverse.
     cache: HashMap<String, (u64, Arc<Request>)>,
     by_id: HashMap<u64, String>,
@@ -161,6 +163,7 @@ impl SetState {
             ranks,
             table: HashMap::new(),
             bases: HashMap::new(),
+            contested: 0,
             cache: HashMap::new(),
             by_id: HashMap::new(),
             lru: Lru::default(),
@@ -177,13 +180,23 @@ impl SetState {
         self.ranks.binary_search(&global).ok()
     }
 
-    /// Records that `request`'s name is pending, under its shared base if it has one.
+    /// Records that `request`'s name is pending (its first submission), under its shared base
+    /// if it has one.
     fn note_base(&mut self, request: &Request) {
-        if let Some(base) = shared_base(request.kind, &request.name) {
-            let names = self.bases.entry(base.to_string()).or_default();
-            if !names.contains(&request.name) {
+        let Some(base) = shared_base(request.kind, &request.name) else {
+            return;
+        };
+        // Every member's submission comes here: no allocation but the op's first.
+        match self.bases.get_mut(base) {
+            Some(names) if names.contains(&request.name) => {}
+            Some(names) => {
                 names.push(request.name.clone());
+                self.contested += usize::from(names.len() == 2);
             }
+            None => drop(
+                self.bases
+                    .insert(base.to_string(), vec![request.name.clone()]),
+            ),
         }
     }
 
@@ -193,7 +206,9 @@ impl SetState {
         let req = p.any();
         if let Some(base) = shared_base(req.kind, &req.name) {
             if let Some(names) = self.bases.get_mut(base) {
+                let before = names.len();
                 names.retain(|n| n != name);
+                self.contested -= usize::from(before >= 2 && names.len() < 2);
                 if names.is_empty() {
                     self.bases.remove(base);
                 }
@@ -571,9 +586,11 @@ impl Negotiator {
             table,
             ..
         } = set;
-        let p = table
-            .entry(name.clone())
-            .or_insert_with(|| Pending::new(members.len()));
+        let mut fresh = false;
+        let p = table.entry(name.clone()).or_insert_with(|| {
+            fresh = true;
+            Pending::new(members.len())
+        });
         for r in ranks {
             // A relay claims only members; a second copy is dropped, as in `submit`.
             // A set of every rank holds rank r at index r.
@@ -591,7 +608,9 @@ impl Negotiator {
             table.remove(&name);
             return;
         }
-        set.note_base(&req);
+        if fresh {
+            set.note_base(&req);
+        }
         self.check_ready(set_id, &name);
     }
 
@@ -633,10 +652,11 @@ impl Negotiator {
             return;
         };
         let n = set.ranks.len();
-        let p = set
-            .table
-            .entry(name.clone())
-            .or_insert_with(|| Pending::new(n));
+        let mut fresh = false;
+        let p = set.table.entry(name.clone()).or_insert_with(|| {
+            fresh = true;
+            Pending::new(n)
+        });
         if p.has(idx) {
             // The engine refuses duplicates before they get here; a second copy is a bug or a
             // hostile peer: drop it rather than corrupt the table.
@@ -647,7 +667,9 @@ impl Negotiator {
         if let Some(reason) = rejected {
             p.rejected.push((from, reason));
         }
-        set.note_base(&request);
+        if fresh {
+            set.note_base(&request);
+        }
         self.check_ready(set_id, &name);
     }
 
@@ -722,6 +744,9 @@ impl Negotiator {
     /// member has sent one (see f) in the module doc). Returns whether it did.
     fn check_base(&mut self, set_id: u32, name: &str) -> bool {
         let set = self.sets.get_mut(&set_id).expect("caller checked the set");
+        if set.contested == 0 {
+            return false;
+        }
         let Some(req) = set.table.get(name).map(|p| p.any().clone()) else {
             return false;
         };
@@ -746,6 +771,7 @@ impl Negotiator {
         }
         let base = base.to_string();
         let names = set.bases.remove(&base).expect("present above");
+        set.contested -= 1;
         let ops: Vec<Pending> = names
             .iter()
             .map(|n| set.table.remove(n).expect("listed under its base"))

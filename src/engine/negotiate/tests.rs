@@ -453,8 +453,12 @@ fn a_full_request_among_claimed_cached_ones_is_checked_against_them() {
 #[test]
 #[ignore = "a measurement, not a check"]
 fn bench_cached_op_at_the_root() {
-    for size in [64usize, 256, 1024] {
-        let (mut n, id) = answered_once(size, "c", &[1]);
+    // A name of ferrovod.torch's (with a shared base) and a plain one.
+    for (size, name) in [64usize, 256, 1024]
+        .into_iter()
+        .flat_map(|s| [(s, "grad"), (s, "allreduce.grad")])
+    {
+        let (mut n, id) = answered_once(size, name, &[1]);
         let mut out = Vec::new();
         let per = (size - 16) / 16;
         let claims: Vec<Vec<usize>> = (0..16)
@@ -478,7 +482,7 @@ fn bench_cached_op_at_the_root() {
             assert_eq!(out.len(), 1);
         }
         println!(
-            "{size} ranks: {:.2} us per cached op at the root",
+            "{size} ranks, {name}: {:.2} us per cached op at the root",
             start.elapsed().as_secs_f64() * 1e6 / ops as f64
         );
     }
