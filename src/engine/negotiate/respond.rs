@@ -34,6 +34,23 @@ pub(super) fn gone_error(rank: usize, detail: &str, clean: &str) -> (u8, String)
     }
 }
 
+/// "rank 3" or "ranks [0, 2]": how a message names the ranks that sent one thing.
+fn who(ranks: &[usize]) -> String {
+    match ranks {
+        [one] => format!("rank {one}"),
+        many => format!("ranks {many:?}"),
+    }
+}
+
+/// The error code of a disagreement between ranks.
+pub(super) fn mismatch_code() -> u8 {
+    Error::Mismatch {
+        name: String::new(),
+        message: String::new(),
+    }
+    .kind_code()
+}
+
 /// Every member's error for an op some refused: who refused it and why, the ranks that gave
 /// the same reason together, so that every rank learns the reason from the one that had it.
 fn rejection_message(request: &Request, rejected: &[(usize, String)]) -> String {
@@ -48,10 +65,7 @@ fn rejection_message(request: &Request, rejected: &[(usize, String)]) -> String 
         .into_iter()
         .map(|(reason, mut ranks)| {
             ranks.sort_unstable();
-            match ranks.as_slice() {
-                [one] => format!("rank {one} rejected it: {reason}"),
-                many => format!("ranks {many:?} rejected it: {reason}"),
-            }
+            format!("{} rejected it: {reason}", who(&ranks))
         })
         .collect();
     format!(
@@ -63,10 +77,16 @@ fn rejection_message(request: &Request, rejected: &[(usize, String)]) -> String 
 }
 
 pub(super) fn error_response(request: Request, code: u8, message: String) -> Response {
+    errors_response(vec![request], code, message)
+}
+
+/// One error for several ops of a set (`requests`, at least one): each member fails those
+/// it holds.
+fn errors_response(requests: Vec<Request>, code: u8, message: String) -> Response {
     Response {
-        set_id: request.set_id,
-        kind: request.kind,
-        items: vec![plain_item(request)],
+        set_id: requests[0].set_id,
+        kind: requests[0].kind,
+        items: requests.into_iter().map(plain_item).collect(),
         joined: Vec::new(),
         last_joined: 0,
         error: Some((code, message)),
@@ -88,12 +108,8 @@ pub(super) fn kinds_disagree(
                 .filter(|&i| p.has(i))
                 .map(|i| members[i])
                 .collect();
-            let who = match ranks.as_slice() {
-                [one] => format!("rank {one}"),
-                many => format!("ranks {many:?}"),
-            };
             let req = p.any();
-            format!("{who} sent {} '{}'", req.kind.name(), req.name)
+            format!("{} sent {} '{}'", who(&ranks), req.kind.name(), req.name)
         })
         .collect();
     let set = if set_id == 0 {
@@ -107,20 +123,11 @@ pub(super) fn kinds_disagree(
          order",
         parts.join(", ")
     );
-    let code = Error::Mismatch {
-        name: String::new(),
-        message: String::new(),
-    }
-    .kind_code();
-    let items: Vec<Item> = ops.iter().map(|p| plain_item(p.first())).collect();
-    Response {
-        set_id,
-        kind: items[0].request.kind,
-        items,
-        joined: Vec::new(),
-        last_joined: 0,
-        error: Some((code, message)),
-    }
+    errors_response(
+        ops.iter().map(Pending::first).collect(),
+        mismatch_code(),
+        message,
+    )
 }
 
 pub(super) fn can_fuse(a: &Response, b: &Response, threshold: usize) -> bool {
@@ -156,11 +163,7 @@ pub(super) fn build_response(
     let base = p.first();
     let name = base.name.clone();
     let fail = |code: u8, msg: String| error_response(base.clone(), code, msg);
-    let mismatch = Error::Mismatch {
-        name: String::new(),
-        message: String::new(),
-    }
-    .kind_code();
+    let mismatch = mismatch_code();
     let invalid = Error::InvalidArgument(String::new()).kind_code();
 
     if !p.rejected.is_empty() {
@@ -294,14 +297,7 @@ fn disagreement<T: PartialEq + std::fmt::Display>(
     }
     let parts: Vec<String> = groups
         .iter()
-        .map(|(v, ranks)| {
-            let who = if ranks.len() == 1 {
-                format!("rank {}", ranks[0])
-            } else {
-                format!("ranks {ranks:?}")
-            };
-            format!("{who} sent {v}")
-        })
+        .map(|(v, ranks)| format!("{} sent {v}", who(ranks)))
         .collect();
     Some(format!("Mismatched {what}: {}", parts.join(", ")))
 }

@@ -488,43 +488,25 @@ fn bench_cached_op_at_the_root() {
     }
 }
 
-fn of_kind(name: &str, kind: OpKind) -> Submit {
+/// Rank `rank` submits a float32 op of `kind` named `name` in full.
+fn send(n: &mut Negotiator, rank: usize, name: &str, kind: OpKind, out: &mut Outbox) {
     let mut r = req(name, DType::F32, &[4]);
     r.spec.kind = kind;
-    Submit::Full(r)
-}
-
-fn send(n: &mut Negotiator, rank: usize, sub: Submit, out: &mut Outbox) {
-    n.handle(rank, ToCoordinator::Submit(vec![sub]), out);
+    n.handle(rank, ToCoordinator::Submit(vec![Submit::Full(r)]), out);
 }
 
 #[test]
 fn ranks_that_send_different_kinds_under_one_name_fail_once_every_rank_sent_its_op() {
     let mut n = Negotiator::new(3, &[], 1 << 20, 16);
     let mut out = Vec::new();
-    send(
-        &mut n,
-        0,
-        of_kind("allreduce.x", OpKind::Allreduce),
-        &mut out,
-    );
-    send(
-        &mut n,
-        1,
-        of_kind("broadcast.x", OpKind::Broadcast),
-        &mut out,
-    );
+    send(&mut n, 0, "allreduce.x", OpKind::Allreduce, &mut out);
+    send(&mut n, 1, "broadcast.x", OpKind::Broadcast, &mut out);
     n.flush(&mut out);
     assert!(
         responses(&out, 0).is_empty(),
         "rank 2 has not sent its op yet"
     );
-    send(
-        &mut n,
-        2,
-        of_kind("allreduce.x", OpKind::Allreduce),
-        &mut out,
-    );
+    send(&mut n, 2, "allreduce.x", OpKind::Allreduce, &mut out);
     n.flush(&mut out);
     for rank in 0..3 {
         let r = responses(&out, rank);
@@ -532,14 +514,7 @@ fn ranks_that_send_different_kinds_under_one_name_fail_once_every_rank_sent_its_
         let names: Vec<&str> = r[0].items.iter().map(|i| i.request.name.as_str()).collect();
         assert_eq!(names, ["allreduce.x", "broadcast.x"]);
         let (code, msg) = r[0].error.clone().expect("an error for every rank");
-        assert_eq!(
-            code,
-            Error::Mismatch {
-                name: String::new(),
-                message: String::new()
-            }
-            .kind_code()
-        );
+        assert_eq!(code, respond::mismatch_code());
         for part in [
             "'x'",
             "ranks [0, 2] sent ALLREDUCE 'allreduce.x'",
@@ -552,12 +527,7 @@ fn ranks_that_send_different_kinds_under_one_name_fail_once_every_rank_sent_its_
     // Nothing is left waiting: the next ops under the name run.
     out.clear();
     for rank in 0..3 {
-        send(
-            &mut n,
-            rank,
-            of_kind("broadcast.x", OpKind::Broadcast),
-            &mut out,
-        );
+        send(&mut n, rank, "broadcast.x", OpKind::Broadcast, &mut out);
     }
     n.flush(&mut out);
     let r = responses(&out, 1);
@@ -576,8 +546,8 @@ fn ops_of_two_kinds_under_one_name_each_complete_when_every_rank_agrees() {
         ("broadcast.w", OpKind::Broadcast),
     ] {
         out.clear();
-        send(&mut n, 1, of_kind(name, kind), &mut out);
-        send(&mut n, 0, of_kind(name, kind), &mut out);
+        send(&mut n, 1, name, kind, &mut out);
+        send(&mut n, 0, name, kind, &mut out);
         n.flush(&mut out);
         let r = responses(&out, 0);
         assert_eq!(r.len(), 1);
@@ -591,13 +561,8 @@ fn ops_of_two_kinds_under_one_name_each_complete_when_every_rank_agrees() {
 fn a_disagreement_waiting_on_a_dead_rank_fails_naming_it() {
     let mut n = Negotiator::new(3, &[], 1 << 20, 16);
     let mut out = Vec::new();
-    send(
-        &mut n,
-        0,
-        of_kind("allreduce.x", OpKind::Allreduce),
-        &mut out,
-    );
-    send(&mut n, 1, of_kind("alltoall.x", OpKind::Alltoall), &mut out);
+    send(&mut n, 0, "allreduce.x", OpKind::Allreduce, &mut out);
+    send(&mut n, 1, "alltoall.x", OpKind::Alltoall, &mut out);
     n.rank_gone(2, Gone::Died, "connection lost".into(), &mut out);
     n.flush(&mut out);
     let r = responses(&out, 0);
@@ -613,18 +578,8 @@ fn a_joined_rank_counts_as_sent_when_the_others_disagree() {
     let mut n = Negotiator::new(3, &[], 1 << 20, 16);
     let mut out = Vec::new();
     n.handle(2, ToCoordinator::Join, &mut out);
-    send(
-        &mut n,
-        0,
-        of_kind("allreduce.x", OpKind::Allreduce),
-        &mut out,
-    );
-    send(
-        &mut n,
-        1,
-        of_kind("allgather.x", OpKind::Allgather),
-        &mut out,
-    );
+    send(&mut n, 0, "allreduce.x", OpKind::Allreduce, &mut out);
+    send(&mut n, 1, "allgather.x", OpKind::Allgather, &mut out);
     n.flush(&mut out);
     let r = responses(&out, 2);
     assert_eq!(r.len(), 1);
@@ -642,12 +597,7 @@ fn a_relays_claim_and_a_full_op_of_another_kind_under_one_name_disagree() {
     let mut out = Vec::new();
     let below: Vec<usize> = (0..39).collect();
     n.claim_cached(&below, 0, id, &mut out);
-    send(
-        &mut n,
-        39,
-        of_kind("broadcast.g", OpKind::Broadcast),
-        &mut out,
-    );
+    send(&mut n, 39, "broadcast.g", OpKind::Broadcast, &mut out);
     n.flush(&mut out);
     let r = responses(&out, 39);
     assert_eq!(r.len(), 1);
@@ -658,18 +608,8 @@ fn a_relays_claim_and_a_full_op_of_another_kind_under_one_name_disagree() {
     );
     // Unnamed ops of two kinds share nothing: each waits for its own.
     out.clear();
-    send(
-        &mut n,
-        0,
-        of_kind("allreduce.noname.0", OpKind::Allreduce),
-        &mut out,
-    );
-    send(
-        &mut n,
-        1,
-        of_kind("broadcast.noname.0", OpKind::Broadcast),
-        &mut out,
-    );
+    send(&mut n, 0, "allreduce.noname.0", OpKind::Allreduce, &mut out);
+    send(&mut n, 1, "broadcast.noname.0", OpKind::Broadcast, &mut out);
     n.flush(&mut out);
     assert!(responses(&out, 0).is_empty());
 }
