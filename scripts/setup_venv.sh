@@ -89,6 +89,15 @@ if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$WANT" ]]; then
     printf '%s\n' "$WANT" >"$STAMP"
 fi
 
+# tf_keras (Keras 2, for Horovod-era tf.keras code under TF_USE_LEGACY_KERAS=1) is released
+# in step with TensorFlow and requires the `tensorflow` package, which would install the full
+# TensorFlow beside tensorflow-cpu: install the release matching the TensorFlow here, alone.
+TF_MINOR="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(".".join(m.version("tensorflow-cpu").split(".")[:2]))')"
+if [[ "$("$VENV/bin/python" -c 'import importlib.metadata as m; print(".".join(m.version("tf_keras").split(".")[:2]))' 2>/dev/null)" != "$TF_MINOR" ]]; then
+    echo "setup: installing tf_keras $TF_MINOR (Keras 2) into $(basename "$VENV")"
+    run_quiet "pip install tf_keras" "$VENV/bin/python" -m pip install --quiet --no-deps "tf_keras==$TF_MINOR.*"
+fi
+
 if [[ "$BUILD" == 1 ]]; then
     echo "setup: building the extension ($PROFILE) into $(basename "$VENV")"
     MATURIN_ARGS=(develop --quiet)
@@ -97,5 +106,13 @@ if [[ "$BUILD" == 1 ]]; then
     # what activating the venv would do.
     run_quiet "maturin develop" env VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" \
         "$VENV/bin/maturin" "${MATURIN_ARGS[@]}"
+    # FERROVOD_AS_HOROVOD's start-up hook. The wheel carries python/ferrovod_as_horovod.pth to
+    # the root of site-packages (pyproject.toml's include), but `maturin develop` installs an
+    # editable package, a ferrovod.pth naming python/, and leaves the wheel's included files
+    # out; the module that .pth imports, python/_ferrovod_as_horovod.py, is found through that
+    # ferrovod.pth (which sorts before it, and .pth files run in name order).
+    SITE="$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+    run_quiet "install ferrovod_as_horovod.pth" \
+        install -m 644 "$ROOT/python/ferrovod_as_horovod.pth" "$SITE/ferrovod_as_horovod.pth"
     run_quiet "import check" "$VENV/bin/python" -c "import ferrovod._core"
 fi

@@ -29,6 +29,9 @@ class KerasHooks:
     compression: Any
     #: The adapter's elastic ``run`` decorator.
     elastic_run: Callable[[Callable[..., Any]], Callable[..., Any]]
+    #: ``broadcast_global_variables(root_rank)``: the op that broadcasts a v1 graph's global
+    #: variables (Keras 2 with eager execution disabled).
+    broadcast_global_variables: Callable[[int], Any]
 
 
 #: Keras backend -> the module of ferrovod's adapter for it.

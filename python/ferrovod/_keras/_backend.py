@@ -18,13 +18,17 @@ from .._api import Average
 from .._frameworks import keras_hooks
 from .._groups import plan_groups
 from ..process_sets import ProcessSet
+from . import _flavor
 from .compression import kind_of
 
 SUPPORTED_BACKENDS = ("tensorflow", "torch")
 
 
 def backend() -> str:
-    """The Keras backend in use (``keras.backend.backend()``)."""
+    """The Keras backend in use (``keras.backend.backend()``); TensorFlow when ``tf.keras``
+    is Keras 2 (``TF_USE_LEGACY_KERAS``), the only backend Keras 2 has."""
+    if _flavor.legacy_requested():
+        return "tensorflow"
     import keras
 
     return keras.backend.backend()
@@ -140,9 +144,11 @@ def _torch_reduce(grads: List[Any], variables: Sequence[Any], *, op: int, compre
 def reduce_gradients(grads: List[Any], variables: Sequence[Any], *, op: int, compression: Any,
                      sparse_as_dense: bool, gradient_predivide_factor: float, num_groups: int,
                      groups: Any, process_set: ProcessSet, local_variables: Sequence[Any],
-                     scale_local_gradients: bool, name_prefix: str) -> List[Any]:
-    """Reduces ``grads`` (None entries stay None) across ``process_set`` on the active backend."""
-    b = check_backend("DistributedOptimizer")
+                     scale_local_gradients: bool, name_prefix: str,
+                     keras2: bool = False) -> List[Any]:
+    """Reduces ``grads`` (None entries stay None) across ``process_set`` on the active backend
+    (TensorFlow for Keras 2, which runs on nothing else)."""
+    b = "tensorflow" if keras2 else check_backend("DistributedOptimizer")
     if b == "tensorflow":
         tf_hooks = keras_hooks("tensorflow")
         return tf_hooks.reduce_gradients(

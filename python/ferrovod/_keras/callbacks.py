@@ -1,4 +1,4 @@
-"""Keras 3 callbacks for data-parallel training (Horovod's ``hvd.callbacks``).
+"""Keras callbacks for data-parallel training (Horovod's ``hvd.callbacks``).
 
 * ``BroadcastGlobalVariablesCallback`` — every rank starts from the root's weights.
 * ``MetricAverageCallback`` — epoch-end metrics averaged over ranks.
@@ -7,19 +7,23 @@
 * ``BestModelCheckpoint`` — ``ModelCheckpoint(save_best_only=True)``.
 
 They work on every Keras backend ferrovod supports: values travel through the
-framework-free API as NumPy arrays, outside the compiled training step.
+framework-free API as NumPy arrays, outside the compiled training step. They derive from the
+``Callback`` of the Keras ``tf.keras`` means (Keras 2's ``tf_keras`` with
+``TF_USE_LEGACY_KERAS=1``, otherwise Keras 3), since each Keras' ``fit`` takes only its own.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-import keras
 import numpy as np
 
 from .. import _api
 from .._api import Average
+from . import _backend, _flavor
 from .functions import broadcast_variables, model_variables
+
+keras = _flavor.keras()
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]
@@ -121,23 +125,34 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 def _lr_variable(optimizer: Any, who: str) -> Any:
     lr = optimizer.learning_rate  # LossScaleOptimizer forwards to its inner optimizer
-    if not isinstance(lr, keras.Variable):
+    if not callable(getattr(lr, "assign", None)):  # a Keras 3 or a TF variable
         raise ValueError(f"{who} sets the optimizer's learning rate batch by batch, so the "
                          "optimizer needs a constant learning rate (a float), not a "
                          "LearningRateSchedule or a callable")
     return lr
 
 
-def _momentum_slots(optimizer: Any) -> List[Any]:
+def _value(x: Any) -> float:
+    return float(np.asarray(_backend.to_numpy(x)))
+
+
+def _momentum_slots(optimizer: Any, variables: Sequence[Any]) -> List[Any]:
     """The momentum buffers of optimizers that fold the learning rate into them (SGD,
-    RMSprop): those are what Goyal et al.'s momentum correction rescales."""
+    RMSprop): those are what Goyal et al.'s momentum correction rescales. Keras 3 and Keras
+    2's current optimizers keep them in a list; Keras 2's legacy ones as slots per variable."""
     opt = getattr(optimizer, "inner_optimizer", optimizer)
-    if not getattr(opt, "momentum", 0):
+    momentum = getattr(opt, "momentum", 0)
+    if not momentum or not _value(momentum):
         return []
     for attr in ("momentums", "_momentums"):
         slots = getattr(opt, attr, None)
         if slots:
             return [s for s in slots if s is not None]
+    if "momentum" in getattr(opt, "get_slot_names", lambda: [])():
+        try:
+            return [opt.get_slot(v, "momentum") for v in variables]
+        except KeyError:  # before the first update: no buffers to rescale yet
+            return []
     return []
 
 
@@ -184,12 +199,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def _adjust_learning_rate(self, epoch: float) -> None:
         lr = _lr_variable(self.model.optimizer, type(self).__name__)
-        old = float(keras.ops.convert_to_numpy(lr))
+        old = _value(lr)
         new = self.initial_lr * self.multiplier(epoch)
         lr.assign(new)
         if self.momentum_correction and old != 0 and new != old:
             ratio = new / old
-            for slot in _momentum_slots(self.model.optimizer):
+            for slot in _momentum_slots(self.model.optimizer, self.model.trainable_variables):
                 slot.assign(slot * ratio)
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
@@ -216,7 +231,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         """Logs the current lr as ``logs["lr"]``."""
         if logs is not None:
             lr = self.model.optimizer.learning_rate
-            logs["lr"] = float(keras.ops.convert_to_numpy(lr))
+            logs["lr"] = _value(lr)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -246,7 +261,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         """Logs the lr; says when the warm-up has finished (``verbose``)."""
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and _api.rank() == 0:
-            lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            lr = _value(self.model.optimizer.learning_rate)
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 
 

@@ -1,4 +1,4 @@
-"""Elastic training with Keras 3 (Horovod's ``horovod.tensorflow.keras.elastic`` /
+"""Elastic training with Keras (Horovod's ``horovod.tensorflow.keras.elastic`` /
 ``horovod.keras.elastic``): ``KerasState`` and the callbacks that keep it current during
 ``model.fit``, on every supported Keras backend.
 
@@ -13,24 +13,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-import keras
 import numpy as np
 
 from .. import _api
 from ..common.elastic import ModelState, run_fn
 from .._frameworks import keras_hooks
-from . import _backend
+from . import _backend, _flavor
 from .functions import broadcast_variables
+
+keras = _flavor.keras()  # the callbacks below must be of the Keras whose fit runs them
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run"]
-
-
-def _optimizer_variables(optimizer: Any) -> List[Any]:
-    if optimizer is None:
-        return []
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
 
 
 class KerasState(ModelState):
@@ -39,7 +33,7 @@ class KerasState(ModelState):
     Args:
         model: a built Keras model.
         optimizer: its optimizer (default: the one the model was compiled with).
-        backend: accepted for Horovod compatibility (Keras 3 needs no session).
+        backend: accepted for Horovod compatibility (eager Keras needs no session).
         kwargs: picklable values to keep with the state, exposed as attributes.
     """
 
@@ -55,15 +49,15 @@ class KerasState(ModelState):
         super().__init__(bcast_object=_api.broadcast_object, get_rank=_api.rank, **kwargs)
 
     def _variables(self) -> List[Any]:
-        return list(self.model.variables) + _optimizer_variables(self.optimizer)
+        return list(self.model.variables) + _flavor.optimizer_variables(self.optimizer)
 
     def sync(self) -> None:
         """Sets every rank's variables and attributes to rank 0's, and saves them. An
         optimizer that has made no step yet (a worker that just joined) builds its slots
         first, so that every rank broadcasts the same variables."""
         opt = self.optimizer
-        if opt is not None and not getattr(opt, "built", True) and hasattr(opt, "build"):
-            opt.build(self.model.trainable_variables)
+        if opt is not None and not _flavor.optimizer_built(opt):
+            _flavor.build_optimizer(opt, self.model.trainable_variables)
         broadcast_variables(self._variables(), 0, name="KerasState.sync")
         self._save_model()
         super().sync()

@@ -19,10 +19,11 @@ from .. import _api
 from .._api import Average
 from ..process_sets import ProcessSet, global_process_set
 from .._frameworks import keras_hooks
-from . import _backend
+from . import _backend, _flavor
 from .compression import Compression
 from .compression import kind_of as _kind_of
-from .optimizer import DistributedOptimizer, is_distributed, variable_signature_check
+from .optimizer import (DistributedOptimizer, carry_state_now, is_distributed,
+                        variable_signature_check)
 
 __all__ = ["init", "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_variables",
            "broadcast_global_variables", "model_variables", "load_model"]
@@ -131,8 +132,8 @@ def model_variables(model: Any, include_optimizer: bool = True,
         if id(v) in skip or str(getattr(v, "path", "")).endswith("seed_generator_state"):
             continue
         out.append(v)
-    if include_optimizer and opt is not None and getattr(opt, "built", False):
-        out += [v for v in opt.variables if id(v) not in skip]
+    if include_optimizer and opt is not None and _flavor.optimizer_built(opt):
+        out += [v for v in _flavor.optimizer_variables(opt) if id(v) not in skip]
     return out
 
 
@@ -140,19 +141,22 @@ def broadcast_global_variables(root_rank: int, model: Any = None,
                                process_set: ProcessSet = global_process_set) -> None:
     """Makes every rank hold ``root_rank``'s variables of ``model``.
 
-    Keras 3 keeps no collection of "global variables" (Horovod's TF1 notion), so the
-    variables are named through ``model``: a Keras model or layer (its weights plus, once it
-    is compiled and built, its optimizer's variables; see :func:`model_variables`), an
-    optimizer (its variables), or a list of variables.
+    Eager Keras (Keras 3, and Keras 2 outside a v1 graph) keeps no collection of "global
+    variables" (Horovod's TF1 notion), so the variables are named through ``model``: a Keras
+    model or layer (its weights plus, once it is compiled and built, its optimizer's
+    variables; see :func:`model_variables`), an optimizer (its variables), or a list of
+    variables. In a v1 graph (Keras 2 with eager execution disabled) ``model`` may be left
+    out: the graph's global variables are broadcast in Keras' session, as Horovod did.
     """
-    import keras
-
     if model is None:
-        raise ValueError("broadcast_global_variables(root_rank, model): Keras 3 has no global "
-                         "variable collection; pass the model (or optimizer, or list of "
-                         "variables) whose variables should be broadcast")
-    if isinstance(model, keras.optimizers.Optimizer):
-        variables = list(model.variables)
+        if _flavor.legacy_requested() and not _executing_eagerly():
+            _broadcast_graph_globals(root_rank)
+            return
+        raise ValueError("broadcast_global_variables(root_rank, model): eager Keras has no "
+                         "global variable collection; pass the model (or optimizer, or list "
+                         "of variables) whose variables should be broadcast")
+    if _flavor.is_optimizer(model):
+        variables = _flavor.optimizer_variables(model)
     elif isinstance(model, (list, tuple)):
         variables = list(model)
     else:
@@ -161,32 +165,48 @@ def broadcast_global_variables(root_rank: int, model: Any = None,
                         name="broadcast_global_variables")
 
 
+def _executing_eagerly() -> bool:
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
+
+
+def _broadcast_graph_globals(root_rank: int) -> None:
+    """Horovod's ``broadcast_global_variables`` of a Keras 2 v1 graph, run in Keras'
+    session."""
+    session = _flavor.keras().backend.get_session()
+    session.run(keras_hooks("tensorflow").broadcast_global_variables(root_rank))
+
+
 def load_model(filepath: Any, custom_optimizers: Optional[Sequence[type]] = None,
                custom_objects: Optional[Dict[str, Any]] = None,
                compression: Any = Compression.none, legacy_opts: bool = False,
                **distributed_kwargs: Any) -> Any:
-    """Loads a saved Keras model (``.keras``) and wraps its optimizer in
-    :func:`DistributedOptimizer`, keeping the optimizer state the file holds.
+    """Loads a saved Keras model and wraps its optimizer in :func:`DistributedOptimizer`,
+    keeping the optimizer state the file holds. The Keras ``tf.keras`` means loads it
+    (Keras 3: ``.keras``; Keras 2 with ``TF_USE_LEGACY_KERAS=1``: ``.keras``, ``.h5`` or a
+    SavedModel folder).
 
     Works whether the model was saved with a distributed optimizer or a plain one (both are
     stored as the plain class). ``custom_optimizers`` lists optimizer classes of your own that
     the file refers to; ``custom_objects`` is passed to ``keras.saving.load_model``.
-    ``legacy_opts`` is accepted for Horovod compatibility; Keras 3 has no legacy optimizers.
+    ``legacy_opts`` is accepted for Horovod compatibility: the file says which class its
+    optimizer is, legacy or not.
     Every rank must call it (the wrapping checks that the ranks agree on the variables).
     Extra keyword arguments go to ``DistributedOptimizer`` (e.g. ``op``,
     ``backward_passes_per_step``).
     """
-    import keras
-
+    keras = _flavor.keras()
     objects: Dict[str, Any] = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
-    model = keras.saving.load_model(filepath, custom_objects=objects or None)
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
     opt = getattr(model, "optimizer", None)
     if opt is None or is_distributed(opt):
         return model
     # A built optimizer (the file held its state) is copied over, slots and all.
     dist = DistributedOptimizer(opt, compression=compression, **distributed_kwargs)
+    carry_state_now(dist, model.trainable_variables)
     model.optimizer = dist
     # Keep compile config and optimizer in agreement, so saving again serialises this one.
     cc = getattr(model, "_compile_config", None)

@@ -1,4 +1,7 @@
-"""``DistributedOptimizer`` for Keras 3: any Keras optimizer, gradients reduced before the update.
+"""``DistributedOptimizer`` for Keras: any Keras optimizer, gradients reduced before the update.
+
+This module holds what both Kerases share and the Keras 3 wrapper; the Keras 2 (``tf_keras``)
+wrapper is in :mod:`.keras2_optimizer`.
 
 How it hooks in. Keras 3's ``BaseOptimizer.apply(grads, variables)`` is the single entry
 point of an update: ``apply_gradients`` calls it, ``model.fit``'s ``train_step`` calls it
@@ -33,7 +36,7 @@ from .. import _api, _elastic
 from .._api import Adasum, Average, Sum
 from .._arguments import _instance_number
 from ..process_sets import ProcessSet, global_process_set
-from . import _backend
+from . import _backend, _flavor
 from .compression import Compression
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "is_distributed",
@@ -89,8 +92,9 @@ def _dtype_name(v: Any) -> str:
     return getattr(dt, "name", None) or str(dt).replace("torch.", "")
 
 
-class _DistributedMixin:
-    """Put in front of the wrapped optimizer's class by :func:`DistributedOptimizer`."""
+class _CommonMixin:
+    """What the Keras 3 and Keras 2 wrappers share: ferrovod's settings, local variables and
+    the reduction itself. Put in front of the wrapped optimizer's class."""
 
     _fv_args: Dict[str, Any] = {}
 
@@ -108,7 +112,7 @@ class _DistributedMixin:
             predivide=gradient_predivide_factor, op=op, bpps=backward_passes_per_step,
             average_aggregated=average_aggregated_gradients, num_groups=num_groups,
             groups=groups, process_set=process_set, scale_local=scale_local_gradients,
-            local=[], checked=False, counter=None, accs=None)
+            local=[], checked=False, counter=None, accs=None, reduced=False, carry=None)
 
     # ------------------------------------------------------------------ public extras
 
@@ -118,9 +122,10 @@ class _DistributedMixin:
         self._fv.local.append(var)
 
     @property
-    def variables(self) -> _CallableList:  # type: ignore[override]
-        """The wrapped optimizer's variables; also callable, like Horovod's wrapper."""
-        return _CallableList(super().variables)  # type: ignore[misc]
+    def _agg_helper(self) -> Any:
+        """Horovod's name for the state of ``backward_passes_per_step`` (None without it):
+        its ``counter`` variable counts the backward passes since the last update."""
+        return self._fv if self._fv.bpps > 1 else None
 
     # ------------------------------------------------------------------ internals
 
@@ -133,12 +138,9 @@ class _DistributedMixin:
         return any(v is l or getattr(v, "value", None) is l or getattr(l, "value", None) is v
                    for l in self._fv.local)
 
-    def build(self, variables: Sequence[Any]) -> None:
-        """Builds the wrapped optimizer, then checks that every rank trains the same variables
-        and creates the gradient accumulators ``backward_passes_per_step`` needs."""
-        super().build(variables)  # type: ignore[misc]
+    def _fv_check_variables(self, variables: Sequence[Any]) -> None:
+        """Checks once that every rank trains the same variables (one small allgather)."""
         st = self._fv
-        variables = list(variables)
         # In an elastic job a worker that joins builds its optimizer in the state sync, while
         # the others built theirs long ago: a collective here would never meet its peers.
         # A variable the ranks disagree on still fails every rank at the first step, by name.
@@ -147,13 +149,6 @@ class _DistributedMixin:
                                      st.process_set, "DistributedOptimizer",
                                      f"{st.prefix}.variables")
         st.checked = True
-        if st.bpps > 1 and st.accs is None:
-            import keras
-
-            st.counter = keras.Variable(0, dtype="int32", trainable=False,
-                                        name="ferrovod_backward_pass")
-            st.accs = [keras.Variable(keras.ops.zeros(v.shape, dtype=v.dtype), trainable=False,
-                                      name="ferrovod_gradient_sum") for v in variables]
 
     def _fv_reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         st = self._fv
@@ -164,7 +159,31 @@ class _DistributedMixin:
             sparse_as_dense=st.sparse_as_dense, gradient_predivide_factor=st.predivide,
             num_groups=st.num_groups, groups=st.groups, process_set=st.process_set,
             local_variables=st.local, scale_local_gradients=st.scale_local,
-            name_prefix=st.prefix)
+            name_prefix=st.prefix, keras2=_flavor.is_keras2(self))
+
+
+class _DistributedMixin(_CommonMixin):
+    """The Keras 3 wrapper: the reduction sits in ``apply``."""
+
+    @property
+    def variables(self) -> _CallableList:  # type: ignore[override]
+        """The wrapped optimizer's variables; also callable, like Horovod's wrapper."""
+        return _CallableList(super().variables)  # type: ignore[misc]
+
+    def build(self, variables: Sequence[Any]) -> None:
+        """Builds the wrapped optimizer, then checks that every rank trains the same variables
+        and creates the gradient accumulators ``backward_passes_per_step`` needs."""
+        super().build(variables)  # type: ignore[misc]
+        st = self._fv
+        variables = list(variables)
+        self._fv_check_variables(variables)
+        if st.bpps > 1 and st.accs is None:
+            import keras
+
+            st.counter = keras.Variable(0, dtype="int32", trainable=False,
+                                        name="ferrovod_backward_pass")
+            st.accs = [keras.Variable(keras.ops.zeros(v.shape, dtype=v.dtype), trainable=False,
+                                      name="ferrovod_gradient_sum") for v in variables]
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> Any:
         """Reduces ``grads`` across ranks (one grouped allreduce), then applies them with the
@@ -218,20 +237,28 @@ class _DistributedMixin:
 
 def is_distributed(optimizer: Any) -> bool:
     """True for an optimizer made by :func:`DistributedOptimizer`."""
-    return isinstance(optimizer, _DistributedMixin)
+    return isinstance(optimizer, _CommonMixin)
 
 
 def copy_optimizer_state(src: Any, dst: Any, variables: Sequence[Any]) -> None:
     """Builds ``dst`` on ``variables`` and copies ``src``'s variable values into it (same class
     and config, so the variables correspond one to one)."""
-    dst.build(list(variables))
-    dst.built = True
-    a, b = list(src.variables), list(dst.variables)
+    _flavor.build_optimizer(dst, variables)
+    a, b = _flavor.optimizer_variables(src), _flavor.optimizer_variables(dst)
     if len(a) != len(b) or any(tuple(x.shape) != tuple(y.shape) for x, y in zip(a, b)):
         raise ValueError(f"cannot carry the state of {type(src).__name__} over to its "
                          f"distributed copy: {len(a)} variables vs {len(b)}")
     for x, y in zip(a, b):
         y.assign(x)
+
+
+def carry_state_now(dist: Any, variables: Sequence[Any]) -> None:
+    """Takes over, now, the state of the optimizer ``dist`` was made from, where that waited
+    for the first update to name the variables (Keras 2): ``load_model`` knows them."""
+    src = dist._fv.carry
+    if src is not None:
+        dist._fv.carry = None
+        copy_optimizer_state(src, dist, variables)
 
 
 def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dense: str = "",
@@ -242,16 +269,27 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                          groups: Optional[Sequence[Sequence[Any]]] = None,
                          process_set: ProcessSet = global_process_set,
                          scale_local_gradients: bool = True) -> Any:
-    """Wraps any Keras 3 optimizer so that gradients are averaged (or summed) across ranks.
+    """Wraps a Keras optimizer so that gradients are averaged (or summed) across ranks.
 
-    Returns an instance of a subclass of ``type(optimizer)`` with the same class name, built
-    with ``from_config(optimizer.get_config())``; when ``optimizer`` is already built, its
-    state (slots, iterations) is carried over. Use it in ``model.compile`` or in a custom loop
-    (``apply_gradients`` / ``apply``); the gradients of one update go out as one grouped
-    allreduce (``num_groups`` / ``groups`` split it, as in Horovod).
+    Any optimizer of Keras 3, or of Keras 2 (``tf_keras``: its current optimizers and those
+    in ``tf_keras.optimizers.legacy``). Returns an instance of a subclass of
+    ``type(optimizer)`` with the same class name, built with
+    ``from_config(optimizer.get_config())``; when ``optimizer`` is already built, its state
+    (slots, iterations) is carried over (a Keras 2 one's at the first update, when the copy
+    creates its slots). Use it in ``model.compile`` or in a custom loop; the gradients of one
+    update go out as one grouped allreduce (``num_groups`` / ``groups`` split it, as in
+    Horovod).
+
+    Where the reduction happens: Keras 3 has one entry for an update, ``apply`` (which
+    ``apply_gradients`` calls). Keras 2 reduces where Horovod did, in ``compute_gradients``
+    / ``_compute_gradients`` / ``get_gradients`` (``minimize`` and ``model.fit`` go through
+    them), and in ``apply_gradients`` when the gradients did not come from those (a custom
+    loop with ``tf.GradientTape``): each update is reduced exactly once.
 
     Args:
-        optimizer: a Keras optimizer instance (or a name Keras knows, such as ``"sgd"``).
+        optimizer: a Keras optimizer instance (or a name Keras knows, such as ``"sgd"``,
+            looked up in the Keras ``tf.keras`` means: ``tf_keras`` with
+            ``TF_USE_LEGACY_KERAS=1``).
         name: prefix of the collective ops' names (default ``DistributedGradient.<k>``, k
             counting the distributed optimizers this process made: all ranks must create
             them in the same order).
@@ -277,8 +315,6 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
             bad ``backward_passes_per_step``, an optimizer that is already distributed; at the
             first update, when the step is being compiled with XLA (``jit_compile=True``).
     """
-    import keras
-
     if op not in (Average, Sum, Adasum):
         raise ValueError("DistributedOptimizer for Keras supports op=Average, op=Sum and "
                          f"op=Adasum (got {op!r})")
@@ -294,13 +330,18 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
     if groups is not None and not isinstance(groups, (list, tuple)):
         raise ValueError("groups must be a list of lists of variables")
     if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
+        optimizer = _flavor.keras().optimizers.get(optimizer)
     if is_distributed(optimizer):
         raise ValueError("the optimizer is already a ferrovod DistributedOptimizer")
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer expects a Keras 3 optimizer, got "
+    if not _flavor.is_optimizer(optimizer):
+        raise TypeError(f"DistributedOptimizer expects a Keras optimizer (Keras 3, or Keras 2 "
+                        f"from tf_keras), got "
                         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
-    _backend.check_backend("DistributedOptimizer")
+    if _flavor.is_keras2(optimizer):
+        from .keras2_optimizer import Keras2Mixin as mixin
+    else:
+        _backend.check_backend("DistributedOptimizer")
+        mixin = _DistributedMixin
     base = type(optimizer)
     args = dict(name=name, compression=compression, sparse_as_dense=sparse_as_dense,
                 gradient_predivide_factor=float(gradient_predivide_factor), op=op,
@@ -310,12 +351,17 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, device_dens
                 scale_local_gradients=bool(scale_local_gradients))
     # Same name and module as the wrapped class: Keras serialises the optimizer under them,
     # so a saved model reloads without ferrovod.
-    cls = type(base.__name__, (_DistributedMixin, base),
+    cls = type(base.__name__, (mixin, base),
                {"__module__": base.__module__, "__qualname__": base.__qualname__,
                 "__doc__": base.__doc__, "_fv_args": args})
     dist = cls.from_config(optimizer.get_config())
-    if optimizer.built:
-        copy_optimizer_state(optimizer, dist, optimizer._trainable_variables)
+    if _flavor.optimizer_built(optimizer):
+        if mixin is _DistributedMixin:
+            copy_optimizer_state(optimizer, dist, optimizer._trainable_variables)
+        else:
+            # A Keras 2 optimizer keeps no list of the variables it has slots for: the copy
+            # takes the values when its first update creates its slots for the same ones.
+            dist._fv.carry = optimizer
     return dist
 
 

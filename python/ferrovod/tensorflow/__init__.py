@@ -484,4 +484,4 @@ def _elastic_run(func: Any) -> Any:
 # importing it: on the TensorFlow backend it loads this module, which registers them.
 _frameworks.register_keras_hooks("tensorflow", _frameworks.KerasHooks(
     init=init, reduce_gradients=reduce_gradients, compression=Compression,
-    elastic_run=_elastic_run))
+    elastic_run=_elastic_run, broadcast_global_variables=broadcast_global_variables))

@@ -1,6 +1,8 @@
-"""ferrovod's Keras 3 adapter in one launch: DistributedOptimizer, callbacks, load_model, ops.
+"""ferrovod's Keras adapter in one launch: DistributedOptimizer, callbacks, load_model, ops.
 
-usage: keras_train_worker.py SEED TMPDIR   (KERAS_BACKEND=tensorflow or torch)
+usage: keras_train_worker.py SEED TMPDIR   (KERAS_BACKEND=tensorflow or torch; or
+TF_USE_LEGACY_KERAS=1 for Keras 2 through tf_keras, as Horovod-era scripts run on TF >= 2.16,
+which adds a section for the legacy optimizers and the custom-loop entries of Keras 2)
 
 References never go through ferrovod: each rank rebuilds every rank's data from the seed and
 trains a plain Keras model (plain optimizer) in this process on the global batch, or computes
@@ -16,7 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workers"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
+KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+if KERAS2:
+    import tf_keras as keras  # noqa: E402
+else:
+    import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fvtest as T  # noqa: E402
@@ -33,8 +39,9 @@ if BACKEND == "tensorflow":
 else:
     tf = None
     hvd = hvdk
+FLAVOR = "keras2" if KERAS2 else BACKEND
 
-keras.config.set_floatx("float64")
+keras.backend.set_floatx("float64")
 DIN, HID, DOUT, B, STEPS, LR = 5, 6, 3, 4, 6, 0.1
 # Keras' torch backend computes part of the backward pass in float32 even with floatx float64
 # (a batch-of-8 gradient differs from the mean of two batch-of-4 gradients by ~1e-7 there,
@@ -78,7 +85,23 @@ def flat(model):
 
 
 def npy(v):
-    return np.asarray(keras.ops.convert_to_numpy(v))
+    return np.asarray(v.numpy() if KERAS2 else keras.ops.convert_to_numpy(v))
+
+
+def tensor(a):
+    return tf.convert_to_tensor(a) if KERAS2 else keras.ops.convert_to_tensor(a)
+
+
+def variable(a):
+    return tf.Variable(a) if KERAS2 else keras.Variable(a)
+
+
+def var_name(v):
+    return getattr(v, "path", None) or v.name
+
+
+def load_plain(path):
+    return keras.models.load_model(path) if KERAS2 else keras.saving.load_model(path)
 
 
 def make_step(opt, variables, graph):
@@ -117,6 +140,11 @@ class Record(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         opt = self.model.optimizer
         slots = [npy(s) for s in getattr(opt, "momentums", []) or []]
+        if not slots and "momentum" in getattr(opt, "get_slot_names", lambda: [])():
+            try:  # Keras 2's legacy optimizers: a slot per variable, once they exist
+                slots = [npy(opt.get_slot(v, "momentum")) for v in self.model.trainable_variables]
+            except KeyError:
+                slots = []
         self.batches.append((float(npy(opt.learning_rate)), slots))
 
 
@@ -201,7 +229,8 @@ class Run:
         self.same_on_all_ranks(flat(model), "warm-up weights identical on all ranks")
 
         # load_model: the file holds a distributed SGD (saved as plain SGD) with momentum state.
-        path = os.path.join(self.tmpdir, f"warm_{BACKEND}.keras")
+        # Keras 2 code of Horovod's era saves HDF5 (Horovod's own examples write .h5).
+        path = os.path.join(self.tmpdir, f"warm_{FLAVOR}." + ("h5" if KERAS2 else "keras"))
         if self.r == 0:
             model.save(path)
         ferrovod.barrier()
@@ -209,8 +238,8 @@ class Run:
         self.ck.true(is_distributed(loaded.optimizer), "load_model re-wraps the optimizer")
         self.ck.equal(type(loaded.optimizer).__name__, "SGD", "wrapped class keeps its name")
         for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
-            self.close(npy(b), npy(a), f"optimizer state {a.path} survives save/load", tol=0)
-        plain = keras.saving.load_model(path)  # what a process without ferrovod gets
+            self.close(npy(b), npy(a), f"optimizer state {var_name(a)} survives save/load", tol=0)
+        plain = load_plain(path)  # what a process without ferrovod gets
         self.ck.true(not is_distributed(plain.optimizer) and
                      isinstance(plain.optimizer, keras.optimizers.SGD), "reloads as plain SGD",
                      f"got {type(plain.optimizer).__mro__}")
@@ -228,7 +257,7 @@ class Run:
         for graph in modes:
             for avg in (False, True):
                 w0 = [rng(s, 50, i).standard_normal(sh) for i, sh in enumerate(shapes)]
-                vs = [keras.Variable(w) for w in w0]
+                vs = [variable(w) for w in w0]
                 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR),
                                                backward_passes_per_step=N,
                                                average_aggregated_gradients=avg)
@@ -239,7 +268,7 @@ class Run:
                 for k in range(2 * N):
                     grads = {r: [rng(s, r, k, i).standard_normal(sh) for i, sh in enumerate(shapes)]
                              for r in range(n)}
-                    step(*[keras.ops.convert_to_tensor(g) for g in grads[self.r]])
+                    step(*[tensor(g) for g in grads[self.r]])
                     for r in range(n):
                         acc[r] = [a + g for a, g in zip(acc[r], grads[r])]
                     if k % N == N - 1:
@@ -291,13 +320,13 @@ class Run:
             ("none", {}, mean[:2] + [np.zeros(3)], TOL, "none"),
         ]
         for label, kw, want, tol, special in cases:
-            vs = [keras.Variable(w) for w in w0]
+            vs = [variable(w) for w in w0]
             if kw.get("groups") == "first":
                 kw = {"groups": [[vs[0]], [vs[2]]]}
             opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), **kw)
             if special == "local":
                 opt.register_local_var(vs[2])
-            grads = [keras.ops.convert_to_tensor(g) for g in mine]
+            grads = [tensor(g) for g in mine]
             if special == "none":
                 grads[2] = None
 
@@ -355,7 +384,7 @@ class Run:
         e = self.ck.raises(ValueError, lambda: model.fit(x, y, batch_size=B, epochs=1, verbose=0),
                            "fit with jit_compile=True", contains=("jit_compile=False", "XLA"))
         print(f"jit error: {e}", flush=True)
-        v = keras.Variable(np.ones(3))
+        v = variable(np.ones(3))
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR))
         opt.build([v])
         fn = tf.function(lambda g: opt.apply_gradients([(g, v)]), jit_compile=True)
@@ -436,6 +465,70 @@ class Run:
         self.ck.equal(state.epoch, 2, "KerasState.restore: attributes")
         self.same_on_all_ranks(trained, "weights identical after elastic fit")
 
+    def keras2(self):
+        """Keras 2 only: legacy optimizers under fit (with the warm-up's momentum correction
+        on their slots), and every custom-loop entry reducing each update exactly once."""
+        s, n = self.seed + 5, self.n
+        legacy = keras.optimizers.legacy
+        for label, make in (("legacy SGD+momentum", lambda: legacy.SGD(LR, momentum=0.9)),
+                            ("legacy Adam", lambda: legacy.Adam(0.01))):
+            model = make_model()
+            set_weights(model, s + self.r)
+            model.compile(optimizer=hvd.DistributedOptimizer(make()), loss="mse",
+                          metrics=["mae"])
+            warm = lambda: hvd.callbacks.LearningRateWarmupCallback(  # noqa: E731
+                initial_lr=float(npy(model.optimizer.learning_rate)), warmup_epochs=1)
+            x, y = data(s, self.r)
+            model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[
+                hvd.callbacks.BroadcastGlobalVariablesCallback(0), warm()])
+            ref = make_model()
+            set_weights(ref, s)
+            ref.compile(optimizer=make(), loss="mse", metrics=["mae"])
+            # The schedule callback runs no collective: the same one drives the reference.
+            self.reference_fit(s, epochs=2, model=ref, callbacks=[warm()])
+            self.close(flat(model), flat(ref), f"{label}: fit with warm-up == reference")
+            self.same_on_all_ranks(flat(model), f"{label}: weights identical on all ranks")
+            self.ck.true(type(model.optimizer).__module__.startswith("tf_keras"),
+                         f"{label}: the wrapper keeps the Keras 2 class's module")
+
+        self.ck.true("keras" not in sys.modules, "Keras 3 never imported by a Keras 2 job",
+                     "ferrovod (or the test) imported the keras package")
+
+        # Custom loops with op=Sum, where a second reduction would show (Average hides it).
+        c = {r: rng(s, r, 9).standard_normal(4) for r in range(n)}
+        total = sum(c.values())
+        entries = ["tape+apply_gradients", "minimize", "_compute_gradients+apply_gradients",
+                   "compute_gradients+apply_gradients"]
+        for make in (lambda: keras.optimizers.SGD(LR), lambda: legacy.SGD(LR)):
+            for entry in entries:
+                for graph in (False, True):
+                    kind = "legacy" if ".legacy." in type(make()).__module__ else "current"
+                    if entry == "compute_gradients+apply_gradients" and kind == "legacy":
+                        continue  # legacy OptimizerV2 has no public compute_gradients
+                    w = variable(np.ones(4))
+                    opt = hvd.DistributedOptimizer(make(), op=hvd.Sum)
+                    mine = tf.constant(c[self.r])
+
+                    def loss():
+                        return tf.reduce_sum(w * mine)
+
+                    def step():
+                        if entry == "tape+apply_gradients":
+                            with tf.GradientTape() as tape:
+                                value = loss()
+                            opt.apply_gradients(zip(tape.gradient(value, [w]), [w]))
+                        elif entry == "minimize":
+                            opt.minimize(loss, [w])
+                        else:
+                            compute = getattr(opt, entry.split("+")[0])
+                            opt.apply_gradients(compute(loss, [w]))
+
+                    (tf.function(step) if graph else step)()
+                    (tf.function(step) if graph else step)()
+                    what = f"{kind} {entry} graph={graph}"
+                    lr = float(npy(opt.learning_rate))  # a legacy one keeps it in float32
+                    self.close(npy(w), np.ones(4) - 2 * lr * total, f"{what}: reduced once")
+
     def mismatch(self):
         """A rank whose model differs: every rank gets the same clear ValueError, no hang."""
         odd = self.r == self.n - 1
@@ -445,7 +538,8 @@ class Run:
         e = self.ck.raises(ValueError, lambda: model.fit(x, y, batch_size=B, verbose=0),
                            "fit with a different model on one rank",
                            contains=("different variables", f"rank {self.n - 1}"))
-        print(f"error: {e}", flush=True)
+        # Keras 2 puts "in user code:" and a traceback before the message of a traced step.
+        print(f"error: {str(e).strip().splitlines()[-1].strip()}", flush=True)
         model = make_model(5 if odd else HID)
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
         self.ck.raises(ValueError, lambda: model.fit(
@@ -466,7 +560,7 @@ def main():
     run = Run(seed, tmpdir)
     keras.utils.set_random_seed(seed)
     names = ["fit", "warmup", "bpps", "options", "sparse"] + (["jit"] if tf is not None else []) + \
-        ["ops"] + (["mismatch"] if hvd.size() > 1 else [])
+        ["ops"] + (["keras2"] if KERAS2 else []) + (["mismatch"] if hvd.size() > 1 else [])
     for name in names:
         before = run.ck.count
         getattr(run, name)()

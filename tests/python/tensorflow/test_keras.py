@@ -1,5 +1,6 @@
-"""ferrovod's Keras 3 adapter (``ferrovod.tensorflow.keras`` / ``ferrovod.keras``) in real
-2-rank jobs, on the TensorFlow and the torch backend (see keras_train_worker.py): fit with
+"""ferrovod's Keras adapter (``ferrovod.tensorflow.keras`` / ``ferrovod.keras``) in real
+2-rank jobs, on Keras 3's TensorFlow and torch backends and on Keras 2 (``tf_keras`` with
+``TF_USE_LEGACY_KERAS=1``) (see keras_train_worker.py): fit with
 sharded data == one process on the global batch, metric averaging, the warm-up schedule batch
 by batch, backward_passes_per_step, optimizer options, sparse gradients, load_model round
 trip, jit_compile=True and mismatched models failing clearly; and the digits example."""
@@ -17,13 +18,19 @@ EXAMPLE = HERE.parent.parent.parent / "examples" / "keras_digits.py"
 SECTIONS = {
     "tensorflow": ["fit", "warmup", "bpps", "options", "sparse", "jit", "ops", "mismatch"],
     "torch": ["fit", "warmup", "bpps", "options", "sparse", "ops", "mismatch"],
+    "keras2": ["fit", "warmup", "bpps", "options", "sparse", "jit", "ops", "keras2", "mismatch"],
+}
+ENV = {
+    "tensorflow": {"KERAS_BACKEND": "tensorflow", "TF_USE_LEGACY_KERAS": "0"},
+    "torch": {"KERAS_BACKEND": "torch", "TF_USE_LEGACY_KERAS": "0"},
+    "keras2": {"TF_USE_LEGACY_KERAS": "1"},
 }
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "keras2"])
 def test_keras_adapter(backend, tmp_path):
     res = run_job(2, HERE / "keras_train_worker.py", 7, tmp_path, timeout=240,
-                  env={"KERAS_BACKEND": backend, "FERROVOD_TIMEOUT_SECONDS": "60"})
+                  env={**ENV[backend], "FERROVOD_TIMEOUT_SECONDS": "60"})
     counts = assert_ok(res, 2, min_checks=200)
     for r in range(2):
         done = [m.group(1) for m in lines_matching(res, r, r"^section (\w+):")]
