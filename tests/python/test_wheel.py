@@ -4,7 +4,10 @@ Builds the wheel with scripts/build_wheel.sh (or reuses one in dist/ that is new
 source file), installs it with its dependencies into a new virtual environment, and from a
 working directory outside the source tree runs ``ferrovodrun -np 2`` of that venv on a script
 that allreduces and checks the result. This is what `pip install ferrovod` gives a user, so
-nothing of the source tree or of the development venv may leak in.
+nothing of the source tree or of the development venv may leak in. The same venv then runs a
+script that imports horovod under ``ferrovodrun --as-horovod``: the .pth that turns the alias
+on must come with the wheel, into site-packages (tests/python/test_horovod_alias.py checks the
+alias itself in the development venv).
 
 Slow (a release build, a venv, a pip install): set FERROVOD_SKIP_WHEEL_TEST=1 to skip it in
 quick local runs. `make test` and CI run it.
@@ -51,6 +54,25 @@ WORKER = textwrap.dedent(
     assert np.allclose(mean, ref / size), (mean[:5], ref[:5] / size)
     print(f"WHEEL-OK rank={rank} pkg={fv.__file__} core={fv._core.__file__}", flush=True)
     fv.shutdown()
+    """
+)
+
+
+# A Horovod script: under --as-horovod its `import horovod` gives ferrovod, from the wheel.
+HOROVOD_WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import horovod as hvd
+    import ferrovod
+
+    assert hvd is ferrovod and sys.modules["horovod"] is ferrovod, hvd
+    hvd.init()
+    total = hvd.allreduce(np.full(4, hvd.rank() + 1.0), op=hvd.Sum, name="alias.sum")
+    assert np.array_equal(total, np.full(4, 3.0)), total
+    helper = sys.modules["_ferrovod_as_horovod"].__file__
+    print(f"ALIAS-OK rank={hvd.rank()} pkg={hvd.__file__} helper={helper}", flush=True)
+    hvd.shutdown()
     """
 )
 
@@ -118,6 +140,8 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
     assert tags and all(tag.startswith("cp310-abi3-manylinux") for tag in tags), tags
     assert "ferrovod/_core.abi3.so" in names, [n for n in names if n.endswith(".so")]
     assert "ferrovod/__init__.py" in names
+    # At the root, so that pip puts them at the root of site-packages, where .pth files run.
+    assert {"ferrovod_as_horovod.pth", "_ferrovod_as_horovod.py"} <= set(names), names
     assert re.search(r"^ferrovodrun\s*=", scripts, flags=re.M), scripts
 
     venv = tmp_path / "venv"
@@ -153,3 +177,24 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
         # The installed copy, not the source tree's python/ferrovod.
         assert Path(pkg).is_relative_to(site), pkg
         assert Path(core).is_relative_to(site) and core.endswith("_core.abi3.so"), core
+
+    # FERROVOD_AS_HOROVOD from the installed wheel: off without the variable, on for every
+    # worker with --as-horovod.
+    plain = subprocess.run([str(py), "-c", "import horovod"], cwd=work, capture_output=True,
+                           text=True, env=clean_env(venv), timeout=60)
+    assert plain.returncode != 0 and "No module named 'horovod'" in plain.stderr, plain.stderr
+    (work / "hvd_job.py").write_text(HOROVOD_WORKER)
+    job = subprocess.run(
+        [str(venv / "bin" / "ferrovodrun"), "-np", "2", "--as-horovod", str(py), "hvd_job.py"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env=clean_env(venv),
+        timeout=180,
+    )
+    output = job.stdout + job.stderr
+    assert job.returncode == 0, f"ferrovodrun --as-horovod exited {job.returncode}:\n{output}"
+    oks = re.findall(r"ALIAS-OK rank=(\d) pkg=(\S+) helper=(\S+)", output)
+    assert sorted(rank for rank, _, _ in oks) == ["0", "1"], output
+    for _, pkg, helper in oks:
+        assert Path(pkg).is_relative_to(site) and Path(helper).is_relative_to(site), (pkg, helper)

@@ -149,6 +149,16 @@ def _add_general(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--verbose", action="store_true", help="Print what the launcher does.")
     parser.add_argument(
+        "--as-horovod",
+        action="store_const",
+        const=True,
+        default=None,
+        help="Let the workers' `import horovod...` give ferrovod's modules (horovod.torch is "
+        "ferrovod.torch, ...), for scripts that import Horovod and cannot be edited; "
+        "FERROVOD_AS_HOROVOD=1 on every worker. A Horovod installed beside ferrovod is left "
+        "alone.",
+    )
+    parser.add_argument(
         "--config-file",
         help="A horovodrun YAML config file (params, autotune, timeline, stall_check, "
         "library_options, logging, elastic); flags given on the command line win over it.",

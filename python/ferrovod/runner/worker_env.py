@@ -69,6 +69,8 @@ _TUNABLES: List[Tuple[str, str, Callable[[Any], str]]] = [
     ("autotune_log_file", "FERROVOD_AUTOTUNE_LOG", str),
     ("autotune_warmup_samples", "FERROVOD_AUTOTUNE_WARMUP_SAMPLES", str),
     ("autotune_steps_per_sample", "FERROVOD_AUTOTUNE_STEPS_PER_SAMPLE", str),
+    # Read at each worker's start-up by the .pth the wheel installs (_ferrovod_as_horovod.py).
+    ("as_horovod", "FERROVOD_AS_HOROVOD", _flag),
 ]
 
 
