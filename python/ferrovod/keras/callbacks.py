@@ -1,4 +1,4 @@
-"""``ferrovod.keras.callbacks``: Horovod's Keras callbacks for Keras 3 (see
+"""``ferrovod.keras.callbacks``: Horovod's Keras callbacks (see
 ``ferrovod._keras.callbacks`` for what each does and when)."""
 
 from .._keras.callbacks import (

@@ -161,7 +161,7 @@ class Run:
                      f" > {tol}")
 
     def same_on_all_ranks(self, arr, what):
-        rows = hvd.allgather(np.asarray(arr, np.float64).reshape(1, -1))
+        rows = np.asarray(hvd.allgather(np.asarray(arr, np.float64).reshape(1, -1)))
         self.ck.true(bool((rows == rows[0]).all()), what, "ranks hold different values")
 
     def reference_fit(self, seed, epochs=1, micro=1, opt=None, model=None, **fit):
@@ -194,7 +194,7 @@ class Run:
         self.same_on_all_ranks(flat(model), "fit weights identical on all ranks")
         for key in ("loss", "mae"):
             mine = np.array([lg[key] for lg in raw.epoch_logs])
-            everyone = hvd.allgather(mine.reshape(1, -1))
+            everyone = np.asarray(hvd.allgather(mine.reshape(1, -1)))
             self.close(hist.history[key], everyone.mean(0), f"{key}: averaged == mean of ranks")
             self.close(hist.history[key], ref_hist.history[key], f"{key}: == single process")
             if self.n > 1:
@@ -407,15 +407,22 @@ class Run:
                    "ferrovod.keras.allreduce with op=Sum")
         self.close(hvdk.allreduce(x, average=False), np.arange(6).reshape(3, 2) * tri,
                    "ferrovod.keras.allreduce(average=False)")
-        got = hvd.allreduce(x, compression=hvd.Compression.fp16)
+        if tf is not None:  # ferrovod.tensorflow.keras returns tensors eagerly, as Horovod's did
+            for what, out in (("allreduce", hvd.allreduce(x)), ("allgather", hvd.allgather(x)),
+                              ("broadcast", hvd.broadcast(x, 0)),
+                              ("reducescatter", hvd.reducescatter(x))):
+                self.ck.true(isinstance(out, tf.Tensor), f"{what} returns a tf.Tensor",
+                             f"got {type(out)}")
+        got = np.asarray(hvd.allreduce(x, compression=hvd.Compression.fp16))
         self.ck.true(got.dtype == np.float64, "compressed allreduce keeps the dtype")
         self.close(got, np.arange(6).reshape(3, 2) * tri / n, "fp16 allreduce", tol=1e-2)
-        self.ck.array(hvd.allreduce(np.int32(r + 1), op=hvd.Sum), np.array(tri, np.int32),
+        self.ck.array(np.asarray(hvd.allreduce(np.int32(r + 1), op=hvd.Sum)), np.array(tri, np.int32),
                       "0-d int allreduce stays 0-d")
-        self.ck.array(hvd.allgather(np.full((r + 1, 2), r, np.int64)),
+        self.ck.array(np.asarray(hvd.allgather(np.full((r + 1, 2), r, np.int64))),
                       np.concatenate([np.full((q + 1, 2), q, np.int64) for q in range(n)]),
                       "allgather")
-        self.ck.array(hvd.broadcast(np.full(4, r, np.float32), n - 1), np.full(4, n - 1, np.float32),
+        self.ck.array(np.asarray(hvd.broadcast(np.full(4, r, np.float32), n - 1)),
+                      np.full(4, n - 1, np.float32),
                       "broadcast")
         rows = np.stack([np.full(3, float(q)) for q in range(2 * n)]) * (r + 1)
         self.close(hvd.reducescatter(rows, op=hvd.Sum),
@@ -550,7 +557,7 @@ class Run:
         logs = {"loss": 1.0, ("acc" if odd else "mae"): 2.0}
         self.ck.raises(ValueError, lambda: cb.on_epoch_end(0, logs), "different metric names",
                        contains=("different metrics",))
-        self.ck.equal(float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0]), float(self.n),
+        self.ck.equal(float(np.asarray(hvd.allreduce(np.ones(1), op=hvd.Sum))[0]), float(self.n),
                       "the job still works afterwards")
 
 
