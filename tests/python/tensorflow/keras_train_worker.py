@@ -35,6 +35,7 @@ BACKEND = keras.backend.backend()
 if BACKEND == "tensorflow":
     import tensorflow as tf  # noqa: E402
 
+    import ferrovod.tensorflow as hvd_tf  # noqa: E402
     import ferrovod.tensorflow.keras as hvd  # noqa: E402
 else:
     tf = None
@@ -497,6 +498,22 @@ class Run:
             self.same_on_all_ranks(flat(model), f"{label}: weights identical on all ranks")
             self.ck.true(type(model.optimizer).__module__.startswith("tf_keras"),
                          f"{label}: the wrapper keeps the Keras 2 class's module")
+
+        # SyncBatchNormalization is a Keras 2 layer here: statistics of every rank's batch.
+        xs = [rng(s, q, 30).standard_normal((q + 2, 3)) * (q + 1) for q in range(n)]
+        allx = np.concatenate(xs)
+        for graph in (False, True):
+            layer = hvd_tf.SyncBatchNormalization(momentum=0.5, epsilon=1e-3)
+            self.ck.true(isinstance(layer, keras.layers.BatchNormalization),
+                         "SyncBatchNormalization is a tf_keras layer")
+            layer.build((None, 3))
+            fn = (lambda x: layer(x, training=True))
+            out = (tf.function(fn) if graph else fn)(tf.constant(xs[self.r]))
+            what = f"SyncBatchNormalization graph={graph}"
+            self.close(npy(out), (xs[self.r] - allx.mean(0)) / np.sqrt(allx.var(0) + 1e-3),
+                       f"{what}: output", tol=1e-6)
+            self.close(npy(layer.moving_mean), 0.5 * allx.mean(0), f"{what}: moving mean",
+                       tol=1e-9)
 
         self.ck.true("keras" not in sys.modules, "Keras 3 never imported by a Keras 2 job",
                      "ferrovod (or the test) imported the keras package")
