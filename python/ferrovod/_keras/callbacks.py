@@ -62,6 +62,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._sent = -1
 
     def _broadcast(self) -> int:
+        if not getattr(self.model, "built", True):
+            # A Keras 2 model given no input shape is built by its first batch: nothing to
+            # send yet, and the first batch's end sends everything (as Horovod always did).
+            return 0
         variables = model_variables(self.model, exclude=self.local_variables)
         broadcast_variables(variables, self.root_rank, name="BroadcastGlobalVariablesCallback")
         return len(variables)

@@ -499,6 +499,20 @@ class Run:
             self.ck.true(type(model.optimizer).__module__.startswith("tf_keras"),
                          f"{label}: the wrapper keeps the Keras 2 class's module")
 
+        # A model given no input shape (Horovod's examples): Keras 2 builds it in the first
+        # batch, after train begin; the callback sends everything at that batch's end.
+        keras.utils.set_random_seed(s + self.r)  # each rank initialises its own weights
+        model = keras.Sequential([keras.layers.Dense(HID, activation="tanh"),
+                                  keras.layers.Dense(DOUT)])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+        x, y = data(s, self.r)
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        self.same_on_all_ranks(flat(model), "unbuilt model: weights identical after fit")
+        slots = np.concatenate([npy(v).ravel() for v in model.optimizer.variables])
+        self.same_on_all_ranks(slots, "unbuilt model: optimizer slots identical after fit")
+        keras.utils.set_random_seed(self.seed)
+
         # SyncBatchNormalization is a Keras 2 layer here: statistics of every rank's batch.
         xs = [rng(s, q, 30).standard_normal((q + 2, 3)) * (q + 1) for q in range(n)]
         allx = np.concatenate(xs)
