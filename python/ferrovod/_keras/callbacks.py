@@ -140,7 +140,7 @@ def _value(x: Any) -> float:
     return float(np.asarray(_backend.to_numpy(x)))
 
 
-def _momentum_slots(optimizer: Any, variables: Sequence[Any]) -> List[Any]:
+def _momentum_slots(optimizer: Any, model: Any) -> List[Any]:
     """The momentum buffers of optimizers that fold the learning rate into them (SGD,
     RMSprop): those are what Goyal et al.'s momentum correction rescales. Keras 3 and Keras
     2's current optimizers keep them in a list; Keras 2's legacy ones as slots per variable."""
@@ -153,8 +153,10 @@ def _momentum_slots(optimizer: Any, variables: Sequence[Any]) -> List[Any]:
         if slots:
             return [s for s in slots if s is not None]
     if "momentum" in getattr(opt, "get_slot_names", lambda: [])():
+        if not getattr(model, "built", True):
+            return []  # built by its first batch (no input shape): no buffers yet
         try:
-            return [opt.get_slot(v, "momentum") for v in variables]
+            return [opt.get_slot(v, "momentum") for v in model.trainable_variables]
         except KeyError:  # before the first update: no buffers to rescale yet
             return []
     return []
@@ -208,7 +210,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         lr.assign(new)
         if self.momentum_correction and old != 0 and new != old:
             ratio = new / old
-            for slot in _momentum_slots(self.model.optimizer, self.model.trainable_variables):
+            for slot in _momentum_slots(self.model.optimizer, self.model):
                 slot.assign(slot * ratio)
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:

@@ -504,12 +504,14 @@ class Run:
         keras.utils.set_random_seed(s + self.r)  # each rank initialises its own weights
         model = keras.Sequential([keras.layers.Dense(HID, activation="tanh"),
                                   keras.layers.Dense(DOUT)])
-        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+        model.compile(optimizer=hvd.DistributedOptimizer(legacy.SGD(LR, momentum=0.9)),
+                      loss="mse")
         x, y = data(s, self.r)
         model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                             hvd.callbacks.LearningRateWarmupCallback(LR, warmup_epochs=1)])
         self.same_on_all_ranks(flat(model), "unbuilt model: weights identical after fit")
-        slots = np.concatenate([npy(v).ravel() for v in model.optimizer.variables])
+        slots = np.concatenate([npy(v).ravel() for v in model.optimizer.variables()])
         self.same_on_all_ranks(slots, "unbuilt model: optimizer slots identical after fit")
         keras.utils.set_random_seed(self.seed)
 
