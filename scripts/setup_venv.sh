@@ -40,7 +40,9 @@ done
 # that ships Keras 3, the line Horovod 0.28 cannot run on. ray (with Ray Train, whose trainers
 # ferrovod runs inside) and pyspark are for ferrovod.ray,
 # ferrovod.spark and their tests (a local Ray cluster and a local Spark the tests start; Spark's
-# Java comes from scripts/system_deps.sh).
+# Java comes from scripts/system_deps.sh). deepmd-kit (its TensorFlow backend imports horovod
+# itself) is for the test of FERROVOD_AS_HOROVOD on a real library; it pins the tensorflow-cpu
+# it was built for, so pip keeps the two in step.
 PACKAGES=(
     "pip>=23"
     "maturin>=1.5,<2"
@@ -59,6 +61,7 @@ PACKAGES=(
     "keras>=3,<4"
     "ray[train]>=2.40,<3"
     "pyspark>=3.5,<5"
+    "deepmd-kit[cpu]>=3.2,<4"
 )
 
 LOG="$(mktemp "${TMPDIR:-/tmp}/ferrovod-setup.XXXXXX")"

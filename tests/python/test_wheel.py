@@ -159,16 +159,17 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     (work / "job.py").write_text(WORKER)
-    job = subprocess.run(
-        [str(venv / "bin" / "ferrovodrun"), "-np", "2", str(py), "job.py"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        env=clean_env(venv),
-        timeout=180,
-    )
-    output = job.stdout + job.stderr
-    assert job.returncode == 0, f"ferrovodrun exited {job.returncode}:\n{output}"
+
+    def two_ranks(*args: str) -> str:
+        """Output of ``ferrovodrun -np 2 ARGS`` of the venv, asserted to succeed."""
+        cmd = [str(venv / "bin" / "ferrovodrun"), "-np", "2", *args]
+        job = subprocess.run(cmd, cwd=work, capture_output=True, text=True,
+                             env=clean_env(venv), timeout=180)
+        output = job.stdout + job.stderr
+        assert job.returncode == 0, f"{' '.join(cmd)} exited {job.returncode}:\n{output}"
+        return output
+
+    output = two_ranks(str(py), "job.py")
 
     site = venv / "lib"
     oks = re.findall(r"WHEEL-OK rank=(\d) pkg=(\S+) core=(\S+)", output)
@@ -184,16 +185,7 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
                            text=True, env=clean_env(venv), timeout=60)
     assert plain.returncode != 0 and "No module named 'horovod'" in plain.stderr, plain.stderr
     (work / "hvd_job.py").write_text(HOROVOD_WORKER)
-    job = subprocess.run(
-        [str(venv / "bin" / "ferrovodrun"), "-np", "2", "--as-horovod", str(py), "hvd_job.py"],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        env=clean_env(venv),
-        timeout=180,
-    )
-    output = job.stdout + job.stderr
-    assert job.returncode == 0, f"ferrovodrun --as-horovod exited {job.returncode}:\n{output}"
+    output = two_ranks("--as-horovod", str(py), "hvd_job.py")
     oks = re.findall(r"ALIAS-OK rank=(\d) pkg=(\S+) helper=(\S+)", output)
     assert sorted(rank for rank, _, _ in oks) == ["0", "1"], output
     for _, pkg, helper in oks:
