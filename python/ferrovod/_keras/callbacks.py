@@ -146,7 +146,7 @@ def _momentum_slots(optimizer: Any, model: Any) -> List[Any]:
     2's current optimizers keep them in a list; Keras 2's legacy ones as slots per variable."""
     opt = getattr(optimizer, "inner_optimizer", optimizer)
     momentum = getattr(opt, "momentum", 0)
-    if not momentum or not _value(momentum):
+    if not _value(momentum):
         return []
     for attr in ("momentums", "_momentums"):
         slots = getattr(opt, attr, None)
@@ -197,9 +197,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
 
     def _autodetect_steps_per_epoch(self) -> int:
-        steps = (self.params or {}).get("steps")
+        params = self.params or {}
+        steps = params.get("steps")
         if steps:
             return int(steps)
+        if params.get("samples") and params.get("batch_size"):  # Keras 2's v1 graph loop
+            return -(-int(params["samples"]) // int(params["batch_size"]))
         raise ValueError(f"Could not autodetect the number of steps per epoch (fit() did not "
                          f"report it); pass steps_per_epoch to {type(self).__name__}()")
 
@@ -207,11 +210,11 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         lr = _lr_variable(self.model.optimizer, type(self).__name__)
         old = _value(lr)
         new = self.initial_lr * self.multiplier(epoch)
-        lr.assign(new)
+        _backend.assign(lr, new)
         if self.momentum_correction and old != 0 and new != old:
             ratio = new / old
             for slot in _momentum_slots(self.model.optimizer, self.model):
-                slot.assign(slot * ratio)
+                _backend.assign(slot, _backend.to_numpy(slot) * ratio)
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         """Finds steps per epoch when the schedule changes within epochs."""

@@ -69,7 +69,7 @@ class KerasState(ModelState):
 
     def _load_model(self) -> None:
         for v, value in zip(self._variables(), self._saved):
-            v.assign(value)
+            _backend.assign(v, value)
 
 
 class CommitStateCallback(keras.callbacks.Callback):

@@ -114,7 +114,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
     for h in handles:
         _api.synchronize(h)
     for v, a, dt in zip(variables, arrays, dtypes):
-        v.assign(a.view(dt) if a.dtype != dt else a)
+        _backend.assign(v, a.view(dt) if a.dtype != dt else a)
 
 
 def model_variables(model: Any, include_optimizer: bool = True,
@@ -174,7 +174,9 @@ def _executing_eagerly() -> bool:
 def _broadcast_graph_globals(root_rank: int) -> None:
     """Horovod's ``broadcast_global_variables`` of a Keras 2 v1 graph, run in Keras'
     session."""
-    session = _flavor.keras().backend.get_session()
+    import tensorflow as tf
+
+    session = tf.compat.v1.keras.backend.get_session()  # Keras 2's v1 API
     session.run(keras_hooks("tensorflow").broadcast_global_variables(root_rank))
 
 

@@ -102,7 +102,7 @@ class Keras2Mixin(_CommonMixin):
                     raise ValueError(f"cannot carry the state of {type(src).__name__} over to "
                                      f"its distributed copy: {len(a)} variables vs {len(b)}")
                 for x, y in zip(a, b):
-                    y.assign(x)
+                    _backend.assign(y, _backend.to_numpy(x))
             if st.bpps > 1:
                 self.iterations  # noqa: B018 - a legacy optimizer creates it on first read
                 if st.counter is None:

@@ -249,7 +249,7 @@ def copy_optimizer_state(src: Any, dst: Any, variables: Sequence[Any]) -> None:
         raise ValueError(f"cannot carry the state of {type(src).__name__} over to its "
                          f"distributed copy: {len(a)} variables vs {len(b)}")
     for x, y in zip(a, b):
-        y.assign(x)
+        _backend.assign(y, _backend.to_numpy(x))
 
 
 def carry_state_now(dist: Any, variables: Sequence[Any]) -> None:

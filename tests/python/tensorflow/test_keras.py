@@ -40,6 +40,13 @@ def test_keras_adapter(backend, tmp_path):
     print(f"{backend}: {counts[0]} checks per rank in {res.elapsed:.1f} s")
 
 
+def test_keras2_in_a_v1_graph():
+    """Keras 2 with eager execution disabled (TF1-style code): see keras2_graph_worker.py."""
+    res = run_job(2, HERE / "keras2_graph_worker.py", 11, timeout=180,
+                  env={"TF_USE_LEGACY_KERAS": "1", "FERROVOD_TIMEOUT_SECONDS": "60"})
+    assert_ok(res, 2, min_checks=5)
+
+
 def test_keras_digits_example_reaches_95_percent(tmp_path):
     ckpt, log = tmp_path / "digits.keras", tmp_path / "digits.csv"
     res = run_job(2, EXAMPLE, "--checkpoint", ckpt, "--csv", log, timeout=180)
