@@ -118,6 +118,53 @@ def _run(cmd, env, timeout):
     return res
 
 
+def _ephemeral_range():
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_handed_out = set()
+
+
+def reserved_port(span=1):
+    """A port P (with P+1 .. P+span-1) for a process started later to bind, such as a
+    MASTER_PORT that rank 0's store takes.
+
+    A port found free with bind(0) and closed again is an ephemeral one: the kernel may give
+    it to any connect() or bind(0) before rank 0 binds it (the race that broke CI). This one
+    lies below the kernel's ephemeral range, where nothing is handed out by chance; each
+    pytest-xdist worker draws from its own 2 000 ports, and a port is handed out once per
+    process, so concurrent tests never pick the same one. It is checked free when drawn.
+    """
+    import random
+    import socket
+
+    low, _ = _ephemeral_range()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 20000 + 2000 * (index % 6)
+    top = min(base + 2000, low) - span
+    if top <= base:
+        raise RuntimeError(f"no ports below the ephemeral range ({low}) for worker {worker}")
+    for _ in range(500):
+        port = random.randrange(base, top)
+        ports = range(port, port + span)
+        if _handed_out & set(ports):
+            continue
+        try:
+            for q in ports:
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", q))
+        except OSError:
+            continue
+        _handed_out.update(ports)
+        return port
+    raise RuntimeError(f"no free port in {base}-{top}")
+
+
 def mxnet_python():
     """The interpreter of .venv-mxnet (MXNet needs NumPy < 1.24; scripts/setup_mxnet_venv.sh,
     which `make test` runs, creates it); the test fails, not skips, without it."""

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS
+from conftest import WORKERS, reserved_port
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 SCRIPT = str(WORKERS / "foreign_launcher_worker.py")
@@ -26,30 +26,6 @@ def _base_env():
     env["PYTHONUNBUFFERED"] = "1"
     env["FERROVOD_START_TIMEOUT"] = "30"
     return env
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_port_pair():
-    """A port P with P+1 free too, outside the kernel's ephemeral range (as a MASTER_PORT such
-    as 29500 is): torchrun's own connections take ephemeral ports, often right next to an
-    ephemeral P, and ferrovod's store goes on P+1 under torchrun."""
-    import random
-
-    for _ in range(200):
-        p = random.randrange(20000, 30000)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("0.0.0.0", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def _run_ranks(envs, mode="ops", timeout=60):
@@ -76,7 +52,7 @@ def _assert_all_ok(outs, n):
 
 
 def test_pytorchjob_environment_without_torchrun():
-    port = _free_port()
+    port = reserved_port()
     envs = []
     for r in range(3):
         e = _base_env()
@@ -90,7 +66,7 @@ def test_ranks_whose_torch_process_group_holds_master_port():
     """Ray Train's TorchTrainer sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and starts
     torch's process group (its store on MASTER_PORT) before the training function runs: init()
     agrees on its own rendezvous through that group's store rather than taking the port."""
-    port = _free_port_pair()
+    port = reserved_port(2)
     envs = []
     for r in range(3):
         e = _base_env()
@@ -101,7 +77,7 @@ def test_ranks_whose_torch_process_group_holds_master_port():
 
 
 def test_open_mpi_environment_with_an_explicit_rendezvous():
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{reserved_port()}"
     envs = []
     for r in range(2):
         e = _base_env()
@@ -114,9 +90,8 @@ def test_open_mpi_environment_with_an_explicit_rendezvous():
 
 
 def test_slurm_step_environment_derives_the_rendezvous_from_the_job():
-    port = _free_port()
-    if not 20000 <= port < 30000:
-        port = 20000 + port % 10000
+    port = reserved_port()  # the Slurm rendezvous is 20000 + SLURM_JOB_ID % 10000
+    assert 20000 <= port < 30000, port
     envs = []
     for r in range(2):
         e = _base_env()
@@ -129,7 +104,7 @@ def test_slurm_step_environment_derives_the_rendezvous_from_the_job():
 def test_horovod_gloo_workers_started_by_hand():
     """The variables a script sets to start Horovod's Gloo workers by hand: the ranks and the
     rendezvous host and port (rank 0 hosts ferrovod's store there); no FERROVOD_ variable."""
-    port = _free_port()
+    port = reserved_port()
     envs = []
     for r in range(2):
         e = _base_env()
@@ -152,7 +127,7 @@ def test_half_set_environment_is_a_clear_error():
 
 
 def test_killed_rank_is_reported_when_no_launcher_stops_the_others():
-    port = _free_port()
+    port = reserved_port()
     envs = []
     for r in range(3):
         e = _base_env()
@@ -169,7 +144,7 @@ def test_killed_rank_is_reported_when_no_launcher_stops_the_others():
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_real_torchrun():
-    port = _free_port_pair()
+    port = reserved_port(2)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT],
@@ -182,7 +157,7 @@ def test_real_torchrun():
 def test_torchrun_with_master_port_plus_one_taken():
     """ferrovod's store gets a free port agreed through torchrun's own store: a busy
     MASTER_PORT+1 (with torchrun's --standalone, MASTER_PORT is random) is no obstacle."""
-    port = _free_port_pair()
+    port = reserved_port(2)
     with socket.socket() as squatter:
         squatter.bind(("0.0.0.0", port + 1))
         squatter.listen()
@@ -208,7 +183,7 @@ def test_torchrun_standalone():
 def test_real_mpich_hydra_with_a_rendezvous_address():
     """MPICH's mpiexec.hydra gives PMI_RANK/PMI_SIZE/MPI_LOCALRANKID; the store address comes
     with -genv (the mpi4py path is tested with Open MPI: the mpi4py wheel here loads it)."""
-    port = _free_port_pair()
+    port = reserved_port(2)
     proc = subprocess.run(
         ["mpiexec.hydra", "-n", "3", "-genv", "FERROVOD_RENDEZVOUS_ADDR", f"127.0.0.1:{port}",
          sys.executable, SCRIPT], env=_base_env(), capture_output=True, text=True, timeout=120)

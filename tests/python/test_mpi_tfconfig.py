@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import LAUNCH_ENV_NAMES, LAUNCH_ENV_PREFIXES, WORKERS
+from conftest import LAUNCH_ENV_NAMES, LAUNCH_ENV_PREFIXES, WORKERS, reserved_port
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 SCRIPT = str(WORKERS / "mpi_tfconfig_worker.py")
@@ -144,15 +144,9 @@ def test_open_mpi_environment_without_mpi4py_keeps_the_clear_error(tmp_path):
     assert "FERROVOD_RENDEZVOUS_ADDR" in out and "mpi4py" in out, out + err
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
-
-
 def _tf_job(host, **extra):
     """A chief and two workers on ``host``; only the chief's port is ever bound."""
-    cluster = {"chief": [f"{host}:{_free_port()}"], "ps": [f"{host}:1"],
+    cluster = {"chief": [f"{host}:{reserved_port()}"], "ps": [f"{host}:1"],
                "worker": [f"{host}:2", f"{host}:3"]}
     tasks = [("chief", 0), ("worker", 0), ("worker", 1)]
     procs = []

@@ -7,14 +7,13 @@ tools/launch.py starts a job (DMLC_* variables, a scheduler and a server besides
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, _env, _run, assert_ok, describe, mxnet_python
+from conftest import REPO, _env, _run, assert_ok, describe, mxnet_python, reserved_port
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
@@ -52,9 +51,7 @@ def test_dmlc_workers_find_each_other_and_server_and_scheduler_exit():
     the DMLC_* variables only (tasks numbered by DMLC_TASK_ID), all running the same
     command and no ferrovod launcher: the workers train together, the others end at once,
     successfully, saying why."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserved_port()
     common = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
               "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_JOB_CLUSTER": "local",
               "PYTHONUNBUFFERED": "1"}
