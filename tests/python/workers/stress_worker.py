@@ -8,6 +8,7 @@ rank-specific generator. A quarter of the batches repeat a fixed set of names wi
 shapes, as a training step does, so the repeated-name (cached) path is exercised too.
 """
 
+import os
 import sys
 import time
 
@@ -177,7 +178,30 @@ def main():
     # every rank ran the same plan
     plans = fv.allgather_object((idx, counts))
     ck.true(all(p == plans[0] for p in plans), "plan", f"ranks ran different plans: {plans}")
+    # ferrovod's shared-memory segments are unnamed memfds (never in /dev/shm): this process's
+    # maps and descriptors are where they show, and shutdown() must release every one.
+    held = segments()
+    if os.environ.get("FERROVOD_SHM_DISABLE") == "1":
+        ck.equal(held, 0, "no ferrovod memfd with shared memory disabled")
+    else:
+        ck.true(held > 0, "segments seen while running", "no ferrovod memfd mapped: the leak "
+                "check below could not see a leak")
+    fv.shutdown()
+    ck.equal(segments(), 0, f"ferrovod memfds left after shutdown (held {held} while running)")
     return ck.count
+
+
+def segments():
+    """ferrovod's memfd segments this process maps or holds open."""
+    tag = "memfd:ferrovod-shm"
+    maps = sum(1 for line in open("/proc/self/maps") if tag in line)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += tag in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed since
+            pass
+    return maps + fds
 
 
 if __name__ == "__main__":
