@@ -118,6 +118,17 @@ def _run(cmd, env, timeout):
     return res
 
 
+def wait_until(predicate, timeout, interval=0.05):
+    """Polls ``predicate`` until it returns something truthy (returned) or ``timeout`` seconds
+    pass (then the last value, falsy): for waiting on an event a test cannot be told of."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
 def _ephemeral_range():
     try:
         low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())

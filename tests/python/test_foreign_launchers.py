@@ -139,7 +139,8 @@ def test_killed_rank_is_reported_when_no_launcher_stops_the_others():
         code, out, err = outs[r]
         assert code == 0 and "saw RankFailureError rank=1" in out, out + err
         seconds = float(out.split("after ")[1].split("s")[0])
-        assert seconds < 2.0, out
+        # By the failure, not the default 30 s operation timeout (see test_errors.py).
+        assert seconds < 15, out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")

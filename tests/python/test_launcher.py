@@ -20,6 +20,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import pytest
 
+from conftest import wait_until
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PYTHON_DIR = REPO / "python"
@@ -110,15 +112,6 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def read_pids(directory: Path, kinds: Iterable[str], n: int) -> List[int]:

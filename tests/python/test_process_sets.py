@@ -11,9 +11,9 @@ def test_static_sets_results_and_independence():
     res = run_job(4, "pset_worker.py", "static", timeout=120)
     assert_ok(res, 4, min_checks=60, same_count=False)
     for r in (1, 3):
+        # The worker orders it by events: set A's ranks submit only after set B's 100 ops.
         timing = lines_matching(res, r, r"^set B: 100 allreduces in ([\d.]+) s")
         assert timing, describe(res)
-        assert float(timing[0].group(1)) < 3.0, f"set B took {timing[0].group(1)} s: it waited for set A"
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "dynamic_env"])

@@ -75,7 +75,8 @@ def test_flat_gradients_through_rings_without_host_memory():
 @pytest.mark.parametrize("where", ["before_step", "after_reduce"])
 def test_killed_rank_in_a_sharded_step_is_reported(where):
     """A rank SIGKILLed while the others wait in one of the sharded step's meetings: each
-    survivor raises RankFailureError naming it within 2 s."""
+    survivor raises RankFailureError naming it, by the failure rather than the 30 s
+    operation timeout."""
     res = run_job(3, HERE / "torch_kill_worker.py", where, timeout=120,
                   env={"FERROVOD_TIMEOUT_SECONDS": "30"})
     assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"
@@ -84,7 +85,8 @@ def test_killed_rank_in_a_sharded_step_is_reported(where):
         got = lines_matching(res, r, r"^RANKFAIL step=3 rank_attr=(\S+) elapsed=([\d.]+)")
         assert got, f"rank {r} did not report RankFailureError\n{describe(res)}"
         assert got[0].group(1) == "1", describe(res)
-        assert float(got[0].group(2)) < 2.0, f"rank {r} took {got[0].group(2)} s\n{describe(res)}"
+        # Half the timeout: a loaded machine does not reach it by chance (see test_errors.py).
+        assert float(got[0].group(2)) < 15, f"rank {r} took {got[0].group(2)} s\n{describe(res)}"
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

@@ -123,14 +123,16 @@ def case_static():
     ck.raises((ValueError, fv.FerrovodError), lambda: fv.add_process_set([0, 1]), "add_process_set when not dynamic")
     global_sync(ck, "after static checks")
 
-    # disjoint sets run independently: B finishes 100 ops while A's ranks still sleep
-    hold = 3.0
+    # disjoint sets run independently: B finishes 100 ops while A's ranks have not submitted
+    # theirs. A's ranks wait in a global broadcast that B's ranks join only after their 100 ops,
+    # so a set B that waited for set A would never finish (the job fails at its deadline).
     x = np.full(16, r + 1, np.float32)
+    b_done = np.zeros(1, np.int32)
     if mine is a:
-        time.sleep(hold)
+        fv.broadcast(b_done, 1, name="indep.b_done")
         t_start = time.time()
         res = fv.allreduce(x, op=fv.Sum, process_set=a, name="indep")
-        ck.array(res, np.full(16, 1 + 3, np.float32), "set A op after the hold")
+        ck.array(res, np.full(16, 1 + 3, np.float32), "set A op after set B's")
         t_end = time.time()
     else:
         t_start = time.time()
@@ -139,6 +141,7 @@ def case_static():
             ck.array(res, np.full(16, 2 + 4, np.float32), f"set B op {i}")
         t_end = time.time()
         print(f"set B: 100 allreduces in {t_end - t_start:.3f} s", flush=True)
+        fv.broadcast(b_done, 1, name="indep.b_done")
     spans = fv.allgather_object((r, t_start, t_end), name="spans")
     b_end = max(e for rr, _, e in spans if rr in (1, 3))
     a_start = min(s for rr, s, _ in spans if rr in (0, 2))
