@@ -77,7 +77,7 @@ def check_not_xla(what: str) -> None:
         raise ValueError(JIT_MESSAGE.format(what=what))
 
 
-def _in_v1_graph() -> bool:
+def in_v1_graph() -> bool:
     """True in Keras 2 with eager execution disabled (TF1-style code), where a variable is
     read and written by running ops in Keras' session."""
     if not _flavor.legacy_requested():
@@ -91,7 +91,7 @@ def to_numpy(value: Any) -> np.ndarray:
     """A NumPy array (0-d stays 0-d) from a Python value, array, backend tensor or variable."""
     if isinstance(value, np.ndarray):
         return value
-    if _in_v1_graph() and hasattr(value, "graph"):
+    if in_v1_graph() and hasattr(value, "graph"):
         return np.asarray(_flavor.keras().backend.get_value(value))
     if hasattr(value, "numpy") and callable(value.numpy):
         try:
@@ -106,7 +106,7 @@ def to_numpy(value: Any) -> np.ndarray:
 def assign(variable: Any, value: Any) -> None:
     """``variable.assign(value)``, run at once: eagerly, or in Keras' session in a v1 graph,
     where ``assign`` only builds the op."""
-    if _in_v1_graph():
+    if in_v1_graph():
         _flavor.keras().backend.set_value(variable, to_numpy(value))
     else:
         variable.assign(value)

@@ -149,7 +149,7 @@ def broadcast_global_variables(root_rank: int, model: Any = None,
     out: the graph's global variables are broadcast in Keras' session, as Horovod did.
     """
     if model is None:
-        if _flavor.legacy_requested() and not _executing_eagerly():
+        if _backend.in_v1_graph():
             _broadcast_graph_globals(root_rank)
             return
         raise ValueError("broadcast_global_variables(root_rank, model): eager Keras has no "
@@ -163,12 +163,6 @@ def broadcast_global_variables(root_rank: int, model: Any = None,
         variables = model_variables(model)
     broadcast_variables(variables, root_rank, process_set=process_set,
                         name="broadcast_global_variables")
-
-
-def _executing_eagerly() -> bool:
-    import tensorflow as tf
-
-    return tf.executing_eagerly()
 
 
 def _broadcast_graph_globals(root_rank: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from . import _backend, _flavor
-from .optimizer import _CommonMixin
+from .optimizer import _CommonMixin, carry_state_now
 
 __all__ = ["Keras2Mixin"]
 
@@ -38,6 +38,8 @@ def _split(grads_and_vars: Any) -> Tuple[List[Any], List[Any]]:
 
 class Keras2Mixin(_CommonMixin):
     """Put in front of a Keras 2 optimizer's class by ``DistributedOptimizer``."""
+
+    _fv_keras2 = True
 
     # ------------------------------------------------------------------ gradients
 
@@ -93,16 +95,10 @@ class Keras2Mixin(_CommonMixin):
         st = self._fv
         with_grads = [v for v in variables if v is not None]
         with tf.init_scope():
-            if st.carry is not None or st.bpps > 1:
-                _flavor.build_optimizer(self, with_grads)
             if st.carry is not None:
-                src, st.carry = st.carry, None
-                a, b = _flavor.optimizer_variables(src), _flavor.optimizer_variables(self)
-                if len(a) != len(b):
-                    raise ValueError(f"cannot carry the state of {type(src).__name__} over to "
-                                     f"its distributed copy: {len(a)} variables vs {len(b)}")
-                for x, y in zip(a, b):
-                    _backend.assign(y, _backend.to_numpy(x))
+                carry_state_now(self, with_grads)  # builds the slots too
+            elif st.bpps > 1:
+                _flavor.build_optimizer(self, with_grads)
             if st.bpps > 1:
                 self.iterations  # noqa: B018 - a legacy optimizer creates it on first read
                 if st.counter is None:

@@ -97,6 +97,8 @@ class _CommonMixin:
     the reduction itself. Put in front of the wrapped optimizer's class."""
 
     _fv_args: Dict[str, Any] = {}
+    #: Keras 2 wrappers reduce on TensorFlow, the only backend Keras 2 has.
+    _fv_keras2 = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -159,7 +161,7 @@ class _CommonMixin:
             sparse_as_dense=st.sparse_as_dense, gradient_predivide_factor=st.predivide,
             num_groups=st.num_groups, groups=st.groups, process_set=st.process_set,
             local_variables=st.local, scale_local_gradients=st.scale_local,
-            name_prefix=st.prefix, keras2=_flavor.is_keras2(self))
+            name_prefix=st.prefix, keras2=self._fv_keras2)
 
 
 class _DistributedMixin(_CommonMixin):

@@ -278,22 +278,6 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 # ----------------------------------------------------------------------------- optimizers
 
 
-def _keras_optimizer_classes() -> tuple:
-    """The Keras optimizer base classes of the Keras packages already imported (a Keras
-    optimizer cannot exist before its package is imported, so nothing is imported here)."""
-    import sys
-
-    classes = []
-    for mod in ("keras", "tf_keras"):
-        m = sys.modules.get(mod)
-        opts = getattr(m, "optimizers", None) if m is not None else None
-        for owner in (opts, getattr(opts, "legacy", None)):
-            cls = getattr(owner, "Optimizer", None)
-            if isinstance(cls, type):
-                classes.append(cls)
-    return tuple(classes)
-
-
 class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` also reduces the
     gradients across ranks; everything else is forwarded to the wrapped optimizer."""
@@ -424,8 +408,9 @@ def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking
                                      process_set, scale_local_gradients,
                                      int(backward_passes_per_step),
                                      bool(average_aggregated_gradients))
-    keras_classes = _keras_optimizer_classes()
-    if keras_classes and isinstance(optimizer, keras_classes):
+    from .._keras import _flavor  # the Keras layer: a Keras optimizer's package is imported
+
+    if _flavor.is_optimizer(optimizer):
         from .keras import DistributedOptimizer as _KerasDistributedOptimizer
 
         return _KerasDistributedOptimizer(
