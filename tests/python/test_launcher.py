@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -371,19 +370,94 @@ def test_real_job_through_rendezvous(base_env: Dict[str, str]) -> None:
     }
 
 
+def _cgroup_cpu_quota(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> Optional[float]:
+    """The CPU quota of this process's cgroup and its ancestors, in CPUs, read as the engine
+    reads it (src/cpus.rs, ``quota``): cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``, the smallest along the path; None where there is none. A container
+    with a CPU limit (Kubernetes) has one, and the engine splits it between the host's ranks."""
+
+    def ancestors(mount: str, path: str) -> List[str]:
+        parts = [p for p in path.split("/") if p]
+        return [mount + "".join("/" + p for p in parts[:k]) for k in range(len(parts), -1, -1)]
+
+    def ratio(quota: str, period: str) -> Optional[float]:
+        try:
+            q, p = float(quota), float(period)
+        except ValueError:
+            return None
+        return q / p if q > 0 and p > 0 else None
+
+    def read(path: str) -> Optional[str]:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    found: List[float] = []
+    for line in (read(proc_cgroup) or "").splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if not controllers:
+            for d in ancestors(root, path):
+                text = (read(f"{d}/cpu.max") or "").split()
+                q = ratio(*text[:2]) if len(text) >= 2 else None
+                if q is not None:
+                    found.append(q)
+        elif "cpu" in controllers.split(","):
+            for mount in (f"{root}/cpu", f"{root}/cpu,cpuacct"):
+                for d in ancestors(mount, path):
+                    quota, period = read(f"{d}/cpu.cfs_quota_us"), read(f"{d}/cpu.cfs_period_us")
+                    q = ratio(quota, period) if quota and period else None
+                    if q is not None:
+                        found.append(q)
+    return min(found) if found else None
+
+
+def test_cgroup_quota_is_read_as_the_engine_reads_it(tmp_path: Path) -> None:
+    """The test's reading of the quota, on made-up cgroup trees: the smallest along the path."""
+    v2 = tmp_path / "v2"
+    (v2 / "kube" / "pod").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "kube" / "cpu.max").write_text("300000 100000\n")
+    (v2 / "kube" / "pod" / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "cg2").write_text("0::/kube/pod\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "cg2"), str(v2)) == 1.5
+    v1 = tmp_path / "v1" / "cpu,cpuacct" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cg1").write_text("4:memory:/job\n3:cpu,cpuacct:/job\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "cg1"), str(tmp_path / "v1")) == 0.5
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "cg1"), str(tmp_path / "v1")) is None
+
+
 def test_idle_waits_yield_where_ranks_outnumber_cpus(base_env: Dict[str, str]) -> None:
-    """Each rank works out the CPUs it has to itself from its host's ranks' published CPUs;
-    below one, its idle waits are crowded (they yield the core), unless
-    FERROVOD_YIELD_WHEN_IDLE says otherwise."""
+    """Each rank works out the CPUs it has to itself from its host's ranks' published CPUs and
+    the host's CPU quota (split between its ranks); below one, its idle waits are crowded
+    (they yield the core), unless FERROVOD_YIELD_WHEN_IDLE says otherwise."""
     if not _core_available(base_env):
         pytest.skip("the native core (ferrovod._core) is not built")
     cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota()
+    said_quota = "none" if quota is None else f"{quota:.2f}"
+
+    def share(ranks: int) -> float:
+        # Unbound ranks share every CPU; a quota caps what they have together.
+        return min(cpus, quota if quota is not None else cpus) / ranks
+
     n = cpus + 1
     env = dict(base_env, FERROVOD_LOG_LEVEL="debug")
     crowded = run(env, "-np", str(n), *script("allreduce_job.py"))
     assert crowded.returncode == 0, crowded.stderr
     for rank in range(n):
-        assert f"rank {rank}: {cpus / n:.2f} CPUs to itself" in crowded.stderr, crowded.stderr
+        assert f"rank {rank}: {share(n):.2f} CPUs to itself" in crowded.stderr, crowded.stderr
+        assert f"rank(s) on this host, CPU quota {said_quota})" in crowded.stderr, crowded.stderr
         assert (f"rank {rank}: idle waits yield the core between polls, crowded "
                 "(FERROVOD_YIELD_WHEN_IDLE=auto)") in crowded.stderr
     forced = run(dict(env, FERROVOD_YIELD_WHEN_IDLE="0"), "-np", str(n), *script("allreduce_job.py"))
@@ -391,8 +465,11 @@ def test_idle_waits_yield_where_ranks_outnumber_cpus(base_env: Dict[str, str]) -
     assert forced.stderr.count("idle waits spin, then block (FERROVOD_YIELD_WHEN_IDLE=0)") == n
     roomy = run(env, "-np", "1", *script("allreduce_job.py"))
     assert roomy.returncode == 0, roomy.stderr
-    assert f"rank 0: {cpus:.2f} CPUs to itself" in roomy.stderr
-    assert "idle waits spin, then block (FERROVOD_YIELD_WHEN_IDLE=auto)" in roomy.stderr
+    assert f"rank 0: {share(1):.2f} CPUs to itself" in roomy.stderr, roomy.stderr
+    if share(1) >= 1:
+        assert "idle waits spin, then block (FERROVOD_YIELD_WHEN_IDLE=auto)" in roomy.stderr
+    else:  # a quota under one CPU crowds even a job of one rank
+        assert "idle waits yield the core between polls, crowded" in roomy.stderr, roomy.stderr
     bad = run(dict(env, FERROVOD_YIELD_WHEN_IDLE="sometimes"), "-np", "1",
               *script("allreduce_job.py"))
     assert bad.returncode != 0
@@ -403,8 +480,8 @@ def test_silent_connection_to_the_rendezvous_port_does_not_block_exit(
     base_env: Dict[str, str], tmp_path: Path
 ) -> None:
     """A port scanner or health check holding a silent connection to the store as the job ends:
-    closing the store drops it, and the launcher still exits at once (it used to deadlock
-    there, waiting with the GIL held for a thread that needed the GIL to log the drop)."""
+    closing the store drops it, and the launcher still exits (it used to deadlock there,
+    waiting with the GIL held for a thread that needed the GIL to log the drop)."""
     if not _core_available(base_env):
         pytest.skip("the native core (ferrovod._core) is not built")
     go = tmp_path / "go"
@@ -421,20 +498,18 @@ def test_silent_connection_to_the_rendezvous_port_does_not_block_exit(
         line = launcher.stdout.readline()
         m = re.search(r"RENDEZVOUS (\S+):(\d+)$", line.strip())
         assert m, f"no rendezvous address in {line!r}"
-        with socket.create_connection((m.group(1), int(m.group(2))), timeout=5):
+        with socket.create_connection((m.group(1), int(m.group(2))), timeout=30):
             go.touch()
-            start = time.monotonic()
+            # The deadlock lasted for good: a generous wait tells it from a slow machine.
             try:
-                _, err = launcher.communicate(timeout=10)
+                _, err = launcher.communicate(timeout=45)
             except subprocess.TimeoutExpired:
                 pytest.fail("ferrovodrun did not exit with a silent connection to its store open")
-            elapsed = time.monotonic() - start
     finally:
         if launcher.poll() is None:
             launcher.kill()  # a deadlocked launcher ignores SIGTERM
             launcher.communicate()
     assert launcher.returncode == 0, err
-    assert elapsed < 5, elapsed
 
 
 def test_secrets_differ_between_jobs(base_env: Dict[str, str]) -> None:
@@ -611,26 +686,26 @@ def test_output_filename_pads_ranks(base_env: Dict[str, str], tmp_path: Path) ->
 def test_failing_rank_stops_the_others(
     base_env: Dict[str, str], tmp_path: Path, fail_args, expected_rc, wording
 ) -> None:
-    start = time.monotonic()
+    # The others sleep 300 s unless stopped: a launcher that left them would time out (40 s).
     proc = run(
         base_env,
         "-np",
         "3",
         *script("hang.py", str(tmp_path), "--grandchild", "--fail-rank", "1", *fail_args),
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode == expected_rc, proc.stderr
-    assert elapsed < 15, elapsed  # the others sleep 300 s unless stopped
     assert re.search(
         rf"rank 1 \(pid \d+ on localhost\) ended with {re.escape(wording)}", proc.stderr
     ), proc.stderr
     assert "the first was rank 1" in proc.stderr
     pids = read_pids(tmp_path, ("pid", "child"), 3)
-    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
+    # Killed by the launcher before it exited; the kernel may take a moment to tear them down.
+    assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
 
 
 def test_worker_ignoring_sigterm_is_killed(base_env: Dict[str, str], tmp_path: Path) -> None:
-    start = time.monotonic()
+    # Rank 1 ignores SIGTERM and sleeps 300 s: only the SIGKILL after the grace period ends it
+    # before run()'s 40 s.
     proc = run(
         base_env,
         "-np",
@@ -638,9 +713,8 @@ def test_worker_ignoring_sigterm_is_killed(base_env: Dict[str, str], tmp_path: P
         *script("hang.py", str(tmp_path), "--ignore-term", "--fail-rank", "0", "--code", "5"),
     )
     assert proc.returncode == 5, proc.stderr
-    assert time.monotonic() - start < 15
     pids = read_pids(tmp_path, ("pid",), 2)
-    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0)
+    assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
 
 
 def _start_hanging_job(base_env: Dict[str, str], tmp_path: Path, n: int) -> subprocess.Popen:
@@ -666,40 +740,53 @@ def test_signal_to_launcher_stops_all(
     pids = read_pids(tmp_path, ("pid", "child"), 3)
     assert all(alive(p) for p in pids)
     launcher.send_signal(signum)
-    _, err = launcher.communicate(timeout=15)
+    _, err = launcher.communicate(timeout=40)
     assert launcher.returncode == expected_rc, err
     assert f"received {signal.Signals(signum).name}" in err
-    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0), [p for p in pids if alive(p)]
+    assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
 
 
 def test_second_signal_skips_the_grace_period(base_env: Dict[str, str], tmp_path: Path) -> None:
-    launcher = subprocess.Popen(
-        launcher_argv("-np", "2", *script("hang.py", str(tmp_path), "--ignore-term")),
-        env=base_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert wait_until(lambda: all_written(tmp_path, ("pid",), 2), 20)
-    pids = read_pids(tmp_path, ("pid",), 2)
-    launcher.send_signal(signal.SIGINT)
-    time.sleep(0.2)
-    start = time.monotonic()
-    launcher.send_signal(signal.SIGINT)  # the workers ignore SIGTERM: only SIGKILL ends them
-    launcher.communicate(timeout=15)
-    assert launcher.returncode == 130
-    assert time.monotonic() - start < 2.0  # well inside the 3 s grace period
-    assert wait_until(lambda: not any(alive(p) for p in pids), 2.0)
+    """The workers ignore SIGTERM, so only SIGKILL ends them: after the grace period, or at
+    once on a second Ctrl-C. The launcher runs with a grace period of 10 minutes here, so that
+    it exits within the test's wait only if the second signal cut the grace short."""
+    log = tmp_path / "launcher.err"
+    patched = ("import sys, ferrovod.runner.launch as launch; launch.GRACE_S = 600.0; "
+               "launch.main(sys.argv[1:])")
+    with open(log, "w") as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", patched, "-np", "2",
+             *script("hang.py", str(tmp_path), "--ignore-term")],
+            env=base_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        assert wait_until(lambda: all_written(tmp_path, ("pid",), 2), 30)
+        pids = read_pids(tmp_path, ("pid",), 2)
+        launcher.send_signal(signal.SIGINT)
+        # The second signal must come while the launcher waits out the grace period, which
+        # begins once it has said that it got the first.
+        assert wait_until(lambda: "received SIGINT" in log.read_text(), 30), log.read_text()
+        assert launcher.poll() is None, log.read_text()
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=40)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, log.read_text()
+    assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
 
 
 def test_sigkill_of_launcher_leaves_no_worker(base_env: Dict[str, str], tmp_path: Path) -> None:
     launcher = _start_hanging_job(base_env, tmp_path, 2)
     pids = read_pids(tmp_path, ("pid", "child"), 2)
     launcher.kill()
-    launcher.communicate(timeout=10)
+    launcher.communicate(timeout=30)
     # The watchdog kills the workers' groups and every process carrying its mark.
-    assert wait_until(lambda: not any(alive(p) for p in pids), 5.0), [p for p in pids if alive(p)]
+    assert wait_until(lambda: not any(alive(p) for p in pids), 30), [p for p in pids if alive(p)]
 
 
 def test_watchdog_kills_what_carries_its_mark(tmp_path: Path) -> None:
@@ -721,9 +808,9 @@ def test_watchdog_kills_what_carries_its_mark(tmp_path: Path) -> None:
         assert watchdog.stdin is not None
         watchdog.stdin.write(f"+{registered.pid}\n".encode())
         watchdog.stdin.close()  # the launcher died: no "exit"
-        assert watchdog.wait(timeout=10) == 0
+        assert watchdog.wait(timeout=30) == 0
         for proc in [*marked, registered]:
-            assert proc.wait(timeout=5) == -signal.SIGKILL
+            assert proc.wait(timeout=30) == -signal.SIGKILL
         assert other.poll() is None
     finally:
         for proc in [*marked, other, registered]:
@@ -740,9 +827,22 @@ def test_command_not_found(base_env: Dict[str, str]) -> None:
 # -- command line ---------------------------------------------------------------------------
 
 
+def _ssh_client_runs() -> Optional[str]:
+    """None where an ssh client runs here, else why not (the host check needs one)."""
+    try:
+        done = subprocess.run(["ssh", "-V"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no ssh client to run: {exc}"
+    return None if done.returncode == 0 else f"`ssh -V` failed: {done.stderr.strip()}"
+
+
 def test_unreachable_host_is_named_before_anything_starts(
     base_env: Dict[str, str], tmp_path: Path
 ) -> None:
+    why = _ssh_client_runs()
+    if why is not None:
+        pytest.skip(f"the remote host check runs ssh: {why}")
     marker = tmp_path / "started"
     proc = run(
         base_env, "-np", "2", "-H", "localhost:1,node-b.invalid:1",
