@@ -143,7 +143,10 @@ def case_join():
                 ck.array(res[q], np.sum([g[j] for j in active], axis=0),
                          f"round {rnd} step {i} grouped Sum, tensor {q} {shapes[q]}")
         if r == last:
-            time.sleep(0.5)
+            # Completes only once every other rank has joined (a joined rank reduces zeros):
+            # this rank joins last.
+            ck.array(fv.allreduce(np.full(3, r + 1.0), op=fv.Sum, name=f"join.{rnd}.last"),
+                     np.full(3, r + 1.0), f"round {rnd} allreduce while every other rank is joined")
         t0 = time.monotonic()
         got = fv.join()
         print(f"round {rnd}: join() returned {got} after {time.monotonic() - t0:.3f} s", flush=True)
@@ -172,7 +175,9 @@ def case_joinerr():
         ck.array(fv.allreduce(np.ones(3), op=fv.Sum, name="je.ar"), np.full(3, n - 1.0),
                  "allreduce while rank 0 is joined")
         if r == n - 1:
-            time.sleep(0.3)
+            # Completes only once every other rank has joined: this rank joins last.
+            ck.array(fv.allreduce(np.ones(3), op=fv.Sum, name="je.last"), np.ones(3),
+                     "allreduce while every other rank is joined")
         ck.equal(fv.join(), n - 1, "join() return value")
     ck.array(fv.allgather(np.full((1, 2), r)), np.repeat(np.arange(n), 2).reshape(n, 2), "allgather after join")
     return ck.count
