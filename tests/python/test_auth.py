@@ -149,12 +149,16 @@ def legit_session(addr, secret, target):
     return sent
 
 
-def attack(addr, kind, target, secret, recorded, wait_close):
-    """Runs one attack; returns (what the server sent, whether it closed, note)."""
+def attack(addr, kind, target, secret, recorded, wait_close, connected=None):
+    """Runs one attack; returns (what the server sent, whether it closed, note). Sets the
+    event ``connected`` once its connection is made (or refused)."""
     try:
         s = connect(addr)
     except ConnectionRefusedError:
         return b"", True, "refused"
+    finally:
+        if connected is not None:
+            connected.set()
     try:
         if kind == "garbage":
             junk = os.urandom(200)
@@ -299,13 +303,17 @@ def _attack_the_job(proc, d):
     # Phase 1: rank 2 has not started; ranks 0 and 1 are in init(). Connections to the data
     # listeners wait in their backlog until the mesh is built, then get the handshake.
     jobs = []
+    connected = []
     for name, addr in targets.items():
         for kind in KINDS:
-            jobs.append((f"{name}/{kind}/init", lambda a=addr, k=kind, n=name: attack(
-                a, k, n.rstrip("01"), secret, recorded[n], wait_close=60)))
+            connected.append(threading.Event())
+            jobs.append((f"{name}/{kind}/init", lambda a=addr, k=kind, n=name, c=connected[-1]:
+                         attack(a, k, n.rstrip("01"), secret, recorded[n], wait_close=60,
+                                connected=c)))
     silent = {name: connect(addr) for name, addr in targets.items()}
     threads, results = run_attacks(jobs)
-    time.sleep(0.5)  # let them all connect before the mesh forms
+    # Every attack is connected (a data listener's waits in its backlog) before the mesh forms.
+    wait_for(lambda: all(c.is_set() for c in connected), 60, "the attacks to connect", proc)
     (d / "go").write_text("")
     wait_for(lambda: progress(d) >= 5, 60, "the job to start stepping", proc)
 
