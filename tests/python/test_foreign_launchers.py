@@ -4,6 +4,7 @@ as a plain process with that environment)."""
 
 import importlib.util
 import os
+import re
 import socket
 import shutil
 import subprocess
@@ -51,6 +52,26 @@ def _assert_all_ok(outs, n):
         assert f"OK rank={r} size={n} local_rank={r} local_size={n} cross_size=1" in out, out + err
 
 
+def _needs_torch():
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (torchrun and torch.distributed come with it)")
+
+
+def _mpich_hydra_runs():
+    """None where MPICH's mpiexec.hydra starts a process here, else why not: tried, since an
+    installed launcher may still fail (no hostname resolution, a broken install)."""
+    if shutil.which("mpiexec.hydra") is None:
+        return "MPICH's mpiexec.hydra is not installed (Debian/Ubuntu: mpich)"
+    try:
+        done = subprocess.run(["mpiexec.hydra", "-n", "1", "true"], capture_output=True,
+                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"mpiexec.hydra -n 1 true did not run: {exc}"
+    if done.returncode != 0:
+        return f"mpiexec.hydra -n 1 true failed ({done.returncode}): {done.stderr.strip()[-300:]}"
+    return None
+
+
 def test_pytorchjob_environment_without_torchrun():
     port = reserved_port()
     envs = []
@@ -61,11 +82,11 @@ def test_pytorchjob_environment_without_torchrun():
     _assert_all_ok(_run_ranks(envs), 3)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_ranks_whose_torch_process_group_holds_master_port():
     """Ray Train's TorchTrainer sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and starts
     torch's process group (its store on MASTER_PORT) before the training function runs: init()
     agrees on its own rendezvous through that group's store rather than taking the port."""
+    _needs_torch()
     port = reserved_port(2)
     envs = []
     for r in range(3):
@@ -127,24 +148,25 @@ def test_half_set_environment_is_a_clear_error():
 
 
 def test_killed_rank_is_reported_when_no_launcher_stops_the_others():
+    """By the failure, not by a timeout: the operation timeout (600 s) lies far beyond the
+    wait for the ranks (60 s), and a stall would be a FerrovodTimeoutError besides."""
     port = reserved_port()
     envs = []
     for r in range(3):
         e = _base_env()
-        e.update(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        e.update(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 FERROVOD_TIMEOUT_SECONDS="600")
         envs.append(e)
     outs = _run_ranks(envs, mode="kill")
     assert outs[1][0] == -9
     for r in (0, 2):
         code, out, err = outs[r]
         assert code == 0 and "saw RankFailureError rank=1" in out, out + err
-        seconds = float(out.split("after ")[1].split("s")[0])
-        # By the failure, not the default 30 s operation timeout (see test_errors.py).
-        assert seconds < 15, out
+        assert re.search(r"msg=.*rank\D{0,20}\b1\b", out), out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_real_torchrun():
+    _needs_torch()
     port = reserved_port(2)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
@@ -158,6 +180,7 @@ def test_real_torchrun():
 def test_torchrun_with_master_port_plus_one_taken():
     """ferrovod's store gets a free port agreed through torchrun's own store: a busy
     MASTER_PORT+1 (with torchrun's --standalone, MASTER_PORT is random) is no obstacle."""
+    _needs_torch()
     port = reserved_port(2)
     with socket.socket() as squatter:
         squatter.bind(("0.0.0.0", port + 1))
@@ -172,6 +195,7 @@ def test_torchrun_with_master_port_plus_one_taken():
 
 
 def test_torchrun_standalone():
+    _needs_torch()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
          SCRIPT], env=_base_env(), capture_output=True, text=True, timeout=120)
@@ -180,10 +204,12 @@ def test_torchrun_standalone():
         assert f"OK rank={r} size=3 local_rank={r} local_size=3" in proc.stdout, proc.stdout
 
 
-@pytest.mark.skipif(shutil.which("mpiexec.hydra") is None, reason="needs MPICH's Hydra (mpich)")
 def test_real_mpich_hydra_with_a_rendezvous_address():
     """MPICH's mpiexec.hydra gives PMI_RANK/PMI_SIZE/MPI_LOCALRANKID; the store address comes
     with -genv (the mpi4py path is tested with Open MPI: the mpi4py wheel here loads it)."""
+    why = _mpich_hydra_runs()
+    if why is not None:
+        pytest.skip(why)
     port = reserved_port(2)
     proc = subprocess.run(
         ["mpiexec.hydra", "-n", "3", "-genv", "FERROVOD_RENDEZVOUS_ADDR", f"127.0.0.1:{port}",

@@ -23,15 +23,17 @@ assert (out == n * (n + 1) / 2).all(), out
 g = fv.allgather(np.full((1, 2), r, np.int32), name="gather")
 assert g[:, 0].tolist() == list(range(n)), g
 if mode == "kill":
+    # Rank 1 dies once every rank is up (the allgather above); the others are in the loop or
+    # about to be, and either way their next op needs it.
     if r == 1:
-        time.sleep(0.3)
         os.kill(os.getpid(), 9)
     t0 = time.time()
     try:
         for i in range(100000):
             fv.allreduce(np.ones(16), name="loop")
     except fv.RankFailureError as e:
-        print(f"OK rank {r} saw RankFailureError rank={e.rank} after {time.time() - t0:.2f}s")
+        print(f"OK rank {r} saw RankFailureError rank={e.rank} after {time.time() - t0:.2f}s "
+              f"msg={e}")
         sys.exit(0)
 if mode == "cut":
     # Loops until the link to the other host is cut; reports the error and when it came.
