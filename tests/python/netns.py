@@ -14,7 +14,9 @@ used only between these namespaces; there is no default route. Every host:
   checks), which is how the MPI operator's images make plain ``ssh host`` work.
 
 Nothing is written to the machine's ``~/.ssh``. :meth:`Cluster.close` kills everything running
-in the namespaces and removes them. Needs root, iproute2, util-linux ``unshare`` and openssh.
+in the namespaces and removes them. Needs root with ``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``,
+iproute2, util-linux ``unshare`` and openssh: :func:`missing_tools` tries them once per test
+process (capabilities.py) and says why a test module skips.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from capabilities import SSHD, netns_missing, sshd_config_text, sshd_missing
+
 SUBNET = "10.213.8"
 SSH_PORT = 2222
-SSHD = "/usr/sbin/sshd"
 # Held by a cluster from its first put_etc until its close: a directory that put_etc adds to
 # the machine's /etc is shared by every test run here, so a second run (another checkout's
 # suite) must not see it half-made or remove it under a launcher still starting.
@@ -40,15 +43,9 @@ ETC_LOCK = "/run/lock/ferrovod-netns-etc.lock"
 
 
 def missing_tools() -> Optional[str]:
-    """Why multi-host tests cannot run here, or None when they can."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "unshare", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"needs {tool} (make test installs it with scripts/system_deps.sh)"
-    if not os.access(SSHD, os.X_OK):
-        return "needs openssh-server (make test installs it with scripts/system_deps.sh)"
-    return None
+    """Why simulated hosts with sshd cannot run here, or None when they can: a throwaway
+    namespace pair and sshd's configuration are tried, once per process (capabilities.py)."""
+    return netns_missing() or sshd_missing()
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -149,18 +146,7 @@ class Cluster:
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.workdir / "host_key"))
         (self.workdir / "authorized_keys").write_text((self.workdir / "id_key.pub").read_text())
-        (self.workdir / "sshd_config").write_text(
-            f"Port {SSH_PORT}\n"
-            f"HostKey {self.workdir / 'host_key'}\n"
-            f"AuthorizedKeysFile {self.workdir / 'authorized_keys'}\n"
-            "PermitRootLogin prohibit-password\n"
-            "PasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\n"
-            "UsePAM no\n"
-            "StrictModes no\n"
-            "PidFile none\n"
-            "PrintMotd no\n"
-        )
+        (self.workdir / "sshd_config").write_text(sshd_config_text(self.workdir, SSH_PORT))
 
     def _start_sshd(self, host: Host) -> None:
         log = open(self.workdir / f"sshd-{host.name}.log", "wb")

@@ -22,6 +22,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 import kube_examples as kx
+from capabilities import SSHD, mpirun_missing, private_run_missing
 
 MPIJOBS = (kx.MPIJOB_FERROVODRUN, kx.MPIJOB_MPIRUN, kx.MPIJOB_ELASTIC)
 README = kx.EXAMPLES / "README.md"
@@ -328,7 +329,7 @@ def _display_map(argv: List[str], env: Dict[str, str]) -> Dict[int, str]:
     return placed
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+@pytest.mark.skipif(mpirun_missing() is not None, reason=str(mpirun_missing()))
 def test_mpirun_launcher_maps_ranks_to_the_workers_under_the_operators_environment(
     tmp_path: Path,
 ) -> None:
@@ -405,8 +406,9 @@ def test_k8s_expansion_follows_kubernetes_rules() -> None:
 
 
 @pytest.mark.skipif(
-    not (os.path.exists("/usr/sbin/sshd") and shutil.which("ssh") and shutil.which("ssh-keygen")),
-    reason="openssh-server/openssh-client are not installed",
+    not (os.access(SSHD, os.X_OK) and shutil.which("ssh") and shutil.which("ssh-keygen")),
+    reason="needs openssh-server and openssh-client (sshd, ssh, ssh-keygen), which are not all "
+           "installed (make test installs them as root with scripts/system_deps.sh)",
 )
 def test_ssh_settings_override_debian_defaults(tmp_path: Path) -> None:
     # The image's main files Include the drop-ins first; later defaults must not win.
@@ -423,12 +425,12 @@ def test_ssh_settings_override_debian_defaults(tmp_path: Path) -> None:
     )
     key = tmp_path / "host_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    sshd_t = ["/usr/sbin/sshd", "-T", "-f", str(tmp_path / "sshd_config"), "-h", str(key)]
+    sshd_t = [SSHD, "-T", "-f", str(tmp_path / "sshd_config"), "-h", str(key)]
     if not os.path.isdir("/run/sshd"):
         # sshd insists on its privilege-separation directory (the image creates it): give it
         # one on a private /run rather than touching this machine's.
-        if os.geteuid() != 0 or shutil.which("unshare") is None:
-            pytest.skip("/run/sshd is missing and cannot be provided without root and unshare")
+        if private_run_missing():
+            pytest.skip(f"/run/sshd is missing, and {private_run_missing()}")
         sshd_t = ["unshare", "--mount", "sh", "-c",
                   'mount -t tmpfs tmpfs /run && mkdir /run/sshd && exec "$@"', "sh", *sshd_t]
     sshd = subprocess.run(sshd_t, capture_output=True, text=True, timeout=30)

@@ -1,9 +1,9 @@
 """Two hosts as Linux network namespaces joined by a veth link; the link is cut in the middle
 of an allreduce loop. Both ranks must get an error within the configured timeout, not hang.
-Needs root (ip netns); skipped otherwise."""
+Needs network namespaces (root with CAP_SYS_ADMIN and CAP_NET_ADMIN): tried once
+(capabilities.py), skipped with the reason otherwise."""
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -11,12 +11,12 @@ import uuid
 
 import pytest
 
+from capabilities import netns_missing
 from conftest import WORKERS
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
 
-needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+needs_netns = pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))
 
 
 def sh(*args):

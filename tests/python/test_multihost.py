@@ -3,13 +3,14 @@ netns.py), launched the ways users launch them: ``ferrovodrun -H``/``--hostfile`
 Open MPI's ``mpirun``, and torchrun on each host. Results are checked against NumPy and the
 local/cross ranks against the placement (workers/multihost_worker.py).
 
-Needs root, iproute2, openssh (and Open MPI for the mpirun tests); ``make test`` installs them
-(scripts/system_deps.sh). Skipped, saying why, where they cannot be had.
+Needs network namespaces (root with CAP_SYS_ADMIN and CAP_NET_ADMIN), iproute2, openssh (and
+Open MPI for the mpirun test); ``make test`` installs the packages (scripts/system_deps.sh).
+Each is tried once (capabilities.py); the tests skip, saying which is missing, where they
+cannot be had.
 """
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from capabilities import mpirun_missing
 from conftest import REPO, WORKERS
 from netns import Cluster, missing_tools
 
@@ -259,7 +261,7 @@ def test_hierarchical_allreduce_across_hosts(cluster):
 # -- other launchers -------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+@pytest.mark.skipif(mpirun_missing() is not None, reason=str(mpirun_missing()))
 def test_open_mpi_mpirun_across_hosts(cluster):
     """Open MPI starts the ranks over ssh (port 2222 through plm_rsh_args, as in the docs);
     ferrovod's store address comes with -x. init() gives each of a host's two ranks half of
