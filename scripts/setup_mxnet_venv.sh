@@ -6,8 +6,9 @@
 #
 # The interpreter is Python 3.11, whatever the main venv's: NumPy 1.23.5 has no wheels for
 # 3.12 or later (nor scipy 1.11.4 and scikit-learn 1.3.2 for 3.13), and 3.11 is what these pins
-# are tested on. It is MXNET_PYTHON if set, else a python3.11 on PATH or under pyenv, else
-# Debian's (installed with apt when missing, as root); without one this script fails, saying so.
+# are tested on. It is MXNET_PYTHON if set, else what scripts/find_python.sh finds (python3.11
+# on PATH or under pyenv, else Debian's, installed with apt when missing, as root); without one
+# this script fails, saying so.
 #
 # Usage: scripts/setup_mxnet_venv.sh   (run by `make test`; a no-op once it is up to date)
 set -euo pipefail
@@ -18,36 +19,6 @@ WANT_PY=3.11
 
 py_version() {  # major.minor of interpreter $1, or nothing if it does not run
     "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
-}
-
-find_python() {
-    if [[ -n "${MXNET_PYTHON:-}" ]]; then
-        echo "$MXNET_PYTHON"
-        return
-    fi
-    local candidate
-    for candidate in "$(command -v "python$WANT_PY" || true)" \
-        "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"$WANT_PY".*/bin/python"$WANT_PY" \
-        "/usr/bin/python$WANT_PY"; do
-        if [[ -n "$candidate" && -x "$candidate" && "$(py_version "$candidate")" == "$WANT_PY" ]] \
-            && "$candidate" -c 'import ensurepip, venv' 2>/dev/null; then
-            echo "$candidate"
-            return
-        fi
-    done
-    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-        echo "setup_mxnet_venv: installing Debian's python$WANT_PY and python$WANT_PY-venv" >&2
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get update -qq >/dev/null
-        if apt-get install -y -qq --no-install-recommends "python$WANT_PY" "python$WANT_PY-venv" \
-            >/dev/null; then
-            echo "/usr/bin/python$WANT_PY"
-            return
-        fi
-    fi
-    echo "setup_mxnet_venv: no Python $WANT_PY found (MXNET_PYTHON, python$WANT_PY on PATH," \
-        "pyenv, apt); MXNet 1.9.1's pins need it, so the MXNet tests cannot run" >&2
-    exit 1
 }
 
 # A venv left by an earlier version of this script on another interpreter is made anew.
@@ -63,7 +34,13 @@ STAMP="$VENV/.ferrovod-packages"
 WANT="$(printf '%s\n' "${PACKAGES[@]}")"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
-    PYTHON="$(find_python)"
+    PYTHON="${MXNET_PYTHON:-}"
+    if [[ -z "$PYTHON" ]] \
+        && ! PYTHON="$(bash "$ROOT/scripts/find_python.sh" --install "$WANT_PY")"; then
+        echo "setup_mxnet_venv: MXNet 1.9.1's pins need Python $WANT_PY;" \
+            "the MXNet tests cannot run without it" >&2
+        exit 1
+    fi
     echo "setup_mxnet_venv: creating $(basename "$VENV") with $("$PYTHON" --version 2>&1)" >&2
     "$PYTHON" -m venv "$VENV"
 fi

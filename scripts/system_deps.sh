@@ -9,7 +9,16 @@
 #   default-jre-headless  Java for Spark (ferrovod.spark's tests on a local Spark).
 # Installed only when missing and only as root; otherwise the tests that need them skip and
 # say why.
+#
+# Python 3.10 and 3.13, the abi3 wheel's floor and the newest Python it is tried on, for
+# tests/python/test_wheel.py: scripts/find_python.sh looks for each (PATH, pyenv) and installs it
+# with apt where apt has it (Debian 12 has only 3.11); where neither has one, the wheel test
+# skips that version, saying so.
 set -euo pipefail
+for version in 3.10 3.13; do
+    bash "$(dirname "${BASH_SOURCE[0]}")/find_python.sh" --install "$version" >/dev/null \
+        || echo "system_deps: the wheel test will skip Python $version" >&2
+done
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)

@@ -9,12 +9,19 @@ script that imports horovod under ``ferrovodrun --as-horovod``: the .pth that tu
 on must come with the wheel, into site-packages (tests/python/test_horovod_alias.py checks the
 alias itself in the development venv).
 
+The wheel is tagged cp310-abi3: one wheel for every CPython from 3.10 on. So the same two jobs
+also run from venvs of Python 3.10 and 3.13, the oldest and the newest Python tested, beside the
+3.11 of the development venv. Their interpreters come from scripts/find_python.sh (PATH, pyenv,
+or Debian's, which scripts/system_deps.sh installs with apt where apt has them); a version that
+cannot be had on the machine is skipped, saying what was looked at.
+
 Slow (a release build, a venv, a pip install): set FERROVOD_SKIP_WHEEL_TEST=1 to skip it in
 quick local runs. `make test` and CI run it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
@@ -37,6 +44,10 @@ pytestmark = [
     pytest.mark.timeout(1500),
 ]
 
+# The abi3 floor and the newest CPython tried: the wheel must install and run on both, as on
+# the development venv's 3.11.
+OTHER_PYTHONS = ("3.10", "3.13")
+
 WORKER = textwrap.dedent(
     """
     import sys
@@ -52,7 +63,8 @@ WORKER = textwrap.dedent(
     ref = sum(np.arange(1000, dtype=np.float32) * (r + 1) for r in range(size))
     assert np.array_equal(total, ref), (total[:5], ref[:5])
     assert np.allclose(mean, ref / size), (mean[:5], ref[:5] / size)
-    print(f"WHEEL-OK rank={rank} pkg={fv.__file__} core={fv._core.__file__}", flush=True)
+    py = "%d.%d" % sys.version_info[:2]
+    print(f"WHEEL-OK rank={rank} pkg={fv.__file__} core={fv._core.__file__} py={py}", flush=True)
     fv.shutdown()
     """
 )
@@ -90,7 +102,16 @@ def newest_source_mtime() -> float:
 
 
 def find_or_build_wheel() -> Path:
-    """A wheel in dist/ newer than the sources, or a freshly built one."""
+    """A wheel in dist/ newer than the sources, or a freshly built one.
+
+    One build at a time: a test on another xdist worker waits for it, then takes its wheel."""
+    DIST.mkdir(exist_ok=True)
+    with open(DIST / ".wheel-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _find_or_build_wheel()
+
+
+def _find_or_build_wheel() -> Path:
     fresh = [
         whl
         for whl in DIST.glob("ferrovod-*.whl")
@@ -144,11 +165,28 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
     assert {"ferrovod_as_horovod.pth", "_ferrovod_as_horovod.py"} <= set(names), names
     assert re.search(r"^ferrovodrun\s*=", scripts, flags=re.M), scripts
 
+    exercise_in_venv(sys.executable, wheel, tmp_path, "%d.%d" % sys.version_info[:2])
+
+
+@pytest.mark.parametrize("version", OTHER_PYTHONS)
+def test_wheel_runs_two_processes_on_python(version: str, tmp_path: Path) -> None:
+    found = subprocess.run(["bash", str(ROOT / "scripts" / "find_python.sh"), version],
+                           capture_output=True, text=True, timeout=60)
+    if found.returncode != 0:
+        pytest.skip(f"no Python {version} here, so the abi3 wheel is not tried on it: "
+                    f"{found.stderr.strip()}")
+    python = found.stdout.strip().splitlines()[-1]
+    exercise_in_venv(python, find_or_build_wheel(), tmp_path, version)
+
+
+def exercise_in_venv(python: str, wheel: Path, tmp_path: Path, version: str) -> None:
+    """Installs `wheel` into a new venv of `python` (Python `version`) and runs the two jobs
+    from it: an allreduce checked against NumPy, and a Horovod script under --as-horovod."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     install = subprocess.run(
-        [str(py), "-m", "pip", "install", "--quiet", str(wheel)],
+        [str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
         capture_output=True,
         text=True,
         env=clean_env(venv),
@@ -172,12 +210,14 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
     output = two_ranks(str(py), "job.py")
 
     site = venv / "lib"
-    oks = re.findall(r"WHEEL-OK rank=(\d) pkg=(\S+) core=(\S+)", output)
-    assert sorted(rank for rank, _, _ in oks) == ["0", "1"], output
-    for _, pkg, core in oks:
+    oks = re.findall(r"WHEEL-OK rank=(\d) pkg=(\S+) core=(\S+) py=(\S+)", output)
+    assert sorted(rank for rank, _, _, _ in oks) == ["0", "1"], output
+    for _, pkg, core, ran_on in oks:
         # The installed copy, not the source tree's python/ferrovod.
         assert Path(pkg).is_relative_to(site), pkg
         assert Path(core).is_relative_to(site) and core.endswith("_core.abi3.so"), core
+        # The ranks ran on the venv's interpreter, of the version asked for.
+        assert ran_on == version, (ran_on, version)
 
     # FERROVOD_AS_HOROVOD from the installed wheel: off without the variable, on for every
     # worker with --as-horovod.
