@@ -751,8 +751,9 @@ def test_second_signal_skips_the_grace_period(base_env: Dict[str, str], tmp_path
     once on a second Ctrl-C. The launcher runs with a grace period of 10 minutes here, so that
     it exits within the test's wait only if the second signal cut the grace short."""
     log = tmp_path / "launcher.err"
-    patched = ("import sys, ferrovod.runner.launch as launch; launch.GRACE_S = 600.0; "
-               "launch.main(sys.argv[1:])")
+    # Read before it is set: a launcher without GRACE_S fails here instead of testing nothing.
+    patched = ("import sys, ferrovod.runner.launch as launch; assert launch.GRACE_S > 0; "
+               "launch.GRACE_S = 600.0; launch.main(sys.argv[1:])")
     with open(log, "w") as err:
         launcher = subprocess.Popen(
             [sys.executable, "-c", patched, "-np", "2",

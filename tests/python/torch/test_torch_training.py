@@ -30,10 +30,11 @@ def test_training_matches_single_process(n, overlap):
 
 @pytest.mark.parametrize("kind", ["extra", "shape"])
 def test_different_parameters_fail_clearly(kind):
-    res = run_job(3, HERE / "torch_mismatch_worker.py", kind, timeout=60,
-                  env={"FERROVOD_TIMEOUT_SECONDS": "30"})
+    """A ValueError on every rank, not a hang: the operation timeout (600 s) lies beyond the
+    job's (120 s), so a job that waited for it fails, and its error would be another class."""
+    res = run_job(3, HERE / "torch_mismatch_worker.py", kind, timeout=120,
+                  env={"FERROVOD_TIMEOUT_SECONDS": "600"})
     assert_ok(res, 3, min_checks=2)
-    assert res.elapsed < 30, f"took {res.elapsed:.1f} s: looks like a hang\n{describe(res)}"
     msgs = lines_matching(res, 0, r"^error: (.*)")
     assert msgs and "first difference" in msgs[0].group(1), describe(res)
 
@@ -75,18 +76,16 @@ def test_flat_gradients_through_rings_without_host_memory():
 @pytest.mark.parametrize("where", ["before_step", "after_reduce"])
 def test_killed_rank_in_a_sharded_step_is_reported(where):
     """A rank SIGKILLed while the others wait in one of the sharded step's meetings: each
-    survivor raises RankFailureError naming it, by the failure rather than the 30 s
-    operation timeout."""
+    survivor raises RankFailureError naming it, by the failure rather than the operation
+    timeout, which (600 s) lies beyond the job's 120 s."""
     res = run_job(3, HERE / "torch_kill_worker.py", where, timeout=120,
-                  env={"FERROVOD_TIMEOUT_SECONDS": "30"})
+                  env={"FERROVOD_TIMEOUT_SECONDS": "600"})
     assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"
     assert lines_matching(res, 1, r"^killing myself"), describe(res)
     for r in (0, 2):
         got = lines_matching(res, r, r"^RANKFAIL step=3 rank_attr=(\S+) elapsed=([\d.]+)")
         assert got, f"rank {r} did not report RankFailureError\n{describe(res)}"
         assert got[0].group(1) == "1", describe(res)
-        # Half the timeout: a loaded machine does not reach it by chance (see test_errors.py).
-        assert float(got[0].group(2)) < 15, f"rank {r} took {got[0].group(2)} s\n{describe(res)}"
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
