@@ -177,8 +177,10 @@ fn repeated_small_exchanges_keep_order() {
 }
 
 #[test]
-fn dropped_peer_is_reported_fast() {
-    // Rank 2 of 3 leaves before the exchange: ranks 0 and 1 must name it.
+fn dropped_peer_is_reported_as_lost() {
+    // Rank 2 of 3 takes the others' data and leaves without sending its own: ranks 0 and 1,
+    // waiting in the exchange for it, must name it. Their idle timeout is 30 s, so an error
+    // from waiting it out would be a Timeout, not PeerLost.
     let n = 3;
     let ts = _core::testing::tcp_mesh(n, SECRET).unwrap();
     let barrier = Barrier::new(n - 1);
@@ -189,8 +191,25 @@ fn dropped_peer_is_reported_fast() {
                 let barrier = &barrier;
                 s.spawn(move || {
                     if t.rank() == 2 {
-                        thread::sleep(Duration::from_millis(100));
+                        // The others are in the exchange once their data has arrived.
+                        let (mut from0, mut from1) = (vec![0u8; 1024], vec![0u8; 1024]);
+                        t.exchange(
+                            &mut [
+                                Xfer::Recv {
+                                    peer: 0,
+                                    buf: &mut from0,
+                                },
+                                Xfer::Recv {
+                                    peer: 1,
+                                    buf: &mut from1,
+                                },
+                            ],
+                            LONG,
+                        )
+                        .unwrap();
                         drop(t);
+                        assert!(from0 == pattern(seed(0, 2, 1024), 1024));
+                        assert!(from1 == pattern(seed(1, 2, 1024), 1024));
                         return None;
                     }
                     let r = t.rank();
@@ -204,11 +223,9 @@ fn dropped_peer_is_reported_fast() {
                             xfers.push(Xfer::Recv { peer: p, buf: rb });
                         }
                     }
-                    let start = Instant::now();
                     let res = t.exchange(&mut xfers, LONG);
-                    let dt = start.elapsed();
                     barrier.wait(); // keep the link between 0 and 1 open until both are done
-                    Some((res, dt))
+                    Some(res)
                 })
             })
             .collect();
@@ -217,12 +234,11 @@ fn dropped_peer_is_reported_fast() {
             .collect::<Vec<_>>()
     });
     for (r, res) in results.into_iter().enumerate().take(2) {
-        let (res, dt) = res.unwrap();
+        let res = res.unwrap();
         assert!(
             matches!(res, Err(Error::PeerLost { rank: 2, .. })),
             "rank {r}: {res:?}"
         );
-        assert!(dt < Duration::from_secs(2), "rank {r} took {dt:?}");
     }
 }
 
@@ -243,14 +259,12 @@ fn peer_dropping_mid_transfer_of_64_mib() {
             LONG,
         )
         .unwrap();
-        // Vanish first: making the expected bytes (a debug build, a loaded machine) took
-        // long enough to pass the bound on how fast rank 0 notices.
         drop(t1);
         assert!(part == pattern(1, 1 << 20));
     });
     let send = pattern(1, LEN);
     let mut recv = vec![0u8; LEN];
-    let start = Instant::now();
+    // The idle timeout is 30 s: waiting it out would be a Timeout, not PeerLost.
     let res = t0.exchange(
         &mut [
             Xfer::Send {
@@ -264,21 +278,30 @@ fn peer_dropping_mid_transfer_of_64_mib() {
         ],
         LONG,
     );
-    let dt = start.elapsed();
     quitter.join().unwrap();
     assert!(
         matches!(res, Err(Error::PeerLost { rank: 1, .. })),
         "{res:?}"
     );
-    assert!(dt < Duration::from_secs(2), "took {dt:?}");
 }
 
 #[test]
-fn abort_fails_the_peer_fast_and_the_aborted_side_stays_failed() {
+fn abort_fails_the_peer_and_the_aborted_side_stays_failed() {
+    // Rank 0 waits in an exchange, with a 30 s idle timeout, for bytes rank 1 never sends:
+    // rank 1's abort, not the timeout, must end that wait (PeerLost, not Timeout).
     let mut ts = _core::testing::tcp_mesh(2, SECRET).unwrap();
     let res = run(&mut ts, |t| {
         if t.rank() == 1 {
-            thread::sleep(Duration::from_millis(100));
+            // Rank 0's first byte: it is in its exchange.
+            let mut first = [0u8; 1];
+            t.exchange(
+                &mut [Xfer::Recv {
+                    peer: 0,
+                    buf: &mut first,
+                }],
+                LONG,
+            )
+            .unwrap();
             t.abort();
             let mut b = [0u8; 1];
             let after = t.exchange(
@@ -292,22 +315,23 @@ fn abort_fails_the_peer_fast_and_the_aborted_side_stays_failed() {
             return None;
         }
         let mut b = [0u8; 16];
-        let start = Instant::now();
         let res = t.exchange(
-            &mut [Xfer::Recv {
-                peer: 1,
-                buf: &mut b,
-            }],
+            &mut [
+                Xfer::Send { peer: 1, buf: &[7] },
+                Xfer::Recv {
+                    peer: 1,
+                    buf: &mut b,
+                },
+            ],
             LONG,
         );
-        Some((res, start.elapsed()))
+        Some(res)
     });
-    let (res, dt) = res[0].as_ref().unwrap();
+    let res = res[0].as_ref().unwrap();
     assert!(
         matches!(res, Err(Error::PeerLost { rank: 1, .. })),
         "{res:?}"
     );
-    assert!(*dt < Duration::from_secs(2), "took {dt:?}");
 }
 
 #[test]
@@ -360,10 +384,9 @@ fn idle_timeout_names_the_silent_rank() {
         }
         other => panic!("expected a timeout, got {other:?}"),
     }
-    assert!(
-        *dt >= idle && *dt < idle + Duration::from_secs(2),
-        "took {dt:?}"
-    );
+    // Not before its time; how soon after is a loaded machine's business (the error above
+    // says the idle timeout ended the wait).
+    assert!(*dt >= idle, "took {dt:?}");
 }
 
 #[test]
@@ -525,7 +548,9 @@ fn strangers_do_not_take_a_slot() {
             }));
         }
     }
-    let start = Instant::now();
+    // An acceptor that handled one connection at a time would spend the mesh's whole 30 s on
+    // the silent stranger's handshake (its deadline is 30 s from its accept), and the mesh
+    // would fail with a Timeout below.
     let mut ts: Vec<TcpTransport> = thread::scope(|s| {
         let hs: Vec<_> = ls
             .iter()
@@ -546,13 +571,6 @@ fn strangers_do_not_take_a_slot() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
     });
-    // Far below the 30 s a silent stranger could hold up an acceptor that handled one
-    // connection at a time.
-    assert!(
-        start.elapsed() < Duration::from_secs(10),
-        "{:?}",
-        start.elapsed()
-    );
     for l in liars {
         let res = l.join().unwrap();
         assert!(matches!(res, Err(Error::Auth(_))), "{res:?}");
@@ -695,7 +713,7 @@ fn a_link_to_a_gone_peer_is_peer_lost_at_once() {
     drop(ts.pop());
     drop(ls.pop());
     let t0 = &mut ts[0];
-    let start = Instant::now();
+    // A refused connection retried until the deadline would end in a Timeout after 30 s.
     let err = t0
         .exchange(
             &mut [Xfer::Send {
@@ -708,11 +726,6 @@ fn a_link_to_a_gone_peer_is_peer_lost_at_once() {
     assert!(
         matches!(err, Error::PeerLost { rank: 2, .. }),
         "unexpected error: {err}"
-    );
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        start.elapsed()
     );
     // The others still link and talk.
     let got = run(&mut ts, |t| {

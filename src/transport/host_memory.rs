@@ -462,7 +462,7 @@ mod tests {
         // Rank 1 asks rank 0 with the wrong key: rank 0 (not running `share`) would refuse;
         // here rank 0 serves through `answer` directly.
         let t = std::thread::spawn(move || other.share(&addrs, 1, Duration::from_millis(300)));
-        std::thread::sleep(Duration::from_millis(50));
+        // Its connection, once made (the listener does not block).
         let (s, _) = loop {
             match e.listener.accept() {
                 Ok(x) => break x,
