@@ -12,13 +12,18 @@ namespaces (netns.py) — the manifests' own commands, read from the YAML (kube_
 * MXJob (kubeflow.org/v1): scheduler, server and worker pods with the operator's ``MX_CONFIG``
   and ``DMLC_*`` variables, each running the manifest's command in MXNet's interpreter.
 
-Two substitutions only: the image's paths (``/opt/ferrovod/examples``, ``python``,
-``ferrovodrun``, ``torchrun``) become this checkout's and its virtual environment's, and the
-training runs 2 epochs instead of 20 to keep the suite fast.
+One substitution only: the image's paths (``/opt/ferrovod/examples``, ``python``,
+``ferrovodrun``, ``torchrun``) become this checkout's and its virtual environment's. The
+training runs as many epochs as the manifest's command says (the examples' defaults): on these
+8x8 digits an epoch takes a fraction of a second, and only a trained model can be held to an
+accuracy floor (see ``FLOOR``).
+
+Needs network namespaces and sshd (tried once, capabilities.py), and Open MPI with mpi4py for
+the mpirun variant; skipped, saying which is missing, where they cannot be had.
 """
 
 import os
-import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +31,7 @@ import sys
 import pytest
 
 import kube_examples as K
+from capabilities import mpi4py_missing
 from conftest import REPO, mxnet_python
 from netns import Cluster, missing_tools
 
@@ -39,8 +45,19 @@ pytestmark = [
 
 PY = sys.executable
 IMAGE_EXAMPLES = "/opt/ferrovod/examples"
-EPOCHS = ["--epochs", "2"]
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+# The MPIJob's plain-mpirun launcher: Open MPI starts the ranks, which find their rendezvous
+# over mpi4py.
+needs_mpi = pytest.mark.skipif(mpi4py_missing() is not None, reason=str(mpi4py_missing()))
+# The test accuracy a job must reach, in per cent. Measured on this machine with the examples'
+# defaults (20 epochs): pytorch_digits.py 96.9-97.6 % on 1, 2 and 4 ranks (tests of
+# mxnet_digits.py and of pytorch_digits.py alone hold them to 95); an untrained model scores
+# about 10 % (the first epoch ends at 10-14 %), and a job whose gradients arrive as garbage,
+# zeros or NaN never leaves that. 90 leaves 7 points for other rank counts and summation
+# orders. What the floor cannot see: these digits are learnt by one rank alone (97.6 %) and
+# by ranks that never average their gradients (94.5 % on 4 ranks, 97.1 % on 2, measured with
+# the optimizer left undistributed), so the averaging itself is checked where weights are
+# compared with one process's (test_ray.py, test_spark.py, the torch and TensorFlow tests).
+FLOOR = 90.0
 
 
 def in_checkout(argv):
@@ -57,7 +74,7 @@ def in_checkout(argv):
             out += tools.get(arg, [arg])
         else:
             out.append(arg.replace(IMAGE_EXAMPLES, str(REPO / "examples")))
-    return out + EPOCHS
+    return out
 
 
 def clean_env(**extra):
@@ -72,9 +89,23 @@ def describe(res):
     return f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-5000:]}\n--- stderr ---\n{res.stderr[-5000:]}"
 
 
-def trained_on(stdout, ranks):
-    """The example's summary line says it trained on ``ranks`` ranks and reports accuracy."""
-    return f"ranks: {ranks}" in stdout and "test accuracy:" in stdout
+def final_accuracy(stdout):
+    """The accuracy (per cent) of the example's last ``test accuracy: X%`` line (launchers may
+    prefix it with the rank), or None."""
+    found = re.findall(r"test accuracy: ([\d.]+)%\s*$", stdout, re.M)
+    return float(found[-1]) if found else None
+
+
+def assert_trained(stdout, ranks=None, context=""):
+    """The example's summary says it trained on ``ranks`` ranks (when given), and its final
+    test accuracy reaches ``FLOOR``. ``context`` is shown on failure (default: the output)."""
+    context = context or stdout[-5000:]
+    if ranks is not None:
+        assert f"ranks: {ranks} " in stdout, f"not trained on {ranks} ranks\n{context}"
+    acc = final_accuracy(stdout)
+    assert acc is not None, f"no final test accuracy\n{context}"
+    assert acc >= FLOOR, f"test accuracy {acc} % is under the {FLOOR} % floor\n{context}"
+    print(f"test accuracy {acc} % (floor {FLOOR} %)")
 
 
 def mpijob_world(manifest, tmp_path):
@@ -86,7 +117,7 @@ def mpijob_world(manifest, tmp_path):
 
 @pytest.mark.parametrize("manifest", [
     K.MPIJOB_FERROVODRUN,
-    pytest.param(K.MPIJOB_MPIRUN, marks=needs_mpirun),
+    pytest.param(K.MPIJOB_MPIRUN, marks=needs_mpi),
 ], ids=["ferrovodrun", "mpirun"])
 def test_mpijob(manifest, tmp_path):
     cluster, launcher = mpijob_world(manifest, tmp_path)
@@ -97,7 +128,7 @@ def test_mpijob(manifest, tmp_path):
         res = cluster.run(launcher, argv, timeout=300, env=env)
         assert res.returncode == 0, describe(res)
         slots = K.mpijob_slots(manifest) * len(K.mpijob_worker_hosts(manifest))
-        assert trained_on(res.stdout, slots), describe(res)
+        assert_trained(res.stdout, slots, describe(res))
         assert cluster.leftovers("pytorch_digits.py", within=5) == {}
 
 
@@ -132,7 +163,8 @@ def test_elastic_mpijob_goes_on_when_a_worker_pod_is_lost(tmp_path):
         text = "".join(out)
         assert proc.returncode == 0 and killed, text
         assert "training on 4 workers" in text and "training on 2 workers" in text, text
-        assert "test accuracy:" in text, text
+        # The example's 8 epochs, all but the first on 2 ranks after the loss.
+        assert_trained(text)
         assert cluster.leftovers("pytorch_digits_elastic.py", within=5) == {}
 
 
@@ -150,7 +182,7 @@ def test_pytorchjob(tmp_path):
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
         world = int(K.pytorchjob_env(manifest, "Master", 0)["WORLD_SIZE"])
-        assert trained_on(outs[0][0], world), outs[0]
+        assert_trained(outs[0][0], world, f"{outs[0][0][-4000:]}\n{outs[0][1][-4000:]}")
 
 
 # -- Kubeflow Trainer v2: TrainJob on a ClusterTrainingRuntime ---------------------------------
@@ -168,7 +200,7 @@ def test_trainjob_on_the_mpi_runtime(tmp_path):
         env = clean_env(**K.trainjob_mpi_launcher_env(job))
         res = cluster.run(launcher, in_checkout(K.trainjob_command(job)), timeout=300, env=env)
         assert res.returncode == 0, describe(res)
-        assert trained_on(res.stdout, K.trainjob_mpi_slots(job) * len(nodes)), describe(res)
+        assert_trained(res.stdout, K.trainjob_mpi_slots(job) * len(nodes), describe(res))
         assert cluster.leftovers("pytorch_digits.py", within=5) == {}
 
 
@@ -190,7 +222,7 @@ def test_trainjob_on_the_torch_runtime(trainjob, tmp_path):
             assert p.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
         env0 = K.trainjob_torch_env(trainjob, 0)
         world = int(env0["PET_NNODES"]) * int(env0["PET_NPROC_PER_NODE"])
-        assert trained_on(outs[0][0], world), outs[0]
+        assert_trained(outs[0][0], world, f"{outs[0][0][-4000:]}\n{outs[0][1][-4000:]}")
 
 
 # -- MXJob ---------------------------------------------------------------------------------------
@@ -210,7 +242,7 @@ def test_mxjob(tmp_path):
             env = clean_env(PYTHONUNBUFFERED="1", **K.mxjob_env(manifest, rtype, index))
             argv = [mxpy if a in ("python", "python3") else a
                     for a in K.mxjob_container(manifest, rtype)["command"]]
-            argv = [a.replace(IMAGE_EXAMPLES, str(REPO / "examples")) for a in argv] + EPOCHS
+            argv = [a.replace(IMAGE_EXAMPLES, str(REPO / "examples")) for a in argv]
             procs.append(cluster.popen(pod, argv, env=env, stdout=-1, stderr=-1, text=True))
         outs = [p.communicate(timeout=300) for p in procs]
     workers = 0
@@ -221,4 +253,4 @@ def test_mxjob(tmp_path):
         else:
             assert "need no" in err and out == "", f"{rtype}: {out}\n{err}"
     worker0 = next(o for (t, i, _), o in zip(pods, outs) if t == "Worker" and i == 0)
-    assert trained_on(worker0[0], workers), worker0
+    assert_trained(worker0[0], workers, f"{worker0[0][-4000:]}\n{worker0[1][-4000:]}")
