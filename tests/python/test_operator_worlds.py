@@ -12,11 +12,11 @@ namespaces (netns.py) — the manifests' own commands, read from the YAML (kube_
 * MXJob (kubeflow.org/v1): scheduler, server and worker pods with the operator's ``MX_CONFIG``
   and ``DMLC_*`` variables, each running the manifest's command in MXNet's interpreter.
 
-One substitution only: the image's paths (``/opt/ferrovod/examples``, ``python``,
-``ferrovodrun``, ``torchrun``) become this checkout's and its virtual environment's. The
-training runs as many epochs as the manifest's command says (the examples' defaults): on these
-8x8 digits an epoch takes a fraction of a second, and only a trained model can be held to an
-accuracy floor (see ``FLOOR``).
+Substituted: the image's paths (``/opt/ferrovod/examples``, ``python``, ``ferrovodrun``,
+``torchrun``) become this checkout's and its virtual environment's. The training runs as many
+epochs as the manifest's command says (the examples' defaults, 20), but for the elastic
+example's 8, which become 20 too: only a trained model can be held to an accuracy floor (see
+``FLOOR``), and on these 8x8 digits an epoch takes a fraction of a second.
 
 Needs network namespaces and sshd (tried once, capabilities.py), and Open MPI with mpi4py for
 the mpirun variant; skipped, saying which is missing, where they cannot be had.
@@ -144,7 +144,9 @@ def test_elastic_mpijob_goes_on_when_a_worker_pod_is_lost(tmp_path):
         cluster.put_etc(launcher, "mpi/discover_hosts.sh", K.mpijob_discover_hosts(manifest))
         os.chmod(f"/etc/netns/{cluster.hosts[launcher].ns}/mpi/discover_hosts.sh", 0o755)
         env = clean_env(**K.mpijob_launcher_env(manifest))
-        argv = in_checkout(K.launcher_command(manifest))
+        # At its default 8 epochs the example is still climbing: its last epochs scored
+        # 83.6-91.6 % (measured), too near the floor; at 20 they score 97-98 %.
+        argv = in_checkout(K.launcher_command(manifest)) + ["--epochs", "20"]
         proc = cluster.popen(launcher, argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         out, killed = [], False
@@ -163,7 +165,7 @@ def test_elastic_mpijob_goes_on_when_a_worker_pod_is_lost(tmp_path):
         text = "".join(out)
         assert proc.returncode == 0 and killed, text
         assert "training on 4 workers" in text and "training on 2 workers" in text, text
-        # The example's 8 epochs, all but the first on 2 ranks after the loss.
+        # Most of its epochs on 2 ranks, after the loss.
         assert_trained(text)
         assert cluster.leftovers("pytorch_digits_elastic.py", within=5) == {}
 
