@@ -32,6 +32,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::auth;
@@ -48,7 +49,7 @@ use crate::transport::tcp::Mesh;
 
 /// What a forming needs beyond the launch environment (`config.launch`: this rank, the job's
 /// size, the rendezvous address and secret).
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct Membership<'a> {
     /// Process sets registered at start-up, as ids 1, 2, ... in this order; each is sorted,
     /// distinct global ranks.
@@ -56,6 +57,12 @@ pub struct Membership<'a> {
     /// Which forming of a job this is in this process. The rendezvous keys carry it, so a
     /// forming never reads an earlier one's entries from a store that outlived it.
     pub generation: u64,
+    /// A store the caller forms over instead of the rendezvous store at
+    /// `config.launch.rendezvous_addr`: torch.distributed's front end forms over the store
+    /// torch hands its backend, so such a job has one rendezvous, torch's. Its
+    /// `rendezvous_addr`, when set, is only where the store lives (the address to listen on is
+    /// the one that reaches it).
+    pub store: Option<&'a Arc<dyn Store>>,
 }
 
 /// The sockets the coordinator accepts control connections on.
@@ -150,21 +157,40 @@ pub struct Job<P: ControlPlane> {
     pub store_server: Option<TcpStoreServer>,
 }
 
-/// How a formed job's ranks reach its rendezvous store again: its address, the job secret,
-/// and how long connecting may take. A way to connect rather than a connection: most jobs
-/// never use the store after forming, and an idle connection from every rank would hold the
-/// store server's connections for the job's life.
+/// How a formed job's ranks reach its rendezvous store again.
 #[derive(Clone)]
-pub struct StoreLink {
-    addr: String,
-    secret: Vec<u8>,
-    timeout: Duration,
+pub enum StoreLink {
+    /// ferrovod's own store: its address, the job secret, and how long connecting may take. A
+    /// way to connect rather than a connection: most jobs never use the store after forming,
+    /// and an idle connection from every rank would hold the store server's connections for
+    /// the job's life.
+    Tcp {
+        /// host:port.
+        addr: String,
+        /// The job secret the store checks.
+        secret: Vec<u8>,
+        /// How long connecting may take.
+        timeout: Duration,
+    },
+    /// The store the job was formed over ([`Membership::store`]), which its owner keeps.
+    Given(Arc<dyn Store>),
 }
 
 impl StoreLink {
-    /// A new connection to the store, proving the job secret.
-    pub fn connect(&self) -> Result<TcpStore> {
-        TcpStore::connect(self.addr.as_str(), &self.secret, self.timeout)
+    /// The store: a new connection proving the job secret, or the given one.
+    pub fn connect(&self) -> Result<Arc<dyn Store>> {
+        match self {
+            StoreLink::Tcp {
+                addr,
+                secret,
+                timeout,
+            } => Ok(Arc::new(TcpStore::connect(
+                addr.as_str(),
+                secret,
+                *timeout,
+            )?)),
+            StoreLink::Given(store) => Ok(store.clone()),
+        }
     }
 }
 
@@ -188,7 +214,10 @@ pub fn form<P: ControlPlane>(
             )));
         }
     }
-    launch.require_rendezvous()?;
+    let given = membership.store.filter(|_| size > 1);
+    if given.is_none() {
+        launch.require_rendezvous()?;
+    }
     // FERROVOD_IFACE pins the data and coordinator listeners to one interface; a wrong name
     // fails here, before anything is bound or published.
     let bind_ip = match &config.iface {
@@ -202,10 +231,11 @@ pub fn form<P: ControlPlane>(
         }
         None => None,
     };
-    let secret = match &launch.secret {
-        Some(s) => s.clone(),
-        None if size == 1 => auth::random_secret(),
-        None => {
+    let secret = match (&launch.secret, given) {
+        (Some(s), _) => s.clone(),
+        (None, _) if size == 1 => auth::random_secret(),
+        (None, Some(store)) => secret_through(store.as_ref(), rank, membership.generation, config)?,
+        (None, None) => {
             return Err(Error::InvalidArgument(
                 "FERROVOD_SECRET is not set: start the job with ferrovodrun".into(),
             ))
@@ -229,9 +259,10 @@ pub fn form<P: ControlPlane>(
              environment; set FERROVOD_SECRET (hex) on every rank for a real secret"
         );
     }
-    // Without ferrovodrun, rank 0 serves the rendezvous store itself.
+    // Without ferrovodrun (and without a store handed in), rank 0 serves the rendezvous store
+    // itself.
     let store_server = match (&launch.rendezvous_addr, launch.rank0_hosts_store, rank) {
-        (Some(addr), true, 0) => Some(host_store(addr, &secret)?),
+        (Some(addr), true, 0) if given.is_none() => Some(host_store(addr, &secret)?),
         _ => None,
     };
 
@@ -243,9 +274,24 @@ pub fn form<P: ControlPlane>(
         hosts,
         cpus,
         offers,
-    } = match &launch.rendezvous_addr {
-        None => alone(config, bind_ip, &secret, plane)?,
-        Some(rdv) => meet(config, membership, rdv, bind_ip, &secret, plane)?,
+    } = match (given, &launch.rendezvous_addr) {
+        (Some(store), at) => {
+            let ip = match (bind_ip, at) {
+                (Some(ip), _) => ip,
+                (None, Some(at)) => advertised_ip(at)?,
+                (None, None) => host_ip(&config.hostname),
+            };
+            meet(config, membership, store.as_ref(), ip, &secret, plane)?
+        }
+        (None, None) => alone(config, bind_ip, &secret, plane)?,
+        (None, Some(rdv)) => {
+            let store = TcpStore::connect(rdv, &secret, config.start_timeout)?;
+            let ip = match bind_ip {
+                Some(ip) => ip,
+                None => advertised_ip(rdv)?,
+            };
+            meet(config, membership, &store, ip, &secret, plane)?
+        }
     };
     transport.spin = config.spin;
     let local = local_peers(rank, &hosts);
@@ -297,11 +343,14 @@ pub fn form<P: ControlPlane>(
         quota.map_or("none".to_string(), |q| format!("{q:.2}"))
     );
     let control = plane.connect(&coord_addr, rank, node, &secret)?;
-    let store = launch.rendezvous_addr.as_ref().map(|addr| StoreLink {
-        addr: addr.clone(),
-        secret: secret.clone(),
-        timeout: config.start_timeout,
-    });
+    let store = match given {
+        Some(store) => Some(StoreLink::Given(store.clone())),
+        None => launch.rendezvous_addr.as_ref().map(|addr| StoreLink::Tcp {
+            addr: addr.clone(),
+            secret: secret.clone(),
+            timeout: config.start_timeout,
+        }),
+    };
     Ok(Job {
         topology,
         hosts: host_indices(&hosts),
@@ -388,24 +437,18 @@ fn alone<P: ControlPlane>(
     })
 }
 
-/// Steps 3 and 4 through the rendezvous store at `rdv`, then the TCP mesh. The store client is
-/// closed on return: nothing later needs it.
+/// Steps 3 and 4 through `store`, listening on `ip`, then the TCP mesh.
 fn meet<P: ControlPlane>(
     config: &Config,
     membership: &Membership<'_>,
-    rdv: &str,
-    bind_ip: Option<IpAddr>,
+    store: &dyn Store,
+    ip: IpAddr,
     secret: &[u8],
     plane: &mut P,
 ) -> Result<Met<P>> {
     let (rank, size) = (config.launch.rank, config.launch.size);
     let deadline = config.start_timeout;
     let process_sets = membership.process_sets;
-    let store = TcpStore::connect(rdv, secret, deadline)?;
-    let ip = match bind_ip {
-        Some(ip) => ip,
-        None => advertised_ip(rdv)?,
-    };
     let data = TcpListener::bind((ip, 0))?;
     let key = |k: &str| format!("g{}/{k}", membership.generation);
     // Rank 0's coordinator starts, and says where it listens, before the host table is read
@@ -590,6 +633,43 @@ fn split_record(text: &str) -> (&str, &str) {
     text.match_indices('\n')
         .nth(3)
         .map_or((text, ""), |(i, _)| (&text[..i], &text[i + 1..]))
+}
+
+/// The job secret, for a job formed over a store handed in with no `FERROVOD_SECRET`: rank 0
+/// draws one and the others read it from the store. It keeps other jobs out; it keeps out
+/// nobody who can read that store (torch's stores authenticate no one), as rank 0 says once.
+fn secret_through(
+    store: &dyn Store,
+    rank: usize,
+    generation: u64,
+    config: &Config,
+) -> Result<Vec<u8>> {
+    let key = format!("g{generation}/secret");
+    if rank == 0 {
+        log::info!(
+            target: crate::LOG_TARGET,
+            "no FERROVOD_SECRET: the job secret is handed to the ranks through the store the job \
+             was formed over, which keeps other jobs out but not someone who can read that \
+             store; set FERROVOD_SECRET (hex) on every rank for a real secret"
+        );
+        let secret = auth::random_secret();
+        store.set(&key, auth::secret_to_hex(&secret).as_bytes())?;
+        Ok(secret)
+    } else {
+        let hex = store.get(&key, config.start_timeout)?;
+        auth::secret_from_hex(&String::from_utf8_lossy(&hex))
+            .map_err(|_| Error::Decode(format!("rank 0 published a bad job secret under {key}")))
+    }
+}
+
+/// The address to listen on when nothing says which: the first non-loopback IPv4 address the
+/// host name resolves to, else loopback (a job on one host).
+fn host_ip(hostname: &str) -> IpAddr {
+    (hostname, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.find(|a| a.is_ipv4() && !a.ip().is_loopback()))
+        .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip())
 }
 
 /// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other

@@ -74,6 +74,25 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     _share_cores(info["launcher"])
 
 
+def init_over_store(store: Any, rank: int, size: int, timeout_s: float,
+                    store_addr: Optional[str], generation: int) -> bool:
+    """Starts the engine for torch.distributed's front end (``init_process_group(backend=
+    "ferrovod")``): rank ``rank`` of ``size``, formed over ``store``, the store torch hands the
+    backend, within ``timeout_s`` seconds; ``store_addr`` ("host:port") is where that store
+    lives when known; ``generation`` numbers this forming among those over the same store
+    (the same on every rank), which keeps its keys apart from theirs. Process sets are dynamic (torch's groups become process sets). Returns
+    whether this call started the engine: False when one runs already with the same rank and
+    size (``ferrovod.init()`` came first), which the caller must then leave running."""
+    level, hide_time, _ = _core.log_settings()
+    _logging.configure(level, hide_time, f"rank {rank}")
+    started = bool(_core.init_over_store(store, int(rank), int(size), float(timeout_s),
+                                               store_addr, int(generation)))
+    if started:
+        _name_counters.clear()
+        _ps._on_init([], [])
+    return started
+
+
 def exit_if_parameter_server() -> None:
     """Ends a process started as an MXNet parameter server or scheduler (``DMLC_ROLE``), saying
     why: the mxnet-operator and MXNet's ``tools/launch.py`` start them beside the workers, and

@@ -9,12 +9,13 @@ mod store;
 mod tensor;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::bootstrap::launch::{LaunchInfo, Launcher};
 use crate::bootstrap::tcp_store::TcpStore;
 use crate::config::{Config, VARS};
 use crate::engine::Engine;
@@ -102,8 +103,72 @@ fn init(
     secret: Option<Vec<u8>>,
     generation: Option<u64>,
 ) -> PyResult<()> {
-    let config =
+    let mut config =
         Config::from_env_with(rendezvous_addr.as_deref(), secret.as_deref()).map_err(to_pyerr)?;
+    config.dynamic_process_sets |= dynamic;
+    start(py, config, process_sets, generation, None).map(|_| ())
+}
+
+/// Starts the engine for torch.distributed's front end (`init_process_group(backend=
+/// "ferrovod")`): rank `rank` of `size`, formed over `store`, the store torch hands the backend
+/// (any object with torch's `set`, `get`, `add` and `wait`), within `timeout_s`. `store_addr`
+/// ("host:port") is where that store lives when known: the ranks listen on the address that
+/// reaches it. `generation` numbers this forming among those over the same store, the same on
+/// every rank (torch.distributed's front end counts them in the store). Process sets are dynamic (torch's groups become process sets). `FERROVOD_SECRET`
+/// is the job secret when set; else rank 0 hands one out through the store. Returns whether
+/// this call started the engine (false: one was running with this rank and size, e.g. after
+/// `ferrovod.init()`, and the caller must not shut it down).
+#[pyfunction]
+#[pyo3(signature = (store, rank, size, timeout_s, store_addr=None, generation=0))]
+fn init_over_store(
+    py: Python<'_>,
+    store: Py<PyAny>,
+    rank: usize,
+    size: usize,
+    timeout_s: f64,
+    store_addr: Option<String>,
+    generation: u64,
+) -> PyResult<bool> {
+    if size == 0 || rank >= size {
+        return Err(to_pyerr(Error::InvalidArgument(format!(
+            "rank {rank} of a job of {size} ranks"
+        ))));
+    }
+    let mut config = Config::from_env().map_err(to_pyerr)?;
+    let secret = config
+        .launch
+        .secret
+        .take()
+        .filter(|_| !config.launch.secret_derived);
+    config.launch = LaunchInfo {
+        launcher: Launcher::ProcessGroup,
+        rank0_hosts_store: false,
+        rank,
+        size,
+        local: None,
+        rendezvous_addr: store_addr,
+        secret,
+        secret_derived: false,
+        agent_store: None,
+    };
+    config.start_timeout = std::time::Duration::try_from_secs_f64(timeout_s)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .ok_or_else(|| to_pyerr(Error::InvalidArgument(format!("bad timeout {timeout_s} s"))))?;
+    config.dynamic_process_sets = true;
+    let given: Arc<dyn crate::bootstrap::Store> = Arc::new(store::TorchStore::new(store));
+    start(py, config, Vec::new(), Some(generation), Some(given))
+}
+
+/// Starts the engine with `config` unless one runs (a no-op then: false), with the slot's
+/// bookkeeping; `given` is a store to form over instead of the rendezvous store.
+fn start(
+    py: Python<'_>,
+    config: Config,
+    process_sets: Vec<Vec<usize>>,
+    generation: Option<u64>,
+    given: Option<Arc<dyn crate::bootstrap::Store>>,
+) -> PyResult<bool> {
     // One init at a time, but the engine slot stays free while the rendezvous runs (up to the
     // start timeout): a thread blocked on the slot holds the GIL, which the starting engine's
     // log records need. Taken without the GIL for the same reason.
@@ -118,15 +183,23 @@ fn init(
         let mut guard = slot().lock();
         if let Some(s) = guard.as_ref() {
             if s.forks == forks() {
-                return Ok(());
+                let (rank, size) = (config.launch.rank, config.launch.size);
+                let running = s.engine.topology();
+                if given.is_some() && (running.rank, running.size) != (rank, size) {
+                    return Err(to_pyerr(Error::InvalidArgument(format!(
+                        "ferrovod already runs as rank {} of {}, but torch.distributed asks for \
+                         rank {rank} of {size}: call ferrovod.shutdown() first, or start both \
+                         with the same ranks",
+                        running.rank, running.size
+                    ))));
+                }
+                return Ok(false);
             }
             // A forked child inherits the parent's slot but not its threads: forget it without
             // running any destructor that would wait for threads that do not exist here.
             std::mem::forget(guard.take());
         }
     }
-    let mut config = config;
-    config.dynamic_process_sets |= dynamic;
     // An elastic job names its formings by the launcher's epoch, which every member shares
     // (a new worker's count of its own init() calls would not match the survivors').
     let generation = match generation {
@@ -134,10 +207,14 @@ fn init(
         None => GENERATION.fetch_add(1, Ordering::AcqRel),
     };
     let engine = py
-        .detach(|| Engine::start(&config, &process_sets, generation))
+        .detach(|| Engine::start_over(&config, &process_sets, generation, given.clone()))
         .map_err(to_pyerr)?;
-    let store = match (&config.launch.rendezvous_addr, &config.launch.secret) {
-        (Some(addr), Some(secret)) => Some((addr.clone(), secret.clone())),
+    let store = match (
+        &given,
+        &config.launch.rendezvous_addr,
+        &config.launch.secret,
+    ) {
+        (None, Some(addr), Some(secret)) => Some((addr.clone(), secret.clone())),
         _ => None,
     };
     *slot().lock() = Some(Slot {
@@ -147,7 +224,7 @@ fn init(
         store,
         start_timeout: config.start_timeout,
     });
-    Ok(())
+    Ok(true)
 }
 
 /// What `init()` needs to know before it starts the engine: `{"launcher": name, "rank",
@@ -529,6 +606,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(init_over_store, m)?)?;
     host_memory::register(m)?;
     op::register(m)?;
     store::register(m)?;

@@ -2,11 +2,13 @@
 //! and the client an elastic worker reads memberships with.
 
 use pyo3::prelude::*;
+use std::time::Duration;
+
 use pyo3::types::PyBytes;
 
 use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};
 use crate::bootstrap::Store;
-use crate::error::Error;
+use crate::error::{Error, Result};
 
 use super::errors::to_pyerr;
 
@@ -135,5 +137,72 @@ impl Drop for RendezvousServer {
         if let Some(mut s) = server {
             s.shutdown();
         }
+    }
+}
+
+/// A torch.distributed store (`torch.distributed.Store`: `TCPStore`, `FileStore`, `HashStore`,
+/// a `PrefixStore` over one) as the engine's [`Store`]: torch.distributed's front end forms its
+/// job over the store torch hands the backend. Each call takes the GIL; torch's store methods
+/// release it while they wait.
+pub(super) struct TorchStore {
+    store: Py<PyAny>,
+}
+
+impl TorchStore {
+    pub(super) fn new(store: Py<PyAny>) -> Self {
+        TorchStore { store }
+    }
+
+    /// Runs `f` on the store with the GIL, turning a Python exception into the engine's error:
+    /// a wait that ran out (torch raises `DistStoreError`, whose text says "timeout") becomes
+    /// `Timeout` for `what`, anything else an I/O error naming the store call.
+    fn call<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        f: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
+    ) -> Result<T> {
+        Python::attach(|py| {
+            f(self.store.bind(py)).map_err(|e| {
+                let text = e.to_string();
+                if text.to_lowercase().contains("timeout") || text.contains("timed out") {
+                    Error::Timeout {
+                        what: format!("{what} in torch.distributed's store ({text})"),
+                        after: timeout,
+                    }
+                } else {
+                    Error::Io(format!(
+                        "torch.distributed's store failed at {what}: {text}"
+                    ))
+                }
+            })
+        })
+    }
+}
+
+impl Store for TorchStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.call(&format!("setting key {key:?}"), Duration::ZERO, |s| {
+            s.call_method1("set", (key, PyBytes::new(s.py(), value)))
+                .map(drop)
+        })
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.call(&format!("waiting for key {key:?}"), timeout, |s| {
+            let py = s.py();
+            let delta = py
+                .import("datetime")?
+                .getattr("timedelta")?
+                .call1((0, timeout.as_secs_f64()))?;
+            s.call_method1("wait", (vec![key], delta))?;
+            s.call_method1("get", (key,))?.extract::<Vec<u8>>()
+        })
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.call(&format!("adding to key {key:?}"), Duration::ZERO, |s| {
+            s.call_method1("add", (key, delta))?.extract::<i64>()
+        })
     }
 }

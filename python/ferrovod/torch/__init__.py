@@ -85,6 +85,9 @@ from .ops import (
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic  # noqa: E402 - hvd.elastic, as in Horovod; needs the names above
+from . import process_group  # noqa: E402 - torch.distributed's backend "ferrovod"
+
+process_group.register()
 
 
 __all__ = [

@@ -35,6 +35,10 @@ pub enum Launcher {
     /// A worker of an MXNet job set up for parameter servers (`DMLC_*`): the mxnet-operator's
     /// MXJob (`MX_CONFIG`) or MXNet's `tools/launch.py` (`DMLC_TASK_ID`, `DMLC_WORKER_ID`).
     Dmlc,
+    /// torch.distributed's `init_process_group` with `backend="ferrovod"`: rank and size are
+    /// torch's, and the job forms over the store torch hands the backend, whatever launched
+    /// the process. Never detected from the environment; the front end says so.
+    ProcessGroup,
     /// No launcher: a single process.
     None,
 }
@@ -56,6 +60,9 @@ impl Launcher {
             Launcher::Dmlc => {
                 "MXNet's DMLC_* variables (MXJob's MX_CONFIG, DMLC_WORKER_ID or DMLC_TASK_ID)"
             }
+            Launcher::ProcessGroup => {
+                "torch.distributed's process group (the store torch hands the backend)"
+            }
             Launcher::None => "none (a single process)",
         }
     }
@@ -71,6 +78,7 @@ impl Launcher {
             Launcher::TrainerTorch => "trainer_torch",
             Launcher::TfConfig => "tf_config",
             Launcher::Dmlc => "dmlc",
+            Launcher::ProcessGroup => "process_group",
             Launcher::None => "none",
         }
     }
@@ -479,7 +487,7 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
             };
             (None, explicit_addr, true, job)
         }
-        Launcher::None => unreachable!("returned above"),
+        Launcher::None | Launcher::ProcessGroup => unreachable!("returned above"),
     };
     let (secret, secret_derived) = match secret {
         Some(s) => (Some(s), false),

@@ -45,7 +45,6 @@ use std::time::Duration;
 
 use crate::backend::cuda::{cuda_ready, Device, DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
-use crate::bootstrap::Store;
 use crate::collective::hierarchical::Layout;
 use crate::error::{Error, Result};
 use crate::job::StoreLink;
@@ -357,7 +356,7 @@ impl DeviceState {
             Some(store) => {
                 // Apart from the keys `_core.nccl_unique_id` (a diagnostic) writes.
                 let key = format!("{}/engine", unique_id_key(self.generation, set_id, 0));
-                nccl.exchange_unique_id(store, &key, me, self.timeout)?
+                nccl.exchange_unique_id(store.as_ref(), &key, me, self.timeout)?
             }
         };
         drop(device);
@@ -383,7 +382,8 @@ impl DeviceState {
                     "{}/engine",
                     unique_id_key(self.generation, set_id, 1 + layout.mine as u32)
                 );
-                let id = nccl.exchange_unique_id(&store, &key, layout.local, self.timeout)?;
+                let id =
+                    nccl.exchange_unique_id(store.as_ref(), &key, layout.local, self.timeout)?;
                 let c = DeviceComm::init(
                     &nccl,
                     &id,
