@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from .. import _api, _lifecycle
 from .._api import Average, Max, Min, Product, Sum
@@ -79,6 +80,12 @@ class _Completer:
         self._lock = threading.Lock()
 
     def add(self, work: "_Work") -> None:
+        if threading.current_thread() is self._thread:
+            # A future's callback asked for another future (PowerSGD's hook chains collectives
+            # and waits on them inside its callbacks): queued behind the callback running
+            # here, it would never complete. The callback waits for it, so settle it now.
+            work._settle()
+            return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ferrovod-futures",
@@ -218,9 +225,10 @@ def _copy_into(outs: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
             at += n
 
 
-class ProcessGroup(dist.ProcessGroup):
-    """A torch.distributed process group whose collectives run on ferrovod's engine. Made by
-    torch (``init_process_group("ferrovod")``), not by hand."""
+class ProcessGroup(_C10dBackend):
+    """The backend of a torch.distributed process group whose collectives run on ferrovod's
+    engine. torch makes it (``init_process_group("ferrovod")``) and puts it under the group it
+    hands the user, as it does gloo's."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, group_id: str,
                  process_set: ProcessSet, owns_engine: bool) -> None:
@@ -557,12 +565,14 @@ class ProcessGroup(dist.ProcessGroup):
                                   "barrier")
         return self._work(h, lambda _: [], mark)
 
-    def monitored_barrier(self, timeout: Optional[timedelta] = None,
-                          wait_all_ranks: bool = False) -> None:
-        """gloo's monitored barrier, through the group's store: rank 0 waits up to ``timeout``
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, through the group's store: rank 0 waits up to the timeout
         for every other rank and raises naming the first (or, with ``wait_all_ranks``, every)
         rank that did not arrive; the others wait for rank 0's word and raise what it said."""
-        limit = timeout if timeout is not None else self._timeout
+        limit = getattr(opts, "timeout", None) or self._timeout
+        if not isinstance(limit, timedelta):
+            limit = timedelta(milliseconds=float(limit.total_seconds() * 1000)
+                              if hasattr(limit, "total_seconds") else float(limit))
         n = next(self._barriers)
         key = f"ferrovod/monitored_barrier/{n}"
         if self._rank != 0:
@@ -609,12 +619,6 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
     def shutdown(self) -> None:
         """Ends the group; the default group stops the engine it started
         (``destroy_process_group``), after which ``init_process_group`` may start another."""
@@ -649,7 +653,7 @@ def _formings(store: Any, size: int) -> int:
     return (int(store.add("ferrovod/formings", 1)) - 1) // size
 
 
-def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:  # noqa: D417
     """torch's creator: the default group starts (or joins) the engine over the store torch
     hands in; other groups are not here yet."""
     del backend_options

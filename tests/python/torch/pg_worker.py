@@ -1,0 +1,348 @@
+"""One rank of a job on torch.distributed's ``backend="ferrovod"``, started by torchrun (see
+test_process_group.py). Every check compares the ferrovod group's result with a reference
+computed here from every rank's inputs (each rank can make any rank's inputs: they are a
+function of the rank), and, where gloo has the op, with a gloo group over the same ranks in the
+same process. Each rank prints ``rank <r> OK <checks>`` at the end.
+
+Sections (argv[1:], all by default): collectives, objects, ddp, hooks, lifecycle.
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ferrovod.torch  # noqa: F401 - registers the backend
+
+CHECKS = 0
+R = dist.ReduceOp
+
+
+def check(ok, what):
+    global CHECKS
+    if not ok:
+        raise AssertionError(f"rank {dist.get_rank()}: {what}")
+    CHECKS += 1
+
+
+def same(a, b, what, tol=0.0):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    check(a.shape == b.shape and a.dtype == b.dtype,
+          f"{what}: {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}")
+    if tol:
+        ok = torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
+    else:
+        ok = torch.equal(a, b)
+    check(ok, f"{what}: got {a.flatten()[:8].tolist()}, want {b.flatten()[:8].tolist()}")
+
+
+def make(rank, shape, dtype, salt, small=False):
+    """Rank ``rank``'s input: small integers (halves for floats), exact in every dtype, so
+    sums of 2-3 ranks are exact too; ``small``: values in {1, 2} for products."""
+    g = torch.Generator().manual_seed(7919 * salt + rank)
+    if small:
+        return torch.randint(1, 3, shape, generator=g).to(dtype)
+    if dtype == torch.uint8:
+        return torch.randint(0, 60, shape, generator=g).to(dtype)
+    x = torch.randint(-40, 41, shape, generator=g)
+    return (x.to(dtype) / 2) if dtype.is_floating_point else x.to(dtype)
+
+
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int32, torch.int64, torch.int8, torch.uint8]
+SHAPES = [(), (1,), (7,), (1023,), (3, 5)]
+
+
+def np_reduce(xs, op):
+    arr = np.stack([x.double().numpy() if x.dtype.is_floating_point else x.numpy().astype(np.int64)
+                    for x in xs])
+    if op == R.SUM:
+        return arr.sum(0)
+    if op == R.AVG:
+        return arr.mean(0)
+    if op == R.MIN:
+        return arr.min(0)
+    if op == R.MAX:
+        return arr.max(0)
+    if op == R.PRODUCT:
+        return arr.prod(0)
+    fn = {R.BAND: np.bitwise_and, R.BOR: np.bitwise_or, R.BXOR: np.bitwise_xor}[op]
+    out = arr[0]
+    for a in arr[1:]:
+        out = fn(out, a)
+    return out
+
+
+def ref(arr, dtype, shape=None):
+    """A NumPy result as a tensor of ``dtype`` (0-d results included)."""
+    t = torch.from_numpy(np.array(arr, dtype=np.float64 if dtype.is_floating_point else np.int64))
+    t = t.to(dtype)
+    return t if shape is None else t.reshape(shape)
+
+
+def tol_of(dtype):
+    return {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6}.get(
+        dtype, 1e-12 if dtype.is_floating_point else 0.0)
+
+
+def section_collectives(gloo):
+    r, n = dist.get_rank(), dist.get_world_size()
+    salt = 1
+    for dtype in FLOATS + INTS:
+        for shape in SHAPES:
+            salt += 1
+            ops = [R.SUM, R.MIN, R.MAX, R.PRODUCT]
+            ops += [R.AVG] if dtype.is_floating_point else [R.BAND, R.BOR, R.BXOR]
+            for op in ops:
+                small = op == R.PRODUCT
+                xs = [make(k, shape, dtype, salt, small) for k in range(n)]
+                want = ref(np_reduce(xs, op), dtype, shape)
+                t = xs[r].clone()
+                dist.all_reduce(t, op=op)
+                what = f"all_reduce {op} {dtype} {shape}"
+                same(t, want, what, tol_of(dtype) if op == R.AVG else 0.0)
+                if op != R.AVG and not (dtype in (torch.float16, torch.bfloat16) and op == R.PRODUCT):
+                    g = xs[r].clone()
+                    dist.all_reduce(g, op=op, group=gloo)
+                    same(t, g, f"{what} against gloo")
+            if dtype.is_floating_point:
+                # PREMUL_SUM: each rank's tensor times the factor, then summed.
+                xs = [make(k, shape, dtype, salt) for k in range(n)]
+                t = xs[r].clone()
+                dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+                want = ref(np_reduce(xs, R.SUM) * 0.5, dtype, shape)
+                same(t, want, f"all_reduce PREMUL_SUM {dtype} {shape}", tol_of(dtype))
+            # broadcast from every root
+            for root in range(n):
+                t = make(r, shape, dtype, salt + 100)
+                dist.broadcast(t, src=root)
+                same(t, make(root, shape, dtype, salt + 100), f"broadcast from {root} {dtype} {shape}")
+            # all_gather, all_gather_into_tensor, gather
+            mine = make(r, shape, dtype, salt + 200)
+            everyone = [make(k, shape, dtype, salt + 200) for k in range(n)]
+            outs = [torch.empty(shape, dtype=dtype) for _ in range(n)]
+            dist.all_gather(outs, mine)
+            for k in range(n):
+                same(outs[k], everyone[k], f"all_gather {dtype} {shape} from {k}")
+            flat = torch.empty((n * max(mine.numel(), 1),), dtype=dtype)
+            dist.all_gather_into_tensor(flat, mine.reshape(-1) if mine.dim() else mine.reshape(1))
+            same(flat, torch.cat([e.reshape(-1) for e in everyone]), f"all_gather_into_tensor {dtype} {shape}")
+            for root in range(n):
+                got = [torch.empty(shape, dtype=dtype) for _ in range(n)] if r == root else None
+                dist.gather(mine, got, dst=root)
+                if r == root:
+                    for k in range(n):
+                        same(got[k], everyone[k], f"gather to {root} {dtype} {shape} from {k}")
+            # reduce to each root; the others keep their tensor
+            xs = [make(k, shape, dtype, salt + 300) for k in range(n)]
+            for root in range(n):
+                t = xs[r].clone()
+                dist.reduce(t, dst=root, op=R.SUM)
+                want = ref(np_reduce(xs, R.SUM), dtype, shape)
+                same(t, want if r == root else xs[r], f"reduce to {root} {dtype} {shape}")
+        # reduce-scatter and alltoall on a few odd sizes per dtype
+        for per in (1, 5, 333):
+            salt += 1
+            xs = [make(k, (n * per,), dtype, salt) for k in range(n)]
+            ops = [R.SUM, R.MAX] + ([R.AVG] if dtype.is_floating_point else [R.BOR])
+            for op in ops:
+                out = torch.empty(per, dtype=dtype)
+                dist.reduce_scatter_tensor(out, xs[r].clone(), op=op)
+                whole = ref(np_reduce(xs, op), dtype)
+                what = f"reduce_scatter_tensor {op} {dtype} {per}"
+                same(out, whole[r * per:(r + 1) * per], what, tol_of(dtype) if op == R.AVG else 0.0)
+                if op == R.SUM:
+                    out2 = torch.empty(per, dtype=dtype)
+                    dist.reduce_scatter(out2, list(xs[r].clone().chunk(n)), op=op)
+                    same(out2, out, f"reduce_scatter (list) {dtype} {per}")
+                    g = torch.empty(per, dtype=dtype)
+                    dist.reduce_scatter_tensor(g, xs[r].clone(), op=op, group=gloo)
+                    same(out, g, f"{what} against gloo")
+            # all_to_all_single, uneven: rank k sends (j + k) % 3 + per rows of 2 to rank j
+            rows = lambda k, j: (j + k) % 3 + per  # noqa: E731
+            sends = [rows(r, j) for j in range(n)]
+            recvs = [rows(k, r) for k in range(n)]
+            inp = make(r, (sum(sends), 2), dtype, salt + 50)
+            out = torch.empty((sum(recvs), 2), dtype=dtype)
+            dist.all_to_all_single(out, inp, recvs, sends)
+            want = []
+            for k in range(n):
+                theirs = make(k, (sum(rows(k, j) for j in range(n)), 2), dtype, salt + 50)
+                start = sum(rows(k, j) for j in range(r))
+                want.append(theirs[start:start + rows(k, r)])
+            same(out, torch.cat(want), f"all_to_all_single uneven {dtype} {per}")
+            g = torch.empty_like(out)
+            dist.all_to_all_single(g, inp, recvs, sends, group=gloo)
+            same(out, g, f"all_to_all_single {dtype} {per} against gloo")
+            # all_to_all of lists, scatter
+            ins = [make(r * n + j, (per,), dtype, salt + 60) for j in range(n)]
+            outs = [torch.empty(per, dtype=dtype) for _ in range(n)]
+            dist.all_to_all(outs, ins)
+            for k in range(n):
+                same(outs[k], make(k * n + r, (per,), dtype, salt + 60), f"all_to_all {dtype} from {k}")
+            for root in range(n):
+                out = torch.empty(per, dtype=dtype)
+                parts = [make(root * n + j, (per,), dtype, salt + 70) for j in range(n)]
+                dist.scatter(out, parts if r == root else None, src=root)
+                same(out, parts[r], f"scatter from {root} {dtype} {per}")
+    # async ops: work.wait() and the future's value
+    t = torch.full((10,), float(r + 1))
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    val = fut.wait()
+    want = torch.full((10,), float(n * (n + 1) // 2))
+    same(val[0], want, "all_reduce future value")
+    work.wait()
+    same(t, want, "all_reduce async in place")
+    works = [dist.all_reduce(torch.full((3,), float(k)), async_op=True) for k in range(20)]
+    for w in reversed(works):
+        w.wait()
+    check(True, "20 async ops waited in reverse order")
+    chained = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(
+        lambda f: f.value()[0] * 2)
+    same(chained.wait(), torch.full((4,), 2.0 * n), "a future's then()")
+    dist.barrier()
+    check(True, "barrier")
+    dist.monitored_barrier(wait_all_ranks=True)
+    check(True, "monitored_barrier")
+
+
+def section_objects():
+    r, n = dist.get_rank(), dist.get_world_size()
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "data": list(range(r))})
+    check(objs == [{"rank": k, "data": list(range(k))} for k in range(n)], f"all_gather_object {objs}")
+    box = [{"from": 0, "x": [1, 2, 3]}] if r == 0 else [None]
+    dist.broadcast_object_list(box, src=0)
+    check(box == [{"from": 0, "x": [1, 2, 3]}], f"broadcast_object_list {box}")
+    got = [None] * n if r == n - 1 else None
+    dist.gather_object(("r", r), got, dst=n - 1)
+    if r == n - 1:
+        check(got == [("r", k) for k in range(n)], f"gather_object {got}")
+    out = [None]
+    dist.scatter_object_list(out, [f"to {k}" for k in range(n)] if r == 0 else None, src=0)
+    check(out == [f"to {r}"], f"scatter_object_list {out}")
+
+
+class Net(nn.Module):
+    """Two heads, one of them unused on odd steps (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.body = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU())
+        self.head_a = nn.Linear(32, 3)
+        self.head_b = nn.Linear(32, 3)
+
+    def forward(self, x, use_b=True):
+        h = self.body(x)
+        return self.head_a(h) + (self.head_b(h) if use_b else 0)
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def train(group, steps, unused=False, accumulate=0, bucket_mb=25.0, static=False, hook=None,
+          hook_state=None):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r = dist.get_rank()
+    model = DDP(Net(), process_group=group, find_unused_parameters=unused,
+                bucket_cap_mb=bucket_mb, static_graph=static)
+    if hook is not None:
+        model.register_comm_hook(hook_state(group) if hook_state else group, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(steps):
+        x, y = batch(step, r)
+        use_b = not (unused and step % 2)
+        if accumulate and step % accumulate:
+            with model.no_sync():
+                nn.functional.cross_entropy(model(x, use_b), y).backward()
+            continue
+        nn.functional.cross_entropy(model(x, use_b), y).backward()
+        grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], grads
+
+
+def compare_runs(a, b, what, tol):
+    (wa, ga), (wb, gb) = a, b
+    for i, (x, y) in enumerate(zip(wa, wb)):
+        same(x, y, f"{what}: weight {i}", tol)
+    for s, (sa, sb) in enumerate(zip(ga, gb)):
+        for i, (x, y) in enumerate(zip(sa, sb)):
+            check((x is None) == (y is None), f"{what}: step {s} grad {i} presence")
+            if x is not None:
+                same(x, y, f"{what}: step {s} grad {i}", tol)
+
+
+def section_ddp(gloo):
+    tol = 1e-6
+    for kwargs in [dict(), dict(bucket_mb=0.001), dict(unused=True), dict(accumulate=2),
+                   dict(static=True), dict(bucket_mb=0.01, unused=True, accumulate=3)]:
+        ours = train(None, 6, **kwargs)
+        theirs = train(gloo, 6, **kwargs)
+        compare_runs(ours, theirs, f"DDP {kwargs}", tol)
+
+
+def section_hooks(gloo):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    for name, hook, state in [
+        ("fp16", dh.fp16_compress_hook, None),
+        ("bf16", dh.bf16_compress_hook, None),
+        ("allreduce", dh.allreduce_hook, None),
+        ("powerSGD", ps.powerSGD_hook,
+         lambda g: ps.PowerSGDState(process_group=g, matrix_approximation_rank=2,
+                                    start_powerSGD_iter=2, random_seed=3)),
+    ]:
+        ours = train(None, 5, hook=hook, hook_state=state)
+        theirs = train(gloo, 5, hook=hook, hook_state=state)
+        compare_runs(ours, theirs, f"DDP with the {name} hook", 1e-3 if name != "allreduce" else 1e-6)
+
+
+def section_lifecycle():
+    """destroy_process_group, then a new init_process_group in the same processes."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    for again in range(2):
+        dist.destroy_process_group()
+        dist.init_process_group("ferrovod")
+        t = torch.full((4,), float(r))
+        dist.all_reduce(t)
+        same(t, torch.full((4,), float(n * (n - 1) // 2)), f"all_reduce after re-init {again}")
+
+
+def main():
+    sections = sys.argv[1:] or ["collectives", "objects", "ddp", "hooks", "lifecycle"]
+    dist.init_process_group("ferrovod")
+    check(dist.get_backend() == "ferrovod", f"backend {dist.get_backend()}")
+    check(dist.get_rank() == int(os.environ["RANK"]), "rank from torchrun")
+    gloo = dist.new_group(backend="gloo")
+    for s in sections:
+        if s == "collectives":
+            section_collectives(gloo)
+        elif s == "objects":
+            section_objects()
+        elif s == "ddp":
+            section_ddp(gloo)
+        elif s == "hooks":
+            section_hooks(gloo)
+        elif s == "lifecycle":
+            section_lifecycle()
+            gloo = None
+        print(f"rank {dist.get_rank()} section {s}: {CHECKS}", flush=True)
+    r = dist.get_rank()
+    dist.destroy_process_group()
+    print(f"rank {r} OK {CHECKS}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
