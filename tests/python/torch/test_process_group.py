@@ -1,12 +1,16 @@
 """torch.distributed's ``backend="ferrovod"`` (ferrovod/torch/process_group.py), in jobs that
-torchrun starts as users do (``--standalone``: torchrun binds its own free port): every
+torchrun starts as users do (``--standalone``: torchrun binds its own free port), or plain
+processes joining through ``file://``: every
 collective torch's process group offers, against NumPy references and against a gloo group
 over the same ranks in the same processes, over several dtypes, shapes, odd sizes and reduce
 ops; DDP (buckets, unused parameters, no_sync, static graph) and its communication hooks
 (fp16, bf16, PowerSGD) equal to DDP on gloo; destroy_process_group and a new
-init_process_group in the same processes. See pg_worker.py."""
+init_process_group in the same processes (pg_worker.py); ranks that disagree on a
+collective's shape, dtype, op or root, and a rank killed mid-op: an error naming the ranks on
+every other rank, never a hang (pg_fail_worker.py)."""
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,3 +47,35 @@ def test_collectives_match_numpy_and_gloo(n):
 def test_ddp_and_its_hooks_match_gloo_and_a_group_starts_again(n):
     found = checks(torchrun(n, "ddp", "hooks", "lifecycle"), n)
     assert min(found.values()) > 1000, found
+
+
+def plain_ranks(n, mode, tmp_path, timeout=120):
+    """``n`` plain processes of pg_fail_worker.py joining over a file store; their outputs."""
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "pg_fail_worker.py"), mode, str(r),
+                               str(n), str(store)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=_env(None, plain=True))
+             for r in range(n)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return procs, outs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_that_disagree_fail_on_every_rank_and_the_job_goes_on(n, tmp_path):
+    procs, outs = plain_ranks(n, "mismatch", tmp_path)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and re.search(rf"^rank {r} OK (\d+)$", out, re.M), \
+            f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
+
+
+def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
+    n = 3
+    procs, outs = plain_ranks(n, "kill", tmp_path)
+    assert procs[n - 1].returncode == -9, outs[n - 1][-2000:]
+    for r in range(n - 1):
+        assert procs[r].returncode == 0 and f"rank {r} OK" in outs[r], \
+            f"rank {r} (exit {procs[r].returncode}):\n{outs[r][-4000:]}"

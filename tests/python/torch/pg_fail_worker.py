@@ -1,0 +1,83 @@
+"""One rank of a ``backend="ferrovod"`` job whose ranks disagree or die (see
+test_process_group.py). Started as a plain process: ``pg_fail_worker.py <mode> <rank> <size>
+<file store path>``, joining through ``init_method="file://..."`` with a 600 s timeout, so that
+an error that comes is the engine's report, never the timeout.
+
+- ``mismatch``: ranks disagree on a collective's shape, then dtype, then reduce op; every rank
+  must get an error naming the ranks, and the job must go on (the next op is checked).
+- ``kill``: the last rank SIGKILLs itself while the others are in an allreduce; they must get
+  a rank-failure error naming it.
+
+Each rank prints ``rank <r> OK <checks>`` when all its checks held.
+"""
+
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import ferrovod.torch  # noqa: F401 - registers the backend
+from ferrovod.exceptions import MismatchError, RankFailureError
+
+mode, rank, size, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+checks = 0
+
+
+def check(ok, what):
+    global checks
+    if not ok:
+        print(f"rank {rank} FAIL {what}", flush=True)
+        sys.exit(1)
+    checks += 1
+
+
+dist.init_process_group("ferrovod", init_method=f"file://{path}", rank=rank, world_size=size,
+                        timeout=timedelta(seconds=600))
+t = torch.ones(4)
+dist.all_reduce(t)
+check(torch.equal(t, torch.full((4,), float(size))), f"first all_reduce {t}")
+
+if mode == "mismatch":
+    others = ", ".join(str(r) for r in range(1, size))
+    cases = [
+        ("shape", lambda: dist.all_reduce(torch.ones(3 if rank == 0 else 5))),
+        ("dtype", lambda: dist.all_reduce(torch.ones(3, dtype=torch.float32 if rank == 0
+                                                     else torch.float64))),
+        ("op", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.SUM if rank == 0
+                                       else dist.ReduceOp.MAX)),
+        ("root", lambda: dist.broadcast(torch.ones(3), src=0 if rank == 0 else 1)),
+    ]
+    for what, call in cases:
+        try:
+            call()
+            check(False, f"a {what} mismatch raised nothing")
+        except MismatchError as e:
+            text = str(e)
+            print(f"rank {rank} {what}: {text}", flush=True)
+            check("rank 0" in text or "ranks 0" in text, f"{what}: rank 0 not named: {text}")
+            check(any(f"{r}" in text for r in range(1, size)),
+                  f"{what}: ranks {others} not named: {text}")
+        t = torch.full((2,), float(rank))
+        dist.all_reduce(t)
+        check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
+              f"the job goes on after the {what} mismatch: {t}")
+    dist.destroy_process_group()
+elif mode == "kill":
+    victim = size - 1
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+        work.wait()
+        check(False, "an allreduce with a dead rank completed")
+    except RankFailureError as e:
+        print(f"rank {rank} error: {e}", flush=True)
+        check(f"rank {victim}" in str(e), f"the dead rank is not named: {e}")
+    print(f"rank {rank} OK {checks}", flush=True)
+    # The engine has lost a peer: leave without a shutdown that would wait on it.
+    os._exit(0)
+print(f"rank {rank} OK {checks}", flush=True)
