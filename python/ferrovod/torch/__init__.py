@@ -85,9 +85,13 @@ from .ops import (
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from . import elastic  # noqa: E402 - hvd.elastic, as in Horovod; needs the names above
-from . import process_group  # noqa: E402 - torch.distributed's backend "ferrovod"
+import torch.distributed as _dist  # noqa: E402
 
-process_group.register()
+if _dist.is_available():
+    # torch.distributed's backend "ferrovod" (a torch built without distributed has none).
+    from . import process_group  # noqa: E402
+
+    process_group.register()
 
 
 __all__ = [
