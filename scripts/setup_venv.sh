@@ -35,7 +35,9 @@ done
 # are for ferrovod.torch's tests and examples/pytorch_digits.py. mpi4py (a binary wheel that
 # loads the system's libmpi at run time) is for the rendezvous over MPI under plain mpirun;
 # PyYAML reads the Kubernetes examples in their tests; pytest-xdist runs the suite in two
-# processes (most tests wait on the jobs they launch). tensorflow-cpu and keras (Keras 3) are for
+# processes (most tests wait on the jobs they launch). pytest 9.2 builds a test's id where
+# pytest-xdist 3.8 no longer labels it with its xdist_group, so the groups that keep the
+# network-namespace, Ray and Spark tests on one worker at a time would split across both. tensorflow-cpu and keras (Keras 3) are for
 # ferrovod.tensorflow / ferrovod.keras, their tests and examples; >=2.16 is the first TensorFlow
 # that ships Keras 3, the line Horovod 0.28 cannot run on. ray (with Ray Train, whose trainers
 # ferrovod runs inside) and pyspark are for ferrovod.ray,
@@ -48,7 +50,7 @@ PACKAGES=(
     "maturin>=1.5,<2"
     "numpy>=1.22"
     "cloudpickle>=2"
-    "pytest>=7"
+    "pytest>=7,<9.2"
     "pytest-timeout>=2"
     "pytest-xdist>=3"
     "ml_dtypes>=0.2"
