@@ -4,7 +4,7 @@ computed here from every rank's inputs (each rank can make any rank's inputs: th
 function of the rank), and, where gloo has the op, with a gloo group over the same ranks in the
 same process. Each rank prints ``rank <r> OK <checks>`` at the end.
 
-Sections (argv[1:], all by default): collectives, objects, ddp, hooks, lifecycle.
+Sections (argv[1:], all by default): collectives, objects, ddp, hooks, fsdp, join, lifecycle.
 """
 
 import os
@@ -309,6 +309,70 @@ def section_hooks(gloo):
         compare_runs(ours, theirs, f"DDP with the {name} hook", 1e-3 if name != "allreduce" else 1e-6)
 
 
+def section_fsdp():
+    """FSDP2 (fully_shard over a 1-D device mesh on the CPU) equal to one process training the
+    same model on the whole batch: parameters all-gathered, gradients reduce-scattered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 7), nn.ReLU(), nn.Linear(7, 4))
+    ref = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 7), nn.ReLU(), nn.Linear(7, 4))
+    ref.load_state_dict(model.state_dict())
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    per = 5
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(per * n, 16, generator=g), torch.randn(per * n, 4, generator=g)
+        mine = slice(r * per, (r + 1) * per)
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        same(full[k], v, f"FSDP2 {k} after 5 steps", 1e-5)
+
+
+def section_join():
+    """Uneven inputs with Join: rank r has 3 + r batches; DDP's joined ranks shadow the others'
+    allreduces, so the weights equal one process stepping on the same batches it got (the
+    ranks that still have data), computed here for every step."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = DDP(Net())
+    ref = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with Join([model]):
+        for step in range(3 + r):
+            x, y = batch(step, r)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for step in range(3 + n - 1):
+        live = [k for k in range(n) if step < 3 + k]
+        for k in live:
+            x, y = batch(step, k)
+            # DDP averages over every rank, joined ones giving zeros.
+            (nn.functional.cross_entropy(ref(x), y) / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for i, (a, b) in enumerate(zip(model.parameters(), ref.parameters())):
+        same(a.detach(), b.detach(), f"Join: weight {i}", 1e-5)
+
+
 def section_lifecycle():
     """destroy_process_group, then a new init_process_group in the same processes."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -321,7 +385,8 @@ def section_lifecycle():
 
 
 def main():
-    sections = sys.argv[1:] or ["collectives", "objects", "ddp", "hooks", "lifecycle"]
+    sections = sys.argv[1:] or ["collectives", "objects", "ddp", "hooks", "fsdp", "join",
+                                "lifecycle"]
     dist.init_process_group("ferrovod")
     check(dist.get_backend() == "ferrovod", f"backend {dist.get_backend()}")
     check(dist.get_rank() == int(os.environ["RANK"]), "rank from torchrun")
@@ -335,6 +400,10 @@ def main():
             section_ddp(gloo)
         elif s == "hooks":
             section_hooks(gloo)
+        elif s == "fsdp":
+            section_fsdp()
+        elif s == "join":
+            section_join()
         elif s == "lifecycle":
             section_lifecycle()
             gloo = None

@@ -4,7 +4,8 @@ processes joining through ``file://``: every
 collective torch's process group offers, against NumPy references and against a gloo group
 over the same ranks in the same processes, over several dtypes, shapes, odd sizes and reduce
 ops; DDP (buckets, unused parameters, no_sync, static graph) and its communication hooks
-(fp16, bf16, PowerSGD) equal to DDP on gloo; destroy_process_group and a new
+(fp16, bf16, PowerSGD) equal to DDP on gloo; FSDP2 and DDP under Join with uneven inputs
+equal to one process on the same batches; destroy_process_group and a new
 init_process_group in the same processes (pg_worker.py); ranks that disagree on a
 collective's shape, dtype, op or root, and a rank killed mid-op: an error naming the ranks on
 every other rank, never a hang (pg_fail_worker.py)."""
@@ -44,8 +45,8 @@ def test_collectives_match_numpy_and_gloo(n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_ddp_and_its_hooks_match_gloo_and_a_group_starts_again(n):
-    found = checks(torchrun(n, "ddp", "hooks", "lifecycle"), n)
+def test_ddp_hooks_fsdp2_and_join_match_their_references_and_a_group_starts_again(n):
+    found = checks(torchrun(n, "ddp", "hooks", "fsdp", "join", "lifecycle"), n)
     assert min(found.values()) > 1000, found
 
 
