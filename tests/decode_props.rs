@@ -176,6 +176,7 @@ fn arb_to() -> impl Strategy<Value = ToCoordinator> {
         prop::collection::vec(submit, 0..4).prop_map(ToCoordinator::Submit),
         Just(ToCoordinator::Join),
         arb_usizes(6).prop_map(|ranks| ToCoordinator::AddSet { ranks }),
+        arb_usizes(6).prop_map(|ranks| ToCoordinator::AddMemberSet { ranks }),
         any::<u32>().prop_map(|id| ToCoordinator::RemoveSet { id }),
         Just(ToCoordinator::Leave),
         (any::<usize>(), ".{0,24}")

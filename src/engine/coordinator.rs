@@ -914,7 +914,9 @@ impl Relay {
             m @ (ToCoordinator::Submit(_) | ToCoordinator::CachedBelow { .. }) => {
                 self.up.push((from, m))
             }
-            m @ (ToCoordinator::AddSet { .. } | ToCoordinator::RemoveSet { .. }) => {
+            m @ (ToCoordinator::AddSet { .. }
+            | ToCoordinator::AddMemberSet { .. }
+            | ToCoordinator::RemoveSet { .. }) => {
                 // Held ops of a set keep it from being removed, as at the coordinator.
                 self.held.release(links, &mut self.up);
                 self.up.push((from, m));

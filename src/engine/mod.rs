@@ -87,7 +87,8 @@ pub(crate) enum Command {
     /// An op this rank refuses, with the reason (see [`Engine::reject`]).
     Reject(Box<OpSpec>, String, Handle),
     Join(Handle),
-    AddSet(Vec<usize>, mpsc::Sender<Result<u32>>),
+    /// Ranks, whether its members register it alone, where the id goes.
+    AddSet(Vec<usize>, bool, mpsc::Sender<Result<u32>>),
     RemoveSet(u32, mpsc::Sender<Result<bool>>),
     /// Start (path, mark cycles) or stop (`None`) the timeline.
     Timeline(Option<(String, bool)>, mpsc::Sender<Result<()>>),
@@ -305,12 +306,14 @@ impl Engine {
         h
     }
 
-    /// Registers a process set (every rank must call this in the same order). The receiver
-    /// yields its id once every rank has asked for it.
-    pub fn add_process_set(&self, ranks: Vec<usize>) -> SetReply<u32> {
+    /// Registers a process set: every rank calls this in the same order, or with
+    /// `members_only` its members alone (torch.distributed's groups; a set with these ranks
+    /// that exists already is reused). The receiver yields its id once every rank (every
+    /// member) has asked for it.
+    pub fn add_process_set(&self, ranks: Vec<usize>, members_only: bool) -> SetReply<u32> {
         let (tx, rx) = mpsc::channel();
         match self.check_dynamic() {
-            Ok(()) => self.push(Command::AddSet(ranks, tx)),
+            Ok(()) => self.push(Command::AddSet(ranks, members_only, tx)),
             Err(e) => drop(tx.send(Err(e))),
         }
         SetReply(rx)

@@ -338,11 +338,13 @@ fn fast_path_stats() -> PyResult<(u64, u64)> {
     with_engine(|e| Ok(e.fast_path().stats()))
 }
 
-/// Registers a process set; every rank calls it in the same order. Returns its id.
+/// Registers a process set; every rank calls it in the same order, or with `members_only` its
+/// members alone (a set with these ranks that exists already is then reused). Returns its id.
 #[pyfunction]
-fn add_process_set(py: Python<'_>, ranks: Vec<usize>) -> PyResult<u32> {
+#[pyo3(signature = (ranks, members_only=false))]
+fn add_process_set(py: Python<'_>, ranks: Vec<usize>, members_only: bool) -> PyResult<u32> {
     // Not waited for under the engine lock: other threads may keep submitting meanwhile.
-    let reply = with_engine(|e| Ok(e.add_process_set(ranks)))?;
+    let reply = with_engine(|e| Ok(e.add_process_set(ranks, members_only)))?;
     py.detach(|| reply.wait()).map_err(to_pyerr)
 }
 

@@ -28,8 +28,10 @@ What each ``ProcessGroup`` method maps to:
 - ``barrier``: a one-element allreduce. ``monitored_barrier``: through the store, naming the
   ranks that did not arrive in time, as gloo's does.
 
-Not yet here: point-to-point ``send``/``recv``, and groups other than the default one
-(``new_group``) — both say so when asked.
+A group over some of the job's ranks (``new_group``, ``new_subgroups``, a device mesh's
+dimensions) is an engine process set that its members register alone (torch asks only them).
+
+Not yet here: point-to-point ``send``/``recv`` (says so when asked).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 
-from .. import _api, _lifecycle
+from .. import _api, _core, _lifecycle
 from .._api import Average, Max, Min, Product, Sum
 from ..exceptions import InvalidArgumentError
 from ..process_sets import ProcessSet, global_process_set
@@ -247,6 +249,11 @@ class ProcessGroup(_C10dBackend):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
+    def _global(self, group_rank: int) -> int:
+        """The job's rank of this group's rank ``group_rank`` (the engine's roots are)."""
+        ranks = self._set.ranks
+        return group_rank if self._set is global_process_set or not ranks else ranks[group_rank]
+
     def _name(self) -> str:
         """The next op's name: torch issues a group's collectives in one order on every rank."""
         if self._closed:
@@ -346,7 +353,7 @@ class ProcessGroup(_C10dBackend):
         """Overwrites ``tensors`` with the root's, in place."""
         if not tensors:
             return _Done([])
-        root = int(opts.rootRank)
+        root = self._global(int(opts.rootRank))
         name = self._name()
         if len(tensors) == 1:
             h = _ops._broadcast_async(tensors[0], root, name, self._set, True)
@@ -660,18 +667,33 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:  # noqa: D4
     store, rank, size = opts.store, int(opts.group_rank), int(opts.group_size)
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else \
         timedelta(milliseconds=float(opts.timeout))
-    members = list(opts.global_ranks_in_group)
-    if members and members != list(range(_api.size() if _api.is_initialized() else size)):
-        raise NotImplementedError(
-            f"the ferrovod backend runs the default group only so far: new_group({members}) "
-            "is not here yet (use backend='gloo' for subgroups meanwhile)")
+    members = [int(r) for r in opts.global_ranks_in_group]
     if members:
-        return ProcessGroup(store, rank, size, timeout, str(opts.group_id), global_process_set,
-                            owns_engine=False)
+        return _subgroup(store, rank, size, timeout, str(opts.group_id), members)
     started = _lifecycle.init_over_store(store, rank, size, timeout.total_seconds(),
                                          _store_address(store), _formings(store, size))
     return ProcessGroup(store, rank, size, timeout, str(opts.group_id), global_process_set,
                         owns_engine=started)
+
+
+def _subgroup(store: Any, rank: int, size: int, timeout: timedelta, group_id: str,
+              members: List[int]) -> ProcessGroup:
+    """A group over some ranks of the job (``new_group``, ``new_subgroups``, a device mesh's
+    dimensions): an engine process set registered by its members alone, since torch asks only
+    them; a group over every rank is the job's own set."""
+    if not _api.is_initialized():
+        raise InvalidArgumentError(
+            f"new_group(backend='ferrovod') needs the job's default group on ferrovod too: "
+            f"init_process_group('ferrovod') (group {group_id} of ranks {members})")
+    if members != sorted(members) or len(members) != size:
+        raise InvalidArgumentError(f"group {group_id}: ranks {members} must be sorted and "
+                                   f"{size} in number")
+    if members == list(range(_api.size())):
+        ps = global_process_set
+    else:
+        ps = ProcessSet(members)
+        ps.process_set_id = int(_core.add_process_set(members, True))
+    return ProcessGroup(store, rank, size, timeout, group_id, ps, owns_engine=False)
 
 
 def register() -> None:

@@ -234,6 +234,13 @@ pub enum ToCoordinator {
         /// Sorted global ranks.
         ranks: Vec<usize>,
     },
+    /// Register a process set among its members alone: each member sends it, the others never
+    /// hear of it (torch.distributed makes a group's backend on its members only). A set with
+    /// these ranks that exists already is answered at once.
+    AddMemberSet {
+        /// Sorted global ranks.
+        ranks: Vec<usize>,
+    },
     /// Unregister a process set.
     RemoveSet {
         /// Its id.
@@ -415,6 +422,9 @@ impl ToCoordinator {
             ToCoordinator::RemoveSet { id } => {
                 w.u8(4).u32(*id);
             }
+            ToCoordinator::AddMemberSet { ranks } => {
+                w.u8(10).usizes(ranks);
+            }
             ToCoordinator::Leave => {
                 w.u8(5);
             }
@@ -474,6 +484,7 @@ impl ToCoordinator {
             2 => ToCoordinator::Join,
             3 => ToCoordinator::AddSet { ranks: r.usizes()? },
             4 => ToCoordinator::RemoveSet { id: r.u32()? },
+            10 => ToCoordinator::AddMemberSet { ranks: r.usizes()? },
             5 => ToCoordinator::Leave,
             6 => ToCoordinator::Stalled {
                 rank: r.usize()?,

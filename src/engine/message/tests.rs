@@ -35,6 +35,7 @@ fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
         ]),
         ToCoordinator::Join,
         ToCoordinator::AddSet { ranks: vec![0, 2] },
+        ToCoordinator::AddMemberSet { ranks: vec![1, 3] },
         ToCoordinator::RemoveSet { id: 4 },
         ToCoordinator::Leave,
         ToCoordinator::Stalled {

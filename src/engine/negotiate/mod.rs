@@ -231,6 +231,9 @@ pub struct Negotiator {
     /// before every member submitted it, and readiness takes a scan of the set.
     joined_or_gone: bool,
     set_ops: Vec<VecDeque<ToCoordinator>>,
+    /// Sets being registered by their members alone ([`ToCoordinator::AddMemberSet`]): the
+    /// members that have asked so far.
+    member_sets: HashMap<Vec<usize>, Vec<usize>>,
     fusion_threshold: usize,
     cache_capacity: usize,
     /// Ready responses not yet sent (released by [`Negotiator::flush`]).
@@ -265,6 +268,7 @@ impl Negotiator {
             gone: vec![None; size],
             joined_or_gone: false,
             set_ops: vec![VecDeque::new(); size],
+            member_sets: HashMap::new(),
             fusion_threshold,
             cache_capacity,
             ready: Vec::new(),
@@ -339,6 +343,7 @@ impl Negotiator {
                 self.set_ops[from].push_back(m);
                 self.process_set_ops(out);
             }
+            ToCoordinator::AddMemberSet { ranks } => self.add_member_set(from, ranks, out),
             ToCoordinator::Leave => self.rank_gone(from, Gone::Left, LEFT.into(), out),
             ToCoordinator::Stalled { rank, detail } if rank < self.size => self.rank_gone(
                 rank,
@@ -387,6 +392,74 @@ impl Negotiator {
         }
         self.fail_join();
         self.process_set_ops(out);
+        // A set its members register alone cannot form without this one.
+        let stuck: Vec<Vec<usize>> = self
+            .member_sets
+            .keys()
+            .filter(|ranks| ranks.contains(&rank))
+            .cloned()
+            .collect();
+        for ranks in stuck {
+            let asked = self.member_sets.remove(&ranks).unwrap_or_default();
+            let (_, why) = gone_error(rank, self.gone[rank].as_deref().unwrap_or_default(), "");
+            out.push((
+                asked,
+                FromCoordinator::SetAdded {
+                    result: Err(format!("process set {ranks:?} cannot be made: {why}")),
+                    ranks,
+                },
+            ));
+        }
+    }
+
+    /// `from` asks for the set of `ranks` among its members alone: it is made (or found) once
+    /// every member has asked, and only they are told its id.
+    fn add_member_set(&mut self, from: usize, ranks: Vec<usize>, out: &mut Outbox) {
+        let bad = !ranks.contains(&from)
+            || ranks.iter().any(|&r| r >= self.size)
+            || ranks.windows(2).any(|w| w[0] >= w[1]);
+        if bad {
+            let result = Err(format!(
+                "invalid process set ranks {ranks:?} (asked by rank {from}, which must be one \
+                 of them)"
+            ));
+            out.push((vec![from], FromCoordinator::SetAdded { ranks, result }));
+            return;
+        }
+        if let Some((&id, _)) = self.sets.iter().find(|(_, s)| s.ranks == ranks) {
+            out.push((
+                vec![from],
+                FromCoordinator::SetAdded {
+                    ranks,
+                    result: Ok(id),
+                },
+            ));
+            return;
+        }
+        if let Some(r) = ranks.iter().find(|&&r| self.gone[r].is_some()) {
+            let (_, why) = gone_error(*r, self.gone[*r].as_deref().unwrap_or_default(), "");
+            let result = Err(format!("process set {ranks:?} cannot be made: {why}"));
+            out.push((vec![from], FromCoordinator::SetAdded { ranks, result }));
+            return;
+        }
+        let asked = self.member_sets.entry(ranks.clone()).or_default();
+        if !asked.contains(&from) {
+            asked.push(from);
+        }
+        if asked.len() < ranks.len() {
+            return;
+        }
+        self.member_sets.remove(&ranks);
+        let id = self.next_set_id;
+        self.next_set_id += 1;
+        self.sets.insert(id, SetState::new(ranks.clone()));
+        out.push((
+            ranks.clone(),
+            FromCoordinator::SetAdded {
+                ranks,
+                result: Ok(id),
+            },
+        ));
     }
 
     /// A `join()` needs every rank: once one has gone without joining, the ranks that joined

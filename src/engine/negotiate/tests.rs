@@ -613,3 +613,76 @@ fn a_relays_claim_and_a_full_op_of_another_kind_under_one_name_disagree() {
     n.flush(&mut out);
     assert!(responses(&out, 0).is_empty());
 }
+
+/// The set's id, when `out` tells exactly `to` that set `ranks` was added.
+fn set_added(out: &Outbox, to: &[usize], ranks: &[usize]) -> Option<Result<u32, String>> {
+    out.iter().find_map(|(t, m)| match m {
+        FromCoordinator::SetAdded { ranks: r, result } if t == to && r == ranks => {
+            Some(result.clone())
+        }
+        _ => None,
+    })
+}
+
+#[test]
+fn a_set_its_members_register_alone_is_made_once_all_of_them_asked_and_told_only_them() {
+    let mut n = Negotiator::new(4, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(
+        2,
+        ToCoordinator::AddMemberSet { ranks: vec![0, 2] },
+        &mut out,
+    );
+    assert!(out.is_empty(), "rank 0 has not asked yet: {out:?}");
+    n.handle(
+        0,
+        ToCoordinator::AddMemberSet { ranks: vec![0, 2] },
+        &mut out,
+    );
+    let id = set_added(&out, &[0, 2], &[0, 2])
+        .expect("told both members")
+        .unwrap();
+    assert_eq!(n.members(id), Some(&[0, 2][..]));
+    // A second group over the same ranks reuses the set, answered at once.
+    out.clear();
+    n.handle(
+        2,
+        ToCoordinator::AddMemberSet { ranks: vec![0, 2] },
+        &mut out,
+    );
+    assert_eq!(set_added(&out, &[2], &[0, 2]), Some(Ok(id)));
+    // A rank may only ask for a set it is in.
+    out.clear();
+    n.handle(
+        1,
+        ToCoordinator::AddMemberSet { ranks: vec![0, 2] },
+        &mut out,
+    );
+    assert!(set_added(&out, &[1], &[0, 2]).unwrap().is_err());
+}
+
+#[test]
+fn a_member_set_waiting_on_a_dead_rank_fails_naming_it() {
+    let mut n = Negotiator::new(3, &[], 1 << 20, 16);
+    let mut out = Vec::new();
+    n.handle(
+        0,
+        ToCoordinator::AddMemberSet { ranks: vec![0, 1] },
+        &mut out,
+    );
+    n.rank_gone(1, Gone::Died, "connection lost".into(), &mut out);
+    let err = set_added(&out, &[0], &[0, 1])
+        .expect("told rank 0")
+        .unwrap_err();
+    assert!(err.contains("rank 1"), "{err}");
+    out.clear();
+    n.handle(
+        2,
+        ToCoordinator::AddMemberSet { ranks: vec![1, 2] },
+        &mut out,
+    );
+    assert!(set_added(&out, &[2], &[1, 2])
+        .unwrap()
+        .unwrap_err()
+        .contains("rank 1"));
+}

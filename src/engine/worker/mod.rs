@@ -264,13 +264,17 @@ impl Worker {
                 self.join = Some(handle);
                 self.send(ToCoordinator::Join);
             }
-            Command::AddSet(ranks, tx) => {
+            Command::AddSet(ranks, members_only, tx) => {
                 if let Some(e) = &self.failed {
                     let _ = tx.send(Err(e.clone()));
                     return;
                 }
                 self.set_waiters.push_back(SetWaiter::Add(tx));
-                self.send(ToCoordinator::AddSet { ranks });
+                self.send(if members_only {
+                    ToCoordinator::AddMemberSet { ranks }
+                } else {
+                    ToCoordinator::AddSet { ranks }
+                });
             }
             Command::RemoveSet(id, tx) => {
                 if let Some(e) = &self.failed {

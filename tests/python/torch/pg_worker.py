@@ -4,7 +4,7 @@ computed here from every rank's inputs (each rank can make any rank's inputs: th
 function of the rank), and, where gloo has the op, with a gloo group over the same ranks in the
 same process. Each rank prints ``rank <r> OK <checks>`` at the end.
 
-Sections (argv[1:], all by default): collectives, objects, ddp, hooks, fsdp, join, lifecycle.
+Sections (argv[1:], all by default): collectives, subgroups, objects, ddp, hooks, fsdp, join, lifecycle.
 """
 
 import os
@@ -210,6 +210,59 @@ def section_collectives(gloo):
     check(True, "monitored_barrier")
 
 
+def section_subgroups():
+    """Groups over some ranks (new_group, new_subgroups_by_enumeration): each rank's ops on
+    its groups against NumPy and a gloo group over the same ranks; a rank outside a group
+    never calls it. A second group over the same ranks shares the engine's set."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    layouts = [[0, n - 1], [r for r in range(n) if r not in (0, n - 1)] or [0]]
+    ours = [dist.new_group(ranks) for ranks in layouts]
+    theirs = [dist.new_group(ranks, backend="gloo") for ranks in layouts]
+    again = dist.new_group(layouts[0])
+    mine_sub, _ = dist.new_subgroups_by_enumeration([[k] for k in range(n)])
+    for ranks, g, gl in zip(layouts, ours, theirs):
+        if r not in ranks:
+            continue
+        m = len(ranks)
+        check(dist.get_world_size(g) == m and dist.get_rank(g) == ranks.index(r), f"group {ranks}")
+        for dtype in (torch.float32, torch.int64):
+            salt = 900 + len(ranks)
+            xs = {k: make(k, (11,), dtype, salt) for k in ranks}
+            t = xs[r].clone()
+            dist.all_reduce(t, group=g)
+            same(t, ref(np_reduce([xs[k] for k in ranks], R.SUM), dtype), f"all_reduce on {ranks} {dtype}")
+            u = xs[r].clone()
+            dist.all_reduce(u, group=gl)
+            same(t, u, f"all_reduce on {ranks} {dtype} against gloo")
+            for src in ranks:
+                b = make(r, (5,), dtype, salt + 1)
+                dist.broadcast(b, src=src, group=g)
+                same(b, make(src, (5,), dtype, salt + 1), f"broadcast from {src} on {ranks}")
+            outs = [torch.empty(4, dtype=dtype) for _ in ranks]
+            dist.all_gather(outs, make(r, (4,), dtype, salt + 2), group=g)
+            for i, k in enumerate(ranks):
+                same(outs[i], make(k, (4,), dtype, salt + 2), f"all_gather on {ranks} from {k}")
+            full = [make(k, (3 * m,), dtype, salt + 3) for k in ranks]
+            out = torch.empty(3, dtype=dtype)
+            dist.reduce_scatter_tensor(out, full[ranks.index(r)].clone(), group=g)
+            whole = ref(np_reduce(full, R.SUM), dtype)
+            i = ranks.index(r)
+            same(out, whole[3 * i:3 * i + 3], f"reduce_scatter_tensor on {ranks}")
+            dst = ranks[-1]
+            red = xs[r].clone()
+            dist.reduce(red, dst=dst, group=g)
+            same(red, ref(np_reduce([xs[k] for k in ranks], R.SUM), dtype) if r == dst else xs[r],
+                 f"reduce to {dst} on {ranks}")
+    if r in layouts[0]:
+        t = torch.full((2,), float(r))
+        dist.all_reduce(t, group=again)
+        same(t, torch.full((2,), float(sum(layouts[0]))), "a second group over the same ranks")
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t, group=mine_sub)
+    same(t, torch.full((3,), float(r + 1)), "a group of one rank")
+    dist.barrier()
+
+
 def section_objects():
     r, n = dist.get_rank(), dist.get_world_size()
     objs = [None] * n
@@ -385,8 +438,8 @@ def section_lifecycle():
 
 
 def main():
-    sections = sys.argv[1:] or ["collectives", "objects", "ddp", "hooks", "fsdp", "join",
-                                "lifecycle"]
+    sections = sys.argv[1:] or ["collectives", "subgroups", "objects", "ddp", "hooks", "fsdp",
+                                "join", "lifecycle"]
     dist.init_process_group("ferrovod")
     check(dist.get_backend() == "ferrovod", f"backend {dist.get_backend()}")
     check(dist.get_rank() == int(os.environ["RANK"]), "rank from torchrun")
@@ -394,6 +447,8 @@ def main():
     for s in sections:
         if s == "collectives":
             section_collectives(gloo)
+        elif s == "subgroups":
+            section_subgroups()
         elif s == "objects":
             section_objects()
         elif s == "ddp":
