@@ -82,7 +82,7 @@ fn ops_through_relays_match_fuse_cache_and_reach_process_sets() {
                 }
             }
             // A set added at run time reaches every relay on its way down.
-            let id = e.add_process_set(vec![2, n - 1]).wait().unwrap();
+            let id = e.add_process_set(vec![2, n - 1], false).wait().unwrap();
             if rank == 2 || rank == n - 1 {
                 let op = allreduce_op("late", &[rank as f32], ReduceOp::Max, id);
                 assert_eq!(
@@ -91,6 +91,20 @@ fn ops_through_relays_match_fuse_cache_and_reach_process_sets() {
                 );
             }
             assert!(e.remove_process_set(id).wait().unwrap());
+            // A set its members register alone (torch.distributed's groups): the others never
+            // ask, and the answer finds its members through the relays.
+            let members = [1, n - 2];
+            if members.contains(&rank) {
+                let id = e.add_process_set(members.to_vec(), true).wait().unwrap();
+                let op = allreduce_op("members", &[rank as f32 + 1.0], ReduceOp::Sum, id);
+                assert_eq!(
+                    result_f32(&e.submit(op).unwrap()).unwrap(),
+                    vec![(n - 2 + 1 + 2) as f32]
+                );
+            }
+            // Rank 0's coordinator serves the members until they are done.
+            let op = allreduce_op("done", &[1.0], ReduceOp::Sum, 0);
+            assert_eq!(result_f32(&e.submit(op).unwrap()).unwrap(), vec![n as f32]);
             rank
         });
         assert_eq!(results, (0..n).collect::<Vec<_>>());
