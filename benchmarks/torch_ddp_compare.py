@@ -1,5 +1,6 @@
 """Training throughput of ferrovod's ``DistributedOptimizer`` beside torch's
-``DistributedDataParallel`` (gloo), in one run, on the same model and data.
+``DistributedDataParallel``, on gloo and on ferrovod's torch.distributed backend, in one run, on
+the same model and data.
 
 Run under the launcher, e.g.::
 
@@ -14,7 +15,10 @@ synthetic batches, SGD with momentum): ferrovod averages gradients with
 ``ferrovod.torch.DistributedOptimizer`` (each gradient's allreduce is submitted from a
 post-accumulate-grad hook during backward), torch with ``DistributedDataParallel`` over a gloo
 process group set up on loopback (rank 0 picks a free port and shares it with
-``broadcast_object``). The two are timed in alternating rounds, the order flipping each round,
+``broadcast_object``). A "ddp-fv" row trains DDP as
+torch users write it over a group of the backend ``"ferrovod"`` (``dist.new_group(backend=
+"ferrovod")`` beside the gloo default group, running on the job ferrovod already formed): the
+same DDP, buckets and all, with only the backend changed. The paths are timed in alternating rounds, the order flipping each round,
 after an untimed warm-up round of each, so that drift of the machine (2-4x between runs on
 these VMs) hits both alike; each round is bracketed by the same gloo barrier. The table shows
 the median over rounds of the global samples/s and the ratio ferrovod / DDP (> 1: ferrovod is
@@ -66,7 +70,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -237,10 +241,11 @@ def time_alone(trainer: Trainer, steps: int, rank: int) -> float:
     return elapsed
 
 
-def time_comm(grads: List[torch.Tensor], reps: int) -> Dict[str, float]:
+def time_comm(grads: List[torch.Tensor], reps: int, fv_group: Any) -> Dict[str, float]:
     """Median seconds to average the gradients alone, with no computation beside it: ferrovod
     one allreduce per parameter (what DistributedOptimizer submits), ferrovod one flat
-    allreduce, gloo one flat allreduce (about what DDP's buckets give)."""
+    allreduce, gloo and the ferrovod backend one flat allreduce each (about what DDP's buckets
+    give)."""
     flat = torch.cat([g.reshape(-1) for g in grads])
 
     def fv_each() -> None:
@@ -255,9 +260,13 @@ def time_comm(grads: List[torch.Tensor], reps: int) -> Dict[str, float]:
         dist.all_reduce(flat)
         flat.div_(dist.get_world_size())
 
+    def backend_flat() -> None:
+        dist.all_reduce(flat, group=fv_group)
+        flat.div_(dist.get_world_size())
+
     out = {}
     for name, fn in (("ferrovod per-tensor", fv_each), ("ferrovod flat", fv_flat),
-                     ("gloo flat", gloo_flat)):
+                     ("gloo flat", gloo_flat), ("backend ferrovod flat", backend_flat)):
         fn()
         ts = []
         for _ in range(reps):
@@ -307,6 +316,9 @@ def main() -> None:
     rank, size = hvd.rank(), hvd.size()
     torch.set_num_threads(args.threads)
     init_gloo(rank, size)
+    # torch.distributed's backend "ferrovod" (registered by importing ferrovod.torch) over
+    # every rank: the job ferrovod formed above.
+    fv_group = dist.new_group(backend="ferrovod")
 
     torch.manual_seed(0)
     base, shape = build_model(args.model, args.width, args.depth)
@@ -334,6 +346,12 @@ def main() -> None:
                                                     bucket_cap_mb=args.bucket_mb)
     ddp = Trainer("ddp", ddp_model,
                   torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=momentum), batches)
+
+    ddp_fv_model = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=fv_group,
+                                                       bucket_cap_mb=args.bucket_mb)
+    ddp_fv = Trainer("ddp-fv", ddp_fv_model,
+                     torch.optim.SGD(ddp_fv_model.parameters(), lr=lr, momentum=momentum),
+                     batches)
 
     # Both ranks training with no communication at all: the compute cost of sharing the
     # machine, so that what remains of a distributed step is communication.
@@ -373,19 +391,22 @@ def main() -> None:
     time_steps(fv, max(3, args.steps // 4))
     time_steps(sharded, max(3, args.steps // 4))
     time_steps(ddp, max(3, args.steps // 4))
+    time_steps(ddp_fv, max(3, args.steps // 4))
     check_identical(fv, rank, size)
+    check_identical(ddp_fv, rank, size)
     check_identical(sharded, rank, size)
     check_identical(ddp, rank, size)
     drift = float((fv.params() - ddp.params()).abs().max())
     drift_sharded = float((fv.params() - sharded.params()).abs().max())
+    drift_backend = float((ddp_fv.params() - ddp.params()).abs().max())
     if rank == 0:
         print(f"parameters identical across ranks for every path after warm-up; "
               f"max |ferrovod - DDP| = {drift:.3g}, max |ferrovod - sharded| = "
-              f"{drift_sharded:.3g}", flush=True)
+              f"{drift_sharded:.3g}, max |ddp-fv - DDP| = {drift_backend:.3g}", flush=True)
 
     time_steps(local, max(3, args.steps // 4))
     time_steps(sync_only, max(3, args.steps // 4))
-    paths = (fv, sharded, ddp, sync_only, local)
+    paths = (fv, sharded, ddp, ddp_fv, sync_only, local)
     times: Dict[str, List[float]] = {t.name: [] for t in paths}
     meters = {k: CpuMeter() for k in times}
     # Rank 0 trains alone (the others wait in the closing barrier, so it has a core to itself
@@ -420,7 +441,7 @@ def main() -> None:
              1e3 * sum(times[k]) / nsteps) for k, m in meters.items()},
         name="ddp_compare.cpu")
 
-    comm = time_comm([p.grad.detach().clone() for p in fv_model.parameters()], 10)
+    comm = time_comm([p.grad.detach().clone() for p in fv_model.parameters()], 10, fv_group)
 
     if rank == 0:
         print("\ngradient averaging alone (" + f"{nparams * 4 / 2**20:.1f} MiB): " + ", ".join(
@@ -460,7 +481,7 @@ def main() -> None:
         # Each round times both paths back to back, so its ratio is a paired comparison
         # under the same machine load; their median is the headline figure.
         print()
-        for k in ("ferrovod", "sharded"):
+        for k in ("ferrovod", "sharded", "ddp-fv"):
             ratios = [d / f for f, d in zip(times[k], times["ddp"])]
             print(f"ratio {k} / DDP (samples/s): median over rounds "
                   f"{statistics.median(ratios):.3f}, of median rates "
