@@ -31,7 +31,8 @@ What each ``ProcessGroup`` method maps to:
 A group over some of the job's ranks (``new_group``, ``new_subgroups``, a device mesh's
 dimensions) is an engine process set that its members register alone (torch asks only them).
 
-Not yet here: point-to-point ``send``/``recv`` (says so when asked).
+Point-to-point ``send``/``recv`` (and so ``isend``, ``irecv``, ``batch_isend_irecv``): a
+broadcast from the sender in the pair's process set (:class:`_Pairs`).
 """
 
 from __future__ import annotations
@@ -108,10 +109,12 @@ class _Work(dist.Work):
     where torch wants them), ``get_future()`` gives a future completed with the op's outputs,
     as torch's own backends' work does. An op is finished once, by whichever asks first.
 
-    ``source`` is the engine handle the work waits on, or another work whose completion this
-    one finishes (an op made of two steps)."""
+    ``source`` is the engine handle the work waits on, another work whose completion this one
+    finishes (an op made of two steps), or a point-to-point op whose submission may wait for
+    its pair's process set (:class:`_Pairs`)."""
 
-    def __init__(self, source: Union[int, "_Work"], finish: Callable[[Any], List[torch.Tensor]],
+    def __init__(self, source: Union[int, "_Work", "_Deferred"],
+                 finish: Callable[[Any], List[torch.Tensor]],
                  devices: Iterable[torch.device]) -> None:
         super().__init__()
         self._source = source
@@ -130,6 +133,8 @@ class _Work(dist.Work):
             try:
                 if isinstance(self._source, _Work):
                     raw = self._source.wait()
+                elif isinstance(self._source, _Deferred):
+                    raw = self._source.result()
                 else:
                     raw = _ops.synchronize(self._source)
                 self._value = self._finish(raw)
@@ -161,6 +166,8 @@ class _Work(dist.Work):
             return True
         if isinstance(self._source, _Work):
             return self._source.is_completed()
+        if isinstance(self._source, _Deferred):
+            return self._source.poll()
         return _ops.poll(self._source)
 
     def is_success(self) -> bool:
@@ -187,6 +194,90 @@ class _Work(dist.Work):
             else:
                 _completer.add(self)
         return self._future
+
+
+class _Deferred:
+    """A point-to-point op's engine handle, which comes once its pair's process set exists
+    (at once when it does already)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._handle: Optional[int] = None
+        self._error: Optional[BaseException] = None
+
+    def submitted(self, handle: Optional[int], error: Optional[BaseException] = None) -> None:
+        self._handle, self._error = handle, error
+        self._ready.set()
+
+    def poll(self) -> bool:
+        return self._ready.is_set() and (self._handle is None or _ops.poll(self._handle))
+
+    def result(self) -> Any:
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return _ops.synchronize(self._handle)
+
+
+class _Pairs:
+    """The engine process sets of the pairs of ranks that exchange point-to-point messages.
+    A pair's set is registered by its two members alone the first time either sends to the
+    other, on a thread of its own, so that ``isend`` never waits for the peer (which may be
+    busy elsewhere until it posts its ``irecv``); the pair's ops wait for the set in order, then
+    go to the engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sets: dict = {}
+        self._waiting: dict = {}
+
+    def submit(self, pair: tuple, op: Callable[[ProcessSet], int], deferred: _Deferred) -> None:
+        with self._lock:
+            ps = self._sets.get(pair)
+            if ps is None:
+                queue_ = self._waiting.get(pair)
+                if queue_ is not None:
+                    queue_.append((op, deferred))
+                    return
+                self._waiting[pair] = [(op, deferred)]
+                threading.Thread(target=self._register, args=(pair,), daemon=True,
+                                 name=f"ferrovod-pair-{pair[0]}-{pair[1]}").start()
+                return
+        self._run(ps, op, deferred)
+
+    @staticmethod
+    def _run(ps: Optional[ProcessSet], op: Callable[[ProcessSet], int], deferred: _Deferred,
+             error: Optional[BaseException] = None) -> None:
+        if error is not None or ps is None:
+            deferred.submitted(None, error)
+            return
+        try:
+            deferred.submitted(op(ps))
+        except BaseException as e:  # noqa: BLE001 - the op's waiter raises it
+            deferred.submitted(None, e)
+
+    def _register(self, pair: tuple) -> None:
+        ps: Optional[ProcessSet] = None
+        error: Optional[BaseException] = None
+        try:
+            ps = ProcessSet(list(pair))
+            ps.process_set_id = int(_core.add_process_set(list(pair), True))
+        except BaseException as e:  # noqa: BLE001 - every op of the pair raises it
+            ps, error = None, e
+        with self._lock:
+            waiting = self._waiting.pop(pair, [])
+            if ps is not None:
+                self._sets[pair] = ps
+            # Submitted under the lock, so that a later op of the pair cannot overtake them.
+            for op, deferred in waiting:
+                self._run(ps, op, deferred, error)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sets.clear()
+
+
+_pairs = _Pairs()
 
 
 class _Done(dist.Work):
@@ -245,9 +336,36 @@ class ProcessGroup(_C10dBackend):
         self._seq = itertools.count()
         self._barriers = itertools.count()
         self._closed = False
+        self._p2p_counts: dict = {}
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
+
+    # What the backend does not offer. Said here: torch's Python trampoline reads these
+    # properties through Python, and the base class's own would call back into it for ever.
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return False
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return False
+
+    @property
+    def supports_window(self) -> bool:
+        return False
+
+    @property
+    def _supports_time_estimate(self) -> bool:
+        return False
 
     def _global(self, group_rank: int) -> int:
         """The job's rank of this group's rank ``group_rank`` (the engine's roots are)."""
@@ -613,16 +731,44 @@ class ProcessGroup(_C10dBackend):
         if verdict:
             raise RuntimeError(f"rank 0: {verdict}")
 
-    # ------------------------------------------------------------------ not yet here
+    # ------------------------------------------------------------------ point to point
+
+    def _p2p(self, tensors: List[torch.Tensor], peer: int, tag: int, sending: bool) -> dist.Work:
+        """A message between this rank and group rank ``peer``: a broadcast from the sender in
+        the pair's process set, named by the group, the direction, the tag and how many such
+        messages came before (each side counts alike, so messages of one tag arrive in order,
+        and another tag's may overtake them, as torch allows)."""
+        if self._closed:
+            raise InvalidArgumentError(f"process group {self._group_id} was shut down")
+        me, other = self._global(self._rank), self._global(int(peer))
+        if me == other:
+            raise InvalidArgumentError(f"rank {self._rank} cannot send to or receive from itself")
+        src, dst = (me, other) if sending else (other, me)
+        key = (src, dst, int(tag))
+        n = self._p2p_counts.get(key, 0)
+        self._p2p_counts[key] = n + 1
+        name = f"pg{self._group_id}.p2p.{src}to{dst}.t{tag}.{n}"
+        t = tensors[0]
+
+        def op(ps: ProcessSet) -> int:
+            return _ops._broadcast_async(t, src, name, ps, True)
+
+        deferred = _Deferred()
+        _pairs.submit((min(me, other), max(me, other)), op, deferred)
+        return _Work(deferred, lambda _: [t], [t.device])
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        raise NotImplementedError("the ferrovod backend has no point-to-point send/recv yet")
+        """Sends ``tensors[0]`` to group rank ``dst``; its ``recv`` must give the same shape
+        and dtype (a difference fails both sides, naming them)."""
+        return self._p2p(tensors, dst, tag, True)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> dist.Work:
-        raise NotImplementedError("the ferrovod backend has no point-to-point send/recv yet")
+        """Receives into ``tensors[0]`` what group rank ``src`` sends."""
+        return self._p2p(tensors, src, tag, False)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> dist.Work:
-        raise NotImplementedError("the ferrovod backend has no point-to-point send/recv yet")
+        raise NotImplementedError("the ferrovod backend receives from a named rank only "
+                                  "(recv(src=...)); a receive from any source is not supported")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -633,6 +779,7 @@ class ProcessGroup(_C10dBackend):
             return
         self._closed = True
         if self._owns_engine:
+            _pairs.clear()
             _lifecycle.shutdown()
 
     def abort(self) -> None:

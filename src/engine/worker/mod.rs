@@ -77,9 +77,13 @@ pub(super) enum Step {
     Finished,
 }
 
+/// A caller waiting for a process-set change, by what it asked: answers are matched to it by
+/// the set's ranks (or id), since sets its members register alone may be answered in another
+/// order than this rank asked (torch.distributed's point-to-point pairs register from threads
+/// of their own).
 enum SetWaiter {
-    Add(mpsc::Sender<Result<u32>>),
-    Remove(mpsc::Sender<Result<bool>>),
+    Add(Vec<usize>, mpsc::Sender<Result<u32>>),
+    Remove(u32, mpsc::Sender<Result<bool>>),
 }
 
 impl Worker {
@@ -269,7 +273,8 @@ impl Worker {
                     let _ = tx.send(Err(e.clone()));
                     return;
                 }
-                self.set_waiters.push_back(SetWaiter::Add(tx));
+                self.set_waiters
+                    .push_back(SetWaiter::Add(ranks.clone(), tx));
                 self.send(if members_only {
                     ToCoordinator::AddMemberSet { ranks }
                 } else {
@@ -281,7 +286,7 @@ impl Worker {
                     let _ = tx.send(Err(e.clone()));
                     return;
                 }
-                self.set_waiters.push_back(SetWaiter::Remove(tx));
+                self.set_waiters.push_back(SetWaiter::Remove(id, tx));
                 self.send(ToCoordinator::RemoveSet { id });
             }
             Command::Timeline(start, tx) => {
@@ -592,9 +597,14 @@ impl Worker {
             FromCoordinator::SetAdded { ranks, result } => {
                 if let Ok(id) = result {
                     self.sets.insert(id, ranks.clone());
-                    self.shared.sets.lock().insert(id, ranks);
+                    self.shared.sets.lock().insert(id, ranks.clone());
                 }
-                if let Some(SetWaiter::Add(tx)) = self.set_waiters.pop_front() {
+                let asked = self
+                    .set_waiters
+                    .iter()
+                    .position(|w| matches!(w, SetWaiter::Add(r, _) if *r == ranks));
+                if let Some(SetWaiter::Add(_, tx)) = asked.and_then(|i| self.set_waiters.remove(i))
+                {
                     let _ = tx.send(result.map_err(Error::InvalidArgument));
                 }
             }
@@ -604,7 +614,13 @@ impl Worker {
                     self.shared.sets.lock().remove(&id);
                     self.cache.retain(|(s, _), _| *s != id);
                 }
-                if let Some(SetWaiter::Remove(tx)) = self.set_waiters.pop_front() {
+                let asked = self
+                    .set_waiters
+                    .iter()
+                    .position(|w| matches!(w, SetWaiter::Remove(i, _) if *i == id));
+                if let Some(SetWaiter::Remove(_, tx)) =
+                    asked.and_then(|i| self.set_waiters.remove(i))
+                {
                     let _ = tx.send(result.map_err(Error::InvalidArgument));
                 }
             }
@@ -765,8 +781,8 @@ impl Worker {
         }
         for w in self.set_waiters.drain(..) {
             match w {
-                SetWaiter::Add(tx) => drop(tx.send(Err(err.clone()))),
-                SetWaiter::Remove(tx) => drop(tx.send(Err(err.clone()))),
+                SetWaiter::Add(_, tx) => drop(tx.send(Err(err.clone()))),
+                SetWaiter::Remove(_, tx) => drop(tx.send(Err(err.clone()))),
             }
         }
     }

@@ -4,7 +4,7 @@ computed here from every rank's inputs (each rank can make any rank's inputs: th
 function of the rank), and, where gloo has the op, with a gloo group over the same ranks in the
 same process. Each rank prints ``rank <r> OK <checks>`` at the end.
 
-Sections (argv[1:], all by default): collectives, subgroups, objects, ddp, hooks, fsdp, join, lifecycle.
+Sections (argv[1:], all by default): collectives, subgroups, p2p, objects, ddp, hooks, fsdp, join, lifecycle.
 """
 
 import os
@@ -263,6 +263,66 @@ def section_subgroups():
     dist.barrier()
 
 
+def section_p2p():
+    """send/recv, isend/irecv and batch_isend_irecv: a ring, tags received in another order
+    than sent, a rank that sends before an allreduce its peer runs before receiving, and
+    messages of several dtypes and shapes, each checked against what the sender made."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        out = make(r, (6, 3), dtype, 501)
+        got = torch.empty((6, 3), dtype=dtype)
+        ops = [dist.P2POp(dist.isend, out, nxt), dist.P2POp(dist.irecv, got, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        same(got, make(prv, (6, 3), dtype, 501), f"batch_isend_irecv ring {dtype}")
+    # Ring with plain isend/irecv, several rounds.
+    for k in range(3):
+        got = torch.empty(1000 + k)
+        s = dist.isend(make(r, (1000 + k,), torch.float32, 510 + k), nxt)
+        dist.irecv(got, prv).wait()
+        s.wait()
+        same(got, make(prv, (1000 + k,), torch.float32, 510 + k), f"isend/irecv ring round {k}")
+    # Tags: 0 sends tag 1, then tag 2; 1 receives tag 2 first.
+    if r == 0:
+        a = dist.isend(torch.full((3,), 1.0), 1, tag=1)
+        b = dist.isend(torch.full((5,), 2.0), 1, tag=2)
+        a.wait()
+        b.wait()
+        check(True, "isend of two tags")
+    elif r == 1:
+        two, one = torch.empty(5), torch.empty(3)
+        w2 = dist.irecv(two, 0, tag=2)
+        w1 = dist.irecv(one, 0, tag=1)
+        w2.wait()
+        w1.wait()
+        same(one, torch.full((3,), 1.0), "tag 1 received second")
+        same(two, torch.full((5,), 2.0), "tag 2 received first")
+    # The sender's isend must not wait for its peer, busy in an allreduce it needs first.
+    t = torch.ones(2)
+    if r == 0:
+        w = dist.isend(torch.arange(4.0), n - 1, tag=7)
+        dist.all_reduce(t)
+        w.wait()
+    elif r == n - 1:
+        dist.all_reduce(t)
+        got = torch.empty(4)
+        dist.recv(got, 0, tag=7)
+        same(got, torch.arange(4.0), "recv after the allreduce the sender ran later")
+    else:
+        dist.all_reduce(t)
+    same(t, torch.full((2,), float(n)), "the allreduce between them")
+    # Blocking send/recv from rank 0 to every other rank.
+    for k in range(1, n):
+        if r == 0:
+            dist.send(make(k, (k + 2,), torch.int32, 520), k)
+        elif r == k:
+            got = torch.empty(k + 2, dtype=torch.int32)
+            dist.recv(got, 0)
+            same(got, make(k, (k + 2,), torch.int32, 520), f"send/recv 0 -> {k}")
+    dist.barrier()
+
+
 def section_objects():
     r, n = dist.get_rank(), dist.get_world_size()
     objs = [None] * n
@@ -438,8 +498,8 @@ def section_lifecycle():
 
 
 def main():
-    sections = sys.argv[1:] or ["collectives", "subgroups", "objects", "ddp", "hooks", "fsdp",
-                                "join", "lifecycle"]
+    sections = sys.argv[1:] or ["collectives", "subgroups", "p2p", "objects", "ddp", "hooks",
+                                "fsdp", "join", "lifecycle"]
     dist.init_process_group("ferrovod")
     check(dist.get_backend() == "ferrovod", f"backend {dist.get_backend()}")
     check(dist.get_rank() == int(os.environ["RANK"]), "rank from torchrun")
@@ -449,6 +509,8 @@ def main():
             section_collectives(gloo)
         elif s == "subgroups":
             section_subgroups()
+        elif s == "p2p":
+            section_p2p()
         elif s == "objects":
             section_objects()
         elif s == "ddp":

@@ -3,7 +3,8 @@ torchrun starts as users do (``--standalone``: torchrun binds its own free port)
 processes joining through ``file://``: every
 collective torch's process group offers, against NumPy references and against a gloo group
 over the same ranks in the same processes, over several dtypes, shapes, odd sizes and reduce
-ops, and on groups over some of the ranks (new_group, new_subgroups_by_enumeration); DDP (buckets, unused parameters, no_sync, static graph) and its communication hooks
+ops, and on groups over some of the ranks (new_group, new_subgroups_by_enumeration), and point to point (send/recv, isend/irecv,
+batch_isend_irecv, tags); DDP (buckets, unused parameters, no_sync, static graph) and its communication hooks
 (fp16, bf16, PowerSGD) equal to DDP on gloo; FSDP2 and DDP under Join with uneven inputs
 equal to one process on the same batches; destroy_process_group and a new
 init_process_group in the same processes (pg_worker.py); ranks that disagree on a
@@ -40,7 +41,7 @@ def checks(res, n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_collectives_match_numpy_and_gloo(n):
-    found = checks(torchrun(n, "collectives", "subgroups", "objects"), n)
+    found = checks(torchrun(n, "collectives", "subgroups", "p2p", "objects"), n)
     assert min(found.values()) > 2000, found
 
 
