@@ -341,32 +341,6 @@ class ProcessGroup(_C10dBackend):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
-    # What the backend does not offer. Said here: torch's Python trampoline reads these
-    # properties through Python, and the base class's own would call back into it for ever.
-    @property
-    def supports_coalescing(self) -> bool:
-        return False
-
-    @property
-    def supports_splitting(self) -> bool:
-        return False
-
-    @property
-    def supports_shrinking(self) -> bool:
-        return False
-
-    @property
-    def supports_reconfigure(self) -> bool:
-        return False
-
-    @property
-    def supports_window(self) -> bool:
-        return False
-
-    @property
-    def _supports_time_estimate(self) -> bool:
-        return False
-
     def _global(self, group_rank: int) -> int:
         """The job's rank of this group's rank ``group_rank`` (the engine's roots are)."""
         ranks = self._set.ranks
@@ -788,6 +762,13 @@ class ProcessGroup(_C10dBackend):
 
     def __repr__(self) -> str:
         return f"ferrovod.ProcessGroup(rank={self._rank}, size={self._size}, group={self._group_id})"
+
+
+# What the backend does not offer, said on the class: torch's Python trampoline reads these
+# properties through Python, and the base class's own would call back into it for ever.
+for _capability in ("supports_coalescing", "supports_splitting", "supports_shrinking",
+                    "supports_reconfigure", "supports_window", "_supports_time_estimate"):
+    setattr(ProcessGroup, _capability, property(lambda self: False))
 
 
 def _store_address(store: Any) -> Optional[str]:
