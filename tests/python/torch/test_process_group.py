@@ -51,11 +51,11 @@ def test_ddp_hooks_fsdp2_and_join_match_their_references_and_a_group_starts_agai
     assert min(found.values()) > 1000, found
 
 
-def plain_ranks(n, mode, tmp_path, timeout=120):
-    """``n`` plain processes of pg_fail_worker.py joining over a file store; their outputs."""
+def plain_ranks(n, mode, tmp_path, timeout=120, worker="pg_fail_worker.py"):
+    """``n`` plain processes of ``worker`` joining over a file store; their outputs."""
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, str(HERE / "pg_fail_worker.py"), mode, str(r),
-                               str(n), str(store)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(HERE / worker), *([mode] if mode else []),
+                               str(r), str(n), str(store)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=_env(None, plain=True))
              for r in range(n)]
     try:
@@ -81,3 +81,11 @@ def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
     for r in range(n - 1):
         assert procs[r].returncode == 0 and f"rank {r} OK" in outs[r], \
             f"rank {r} (exit {procs[r].returncode}):\n{outs[r][-4000:]}"
+
+
+def test_naming_the_backend_is_enough_without_importing_ferrovod(tmp_path):
+    """torch finds the backend through the package's entry point (Ray Train's
+    TorchConfig(backend="ferrovod") and scripts that only change the backend's name)."""
+    procs, outs = plain_ranks(2, None, tmp_path, worker="pg_entry_worker.py")
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r} OK" in out, f"rank {r}:\n{out[-4000:]}"
