@@ -14,6 +14,7 @@ Each rank prints ``rank <r> OK <checks>`` when all its checks held.
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -77,6 +78,13 @@ elif mode == "kill":
     except RankFailureError as e:
         print(f"rank {rank} error: {e}", flush=True)
         check(f"rank {victim}" in str(e), f"the dead rank is not named: {e}")
+    # A survivor that left now would be a second lost rank to those still waiting for their
+    # error (rank 0 holds the coordinator): each stays until every survivor has had its own.
+    open(f"{path}.seen.{rank}", "w").close()
+    deadline = time.monotonic() + 300
+    while not all(os.path.exists(f"{path}.seen.{r}") for r in range(victim)):
+        check(time.monotonic() < deadline, "the other survivors never saw the failure")
+        time.sleep(0.05)
     print(f"rank {rank} OK {checks}", flush=True)
     # The engine has lost a peer: leave without a shutdown that would wait on it.
     os._exit(0)
