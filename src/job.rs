@@ -274,23 +274,29 @@ pub fn form<P: ControlPlane>(
         hosts,
         cpus,
         offers,
-    } = match (given, &launch.rendezvous_addr) {
-        (Some(store), at) => {
-            let ip = match (bind_ip, at) {
-                (Some(ip), _) => ip,
-                (None, Some(at)) => advertised_ip(at)?,
-                (None, None) => host_ip(&config.hostname),
-            };
-            meet(config, membership, store.as_ref(), ip, &secret, plane)?
-        }
-        (None, None) => alone(config, bind_ip, &secret, plane)?,
-        (None, Some(rdv)) => {
-            let store = TcpStore::connect(rdv, &secret, config.start_timeout)?;
-            let ip = match bind_ip {
-                Some(ip) => ip,
-                None => advertised_ip(rdv)?,
-            };
-            meet(config, membership, &store, ip, &secret, plane)?
+    } = {
+        // The store to meet through: the one handed in, else a connection to the rendezvous
+        // store, closed once met (nothing later needs it).
+        let dialled = match (given, &launch.rendezvous_addr) {
+            (None, Some(rdv)) => Some(TcpStore::connect(rdv, &secret, config.start_timeout)?),
+            _ => None,
+        };
+        let store: Option<&dyn Store> = match given {
+            Some(store) => Some(store.as_ref()),
+            None => dialled.as_ref().map(|s| s as &dyn Store),
+        };
+        match store {
+            None => alone(config, bind_ip, &secret, plane)?,
+            Some(store) => {
+                // Listen on the address that reaches the store (a handed-in store's address
+                // may be unknown: a file store).
+                let ip = match (bind_ip, &launch.rendezvous_addr) {
+                    (Some(ip), _) => ip,
+                    (None, Some(at)) => advertised_ip(at)?,
+                    (None, None) => host_ip(&config.hostname),
+                };
+                meet(config, membership, store, ip, &secret, plane)?
+            }
         }
     };
     transport.spin = config.spin;

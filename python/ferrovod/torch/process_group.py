@@ -131,12 +131,10 @@ class _Work(dist.Work):
             if self._done:
                 return
             try:
-                if isinstance(self._source, _Work):
-                    raw = self._source.wait()
-                elif isinstance(self._source, _Deferred):
-                    raw = self._source.result()
-                else:
+                if isinstance(self._source, int):
                     raw = _ops.synchronize(self._source)
+                else:
+                    raw = self._source.wait()
                 self._value = self._finish(raw)
             except BaseException as e:  # noqa: BLE001 - handed to every waiter
                 self._error = e
@@ -164,11 +162,9 @@ class _Work(dist.Work):
         """Whether the op has completed (never blocks)."""
         if self._done:
             return True
-        if isinstance(self._source, _Work):
-            return self._source.is_completed()
-        if isinstance(self._source, _Deferred):
-            return self._source.poll()
-        return _ops.poll(self._source)
+        if isinstance(self._source, int):
+            return _ops.poll(self._source)
+        return self._source.is_completed()
 
     def is_success(self) -> bool:
         """Whether the op completed without an error (waits for it)."""
@@ -209,10 +205,10 @@ class _Deferred:
         self._handle, self._error = handle, error
         self._ready.set()
 
-    def poll(self) -> bool:
+    def is_completed(self) -> bool:
         return self._ready.is_set() and (self._handle is None or _ops.poll(self._handle))
 
-    def result(self) -> Any:
+    def wait(self) -> Any:
         self._ready.wait()
         if self._error is not None:
             raise self._error
@@ -418,17 +414,8 @@ class ProcessGroup(_C10dBackend):
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
         """Reduces ``tensors[0]`` into the root's copy; the others keep theirs."""
         t = tensors[0]
-        engine_op, factor = self._engine_op(opts.reduceOp, "reduce")
-        name = self._name()
-        if engine_op is None:
-            scratch = [t.clone()]
-            inner = self._bitwise(scratch, factor, name)
-        else:
-            scratch = [t.detach().clone(memory_format=torch.contiguous_format)]
-            inner = self._work(
-                _ops._allreduce_async(scratch, True, None, name, engine_op, factor, 1.0,
-                                      self._set, "allreduce"),
-                lambda _: scratch, scratch)
+        scratch = [t.detach().clone(memory_format=torch.contiguous_format)]
+        inner = self._allreduce(scratch, opts.reduceOp, "reduce")
         root = int(opts.rootRank)
 
         def finish(_: Any) -> List[torch.Tensor]:
@@ -575,7 +562,6 @@ class ProcessGroup(_C10dBackend):
 
     def _reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, op: Any) -> dist.Work:
         engine_op, factor = self._engine_op(op, "reduce_scatter")
-        name = self._name()
         n = self._size
         if flat.numel() != output.numel() * n:
             raise InvalidArgumentError(
@@ -585,13 +571,7 @@ class ProcessGroup(_C10dBackend):
             # The engine reduce-scatters Sum and Average; other ops reduce whole and keep
             # this rank's share.
             whole = [flat.clone()]
-            if engine_op is None:
-                inner = self._bitwise(whole, factor, name)
-            else:
-                inner = self._work(
-                    _ops._allreduce_async(whole, True, None, name, engine_op, 1.0, 1.0,
-                                          self._set, "allreduce"),
-                    lambda _: whole, whole)
+            inner = self._allreduce(whole, op, "reduce_scatter")
             k = output.numel()
 
             def keep(_: Any) -> List[torch.Tensor]:
@@ -599,6 +579,7 @@ class ProcessGroup(_C10dBackend):
                 return [output]
 
             return _Work(inner, keep, [output.device])
+        name = self._name()
         h = _ops._api._single(_ops._reducescatter_async([flat], name, engine_op, self._set, factor,
                                                         1.0, "reducescatter"))
 
