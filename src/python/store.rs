@@ -1,9 +1,9 @@
 //! The job's rendezvous store as Python sees it: the server a launcher runs for its workers,
 //! and the client an elastic worker reads memberships with.
 
-use pyo3::prelude::*;
 use std::time::Duration;
 
+use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::bootstrap::tcp_store::{TcpStore, TcpStoreServer};

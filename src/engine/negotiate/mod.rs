@@ -401,24 +401,31 @@ impl Negotiator {
             .collect();
         for ranks in stuck {
             let asked = self.member_sets.remove(&ranks).unwrap_or_default();
-            let (_, why) = gone_error(rank, self.gone[rank].as_deref().unwrap_or_default(), "");
-            out.push((
-                asked,
-                FromCoordinator::SetAdded {
-                    result: Err(format!("process set {ranks:?} cannot be made: {why}")),
-                    ranks,
-                },
-            ));
+            out.push((asked, self.set_without(ranks, rank)));
+        }
+    }
+
+    /// Whether `ranks` cannot be a process set of this job: empty, out of range, or not sorted
+    /// and distinct.
+    fn bad_set_ranks(&self, ranks: &[usize]) -> bool {
+        ranks.is_empty()
+            || ranks.iter().any(|&r| r >= self.size)
+            || ranks.windows(2).any(|w| w[0] >= w[1])
+    }
+
+    /// The answer to asking for set `ranks`, one of whose members, `gone`, has gone.
+    fn set_without(&self, ranks: Vec<usize>, gone: usize) -> FromCoordinator {
+        let (_, why) = gone_error(gone, self.gone[gone].as_deref().unwrap_or_default(), "");
+        FromCoordinator::SetAdded {
+            result: Err(format!("process set {ranks:?} cannot be made: {why}")),
+            ranks,
         }
     }
 
     /// `from` asks for the set of `ranks` among its members alone: it is made (or found) once
     /// every member has asked, and only they are told its id.
     fn add_member_set(&mut self, from: usize, ranks: Vec<usize>, out: &mut Outbox) {
-        let bad = !ranks.contains(&from)
-            || ranks.iter().any(|&r| r >= self.size)
-            || ranks.windows(2).any(|w| w[0] >= w[1]);
-        if bad {
+        if self.bad_set_ranks(&ranks) || !ranks.contains(&from) {
             let result = Err(format!(
                 "invalid process set ranks {ranks:?} (asked by rank {from}, which must be one \
                  of them)"
@@ -436,10 +443,8 @@ impl Negotiator {
             ));
             return;
         }
-        if let Some(r) = ranks.iter().find(|&&r| self.gone[r].is_some()) {
-            let (_, why) = gone_error(*r, self.gone[*r].as_deref().unwrap_or_default(), "");
-            let result = Err(format!("process set {ranks:?} cannot be made: {why}"));
-            out.push((vec![from], FromCoordinator::SetAdded { ranks, result }));
+        if let Some(&gone) = ranks.iter().find(|&&r| self.gone[r].is_some()) {
+            out.push((vec![from], self.set_without(ranks, gone)));
             return;
         }
         let asked = self.member_sets.entry(ranks.clone()).or_default();
@@ -879,10 +884,7 @@ impl Negotiator {
             let agree = ops.iter().all(|o| *o == first);
             let reply = match (&first, agree) {
                 (ToCoordinator::AddSet { ranks }, true) => {
-                    let bad = ranks.is_empty()
-                        || ranks.iter().any(|&r| r >= self.size)
-                        || ranks.windows(2).any(|w| w[0] >= w[1]);
-                    let result = if bad {
+                    let result = if self.bad_set_ranks(ranks) {
                         Err(format!("invalid process set ranks {ranks:?}"))
                     } else if let Some((id, _)) = self.sets.iter().find(|(_, s)| &s.ranks == ranks)
                     {
