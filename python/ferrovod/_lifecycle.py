@@ -80,13 +80,14 @@ def init_over_store(store: Any, rank: int, size: int, timeout_s: float,
     "ferrovod")``): rank ``rank`` of ``size``, formed over ``store``, the store torch hands the
     backend, within ``timeout_s`` seconds; ``store_addr`` ("host:port") is where that store
     lives when known; ``generation`` numbers this forming among those over the same store
-    (the same on every rank), which keeps its keys apart from theirs. Process sets are dynamic (torch's groups become process sets). Returns
-    whether this call started the engine: False when one runs already with the same rank and
-    size (``ferrovod.init()`` came first), which the caller must then leave running."""
+    (the same on every rank), which keeps its keys apart from theirs. Process sets are dynamic
+    (torch's groups become process sets). Returns whether this call started the engine: False
+    when one runs already with the same rank and size (``ferrovod.init()`` came first), which
+    the caller must then leave running."""
     level, hide_time, _ = _core.log_settings()
     _logging.configure(level, hide_time, f"rank {rank}")
     started = bool(_core.init_over_store(store, int(rank), int(size), float(timeout_s),
-                                               store_addr, int(generation)))
+                                         store_addr, int(generation)))
     if started:
         _name_counters.clear()
         _ps._on_init([], [])

@@ -114,10 +114,11 @@ fn init(
 /// (any object with torch's `set`, `get`, `add` and `wait`), within `timeout_s`. `store_addr`
 /// ("host:port") is where that store lives when known: the ranks listen on the address that
 /// reaches it. `generation` numbers this forming among those over the same store, the same on
-/// every rank (torch.distributed's front end counts them in the store). Process sets are dynamic (torch's groups become process sets). `FERROVOD_SECRET`
-/// is the job secret when set; else rank 0 hands one out through the store. Returns whether
-/// this call started the engine (false: one was running with this rank and size, e.g. after
-/// `ferrovod.init()`, and the caller must not shut it down).
+/// every rank (torch.distributed's front end counts them in the store). Process sets are
+/// dynamic (torch's groups become process sets). `FERROVOD_SECRET` is the job secret when set;
+/// else rank 0 hands one out through the store. Returns whether this call started the engine
+/// (false: one was running with this rank and size, e.g. after `ferrovod.init()`, and the
+/// caller must not shut it down).
 #[pyfunction]
 #[pyo3(signature = (store, rank, size, timeout_s, store_addr=None, generation=0))]
 fn init_over_store(
