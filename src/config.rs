@@ -259,8 +259,23 @@ impl Config {
         })
     }
 
+    /// Reads the process environment's settings but not its launch, for a job whose rank and
+    /// size come from elsewhere (torch.distributed's front end hands them in): a launcher's
+    /// variables there are not this job's, and half of a pair (torch's test harness sets
+    /// `WORLD_SIZE` without `RANK`) must not fail it. `launch` is a one-rank placeholder holding
+    /// only `FERROVOD_SECRET`'s secret, for the caller to fill in.
+    pub fn from_env_without_launch() -> Result<Config> {
+        Config::read(|k| std::env::var(k).ok(), false)
+    }
+
     /// Reads settings through `get` (tests pass a map).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        Config::read(get, true)
+    }
+
+    /// Reads settings through `get`; the launch from the launcher's variables when `detect`,
+    /// else the placeholder [`Config::from_env_without_launch`] describes.
+    fn read(get: impl Fn(&str) -> Option<String>, detect: bool) -> Result<Config> {
         let lookup = |name: &str| -> Option<(String, String)> {
             let var = VARS.iter().find(|v| v.name == name);
             if let Some(v) = get(name).filter(|s| !s.trim().is_empty()) {
@@ -307,7 +322,11 @@ impl Config {
         };
         let flag = |name: &str| -> bool { is_on(&value(name).1) };
 
-        let launch = launch::detect(&get, &lookup)?;
+        let launch = if detect {
+            launch::detect(&get, &lookup)?
+        } else {
+            launch::placeholder(&lookup)?
+        };
         let hostname = lookup("FERROVOD_HOSTNAME")
             .map(|(_, v)| v)
             .unwrap_or_else(system_hostname);
@@ -466,6 +485,26 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn a_job_whose_rank_is_handed_in_reads_no_launcher_variables() {
+        let pairs = [
+            ("WORLD_SIZE", "2"),
+            ("FERROVOD_SECRET", "00ff"),
+            ("FERROVOD_FUSION_THRESHOLD", "4096"),
+        ];
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let err = cfg(&pairs).expect_err("half of torchrun's pair");
+        assert!(err.to_string().contains("RANK is missing"), "{err}");
+        let c = Config::read(|k| m.get(k).cloned(), false).unwrap();
+        assert_eq!((c.launch.launcher, c.launch.size), (Launcher::None, 1));
+        assert_eq!(c.launch.secret.as_deref(), Some(&[0x00, 0xff][..]));
+        assert!(!c.launch.secret_derived);
+        assert_eq!(c.fusion_threshold, 4096);
     }
 
     #[test]

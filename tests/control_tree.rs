@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use _core::engine::Engine;
+use _core::engine::{Engine, SetScope};
 use _core::{Error, ReduceOp};
 use common::jobs::{allreduce_op, f32_from};
 
@@ -82,7 +82,10 @@ fn ops_through_relays_match_fuse_cache_and_reach_process_sets() {
                 }
             }
             // A set added at run time reaches every relay on its way down.
-            let id = e.add_process_set(vec![2, n - 1], false).wait().unwrap();
+            let id = e
+                .add_process_set(vec![2, n - 1], SetScope::EveryRank)
+                .wait()
+                .unwrap();
             if rank == 2 || rank == n - 1 {
                 let op = allreduce_op("late", &[rank as f32], ReduceOp::Max, id);
                 assert_eq!(
@@ -95,7 +98,10 @@ fn ops_through_relays_match_fuse_cache_and_reach_process_sets() {
             // ask, and the answer finds its members through the relays.
             let members = [1, n - 2];
             if members.contains(&rank) {
-                let id = e.add_process_set(members.to_vec(), true).wait().unwrap();
+                let id = e
+                    .add_process_set(members.to_vec(), SetScope::Members { timeout: None })
+                    .wait()
+                    .unwrap();
                 let op = allreduce_op("members", &[rank as f32 + 1.0], ReduceOp::Sum, id);
                 assert_eq!(
                     result_f32(&e.submit(op).unwrap()).unwrap(),

@@ -176,7 +176,8 @@ fn arb_to() -> impl Strategy<Value = ToCoordinator> {
         prop::collection::vec(submit, 0..4).prop_map(ToCoordinator::Submit),
         Just(ToCoordinator::Join),
         arb_usizes(6).prop_map(|ranks| ToCoordinator::AddSet { ranks }),
-        arb_usizes(6).prop_map(|ranks| ToCoordinator::AddMemberSet { ranks }),
+        (arb_usizes(6), any::<u64>())
+            .prop_map(|(ranks, timeout_ms)| ToCoordinator::AddMemberSet { ranks, timeout_ms }),
         any::<u32>().prop_map(|id| ToCoordinator::RemoveSet { id }),
         Just(ToCoordinator::Leave),
         (any::<usize>(), ".{0,24}")
@@ -224,9 +225,14 @@ fn arb_from() -> impl Strategy<Value = FromCoordinator> {
             .prop_map(|(set_id, id)| FromCoordinator::CacheMiss { set_id, id }),
         (
             arb_usizes(5),
+            any::<u64>(),
             prop_oneof![any::<u32>().prop_map(Ok), ".{0,20}".prop_map(Err)]
         )
-            .prop_map(|(ranks, result)| FromCoordinator::SetAdded { ranks, result }),
+            .prop_map(|(ranks, timeout_ms, result)| FromCoordinator::SetAdded {
+                ranks,
+                timeout_ms,
+                result
+            }),
         (
             any::<u32>(),
             prop_oneof![any::<bool>().prop_map(Ok), ".{0,20}".prop_map(Err)]

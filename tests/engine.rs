@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use _core::engine::Engine;
+use _core::engine::{Engine, SetScope};
 use _core::{Error, ReduceOp};
 use common::jobs::{allreduce_op, f32_from};
 
@@ -162,9 +162,14 @@ fn disjoint_process_sets_do_not_wait_for_each_other() {
 #[test]
 fn process_sets_can_be_added_and_removed_and_foreign_sets_are_rejected() {
     job(3, &[], |rank, e| {
-        let id = e.add_process_set(vec![0, 2], false).wait().unwrap();
+        let id = e
+            .add_process_set(vec![0, 2], SetScope::EveryRank)
+            .wait()
+            .unwrap();
         assert!(
-            e.add_process_set(vec![0, 2], false).wait().is_err(),
+            e.add_process_set(vec![0, 2], SetScope::EveryRank)
+                .wait()
+                .is_err(),
             "duplicate set"
         );
         let h = e

@@ -75,19 +75,25 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
 
 
 def init_over_store(store: Any, rank: int, size: int, timeout_s: float,
-                    store_addr: Optional[str], generation: int) -> bool:
+                    store_addr: Optional[str], generation: int,
+                    op_timeout_s: Optional[float] = None) -> bool:
     """Starts the engine for torch.distributed's front end (``init_process_group(backend=
     "ferrovod")``): rank ``rank`` of ``size``, formed over ``store``, the store torch hands the
     backend, within ``timeout_s`` seconds; ``store_addr`` ("host:port") is where that store
     lives when known; ``generation`` numbers this forming among those over the same store
-    (the same on every rank), which keeps its keys apart from theirs. Process sets are dynamic
+    (the same on every rank), which keeps its keys apart from theirs; with ``op_timeout_s``,
+    an op of the job's own set that some ranks have not submitted within it fails on those
+    that have (and small ops keep off the fast path, which cannot give up on one rank alone).
+    Process sets are dynamic
     (torch's groups become process sets). Returns whether this call started the engine: False
     when one runs already with the same rank and size (``ferrovod.init()`` came first), which
     the caller must then leave running."""
-    level, hide_time, _ = _core.log_settings()
+    # Torch hands in the rank and size: whatever launcher variables this process has (torch's
+    # test harness sets WORLD_SIZE alone) are not read.
+    level, hide_time, _ = _core.log_settings(with_launch=False)
     _logging.configure(level, hide_time, f"rank {rank}")
     started = bool(_core.init_over_store(store, int(rank), int(size), float(timeout_s),
-                                         store_addr, int(generation)))
+                                         store_addr, int(generation), op_timeout_s))
     if started:
         _name_counters.clear()
         _ps._on_init([], [])

@@ -964,17 +964,16 @@ impl Root {
 
     /// Inspects for stalls, and sends what is ready once the batching window has closed.
     fn cycle(&mut self, cfg: &CoordinatorConfig, stopping: bool, out: &mut Outbox) {
-        if let Some(check) = cfg.stall_check {
-            // Cheap, but not worth doing for every message: a few times a second is plenty
-            // for limits counted in seconds.
-            if self.last_inspection.elapsed() >= Duration::from_millis(250) {
-                self.last_inspection = Instant::now();
-                if let Some(warning) =
-                    self.neg
-                        .inspect(self.last_inspection, check, cfg.stall_shutdown)
-                {
-                    log::warn!(target: crate::LOG_TARGET, "{warning}");
-                }
+        // Cheap, but not worth doing for every message: a few times a second is plenty for
+        // limits counted in seconds. Sets may have limits of their own, so it runs with the
+        // stall check off too.
+        if self.last_inspection.elapsed() >= Duration::from_millis(250) {
+            self.last_inspection = Instant::now();
+            if let Some(warning) =
+                self.neg
+                    .inspect(self.last_inspection, cfg.stall_check, cfg.stall_shutdown)
+            {
+                log::warn!(target: crate::LOG_TARGET, "{warning}");
             }
         }
         if !self.neg.has_ready() {

@@ -82,13 +82,29 @@ impl OpSpec {
     }
 }
 
+/// Who registers a process set, and how long its ops may stall.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetScope {
+    /// Every rank of the job, in the same order (Horovod's `add_process_set`); its ops stall
+    /// as long as the engine's stall limit allows.
+    EveryRank,
+    /// Its members alone (torch.distributed makes a group's backend on its members only); a
+    /// set with these ranks and this limit that exists already is reused. An op of the set
+    /// that some members have not submitted within `timeout` (torch's group timeout) fails on
+    /// the members that have; `None`: the engine's stall limit.
+    Members {
+        /// The set's own stall limit.
+        timeout: Option<Duration>,
+    },
+}
+
 pub(crate) enum Command {
     Op(Box<OpSpec>, Handle),
     /// An op this rank refuses, with the reason (see [`Engine::reject`]).
     Reject(Box<OpSpec>, String, Handle),
     Join(Handle),
-    /// Ranks, whether its members register it alone, where the id goes.
-    AddSet(Vec<usize>, bool, mpsc::Sender<Result<u32>>),
+    /// Ranks, who registers it, where the id goes.
+    AddSet(Vec<usize>, SetScope, mpsc::Sender<Result<u32>>),
     RemoveSet(u32, mpsc::Sender<Result<bool>>),
     /// Start (path, mark cycles) or stop (`None`) the timeline.
     Timeline(Option<(String, bool)>, mpsc::Sender<Result<()>>),
@@ -306,14 +322,12 @@ impl Engine {
         h
     }
 
-    /// Registers a process set: every rank calls this in the same order, or with
-    /// `members_only` its members alone (torch.distributed's groups; a set with these ranks
-    /// that exists already is reused). The receiver yields its id once every rank (every
-    /// member) has asked for it.
-    pub fn add_process_set(&self, ranks: Vec<usize>, members_only: bool) -> SetReply<u32> {
+    /// Registers a process set, as `scope` says who does. The receiver yields its id once
+    /// every rank (every member) has asked for it.
+    pub fn add_process_set(&self, ranks: Vec<usize>, scope: SetScope) -> SetReply<u32> {
         let (tx, rx) = mpsc::channel();
         match self.check_dynamic() {
-            Ok(()) => self.push(Command::AddSet(ranks, members_only, tx)),
+            Ok(()) => self.push(Command::AddSet(ranks, scope, tx)),
             Err(e) => drop(tx.send(Err(e))),
         }
         SetReply(rx)

@@ -300,6 +300,7 @@ impl Held {
             FromCoordinator::SetAdded {
                 ranks,
                 result: Ok(id),
+                ..
             } if ranks.iter().all(|&r| r < self.size) => {
                 self.sets.insert(*id, ranks.clone());
                 false

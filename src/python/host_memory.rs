@@ -25,7 +25,10 @@ struct HostExposed {
 /// when shared memory is off (`FERROVOD_SHM_DISABLE`).
 #[pyfunction]
 fn expose_host_memory(nbytes: usize) -> PyResult<Option<HostExposed>> {
-    if Config::from_env().map_err(to_pyerr)?.shm_disable {
+    if Config::from_env_without_launch()
+        .map_err(to_pyerr)?
+        .shm_disable
+    {
         return Ok(None);
     }
     let inner = Exposed::new(nbytes).map_err(to_pyerr)?;

@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::bootstrap::launch::{LaunchInfo, Launcher};
 use crate::bootstrap::tcp_store::TcpStore;
 use crate::config::{Config, VARS};
-use crate::engine::Engine;
+use crate::engine::{Engine, SetScope};
 use crate::error::Error;
 use crate::types::{OpKind, ReduceOp};
 
@@ -84,10 +84,17 @@ fn with_engine<T>(f: impl FnOnce(&Engine) -> PyResult<T>) -> PyResult<T> {
 }
 
 /// `(log_level, log_hide_time, rank)` from the environment, so that Python can set up the
-/// `ferrovod` logger before `init()` starts logging.
+/// `ferrovod` logger before `init()` starts logging; without `with_launch` the launcher's
+/// variables are not read (the rank is then 0), for a job whose rank comes from elsewhere.
 #[pyfunction]
-fn log_settings() -> PyResult<(String, bool, usize)> {
-    let c = Config::from_env().map_err(to_pyerr)?;
+#[pyo3(signature = (with_launch=true))]
+fn log_settings(with_launch: bool) -> PyResult<(String, bool, usize)> {
+    let c = if with_launch {
+        Config::from_env()
+    } else {
+        Config::from_env_without_launch()
+    }
+    .map_err(to_pyerr)?;
     Ok((c.log_level, c.log_hide_time, c.launch.rank))
 }
 
@@ -116,11 +123,14 @@ fn init(
 /// reaches it. `generation` numbers this forming among those over the same store, the same on
 /// every rank (torch.distributed's front end counts them in the store). Process sets are
 /// dynamic (torch's groups become process sets). `FERROVOD_SECRET` is the job secret when set;
-/// else rank 0 hands one out through the store. Returns whether this call started the engine
-/// (false: one was running with this rank and size, e.g. after `ferrovod.init()`, and the
-/// caller must not shut it down).
+/// else rank 0 hands one out through the store. With `op_timeout_s`, an op of the job's own
+/// set stalled that long fails on the ranks that submitted it, and small ops keep off the fast
+/// path (which cannot give up on one rank alone). Returns whether this call started the
+/// engine (false: one was running with this rank and size, e.g. after `ferrovod.init()`, and
+/// the caller must not shut it down).
 #[pyfunction]
-#[pyo3(signature = (store, rank, size, timeout_s, store_addr=None, generation=0))]
+#[pyo3(signature = (store, rank, size, timeout_s, store_addr=None, generation=0, op_timeout_s=None))]
+#[allow(clippy::too_many_arguments)] // torch's creator's arguments, passed through
 fn init_over_store(
     py: Python<'_>,
     store: Py<PyAny>,
@@ -129,18 +139,15 @@ fn init_over_store(
     timeout_s: f64,
     store_addr: Option<String>,
     generation: u64,
+    op_timeout_s: Option<f64>,
 ) -> PyResult<bool> {
     if size == 0 || rank >= size {
         return Err(to_pyerr(Error::InvalidArgument(format!(
             "rank {rank} of a job of {size} ranks"
         ))));
     }
-    let mut config = Config::from_env().map_err(to_pyerr)?;
-    let secret = config
-        .launch
-        .secret
-        .take()
-        .filter(|_| !config.launch.secret_derived);
+    let mut config = Config::from_env_without_launch().map_err(to_pyerr)?;
+    let secret = config.launch.secret.take();
     config.launch = LaunchInfo {
         launcher: Launcher::ProcessGroup,
         rank0_hosts_store: false,
@@ -152,13 +159,24 @@ fn init_over_store(
         secret_derived: false,
         agent_store: None,
     };
-    config.start_timeout = std::time::Duration::try_from_secs_f64(timeout_s)
-        .ok()
-        .filter(|t| !t.is_zero())
-        .ok_or_else(|| to_pyerr(Error::InvalidArgument(format!("bad timeout {timeout_s} s"))))?;
+    config.start_timeout = positive_seconds(timeout_s)?;
+    if let Some(t) = op_timeout_s {
+        // An op of the job's own set that some ranks have not submitted within it fails, as
+        // gloo's do (the stall limit, when lower, wins).
+        let t = positive_seconds(t)?;
+        config.stall_shutdown = Some(config.stall_shutdown.map_or(t, |s| s.min(t)));
+    }
     config.dynamic_process_sets = true;
     let given: Arc<dyn crate::bootstrap::Store> = Arc::new(store::TorchStore::new(store));
     start(py, config, Vec::new(), Some(generation), Some(given))
+}
+
+/// `t` seconds as a duration, or an error unless it is a positive number.
+fn positive_seconds(t: f64) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(t)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .ok_or_else(|| to_pyerr(Error::InvalidArgument(format!("bad timeout {t} s"))))
 }
 
 /// Starts the engine with `config` unless one runs (a no-op then: false), with the slot's
@@ -340,12 +358,29 @@ fn fast_path_stats() -> PyResult<(u64, u64)> {
 }
 
 /// Registers a process set; every rank calls it in the same order, or with `members_only` its
-/// members alone (a set with these ranks that exists already is then reused). Returns its id.
+/// members alone (a set with these ranks and this timeout that exists already is then
+/// reused), whose ops fail once stalled `timeout_s` seconds (torch's group timeout; `None`:
+/// the engine's stall limit). Returns its id.
 #[pyfunction]
-#[pyo3(signature = (ranks, members_only=false))]
-fn add_process_set(py: Python<'_>, ranks: Vec<usize>, members_only: bool) -> PyResult<u32> {
+#[pyo3(signature = (ranks, members_only=false, timeout_s=None))]
+fn add_process_set(
+    py: Python<'_>,
+    ranks: Vec<usize>,
+    members_only: bool,
+    timeout_s: Option<f64>,
+) -> PyResult<u32> {
+    let scope = if members_only {
+        let timeout = timeout_s.map(positive_seconds).transpose()?;
+        SetScope::Members { timeout }
+    } else if timeout_s.is_some() {
+        return Err(to_pyerr(Error::InvalidArgument(
+            "a timeout is a property of sets their members register alone".into(),
+        )));
+    } else {
+        SetScope::EveryRank
+    };
     // Not waited for under the engine lock: other threads may keep submitting meanwhile.
-    let reply = with_engine(|e| Ok(e.add_process_set(ranks, members_only)))?;
+    let reply = with_engine(|e| Ok(e.add_process_set(ranks, scope)))?;
     py.detach(|| reply.wait()).map_err(to_pyerr)
 }
 

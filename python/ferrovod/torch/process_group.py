@@ -37,6 +37,7 @@ broadcast from the sender in the pair's process set (:class:`_Pairs`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -47,6 +48,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch._C._profiler import _RecordFunctionFast
 
 from .. import _api, _core, _lifecycle
 from .._api import Average, Max, Min, Product, Sum
@@ -78,11 +80,11 @@ class _Completer:
     work itself (``wait()``) never goes through here."""
 
     def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue[_Work]" = queue.SimpleQueue()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
-    def add(self, work: "_Work") -> None:
+    def add(self, work: Any) -> None:
         if threading.current_thread() is self._thread:
             # A future's callback asked for another future (PowerSGD's hook chains collectives
             # and waits on them inside its callbacks): queued behind the callback running
@@ -102,6 +104,54 @@ class _Completer:
 
 
 _completer = _Completer()
+
+
+class _RecordEnd:
+    """Ends a profiler record once its op's work has completed, on the completer's thread: a
+    record that ends on another thread than it began on is an async one, as torch's own
+    backends' collectives are in a profile."""
+
+    def __init__(self, work: Any, record: Any) -> None:
+        self._work, self._record = work, record
+
+    def _settle(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException:  # noqa: BLE001, S110 - the op's waiter raises it
+            pass
+        self._record.__exit__(None, None, None)
+
+
+def _profiled(title: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Callable:
+    """Records a method's op in torch's profiler, when one runs, as ``ferrovod:<title>`` with
+    the shapes of ``inputs(*args)`` (what gloo's ops show as ``gloo:<title>``)."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not torch.autograd._profiler_enabled():
+                return method(self, *args, **kwargs)
+            record = _RecordFunctionFast(f"{BACKEND}:{title}", list(inputs(*args)))
+            record.__enter__()
+            try:
+                work = method(self, *args, **kwargs)
+            except BaseException:
+                record.__exit__(None, None, None)
+                raise
+            _completer.add(_RecordEnd(work, record))
+            return work
+
+        return run
+
+    return wrap
+
+
+def _first(tensors: Sequence[torch.Tensor], *_: Any) -> Sequence[torch.Tensor]:
+    return tensors
+
+
+def _second(_: Any, tensors: Any, *__: Any) -> Sequence[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
 
 
 class _Work(dist.Work):
@@ -371,11 +421,13 @@ class ProcessGroup(_C10dBackend):
 
     # ------------------------------------------------------------------ allreduce, reduce
 
+    @_profiled("all_reduce", _first)
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
         """Reduces ``tensors`` in place across the group."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._allreduce(tensors, op, "allreduce")
 
+    @_profiled("all_reduce", _first)
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
         """Reduces every tensor of ``tensors`` in place, negotiated as one op."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -411,6 +463,7 @@ class ProcessGroup(_C10dBackend):
 
         return self._work(h, finish, tensors)
 
+    @_profiled("reduce", _first)
     def reduce(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
         """Reduces ``tensors[0]`` into the root's copy; the others keep theirs."""
         t = tensors[0]
@@ -428,6 +481,7 @@ class ProcessGroup(_C10dBackend):
 
     # ------------------------------------------------------------------ broadcast
 
+    @_profiled("broadcast", _first)
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
         """Overwrites ``tensors`` with the root's, in place."""
         if not tensors:
@@ -454,6 +508,7 @@ class ProcessGroup(_C10dBackend):
         return _ops._api._single(_ops._allgather_async([_flat(t).reshape(1, -1)], name,
                                                        self._set, "allgather"))
 
+    @_profiled("all_gather", _second)
     def allgather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         """Every rank's ``inputs[0]`` into ``outputs[0]``, one tensor per rank."""
@@ -466,6 +521,7 @@ class ProcessGroup(_C10dBackend):
 
         return self._work(h, finish, inputs)
 
+    @_profiled("all_gather", _second)
     def allgather_coalesced(self, outputs: List[List[torch.Tensor]],
                             inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
         """Every rank's ``inputs`` into ``outputs[i]`` (rank-major), as one op."""
@@ -479,6 +535,7 @@ class ProcessGroup(_C10dBackend):
 
         return self._work(h, finish, inputs)
 
+    @_profiled("all_gather_into_tensor", _second)
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> dist.Work:
         """``all_gather_into_tensor``: every rank's ``input`` into ``output`` in rank order,
@@ -502,6 +559,7 @@ class ProcessGroup(_C10dBackend):
 
         return self._work(h, finish, [output])
 
+    @_profiled("all_gather_into_tensor_coalesced", _second)
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
                                     inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
         """``all_gather_into_tensor`` of several pairs, as one op."""
@@ -519,6 +577,7 @@ class ProcessGroup(_C10dBackend):
 
         return self._work(h, finish, outputs)
 
+    @_profiled("gather", _second)
     def gather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                opts: Any) -> dist.Work:
         """Every rank's ``inputs[0]`` into the root's ``outputs[0]``."""
@@ -535,17 +594,20 @@ class ProcessGroup(_C10dBackend):
 
     # ------------------------------------------------------------------ reduce-scatter
 
+    @_profiled("reduce_scatter", lambda _, inputs, *__: [t for ts in inputs for t in ts])
     def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
                        opts: Any) -> dist.Work:
         """The reduction of every rank's ``inputs[0][r]``, into rank r's ``outputs[0]``."""
         flat = torch.cat([_flat(t) for t in inputs[0]])
         return self._reduce_scatter(outputs[0], flat, opts.reduceOp)
 
+    @_profiled("reduce_scatter_tensor", _second)
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any) -> dist.Work:
         """``reduce_scatter_tensor``: rank r's share of the reduced ``input`` into ``output``."""
         return self._reduce_scatter(output, _flat(input), opts.reduceOp)
 
+    @_profiled("reduce_scatter_tensor_coalesced", _second)
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any) -> dist.Work:
         """``reduce_scatter_tensor`` of several pairs, one op each; the last one's work."""
@@ -602,12 +664,14 @@ class ProcessGroup(_C10dBackend):
 
         return self._work(h, finish, outs)
 
+    @_profiled("all_to_all", _second)
     def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         """``inputs[r]`` to rank r; rank r's tensor for this rank into ``outputs[r]``."""
         flat = torch.cat([_flat(t) for t in inputs])
         return self._alltoall(flat, [t.numel() for t in inputs], list(outputs), self._name())
 
+    @_profiled("all_to_all", _second)
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: List[int], input_split_sizes: List[int],
                           opts: Any = None) -> dist.Work:
@@ -623,6 +687,7 @@ class ProcessGroup(_C10dBackend):
                 f"{rows} rows over {n} ranks")
         return self._alltoall(_flat(input), [s * row for s in sends], [output], self._name())
 
+    @_profiled("scatter", lambda _, inputs, *__: [t for ts in inputs for t in ts])
     def scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
                 opts: Any) -> dist.Work:
         """The root's ``inputs[0][r]`` into rank r's ``outputs[0]``."""
@@ -638,6 +703,7 @@ class ProcessGroup(_C10dBackend):
 
     # ------------------------------------------------------------------ barriers
 
+    @_profiled("barrier", lambda *_: [])
     def barrier(self, opts: Any = None) -> dist.Work:
         """Completes once every rank of the group has reached it."""
         mark = [torch.zeros(1)]
@@ -712,11 +778,13 @@ class ProcessGroup(_C10dBackend):
         _pairs.submit((min(me, other), max(me, other)), op, deferred)
         return _Work(deferred, lambda _: [t], [t.device])
 
+    @_profiled("send", _first)
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> dist.Work:
         """Sends ``tensors[0]`` to group rank ``dst``; its ``recv`` must give the same shape
         and dtype (a difference fails both sides, naming them)."""
         return self._p2p(tensors, dst, tag, True)
 
+    @_profiled("recv", _first)
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int) -> dist.Work:
         """Receives into ``tensors[0]`` what group rank ``src`` sends."""
         return self._p2p(tensors, src, tag, False)
@@ -763,6 +831,13 @@ def _store_address(store: Any) -> Optional[str]:
     return None
 
 
+# What torch gives a group whose creator set no timeout.
+_TORCH_DEFAULT_TIMEOUT: timedelta = dist.constants.default_pg_timeout
+# The default group's timeout when this job's engine was started by it (ops of the job's own
+# set are bounded by it); None when ferrovod.init() started the engine.
+_job_timeout: Optional[timedelta] = None
+
+
 def _formings(store: Any, size: int) -> int:
     """Which forming of a job over ``store`` this is, the same on every rank: each rank counts
     itself in once per forming, and a forming ends only once every rank has counted."""
@@ -772,6 +847,7 @@ def _formings(store: Any, size: int) -> int:
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:  # noqa: D417
     """torch's creator: the default group starts (or joins) the engine over the store torch
     hands in; other groups are not here yet."""
+    global _job_timeout
     del backend_options
     store, rank, size = opts.store, int(opts.group_rank), int(opts.group_size)
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else \
@@ -779,8 +855,12 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:  # noqa: D4
     members = [int(r) for r in opts.global_ranks_in_group]
     if members:
         return _subgroup(store, rank, size, timeout, str(opts.group_id), members)
+    # torch's default timeout (30 min) leaves the job's ops to the engine's stall limits and
+    # small ones on the fast path; a timeout the user chose bounds every op, as gloo's does.
+    op_limit = None if timeout == _TORCH_DEFAULT_TIMEOUT else timeout.total_seconds()
     started = _lifecycle.init_over_store(store, rank, size, timeout.total_seconds(),
-                                         _store_address(store), _formings(store, size))
+                                         _store_address(store), _formings(store, size), op_limit)
+    _job_timeout = timeout if started else None
     return ProcessGroup(store, rank, size, timeout, str(opts.group_id), global_process_set,
                         owns_engine=started)
 
@@ -797,11 +877,12 @@ def _subgroup(store: Any, rank: int, size: int, timeout: timedelta, group_id: st
     if members != sorted(members) or len(members) != size:
         raise InvalidArgumentError(f"group {group_id}: ranks {members} must be sorted and "
                                    f"{size} in number")
-    if members == list(range(_api.size())):
+    if members == list(range(_api.size())) and timeout in (_job_timeout, _TORCH_DEFAULT_TIMEOUT):
         ps = global_process_set
     else:
+        # The group's ops fail once stalled for its timeout (a set with a limit of its own).
         ps = ProcessSet(members)
-        ps.process_set_id = int(_core.add_process_set(members, True))
+        ps.process_set_id = int(_core.add_process_set(members, True, timeout.total_seconds()))
     return ProcessGroup(store, rank, size, timeout, group_id, ps, owns_engine=False)
 
 

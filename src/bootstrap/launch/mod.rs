@@ -174,6 +174,37 @@ fn check_rendezvous_addr(source: &str, addr: &str) -> Result<()> {
     }
 }
 
+/// One rank started by no launcher, with `secret`.
+fn alone(secret: Option<Vec<u8>>) -> LaunchInfo {
+    LaunchInfo {
+        launcher: Launcher::None,
+        rank0_hosts_store: false,
+        rank: 0,
+        size: 1,
+        local: None,
+        rendezvous_addr: None,
+        secret,
+        secret_derived: false,
+        agent_store: None,
+    }
+}
+
+/// `FERROVOD_SECRET`'s secret, decoded, when set.
+fn given_secret(lookup: &Lookup<'_>) -> Result<Option<Vec<u8>>> {
+    lookup("FERROVOD_SECRET")
+        .map(|(_, hex)| {
+            secret_from_hex(&hex)
+                .map_err(|_| Error::InvalidArgument("FERROVOD_SECRET is not valid hex".into()))
+        })
+        .transpose()
+}
+
+/// The launch of a job whose rank and size are handed in rather than read from a launcher's
+/// variables (see `Config::from_env_without_launch`): one rank, and the secret the user set.
+pub fn placeholder(lookup: &Lookup<'_>) -> Result<LaunchInfo> {
+    Ok(alone(given_secret(lookup)?))
+}
+
 /// Works out the launch environment (DESIGN.md order: ferrovodrun, MPI launchers, Slurm,
 /// torchrun/PyTorchJob, none). A half-set environment is an error naming what is missing.
 ///
@@ -283,25 +314,9 @@ pub fn detect(get: &dyn Fn(&str) -> Option<String>, lookup: &Lookup<'_>) -> Resu
         }
     }
     let Some((launcher, rank, size)) = found else {
-        return Ok(LaunchInfo {
-            launcher: Launcher::None,
-            rank0_hosts_store: false,
-            rank: 0,
-            size: 1,
-            local: None,
-            rendezvous_addr: None,
-            secret: None,
-            secret_derived: false,
-            agent_store: None,
-        });
+        return Ok(alone(None));
     };
-    let secret = match lookup("FERROVOD_SECRET") {
-        None => None,
-        Some((_, hex)) => Some(
-            secret_from_hex(&hex)
-                .map_err(|_| Error::InvalidArgument("FERROVOD_SECRET is not valid hex".into()))?,
-        ),
-    };
+    let secret = given_secret(lookup)?;
     let explicit_addr = lookup("FERROVOD_RENDEZVOUS_ADDR").map(|(_, v)| v);
     if let Some(addr) = &explicit_addr {
         check_rendezvous_addr("FERROVOD_RENDEZVOUS_ADDR", addr)?;

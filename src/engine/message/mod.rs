@@ -240,6 +240,10 @@ pub enum ToCoordinator {
     AddMemberSet {
         /// Sorted global ranks.
         ranks: Vec<usize>,
+        /// Milliseconds after which an op of the set that some members have not submitted
+        /// fails on those that have (torch's group timeout); 0: the engine's own limit. Sets
+        /// with the same ranks and different limits are different sets.
+        timeout_ms: u64,
     },
     /// Unregister a process set.
     RemoveSet {
@@ -325,10 +329,13 @@ pub enum FromCoordinator {
         /// The stale id.
         id: u64,
     },
-    /// Result of `AddSet`: the id, or an error message.
+    /// Result of `AddSet` or `AddMemberSet`: the id, or an error message.
     SetAdded {
         /// Sorted ranks.
         ranks: Vec<usize>,
+        /// The limit asked for (`AddMemberSet`'s; 0 for `AddSet`), which with the ranks tells
+        /// the asker which of its requests this answers.
+        timeout_ms: u64,
         /// Id assigned, or the error.
         result: std::result::Result<u32, String>,
     },
@@ -422,8 +429,8 @@ impl ToCoordinator {
             ToCoordinator::RemoveSet { id } => {
                 w.u8(4).u32(*id);
             }
-            ToCoordinator::AddMemberSet { ranks } => {
-                w.u8(10).usizes(ranks);
+            ToCoordinator::AddMemberSet { ranks, timeout_ms } => {
+                w.u8(10).usizes(ranks).u64(*timeout_ms);
             }
             ToCoordinator::Leave => {
                 w.u8(5);
@@ -484,7 +491,10 @@ impl ToCoordinator {
             2 => ToCoordinator::Join,
             3 => ToCoordinator::AddSet { ranks: r.usizes()? },
             4 => ToCoordinator::RemoveSet { id: r.u32()? },
-            10 => ToCoordinator::AddMemberSet { ranks: r.usizes()? },
+            10 => ToCoordinator::AddMemberSet {
+                ranks: r.usizes()?,
+                timeout_ms: r.u64()?,
+            },
             5 => ToCoordinator::Leave,
             6 => ToCoordinator::Stalled {
                 rank: r.usize()?,
@@ -611,8 +621,12 @@ impl FromCoordinator {
             FromCoordinator::Ready => {
                 w.u8(6);
             }
-            FromCoordinator::SetAdded { ranks, result } => {
-                w.u8(2).usizes(ranks);
+            FromCoordinator::SetAdded {
+                ranks,
+                timeout_ms,
+                result,
+            } => {
+                w.u8(2).usizes(ranks).u64(*timeout_ms);
                 match result {
                     Ok(id) => w.u8(0).u32(*id),
                     Err(msg) => w.u8(1).str(msg),
@@ -677,12 +691,17 @@ impl FromCoordinator {
             },
             2 => {
                 let ranks = r.usizes()?;
+                let timeout_ms = r.u64()?;
                 let result = if r.bool()? {
                     Err(r.str()?.to_string())
                 } else {
                     Ok(r.u32()?)
                 };
-                FromCoordinator::SetAdded { ranks, result }
+                FromCoordinator::SetAdded {
+                    ranks,
+                    timeout_ms,
+                    result,
+                }
             }
             3 => {
                 let id = r.u32()?;

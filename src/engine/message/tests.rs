@@ -35,7 +35,10 @@ fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
         ]),
         ToCoordinator::Join,
         ToCoordinator::AddSet { ranks: vec![0, 2] },
-        ToCoordinator::AddMemberSet { ranks: vec![1, 3] },
+        ToCoordinator::AddMemberSet {
+            ranks: vec![1, 3],
+            timeout_ms: 1500,
+        },
         ToCoordinator::RemoveSet { id: 4 },
         ToCoordinator::Leave,
         ToCoordinator::Stalled {
@@ -85,10 +88,12 @@ fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
         FromCoordinator::CacheMiss { set_id: 1, id: 2 },
         FromCoordinator::SetAdded {
             ranks: vec![1],
+            timeout_ms: 0,
             result: Err("dup".into()),
         },
         FromCoordinator::SetAdded {
             ranks: vec![1],
+            timeout_ms: 60_000,
             result: Ok(2),
         },
         FromCoordinator::SetRemoved {

@@ -145,6 +145,9 @@ impl Pending {
 
 struct SetState {
     ranks: Vec<usize>,
+    /// How long an op of this set may wait for members that have not submitted it before it
+    /// fails on those that have (torch's group timeout); `None`: the engine's stall limit.
+    timeout: Option<Duration>,
     table: HashMap<String, Pending>,
     /// Shared base name → the names pending under it (see [`shared_base`]): one, unless
     /// ranks disagree.
@@ -159,8 +162,14 @@ struct SetState {
 
 impl SetState {
     fn new(ranks: Vec<usize>) -> Self {
+        SetState::limited(ranks, 0)
+    }
+
+    /// A set whose stalled ops fail after `timeout_ms` (0: the engine's stall limit).
+    fn limited(ranks: Vec<usize>, timeout_ms: u64) -> Self {
         SetState {
             ranks,
+            timeout: (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms)),
             table: HashMap::new(),
             bases: HashMap::new(),
             contested: 0,
@@ -233,7 +242,8 @@ pub struct Negotiator {
     set_ops: Vec<VecDeque<ToCoordinator>>,
     /// Sets being registered by their members alone ([`ToCoordinator::AddMemberSet`]): the
     /// members that have asked so far.
-    member_sets: HashMap<Vec<usize>, Vec<usize>>,
+    /// Keyed by the set's ranks and time limit.
+    member_sets: HashMap<(Vec<usize>, u64), Vec<usize>>,
     fusion_threshold: usize,
     cache_capacity: usize,
     /// Ready responses not yet sent (released by [`Negotiator::flush`]).
@@ -343,7 +353,9 @@ impl Negotiator {
                 self.set_ops[from].push_back(m);
                 self.process_set_ops(out);
             }
-            ToCoordinator::AddMemberSet { ranks } => self.add_member_set(from, ranks, out),
+            ToCoordinator::AddMemberSet { ranks, timeout_ms } => {
+                self.add_member_set(from, ranks, timeout_ms, out)
+            }
             ToCoordinator::Leave => self.rank_gone(from, Gone::Left, LEFT.into(), out),
             ToCoordinator::Stalled { rank, detail } if rank < self.size => self.rank_gone(
                 rank,
@@ -393,15 +405,16 @@ impl Negotiator {
         self.fail_join();
         self.process_set_ops(out);
         // A set its members register alone cannot form without this one.
-        let stuck: Vec<Vec<usize>> = self
+        let stuck: Vec<(Vec<usize>, u64)> = self
             .member_sets
             .keys()
-            .filter(|ranks| ranks.contains(&rank))
+            .filter(|(ranks, _)| ranks.contains(&rank))
             .cloned()
             .collect();
-        for ranks in stuck {
-            let asked = self.member_sets.remove(&ranks).unwrap_or_default();
-            out.push((asked, self.set_without(ranks, rank)));
+        for key in stuck {
+            let asked = self.member_sets.remove(&key).unwrap_or_default();
+            let (ranks, timeout_ms) = key;
+            out.push((asked, self.set_without(ranks, timeout_ms, rank)));
         }
     }
 
@@ -413,58 +426,68 @@ impl Negotiator {
             || ranks.windows(2).any(|w| w[0] >= w[1])
     }
 
-    /// The answer to asking for set `ranks`, one of whose members, `gone`, has gone.
-    fn set_without(&self, ranks: Vec<usize>, gone: usize) -> FromCoordinator {
+    /// The answer to asking for set `ranks` (limited to `timeout_ms`), one of whose members,
+    /// `gone`, has gone.
+    fn set_without(&self, ranks: Vec<usize>, timeout_ms: u64, gone: usize) -> FromCoordinator {
         let (_, why) = gone_error(gone, self.gone[gone].as_deref().unwrap_or_default(), "");
         FromCoordinator::SetAdded {
             result: Err(format!("process set {ranks:?} cannot be made: {why}")),
             ranks,
+            timeout_ms,
         }
     }
 
-    /// `from` asks for the set of `ranks` among its members alone: it is made (or found) once
-    /// every member has asked, and only they are told its id.
-    fn add_member_set(&mut self, from: usize, ranks: Vec<usize>, out: &mut Outbox) {
+    /// `from` asks for the set of `ranks` among its members alone, its stalled ops failing
+    /// after `timeout_ms` (0: the engine's limit): it is made (or found) once every member
+    /// has asked, and only they are told its id.
+    fn add_member_set(
+        &mut self,
+        from: usize,
+        ranks: Vec<usize>,
+        timeout_ms: u64,
+        out: &mut Outbox,
+    ) {
+        let answer = |ranks, result| FromCoordinator::SetAdded {
+            ranks,
+            timeout_ms,
+            result,
+        };
         if self.bad_set_ranks(&ranks) || !ranks.contains(&from) {
             let result = Err(format!(
                 "invalid process set ranks {ranks:?} (asked by rank {from}, which must be one \
                  of them)"
             ));
-            out.push((vec![from], FromCoordinator::SetAdded { ranks, result }));
+            out.push((vec![from], answer(ranks, result)));
             return;
         }
-        if let Some((&id, _)) = self.sets.iter().find(|(_, s)| s.ranks == ranks) {
-            out.push((
-                vec![from],
-                FromCoordinator::SetAdded {
-                    ranks,
-                    result: Ok(id),
-                },
-            ));
+        let limited = SetState::limited(Vec::new(), timeout_ms).timeout;
+        let existing = self
+            .sets
+            .iter()
+            .find(|(_, s)| s.ranks == ranks && s.timeout == limited);
+        if let Some((&id, _)) = existing {
+            out.push((vec![from], answer(ranks, Ok(id))));
             return;
         }
         if let Some(&gone) = ranks.iter().find(|&&r| self.gone[r].is_some()) {
-            out.push((vec![from], self.set_without(ranks, gone)));
+            out.push((vec![from], self.set_without(ranks, timeout_ms, gone)));
             return;
         }
-        let asked = self.member_sets.entry(ranks.clone()).or_default();
+        let key = (ranks, timeout_ms);
+        let asked = self.member_sets.entry(key.clone()).or_default();
         if !asked.contains(&from) {
             asked.push(from);
         }
-        if asked.len() < ranks.len() {
+        if asked.len() < key.0.len() {
             return;
         }
-        self.member_sets.remove(&ranks);
+        self.member_sets.remove(&key);
+        let (ranks, timeout_ms) = key;
         let id = self.next_set_id;
         self.next_set_id += 1;
-        self.sets.insert(id, SetState::new(ranks.clone()));
-        out.push((
-            ranks.clone(),
-            FromCoordinator::SetAdded {
-                ranks,
-                result: Ok(id),
-            },
-        ));
+        self.sets
+            .insert(id, SetState::limited(ranks.clone(), timeout_ms));
+        out.push((ranks.clone(), answer(ranks, Ok(id))));
     }
 
     /// A `join()` needs every rank: once one has gone without joining, the ranks that joined
@@ -547,28 +570,30 @@ impl Negotiator {
         }
     }
 
-    /// The stall inspector. Names some ranks submitted more than `check` ago and others did
-    /// not are reported (once per `check` interval each) in Horovod's words, listing for every
-    /// missing rank the tensors it has not submitted; with `shutdown`, names stalled that long
-    /// fail on every rank. Returns the warning to log, if any.
+    /// The stall inspector. With `check`, names some ranks submitted more than `check` ago
+    /// and others did not are reported (once per `check` interval each) in Horovod's words,
+    /// listing for every missing rank the tensors it has not submitted. Names stalled longer
+    /// than their set's limit (its own, else `shutdown`) fail on every rank that submitted
+    /// them. Returns the warning to log, if any.
     pub fn inspect(
         &mut self,
         now: Instant,
-        check: Duration,
+        check: Option<Duration>,
         shutdown: Option<Duration>,
     ) -> Option<String> {
         let mut missing: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        let mut doomed: Vec<(u32, String)> = Vec::new();
+        let mut doomed: Vec<(u32, String, Duration)> = Vec::new();
         let mut shutting = false;
         for (&set_id, set) in self.sets.iter_mut() {
+            let limit = set.timeout.or(shutdown);
             for (name, p) in set.table.iter_mut() {
                 let age = now.saturating_duration_since(p.since);
-                if age < check {
+                if let Some(limit) = limit.filter(|&l| age >= l) {
+                    doomed.push((set_id, name.clone(), limit));
+                }
+                let Some(check) = check.filter(|&c| age >= c) else {
                     continue;
-                }
-                if shutdown.is_some_and(|limit| age >= limit) {
-                    doomed.push((set_id, name.clone()));
-                }
+                };
                 if p.warned
                     .is_some_and(|w| now.saturating_duration_since(w) < check)
                 {
@@ -588,7 +613,7 @@ impl Negotiator {
                 shutting |= shutdown.is_some();
             }
         }
-        for (set_id, name) in doomed {
+        for (set_id, name, limit) in doomed {
             let set = self.sets.get_mut(&set_id).expect("listed above");
             let p = set.take(&name).expect("listed above");
             let absent: Vec<usize> = set
@@ -599,14 +624,22 @@ impl Negotiator {
                 .map(|(_, &g)| g)
                 .collect();
             let request = p.first();
-            let msg = format!(
-                "{} of tensor '{name}' stalled for more than {:.0} s: ranks {absent:?} never \
-                 submitted it, so ferrovod gives up on it (FERROVOD_STALL_SHUTDOWN_TIME_SECONDS)",
-                request.kind.name(),
-                shutdown
-                    .expect("doomed only with a shutdown time")
-                    .as_secs_f64()
-            );
+            let msg = if set.timeout.is_some() {
+                // Torch's group timeout; torch's users look for "timeout" in what it raises.
+                format!(
+                    "{} of tensor '{name}' failed: ranks {absent:?} did not submit it within \
+                     the process group's timeout of {limit:?}",
+                    request.kind.name(),
+                )
+            } else {
+                format!(
+                    "{} of tensor '{name}' stalled for more than {:.0} s: ranks {absent:?} never \
+                     submitted it, so ferrovod gives up on it \
+                     (FERROVOD_STALL_SHUTDOWN_TIME_SECONDS)",
+                    request.kind.name(),
+                    limit.as_secs_f64()
+                )
+            };
             let code = Error::Timeout {
                 what: String::new(),
                 after: Duration::ZERO,
@@ -614,9 +647,10 @@ impl Negotiator {
             .kind_code();
             self.ready.push(error_response(request, code, msg));
         }
-        if missing.is_empty() {
+        // Only a check fills `missing`.
+        let (Some(check), false) = (check, missing.is_empty()) else {
             return None;
-        }
+        };
         let mut text = format!(
             "One or more tensors were submitted to be reduced, gathered or broadcasted by \
              subset of ranks and are waiting for remainder of ranks for more than {:.0} seconds. \
@@ -899,6 +933,7 @@ impl Negotiator {
                     };
                     FromCoordinator::SetAdded {
                         ranks: ranks.clone(),
+                        timeout_ms: 0,
                         result,
                     }
                 }
@@ -914,6 +949,7 @@ impl Negotiator {
                 }
                 (ToCoordinator::AddSet { ranks }, false) => FromCoordinator::SetAdded {
                     ranks: ranks.clone(),
+                    timeout_ms: 0,
                     result: Err(
                         "ranks disagree on add_process_set/remove_process_set: every rank must \
                          call them with the same arguments in the same order"

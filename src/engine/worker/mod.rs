@@ -25,7 +25,7 @@ use super::handle::Handle;
 use super::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
 use super::names::shared_base;
 use super::timeline::{self, Timeline};
-use super::{Command, OpSpec, Shared};
+use super::{Command, OpSpec, SetScope, Shared};
 use crate::sys::wait_readable;
 use std::os::fd::RawFd;
 
@@ -82,7 +82,8 @@ pub(super) enum Step {
 /// order than this rank asked (torch.distributed's point-to-point pairs register from threads
 /// of their own).
 enum SetWaiter {
-    Add(Vec<usize>, mpsc::Sender<Result<u32>>),
+    /// The set's ranks and its limit as sent (milliseconds, 0: none).
+    Add(Vec<usize>, u64, mpsc::Sender<Result<u32>>),
     Remove(u32, mpsc::Sender<Result<bool>>),
 }
 
@@ -268,18 +269,31 @@ impl Worker {
                 self.join = Some(handle);
                 self.send(ToCoordinator::Join);
             }
-            Command::AddSet(ranks, members_only, tx) => {
+            Command::AddSet(ranks, scope, tx) => {
                 if let Some(e) = &self.failed {
                     let _ = tx.send(Err(e.clone()));
                     return;
                 }
+                let (msg, timeout_ms) = match scope {
+                    SetScope::EveryRank => (
+                        ToCoordinator::AddSet {
+                            ranks: ranks.clone(),
+                        },
+                        0,
+                    ),
+                    SetScope::Members { timeout } => {
+                        // At least a millisecond: 0 on the wire means no limit of the set's own.
+                        let timeout_ms = timeout.map_or(0, |t| (t.as_millis() as u64).max(1));
+                        let ranks = ranks.clone();
+                        (
+                            ToCoordinator::AddMemberSet { ranks, timeout_ms },
+                            timeout_ms,
+                        )
+                    }
+                };
                 self.set_waiters
-                    .push_back(SetWaiter::Add(ranks.clone(), tx));
-                self.send(if members_only {
-                    ToCoordinator::AddMemberSet { ranks }
-                } else {
-                    ToCoordinator::AddSet { ranks }
-                });
+                    .push_back(SetWaiter::Add(ranks, timeout_ms, tx));
+                self.send(msg);
             }
             Command::RemoveSet(id, tx) => {
                 if let Some(e) = &self.failed {
@@ -594,16 +608,20 @@ impl Worker {
                     }
                 }
             }
-            FromCoordinator::SetAdded { ranks, result } => {
+            FromCoordinator::SetAdded {
+                ranks,
+                timeout_ms,
+                result,
+            } => {
                 if let Ok(id) = result {
                     self.sets.insert(id, ranks.clone());
                     self.shared.sets.lock().insert(id, ranks.clone());
                 }
-                let asked = self
-                    .set_waiters
-                    .iter()
-                    .position(|w| matches!(w, SetWaiter::Add(r, _) if *r == ranks));
-                if let Some(SetWaiter::Add(_, tx)) = asked.and_then(|i| self.set_waiters.remove(i))
+                let asked = self.set_waiters.iter().position(
+                    |w| matches!(w, SetWaiter::Add(r, t, _) if *r == ranks && *t == timeout_ms),
+                );
+                if let Some(SetWaiter::Add(_, _, tx)) =
+                    asked.and_then(|i| self.set_waiters.remove(i))
                 {
                     let _ = tx.send(result.map_err(Error::InvalidArgument));
                 }
@@ -781,7 +799,7 @@ impl Worker {
         }
         for w in self.set_waiters.drain(..) {
             match w {
-                SetWaiter::Add(_, tx) => drop(tx.send(Err(err.clone()))),
+                SetWaiter::Add(_, _, tx) => drop(tx.send(Err(err.clone()))),
                 SetWaiter::Remove(_, tx) => drop(tx.send(Err(err.clone()))),
             }
         }

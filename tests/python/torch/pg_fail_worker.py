@@ -7,6 +7,10 @@ an error that comes is the engine's report, never the timeout.
   must get an error naming the ranks, and the job must go on (the next op is checked).
 - ``kill``: the last rank SIGKILLs itself while the others are in an allreduce; they must get
   a rank-failure error naming it.
+- ``timeout``: rank 0 alone enters a barrier of a group made with ``timeout=``; it must fail
+  once that time has passed (not before), naming the ranks that never came, and the job must
+  go on. The ranks also carry ``WORLD_SIZE`` without ``RANK``, as torch's own test harness
+  leaves them: torch hands the backend the rank, so no launcher's variables are read.
 
 Each rank prints ``rank <r> OK <checks>`` when all its checks held.
 """
@@ -35,6 +39,9 @@ def check(ok, what):
     checks += 1
 
 
+if mode == "timeout":
+    os.environ["WORLD_SIZE"] = str(size)
+    os.environ.pop("RANK", None)
 dist.init_process_group("ferrovod", init_method=f"file://{path}", rank=rank, world_size=size,
                         timeout=timedelta(seconds=600))
 t = torch.ones(4)
@@ -65,6 +72,30 @@ if mode == "mismatch":
         dist.all_reduce(t)
         check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
               f"the job goes on after the {what} mismatch: {t}")
+    dist.destroy_process_group()
+elif mode == "timeout":
+    limit = 1.5
+    # Every rank (a group over the whole job with a timeout of its own) and ranks 0 and 1.
+    groups = [dist.new_group(list(range(size)), timeout=timedelta(seconds=limit)),
+              dist.new_group([0, 1], timeout=timedelta(seconds=limit))]
+    for i, group in enumerate(groups):
+        if rank == 0:
+            started = time.monotonic()
+            try:
+                dist.barrier(group=group)
+                check(False, f"group {i}: a barrier rank 0 entered alone completed")
+            except Exception as e:  # noqa: BLE001 - what torch's users catch
+                took = time.monotonic() - started
+                print(f"rank 0 group {i} after {took:.2f} s: {e}", flush=True)
+                check(" timeout " in str(e), f"group {i}: the error does not say timeout: {e}")
+                check("ranks [1" in str(e), f"group {i}: the missing ranks are not named: {e}")
+                # Never before the timeout; the check runs a few times a second.
+                check(took >= limit - 0.05, f"group {i}: failed after {took:.2f} s")
+        # The other ranks wait here, on the job's own group, until rank 0 has had its error.
+        t = torch.full((2,), float(rank))
+        dist.all_reduce(t)
+        check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
+              f"the job goes on after group {i}'s timeout: {t}")
     dist.destroy_process_group()
 elif mode == "kill":
     victim = size - 1

@@ -208,6 +208,19 @@ def section_collectives(gloo):
     check(True, "barrier")
     dist.monitored_barrier(wait_all_ranks=True)
     check(True, "monitored_barrier")
+    # torch's profiler shows the backend's ops, as it shows gloo's: one async record each,
+    # named ferrovod:<op>, with its inputs' shapes.
+    with torch.profiler.profile(record_shapes=True) as prof:
+        dist.all_reduce(torch.ones(5, 3))
+        dist.broadcast(torch.ones(7), src=0)
+        dist.all_gather_into_tensor(torch.empty(2 * n), torch.ones(2))
+    events = {e.name: e for e in prof.events() if e.name.startswith("ferrovod:")}
+    for name, shape in [("all_reduce", [5, 3]), ("broadcast", [7]),
+                        ("all_gather_into_tensor", [2])]:
+        e = events.get(f"ferrovod:{name}")
+        check(e is not None, f"no profiler event for {name}: {sorted(events)}")
+        check(e.is_async and e.count == 1 and e.input_shapes == [shape],
+              f"{name}'s event: async {e.is_async}, count {e.count}, shapes {e.input_shapes}")
 
 
 def section_subgroups():
