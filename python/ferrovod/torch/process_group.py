@@ -402,6 +402,16 @@ class ProcessGroup(_C10dBackend):
               tensors: Sequence[torch.Tensor]) -> _Work:
         return _Work(handle, finish, (t.device for t in tensors))
 
+    def _refuse(self, kind: int, kind_name: str, reason: str,
+                tensors: Sequence[torch.Tensor]) -> _Work:
+        """The group's next op, which this rank's arguments make impossible: refused through
+        the engine as the op the others submit (``kind``, named as ``kind_name`` names it),
+        so that every rank of the group fails it with ``reason`` instead of waiting for this
+        one. Its work raises that error."""
+        name = _ops._op_name(kind_name, self._name())
+        h = _ops._refused(kind, name, self._set, InvalidArgumentError(reason), True)
+        return self._work(h, lambda _: [], tensors)
+
     @staticmethod
     def _engine_op(op: Any, what: str) -> tuple:
         """(engine op, pre-scale) for torch's ``ReduceOp``; bitwise ops return (None, op)."""
@@ -626,9 +636,15 @@ class ProcessGroup(_C10dBackend):
         engine_op, factor = self._engine_op(op, "reduce_scatter")
         n = self._size
         if flat.numel() != output.numel() * n:
-            raise InvalidArgumentError(
+            # Refused as the op the other ranks submit for this reduction.
+            kind, kind_name = ((_core.REDUCESCATTER, "reducescatter")
+                               if engine_op in (Sum, Average) else
+                               (_core.ALLREDUCE, "allreduce") if engine_op is not None else
+                               (_core.ALLGATHER, "allgather"))
+            return self._refuse(
+                kind, kind_name,
                 f"reduce_scatter: rank {self._rank} gives {flat.numel()} elements for "
-                f"{output.numel()} out on each of {n} ranks")
+                f"{output.numel()} out on each of {n} ranks", [output])
         if engine_op not in (Sum, Average):
             # The engine reduce-scatters Sum and Average; other ops reduce whole and keep
             # this rank's share.
@@ -682,9 +698,10 @@ class ProcessGroup(_C10dBackend):
         row = input.numel() // rows if rows else 0
         sends = list(input_split_sizes) or [rows // n] * n
         if sum(sends) != rows or len(sends) != n:
-            raise InvalidArgumentError(
+            return self._refuse(
+                _core.ALLTOALL, "alltoall",
                 f"all_to_all_single: rank {self._rank}'s input splits {sends} do not cover its "
-                f"{rows} rows over {n} ranks")
+                f"{rows} rows over {n} ranks", [output])
         return self._alltoall(_flat(input), [s * row for s in sends], [output], self._name())
 
     @_profiled("scatter", lambda _, inputs, *__: [t for ts in inputs for t in ts])

@@ -4,7 +4,9 @@ test_process_group.py). Started as a plain process: ``pg_fail_worker.py <mode> <
 an error that comes is the engine's report, never the timeout.
 
 - ``mismatch``: ranks disagree on a collective's shape, then dtype, then reduce op; every rank
-  must get an error naming the ranks, and the job must go on (the next op is checked).
+  must get an error naming the ranks, and the job must go on (the next op is checked). Then
+  rank 0 alone gives arguments its op cannot take (a reduce-scatter's size, all-to-all splits):
+  every rank must fail with rank 0's reason.
 - ``kill``: the last rank SIGKILLs itself while the others are in an allreduce; they must get
   a rank-failure error naming it.
 - ``timeout``: rank 0 alone enters a barrier of a group made with ``timeout=``; it must fail
@@ -72,6 +74,26 @@ if mode == "mismatch":
         dist.all_reduce(t)
         check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
               f"the job goes on after the {what} mismatch: {t}")
+    # Arguments only rank 0 gets wrong: refused on rank 0, failed on every rank with its reason.
+    refusals = [
+        ("rank 0 gives", lambda: dist.reduce_scatter_tensor(
+            torch.empty(2), torch.ones(2 * size + (1 if rank == 0 else 0)))),
+        ("rank 0's input splits", lambda: dist.all_to_all_single(
+            torch.empty(size), torch.ones(size),
+            input_split_sizes=[size + 1] + [0] * (size - 1) if rank == 0 else None)),
+    ]
+    for what, call in refusals:
+        try:
+            call()
+            check(False, f"{what}: rank 0's bad arguments raised nothing here")
+        except Exception as e:  # noqa: BLE001 - every rank gets rank 0's reason
+            text = str(e)
+            print(f"rank {rank} {what}: {text}", flush=True)
+            check(what in text, f"rank 0's reason ({what} ...) not given: {text}")
+        t = torch.full((2,), float(rank))
+        dist.all_reduce(t)
+        check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
+              f"the job goes on after the {what} refusal: {t}")
     dist.destroy_process_group()
 elif mode == "timeout":
     limit = 1.5
