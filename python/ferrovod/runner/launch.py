@@ -55,6 +55,7 @@ from .remote import (
     parse_exports,
     rendezvous_host,
 )
+from .torch_store import TorchStore
 from .supervisor import JobOutcome, SpawnError, Supervisor, WorkerSpec, describe_status
 from .worker_env import (
     THREAD_VARS,
@@ -500,6 +501,7 @@ def run_job(
     main_thread = threading.current_thread() is threading.main_thread()
     previous = _install_signal_handlers(supervisor) if main_thread else {}
     server = None
+    torch_store: Optional[TorchStore] = None
     try:
         if plan.elastic is not None:
             # Discovery may bring hosts of other machines at any time: listen on every
@@ -514,9 +516,15 @@ def run_job(
                                   JobInfo(addr, secret.hex(), plan.tunables), base_env, log)
         reports = _check_remote(plan, log) if plan.remote else {}
         _check_local_iface(plan)
-        server, addr = _start_rendezvous(secret, log, "0.0.0.0" if plan.remote else "127.0.0.1")
+        listen = "0.0.0.0" if plan.remote else "127.0.0.1"
+        server, addr = _start_rendezvous(secret, log, listen)
         _put(server, exchange)
-        job = JobInfo(rendezvous_addr=addr, secret_hex=secret.hex(), tunables=plan.tunables)
+        # torch's env:// (init_process_group with no arguments) finds a store the launcher
+        # holds, unless the user pointed torch elsewhere.
+        if "MASTER_ADDR" not in base_env and addr is not None:
+            torch_store = TorchStore(listen, float(plan.tunables["FERROVOD_START_TIMEOUT"]), log)
+        job = JobInfo(rendezvous_addr=addr, secret_hex=secret.hex(), tunables=plan.tunables,
+                      torch_store_port=torch_store.port if torch_store is not None else None)
         jobs = {slot.hostname: job for slot in plan.slots}
         if plan.remote and addr is not None:
             port = addr.rsplit(":", 1)[1]
@@ -544,6 +552,8 @@ def run_job(
                 exchange.collect(StoreClient(f"127.0.0.1:{server.addr.rsplit(':', 1)[1]}",
                                              secret, 10.0))
             server.close()
+        if torch_store is not None:
+            torch_store.close()
         _restore_signal_handlers(previous)
 
 

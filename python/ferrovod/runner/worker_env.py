@@ -15,6 +15,7 @@ from .._defaults import default as engine_default
 from .._defaults import positive_seconds
 from .cpus import BIND_VAR, bound_cpus, usable_cpu_count
 from .hosts import SlotInfo
+from .torch_store import torch_env
 
 __all__ = [
     "THREAD_VARS",
@@ -39,6 +40,9 @@ class JobInfo:
     rendezvous_addr: Optional[str]
     secret_hex: str
     tunables: Mapping[str, str]
+    #: The port of torch.distributed's store for the workers (:mod:`.torch_store`), on the
+    #: rendezvous address's host; None: no torch variables.
+    torch_store_port: Optional[int] = None
 
 
 def _flag(value: Any) -> str:
@@ -124,6 +128,9 @@ def worker_env(base: Mapping[str, str], slot: SlotInfo, job: JobInfo) -> Dict[st
         env["FERROVOD_RENDEZVOUS_ADDR"] = job.rendezvous_addr
     env[SECRET_VAR] = job.secret_hex
     env["FERROVOD_LAUNCHER"] = "ferrovodrun"
+    if job.torch_store_port is not None and job.rendezvous_addr is not None:
+        host = job.rendezvous_addr.rsplit(":", 1)[0]
+        env.update(torch_env(slot, host, job.torch_store_port))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(thread_share(base, slot.local_size, bound_cpus(env)))
     return env

@@ -516,6 +516,10 @@ def main():
     dist.init_process_group("ferrovod")
     check(dist.get_backend() == "ferrovod", f"backend {dist.get_backend()}")
     check(dist.get_rank() == int(os.environ["RANK"]), "rank from torchrun")
+    if "FERROVOD_RANK" in os.environ:
+        # Started by ferrovodrun: torch's env:// joined the store the launcher holds.
+        check(dist.get_rank() == int(os.environ["FERROVOD_RANK"]), "rank from ferrovodrun")
+        check(dist.get_world_size() == int(os.environ["FERROVOD_SIZE"]), "size from ferrovodrun")
     gloo = dist.new_group(backend="gloo")
     for s in sections:
         if s == "collectives":

@@ -31,6 +31,12 @@ def torchrun(n, *args, timeout=300):
     return _run(cmd, _env({"OMP_NUM_THREADS": "1"}, plain=True), timeout)
 
 
+def ferrovodrun(n, *args, timeout=300):
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(n), sys.executable,
+           str(HERE / "pg_worker.py"), *[str(a) for a in args]]
+    return _run(cmd, _env(None, plain=True), timeout)
+
+
 def checks(res, n):
     """``{rank: checks}`` from every rank's ``rank <r> OK <checks>`` line."""
     found = {int(m.group(1)): int(m.group(2))
@@ -43,6 +49,16 @@ def checks(res, n):
 def test_collectives_match_numpy_and_gloo(n):
     found = checks(torchrun(n, "collectives", "subgroups", "p2p", "objects"), n)
     assert min(found.values()) > 2000, found
+
+
+def test_ferrovodrun_runs_a_script_that_gives_init_process_group_no_arguments():
+    """Under ferrovodrun, ``init_process_group("ferrovod")`` with no arguments (env://) joins
+    the store the launcher holds, with ferrovodrun's ranks; a gloo group beside it too."""
+    res = ferrovodrun(3, "subgroups", "p2p")
+    found = {int(m.group(1)): int(m.group(2))
+             for m in re.finditer(r"^\[\d+\]<stdout>:rank (\d+) OK (\d+)$", res.stdout, re.M)}
+    assert res.returncode == 0 and sorted(found) == [0, 1, 2], describe(res)
+    assert min(found.values()) > 40, found
 
 
 @pytest.mark.parametrize("n", [2, 3])
