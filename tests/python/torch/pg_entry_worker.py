@@ -1,15 +1,28 @@
 """One rank of a job that names the backend ``"ferrovod"`` without importing ferrovod: torch
 loads it through the package's ``torch.distributed.backends`` entry point. Started as a plain
-process, ``pg_entry_worker.py <rank> <size> <file store path>``; prints ``rank <r> OK <n>``."""
+process, ``pg_entry_worker.py <rank> <size> <file store path> [how]``, where ``how`` is how
+the job meets: ``file`` (``init_method="file://<path>"``, the default), ``tcp:<port>``
+(``init_method="tcp://127.0.0.1:<port>"``, a store the test hosts there, as torchrun's agent
+does) or ``store:<port>`` (``store=`` a client of the test's store at that port); prints
+``rank <r> OK <n>``."""
 
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 rank, size, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+how = sys.argv[4] if len(sys.argv) > 4 else "file"
 assert "ferrovod" not in sys.modules, "ferrovod was imported before torch asked for it"
-dist.init_process_group("ferrovod", init_method=f"file://{path}", rank=rank, world_size=size)
+if how == "file":
+    dist.init_process_group("ferrovod", init_method=f"file://{path}", rank=rank, world_size=size)
+elif how.startswith("tcp:"):
+    dist.init_process_group("ferrovod", init_method=f"tcp://127.0.0.1:{how[4:]}", rank=rank,
+                            world_size=size)
+else:
+    store = dist.TCPStore("127.0.0.1", int(how[6:]), size, False, timedelta(seconds=60))
+    dist.init_process_group("ferrovod", store=store, rank=rank, world_size=size)
 assert dist.get_backend() == "ferrovod", dist.get_backend()
 assert "ferrovod.torch.process_group" in sys.modules, "torch did not load the backend"
 t = torch.full((3,), float(rank + 1))

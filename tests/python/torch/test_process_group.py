@@ -67,12 +67,12 @@ def test_ddp_hooks_fsdp2_and_join_match_their_references_and_a_group_starts_agai
     assert min(found.values()) > 1000, found
 
 
-def plain_ranks(n, mode, tmp_path, timeout=120, worker="pg_fail_worker.py"):
+def plain_ranks(n, mode, tmp_path, timeout=120, worker="pg_fail_worker.py", extra=(), env=None):
     """``n`` plain processes of ``worker`` joining over a file store; their outputs."""
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, str(HERE / worker), *([mode] if mode else []),
-                               str(r), str(n), str(store)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=_env(None, plain=True))
+                               str(r), str(n), str(store), *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=_env(env, plain=True))
              for r in range(n)]
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -104,6 +104,26 @@ def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
     for r in range(n - 1):
         assert procs[r].returncode == 0 and f"rank {r} OK" in outs[r], \
             f"rank {r} (exit {procs[r].returncode}):\n{outs[r][-4000:]}"
+
+
+@pytest.mark.parametrize("how", ["tcp", "store"])
+def test_a_job_meets_over_tcp_or_a_store_the_user_made(how, tmp_path):
+    """``init_method="tcp://..."`` and ``store=``: the store is this test's, on a port it bound
+    itself (port 0) and holds, so no port is chosen here and bound later by a rank. For
+    tcp:// the ranks are told it is hosted for them, as torchrun's agent tells its workers."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    env = None
+    if how == "tcp":
+        env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(store.port)}
+    procs, outs = plain_ranks(3, None, tmp_path, worker="pg_entry_worker.py",
+                              extra=[f"{how}:{store.port}"], env=env)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r} OK" in out, f"rank {r}:\n{out[-4000:]}"
 
 
 def test_naming_the_backend_is_enough_without_importing_ferrovod(tmp_path):
