@@ -213,6 +213,9 @@ fn run(state: &Mutex<State>, stop: &AtomicBool, waker: &Waker, lease: &Lease) {
 /// descriptors: new connections and hang-ups may wait this long to be seen while it spins.
 const ASSIST_POLL: Duration = Duration::from_micros(50);
 
+/// How long a node that was asked to stop serves ranks still running before it says so.
+const LINGER_NOTICE: Duration = Duration::from_secs(5);
+
 /// What rank 0's node does with what reaches it: negotiate.
 struct Root {
     neg: Negotiator,
@@ -266,8 +269,12 @@ struct State {
     stopped: bool,
     /// When [`State::poll_and_turn`] last polled the descriptors.
     last_poll: Instant,
-    /// When this relay was asked to stop (it waits for the links below to close first).
+    /// When this node was asked to stop (it waits for the links below to close first).
     stop_asked: Option<Instant>,
+    /// When a message last came from a link below.
+    last_heard: Instant,
+    /// Whether this node has said that it stays for ranks still running.
+    lingering_told: bool,
 }
 
 impl State {
@@ -343,6 +350,8 @@ impl State {
             stopped: false,
             last_poll: Instant::now(),
             stop_asked: None,
+            last_heard: Instant::now(),
+            lingering_told: false,
         }
     }
 
@@ -391,8 +400,8 @@ impl State {
                 Some(t) => root.cycle_time.saturating_sub(t.elapsed()),
                 None => Duration::from_secs(1),
             },
-            // A relay asked to stop looks again at the links below now and then.
-            Role::Relay(_) if self.stop_asked.is_some() => Duration::from_millis(20),
+            // A node asked to stop looks again at the links below now and then.
+            _ if self.stop_asked.is_some() => Duration::from_millis(20),
             Role::Relay(r) => r.held.deadline().map_or(Duration::from_secs(1), |d| {
                 d.saturating_duration_since(Instant::now())
             }),
@@ -432,18 +441,30 @@ impl State {
         }
     }
 
-    /// Whether the thread may stop now: the coordinator at once (every rank's path ends with
-    /// it), a relay once the links below it have closed or the timeout has passed, so that
-    /// ranks finishing later than this one are not cut off.
+    /// Whether the thread may stop now: once the links below have closed, or have sent
+    /// nothing for the engine's timeout. Ranks finishing later than this one may still need
+    /// the node, rank 0's above all, which negotiates every op (ranks of a process set without
+    /// rank 0 go on among themselves; torch's destroy_process_group is no barrier), so it
+    /// serves them while they use it.
     fn may_stop(&mut self) -> bool {
-        if matches!(self.role, Role::Root(_)) {
-            return true;
-        }
         let asked = *self.stop_asked.get_or_insert_with(Instant::now);
         let me = self.cfg.rank;
         let below_open = (0..self.cfg.size).any(|r| r != me && self.conns[r].is_some());
         let cut = matches!(&self.role, Role::Relay(r) if r.cut);
-        !below_open || cut || asked.elapsed() >= self.cfg.timeout
+        let quiet = asked.max(self.last_heard).elapsed() >= self.cfg.timeout;
+        if below_open && !quiet && asked.elapsed() >= LINGER_NOTICE && !self.lingering_told {
+            self.lingering_told = true;
+            let open: Vec<usize> = (0..self.cfg.size)
+                .filter(|&r| r != me && self.conns[r].is_some())
+                .collect();
+            log::info!(
+                target: crate::LOG_TARGET,
+                "rank {me} has shut down but still serves the ranks that have not: {open:?} \
+                 (it leaves once they have, or once they have sent nothing for {:?})",
+                self.cfg.timeout
+            );
+        }
+        !below_open || cut || quiet
     }
 
     /// Polls every descriptor without blocking and handles what is readable. Returns whether
@@ -574,6 +595,7 @@ impl State {
             match conn.next_frame() {
                 Ok(Some(frame)) => match ToCoordinator::decode(&frame) {
                     Ok(msg) => {
+                        self.last_heard = Instant::now();
                         if let Err(why) = self.take(link, msg) {
                             self.lose(link, why);
                             return;

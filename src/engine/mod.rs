@@ -326,7 +326,14 @@ impl Engine {
     /// every rank (every member) has asked for it.
     pub fn add_process_set(&self, ranks: Vec<usize>, scope: SetScope) -> SetReply<u32> {
         let (tx, rx) = mpsc::channel();
-        match self.check_dynamic() {
+        // Dynamic mode is Horovod's promise that every rank adds sets in one order; sets their
+        // members register alone (torch's groups, over an engine ferrovod.init() started in
+        // static mode too) ask nothing of the other ranks.
+        let allowed = match scope {
+            SetScope::EveryRank => self.check_dynamic(),
+            SetScope::Members { .. } => Ok(()),
+        };
+        match allowed {
             Ok(()) => self.push(Command::AddSet(ranks, scope, tx)),
             Err(e) => drop(tx.send(Err(e))),
         }

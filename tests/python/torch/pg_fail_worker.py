@@ -9,6 +9,9 @@ an error that comes is the engine's report, never the timeout.
   every rank must fail with rank 0's reason.
 - ``kill``: the last rank SIGKILLs itself while the others are in an allreduce; they must get
   a rank-failure error naming it.
+- ``early``: rank 0 leaves (destroy_process_group) while the other ranks go on among
+  themselves in a group without it: they must finish, since rank 0's engine serves them
+  until they have gone (torch's destroy_process_group is no barrier).
 - ``timeout``: rank 0 alone enters a barrier of a group made with ``timeout=``; it must fail
   once that time has passed (not before), naming the ranks that never came, and the job must
   go on. The ranks also carry ``WORLD_SIZE`` without ``RANK``, as torch's own test harness
@@ -95,6 +98,19 @@ if mode == "mismatch":
         check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
               f"the job goes on after the {what} refusal: {t}")
     dist.destroy_process_group()
+elif mode == "early":
+    rest = dist.new_group(list(range(1, size)))
+    if rank == 0:
+        dist.destroy_process_group()
+    else:
+        others = size - 1
+        for i in range(300):
+            t = torch.full((5,), float(rank + i))
+            dist.all_reduce(t, group=rest)
+            want = float(sum(r + i for r in range(1, size)))
+            check(torch.equal(t, torch.full((5,), want)),
+                  f"op {i} among ranks 1..{others} after rank 0 left: {t}")
+        dist.destroy_process_group()
 elif mode == "timeout":
     limit = 1.5
     # Every rank (a group over the whole job with a timeout of its own) and ranks 0 and 1.

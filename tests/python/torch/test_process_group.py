@@ -90,6 +90,13 @@ def test_ranks_that_disagree_fail_on_every_rank_and_the_job_goes_on(n, tmp_path)
             f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
 
 
+def test_ranks_go_on_among_themselves_after_rank_0_has_left(tmp_path):
+    procs, outs = plain_ranks(3, "early", tmp_path)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and re.search(rf"^rank {r} OK (\d+)$", out, re.M), \
+            f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
+
+
 def test_a_group_timeout_fails_a_stalled_op_once_it_has_passed(tmp_path):
     procs, outs = plain_ranks(3, "timeout", tmp_path)
     for r, (p, out) in enumerate(zip(procs, outs)):
