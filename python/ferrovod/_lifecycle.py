@@ -21,6 +21,14 @@ _name_counters: Dict[str, itertools.count] = {}
 # made: the number names the object's collectives. Not reset by init(): such objects (an
 # optimizer wrapper) may outlive it, and two alive under one name would share their ops' names.
 _instance_counters: Dict[Tuple[str, Tuple[int, ...]], itertools.count] = {}
+# How many engines this process has started: what was registered with an earlier one (a
+# process set's id) means nothing to the next.
+_starts = 0
+
+
+def starts() -> int:
+    """How many engines this process has started so far (init and init_over_store)."""
+    return _starts
 
 
 def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[ProcessSet]]] = None) -> None:
@@ -69,6 +77,8 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
                                     f"failed: {e}") from e
     if generation is not None:
         _elastic.watch_hosts()
+    global _starts
+    _starts += 1
     _name_counters.clear()
     _ps._on_init(static, given)
     _share_cores(info["launcher"])
@@ -95,6 +105,8 @@ def init_over_store(store: Any, rank: int, size: int, timeout_s: float,
     started = bool(_core.init_over_store(store, int(rank), int(size), float(timeout_s),
                                          store_addr, int(generation), op_timeout_s))
     if started:
+        global _starts
+        _starts += 1
         _name_counters.clear()
         _ps._on_init([], [])
     return started

@@ -43,6 +43,10 @@ def address_and_secret(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optio
 _group_rounds = 0
 
 
+#: How many rendezvous this process made through torchrun's agent store (as _group_rounds).
+_agent_rounds = 0
+
+
 def torch_group_store(info: Dict[str, Any]) -> Optional[Any]:
     """The store of torch's default process group, when this rank's job comes from the torch
     variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) with no rendezvous address of ours,
@@ -148,7 +152,12 @@ def through_agent_store(info: Dict[str, Any]) -> Tuple[Optional[str], Optional[b
         raise InvalidArgumentError(
             f"finding a rendezvous address through torchrun's store at {endpoint}: {e}. Set "
             "FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> on every rank instead") from None
-    return exchange(store, prefix, info, f"torchrun's store at {endpoint}")
+    # Each init() of this process takes keys of its own (every rank calls it as often): a second
+    # one must not read the first one's answer.
+    global _agent_rounds
+    _agent_rounds += 1
+    return exchange(store, f"{prefix}ferrovod/rendezvous/{_agent_rounds}/", info,
+                    f"torchrun's store at {endpoint}")
 
 
 def exchange(store: Any, prefix: str, info: Dict[str, Any], what: str) -> Tuple[str, Optional[bytes]]:

@@ -276,9 +276,14 @@ class _Pairs:
         self._lock = threading.Lock()
         self._sets: dict = {}
         self._waiting: dict = {}
+        # The engine the sets were registered with (ferrovod.init() may start another).
+        self._engine = _lifecycle.starts()
 
     def submit(self, pair: tuple, op: Callable[[ProcessSet], int], deferred: _Deferred) -> None:
         with self._lock:
+            if self._engine != _lifecycle.starts():
+                self._sets.clear()
+                self._engine = _lifecycle.starts()
             ps = self._sets.get(pair)
             if ps is None:
                 queue_ = self._waiting.get(pair)
@@ -317,10 +322,6 @@ class _Pairs:
             # Submitted under the lock, so that a later op of the pair cannot overtake them.
             for op, deferred in waiting:
                 self._run(ps, op, deferred, error)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._sets.clear()
 
 
 _pairs = _Pairs()
@@ -819,7 +820,6 @@ class ProcessGroup(_C10dBackend):
             return
         self._closed = True
         if self._owns_engine:
-            _pairs.clear()
             _lifecycle.shutdown()
 
     def abort(self) -> None:

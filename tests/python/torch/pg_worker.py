@@ -508,6 +508,29 @@ def section_lifecycle():
         t = torch.full((4,), float(r))
         dist.all_reduce(t)
         same(t, torch.full((4,), float(n * (n - 1) // 2)), f"all_reduce after re-init {again}")
+        ring_p2p(f"p2p after re-init {again}")
+    # An engine ferrovod.init() started, which the group reuses and leaves running; then a new
+    # one: point-to-point pairs registered with the first must not be used with the second.
+    for again in range(2):
+        dist.destroy_process_group()
+        ferrovod.torch.init()
+        dist.init_process_group("ferrovod")
+        ring_p2p(f"p2p over ferrovod.init()'s engine {again}")
+        dist.destroy_process_group()
+        check(ferrovod.torch.is_initialized(), "the group left ferrovod.init()'s engine running")
+        ferrovod.torch.shutdown()
+        dist.init_process_group("ferrovod")
+
+
+def ring_p2p(what):
+    """Each rank sends its rank to the next and receives the previous one's."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    got = torch.zeros(3)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(r)), (r + 1) % n),
+                                   dist.P2POp(dist.irecv, got, (r - 1) % n)])
+    for q in reqs:
+        q.wait()
+    same(got, torch.full((3,), float((r - 1) % n)), what)
 
 
 def main():
