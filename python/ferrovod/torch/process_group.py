@@ -163,7 +163,7 @@ class _Work(dist.Work):
     finishes (an op made of two steps), or a point-to-point op whose submission may wait for
     its pair's process set (:class:`_Pairs`)."""
 
-    def __init__(self, source: Union[int, "_Work", "_Deferred"],
+    def __init__(self, source: Union[int, "_Work", "_Deferred", "_Called"],
                  finish: Callable[[Any], List[torch.Tensor]],
                  devices: Iterable[torch.device]) -> None:
         super().__init__()
@@ -263,6 +263,23 @@ class _Deferred:
         if self._error is not None:
             raise self._error
         return _ops.synchronize(self._handle)
+
+
+class _Called:
+    """An op's source whose result a call waits for and returns (an op of several engine
+    ops, such as a sparse allreduce's two allgathers)."""
+
+    def __init__(self, result: Callable[[], Any]) -> None:
+        self._result = result
+        self._done = False
+
+    def wait(self) -> Any:
+        value = self._result()
+        self._done = True
+        return value
+
+    def is_completed(self) -> bool:
+        return self._done
 
 
 class _Pairs:
@@ -448,6 +465,8 @@ class ProcessGroup(_C10dBackend):
         if not tensors:
             return _Done([])
         engine_op, factor = self._engine_op(op, what)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, engine_op, factor, what)
         name = self._name()
         if engine_op is None:
             return self._bitwise(tensors, factor, name)
@@ -458,6 +477,24 @@ class ProcessGroup(_C10dBackend):
             return list(tensors)
 
         return self._work(h, finish, tensors)
+
+    def _sparse_allreduce(self, tensors: List[torch.Tensor], engine_op: Any, factor: float,
+                          what: str) -> dist.Work:
+        """A sparse COO tensor, reduced in place: every rank's indices and values gathered
+        (ferrovod.torch's sparse allreduce), duplicates summed by coalescing."""
+        if len(tensors) != 1 or engine_op not in (Sum, Average):
+            raise InvalidArgumentError(f"{what}: a sparse tensor is reduced alone, with SUM, AVG "
+                                       f"or PREMUL_SUM")
+        t = tensors[0]
+        result = _ops.sparse_allreduce_async(t * factor if factor != 1.0 else t, self._name(),
+                                             engine_op, self._set)
+
+        def finish(reduced: torch.Tensor) -> List[torch.Tensor]:
+            with torch.no_grad():
+                t.copy_(reduced)
+            return [t]
+
+        return _Work(_Called(result), finish, [t.device])
 
     def _bitwise(self, tensors: List[torch.Tensor], kind: Any, name: str) -> dist.Work:
         """BAND/BOR/BXOR: every rank's tensors gathered, reduced here in rank order."""
@@ -733,7 +770,9 @@ class ProcessGroup(_C10dBackend):
         """gloo's monitored barrier, through the group's store: rank 0 waits up to the timeout
         for every other rank and raises naming the first (or, with ``wait_all_ranks``, every)
         rank that did not arrive; the others wait for rank 0's word and raise what it said."""
-        limit = getattr(opts, "timeout", None) or self._timeout
+        limit = getattr(opts, "timeout", None)
+        if limit is None:
+            limit = self._timeout
         if not isinstance(limit, timedelta):
             limit = timedelta(milliseconds=float(limit.total_seconds() * 1000)
                               if hasattr(limit, "total_seconds") else float(limit))
@@ -741,19 +780,29 @@ class ProcessGroup(_C10dBackend):
         key = f"ferrovod/monitored_barrier/{n}"
         if self._rank != 0:
             self._store.set(f"{key}/{self._rank}", b"1")
+            # gloo's words, which users and tools look for.
+            reached = (f"Rank {self._rank} successfully reached monitoredBarrier, but received "
+                       f"errors while waiting for send/recv from rank 0")
             try:
                 self._store.wait([f"{key}/verdict"], limit)
             except Exception as e:  # noqa: BLE001 - the store's timeout, reworded
-                raise RuntimeError(f"rank {self._rank}: monitored_barrier timed out after "
-                                   f"{limit} waiting for rank 0 ({e})") from None
+                raise RuntimeError(f"{reached}: no verdict within {limit} ({e})") from None
             verdict = self._store.get(f"{key}/verdict").decode()
             if verdict:
-                raise RuntimeError(f"rank {self._rank}: monitored_barrier failed: {verdict}")
+                raise RuntimeError(f"{reached}: {verdict}")
             return
         missing: List[int] = []
         deadline = time.monotonic() + limit.total_seconds()
+        ms = int(limit.total_seconds() * 1000)
         for r in range(1, self._size):
-            left = max(deadline - time.monotonic(), 0.001)
+            left = deadline - time.monotonic()
+            if left <= 0 and not wait_all_ranks:
+                # As gloo: the time ran out before this rank was looked at.
+                verdict = (f"Rank 0 timed out in monitoredBarrier after {ms} ms (group "
+                           f"{self._group_id}); ranks that passed: {list(range(1, r))}")
+                self._store.set(f"{key}/verdict", verdict.encode())
+                raise RuntimeError(verdict)
+            left = max(left, 0.001)
             try:
                 self._store.wait([f"{key}/{r}"], timedelta(seconds=left))
             except Exception:  # noqa: BLE001 - a timeout: this rank did not arrive
@@ -762,13 +811,13 @@ class ProcessGroup(_C10dBackend):
                     break
         verdict = ""
         if missing:
-            which = "ranks " + ", ".join(map(str, missing)) if len(missing) > 1 \
-                else f"rank {missing[0]}"
-            verdict = (f"{which} failed to pass monitoredBarrier in {limit} "
-                       f"(group {self._group_id})")
+            which = "Ranks " + ", ".join(map(str, missing)) if len(missing) > 1 \
+                else f"Rank {missing[0]}"
+            verdict = (f"{which} failed to pass monitoredBarrier in {ms} ms (group "
+                       f"{self._group_id}, seen by its rank 0)")
         self._store.set(f"{key}/verdict", verdict.encode())
         if verdict:
-            raise RuntimeError(f"rank 0: {verdict}")
+            raise RuntimeError(verdict)
 
     # ------------------------------------------------------------------ point to point
 

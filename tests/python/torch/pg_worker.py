@@ -208,6 +208,19 @@ def section_collectives(gloo):
     check(True, "barrier")
     dist.monitored_barrier(wait_all_ranks=True)
     check(True, "monitored_barrier")
+    # A sparse COO tensor (as gloo reduces them): rank k has rows 0..k, a dense column each.
+    for dtype in (torch.float32, torch.float64):
+        def sparse(k):
+            idx = torch.arange(k + 1).reshape(1, -1)
+            return torch.sparse_coo_tensor(idx, torch.full((k + 1, 2), float(k + 1), dtype=dtype),
+                                           (n, 2))
+        t = sparse(r)
+        dist.all_reduce(t)
+        want = sum(sparse(k).to_dense() for k in range(n))
+        check(t.is_sparse, "sparse all_reduce keeps the layout")
+        same(t.to_dense(), want, f"sparse all_reduce {dtype}")
+        dist.all_reduce(g := sparse(r), group=gloo)
+        same(t.to_dense(), g.to_dense(), f"sparse all_reduce {dtype} against gloo")
     # torch's profiler shows the backend's ops, as it shows gloo's: one async record each,
     # named ferrovod:<op>, with its inputs' shapes.
     with torch.profiler.profile(record_shapes=True) as prof:
