@@ -113,13 +113,17 @@ class _RecordEnd:
 
     def __init__(self, work: Any, record: Any) -> None:
         self._work, self._record = work, record
+        self.ended = threading.Event()
 
     def _settle(self) -> None:
+        # A work's own wait() waits for this record's end (below): wait without it.
+        wait = getattr(self._work, "_outcome", None) or self._work.wait
         try:
-            self._work.wait()
+            wait()
         except BaseException:  # noqa: BLE001, S110 - the op's waiter raises it
             pass
         self._record.__exit__(None, None, None)
+        self.ended.set()
 
 
 def _profiled(title: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Callable:
@@ -138,7 +142,12 @@ def _profiled(title: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Call
             except BaseException:
                 record.__exit__(None, None, None)
                 raise
-            _completer.add(_RecordEnd(work, record))
+            end = _RecordEnd(work, record)
+            if isinstance(work, _Work):
+                # The record ends before wait() returns, as gloo's does: a profiler that stops
+                # right after the wait finds it complete.
+                work._record_end = end
+            _completer.add(end)
             return work
 
         return run
@@ -175,6 +184,8 @@ class _Work(dist.Work):
         self._value: List[torch.Tensor] = []
         self._error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
+        # The profiler's record of the op, when one runs (see _profiled).
+        self._record_end: Optional[_RecordEnd] = None
 
     def _outcome(self) -> None:
         with self._lock:
@@ -204,6 +215,8 @@ class _Work(dist.Work):
         """Waits for the op; raises what it failed with (a rank failure, a mismatch)."""
         del timeout  # the engine bounds every wait (a dead peer fails the op)
         self._outcome()
+        if self._record_end is not None:
+            self._record_end.ended.wait()
         if self._error is not None:
             raise self._error
         return True
