@@ -160,6 +160,11 @@ struct SetState {
     lru: Lru,
 }
 
+/// A set's own stall limit from its wire form (milliseconds; 0: none, the engine's applies).
+fn set_limit(timeout_ms: u64) -> Option<Duration> {
+    (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms))
+}
+
 impl SetState {
     fn new(ranks: Vec<usize>) -> Self {
         SetState::limited(ranks, 0)
@@ -169,7 +174,7 @@ impl SetState {
     fn limited(ranks: Vec<usize>, timeout_ms: u64) -> Self {
         SetState {
             ranks,
-            timeout: (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms)),
+            timeout: set_limit(timeout_ms),
             table: HashMap::new(),
             bases: HashMap::new(),
             contested: 0,
@@ -460,7 +465,7 @@ impl Negotiator {
             out.push((vec![from], answer(ranks, result)));
             return;
         }
-        let limited = SetState::limited(Vec::new(), timeout_ms).timeout;
+        let limited = set_limit(timeout_ms);
         let existing = self
             .sets
             .iter()

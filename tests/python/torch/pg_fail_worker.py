@@ -44,6 +44,14 @@ def check(ok, what):
     checks += 1
 
 
+def goes_on(after):
+    """The job's own group still reduces right, ``after`` something failed on some ranks."""
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)
+    check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
+          f"the job goes on after {after}: {t}")
+
+
 if mode == "timeout":
     os.environ["WORLD_SIZE"] = str(size)
     os.environ.pop("RANK", None)
@@ -73,10 +81,7 @@ if mode == "mismatch":
             check("rank 0" in text or "ranks 0" in text, f"{what}: rank 0 not named: {text}")
             check(any(f"{r}" in text for r in range(1, size)),
                   f"{what}: ranks {others} not named: {text}")
-        t = torch.full((2,), float(rank))
-        dist.all_reduce(t)
-        check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
-              f"the job goes on after the {what} mismatch: {t}")
+        goes_on(f"the {what} mismatch")
     # Arguments only rank 0 gets wrong: refused on rank 0, failed on every rank with its reason.
     refusals = [
         ("rank 0 gives", lambda: dist.reduce_scatter_tensor(
@@ -93,10 +98,7 @@ if mode == "mismatch":
             text = str(e)
             print(f"rank {rank} {what}: {text}", flush=True)
             check(what in text, f"rank 0's reason ({what} ...) not given: {text}")
-        t = torch.full((2,), float(rank))
-        dist.all_reduce(t)
-        check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
-              f"the job goes on after the {what} refusal: {t}")
+        goes_on(f"the {what} refusal")
     dist.destroy_process_group()
 elif mode == "early":
     rest = dist.new_group(list(range(1, size)))
@@ -130,10 +132,7 @@ elif mode == "timeout":
                 # Never before the timeout; the check runs a few times a second.
                 check(took >= limit - 0.05, f"group {i}: failed after {took:.2f} s")
         # The other ranks wait here, on the job's own group, until rank 0 has had its error.
-        t = torch.full((2,), float(rank))
-        dist.all_reduce(t)
-        check(torch.equal(t, torch.full((2,), float(size * (size - 1) // 2))),
-              f"the job goes on after group {i}'s timeout: {t}")
+        goes_on(f"group {i}'s timeout")
     dist.destroy_process_group()
 elif mode == "kill":
     victim = size - 1
