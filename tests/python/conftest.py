@@ -13,6 +13,7 @@ cloudpickle) cannot be imported.
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -21,6 +22,28 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+# FERROVOD_TEST_CPU_LOG=<file>: each test appends "<cpu s> <wall s> <node id>", the CPU time of
+# this pytest process and of every process it waited for during the test (the ranks, through
+# their launcher): where the suite's time goes on a machine with few cores, which --durations
+# (wall time, shared with the tests running beside it) cannot tell.
+_CPU_LOG = os.environ.get("FERROVOD_TEST_CPU_LOG")
+
+
+def _cpu_seconds():
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    with open(_CPU_LOG, "a") as log:
+        log.write(f"{_cpu_seconds() - cpu:.2f} {time.monotonic() - wall:.2f} {item.nodeid}\n")
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
