@@ -6,6 +6,8 @@ Run under the launcher, e.g.::
 
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --model cnn --rounds 6
+    # Horovod's synthetic ResNet benchmark's model and inputs (needs torchvision)
+    ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --model resnet18 --batch-size 8 --steps 3
     # many small tensors (202): buckets against one allreduce per gradient
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --depth 100 --width 128
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --depth 100 --width 128 --fv-bucket-mb 0
@@ -102,7 +104,15 @@ def build_model(kind: str, width: int, depth: int) -> Tuple[nn.Module, Tuple[int
             nn.Linear(512, 10),
         )
         return model, (3, 32, 32)
-    raise SystemExit(f"unknown --model {kind!r} (mlp or cnn)")
+    if kind == "resnet18":
+        # The model of Horovod's examples/pytorch/pytorch_synthetic_benchmark.py (ResNet-50 there;
+        # 18 fits a 2-core machine), at its 224 x 224 inputs.
+        try:
+            from torchvision import models
+        except ImportError:
+            raise SystemExit("--model resnet18 needs torchvision: pip install torchvision") from None
+        return models.resnet18(num_classes=1000), (3, 224, 224)
+    raise SystemExit(f"unknown --model {kind!r} (mlp, cnn or resnet18)")
 
 
 def init_gloo(rank: int, size: int) -> None:
@@ -293,7 +303,7 @@ def check_identical(trainer: Trainer, rank: int, size: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
+    ap.add_argument("--model", default="mlp", choices=("mlp", "cnn", "resnet18"))
     ap.add_argument("--width", type=int, default=1024,
                     help="MLP hidden width (cnn: 64 x its first layer's channels)")
     ap.add_argument("--depth", type=int, default=3,

@@ -322,6 +322,21 @@ impl FastPath {
         (out_ok && host(&t.input) && t.input.len() == n && n <= self.max_bytes).then_some(&t.input)
     }
 
+    /// The largest tensor, in bytes, that an op offered now could take this path with; 0
+    /// when the path is off (ranks on several hosts, a timeline written, stalled ops failed,
+    /// this rank closed). A front end that may hold an op back until it is waited for, to
+    /// offer it then, asks this first.
+    pub fn max_bytes(&self) -> usize {
+        let off = !self.complete
+            || self.timeline.load(Ordering::Relaxed)
+            || self.closing.load(Ordering::Relaxed);
+        if off {
+            0
+        } else {
+            self.max_bytes
+        }
+    }
+
     /// The number of ranks.
     pub fn size(&self) -> usize {
         self.size

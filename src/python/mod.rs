@@ -357,6 +357,13 @@ fn fast_path_stats() -> PyResult<(u64, u64)> {
     with_engine(|e| Ok(e.fast_path().stats()))
 }
 
+/// The largest tensor, in bytes, that a blocking op of the global set takes the engine's
+/// fast path with now (0: the path is off; see `engine::fast`).
+#[pyfunction]
+fn fast_path_bytes() -> PyResult<usize> {
+    with_engine(|e| Ok(e.fast_path().max_bytes()))
+}
+
 /// Registers a process set; every rank calls it in the same order, or with `members_only` its
 /// members alone (a set with these ranks and this timeout that exists already is then
 /// reused), whose ops fail once stalled `timeout_s` seconds (torch's group timeout; `None`:
@@ -655,6 +662,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(topology, m)?)?;
     m.add_function(wrap_pyfunction!(fast_path_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(fast_path_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(process_sets, m)?)?;

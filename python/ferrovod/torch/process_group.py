@@ -73,6 +73,10 @@ _BITWISE = {
     _RedOp.BXOR: torch.bitwise_xor,
 }
 
+# What a held allreduce (_Held) may be: NumPy views it as is, for the engine's fast path.
+_HOLDABLE_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int8,
+                              torch.int16, torch.int32, torch.int64, torch.uint8))
+
 
 class _Completer:
     """Completes the futures torch asked for (``Work.get_future``: DDP's reducer always does)
@@ -133,6 +137,7 @@ def _profiled(title: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Call
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _holds.release()
             if not torch.autograd._profiler_enabled():
                 return method(self, *args, **kwargs)
             record = _RecordFunctionFast(f"{BACKEND}:{title}", list(inputs(*args)))
@@ -172,7 +177,7 @@ class _Work(dist.Work):
     finishes (an op made of two steps), or a point-to-point op whose submission may wait for
     its pair's process set (:class:`_Pairs`)."""
 
-    def __init__(self, source: Union[int, "_Work", "_Deferred", "_Called"],
+    def __init__(self, source: Union[int, "_Work", "_Deferred", "_Called", "_Held"],
                  finish: Callable[[Any], List[torch.Tensor]],
                  devices: Iterable[torch.device]) -> None:
         super().__init__()
@@ -247,6 +252,9 @@ class _Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         """A future that completes with the op's output tensors, or its error."""
         if self._future is None:
+            if isinstance(self._source, _Held):
+                # Completed on the completer's thread, it goes through the engine's queue.
+                self._source.submit()
             self._future = torch.futures.Future(devices=self._devices)
             if self._done:
                 self._settle()
@@ -276,6 +284,118 @@ class _Deferred:
         if self._error is not None:
             raise self._error
         return _ops.synchronize(self._handle)
+
+
+class _Held:
+    """A small allreduce of the job's whole group, held back from the engine until its work is
+    waited for: torch's blocking ``dist.all_reduce`` waits at once, and an op whose caller
+    waits may take the engine's fast path (no queue, no coordinator: a 4-byte allreduce on
+    one host costs a few microseconds instead of about fifty). torch does not say at
+    submission whether the caller will wait, so every op of the kind is held, and handed to
+    the engine's queue as an op that nobody waits for yet (:meth:`submit`) as soon as the
+    process issues another op of a group, asks for its future, or :data:`_holds`' releaser
+    finds it still held a tick later: an async op runs without a wait, and ops reach the
+    engine in the order they were issued."""
+
+    __slots__ = ("_tensor", "_kind", "_name", "_op", "_factor", "_lock", "_handle", "_done")
+
+    def __init__(self, tensor: torch.Tensor, kind: str, name: str, op: int,
+                 factor: float) -> None:
+        """``kind``: the op as its name and errors call it (``allreduce``, ``barrier``);
+        ``name``: the group's name for it (:meth:`ProcessGroup._name`)."""
+        self._tensor, self._kind, self._op, self._factor = tensor, kind, op, factor
+        self._name = _ops._op_name(kind, name)
+        self._lock = threading.Lock()
+        self._handle: Optional[int] = None
+        self._done = False
+
+    def _queue(self, now: bool) -> None:
+        self._handle = _ops._allreduce_async([self._tensor], True, None, self._name, self._op,
+                                             self._factor, 1.0, global_process_set,
+                                             self._kind, now=now, named=True)
+
+    def submit(self) -> None:
+        """Hands the op to the engine's queue, unless it is there already or its waiter is
+        running it."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._handle is None and not self._done:
+                self._queue(False)
+        finally:
+            self._lock.release()
+
+    def wait(self) -> Any:
+        with self._lock:
+            if self._handle is None and not self._done:
+                _holds.forget(self)
+                arr = self._tensor.detach().numpy()
+                if _core.allreduce_now(arr, arr, self._name, self._op, None, self._factor, 1.0):
+                    self._done = True
+                    return None
+                self._queue(True)
+        return None if self._handle is None else _ops.synchronize(self._handle)
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        return self._handle is not None and _ops.poll(self._handle)
+
+
+class _Holds:
+    """The one op of this process held back (:class:`_Held`), and the thread that hands it
+    to the engine when its caller does not wait for it: it looks every :data:`TICK` seconds
+    while ops are held and sleeps otherwise, so a blocking op never waits on it."""
+
+    TICK = 0.001
+
+    def __init__(self) -> None:
+        self._held: Optional[_Held] = None
+        self._lock = threading.Lock()
+        self._busy = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def hold(self, op: _Held) -> None:
+        with self._lock:
+            last, self._held = self._held, op
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ferrovod-held-ops",
+                                                daemon=True)
+                self._thread.start()
+        if last is not None:
+            last.submit()
+        self._busy.set()
+
+    def forget(self, op: _Held) -> None:
+        """``op`` is being waited for: nothing to hand on."""
+        with self._lock:
+            if self._held is op:
+                self._held = None
+
+    def release(self) -> None:
+        """Hands the held op, if any, to the engine's queue (another op comes after it)."""
+        with self._lock:
+            op, self._held = self._held, None
+        if op is not None:
+            op.submit()
+
+    def _run(self) -> None:
+        while True:
+            self._busy.wait()
+            self._busy.clear()
+            seen = self._held
+            while seen is not None:
+                time.sleep(self.TICK)
+                with self._lock:
+                    if self._held is not seen:
+                        seen = self._held
+                        continue
+                    self._held = None
+                seen.submit()
+                seen = None
+
+
+_holds = _Holds()
 
 
 class _Called:
@@ -483,13 +603,28 @@ class ProcessGroup(_C10dBackend):
         name = self._name()
         if engine_op is None:
             return self._bitwise(tensors, factor, name)
-        h = _ops._allreduce_async(tensors, True, None, name, engine_op, factor, 1.0, self._set,
-                                  "allreduce")
-
         def finish(_: Any) -> List[torch.Tensor]:
             return list(tensors)
 
+        if self._holdable(tensors):
+            held = _Held(tensors[0], "allreduce", name, int(engine_op), factor)
+            _holds.hold(held)
+            return _Work(held, finish, ())
+        h = _ops._allreduce_async(tensors, True, None, name, engine_op, factor, 1.0, self._set,
+                                  "allreduce")
         return self._work(h, finish, tensors)
+
+    def _holdable(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether an allreduce of ``tensors`` may be held until it is waited for
+        (:class:`_Held`): one dense CPU tensor of the whole job's group that the engine's
+        fast path would take, with no profiler recording (its record is async)."""
+        if self._set is not global_process_set or len(tensors) != 1:
+            return False
+        t = tensors[0]
+        return (type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous()
+                and t.dtype in _HOLDABLE_DTYPES
+                and t.numel() * t.element_size() <= _core.fast_path_bytes()
+                and not torch.autograd._profiler_enabled())
 
     def _sparse_allreduce(self, tensors: List[torch.Tensor], engine_op: Any, factor: float,
                           what: str) -> dist.Work:
@@ -775,6 +910,10 @@ class ProcessGroup(_C10dBackend):
     def barrier(self, opts: Any = None) -> dist.Work:
         """Completes once every rank of the group has reached it."""
         mark = [torch.zeros(1)]
+        if self._holdable(mark):
+            held = _Held(mark[0], "barrier", self._name(), int(Sum), 1.0)
+            _holds.hold(held)
+            return _Work(held, lambda _: [], ())
         h = _ops._allreduce_async(mark, True, None, self._name(), Sum, 1.0, 1.0, self._set,
                                   "barrier")
         return self._work(h, lambda _: [], mark)
@@ -789,6 +928,7 @@ class ProcessGroup(_C10dBackend):
         if not isinstance(limit, timedelta):
             limit = timedelta(milliseconds=float(limit.total_seconds() * 1000)
                               if hasattr(limit, "total_seconds") else float(limit))
+        _holds.release()
         n = next(self._barriers)
         key = f"ferrovod/monitored_barrier/{n}"
         if self._rank != 0:
@@ -841,6 +981,7 @@ class ProcessGroup(_C10dBackend):
         and another tag's may overtake them, as torch allows)."""
         if self._closed:
             raise InvalidArgumentError(f"process group {self._group_id} was shut down")
+        _holds.release()
         me, other = self._global(self._rank), self._global(int(peer))
         if me == other:
             raise InvalidArgumentError(f"rank {self._rank} cannot send to or receive from itself")
@@ -880,6 +1021,7 @@ class ProcessGroup(_C10dBackend):
         (``destroy_process_group``), after which ``init_process_group`` may start another."""
         if self._closed:
             return
+        _holds.release()
         self._closed = True
         if self._owns_engine:
             _lifecycle.shutdown()

@@ -9,6 +9,7 @@ Sections (argv[1:], all by default): collectives, subgroups, p2p, objects, ddp, 
 
 import os
 import sys
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -201,6 +202,29 @@ def section_collectives(gloo):
     for w in reversed(works):
         w.wait()
     check(True, "20 async ops waited in reverse order")
+    # A small blocking all_reduce of the whole job's group takes the engine's fast path (the
+    # ranks share this host). An async one that its rank does not wait for still runs: rank 0
+    # waits, through the store, for every other rank's blocking all_reduce of it to finish.
+    from ferrovod import _core
+    taken = _core.fast_path_stats()[0]
+    for k in range(10):
+        x = torch.full((3,), float(r + k))
+        dist.all_reduce(x)
+        same(x, torch.full((3,), float(n * (n - 1) // 2 + n * k)), f"small all_reduce {k}")
+    # Not all ten: an op is offered only while no op of the rank's is in the engine, and a
+    # peer may still be finishing one of the async ops above when the first is offered.
+    check(_core.fast_path_stats()[0] >= taken + 5,
+          f"fast path took {_core.fast_path_stats()[0] - taken} of 10 small all_reduces")
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.full((2,), float(r + 1))
+    if r == 0:
+        held = dist.all_reduce(x, async_op=True)
+        store.wait([f"held/{k}" for k in range(1, n)], timedelta(seconds=60))
+        held.wait()
+    else:
+        dist.all_reduce(x)
+        store.set(f"held/{r}", "1")
+    same(x, torch.full((2,), float(n * (n + 1) // 2)), "an async all_reduce not waited for")
     chained = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(
         lambda f: f.value()[0] * 2)
     same(chained.wait(), torch.full((4,), 2.0 * n), "a future's then()")
