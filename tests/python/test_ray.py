@@ -213,6 +213,16 @@ def test_inside_ray_trains_torch_trainer(cluster, tmp_path):
     T.check_against_reference(weights, steps, batch)
 
 
+def test_torch_trainer_runs_ddp_on_the_ferrovod_backend(cluster, tmp_path):
+    """``TorchTrainer(..., torch_config=TorchConfig(backend="ferrovod"))``: Ray Train forms
+    torch's process group on ferrovod's engine, and DDP over it ends where one process on the
+    whole batch ends."""
+    steps, batch = 3, 8
+    found, weights = _fit(cluster, "ddp", {"steps": steps, "batch": batch}, tmp_path)
+    assert found == ["ddp-0-of-2.npz", "ddp-1-of-2.npz"]
+    T.check_against_reference(weights, steps, batch)
+
+
 def test_keras_fit_inside_ray_trains_tensorflow_trainer(cluster, tmp_path):
     """The multi-worker Keras 3 fit that TensorFlow's own strategy does not give: the
     trainer's TF_CONFIG is all ferrovod needs. Different data and initial weights on each

@@ -150,6 +150,30 @@ def ray_train_torch_loop(config):
     np.savez(os.path.join(config["out"], f"torch-{hvd.rank()}-of-{hvd.size()}.npz"), **weights)
 
 
+def ray_train_ddp_loop(config):
+    """A ``TorchTrainer`` worker loop whose process group Ray Train formed with
+    ``TorchConfig(backend="ferrovod")`` (torch found the backend through the package's entry
+    point; nothing here imports ferrovod): ``torch_train``'s model, data and steps through
+    ``DistributedDataParallel``, its weights saved under ``config["out"]`` by rank."""
+    import torch
+    import torch.distributed as dist
+
+    assert dist.get_backend() == "ferrovod", dist.get_backend()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234 + rank)  # different on purpose: DDP's start broadcasts rank 0's
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = global_batch(config["batch"])
+    mine = slice(rank * config["batch"] // size, (rank + 1) * config["batch"] // size)
+    for _ in range(config["steps"]):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+    weights = {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
+    np.savez(os.path.join(config["out"], f"ddp-{rank}-of-{size}.npz"), **weights)
+
+
 def ray_train_keras_loop(config):
     """A Ray Train ``TensorflowTrainer`` worker loop: Keras 3 ``fit`` with ferrovod's
     ``DistributedOptimizer`` on this rank's shard (different on every rank, as are the initial
@@ -300,21 +324,28 @@ def in_fresh_python(name, *args):
 
 def ray_train_fit(address, kind, config):
     """Runs a Ray Train trainer (``kind`` "torch": ``TorchTrainer`` with
-    ``ray_train_torch_loop``; "keras": ``TensorflowTrainer`` with ``ray_train_keras_loop``) of
+    ``ray_train_torch_loop``; "ddp": ``TorchTrainer`` with ``ray_train_ddp_loop`` on the
+    backend ``"ferrovod"``; "keras": ``TensorflowTrainer`` with ``ray_train_keras_loop``) of
     2 workers on the cluster at ``address``, as a driver of its own."""
     import ray
     from ray.train import RunConfig, ScalingConfig
 
     ray.init(address=address, log_to_driver=False)
+    extra = {}
     if kind == "torch":
         from ray.train.torch import TorchTrainer as Trainer
         loop = ray_train_torch_loop
+    elif kind == "ddp":
+        from ray.train.torch import TorchConfig
+        from ray.train.torch import TorchTrainer as Trainer
+        loop = ray_train_ddp_loop
+        extra = {"torch_config": TorchConfig(backend="ferrovod")}
     else:
         from ray.train.tensorflow import TensorflowTrainer as Trainer
         loop = ray_train_keras_loop
     Trainer(loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
             run_config=RunConfig(storage_path=os.path.join(config["out"], "ray_train"),
-                                 name=kind)).fit()
+                                 name=kind), **extra).fit()
     ray.shutdown()
 
 
