@@ -37,7 +37,10 @@ MPIJOB_FERROVODRUN = EXAMPLES / "mpijob-ferrovodrun.yaml"
 MPIJOB_MPIRUN = EXAMPLES / "mpijob-mpirun.yaml"
 MPIJOB_ELASTIC = EXAMPLES / "mpijob-elastic.yaml"
 PYTORCHJOB = EXAMPLES / "pytorchjob.yaml"
-MANIFESTS = (MPIJOB_FERROVODRUN, MPIJOB_MPIRUN, MPIJOB_ELASTIC, PYTORCHJOB)
+# DDP on backend="ferrovod": the same pods and torchrun, another script.
+PYTORCHJOB_DDP = EXAMPLES / "pytorchjob-ddp.yaml"
+PYTORCHJOBS = (PYTORCHJOB, PYTORCHJOB_DDP)
+MANIFESTS = (MPIJOB_FERROVODRUN, MPIJOB_MPIRUN, MPIJOB_ELASTIC, PYTORCHJOB, PYTORCHJOB_DDP)
 
 # Where the MPI operator mounts its ConfigMap in the launcher (configMountPath + key).
 MPI_HOSTFILE = "/etc/mpi/hostfile"

@@ -105,6 +105,7 @@ def test_manifests_are_the_expected_kinds() -> None:
         "mpijob-mpirun.yaml": ("kubeflow.org/v2beta1", "MPIJob"),
         "mpijob-elastic.yaml": ("kubeflow.org/v2beta1", "MPIJob"),
         "pytorchjob.yaml": ("kubeflow.org/v1", "PyTorchJob"),
+        "pytorchjob-ddp.yaml": ("kubeflow.org/v1", "PyTorchJob"),
     }
     names = [kx.load(p)["metadata"]["name"] for p in kx.MANIFESTS]
     assert len(set(names)) == len(names), f"jobs would replace each other: {names}"
@@ -199,12 +200,14 @@ def test_mpijob_workers_run_sshd_in_the_foreground() -> None:
 
 def test_commands_run_files_the_image_really_has() -> None:
     runs = kx.launcher_command(kx.MPIJOB_FERROVODRUN) + kx.launcher_command(kx.MPIJOB_MPIRUN)
-    runs += kx.pytorchjob_container(kx.PYTORCHJOB, "Master")["command"]
-    runs += kx.pytorchjob_container(kx.PYTORCHJOB, "Worker")["command"]
+    for job in kx.PYTORCHJOBS:
+        runs += kx.pytorchjob_container(job, "Master")["command"]
+        runs += kx.pytorchjob_container(job, "Worker")["command"]
     for trainjob in kx.TRAINJOBS:
         runs += kx.trainjob_command(trainjob)
     in_image = sorted({a for a in runs if a.startswith("/opt/")})
-    assert in_image == ["/opt/ferrovod/examples/pytorch_digits.py"]
+    assert in_image == ["/opt/ferrovod/examples/pytorch_ddp_digits.py",
+                        "/opt/ferrovod/examples/pytorch_digits.py"]
     for image_path in in_image:
         source = _image_path_to_repo(image_path)
         assert source.is_file(), f"{image_path} would come from {source}, which does not exist"
@@ -353,9 +356,10 @@ def test_mpirun_launcher_maps_ranks_to_the_workers_under_the_operators_environme
 # -- PyTorchJob -------------------------------------------------------------------------------
 
 
-def test_pytorchjob_containers_are_named_pytorch_and_declare_the_ports() -> None:
-    master = kx.pytorchjob_container(kx.PYTORCHJOB, "Master")
-    worker = kx.pytorchjob_container(kx.PYTORCHJOB, "Worker")
+@pytest.mark.parametrize("job", kx.PYTORCHJOBS, ids=lambda p: p.name)
+def test_pytorchjob_containers_are_named_pytorch_and_declare_the_ports(job: Path) -> None:
+    master = kx.pytorchjob_container(job, "Master")
+    worker = kx.pytorchjob_container(job, "Worker")
     assert master["name"] == worker["name"] == kx.PYTORCH_CONTAINER
     ports = {p["name"]: p["containerPort"] for p in master["ports"]}
     # Only torchrun's: ferrovod's store and links use free ports agreed at start-up, which
@@ -364,17 +368,20 @@ def test_pytorchjob_containers_are_named_pytorch_and_declare_the_ports() -> None
     assert master["command"] == worker["command"]
 
 
-def test_pytorchjob_pods_run_torchrun_with_one_rank_per_process() -> None:
+@pytest.mark.parametrize("path, script", [(kx.PYTORCHJOB, "pytorch_digits.py"),
+                                          (kx.PYTORCHJOB_DDP, "pytorch_ddp_digits.py")],
+                         ids=lambda v: v.name if isinstance(v, Path) else None)
+def test_pytorchjob_pods_run_torchrun_with_one_rank_per_process(path: Path, script: str) -> None:
     from torch.distributed.run import get_args_parser
 
-    job = kx.load(kx.PYTORCHJOB)
+    job = kx.load(path)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     nproc = int(job["spec"]["nprocPerNode"])
     pods = [(t, i) for t in ("Master", "Worker") for i in range(int(replicas[t]["replicas"]))]
     ranks = []
     for replica_type, index in pods:
-        env = kx.pytorchjob_env(kx.PYTORCHJOB, replica_type, index)
-        argv = kx.pytorchjob_argv(kx.PYTORCHJOB, replica_type, index)
+        env = kx.pytorchjob_env(path, replica_type, index)
+        argv = kx.pytorchjob_argv(path, replica_type, index)
         assert not any("$(" in a for a in argv), f"unexpanded variable in {argv}"
         assert argv[0] == "torchrun"
         args = get_args_parser().parse_args(argv[1:])
@@ -386,10 +393,10 @@ def test_pytorchjob_pods_run_torchrun_with_one_rank_per_process() -> None:
             f"{job['metadata']['name']}-master-0",
             kx._pytorch_master_port(job),
         )
-        assert args.training_script == "/opt/ferrovod/examples/pytorch_digits.py"
+        assert args.training_script == f"/opt/ferrovod/examples/{script}"
         assert _image_path_to_repo(args.training_script).is_file()
         ranks += [args.node_rank * nproc + local for local in range(nproc)]
-    world = int(kx.pytorchjob_env(kx.PYTORCHJOB, "Master", 0)["WORLD_SIZE"])
+    world = int(kx.pytorchjob_env(path, "Master", 0)["WORLD_SIZE"])
     assert sorted(ranks) == list(range(world)), f"process ranks {ranks} for WORLD_SIZE {world}"
 
 

@@ -170,8 +170,10 @@ def test_elastic_mpijob_goes_on_when_a_worker_pod_is_lost(tmp_path):
         assert cluster.leftovers("pytorch_digits_elastic.py", within=5) == {}
 
 
-def test_pytorchjob(tmp_path):
-    manifest = K.PYTORCHJOB
+@pytest.mark.parametrize("manifest", K.PYTORCHJOBS, ids=["ferrovod.torch", "ddp"])
+def test_pytorchjob(manifest, tmp_path):
+    """torchrun --nnodes 2 in each of two pods: pytorchjob.yaml's ferrovod.torch script, and
+    pytorchjob-ddp.yaml's DDP script on backend="ferrovod", which forms over torchrun's store."""
     name = K.load(manifest)["metadata"]["name"]
     pods = [("Master", 0, f"{name}-master-0"), ("Worker", 0, f"{name}-worker-0")]
     with Cluster([pod for _, _, pod in pods], tmp_path) as cluster:
@@ -185,6 +187,8 @@ def test_pytorchjob(tmp_path):
             assert p.returncode == 0, f"{out[-4000:]}\n{err[-6000:]}"
         world = int(K.pytorchjob_env(manifest, "Master", 0)["WORLD_SIZE"])
         assert_trained(outs[0][0], world, f"{outs[0][0][-4000:]}\n{outs[0][1][-4000:]}")
+        if manifest == K.PYTORCHJOB_DDP:
+            assert "backend: ferrovod " in outs[0][0], outs[0][0][-4000:]
 
 
 # -- Kubeflow Trainer v2: TrainJob on a ClusterTrainingRuntime ---------------------------------
