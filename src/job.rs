@@ -276,8 +276,9 @@ pub fn form<P: ControlPlane>(
         offers,
     } = {
         // The store to meet through: the one handed in, else a connection to the rendezvous
-        // store, closed once met (nothing later needs it).
-        let dialled = match (given, &launch.rendezvous_addr) {
+        // store, closed once met (nothing later needs it). A job of one rank meets nobody: a
+        // store handed in is not needed, and its address (torch's) is no store of ours.
+        let dialled = match (membership.store, &launch.rendezvous_addr) {
             (None, Some(rdv)) => Some(TcpStore::connect(rdv, &secret, config.start_timeout)?),
             _ => None,
         };
@@ -349,7 +350,7 @@ pub fn form<P: ControlPlane>(
         quota.map_or("none".to_string(), |q| format!("{q:.2}"))
     );
     let control = plane.connect(&coord_addr, rank, node, &secret)?;
-    let store = match given {
+    let store = match membership.store {
         Some(store) => Some(StoreLink::Given(store.clone())),
         None => launch.rendezvous_addr.as_ref().map(|addr| StoreLink::Tcp {
             addr: addr.clone(),

@@ -53,6 +53,14 @@ def test_collectives_match_numpy_and_gloo(n):
     assert min(found.values()) > 2000, found
 
 
+def test_a_job_of_one_process_forms_without_meeting_anyone():
+    """torchrun --nproc-per-node 1 (a first try, a debug run): torch's store is handed in but
+    a job of one rank needs none; it once dialled that store's address as ferrovod's own
+    store and waited there for the group's timeout."""
+    found = checks(torchrun(1, "collectives", "objects"), 1)
+    assert found[0] > 1000, found
+
+
 def test_ferrovodrun_runs_a_script_that_gives_init_process_group_no_arguments():
     """Under ferrovodrun, ``init_process_group("ferrovod")`` with no arguments (env://) joins
     the store the launcher holds, with ferrovodrun's ranks; a gloo group beside it too."""
