@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import queue
 import threading
 import time
@@ -329,7 +330,8 @@ class _Held:
         with self._lock:
             if self._handle is None and not self._done:
                 _holds.forget(self)
-                arr = self._tensor.detach().numpy()
+                t = self._tensor
+                arr = (t.detach() if t.requires_grad else t).numpy()
                 if _core.allreduce_now(arr, arr, self._name, self._op, None, self._factor, 1.0):
                     self._done = True
                     return None
@@ -345,26 +347,38 @@ class _Held:
 class _Holds:
     """The one op of this process held back (:class:`_Held`), and the thread that hands it
     to the engine when its caller does not wait for it: it looks every :data:`TICK` seconds
-    while ops are held and sleeps otherwise, so a blocking op never waits on it."""
+    while ops are held and sleeps otherwise, so a blocking op never waits on it (and wakes it
+    at most once a tick)."""
 
     TICK = 0.001
 
     def __init__(self) -> None:
         self._held: Optional[_Held] = None
         self._lock = threading.Lock()
-        self._busy = threading.Event()
+        self._wake = threading.Event()
+        self._sleeping = False
+        self._holds = 0  # how many ops were ever held: whether any came during a tick
         self._thread: Optional[threading.Thread] = None
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        # A forked child has none of its parent's threads, and no op of its own held.
+        self.__init__()  # type: ignore[misc]
 
     def hold(self, op: _Held) -> None:
         with self._lock:
             last, self._held = self._held, op
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ferrovod-held-ops",
-                                                daemon=True)
-                self._thread.start()
+            self._holds += 1
         if last is not None:
+            # Another thread of this process held one meanwhile (one thread's ops have
+            # handed theirs on before they came here).
             last.submit()
-        self._busy.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ferrovod-held-ops",
+                                            daemon=True)
+            self._thread.start()
+        elif self._sleeping:
+            self._wake.set()
 
     def forget(self, op: _Held) -> None:
         """``op`` is being waited for: nothing to hand on."""
@@ -374,6 +388,8 @@ class _Holds:
 
     def release(self) -> None:
         """Hands the held op, if any, to the engine's queue (another op comes after it)."""
+        if self._held is None:
+            return
         with self._lock:
             op, self._held = self._held, None
         if op is not None:
@@ -381,18 +397,27 @@ class _Holds:
 
     def _run(self) -> None:
         while True:
-            self._busy.wait()
-            self._busy.clear()
-            seen = self._held
-            while seen is not None:
+            # Set before looking, so that a hold() after the look sees it and wakes us.
+            self._sleeping = True
+            if self._held is None:
+                self._wake.wait()
+            self._sleeping = False
+            self._wake.clear()
+            # Awake, tick until a tick passes in which nothing new was held and nothing is
+            # held still: ops held one after another (a loop of blocking ones, each forgotten
+            # by its wait) then cost no wake-up each, only this thread's tick. An op held
+            # through a whole tick is handed on: within two ticks of its hold.
+            holds, seen = -1, None
+            while self._holds != holds or seen is not None:
+                holds = self._holds
                 time.sleep(self.TICK)
                 with self._lock:
-                    if self._held is not seen:
-                        seen = self._held
-                        continue
-                    self._held = None
-                seen.submit()
-                seen = None
+                    late = self._held if self._held is seen else None
+                    if late is not None:
+                        self._held = None
+                    seen = self._held
+                if late is not None:
+                    late.submit()
 
 
 _holds = _Holds()
@@ -598,7 +623,7 @@ class ProcessGroup(_C10dBackend):
         if not tensors:
             return _Done([])
         engine_op, factor = self._engine_op(op, what)
-        if any(t.is_sparse for t in tensors):
+        if tensors[0].is_sparse if len(tensors) == 1 else any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, engine_op, factor, what)
         name = self._name()
         if engine_op is None:
@@ -621,9 +646,8 @@ class ProcessGroup(_C10dBackend):
         if self._set is not global_process_set or len(tensors) != 1:
             return False
         t = tensors[0]
-        return (type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous()
-                and t.dtype in _HOLDABLE_DTYPES
-                and t.numel() * t.element_size() <= _core.fast_path_bytes()
+        return (type(t) is torch.Tensor and t.is_cpu and t.dtype in _HOLDABLE_DTYPES
+                and t.is_contiguous() and t.nbytes <= _core.fast_path_bytes()
                 and not torch.autograd._profiler_enabled())
 
     def _sparse_allreduce(self, tensors: List[torch.Tensor], engine_op: Any, factor: float,
