@@ -445,10 +445,17 @@ impl State {
     /// nothing for the engine's timeout. Ranks finishing later than this one may still need
     /// the node, rank 0's above all, which negotiates every op (ranks of a process set without
     /// rank 0 go on among themselves; torch's destroy_process_group is no barrier), so it
-    /// serves them while they use it.
+    /// serves them while they use it. The root knows when none can: every set, and every one
+    /// being registered, has this rank in it (a Horovod-API job's rank 0 that shuts down
+    /// first), and then it stops at once, as its peers' next op fails anyway.
     fn may_stop(&mut self) -> bool {
         let asked = *self.stop_asked.get_or_insert_with(Instant::now);
         let me = self.cfg.rank;
+        if let Role::Root(root) = &self.role {
+            if !root.neg.serves_without(me) {
+                return true;
+            }
+        }
         let below_open = (0..self.cfg.size).any(|r| r != me && self.conns[r].is_some());
         let cut = matches!(&self.role, Role::Relay(r) if r.cut);
         let quiet = asked.max(self.last_heard).elapsed() >= self.cfg.timeout;

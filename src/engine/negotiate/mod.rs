@@ -301,6 +301,17 @@ impl Negotiator {
         self.sets.get(&id).map(|s| s.ranks.as_slice())
     }
 
+    /// Whether ranks other than `rank` can still negotiate anything without it: a process set,
+    /// or one being registered, that `rank` is not a member of. Without one, every op left
+    /// needs `rank`, so once it has shut down nothing more can be agreed here.
+    pub fn serves_without(&self, rank: usize) -> bool {
+        self.sets.values().any(|s| !s.ranks.contains(&rank))
+            || self
+                .member_sets
+                .keys()
+                .any(|(ranks, _)| !ranks.contains(&rank))
+    }
+
     /// Changes the fusion threshold (autotune).
     pub fn set_fusion_threshold(&mut self, bytes: usize) {
         self.fusion_threshold = bytes;
