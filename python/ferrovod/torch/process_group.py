@@ -353,17 +353,17 @@ class _Holds:
     TICK = 0.001
 
     def __init__(self) -> None:
+        self._reset()
+        # A forked child has none of its parent's threads, and no op of its own held.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._held: Optional[_Held] = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._sleeping = False
         self._holds = 0  # how many ops were ever held: whether any came during a tick
         self._thread: Optional[threading.Thread] = None
-        os.register_at_fork(after_in_child=self._forked)
-
-    def _forked(self) -> None:
-        # A forked child has none of its parent's threads, and no op of its own held.
-        self.__init__()  # type: ignore[misc]
 
     def hold(self, op: _Held) -> None:
         with self._lock:
