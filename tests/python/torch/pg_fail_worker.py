@@ -7,6 +7,8 @@ an error that comes is the engine's report, never the timeout.
   must get an error naming the ranks, and the job must go on (the next op is checked). Then
   rank 0 alone gives arguments its op cannot take (a reduce-scatter's size, all-to-all splits):
   every rank must fail with rank 0's reason.
+- ``auth``: the job steps until the test says stop, while the test connects to rank 0's
+  coordinator as a stranger (test_process_group.py).
 - ``kill``: the last rank SIGKILLs itself while the others are in an allreduce; they must get
   a rank-failure error naming it.
 - ``early``: rank 0 leaves (destroy_process_group) while the other ranks go on among
@@ -133,6 +135,16 @@ elif mode == "timeout":
                 check(took >= limit - 0.05, f"group {i}: failed after {took:.2f} s")
         # The other ranks wait here, on the job's own group, until rank 0 has had its error.
         goes_on(f"group {i}'s timeout")
+    dist.destroy_process_group()
+elif mode == "auth":
+    # The job steps (a checked allreduce every 10 ms) while the test attacks rank 0's
+    # coordinator from outside, until the test leaves <path>.stop.
+    deadline = time.monotonic() + 300
+    while not os.path.exists(f"{path}.stop"):
+        check(time.monotonic() < deadline, "the test never said stop")
+        goes_on("a stranger's connection")
+        time.sleep(0.01)
+    dist.barrier()
     dist.destroy_process_group()
 elif mode == "kill":
     victim = size - 1

@@ -123,6 +123,54 @@ def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
             f"rank {r} (exit {procs[r].returncode}):\n{outs[r][-4000:]}"
 
 
+def test_strangers_at_the_jobs_coordinator_are_dropped_and_the_job_goes_on(tmp_path):
+    """No FERROVOD_SECRET: rank 0 draws the job's secret and hands it to the others through
+    torch's store. Connections to the job's coordinator that do not prove it (garbage, a
+    message with no handshake, a wrong secret, silence) get at most the greeting and the
+    rejection byte, and are dropped, while the job's checked allreduces go on
+    (test_auth.py does this, and more, to a job that ferrovodrun started)."""
+    import test_auth as A
+
+    store = tmp_path / "store"
+    env = _env({"FERROVOD_LOG_LEVEL": "debug", "FERROVOD_TIMEOUT_SECONDS": str(A.TIMEOUT_S)},
+               plain=True)
+    env.pop("FERROVOD_SECRET", None)
+    outs = [tmp_path / f"out{r}" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "pg_fail_worker.py"), "auth", str(r),
+                               "2", str(store)], stdout=open(outs[r], "w"),
+                              stderr=subprocess.STDOUT, env=env) for r in range(2)]
+    try:
+        found = A.wait_for(lambda: re.search(r"control node \(rank 0\) at (\S+:\d+)",
+                                             outs[0].read_text()), 120,
+                           "the coordinator's address", procs[0])
+        coordinator = found.group(1)
+        jobs = [(kind, lambda k=kind: A.attack(coordinator, k, "coordinator", None, b"",
+                                               wait_close=30))
+                for kind in ("garbage", "request", "wrong-secret")]
+        silent = A.connect(coordinator)
+        threads, results = A.run_attacks(jobs)
+        for t in threads:
+            t.join(90)
+        for kind, r in results.items():
+            if isinstance(r, BaseException):
+                raise r
+            A.check_dropped(r, f"coordinator/{kind}", kind)
+        A.check_dropped(A.drain(silent, A.TIMEOUT_S + 10) + ("",), "coordinator/silence",
+                        "silence")
+    finally:
+        (tmp_path / "store.stop").write_text("")
+        for p in procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        text = out.read_text()
+        assert p.returncode == 0 and re.search(rf"rank {r} OK [1-9]", text), \
+            f"rank {r}:\n{text[-4000:]}"
+    assert "no FERROVOD_SECRET" in outs[0].read_text(), "rank 0 did not say where the secret is"
+
+
 @pytest.mark.parametrize("how", ["tcp", "store"])
 def test_a_job_meets_over_tcp_or_a_store_the_user_made(how, tmp_path):
     """``init_method="tcp://..."`` and ``store=``: the store is this test's, on a port it bound
