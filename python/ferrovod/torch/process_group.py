@@ -298,7 +298,8 @@ class _Held:
     finds it still held a tick later: an async op runs without a wait, and ops reach the
     engine in the order they were issued."""
 
-    __slots__ = ("_tensor", "_kind", "_name", "_op", "_factor", "_lock", "_handle", "_done")
+    __slots__ = ("_tensor", "_kind", "_name", "_op", "_factor", "_lock", "_handle", "_done",
+                 "_error")
 
     def __init__(self, tensor: torch.Tensor, kind: str, name: str, op: int,
                  factor: float) -> None:
@@ -309,6 +310,8 @@ class _Held:
         self._lock = threading.Lock()
         self._handle: Optional[int] = None
         self._done = False
+        # What handing the op on failed with (the engine shut down meanwhile): its waiter's.
+        self._error: Optional[BaseException] = None
 
     def _queue(self, now: bool) -> None:
         self._handle = _ops._allreduce_async([self._tensor], True, None, self._name, self._op,
@@ -323,11 +326,15 @@ class _Held:
         try:
             if self._handle is None and not self._done:
                 self._queue(False)
+        except Exception as e:  # noqa: BLE001 - raised by wait(), on the caller's thread
+            self._error, self._done = e, True
         finally:
             self._lock.release()
 
     def wait(self) -> Any:
         with self._lock:
+            if self._error is not None:
+                raise self._error
             if self._handle is None and not self._done:
                 _holds.forget(self)
                 t = self._tensor
