@@ -288,14 +288,14 @@ impl FastPath {
         self.close();
     }
 
+    /// Whether the path takes ops at all: every rank on this host, a size limit, no timeline.
+    fn on(&self) -> bool {
+        self.complete && self.max_bytes > 0 && !self.timeline.load(Ordering::Relaxed)
+    }
+
     /// The tensor of `op` if it is an op the fast path takes.
     fn eligible<'a>(&self, op: &'a OpSpec) -> Option<&'a TensorBuf> {
-        if !self.complete
-            || self.max_bytes == 0
-            || op.set_id != 0
-            || op.tensors.len() != 1
-            || self.timeline.load(Ordering::Relaxed)
-        {
+        if !self.on() || op.set_id != 0 || op.tensors.len() != 1 {
             return None;
         }
         let t = &op.tensors[0];
@@ -327,13 +327,10 @@ impl FastPath {
     /// this rank closed). A front end that may hold an op back until it is waited for, to
     /// offer it then, asks this first.
     pub fn max_bytes(&self) -> usize {
-        let off = !self.complete
-            || self.timeline.load(Ordering::Relaxed)
-            || self.closing.load(Ordering::Relaxed);
-        if off {
-            0
-        } else {
+        if self.on() && !self.closing.load(Ordering::Relaxed) {
             self.max_bytes
+        } else {
+            0
         }
     }
 

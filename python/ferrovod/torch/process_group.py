@@ -337,9 +337,9 @@ class _Held:
                 raise self._error
             if self._handle is None and not self._done:
                 _holds.forget(self)
-                t = self._tensor
-                arr = (t.detach() if t.requires_grad else t).numpy()
-                if _core.allreduce_now(arr, arr, self._name, self._op, None, self._factor, 1.0):
+                arr = _ops._numpy_view(self._tensor)
+                if arr is not None and _core.allreduce_now(arr, arr, self._name, self._op, None,
+                                                           self._factor, 1.0):
                     self._done = True
                     return None
                 self._queue(True)
@@ -1012,7 +1012,6 @@ class ProcessGroup(_C10dBackend):
         and another tag's may overtake them, as torch allows)."""
         if self._closed:
             raise InvalidArgumentError(f"process group {self._group_id} was shut down")
-        _holds.release()
         me, other = self._global(self._rank), self._global(int(peer))
         if me == other:
             raise InvalidArgumentError(f"rank {self._rank} cannot send to or receive from itself")
