@@ -2,9 +2,9 @@
 # Builds ferrovod's abi3 wheel into a folder (default: dist/).
 #
 # With ziglang installed in the venv (scripts/setup_venv.sh installs it) maturin links against
-# glibc 2.17 through zig and the wheel is tagged manylinux2014, so it installs on any
-# x86_64/aarch64 Linux of the last decade. Without a working zig it falls back to a plain
-# build, tagged for this host's glibc, and says so.
+# glibc 2.17 through zig and the wheel is tagged manylinux2014, so it installs on any x86_64
+# Linux of the last decade (the only architecture built and tested). Without a working zig it
+# falls back to a plain build, tagged for this host's glibc, and says so.
 #
 # Usage: scripts/build_wheel.sh [OUT_DIR]
 # Prints the path of the wheel it built as the last line of its output.

@@ -1,5 +1,5 @@
 //! Host grouping: ranks that published the same host name form a host, and local and cross
-//! ranks follow from the groups (DESIGN.md, "Launch and bootstrap").
+//! ranks follow from the groups (docs/design.md, "Launch and bootstrap").
 
 /// Where this process sits in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,9 @@
-//! The coordinator thread (rank 0 only): accepts every rank's control connection, feeds their
-//! messages to the [`Negotiator`], and sends its responses back. It runs beside rank 0's own
-//! engine thread, so negotiation for other process sets goes on while rank 0 is busy in a
-//! collective.
+//! A node of the control tree, on its own thread beside the rank's engine thread. Rank 0's
+//! node is the root: it feeds every message that reaches it to the [`Negotiator`] and sends its
+//! responses back down. Any other node (a rank with ranks below it) is a relay: it accepts the
+//! control connections of the ranks below, passes their requests up and the responses down.
+//! Beside the engine thread, negotiation for other process sets goes on while the rank is busy
+//! in a collective.
 
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};

@@ -14,7 +14,7 @@ pub use kubeflow::{dmlc_worker, parse_tf_config, DmlcWorker, TfJob};
 /// How [`detect`] reads one of ferrovod's own variables: `(name found under, value)`.
 pub type Lookup<'a> = dyn Fn(&str) -> Option<(String, String)> + 'a;
 
-/// Which launcher started this process (DESIGN.md, "Launch and bootstrap", in this order).
+/// Which launcher started this process (docs/design.md, "Launch and bootstrap", in this order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Launcher {
     /// `ferrovodrun` (or anything setting `FERROVOD_RANK`/`HOROVOD_RANK`).
@@ -205,7 +205,7 @@ pub fn placeholder(lookup: &Lookup<'_>) -> Result<LaunchInfo> {
     Ok(alone(given_secret(lookup)?))
 }
 
-/// Works out the launch environment (DESIGN.md order: ferrovodrun, MPI launchers, Slurm,
+/// Works out the launch environment (docs/design.md's order: ferrovodrun, MPI launchers, Slurm,
 /// torchrun/PyTorchJob, none). A half-set environment is an error naming what is missing.
 ///
 /// `get` reads a variable as the launcher set it; `lookup` reads one of ferrovod's own
