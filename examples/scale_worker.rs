@@ -19,7 +19,7 @@
 use std::time::{Duration, Instant};
 
 use _core::config::Config;
-use _core::engine::control::{frame_bytes, frames};
+use _core::control::connection::{frame_bytes, frames};
 use _core::engine::{Engine, OpSpec, Ran, TensorBuf, TensorMeta, TensorSpec};
 use _core::{DType, OpKind, ReduceOp};
 

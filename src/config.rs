@@ -145,7 +145,7 @@ pub struct Config {
 }
 
 /// Autotune settings (`FERROVOD_AUTOTUNE*`), read here with every other setting and used by
-/// the coordinator's tuner (`engine::autotune`).
+/// the coordinator's tuner (`control::autotune`).
 #[derive(Debug, Clone)]
 pub struct AutotuneConfig {
     /// Tune the fusion threshold (the user did not set it).

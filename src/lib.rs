@@ -3,6 +3,8 @@
 //! Where things live (a tensor's path, top to bottom):
 //! - `python/` — the PyO3 boundary, the only code that knows Python (feature `python`);
 //! - [`engine`] — one background thread per process: queue → negotiate → fuse → execute;
+//! - [`control`] — the control plane the engine negotiates over: the control tree's nodes,
+//!   negotiation, the messages and their connections;
 //! - [`collective`] — algorithms (one file per collective), written against [`comm::Communicator`];
 //! - [`transport`] — point-to-point links ([`transport::tcp`]); algorithms never see which;
 //! - [`job`] — [`job::form`], which forms a job for the engine from the bootstrap layer and the
@@ -20,6 +22,7 @@ pub mod bootstrap;
 pub mod collective;
 pub mod comm;
 pub mod config;
+pub mod control;
 pub mod copy;
 pub mod cpus;
 pub mod engine;

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use _core::bootstrap::tcp_store::{TcpStore, TcpStoreServer, MAX_STORE_FRAME};
 use _core::bootstrap::{authenticate, read_frame, write_frame, Store};
-use _core::engine::control::{ControlStream, FrameConn, MAX_FRAME};
-use _core::engine::message::{
+use _core::control::connection::{ControlStream, FrameConn, MAX_FRAME};
+use _core::control::message::{
     DeviceKind, FromCoordinator, Item, Op, Request, Response, Submit, TensorMeta, ToCoordinator,
 };
 use _core::error::Error;

@@ -3,7 +3,7 @@
 //! input (the encoding is canonical, so no byte is silently ignored or misread).
 #![no_main]
 
-use _core::engine::message::{FromCoordinator, ToCoordinator};
+use _core::control::message::{FromCoordinator, ToCoordinator};
 use _core::error::Error;
 use libfuzzer_sys::fuzz_target;
 

@@ -14,10 +14,10 @@ use crate::types::OpKind;
 
 use super::fast::Outcome;
 use super::handle::{Handle, Output};
-use super::names::NameClaim;
 use super::progress::Progress;
 use super::tensor::TensorBuf;
 use super::{Command, OpSpec, Shared};
+use crate::control::names::NameClaim;
 
 /// What became of an op given to [`Door::run`].
 pub enum Ran {
@@ -98,7 +98,7 @@ impl Door {
     }
 
     /// Claims the name of `op` until the claim drops or moves into its handle (see
-    /// [`super::names`]).
+    /// [`crate::control::names`]).
     fn claim(&self, op: &OpSpec) -> Result<NameClaim> {
         self.shared.in_flight.claim(op.set_id, &op.name, op.kind)
     }

@@ -10,8 +10,8 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::Result;
 use crate::spin::Spin;
 
-use super::names::NameClaim;
 use super::tensor::TensorBuf;
+use crate::control::names::NameClaim;
 
 /// What a completed op hands back.
 #[derive(Default)]
@@ -32,7 +32,7 @@ struct State {
     /// Decremented on completion (the engine's count of ops in flight, see `engine::fast`).
     count: Option<Arc<AtomicUsize>>,
     /// The op's name, held until the submitter has seen the op complete (see
-    /// `engine::names`).
+    /// `control::names`).
     claim: Mutex<Option<NameClaim>>,
 }
 

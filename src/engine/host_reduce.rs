@@ -15,9 +15,9 @@ use crate::transport::host_memory::HostMemory;
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 use super::door::Door;
-use super::message::TensorMeta;
 use super::tensor::TensorBuf;
 use super::{OpSpec, TensorSpec};
+use crate::control::message::TensorMeta;
 
 impl Door {
     /// Returns once every rank of set `set_id` has met under `name`: a one-element

@@ -5,24 +5,16 @@
 //! The thread sleeps only when it has nothing to do: a submission (through an eventfd) or a
 //! control message (through its socket) wakes it, after a short bounded spin.
 
-// Public: what the wire's fuzzers and decoders (control, message) and the fast path's tests
-// (fast) reach; everything else a caller needs is re-exported below.
-mod autotune;
-pub mod control;
-mod coordinator;
+// Public: what the fast path's tests reach; everything else a caller needs is re-exported
+// below.
 mod device;
 mod door;
 mod entry;
 pub mod fast;
 mod handle;
 mod host_reduce;
-mod lease;
-pub mod message;
-mod names;
-mod negotiate;
 mod pool;
 mod progress;
-mod relay;
 mod tensor;
 mod timeline;
 mod worker;
@@ -44,19 +36,20 @@ use crate::error::{Error, Result};
 use crate::job::{self, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job, Membership};
 
 pub use crate::bootstrap::Topology;
+pub use crate::control::message::{DeviceKind, Op, TensorMeta};
+pub use crate::control::names::NameClaim;
 pub use door::{Door, Ran};
 pub use handle::{Handle, Output};
 pub use host_reduce::{gather_shards_in_host_memory, reduce_shard_in_host_memory};
-pub use message::{DeviceKind, Op, TensorMeta};
-pub use names::NameClaim;
 pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;
 
+use crate::control::connection::{self, ControlStream};
+use crate::control::message::{self, FromCoordinator, ToCoordinator};
+use crate::control::node::{Coordinator, CoordinatorConfig};
+use crate::control::{lease, names};
 use crate::sys::Waker;
-use control::ControlStream;
-use coordinator::{Coordinator, CoordinatorConfig};
-use message::{FromCoordinator, ToCoordinator};
 
 /// One tensor of a submitted op.
 pub struct TensorSpec {
@@ -417,7 +410,7 @@ struct EnginePlane<'a> {
 
 impl ControlPlane for EnginePlane<'_> {
     type Coordinator = Coordinator;
-    type Control = control::FrameConn;
+    type Control = connection::FrameConn;
 
     fn start_node(
         &mut self,
@@ -434,7 +427,7 @@ impl ControlPlane for EnginePlane<'_> {
             let node = tree.and_then(|t| t.parent(rank)).unwrap_or(0);
             let (start, liveness) = (config.start_timeout, config.timeout);
             Box::new(move || connect_control(&at, rank, node, &secret, start, liveness, rings))
-                as coordinator::ConnectUp
+                as crate::control::node::ConnectUp
         });
         let cfg = CoordinatorConfig {
             size: config.launch.size,
@@ -465,7 +458,7 @@ impl ControlPlane for EnginePlane<'_> {
         rank: usize,
         node: usize,
         secret: &[u8],
-    ) -> Result<control::FrameConn> {
+    ) -> Result<connection::FrameConn> {
         let config = self.config;
         let rings = (!config.shm_disable).then_some(crate::transport::shm::CONTROL_RING_BYTES);
         connect_control(
@@ -498,7 +491,7 @@ fn connect_control(
     timeout: Duration,
     liveness: Duration,
     rings: Option<usize>,
-) -> Result<control::FrameConn> {
+) -> Result<connection::FrameConn> {
     let deadline = Instant::now() + timeout;
     let addr = coordinator.tcp;
     let mut stream = loop {
@@ -529,7 +522,7 @@ fn connect_control(
             stream = ControlStream::Shm(Box::new(link));
         }
     }
-    let mut conn = control::FrameConn::new(stream, node)?;
+    let mut conn = connection::FrameConn::new(stream, node)?;
     // init() is collective: wait until every rank has registered with the coordinator.
     loop {
         // Read before parsing: the ready message and an immediate close (rank 0 shutting down

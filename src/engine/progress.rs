@@ -23,11 +23,11 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 
-use super::coordinator::Assist;
 use super::handle::{Handle, Output};
-use super::lease::Lease;
 use super::worker::{Step, Worker};
 use super::Shared;
+use crate::control::lease::Lease;
+use crate::control::node::Assist;
 use crate::sys::wait_readable;
 
 /// How often a blocked caller asks whether to stop waiting ([`Progress::wait_or`]): well

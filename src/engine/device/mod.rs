@@ -51,9 +51,9 @@ use crate::job::StoreLink;
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 use super::entry::Entry;
-use super::message::{DeviceKind, Response};
 use super::tensor::TensorBuf;
 use super::OpSpec;
+use crate::control::message::{DeviceKind, Response};
 pub(super) use layered::Cross;
 
 /// Where a communicator's unique id is exchanged, and the limits of the waits.

@@ -7,9 +7,9 @@ use crate::copy::copy;
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
+use crate::control::message::{DeviceKind, Item, Response};
 use crate::engine::entry::Entry;
 use crate::engine::handle::Output;
-use crate::engine::message::{DeviceKind, Item, Response};
 use crate::engine::tensor::TensorBuf;
 use crate::engine::timeline::{json_string, transfer_activity, Timeline};
 use crate::engine::TensorSpec;

@@ -18,14 +18,14 @@ use crate::error::{Error, Result};
 use crate::transport::Transport;
 use crate::types::{OpKind, ReduceOp};
 
-use super::control::{FrameConn, OUTPUT_RETRY};
 use super::device::{op_device, DeviceState};
 use super::entry::Entry;
 use super::handle::Handle;
-use super::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
-use super::names::shared_base;
 use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, SetScope, Shared};
+use crate::control::connection::{FrameConn, OUTPUT_RETRY};
+use crate::control::message::{DeviceKind, FromCoordinator, Request, Submit, ToCoordinator};
+use crate::control::names::shared_base;
 use crate::sys::wait_readable;
 use std::os::fd::RawFd;
 

@@ -2,7 +2,7 @@
 //! same op, the response or error that every member receives, and which responses may fuse.
 //! The state machine in the parent module decides when a name is ready; this decides the answer.
 
-use crate::engine::message::{DeviceKind, Item, Request, Response};
+use crate::control::message::{DeviceKind, Item, Request, Response};
 use crate::error::Error;
 use crate::types::OpKind;
 

@@ -61,7 +61,7 @@ impl DeviceKind {
 }
 
 /// A collective under one name, with its tensors as `T`: the caller's buffers when it is
-/// submitted ([`super::OpSpec`]), their dtypes and shapes when a rank describes it to the
+/// submitted (`engine::OpSpec`), their dtypes and shapes when a rank describes it to the
 /// coordinator ([`Request`]). One type for both, so that a field added to an op reaches the
 /// request and the wire without being copied by hand. Grouped ops carry several tensors and
 /// are negotiated as one unit.
@@ -260,7 +260,7 @@ pub enum ToCoordinator {
         /// What was observed.
         detail: String,
     },
-    /// From a relay node (see `engine/coordinator.rs`): the messages of the ranks below it,
+    /// From a relay node (see `control/node.rs`): the messages of the ranks below it,
     /// each with its sender, in the order they arrived.
     Relayed(Vec<(usize, ToCoordinator)>),
     /// From a relay node, in a relayed batch under the relay's own rank: every member of

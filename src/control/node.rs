@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::spin::Spin;
 
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
-use super::control::{ControlStream, FrameConn, OUTPUT_RETRY};
+use super::connection::{ControlStream, FrameConn, OUTPUT_RETRY};
 use super::lease::Lease;
 use super::message::Submit;
 use super::message::{FromCoordinator, ToCoordinator};
@@ -113,7 +113,7 @@ impl Coordinator {
     }
 
     /// Lets another thread turn the coordinator when it is idle (rank 0's caller waiting for
-    /// an op: see [`super::progress`]).
+    /// an op: see `engine::progress`).
     pub fn assist(&self) -> Assist {
         Assist {
             state: self.state.clone(),

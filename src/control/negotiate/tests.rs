@@ -1,5 +1,5 @@
 use super::*;
-use crate::engine::message::{DeviceKind, Op, TensorMeta};
+use crate::control::message::{DeviceKind, Op, TensorMeta};
 use crate::types::{DType, ReduceOp};
 
 fn req(name: &str, dtype: DType, shape: &[usize]) -> Request {

@@ -1,4 +1,4 @@
-//! The lease a caller driving the worker or the coordinator holds (see [`super::progress`]).
+//! The lease a caller driving the worker or the coordinator holds (see `engine::progress`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
