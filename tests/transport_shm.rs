@@ -94,13 +94,30 @@ fn ring_step(t: &mut HybridTransport, len: usize) -> Vec<u8> {
     recv
 }
 
-/// Entries of /dev/shm and listening abstract Unix sockets that carry our prefix.
-fn named_leftovers() -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir("/dev/shm")
+/// Files in /dev/shm that carry our name: names outlive their process, and ferrovod's segments
+/// are unnamed memfds, so any such file is a leak, whoever made it.
+fn shm_files() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .filter(|n| n.contains("ferrovod"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Listening abstract Unix sockets with our prefix that this process holds open.
+/// /proc/net/unix lists every socket of the network namespace, other jobs' on the machine
+/// included, so ours are told by inode from this process's descriptors.
+fn own_listeners() -> Vec<String> {
+    let own: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+                })
                 .collect()
         })
         .unwrap_or_default();
@@ -108,13 +125,28 @@ fn named_leftovers() -> Vec<String> {
     // listener's name too, but it is a live doorbell, not a name anyone can bind or find.
     let unix = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
     let needle = format!("@{NAME_PREFIX}");
-    let listening = |l: &&str| l.split_whitespace().nth(3) == Some("00010000");
-    out.extend(
-        unix.lines()
-            .filter(|l| l.contains(&needle) && listening(l))
-            .map(String::from),
-    );
-    out
+    unix.lines()
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            l.contains(&needle)
+                && f.get(3) == Some(&"00010000")
+                && f.get(6).is_some_and(|i| own.contains(*i))
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// Waits until `done()` holds, `deadline` at most: the set-up's threads close their sockets
+/// as they end, a moment after the transport that started them is dropped.
+fn eventually(deadline: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + deadline;
+    while !done() {
+        if Instant::now() >= end {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    true
 }
 
 /// Mappings of our segments in this process (`/memfd:ferrovod-shm (deleted)` in maps).
@@ -430,23 +462,61 @@ fn invalid_transfers_are_rejected_and_empty_ones_touch_nothing() {
         .unwrap();
 }
 
+const SEGMENTS_ENV: &str = "FERROVOD_SHM_TEST_SEGMENTS";
+
 #[test]
 fn segments_have_no_name_and_are_unmapped_on_drop() {
-    let before = named_leftovers();
-    assert!(before.is_empty(), "{before:?}");
+    // In a process of its own: this binary's other tests run beside it as threads of one
+    // process, holding segments and set-up sockets of their own.
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "segments_entry", "--ignored", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(SEGMENTS_ENV, "1")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("SEGMENTS OK"),
+        "{said}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "run in a process of its own by segments_have_no_name_and_are_unmapped_on_drop"]
+fn segments_entry() {
+    if std::env::var(SEGMENTS_ENV).is_err() {
+        return;
+    }
+    assert!(own_listeners().is_empty(), "{:?}", own_listeners());
+    assert_eq!(mapped_segments(), 0);
+    {
+        // The check sees a listener of ours when there is one.
+        use std::os::linux::net::SocketAddrExt;
+        let name = format!("{NAME_PREFIX}-probe-{}", std::process::id());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let probe = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        assert_eq!(own_listeners().len(), 1, "{:?}", own_listeners());
+        drop(probe);
+        assert!(own_listeners().is_empty(), "{:?}", own_listeners());
+    }
     let mut ts = mesh(&[0, 0, 0], 1 << 16);
     assert!(all_pairs(&mut ts, 100_000).iter().all(|&b| b));
     // Three pairs, each mapped by both of its ranks (all in this process).
     assert!(mapped_segments() >= 6, "{}", mapped_segments());
-    assert!(named_leftovers().is_empty(), "{:?}", named_leftovers());
+    assert!(shm_files().is_empty(), "{:?}", shm_files());
     drop(ts);
-    // Other tests of this binary may hold segments or set-up sockets for a moment; ours must
-    // not stay.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !named_leftovers().is_empty() && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(20));
-    }
-    assert!(named_leftovers().is_empty(), "{:?}", named_leftovers());
+    let gone = eventually(LONG, || {
+        own_listeners().is_empty() && mapped_segments() == 0
+    });
+    assert!(
+        gone,
+        "{:?}, {} segments mapped",
+        own_listeners(),
+        mapped_segments()
+    );
+    assert!(shm_files().is_empty(), "{:?}", shm_files());
+    println!("SEGMENTS OK");
 }
 
 // ---- collectives ----
@@ -653,13 +723,21 @@ fn every_collective_over_shared_memory_on_2_3_4_ranks() {
 #[test]
 #[ignore = "run by sigkilled_process_is_lost_fast_and_leaves_nothing in a child process"]
 fn child_process_entry() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else {
+    let Ok(rank) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let parts: Vec<&str> = spec.split(' ').collect();
-    let rank: usize = parts[0].parse().unwrap();
-    let addrs: Vec<std::net::SocketAddr> = parts[1..].iter().map(|a| a.parse().unwrap()).collect();
-    let listener = TcpListener::bind(addrs[rank]).unwrap();
+    let rank: usize = rank.parse().unwrap();
+    // Each child binds its own port and says which; the test hands both to both (a port
+    // picked by one process and bound later by another may be taken in between).
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    println!("ADDR {}", listener.local_addr().unwrap());
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let addrs: Vec<std::net::SocketAddr> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|a| a.parse().unwrap())
+        .collect();
     let mesh = Mesh {
         rank,
         size: 2,
@@ -681,11 +759,13 @@ fn child_process_entry() {
     println!("SHM {:?} MAPS {}", t.shm_peers(), mapped_segments());
     const LEN: usize = 64 << 20;
     if rank == 1 {
+        // Takes the first MiB of rank 0's 64, then nothing more: rank 0 is in the middle of
+        // its send (blocked on a full ring, or about to be) whenever the test kills this one.
         let mut part = vec![0u8; 1 << 20];
         let mut xfer = [rx(0, &mut part)];
         t.exchange(&mut xfer, LONG).unwrap();
         println!("GOT {}", part[..] == pattern(7, LEN)[..1 << 20]);
-        thread::sleep(Duration::from_secs(60));
+        thread::sleep(LONG * 2);
         return;
     }
     let send = pattern(7, LEN);
@@ -695,23 +775,23 @@ fn child_process_entry() {
     let lost = matches!(res, Err(Error::PeerLost { rank: 1, .. }));
     println!("RESULT {lost} {} {res:?}", at.as_micros());
     drop(t);
-    println!("AFTER MAPS {}", mapped_segments());
+    let gone = eventually(LONG, || {
+        own_listeners().is_empty() && mapped_segments() == 0
+    });
+    println!(
+        "AFTER {gone} MAPS {} LISTENERS {}",
+        mapped_segments(),
+        own_listeners().len()
+    );
 }
 
 #[test]
 fn sigkilled_process_is_lost_fast_and_leaves_nothing() {
-    let before = named_leftovers();
-    let addrs: Vec<String> = (0..2)
-        .map(|_| {
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().to_string()
-        })
-        .collect();
     let spawn = |rank: usize| {
         Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "child_process_entry", "--ignored", "--nocapture"])
             .args(["--test-threads", "1"])
-            .env(CHILD_ENV, format!("{rank} {} {}", addrs[0], addrs[1]))
+            .env(CHILD_ENV, rank.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -728,6 +808,15 @@ fn sigkilled_process_is_lost_fast_and_leaves_nothing() {
             .find_map(|l| l.find(marker).map(|at| l[at..].to_string()))
             .unwrap_or_else(|| panic!("no {marker:?} line from a child"))
     };
+    let addr = |lines: &mut _| line_with(lines, "ADDR")["ADDR ".len()..].to_string();
+    let peers = format!("PEERS {} {}\n", addr(&mut out0), addr(&mut out1));
+    for c in [&mut c0, &mut c1] {
+        c.stdin
+            .as_mut()
+            .unwrap()
+            .write_all(peers.as_bytes())
+            .unwrap();
+    }
     assert_eq!(line_with(&mut out0, "READY"), "READY");
     assert_eq!(line_with(&mut out1, "READY"), "READY");
     for c in [&mut c0, &mut c1] {
@@ -736,8 +825,6 @@ fn sigkilled_process_is_lost_fast_and_leaves_nothing() {
     assert_eq!(line_with(&mut out1, "SHM"), "SHM [0] MAPS 1");
     assert_eq!(line_with(&mut out0, "SHM"), "SHM [1] MAPS 1");
     assert_eq!(line_with(&mut out1, "GOT"), "GOT true");
-    // Rank 0 is now blocked on a full ring (or an empty one) in the middle of 64 MiB.
-    thread::sleep(Duration::from_millis(50));
     let killed_at = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
     c1.kill().unwrap(); // SIGKILL: no destructor, no closed flag; only the kernel closes fds.
     c1.wait().unwrap();
@@ -746,14 +833,16 @@ fn sigkilled_process_is_lost_fast_and_leaves_nothing() {
     assert_eq!(fields[1], "true", "{result}");
     let noticed = Duration::from_micros(fields[2].parse::<u64>().unwrap()) - killed_at;
     eprintln!("shm: SIGKILLed peer noticed {noticed:?} after the kill");
-    assert!(noticed < Duration::from_millis(500), "{noticed:?}");
-    assert_eq!(line_with(&mut out0, "AFTER"), "AFTER MAPS 0");
+    // The exchange would give up after LONG by itself: a loss seen well before that was seen
+    // as a loss (how fast is for benchmarks, not for a test on a loaded machine).
+    assert!(noticed < LONG / 3, "{noticed:?}");
+    assert_eq!(
+        line_with(&mut out0, "AFTER"),
+        "AFTER true MAPS 0 LISTENERS 0"
+    );
     assert!(c0.wait().unwrap().success());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while named_leftovers() != before && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(named_leftovers(), before);
+    // Nothing named outlives the processes.
+    assert!(shm_files().is_empty(), "{:?}", shm_files());
 }
 
 // ---- throughput (prints, asserts only correctness) ----
