@@ -1,6 +1,6 @@
 //! A node's links in the control tree ([`ControlTree`]): which link reaches which rank, and how
 //! messages for ranks become one frame per link. Rank 0's node is the coordinator; every other
-//! node is a relay (`control/node.rs` runs both). A link is *plain* when an engine is at
+//! node is a relay (`control/node/` runs both). A link is *plain* when an engine is at
 //! its far end (this rank's own, or a child's that runs no node): it gets messages as they are.
 //! A child's node gets one [`FromCoordinator::Down`] batch per turn, each message addressed to
 //! every rank the link reaches or to some of them, so the coordinator sends a response once

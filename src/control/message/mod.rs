@@ -260,7 +260,7 @@ pub enum ToCoordinator {
         /// What was observed.
         detail: String,
     },
-    /// From a relay node (see `control/node.rs`): the messages of the ranks below it,
+    /// From a relay node (see `control/node/`): the messages of the ranks below it,
     /// each with its sender, in the order they arrived.
     Relayed(Vec<(usize, ToCoordinator)>),
     /// From a relay node, in a relayed batch under the relay's own rank: every member of

@@ -4,6 +4,14 @@
 //! control connections of the ranks below, passes their requests up and the responses down.
 //! Beside the engine thread, negotiation for other process sets goes on while the rank is busy
 //! in a collective.
+//!
+//! This file holds the node's thread and its turn; `root.rs` is what the root does with what
+//! reaches it, `up.rs` a relay's way up to its parent, `accept.rs` how new control connections
+//! are taken in.
+
+mod accept;
+mod root;
+mod up;
 
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, RawFd};
@@ -16,19 +24,19 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::bootstrap::{auth, net, ControlTree};
+use crate::bootstrap::ControlTree;
 use crate::error::{Error, Result};
 use crate::spin::Spin;
 
 use super::autotune::{AutotuneConfig, Autotuner, Knobs};
 use super::connection::{ControlStream, FrameConn, OUTPUT_RETRY};
 use super::lease::Lease;
-use super::message::Submit;
-use super::message::{FromCoordinator, ToCoordinator};
+use super::message::ToCoordinator;
 use super::negotiate::{Gone, Negotiator, Outbox};
 use super::relay::{self, Addressed, Held, Links, Up};
 use crate::sys::{wait_readable, Waker};
-use crate::transport::shm::ShmLink;
+
+use accept::accept_all;
 
 /// Settings the coordinator needs.
 pub struct CoordinatorConfig {
@@ -568,29 +576,6 @@ impl State {
         sent || flushed || went_up
     }
 
-    /// Every link has connected: the coordinator tells each that the job is formed; a relay
-    /// first connects to its parent, which answers once the whole job has, and then tells its
-    /// links.
-    fn all_connected(&mut self) {
-        if let Role::Relay(relay) = &mut self.role {
-            let Some(connect) = relay.connect.take() else {
-                return;
-            };
-            match connect() {
-                Ok(conn) => relay.parent = Some(conn),
-                Err(e) => {
-                    self.cut_off(self.path_closed(false, format!("could not reach its node: {e}")));
-                    return;
-                }
-            }
-        }
-        for l in self.links.expected().collect::<Vec<_>>() {
-            if let Some(c) = self.conns[l].as_mut() {
-                let _ = c.send(&FromCoordinator::Ready.encode(), self.cfg.timeout);
-            }
-        }
-    }
-
     /// Reads and handles every complete message on `link`; notices a closed connection.
     fn receive(&mut self, link: usize) {
         let Some(conn) = self.conns[link].as_mut() else {
@@ -708,120 +693,6 @@ impl State {
         }
     }
 
-    /// A relay reads its parent: batches to pass down, or the news that the path above is
-    /// gone.
-    fn read_parent(&mut self) {
-        let Role::Relay(relay) = &mut self.role else {
-            return;
-        };
-        let Some(p) = relay.parent.as_mut() else {
-            return;
-        };
-        let open = p.fill();
-        let mut down: Addressed = Vec::new();
-        let mut closed: Option<FromCoordinator> = None;
-        loop {
-            match p.next_frame() {
-                Ok(Some(frame)) => match FromCoordinator::decode(&frame) {
-                    Ok(FromCoordinator::Down(msgs)) => down.extend(msgs),
-                    Ok(m @ FromCoordinator::PathClosed { .. }) => {
-                        closed = Some(m);
-                        break;
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        closed = Some(self.path_closed(false, format!("malformed ({e})")));
-                        break;
-                    }
-                },
-                Ok(None) => break,
-                Err(e) => {
-                    closed = Some(self.path_closed(false, e.to_string()));
-                    break;
-                }
-            }
-        }
-        let parent = self.tree().parent(self.cfg.rank).unwrap_or(0);
-        if let Role::Relay(relay) = &mut self.role {
-            relay.parent_left |= down
-                .iter()
-                .any(|(_, m)| matches!(m, FromCoordinator::RankLeft { rank } if *rank == parent));
-            let mut stop = false;
-            for (_, m) in &down {
-                stop |= relay.held.observe(m);
-            }
-            if stop {
-                relay.held.stop(&self.links, &mut relay.up);
-            }
-        }
-        for (link, msg) in self.links.sort(down) {
-            if let Some(c) = self.conns[link].as_mut() {
-                if let Err(e) = c.send(&msg.encode(), self.cfg.timeout) {
-                    self.lose(link, e.to_string());
-                }
-            }
-        }
-        if closed.is_none() && !matches!(open, Ok(true)) {
-            let clean = matches!(&self.role, Role::Relay(r) if r.parent_left);
-            let detail = match open {
-                Err(e) => e.to_string(),
-                _ => "its connection closed (the process exited or was killed)".into(),
-            };
-            closed = Some(self.path_closed(clean, detail));
-        }
-        if let Some(notice) = closed {
-            self.cut_off(notice);
-        }
-    }
-
-    /// The notice for the links below when the link to this relay's parent is gone.
-    fn path_closed(&self, clean: bool, detail: String) -> FromCoordinator {
-        FromCoordinator::PathClosed {
-            rank: self.tree().parent(self.cfg.rank).unwrap_or(0),
-            clean,
-            detail,
-        }
-    }
-
-    /// The path above this relay is gone (`notice`, a `PathClosed`): tells every link below,
-    /// then closes them all; from then on the relay does nothing.
-    fn cut_off(&mut self, notice: FromCoordinator) {
-        let notice = notice.encode();
-        for l in self.links.expected().collect::<Vec<_>>() {
-            if let Some(mut c) = self.conns[l].take() {
-                let _ = c.send(&notice, self.cfg.timeout);
-                let _ = c.flush_all(self.cfg.timeout);
-                c.close();
-            }
-        }
-        if let Role::Relay(relay) = &mut self.role {
-            if let Some(mut p) = relay.parent.take() {
-                p.close();
-            }
-            relay.up.clear();
-            relay.cut = true;
-        }
-    }
-
-    /// A relay sends what the ranks below said since its last turn, in one frame. Returns
-    /// whether it sent anything.
-    fn send_up(&mut self) -> bool {
-        let Role::Relay(relay) = &mut self.role else {
-            return false;
-        };
-        let Some(p) = relay.parent.as_mut() else {
-            return false;
-        };
-        if relay.up.is_empty() {
-            return false;
-        }
-        let batch = ToCoordinator::Relayed(std::mem::take(&mut relay.up));
-        if let Err(e) = p.send(&batch.encode(), self.cfg.timeout) {
-            self.cut_off(self.path_closed(false, e.to_string()));
-        }
-        true
-    }
-
     fn send_out(&mut self) {
         // A message to every rank of the job goes to every link as it is, without sorting a
         // thousand ranks into their links (destinations list each rank once).
@@ -915,122 +786,6 @@ impl State {
     }
 }
 
-impl Relay {
-    /// One message from `from` that came in on `link`: cached submissions that speak for the
-    /// whole link (an engine's own on its link, a node's claim on its) are held; anything that
-    /// could be ordered after them (a join, a departure, a set change, a stall) first lets go
-    /// of what is held. A node passes its own rank's submissions on under its own rank too, one
-    /// by one: those speak for that rank alone.
-    fn take(&mut self, links: &Links, link: usize, from: usize, msg: ToCoordinator) {
-        match msg {
-            ToCoordinator::Submit(subs) if links.plain(link) => {
-                let mut rest = Vec::new();
-                for sub in subs {
-                    match sub {
-                        Submit::Cached { set_id, id } => {
-                            self.held.submit(links, link, set_id, id, &mut self.up)
-                        }
-                        other => rest.push(other),
-                    }
-                }
-                if !rest.is_empty() {
-                    self.up.push((from, ToCoordinator::Submit(rest)));
-                }
-            }
-            ToCoordinator::CachedBelow { set_id, ids } if from == link => {
-                for id in ids {
-                    self.held.submit(links, link, set_id, id, &mut self.up);
-                }
-            }
-            m @ (ToCoordinator::Submit(_) | ToCoordinator::CachedBelow { .. }) => {
-                self.up.push((from, m))
-            }
-            m @ (ToCoordinator::AddSet { .. }
-            | ToCoordinator::AddMemberSet { .. }
-            | ToCoordinator::RemoveSet { .. }) => {
-                // Held ops of a set keep it from being removed, as at the coordinator.
-                self.held.release(links, &mut self.up);
-                self.up.push((from, m));
-            }
-            m => {
-                self.held.stop(links, &mut self.up);
-                self.up.push((from, m));
-            }
-        }
-    }
-}
-
-impl Root {
-    /// A relay's claim: every member of set `set_id` among `below` submitted each of `ids`.
-    fn claimed(&mut self, set_id: u32, ids: &[u64], below: &[usize], out: &mut Outbox) {
-        let members: std::borrow::Cow<[usize]> = match self.neg.members(set_id) {
-            // Every rank below is a member of a set of every rank.
-            Some(m) if m.len() == self.neg.size() => below.into(),
-            Some(m) => below
-                .iter()
-                .copied()
-                .filter(|r| m.binary_search(r).is_ok())
-                .collect(),
-            // The negotiator answers each rank that its set does not exist.
-            None => below.into(),
-        };
-        for &id in ids {
-            self.neg.claim_cached(&members, set_id, id, out);
-        }
-    }
-
-    /// The link to `rank`, reaching `reach`, is gone (`detail`): `rank` left or died, and
-    /// any other rank it reached that has not left is cut off from the coordinator.
-    fn lost(&mut self, rank: usize, reach: &[usize], detail: String, out: &mut Outbox) {
-        for &r in reach {
-            let how = gone(self.left[r]);
-            let why = if r == rank {
-                detail.clone()
-            } else {
-                format!("its control path ran through rank {rank}, which is gone: {detail}")
-            };
-            self.neg.rank_gone(r, how, why, out);
-        }
-    }
-
-    /// Inspects for stalls, and sends what is ready once the batching window has closed.
-    fn cycle(&mut self, cfg: &CoordinatorConfig, stopping: bool, out: &mut Outbox) {
-        // Cheap, but not worth doing for every message: a few times a second is plenty for
-        // limits counted in seconds. Sets may have limits of their own, so it runs with the
-        // stall check off too.
-        if self.last_inspection.elapsed() >= Duration::from_millis(250) {
-            self.last_inspection = Instant::now();
-            if let Some(warning) =
-                self.neg
-                    .inspect(self.last_inspection, cfg.stall_check, cfg.stall_shutdown)
-            {
-                log::warn!(target: crate::LOG_TARGET, "{warning}");
-            }
-        }
-        if !self.neg.has_ready() {
-            return;
-        }
-        let since = *self.ready_since.get_or_insert_with(Instant::now);
-        if !stopping && since.elapsed() < self.cycle_time {
-            return;
-        }
-        self.neg.flush(out);
-        self.ready_since = None;
-        if let Some(t) = self.tuner.as_mut() {
-            for (name, bytes) in self.neg.take_emitted() {
-                if let Some(k) = t.observe(&name, bytes) {
-                    self.neg.set_fusion_threshold(k.fusion_threshold);
-                    self.cycle_time = k.cycle_time;
-                }
-            }
-            if t.settled() {
-                self.tuner = None;
-                self.neg.stop_recording_emitted();
-            }
-        }
-    }
-}
-
 /// The node's control tree: a relay has it from the start, the coordinator before any link
 /// registers (nothing that needs it runs earlier).
 fn tree_of(cfg: &CoordinatorConfig) -> &ControlTree {
@@ -1043,73 +798,4 @@ fn gone(left: bool) -> Gone {
     } else {
         Gone::Died
     }
-}
-
-/// Accepts pending connections on both listeners; each is authenticated on its own
-/// short-lived thread so that a slow or hostile client cannot stall negotiation.
-fn accept_all(
-    listener: &TcpListener,
-    local: Option<&UnixListener>,
-    cfg: &CoordinatorConfig,
-    tx: &mpsc::Sender<(usize, ControlStream)>,
-    waker: &Arc<Waker>,
-) {
-    while let Ok((stream, _)) = listener.accept() {
-        authenticate_async(ControlStream::Tcp(stream), cfg, tx, waker);
-    }
-    while let Some(Ok((stream, _))) = local.map(UnixListener::accept) {
-        authenticate_async(ControlStream::Unix(stream), cfg, tx, waker);
-    }
-}
-
-fn authenticate_async(
-    mut stream: ControlStream,
-    cfg: &CoordinatorConfig,
-    tx: &mpsc::Sender<(usize, ControlStream)>,
-    waker: &Arc<Waker>,
-) {
-    let (tx, waker) = (tx.clone(), waker.clone());
-    let (secret, timeout) = (cfg.secret.clone(), cfg.timeout);
-    let _ = std::thread::Builder::new()
-        .name("ferrovod-accept".into())
-        .spawn(move || {
-            let hello = (|| -> Result<usize> {
-                auth::authenticate(&mut stream, &secret, false, timeout)?;
-                crate::bootstrap::net::Stream::set_read_timeout(&stream, Some(timeout))?;
-                let frame = net::read_frame(&mut stream, 1024)?;
-                let rank = match ToCoordinator::decode(&frame)? {
-                    ToCoordinator::Hello { rank } => rank,
-                    _ => return Err(Error::Decode("expected hello".into())),
-                };
-                // A rank on this host always offers control rings next (or declines).
-                if let ControlStream::Unix(s) = &mut stream {
-                    if let Some(link) = ShmLink::accept_control(s, rank, timeout)? {
-                        stream = ControlStream::Shm(Box::new(link));
-                    }
-                }
-                Ok(rank)
-            })();
-            match hello {
-                Ok(rank) => {
-                    let _ = crate::bootstrap::net::Stream::set_read_timeout(&stream, None);
-                    if let ControlStream::Tcp(s) = &stream {
-                        let _ = crate::sys::detect_unreachable_peer(s.as_raw_fd(), timeout);
-                    }
-                    let _ = tx.send((rank, stream));
-                    waker.wake();
-                }
-                Err(e) => log::warn!(
-                    target: crate::LOG_TARGET,
-                    "coordinator dropped a connection from {}: {e}",
-                    match &stream {
-                        ControlStream::Tcp(s) => s
-                            .peer_addr()
-                            .map_or_else(|_| "an unknown address".into(), |a| a.to_string()),
-                        ControlStream::Unix(_) | ControlStream::Shm(_) => {
-                            "a process on this host".into()
-                        }
-                    }
-                ),
-            }
-        });
 }
