@@ -1,5 +1,8 @@
 use super::*;
-use crate::control::message::{DeviceKind, Op, TensorMeta};
+use std::time::{Duration, Instant};
+
+use crate::control::message::{DeviceKind, Op, Request, TensorMeta};
+use crate::types::OpKind;
 use crate::types::{DType, ReduceOp};
 
 fn req(name: &str, dtype: DType, shape: &[usize]) -> Request {
