@@ -102,8 +102,8 @@ impl Local {
         // them skip an empty one alike.
         if let Some(group) = group.filter(|_| hi > lo) {
             let bytes = (hi - lo) * es;
-            let host = &mut super::grown(&mut self.bounce, self.comm.gpu(), bytes)?.as_mut_slice()
-                [..bytes];
+            let host = &mut super::staging::grown(&mut self.bounce, self.comm.gpu(), bytes)?
+                .as_mut_slice()[..bytes];
             let place = buf.slice(lo * es, bytes)?;
             self.comm.gpu().read_async(&place, host, stream)?;
             let read = self.comm.record(stream)?;
