@@ -9,7 +9,7 @@ use crate::types::OpKind;
 impl Negotiator {
     /// Whether `ranks` cannot be a process set of this job: empty, out of range, or not sorted
     /// and distinct.
-    pub(super) fn bad_set_ranks(&self, ranks: &[usize]) -> bool {
+    fn bad_set_ranks(&self, ranks: &[usize]) -> bool {
         ranks.is_empty()
             || ranks.iter().any(|&r| r >= self.size)
             || ranks.windows(2).any(|w| w[0] >= w[1])
@@ -115,7 +115,7 @@ impl Negotiator {
     }
 
     /// Names of set `id` submitted and not yet answered (some ranks wait on them), if any.
-    pub(super) fn busy_set(&self, id: u32) -> Option<Vec<String>> {
+    fn busy_set(&self, id: u32) -> Option<Vec<String>> {
         let set = self.sets.get(&id)?;
         let mut names: Vec<String> = set.table.keys().cloned().collect();
         for r in self.ready.iter().filter(|r| r.set_id == id) {

@@ -30,7 +30,7 @@ pub(super) fn accept_all(
     }
 }
 
-pub(super) fn authenticate_async(
+fn authenticate_async(
     mut stream: ControlStream,
     cfg: &CoordinatorConfig,
     tx: &mpsc::Sender<(usize, ControlStream)>,

@@ -193,7 +193,7 @@ pub(super) fn enqueue(
 /// Every rank's rows (`dims[r]` of `row_elems` elements) into `output`, in rank order: one
 /// `ncclAllGather` when every rank has as many rows, else one broadcast per rank that has
 /// any (in the caller's group, so they run together).
-pub(super) fn gather(
+fn gather(
     comm: &mut DeviceComm,
     input: &DeviceBuf,
     output: &DeviceBuf,

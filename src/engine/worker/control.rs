@@ -31,7 +31,7 @@ impl Worker {
     }
 
     /// Fails the worker after sending to the coordinator failed with `e`.
-    pub(super) fn control_failed(&mut self, e: Error) {
+    fn control_failed(&mut self, e: Error) {
         // The coordinator may have told us why before it closed (a Unix socket fails the
         // write at once, before we have read that): its verdict names the real cause.
         if let (Some(verdict), _) = self.verdict_in_flight() {
@@ -44,7 +44,7 @@ impl Worker {
 
     /// The error for a control connection that closed or broke with `e`: what the node said
     /// before it went, if anything, else that the path to the coordinator is gone.
-    pub(super) fn control_closed(&mut self, e: Error) -> Error {
+    fn control_closed(&mut self, e: Error) -> Error {
         if let Some(why) = self.path_closed.take() {
             return why;
         }
@@ -222,7 +222,7 @@ impl Worker {
 }
 
 /// The error for a broken control connection to the node of rank `node`.
-pub(super) fn coordinator_lost(e: Error, node: usize) -> Error {
+fn coordinator_lost(e: Error, node: usize) -> Error {
     let detail = match e {
         Error::PeerLost { detail, .. } => detail,
         other => other.to_string(),
