@@ -32,11 +32,13 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
 
 import ferrovod.torch as hvd
+from ferrovod import _elastic
 
 N, EPOCHS, BATCH, COMMIT_EVERY, AT = 48, 3, 2, 2, 5
 LR, MOMENTUM = 0.05, 0.9
@@ -157,6 +159,11 @@ def main():
     print(f"OK {checks + 1}", flush=True)
 
 
+# Set by the elastic watcher's thread when the launcher publishes a host update.
+HOSTS_UPDATED = threading.Event()
+_elastic.on_hosts_updated(lambda epoch, update: HOSTS_UPDATED.set())
+UPDATE_TIMEOUT_S = 120
+
 # The host whose worker fails, and the hosts the add and remove scenarios write: on one
 # machine 127.0.0.1 next to localhost; on network-namespace hosts, their names.
 VICTIM = os.environ.get("ELASTIC_VICTIM_HOST", "127.0.0.1")
@@ -178,12 +185,22 @@ def act(scenario, host, slot_lr, hosts_file):
         lines = [f"{FIRST}:2"] + ([f"{VICTIM}:2"] if scenario == "add" else [])
         if scenario == "replace":
             lines = ["127.0.0.2:2"]
+        HOSTS_UPDATED.clear()
         tmp = hosts_file + ".tmp"
         with open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")
         os.replace(tmp, hosts_file)
-        # Let the launcher see it before the next commit, so the change lands at a commit.
-        time.sleep(2.5)
+        if scenario == "replace":
+            # The launcher makes no membership of new workers alone, so no update comes to
+            # wait for: this gives it time to see the file and say so, which the test reads
+            # in its output.
+            time.sleep(2.5)
+            return
+        # Train on once the launcher has published the membership that takes the change, so
+        # that it lands at the next commit however long the launcher takes to see it.
+        if not HOSTS_UPDATED.wait(UPDATE_TIMEOUT_S):
+            raise RuntimeError(f"no host update came within {UPDATE_TIMEOUT_S} s of "
+                               f"writing {hosts_file}")
 
 
 if __name__ == "__main__":
