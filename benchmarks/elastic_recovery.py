@@ -289,7 +289,12 @@ def main() -> None:
     ap.add_argument("--hosts", choices=("netns", "loopback"), default="netns",
                     help="two network-namespace hosts over ssh (needs root), or localhost and "
                          "127.0.0.1 on this machine")
+    ap.add_argument("--commit-only", action="store_true",
+                    help="only time TorchState.commit() (one process, no hosts)")
     args = ap.parse_args()
+    if args.commit_only:
+        print_commit_cost()
+        return
     systems = args.systems.split(",")
     where = Namespaces() if args.hosts == "netns" else Loopback()
     try:
@@ -297,8 +302,12 @@ def main() -> None:
     finally:
         if isinstance(where, Namespaces):
             where.close()
-    cost, params = commit_cost()
     print()
+    print_commit_cost()
+
+
+def print_commit_cost() -> None:
+    cost, params = commit_cost()
     print(f"TorchState.commit() of {params / 1e6:.1f} M parameters with Adam: {cost * 1e3:.1f} ms "
           f"= {cost / 10 / 0.050 * 100:.1f} % of a 50 ms step when committing every 10 steps")
 
