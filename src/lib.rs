@@ -14,7 +14,7 @@
 //! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
 //! - [`backend`] — device collectives ([`backend::nccl`]) on the libraries [`gpu`] found;
 //! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`],
-//!   `spin` (how every idle wait polls before it blocks).
+//!   `spin` (how every idle wait polls before it blocks), `timeline` (the Chrome-trace writer).
 #![deny(missing_docs)]
 
 pub mod backend;
@@ -33,6 +33,7 @@ mod spin;
 mod sys;
 #[doc(hidden)]
 pub mod testing;
+mod timeline;
 pub mod transport;
 pub mod types;
 pub mod wire;

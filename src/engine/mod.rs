@@ -16,7 +16,6 @@ mod host_reduce;
 mod pool;
 mod progress;
 mod tensor;
-mod timeline;
 mod worker;
 
 use std::collections::HashMap;

@@ -11,8 +11,8 @@ use crate::control::message::{DeviceKind, Item, Response};
 use crate::engine::entry::Entry;
 use crate::engine::handle::Output;
 use crate::engine::tensor::TensorBuf;
-use crate::engine::timeline::{json_string, transfer_activity, Timeline};
 use crate::engine::TensorSpec;
+use crate::timeline::{json_string, transfer_activity, Timeline};
 
 use super::Worker;
 

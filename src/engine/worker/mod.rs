@@ -24,11 +24,11 @@ use crate::types::{OpKind, ReduceOp};
 use super::device::{op_device, DeviceState};
 use super::entry::Entry;
 use super::handle::Handle;
-use super::timeline::{self, Timeline};
 use super::{Command, OpSpec, SetScope, Shared};
 use crate::control::connection::{FrameConn, OUTPUT_RETRY};
 use crate::control::message::{DeviceKind, Request, Submit, ToCoordinator};
 use crate::control::names::shared_base;
+use crate::timeline::{self, Timeline};
 use std::os::fd::RawFd;
 
 pub(super) struct Worker {
