@@ -54,13 +54,17 @@ if mode == "runtime":
     fv.stop_timeline()
     fv.allreduce(np.ones(4), name="after.stop")
 if mode == "live" and r == 0:
-    # Horovod's timeline can be watched during training: what was recorded is in the file
-    # a moment later, not only once the job ends.
-    time.sleep(0.3)
-    with open(path) as f:
-        text = f.read()
-    missing = [n for n in ("tl.a", "tl.group", "tl.gather", "tl.bcast") if n not in text]
-    if missing:
-        raise SystemExit(f"while running, the timeline lacks {missing}: {text!r}")
+    # Horovod's timeline can be watched during training: what was recorded reaches the file
+    # while the job runs (the writer wakes a few times a second), not only once it ends.
+    deadline = time.monotonic() + 60
+    while True:
+        with open(path) as f:
+            text = f.read()
+        missing = [n for n in ("tl.a", "tl.group", "tl.gather", "tl.bcast") if n not in text]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"while running, the timeline lacks {missing}: {text!r}")
+        time.sleep(0.05)
 fv.barrier()
 print("OK")
