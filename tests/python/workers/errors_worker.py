@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -232,11 +233,19 @@ def case_stall():
         print(f"STALLED {type(e).__name__} elapsed={time.monotonic() - t0:.3f} "
               f"named={names_rank(str(e), 1)} msg={e}", flush=True)
     finally:
+        # A stopped rank cannot end by itself, and killing it makes the launcher stop the job:
+        # rank 0 kills it once every other rank has reported (rank 2 may still be waiting for
+        # the coordinator's verdict when rank 0 has its own).
+        marks = [os.path.join(tempfile.gettempdir(), f"ferrovod-stall-{pids[0]}-{o}")
+                 for o in range(fv.size()) if o != 1]
+        open(marks[r if r == 0 else r - 1], "w").close()
         if r == 0:
-            # A stopped rank cannot end by itself. Killing it makes the launcher stop the job,
-            # so first give rank 2 (which may still be waiting for the coordinator's verdict,
-            # up to 1.5 s) time to report its own error.
-            time.sleep(2.5)
+            deadline = time.monotonic() + 60
+            while not all(map(os.path.exists, marks)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            for mark in marks:
+                if os.path.exists(mark):
+                    os.unlink(mark)
             os.kill(pids[1], signal.SIGKILL)
     return ck.count
 
