@@ -14,6 +14,9 @@ use _core::error::Error;
 
 const SECRET: &[u8] = b"store-test-secret";
 const LONG: Duration = Duration::from_secs(20);
+/// Half of LONG: a wait that ends by itself (an answer, a refusal, its own short timeout)
+/// ends well before it, however loaded the machine; one that waited for LONG does not.
+const PROMPT: Duration = Duration::from_secs(10);
 
 fn server() -> TcpStoreServer {
     TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), SECRET.to_vec()).unwrap()
@@ -104,10 +107,7 @@ fn get_waits_for_a_later_set_from_another_thread() {
     c.set("late", b"here").unwrap();
     let (v, dt) = waiter.join().unwrap();
     assert_eq!(v.unwrap(), b"here");
-    assert!(
-        dt >= Duration::from_millis(200) && dt < Duration::from_secs(5),
-        "{dt:?}"
-    );
+    assert!(dt >= Duration::from_millis(200) && dt < PROMPT, "{dt:?}");
 }
 
 #[test]
@@ -144,7 +144,7 @@ fn get_times_out() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(dt >= t && dt < Duration::from_secs(2), "{dt:?}");
+    assert!(dt >= t && dt < PROMPT, "{dt:?}");
     // The connection that timed out is still usable.
     c.set("never", b"now").unwrap();
     assert_eq!(c.get("never", Duration::ZERO).unwrap(), b"now");
@@ -156,7 +156,7 @@ fn wrong_secret_is_rejected() {
     let start = Instant::now();
     let res = TcpStore::connect(s.local_addr(), b"wrong", LONG);
     assert!(matches!(res, Err(Error::Auth(_))), "{res:?}");
-    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(start.elapsed() < PROMPT, "{:?}", start.elapsed());
     // A client with the right secret is unaffected.
     client(&s).set("a", b"b").unwrap();
 }
@@ -246,7 +246,7 @@ fn connect_times_out_without_a_server() {
     let start = Instant::now();
     let res = TcpStore::connect(addr, SECRET, Duration::from_millis(300));
     assert!(matches!(res, Err(Error::Timeout { .. })), "{res:?}");
-    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(start.elapsed() < PROMPT, "{:?}", start.elapsed());
 }
 
 #[test]
@@ -261,11 +261,10 @@ fn shutdown_is_prompt_and_releases_waiters() {
     thread::sleep(Duration::from_millis(150));
     let start = Instant::now();
     s.shutdown();
-    assert!(
-        start.elapsed() < Duration::from_secs(1),
-        "{:?}",
-        start.elapsed()
-    );
+    // Half the server's 10 s handshake timeout: a shutdown that waited for the silent
+    // connection's handshake would take it all.
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(5), "{took:?}");
     let res = waiter.join().unwrap();
     assert!(
         matches!(res, Err(Error::Shutdown(_)) | Err(Error::Io(_))),
