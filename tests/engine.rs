@@ -96,6 +96,9 @@ fn mismatch_is_reported_on_every_rank_and_the_job_goes_on() {
 
 #[test]
 fn joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
+    // Ranks 0 and 1 count their joins as they submit them; rank 2 joins once both have, and
+    // a second later, so it is the last join the coordinator sees however loaded the machine.
+    let joins = std::sync::atomic::AtomicUsize::new(0);
     let results = job(3, &[], |rank, e| {
         let mut sums = Vec::new();
         if rank != 0 {
@@ -111,10 +114,17 @@ fn joined_rank_contributes_zeros_and_join_returns_the_last_rank() {
                 sums.push(result_f32(&h).unwrap());
             }
         }
-        if rank == 2 {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        let last = e.join().wait(Duration::ZERO).unwrap().unwrap().last_joined;
+        let last = if rank == 2 {
+            while joins.load(std::sync::atomic::Ordering::Acquire) < 2 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_secs(1));
+            e.join().wait(Duration::ZERO).unwrap().unwrap().last_joined
+        } else {
+            let joined = e.join();
+            joins.fetch_add(1, std::sync::atomic::Ordering::Release);
+            joined.wait(Duration::ZERO).unwrap().unwrap().last_joined
+        };
         (sums, last)
     });
     for (rank, (sums, last)) in results.into_iter().enumerate() {
