@@ -32,13 +32,15 @@ import json
 import os
 import signal
 import sys
-import threading
+from pathlib import Path
 import time
 
 import torch
 
 import ferrovod.torch as hvd
-from ferrovod import _elastic
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workers"))
+import fvtest as T  # noqa: E402
 
 N, EPOCHS, BATCH, COMMIT_EVERY, AT = 48, 3, 2, 2, 5
 LR, MOMENTUM = 0.05, 0.9
@@ -159,10 +161,7 @@ def main():
     print(f"OK {checks + 1}", flush=True)
 
 
-# Set by the elastic watcher's thread when the launcher publishes a host update.
-HOSTS_UPDATED = threading.Event()
-_elastic.on_hosts_updated(lambda epoch, update: HOSTS_UPDATED.set())
-UPDATE_TIMEOUT_S = 120
+HOST_UPDATES = T.HostUpdates()
 
 # The host whose worker fails, and the hosts the add and remove scenarios write: on one
 # machine 127.0.0.1 next to localhost; on network-namespace hosts, their names.
@@ -185,7 +184,7 @@ def act(scenario, host, slot_lr, hosts_file):
         lines = [f"{FIRST}:2"] + ([f"{VICTIM}:2"] if scenario == "add" else [])
         if scenario == "replace":
             lines = ["127.0.0.2:2"]
-        HOSTS_UPDATED.clear()
+        HOST_UPDATES.expect()
         tmp = hosts_file + ".tmp"
         with open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -198,9 +197,7 @@ def act(scenario, host, slot_lr, hosts_file):
             return
         # Train on once the launcher has published the membership that takes the change, so
         # that it lands at the next commit however long the launcher takes to see it.
-        if not HOSTS_UPDATED.wait(UPDATE_TIMEOUT_S):
-            raise RuntimeError(f"no host update came within {UPDATE_TIMEOUT_S} s of "
-                               f"writing {hosts_file}")
+        HOST_UPDATES.wait(f"writing {hosts_file}")
 
 
 if __name__ == "__main__":

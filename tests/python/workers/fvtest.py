@@ -269,3 +269,27 @@ class DLPackOnly:
 
     def __dlpack_device__(self):
         return self._arr.__dlpack_device__()
+
+
+class HostUpdates:
+    """The launcher's host updates as an elastic worker sees them (its watcher thread reports
+    each one), so that a worker that edits the hosts file can train on once the change is
+    published instead of sleeping for it."""
+
+    def __init__(self, timeout_s=120):
+        import threading
+
+        from ferrovod import _elastic
+
+        self.timeout_s = timeout_s
+        self._event = threading.Event()
+        _elastic.on_hosts_updated(lambda epoch, update: self._event.set())
+
+    def expect(self):
+        """Forgets earlier updates: call before making the change to wait for."""
+        self._event.clear()
+
+    def wait(self, what):
+        """Returns once an update came after :meth:`expect`; raises after the timeout."""
+        if not self._event.wait(self.timeout_s):
+            raise RuntimeError(f"no host update came within {self.timeout_s} s of {what}")
