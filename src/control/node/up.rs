@@ -67,7 +67,12 @@ impl State {
                 }
             }
         }
-        for l in self.links.expected().collect::<Vec<_>>() {
+        // This node's own rank last: once its init returns, its process may end (a Ray actor
+        // is killed as soon as its function returns), and the others' word must be out by then.
+        let me = self.cfg.rank;
+        let mut links: Vec<usize> = self.links.expected().collect();
+        links.sort_by_key(|&l| l == me);
+        for l in links {
             if let Some(c) = self.conns[l].as_mut() {
                 let _ = c.send(&FromCoordinator::Ready.encode(), self.cfg.timeout);
             }

@@ -207,10 +207,21 @@ def case_cycles(count):
     return ck.count
 
 
+def case_vanish():
+    """Rank 0 ends its process the moment init returns, as a Ray actor is killed once its
+    function returns: every other rank's init must still succeed (its own word that the job
+    has formed is out before rank 0's is)."""
+    fv.init()
+    if fv.rank() == 0:
+        os._exit(0)
+    print("OK 1", flush=True)
+    os._exit(0)
+
+
 def main():
     case, args = sys.argv[1], sys.argv[2:]
     return {"single": case_single, "reinit": case_reinit, "join": case_join, "joinerr": case_joinerr,
-            "topology": case_topology, "cycles": case_cycles}[case](*args)
+            "topology": case_topology, "cycles": case_cycles, "vanish": case_vanish}[case](*args)
 
 
 if __name__ == "__main__":
