@@ -70,9 +70,14 @@ lint:
 test-rust:
 	cargo test $(CARGO_TEST_FLAGS)
 
+# The wheel users install is built here, with the rest of the set-up, rather than inside
+# tests/python/test_wheel.py (which reuses a wheel newer than the sources): its release build
+# took that test 90 s of CPU while the other worker's tests waited for a core.
 test-py: setup
 	@bash scripts/system_deps.sh
 	@bash scripts/setup_mxnet_venv.sh
+	@echo "test-py: building the wheel into dist/ for tests/python/test_wheel.py"
+	@bash scripts/build_wheel.sh dist >/dev/null
 	$(PY) -m pytest tests/python $(PYTEST_FLAGS)
 
 test: setup lint test-rust test-py
