@@ -9,7 +9,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _core, _elastic, _logging, _rendezvous
+from . import _core, _logging, _rendezvous
+from .elastic import membership as _elastic
 from . import process_sets as _ps
 from .exceptions import FerrovodError, InvalidArgumentError
 from .process_sets import ProcessSet

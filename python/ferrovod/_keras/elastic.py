@@ -6,7 +6,7 @@
 variables (slots, iterations, learning rate) and any picklable keyword attributes
 (``epoch=0, batch=0``). ``commit()`` copies them to host memory, ``restore()`` assigns the
 copies back, ``sync()`` broadcasts rank 0's. ``run`` is the elastic loop of
-``ferrovod.common.elastic.run_fn`` with a reset that shuts ferrovod down and starts it again.
+``ferrovod.elastic.state.run_fn`` with a reset that shuts ferrovod down and starts it again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 
 from .. import _api
-from ..common.elastic import ModelState, run_fn
+from ..elastic.state import ModelState, run_fn
 from .._frameworks import keras_hooks
 from . import _backend, _flavor
 from .functions import broadcast_variables
@@ -168,7 +168,7 @@ def _reset() -> None:
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator running ``func(state, ...)`` elastically (see
-    ``ferrovod.common.elastic.run_fn``). On the TensorFlow backend it also turns a failed
+    ``ferrovod.elastic.state.run_fn``). On the TensorFlow backend it also turns a failed
     collective inside ``tf.function`` into ``HorovodInternalError``, as
     ``ferrovod.tensorflow.elastic.run`` does."""
     if _backend.backend() == "tensorflow":

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from .. import _api, _elastic
+from .. import _api
+from ..elastic import membership as _elastic
 from .._api import Adasum, Average, Sum
 from .._arguments import _instance_number
 from ..process_sets import ProcessSet, global_process_set

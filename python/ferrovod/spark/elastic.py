@@ -228,7 +228,7 @@ def run_elastic(fn: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, An
     import cloudpickle
     import pyspark
 
-    from .. import _elastic
+    from ..elastic import membership as _elastic
     from .._core import RendezvousServer, StoreClient  # type: ignore[import-not-found,unused-ignore]
     from ..runner.outcome import first_failure
     from ..runner.run_func import FUNC_KEY, SIZE_KEY, result_key

@@ -1,6 +1,6 @@
 """Elastic training state for TensorFlow (Horovod's ``horovod.tensorflow.elastic``):
 ``TensorFlowState`` (a list of variables), ``TensorFlowKerasState`` (a Keras model and
-optimizer) and the ``run`` decorator. See ``ferrovod.common.elastic`` for the loop and the
+optimizer) and the ``run`` decorator. See ``ferrovod.elastic.state`` for the loop and the
 meaning of ``commit`` / ``restore`` / ``sync``.
 """
 
@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from .. import _api
 from .._api import broadcast_object, rank
-from ..common.elastic import ModelState, ObjectState, run_fn
+from ..elastic.state import ModelState, ObjectState, run_fn
 from ..exceptions import HorovodInternalError
 from .functions import broadcast_variables
 from .mpi_ops import init, shutdown

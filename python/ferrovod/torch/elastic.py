@@ -21,7 +21,7 @@ import torch.utils.data
 
 from .. import _api
 from .._api import init, shutdown
-from ..common.elastic import ObjectState
+from ..elastic.state import ObjectState
 from ..elastic import run
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 

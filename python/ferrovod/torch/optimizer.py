@@ -39,7 +39,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from .. import _api, _defaults, _elastic, _host_memory
+from .. import _api, _defaults, _host_memory
+from ..elastic import membership as _elastic
 from .._api import Adasum, Average, Sum, allgather_object
 from .._arguments import _instance_number
 from .._groups import split_evenly

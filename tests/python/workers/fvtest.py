@@ -279,7 +279,7 @@ class HostUpdates:
     def __init__(self, timeout_s=120):
         import threading
 
-        from ferrovod import _elastic
+        from ferrovod.elastic import membership as _elastic
 
         self.timeout_s = timeout_s
         self._event = threading.Event()

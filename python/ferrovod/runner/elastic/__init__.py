@@ -3,7 +3,7 @@ and join while training goes on.
 
 :mod:`.driver` decides the memberships (discovery, host order, blacklist, reset limit, the
 job's end); this module checks the flags and builds the worker a new slot asks for, local or
-over ssh. The worker side is :mod:`ferrovod._elastic`. The layout follows Horovod's
+over ssh. The worker side is :mod:`ferrovod.elastic.membership`. The layout follows Horovod's
 ``horovod.runner.elastic`` (``driver``, ``constants``), whose names scripts reach.
 """
 
@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from ... import _elastic
+from ...elastic import membership as _elastic
 from ..cpus import bound_cpus
 from ..hosts import HostInfo, SlotInfo, is_local_host
 from ..remote import check_hosts, format_host_errors, over_ssh, rendezvous_host
@@ -150,7 +150,7 @@ def settings_from(args: object, fixed_hosts: Optional[List[HostInfo]],
 
 def worker_extras(slot: SlotInfo, epoch: int, settings: ElasticSettings) -> Dict[str, str]:
     """What an elastic worker's environment adds: its slot's identity and the epoch it was
-    started for (see :mod:`ferrovod._elastic`)."""
+    started for (see :mod:`ferrovod.elastic.membership`)."""
     return {
         _elastic.ENABLED_VAR: "1",
         "HOROVOD_ELASTIC": "1",

@@ -14,7 +14,7 @@
   ``--blacklist-cooldown-range LO HI`` for ``LO * 2**n`` seconds (at most ``HI``) after its
   n-th failure, as Horovod does, after which discovery may bring it back.
 * **Memberships.** Each change (a failure, hosts added or removed) is published in the
-  rendezvous store as a new epoch (keys in :mod:`ferrovod._elastic`); survivors reach it
+  rendezvous store as a new epoch (keys in :mod:`ferrovod.elastic.membership`); survivors reach it
   through ``HorovodInternalError`` or, for host updates, ``HostsUpdatedInterrupt`` at their
   next commit, and new workers are started for the new slots. ``--reset-limit`` bounds the
   number of new memberships after the first.
@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ... import _elastic
-from ..._elastic import HostUpdateResult
+from ...elastic import membership as _elastic
+from ...elastic.membership import HostUpdateResult
 from ..._defaults import default
 from ..hosts import HostInfo, HostSpecError, SlotInfo, get_host_assignments, parse_hostfile_text
 from ..supervisor import SpawnError, describe_status

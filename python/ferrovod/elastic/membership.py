@@ -18,7 +18,7 @@ timeout) for an epoch newer than the last one this process formed, takes the new
 the topology variables (as Horovod rewrites ``HOROVOD_RANK`` and the others) and forms the job
 with the epoch as its generation, which every member shares. A watcher thread waits for the
 epoch after the current one and tells whoever registered with :func:`on_hosts_updated` of
-host changes (the elastic states, through :mod:`ferrovod.common.elastic`), which raise
+host changes (the elastic states, through :mod:`ferrovod.elastic.state`), which raise
 ``HostsUpdatedInterrupt`` at the next commit on every rank alike.
 
 This module is the protocol both sides import: the keys and variables above, and
@@ -37,8 +37,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ._defaults import default, positive_seconds
-from .exceptions import FerrovodError, FerrovodTimeoutError, HorovodInternalError
+from .._defaults import default, positive_seconds
+from ..exceptions import FerrovodError, FerrovodTimeoutError, HorovodInternalError
 
 __all__ = ["enabled", "join_next", "current_epoch", "watch_hosts", "on_hosts_updated",
            "HostUpdateResult", "JobStoppedError", "FormingError"]
@@ -80,7 +80,7 @@ _TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SI
 def _settings() -> Dict[str, Any]:
     """This worker's launch settings as the engine's config reads them: nothing here parses
     a variable of the launcher's again, with defaults of its own."""
-    from . import _core
+    from .. import _core
 
     return _core.elastic_settings()
 
@@ -128,7 +128,7 @@ class _Worker:
     """This process's standing in the elastic job."""
 
     def __init__(self) -> None:
-        from . import _core
+        from .. import _core
 
         settings = _settings()
         self.host = str(settings["hostname"])
