@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -217,15 +216,20 @@ def case_stall():
     pids = fv.allgather_object(os.getpid(), name="pids")
     rows = 1 if r == 1 else 16 << 20
     x = np.ones(rows, np.float32)
+    waiting = T.Marks(pids[0], "stall-waiting")
+    others = [o for o in range(fv.size()) if o != 1]
     if r == 1:
-        time.sleep(0.3)  # the others are already waiting
+        waiting.wait(others)
         fv.allgather_async(x, name="stall.op")
-        time.sleep(0.03)  # negotiation is done, the data is moving
+        # Most often the data is moving by now; where rank 1 stops before its request has gone
+        # out, the others wait for it in negotiation instead, and time out all the same.
+        time.sleep(0.03)
         print("rank 1 stops itself now", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError("unreachable: rank 1 is stopped and then killed")
     t0 = time.monotonic()
     print("waiting for the stopped rank", flush=True)
+    waiting.set(r)
     try:
         fv.allgather(x, name="stall.op")
         print("STALLED none: the op completed without rank 1", flush=True)
@@ -236,16 +240,10 @@ def case_stall():
         # A stopped rank cannot end by itself, and killing it makes the launcher stop the job:
         # rank 0 kills it once every other rank has reported (rank 2 may still be waiting for
         # the coordinator's verdict when rank 0 has its own).
-        marks = [os.path.join(tempfile.gettempdir(), f"ferrovod-stall-{pids[0]}-{o}")
-                 for o in range(fv.size()) if o != 1]
-        open(marks[r if r == 0 else r - 1], "w").close()
+        reported = T.Marks(pids[0], "stall-reported")
+        reported.set(r)
         if r == 0:
-            deadline = time.monotonic() + 60
-            while not all(map(os.path.exists, marks)) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            for mark in marks:
-                if os.path.exists(mark):
-                    os.unlink(mark)
+            reported.wait(others)
             os.kill(pids[1], signal.SIGKILL)
     return ck.count
 

@@ -8,6 +8,8 @@ mismatch.
 
 import os
 import sys
+import tempfile
+import time
 import traceback
 
 import numpy as np
@@ -293,3 +295,29 @@ class HostUpdates:
         """Returns once an update came after :meth:`expect`; raises after the timeout."""
         if not self._event.wait(self.timeout_s):
             raise RuntimeError(f"no host update came within {self.timeout_s} s of {what}")
+
+
+class Marks:
+    """Files by which the ranks of one job tell each other that they have reached a point the
+    engine cannot report (about to block in an op, done reporting an error): one per rank,
+    named by the job (rank 0's pid, which every rank learns from ``allgather_object``) and a
+    tag, and removed by the rank that waited for them."""
+
+    def __init__(self, job, tag):
+        self.base = os.path.join(tempfile.gettempdir(), f"ferrovod-{tag}-{job}")
+
+    def set(self, rank):
+        """This rank has reached the point."""
+        open(f"{self.base}-{rank}", "w").close()
+
+    def wait(self, ranks, timeout_s=60):
+        """Returns once each of ``ranks`` has reached the point; raises after ``timeout_s``."""
+        paths = [f"{self.base}-{r}" for r in ranks]
+        deadline = time.monotonic() + timeout_s
+        while not all(map(os.path.exists, paths)):
+            if time.monotonic() > deadline:
+                missing = [r for r, p in zip(ranks, paths) if not os.path.exists(p)]
+                raise RuntimeError(f"ranks {missing} did not reach {self.base} in {timeout_s} s")
+            time.sleep(0.01)
+        for p in paths:
+            os.unlink(p)

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+import fvtest as T
+
 import ferrovod as fv
 
 
@@ -24,11 +26,13 @@ def main():
     fv.init()
     r = fv.rank()
     x = np.ones(256, np.float32)
-    fv.allreduce(x, name="warm")  # everyone is up and connected
+    job = fv.allgather_object(os.getpid(), name="pids")[0]  # everyone is up and connected
+    blocking = T.Marks(job, "survivor")
     if r == 1:
-        time.sleep(0.3)  # the others are blocked in "victim" by now
+        blocking.wait([o for o in range(fv.size()) if o != 1])
         print("killing myself", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    blocking.set(r)
     try:
         fv.allreduce(x, name="victim")
     finally:
