@@ -110,7 +110,7 @@ def main():
                 idx = order[i:i + BATCH]
                 step = len(state.steps)
                 if step == AT and resets[0] == 0:
-                    act(scenario, host, slot_lr, hosts_file)
+                    act(scenario, host, slot_lr, hosts_file, out_dir)
                 time.sleep(STEP_SLEEP)
                 opt.zero_grad()
                 loss_of(model, x[idx], y[idx]).backward()
@@ -163,13 +163,32 @@ def main():
 
 HOST_UPDATES = T.HostUpdates()
 
+
+def wait_for_discoveries(out_dir, more, timeout_s=120):
+    """Returns once the launcher has run the discovery command ``more`` times from now."""
+    runs = os.path.join(out_dir, "discoveries")
+
+    def count():
+        try:
+            with open(runs) as f:
+                return len(f.read())
+        except FileNotFoundError:
+            return 0
+
+    want, deadline = count() + more, time.monotonic() + timeout_s
+    while count() < want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the launcher ran discovery {count() - want + more} of {more} "
+                               f"times in {timeout_s} s")
+        time.sleep(0.05)
+
 # The host whose worker fails, and the hosts the add and remove scenarios write: on one
 # machine 127.0.0.1 next to localhost; on network-namespace hosts, their names.
 VICTIM = os.environ.get("ELASTIC_VICTIM_HOST", "127.0.0.1")
 FIRST = os.environ.get("ELASTIC_FIRST_HOST", "localhost")
 
 
-def act(scenario, host, slot_lr, hosts_file):
+def act(scenario, host, slot_lr, hosts_file, out_dir):
     victim = host == VICTIM and slot_lr == (0 if scenario == "twice" else 1)
     if scenario == "first":
         victim = host == FIRST and slot_lr == 1
@@ -191,9 +210,11 @@ def act(scenario, host, slot_lr, hosts_file):
         os.replace(tmp, hosts_file)
         if scenario == "replace":
             # The launcher makes no membership of new workers alone, so no update comes to
-            # wait for: this gives it time to see the file and say so, which the test reads
-            # in its output.
-            time.sleep(2.5)
+            # wait for: train on until it has run discovery three times since the change (the
+            # test's discovery command counts its runs). The first may have read the old file,
+            # the second read the new one, and the launcher runs them one after another, taking
+            # each one's hosts before it starts the next.
+            wait_for_discoveries(out_dir, 3)
             return
         # Train on once the launcher has published the membership that takes the change, so
         # that it lands at the next commit however long the launcher takes to see it.

@@ -31,7 +31,9 @@ def elastic_job(tmp_path, hosts, np_, scenario="none", flags=(), timeout=120, en
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts)
     cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", str(np_),
-           "--host-discovery-script", f"cat {hosts_file}", *flags,
+           # Each run of discovery appends a byte to `discoveries`: a worker can wait for runs.
+           "--host-discovery-script", f"cat {hosts_file}; printf . >> {tmp_path}/discoveries",
+           *flags,
            *(worker or [sys.executable, str(WORKER), scenario, str(hosts_file), str(tmp_path)])]
     return _run(cmd, _env(env), timeout)
 
