@@ -28,6 +28,7 @@ fn spec(name: &str, dtype: DType, bytes: Vec<u8>, op: ReduceOp) -> OpSpec {
     OpSpec {
         set_id: 0,
         name: name.into(),
+        base_at: 0,
         kind: OpKind::Allreduce,
         op,
         root: 0,

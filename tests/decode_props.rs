@@ -152,6 +152,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                     spec: Op {
                         set_id,
                         name,
+                        base_at: 0,
                         kind,
                         op,
                         root,

@@ -62,6 +62,7 @@ fn op(name: &str, kind: OpKind, tensors: Vec<TensorSpec>) -> OpSpec {
     OpSpec {
         set_id: 0,
         name: name.into(),
+        base_at: 0,
         kind,
         op: ReduceOp::Sum,
         root: 0,

@@ -123,7 +123,30 @@ def _ptr(arr: np.ndarray) -> int:
     return int(address)
 
 
+class OpName(str):
+    """An op's name built as ``<kind>.<base>``, as Horovod's torch names ops
+    (``allreduce.grad``, ``broadcast.grad``, ``grouped_allreduce.grad``): the name the engine
+    matches and shows, which also tells it where the base begins (``base_at``), the part ops
+    of other kinds share. The engine keeps ops under one base in the order each rank called
+    them, so ranks that disagree on an op's kind fail instead of waiting; it never reads the
+    name for the kind."""
+
+    base_at: int
+
+    def __new__(cls, kind: str, base: str) -> "OpName":
+        made = super().__new__(cls, f"{kind}.{base}")
+        made.base_at = len(kind) + 1
+        return made
+
+
+def _base_at(name: str) -> int:
+    """Where ``name``'s base begins for the engine: an :class:`OpName`'s, else 0 (none)."""
+    return getattr(name, "base_at", 0)
+
+
 def _auto_name(kind: str, name: Optional[str]) -> str:
+    if isinstance(name, str):
+        return name  # an OpName stays one
     if name is not None:
         return str(name)
     counter = _name_counters.setdefault(kind, itertools.count())

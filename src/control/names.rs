@@ -56,21 +56,6 @@ impl InFlight {
     }
 }
 
-/// The name a kind-qualified op shares with ops of other kinds, if it has one: Horovod's torch
-/// names an op `<kind>.<name>` (`grouped_<kind>.<name>` for a group), so `allreduce.grad` and
-/// `broadcast.grad` share `grad`. Two such ops are two ops, and may be in flight together; each
-/// rank submits them to the coordinator one at a time, in the order they were called, so that
-/// the coordinator can match every rank's current op under a shared name and fail ranks that
-/// disagree on its kind instead of leaving each waiting for an op the others never send.
-/// Unnamed ops (`<kind>.noname.<n>`, counted per kind) share nothing.
-pub fn shared_base(kind: OpKind, name: &str) -> Option<&str> {
-    let (first, rest) = name.split_once('.')?;
-    let first = first.strip_prefix("grouped_").unwrap_or(first);
-    let qualified =
-        first.eq_ignore_ascii_case(kind.name()) && !rest.is_empty() && !rest.starts_with("noname.");
-    qualified.then_some(rest)
-}
-
 impl Drop for NameClaim {
     fn drop(&mut self) {
         self.owner.names.lock().remove(&self.key);
@@ -93,22 +78,5 @@ mod tests {
         drop(a);
         let _d = f.claim(0, "x", OpKind::Allreduce).unwrap();
         assert_eq!(f.names.lock().len(), 3);
-    }
-
-    #[test]
-    fn only_a_name_led_by_its_own_kind_shares_a_base() {
-        use OpKind::*;
-        assert_eq!(shared_base(Allreduce, "allreduce.grad.w"), Some("grad.w"));
-        assert_eq!(shared_base(Allreduce, "grouped_allreduce.g"), Some("g"));
-        assert_eq!(shared_base(Broadcast, "broadcast.grad.w"), Some("grad.w"));
-        assert_eq!(
-            shared_base(Reducescatter, "grouped_reducescatter.x"),
-            Some("x")
-        );
-        assert_eq!(shared_base(Broadcast, "allreduce.grad.w"), None);
-        assert_eq!(shared_base(Allreduce, "allreduce.noname.3"), None);
-        assert_eq!(shared_base(Allreduce, "allreduce."), None);
-        assert_eq!(shared_base(Allreduce, "grad"), None);
-        assert_eq!(shared_base(Allgather, "allgatherx.y"), None);
     }
 }

@@ -101,6 +101,7 @@ fn one_int(set_id: u32, name: &str, op: ReduceOp, value: i32) -> OpSpec {
     OpSpec {
         set_id,
         name: name.to_string(),
+        base_at: 0,
         kind: OpKind::Allreduce,
         op,
         root: 0,

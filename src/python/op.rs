@@ -41,7 +41,9 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// is not the input's (an allgather into caller memory, this rank's share of a reducescatter).
 /// `device`: `(CUDA ordinal, raw current stream)` when the tuples address CUDA memory for the
 /// NCCL path. `wait`: the caller waits at once, so the op is offered to the fast path first
-/// (`engine::fast`); the GIL is released while it waits.
+/// (`engine::fast`); the GIL is released while it waits. `base_at`: where in `name` the part
+/// the op shares with ops of other kinds begins, for a name its adapter built as
+/// `<kind>.<base>` ([`crate::control::message::Op::base_at`]); 0 for none.
 ///
 /// Returns a [`CoreHandle`], or with `wait` the op's result (see [`result`]); `None`, queuing
 /// nothing, when an array is not one [`tensor::describe_array`] describes or an output does
@@ -51,7 +53,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 // `tensors`, `outputs` and `splits` are read as they come rather than extracted into vectors
 // by PyO3, which checks and iterates each as a generic sequence: a third of a small op's time
 // in this call.
-#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, wait=false, op=1, root=0, prescale=1.0, postscale=1.0, splits=None, device=None, out_bytes=None))]
+#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, wait=false, op=1, root=0, prescale=1.0, postscale=1.0, splits=None, device=None, out_bytes=None, base_at=0))]
 #[allow(clippy::too_many_arguments)] // the Python function's keywords, as the adapters pass them
 fn run<'py>(
     py: Python<'py>,
@@ -68,6 +70,7 @@ fn run<'py>(
     splits: Option<&Bound<'py, PyAny>>,
     device: Option<(u32, usize)>,
     out_bytes: Option<Vec<usize>>,
+    base_at: u32,
 ) -> PyResult<Bound<'py, PyAny>> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = reduce_op(op)?;
@@ -131,6 +134,7 @@ fn run<'py>(
         let spec = OpSpec {
             set_id,
             name,
+            base_at,
             kind,
             op,
             root,
@@ -139,6 +143,7 @@ fn run<'py>(
             tensors: specs,
             splits,
         };
+        check_base(&spec)?;
         Ok(Some((spec, e.door())))
     })?
     else {
@@ -208,6 +213,7 @@ fn allreduce_now<'py>(
         None,
         None,
         None,
+        0,
     )?;
     Ok(!done.is_none())
 }
@@ -369,12 +375,21 @@ fn meet(py: Python<'_>, name: &str, set_id: u32) -> PyResult<()> {
 /// Refuses an op on this rank while taking part in its negotiation: the other members of
 /// process set `set_id` get the error too, instead of waiting for this rank's op. The
 /// handle's `wait` raises every member's error (once all of them have submitted `name`).
+/// `base_at`: as [`run`]'s.
 #[pyfunction]
-fn reject(kind: u8, name: String, set_id: u32, reason: String) -> PyResult<CoreHandle> {
+#[pyo3(signature = (kind, name, set_id, reason, base_at=0))]
+fn reject(
+    kind: u8,
+    name: String,
+    set_id: u32,
+    reason: String,
+    base_at: u32,
+) -> PyResult<CoreHandle> {
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = OpSpec {
         set_id,
         name,
+        base_at,
         kind,
         op: ReduceOp::Sum,
         root: 0,
@@ -383,12 +398,26 @@ fn reject(kind: u8, name: String, set_id: u32, reason: String) -> PyResult<CoreH
         tensors: Vec::new(),
         splits: Vec::new(),
     };
+    check_base(&op)?;
     with_engine(|e| {
         Ok(CoreHandle {
             handle: e.reject(op, reason).map_err(to_pyerr)?,
             progress: e.progress(),
         })
     })
+}
+
+/// Refuses a `base_at` that does not split the op's name into its kind and a base.
+fn check_base(op: &OpSpec) -> PyResult<()> {
+    if op.base_at_is_valid() {
+        return Ok(());
+    }
+    Err(to_pyerr(Error::InvalidArgument(format!(
+        "{} '{}': base_at={} does not split the name into its kind and a base",
+        op.kind.name(),
+        op.name,
+        op.base_at
+    ))))
 }
 
 /// A reduction code from Python, or an error that names it.

@@ -129,6 +129,7 @@ pub fn allreduce_op(name: &str, data: &[f32], op: ReduceOp, set_id: u32) -> OpSp
     OpSpec {
         set_id,
         name: name.into(),
+        base_at: 0,
         kind: OpKind::Allreduce,
         op,
         root: 0,

@@ -73,7 +73,7 @@ def _op_name(kind_name: str, name: Optional[str]) -> str:
     """The op's name in the engine (its timeline, stall reports and errors), as Horovod's
     torch names it: ``<kind>.<name>``, or ``<kind>.noname.<n>`` when unnamed. Ops of different
     kinds given one name are then different ops, and may be in flight together."""
-    return _api._auto_name(kind_name, None) if name is None else f"{kind_name}.{name}"
+    return _api._auto_name(kind_name, None) if name is None else _api.OpName(kind_name, str(name))
 
 
 def _submit(kind: int, name: Optional[str], kind_name: str, process_set: ProcessSet,

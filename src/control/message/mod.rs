@@ -69,8 +69,13 @@ impl DeviceKind {
 pub struct Op<T> {
     /// Process set id (0 = global).
     pub set_id: u32,
-    /// The matching key.
+    /// The matching key, and what the timeline and errors show.
     pub name: String,
+    /// Where in `name` the part this op shares with ops of other kinds begins; 0 when it
+    /// shares none. Horovod's torch names an op by its kind (`allreduce.grad`, `broadcast.grad`,
+    /// `grouped_allreduce.grad`): the front end that built such a name says where the kind
+    /// ends, and the engine never reads the name for it. See [`Op::base`].
+    pub base_at: u32,
     /// Collective kind.
     pub kind: OpKind,
     /// Reduction (allreduce, reducescatter).
@@ -89,11 +94,29 @@ pub struct Op<T> {
 }
 
 impl<T> Op<T> {
+    /// The name this op shares with ops of other kinds, if it has one ([`Op::base_at`]). Each
+    /// rank submits ops under one base to the coordinator one at a time, in the order they were
+    /// called, so that it can match every rank's current op under the base and fail ranks that
+    /// disagree on its kind instead of leaving each waiting for an op the others never send.
+    pub fn base(&self) -> Option<&str> {
+        match self.base_at as usize {
+            0 => None,
+            at => self.name.get(at..),
+        }
+    }
+
+    /// Whether [`Op::base_at`] splits `name` into a kind and a non-empty base.
+    pub fn base_at_is_valid(&self) -> bool {
+        let at = self.base_at as usize;
+        at == 0 || (at < self.name.len() && self.name.is_char_boundary(at))
+    }
+
     /// The same op with each tensor replaced by what `f` makes of it.
     pub fn map_tensors<U>(&self, f: impl FnMut(&T) -> U) -> Op<U> {
         Op {
             set_id: self.set_id,
             name: self.name.clone(),
+            base_at: self.base_at,
             kind: self.kind,
             op: self.op,
             root: self.root,
@@ -143,6 +166,7 @@ impl Request {
     fn encode(&self, w: &mut Writer) {
         w.u32(self.set_id)
             .str(&self.name)
+            .u32(self.base_at)
             .u8(self.kind as u8)
             .u8(self.op as u8)
             .usize(self.root)
@@ -154,10 +178,11 @@ impl Request {
 
     fn decode(r: &mut Reader<'_>) -> Result<Request> {
         // Fields are evaluated in the order written, which is the order on the wire.
-        Ok(Request {
+        let request = Request {
             spec: Op {
                 set_id: r.u32()?,
                 name: r.str()?.to_string(),
+                base_at: r.u32()?,
                 kind: OpKind::from_code(r.u8()?)?,
                 op: ReduceOp::from_code(r.u8()?)?,
                 root: r.usize()?,
@@ -167,7 +192,14 @@ impl Request {
                 splits: r.usizes()?,
             },
             device: DeviceKind::from_code(r.u8()?)?,
-        })
+        };
+        if !request.base_at_is_valid() {
+            return Err(Error::Decode(format!(
+                "op '{}': its base begins at byte {}, outside the name",
+                request.name, request.base_at
+            )));
+        }
+        Ok(request)
     }
 }
 

@@ -5,6 +5,7 @@ fn req() -> Request {
         spec: Op {
             set_id: 3,
             name: "grad.w1".into(),
+            base_at: 0,
             kind: OpKind::Allgather,
             op: ReduceOp::Sum,
             root: 2,
@@ -26,11 +27,20 @@ fn req() -> Request {
     }
 }
 
+/// A request named as ferrovod.torch names ops, its base marked.
+fn qualified() -> Request {
+    let mut r = req();
+    r.spec.name = "allgather.grad.w1".into();
+    r.spec.base_at = "allgather.".len() as u32;
+    r
+}
+
 fn samples() -> (Vec<ToCoordinator>, Vec<FromCoordinator>) {
     let to = vec![
         ToCoordinator::Hello { rank: 7 },
         ToCoordinator::Submit(vec![
             Submit::Full(req()),
+            Submit::Full(qualified()),
             Submit::Cached { set_id: 0, id: 9 },
         ]),
         ToCoordinator::Join,
@@ -180,4 +190,29 @@ fn batches_do_not_nest() {
     let inner = FromCoordinator::Down(vec![(None, FromCoordinator::Ready)]);
     let outer = FromCoordinator::Down(vec![(None, inner)]);
     assert!(FromCoordinator::decode(&outer.encode()).is_err());
+}
+
+#[test]
+fn a_base_is_where_the_front_end_said_it_begins_and_nothing_else() {
+    assert_eq!(qualified().base(), Some("grad.w1"));
+    // The engine does not read names for kinds: unmarked, a qualified-looking name has none.
+    assert_eq!(req().base(), None);
+    let mut r = qualified();
+    r.spec.base_at = 0;
+    assert_eq!(r.base(), None);
+}
+
+#[test]
+fn a_base_outside_the_name_is_refused_on_decode() {
+    for at in [17u32, 40, u32::MAX] {
+        let mut r = qualified();
+        r.spec.base_at = at;
+        assert!(!r.base_at_is_valid(), "{at}");
+        let bytes = ToCoordinator::Submit(vec![Submit::Full(r)]).encode();
+        let e = ToCoordinator::decode(&bytes).unwrap_err().to_string();
+        assert!(
+            e.contains("allgather.grad.w1") && e.contains("outside"),
+            "{e}"
+        );
+    }
 }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::control::message::Request;
-use crate::control::names::shared_base;
 
 pub(super) struct Pending {
     /// Members of the op's set.
@@ -103,8 +102,8 @@ pub(super) struct SetState {
     /// fails on those that have (torch's group timeout); `None`: the engine's stall limit.
     pub(super) timeout: Option<Duration>,
     pub(super) table: HashMap<String, Pending>,
-    /// Shared base name → the names pending under it (see [`shared_base`]): one, unless
-    /// ranks disagree.
+    /// Shared base name → the names pending under it (see
+    /// [`Op::base`](crate::control::message::Op::base)): one, unless ranks disagree.
     pub(super) bases: HashMap<String, Vec<String>>,
     /// How many bases have more than one name: while none has, no submission looks at them.
     pub(super) contested: usize,
@@ -151,7 +150,7 @@ impl SetState {
     /// Records that `request`'s name is pending (its first submission), under its shared base
     /// if it has one.
     pub(super) fn note_base(&mut self, request: &Request) {
-        let Some(base) = shared_base(request.kind, &request.name) else {
+        let Some(base) = request.base() else {
             return;
         };
         // Every member's submission comes here: no allocation but the op's first.
@@ -172,7 +171,7 @@ impl SetState {
     pub(super) fn take(&mut self, name: &str) -> Option<Pending> {
         let p = self.table.remove(name)?;
         let req = p.any();
-        if let Some(base) = shared_base(req.kind, &req.name) {
+        if let Some(base) = req.base() {
             if let Some(names) = self.bases.get_mut(base) {
                 let before = names.len();
                 names.retain(|n| n != name);

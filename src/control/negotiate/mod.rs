@@ -19,8 +19,8 @@
 //! e) A rank that leaves (`shutdown`) or dies is announced to every rank; requests waiting on
 //!    it fail at once, naming it.
 //! f) Ops whose names share a base (`allreduce.grad` and `broadcast.grad`, see
-//!    [`shared_base`]) reach the coordinator one at a time from each rank, in the order the
-//!    rank called them, so every op pending under a base is each rank's same one. When every
+//!    [`Op::base`](super::message::Op::base)) reach the coordinator one at a time from each
+//!    rank, in the order the rank called them, so every op pending under a base is each rank's same one. When every
 //!    member has sent its op under a base and they are not one name, the ranks disagree on it:
 //!    all of those ops fail on every rank, naming the base, the ranks and what each sent.
 
@@ -30,7 +30,6 @@ use std::sync::Arc;
 use crate::error::Error;
 
 use super::message::{FromCoordinator, Response, Submit, ToCoordinator};
-use super::names::shared_base;
 
 mod books;
 mod inspect;
@@ -496,7 +495,7 @@ impl Negotiator {
         let Some(req) = set.table.get(name).map(|p| p.any().clone()) else {
             return false;
         };
-        let Some(base) = shared_base(req.kind, &req.name) else {
+        let Some(base) = req.base() else {
             return false;
         };
         let Some(names) = set.bases.get(base).filter(|n| n.len() > 1) else {

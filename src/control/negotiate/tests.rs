@@ -5,11 +5,21 @@ use crate::control::message::{DeviceKind, Op, Request, TensorMeta};
 use crate::types::OpKind;
 use crate::types::{DType, ReduceOp};
 
+/// Where the base of `name` begins as ferrovod.torch would say it: after the kind of a
+/// `<kind>.<base>` name, except for its unnamed ops (`<kind>.noname.<n>`), which share nothing.
+fn base_at(name: &str) -> u32 {
+    match name.split_once('.') {
+        Some((kind, rest)) if !rest.starts_with("noname.") => kind.len() as u32 + 1,
+        _ => 0,
+    }
+}
+
 fn req(name: &str, dtype: DType, shape: &[usize]) -> Request {
     Request {
         spec: Op {
             set_id: 0,
             name: name.into(),
+            base_at: base_at(name),
             kind: OpKind::Allreduce,
             op: ReduceOp::Sum,
             root: 0,

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use super::{SetWaiter, Worker};
 use crate::control::message::{FromCoordinator, Request, ToCoordinator};
-use crate::control::names::shared_base;
 use crate::error::Error;
 use crate::sys::wait_readable;
 
@@ -91,9 +90,9 @@ impl Worker {
     }
 
     /// `request`'s op completed here: the next op under its shared base, if one waits, goes
-    /// to the coordinator (see [`shared_base`]).
+    /// to the coordinator (see [`Op::base`](crate::control::message::Op::base)).
     pub(super) fn next_under_base(&mut self, request: &Request) {
-        let Some(base) = shared_base(request.kind, &request.name) else {
+        let Some(base) = request.base() else {
             return;
         };
         let key = (request.set_id, base.to_string());

@@ -27,7 +27,6 @@ use super::handle::Handle;
 use super::{Command, OpSpec, SetScope, Shared};
 use crate::control::connection::{FrameConn, OUTPUT_RETRY};
 use crate::control::message::{DeviceKind, Request, Submit, ToCoordinator};
-use crate::control::names::shared_base;
 use crate::timeline::{self, Timeline};
 use std::os::fd::RawFd;
 
@@ -38,8 +37,8 @@ pub(super) struct Worker {
     shared: Arc<Shared>,
     pending: HashMap<(u32, String), Entry>,
     /// (set, shared base name) of this rank's op at the coordinator under that base (see
-    /// [`shared_base`]) → the submissions of later ops under it, sent one at a time as each
-    /// op before them completes.
+    /// [`Op::base`](crate::control::message::Op::base)) → the submissions of later ops under
+    /// it, sent one at a time as each op before them completes.
     bases: HashMap<(u32, String), VecDeque<Submit>>,
     /// Rank-side response cache: (set, name) → (id, request it stands for).
     cache: HashMap<(u32, String), (u64, Request)>,
@@ -355,7 +354,7 @@ impl Worker {
             ))));
             return;
         }
-        match shared_base(request.kind, &request.name) {
+        match request.base() {
             Some(base) => match self.bases.entry((request.set_id, base.to_string())) {
                 hash_map::Entry::Occupied(mut later) => later.get_mut().push_back(submit),
                 hash_map::Entry::Vacant(first) => {
