@@ -138,10 +138,16 @@ elif mode == "timeout":
     dist.destroy_process_group()
 elif mode == "auth":
     # The job steps (a checked allreduce every 10 ms) while the test attacks rank 0's
-    # coordinator from outside, until the test leaves <path>.stop.
+    # coordinator from outside, until the test leaves <path>.stop. Rank 0 looks for it and
+    # tells the others with each step, so that every rank takes its last step together (one
+    # that looked by itself could go on to the barrier while another steps once more).
     deadline = time.monotonic() + 300
-    while not os.path.exists(f"{path}.stop"):
+    while True:
         check(time.monotonic() < deadline, "the test never said stop")
+        stop = torch.tensor([float(rank == 0 and os.path.exists(f"{path}.stop"))])
+        dist.broadcast(stop, src=0)
+        if stop.item():
+            break
         goes_on("a stranger's connection")
         time.sleep(0.01)
     dist.barrier()
