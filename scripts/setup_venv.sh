@@ -105,7 +105,9 @@ fi
 
 if [[ "$BUILD" == 1 ]]; then
     echo "setup: building the extension ($PROFILE) into $(basename "$VENV")"
-    MATURIN_ARGS=(develop --quiet)
+    # The development build has the test hooks (Cargo.toml's `testing`), the wheel not; the
+    # features are all named, pyproject.toml's as well.
+    MATURIN_ARGS=(develop --quiet --features python,pyo3/extension-module,testing)
     [[ "$PROFILE" == release ]] && MATURIN_ARGS+=(--release)
     # `maturin develop` installs into the venv named by VIRTUAL_ENV; setting it (and PATH) is
     # what activating the venv would do.

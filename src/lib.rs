@@ -31,6 +31,7 @@ pub mod gpu;
 pub mod job;
 mod spin;
 mod sys;
+#[cfg(any(test, feature = "testing"))]
 #[doc(hidden)]
 pub mod testing;
 mod timeline;

@@ -351,7 +351,8 @@ fn array_address(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
 }
 
 /// `(ops reduced on the fast path, offers that went to the engine after all)` on this rank
-/// (see `engine::fast`).
+/// (see `engine::fast`). For tests: not in the wheel (the `testing` feature).
+#[cfg(feature = "testing")]
 #[pyfunction]
 fn fast_path_stats() -> PyResult<(u64, u64)> {
     with_engine(|e| Ok(e.fast_path().stats()))
@@ -661,6 +662,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(topology, m)?)?;
+    #[cfg(feature = "testing")]
     m.add_function(wrap_pyfunction!(fast_path_stats, m)?)?;
     m.add_function(wrap_pyfunction!(fast_path_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
