@@ -1,4 +1,5 @@
 use super::*;
+use crate::types::{DType, ReduceOp};
 
 fn req() -> Request {
     Request {
