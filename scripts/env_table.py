@@ -1,5 +1,5 @@
 """Writes the README's environment-variable table from the engine's own table
-(``ferrovod._core.env_vars()``, i.e. ``VARS`` in src/config.rs), so the two cannot drift.
+(``ferrovod._core.env_vars()``, i.e. ``VARS`` in src/config/mod.rs), so the two cannot drift.
 
 Usage: ``python scripts/env_table.py`` rewrites README.md in place; ``--check`` exits 1 when the
 README is out of date (the test suite runs that).
