@@ -138,6 +138,10 @@ class OpName(str):
         made.base_at = len(kind) + 1
         return made
 
+    def __reduce__(self) -> Any:
+        # Copied or pickled, it is made again from its two parts.
+        return (OpName, (self[: self.base_at - 1], self[self.base_at:]))
+
 
 def _base_at(name: str) -> int:
     """Where ``name``'s base begins for the engine: an :class:`OpName`'s, else 0 (none)."""
