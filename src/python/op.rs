@@ -188,8 +188,20 @@ fn allreduce_now<'py>(
     if !tensor.get_type().is(ndarray) || !out.get_type().is(ndarray) {
         return Ok(false);
     }
-    let Ok(name) = name.cast_exact::<pyo3::types::PyString>() else {
+    let Ok(name) = name.cast::<pyo3::types::PyString>() else {
         return Ok(false);
+    };
+    // A name that ferrovod.torch built (`OpName`, a `str` that says where its base begins).
+    let base_at = if name.is_exact_instance_of::<pyo3::types::PyString>() {
+        0
+    } else {
+        match name
+            .getattr(pyo3::intern!(py, "base_at"))
+            .and_then(|b| b.extract::<u32>())
+        {
+            Ok(at) => at,
+            Err(_) => return Ok(false),
+        }
     };
     let Some(code) = plain_reduction(op, average) else {
         return Ok(false);
@@ -213,7 +225,7 @@ fn allreduce_now<'py>(
         None,
         None,
         None,
-        0,
+        base_at,
     )?;
     Ok(!done.is_none())
 }

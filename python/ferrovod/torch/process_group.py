@@ -306,7 +306,7 @@ class _Held:
         """``kind``: the op as its name and errors call it (``allreduce``, ``barrier``);
         ``name``: the group's name for it (:meth:`ProcessGroup._name`)."""
         self._tensor, self._kind, self._op, self._factor = tensor, kind, op, factor
-        self._name = _ops._op_name(kind, name)
+        self._name = _api.OpName(kind, name)  # new every op: not worth caching
         self._lock = threading.Lock()
         self._handle: Optional[int] = None
         self._done = False
@@ -591,7 +591,7 @@ class ProcessGroup(_C10dBackend):
         the engine as the op the others submit (``kind``, named as ``kind_name`` names it),
         so that every rank of the group fails it with ``reason`` instead of waiting for this
         one. Its work raises that error."""
-        name = _ops._op_name(kind_name, self._name())
+        name = _api.OpName(kind_name, self._name())
         h = _ops._refused(kind, name, self._set, InvalidArgumentError(reason), True)
         return self._work(h, lambda _: [], tensors)
 

@@ -76,6 +76,17 @@ def case_single():
     dispatch = os.environ.get("FERROVOD_NCCL_DISPATCH", "1") != "0" and nccl["found"]
     ck.equal(fv.nccl_built(), int(nccl["code"]) if dispatch else 0, "nccl_built()")
     ck.equal([fv.Average, fv.Sum, fv.Adasum, fv.Min, fv.Max, fv.Product], [0, 1, 2, 3, 4, 5], "op constants")
+    # The one-call route of a small blocking allreduce takes the names ferrovod.torch builds
+    # (OpName: a str that says where its base begins) as it takes plain ones; declined, the op
+    # would still complete, through the general path's frames (3 us a 4-byte op became 15).
+    from ferrovod import _core
+    from ferrovod._arguments import OpName
+
+    for name in ("plain.name", OpName("allreduce", "grad.w")):
+        y = np.full(3, 2.0, np.float32)
+        ck.equal(_core.allreduce_now(y, y, name, fv.Sum, None, 1.0, 1.0), True,
+                 f"allreduce_now takes the name {name!r} ({type(name).__name__})")
+        ck.array(y, np.full(3, 2.0, np.float32), f"allreduce_now's result under {name!r}")
     fv.shutdown()
     ck.equal(fv.is_initialized(), False, "is_initialized() after shutdown")
     ck.equal(fv.gloo_enabled(), False, "gloo_enabled() after shutdown")
