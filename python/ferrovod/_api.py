@@ -35,7 +35,6 @@ from ._arguments import (
     _DTYPES,
     _as_array,
     _auto_name,
-    _base_at,
     _contiguous,
     _dtype_code,
     _ptr,
@@ -103,7 +102,7 @@ def _refuse(kind: int, name: str, process_set: ProcessSet, reason: str, now: boo
     and every member of the set fails the op with ``reason``. A blocking caller (``now``)
     waits for that and raises the error every rank gets; an async one raises at once, as
     Horovod does at submission (the others still learn of it through the engine)."""
-    core = _core.reject(kind, name, _set_id(process_set), reason, _base_at(name))
+    core = _core.reject(kind, name, _set_id(process_set), reason)
     if not now:
         raise InvalidArgumentError(f"{reason} (rank {rank()} refused this op; every rank of the "
                                    "set fails it)")
@@ -183,7 +182,7 @@ def _run(
     or for a broadcast whose root is not a rank of the job (the caller refuses it).
     """
     return _core.run(kind, name, _set_id(process_set), tensors, outputs, wait, op, root, prescale,
-                     postscale, splits, device, out_bytes, _base_at(name))
+                     postscale, splits, device, out_bytes)
 
 
 def _submit(

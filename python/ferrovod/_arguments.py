@@ -129,11 +129,14 @@ class OpName(str):
     matches and shows, which also tells it where the base begins (``base_at``), the part ops
     of other kinds share. The engine keeps ops under one base in the order each rank called
     them, so ranks that disagree on an op's kind fail instead of waiting; it never reads the
-    name for the kind."""
+    name for the kind. The engine's binding reads ``base_at`` from the name it is handed. A
+    name with nothing after its kind shares nothing: a plain ``str``."""
 
     base_at: int
 
-    def __new__(cls, kind: str, base: str) -> "OpName":
+    def __new__(cls, kind: str, base: str) -> str:  # type: ignore[misc]
+        if not base:
+            return f"{kind}."
         made = super().__new__(cls, f"{kind}.{base}")
         made.base_at = len(kind) + 1
         return made
@@ -141,11 +144,6 @@ class OpName(str):
     def __reduce__(self) -> Any:
         # Copied or pickled, it is made again from its two parts.
         return (OpName, (self[: self.base_at - 1], self[self.base_at:]))
-
-
-def _base_at(name: str) -> int:
-    """Where ``name``'s base begins for the engine: an :class:`OpName`'s, else 0 (none)."""
-    return getattr(name, "base_at", 0)
 
 
 def _auto_name(kind: str, name: Optional[str]) -> str:

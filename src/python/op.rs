@@ -4,7 +4,7 @@
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 
 use crate::engine::{Handle, OpSpec, Output, PageBuf, Progress, TensorBuf};
 use crate::error::Error;
@@ -41,9 +41,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// is not the input's (an allgather into caller memory, this rank's share of a reducescatter).
 /// `device`: `(CUDA ordinal, raw current stream)` when the tuples address CUDA memory for the
 /// NCCL path. `wait`: the caller waits at once, so the op is offered to the fast path first
-/// (`engine::fast`); the GIL is released while it waits. `base_at`: where in `name` the part
-/// the op shares with ops of other kinds begins, for a name its adapter built as
-/// `<kind>.<base>` ([`crate::control::message::Op::base_at`]); 0 for none.
+/// (`engine::fast`); the GIL is released while it waits. `name`: a `str`, or an `OpName` that
+/// also says where its base begins (see [`op_name`]).
 ///
 /// Returns a [`CoreHandle`], or with `wait` the op's result (see [`result`]); `None`, queuing
 /// nothing, when an array is not one [`tensor::describe_array`] describes or an output does
@@ -53,12 +52,12 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 // `tensors`, `outputs` and `splits` are read as they come rather than extracted into vectors
 // by PyO3, which checks and iterates each as a generic sequence: a third of a small op's time
 // in this call.
-#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, wait=false, op=1, root=0, prescale=1.0, postscale=1.0, splits=None, device=None, out_bytes=None, base_at=0))]
+#[pyo3(signature = (kind, name, set_id, tensors, outputs=None, wait=false, op=1, root=0, prescale=1.0, postscale=1.0, splits=None, device=None, out_bytes=None))]
 #[allow(clippy::too_many_arguments)] // the Python function's keywords, as the adapters pass them
 fn run<'py>(
     py: Python<'py>,
     kind: u8,
-    name: String,
+    name: &Bound<'py, PyString>,
     set_id: u32,
     tensors: &Bound<'py, PyAny>,
     outputs: Option<&Bound<'py, PyAny>>,
@@ -70,8 +69,8 @@ fn run<'py>(
     splits: Option<&Bound<'py, PyAny>>,
     device: Option<(u32, usize)>,
     out_bytes: Option<Vec<usize>>,
-    base_at: u32,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let (name, base_at) = op_name(name)?;
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = reduce_op(op)?;
     let tensors = Items::of(tensors);
@@ -188,20 +187,8 @@ fn allreduce_now<'py>(
     if !tensor.get_type().is(ndarray) || !out.get_type().is(ndarray) {
         return Ok(false);
     }
-    let Ok(name) = name.cast::<pyo3::types::PyString>() else {
+    let Ok(name) = name.cast::<PyString>() else {
         return Ok(false);
-    };
-    // A name that ferrovod.torch built (`OpName`, a `str` that says where its base begins).
-    let base_at = if name.is_exact_instance_of::<pyo3::types::PyString>() {
-        0
-    } else {
-        match name
-            .getattr(pyo3::intern!(py, "base_at"))
-            .and_then(|b| b.extract::<u32>())
-        {
-            Ok(at) => at,
-            Err(_) => return Ok(false),
-        }
     };
     let Some(code) = plain_reduction(op, average) else {
         return Ok(false);
@@ -213,7 +200,7 @@ fn allreduce_now<'py>(
     let done = run(
         py,
         OpKind::Allreduce as u8,
-        name.extract::<String>()?,
+        name,
         0,
         tensor,
         Some(out),
@@ -225,7 +212,6 @@ fn allreduce_now<'py>(
         None,
         None,
         None,
-        base_at,
     )?;
     Ok(!done.is_none())
 }
@@ -386,17 +372,16 @@ fn meet(py: Python<'_>, name: &str, set_id: u32) -> PyResult<()> {
 
 /// Refuses an op on this rank while taking part in its negotiation: the other members of
 /// process set `set_id` get the error too, instead of waiting for this rank's op. The
-/// handle's `wait` raises every member's error (once all of them have submitted `name`).
-/// `base_at`: as [`run`]'s.
+/// handle's `wait` raises every member's error (once all of them have submitted `name`, a
+/// `str` or an `OpName`, as [`run`]'s).
 #[pyfunction]
-#[pyo3(signature = (kind, name, set_id, reason, base_at=0))]
 fn reject(
     kind: u8,
-    name: String,
+    name: &Bound<'_, PyString>,
     set_id: u32,
     reason: String,
-    base_at: u32,
 ) -> PyResult<CoreHandle> {
+    let (name, base_at) = op_name(name)?;
     let kind = OpKind::from_code(kind).map_err(to_pyerr)?;
     let op = OpSpec {
         set_id,
@@ -417,6 +402,22 @@ fn reject(
             progress: e.progress(),
         })
     })
+}
+
+/// An op's name as Python hands it over, and where its base begins
+/// ([`crate::control::message::Op::base_at`]): a plain `str` has none; an `OpName` (the
+/// `str` subclass ferrovod.torch builds as `<kind>.<base>`) carries it in `base_at`. The name
+/// itself is the one carrier, so no entry point can drop its base on the way.
+fn op_name(name: &Bound<'_, PyString>) -> PyResult<(String, u32)> {
+    let base_at = if name.is_exact_instance_of::<PyString>() {
+        0
+    } else {
+        match name.getattr(pyo3::intern!(name.py(), "base_at")) {
+            Ok(at) => at.extract::<u32>()?,
+            Err(_) => 0, // another str subclass: a plain name
+        }
+    };
+    Ok((name.to_str()?.to_owned(), base_at))
 }
 
 /// Refuses a `base_at` that does not split the op's name into its kind and a base.

@@ -82,7 +82,7 @@ def case_single():
     from ferrovod import _core
     from ferrovod._arguments import OpName
 
-    for name in ("plain.name", OpName("allreduce", "grad.w")):
+    for name in ("plain.name", OpName("allreduce", "grad.w"), OpName("allreduce", "")):
         y = np.full(3, 2.0, np.float32)
         ck.equal(_core.allreduce_now(y, y, name, fv.Sum, None, 1.0, 1.0), True,
                  f"allreduce_now takes the name {name!r} ({type(name).__name__})")
