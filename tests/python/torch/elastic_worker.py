@@ -175,12 +175,10 @@ def wait_for_discoveries(out_dir, more, timeout_s=120):
         except FileNotFoundError:
             return 0
 
-    want, deadline = count() + more, time.monotonic() + timeout_s
-    while count() < want:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the launcher ran discovery {count() - want + more} of {more} "
-                               f"times in {timeout_s} s")
-        time.sleep(0.05)
+    want = count() + more
+    T.wait_until(lambda: count() >= want,
+                 lambda: f"the launcher ran discovery {count() - want + more} of {more} times",
+                 timeout_s)
 
 # The host whose worker fails, and the hosts the add and remove scenarios write: on one
 # machine 127.0.0.1 next to localhost; on network-namespace hosts, their names.

@@ -297,6 +297,16 @@ class HostUpdates:
             raise RuntimeError(f"no host update came within {self.timeout_s} s of {what}")
 
 
+def wait_until(done, what, timeout_s=60):
+    """Returns once ``done()`` is true, looking every 10 ms; raises after ``timeout_s``
+    (``what()`` says what was missing)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what()} in {timeout_s} s")
+        time.sleep(0.01)
+
+
 class Marks:
     """Files by which the ranks of one job tell each other that they have reached a point the
     engine cannot report (about to block in an op, done reporting an error): one per rank,
@@ -313,11 +323,9 @@ class Marks:
     def wait(self, ranks, timeout_s=60):
         """Returns once each of ``ranks`` has reached the point; raises after ``timeout_s``."""
         paths = [f"{self.base}-{r}" for r in ranks]
-        deadline = time.monotonic() + timeout_s
-        while not all(map(os.path.exists, paths)):
-            if time.monotonic() > deadline:
-                missing = [r for r, p in zip(ranks, paths) if not os.path.exists(p)]
-                raise RuntimeError(f"ranks {missing} did not reach {self.base} in {timeout_s} s")
-            time.sleep(0.01)
+        wait_until(lambda: all(map(os.path.exists, paths)),
+                   lambda: (f"ranks {[r for r, p in zip(ranks, paths) if not os.path.exists(p)]}"
+                            f" did not reach {self.base}"),
+                   timeout_s)
         for p in paths:
             os.unlink(p)
