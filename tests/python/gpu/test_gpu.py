@@ -11,7 +11,9 @@ machine; elsewhere every test here is skipped, saying so).
   a host of its own to NCCL, joined through its socket transport on the loopback), a killed
   rank, and an elastic job that loses a rank and rebuilds its communicators;
 - FERROVOD_HIERARCHICAL_ALLREDUCE=1 on 2 simulated hosts (2+2 and 2+1 ranks): allreduces
-  through NCCL inside each host and the engine's TCP collectives across.
+  through NCCL inside each host and the engine's TCP collectives across;
+- torch.distributed's backend "ferrovod" on CUDA tensors (pg_cuda_worker.py), staged and on
+  NCCL: its collectives against host references, DDP equal to one process on the whole batch.
 """
 
 import json
@@ -136,3 +138,19 @@ def test_an_elastic_job_on_nccl_loses_a_rank_and_rebuilds_its_communicators(tmp_
     assert got["size"] == 2 and got["resets"] == 1, got
     text = res.stdout + res.stderr
     assert "CUDA tensors are staged" not in text and "share one GPU" not in text, describe(res)
+
+
+PG_WORKER = HERE / "pg_cuda_worker.py"
+
+
+@pytest.mark.parametrize("nccl", [False, True], ids=["staged", "shared-gpu-nccl"])
+def test_the_torch_distributed_backend_runs_cuda_tensors_and_ddp(nccl):
+    """torch.distributed's backend "ferrovod" with CUDA tensors, 2 ranks on the one GPU: its
+    collectives against host references, and DDP on the GPU equal to one process on the whole
+    batch; staged through host memory, or on NCCL when the ranks opt in to sharing the GPU."""
+    env = {**SHARED_NCCL} if nccl else {"FERROVOD_NCCL_DISPATCH": "0"}
+    res = run_job(2, PG_WORKER, env=env, timeout=600)
+    assert_ok(res, 2, min_checks=300)
+    if nccl:
+        text = res.stdout + res.stderr
+        assert "CUDA tensors are staged" not in text and "share one GPU" not in text, describe(res)
