@@ -3,6 +3,12 @@
 //! Where things live (a tensor's path, top to bottom):
 //! - `python/` — the PyO3 boundary, the only code that knows Python (feature `python`);
 //! - [`engine`] — one background thread per process: queue → negotiate → fuse → execute;
+//! - `device` — the GPU dispatch: how a response whose tensors are on a GPU runs (on NCCL,
+//!   layered across hosts, or staged through host memory). It sits in the engine's layer, not
+//!   below it: the engine's worker calls it through a few `pub(crate)` items, and it works on
+//!   the op records the engine hands it (`engine::Entry`, `TensorBuf`) and nothing else of the
+//!   engine. Below it: [`backend`] (→ [`gpu`]), [`job`]'s store link, [`collective`]'s host
+//!   layout, [`control`]'s messages;
 //! - [`control`] — the control plane the engine negotiates over: the control tree's nodes,
 //!   negotiation, the messages and their connections;
 //! - [`collective`] — algorithms (one file per collective), written against [`comm::Communicator`];
@@ -25,6 +31,7 @@ pub mod config;
 pub mod control;
 pub mod copy;
 pub mod cpus;
+mod device;
 pub mod engine;
 pub mod error;
 pub mod gpu;

@@ -5,7 +5,7 @@ use super::OpSpec;
 use crate::control::message::Request;
 
 /// What was asked, the handle its submitter waits on, and the request sent for it.
-pub(super) struct Entry {
+pub(crate) struct Entry {
     pub spec: OpSpec,
     pub handle: Handle,
     pub request: Request,

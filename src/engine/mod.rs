@@ -7,7 +7,6 @@
 
 // Public: what the fast path's tests reach; everything else a caller needs is re-exported
 // below.
-mod device;
 mod door;
 mod entry;
 pub mod fast;
@@ -43,6 +42,10 @@ pub use host_reduce::{gather_shards_in_host_memory, reduce_shard_in_host_memory}
 pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;
+
+// Crate-wide for the GPU dispatch (`crate::device`), which runs a response's entries on a
+// device: the one engine type it needs beyond the public ones.
+pub(crate) use entry::Entry;
 
 use crate::control::connection::{self, ControlStream};
 use crate::control::message::{self, FromCoordinator, ToCoordinator};
@@ -232,7 +235,7 @@ impl Engine {
             shared.clone(),
             sets,
             hosts.clone(),
-            device::DeviceState::new(
+            crate::device::DeviceState::new(
                 store,
                 generation,
                 config.timeout,

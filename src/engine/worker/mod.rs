@@ -21,12 +21,12 @@ use crate::error::{Error, Result};
 use crate::transport::Transport;
 use crate::types::{OpKind, ReduceOp};
 
-use super::device::{op_device, DeviceState};
 use super::entry::Entry;
 use super::handle::Handle;
 use super::{Command, OpSpec, SetScope, Shared};
 use crate::control::connection::{FrameConn, OUTPUT_RETRY};
 use crate::control::message::{DeviceKind, Request, Submit, ToCoordinator};
+use crate::device::{op_device, DeviceState};
 use crate::timeline::{self, Timeline};
 use std::os::fd::RawFd;
 
@@ -63,7 +63,7 @@ pub(super) struct Worker {
     shutdown_requested: bool,
     /// The shutdown has been carried out; nothing runs any more.
     finished: bool,
-    /// NCCL communicators for CUDA tensors (see [`super::device`]).
+    /// NCCL communicators for CUDA tensors (see [`crate::device`]).
     device: DeviceState,
 }
 

@@ -7,14 +7,13 @@ use std::time::Duration;
 
 use super::{device_buf, Stager};
 use crate::backend::cuda::{Device, DeviceBuf, PinnedBuf, Stream};
-use crate::engine::entry::Entry;
-use crate::engine::tensor::TensorBuf;
+use crate::engine::{Entry, TensorBuf};
 use crate::error::{Error, Result};
 use crate::types::OpKind;
 
 /// A staged response in flight: every tensor's bytes in the set's bounce buffer, where the
 /// host collectives work on them in place, and where each result goes back to.
-pub(in crate::engine) struct Staging {
+pub(crate) struct Staging {
     /// Per tensor: the result's place in the bounce buffer (offset, bytes), the caller's
     /// device output, and the submitter's stream the copies are ordered on.
     results: Vec<(usize, usize, DeviceBuf, usize)>,

@@ -6,8 +6,7 @@ use super::layered::{self, Cross};
 use crate::backend::cuda::{DeviceBuf, Stream};
 use crate::backend::nccl::DeviceComm;
 use crate::control::message::Response;
-use crate::engine::entry::Entry;
-use crate::engine::tensor::TensorBuf;
+use crate::engine::{Entry, TensorBuf};
 use crate::error::{Error, Result};
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
 

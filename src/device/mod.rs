@@ -37,6 +37,12 @@
 //! With `FERROVOD_HIERARCHICAL_ALLREDUCE=1`, a set that spans hosts also gets a communicator
 //! of its members on this host, and its allreduces go through [`layered`]: NCCL inside the
 //! host, the host collectives across hosts.
+//!
+//! A module beside the engine rather than inside it: all of it is about GPUs, streams and
+//! NCCL, and the engine's worker needs only [`DeviceState`] (a response's route and run) and
+//! [`op_device`] (a submission's check). What it reads of the engine is the op records it is
+//! handed (`engine::Entry`, `TensorBuf`); the files: `calls.rs` a response's NCCL calls,
+//! `layered.rs` the hierarchical allreduce, `staging.rs` staged responses.
 
 mod calls;
 mod layered;
@@ -45,7 +51,7 @@ mod staging;
 use calls::{
     after_submitters, device_buf, device_of, enqueue, fusable, layered_allreduce, same_reduction,
 };
-pub(super) use staging::Staging;
+pub(crate) use staging::Staging;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -57,14 +63,12 @@ use crate::error::{Error, Result};
 use crate::job::StoreLink;
 use crate::types::{OpKind, Reduction};
 
-use super::entry::Entry;
-use super::tensor::TensorBuf;
-use super::OpSpec;
 use crate::control::message::{DeviceKind, Response};
-pub(super) use layered::Cross;
+use crate::engine::{Entry, OpSpec, TensorBuf};
+pub(crate) use layered::Cross;
 
 /// Where a communicator's unique id is exchanged, and the limits of the waits.
-pub(super) struct DeviceState {
+pub(crate) struct DeviceState {
     /// The job's rendezvous store, as forming left it; `None` for a one-rank job without one.
     store: Option<StoreLink>,
     /// The engine's `init()` count, which keys the store entries.
@@ -91,13 +95,13 @@ enum Route {
 /// A staged set's device and its page-locked bounce buffer, kept across responses (it grows
 /// to the largest response seen): allocating and first touching fresh host memory for every
 /// op cost more than the copies themselves.
-pub(super) struct Stager {
+struct Stager {
     device: Device,
     bounce: Option<PinnedBuf>,
 }
 
 impl DeviceState {
-    pub(super) fn new(
+    pub(crate) fn new(
         store: Option<StoreLink>,
         generation: u64,
         timeout: Duration,
@@ -117,7 +121,7 @@ impl DeviceState {
     /// Runs the collectives of a CUDA response (`entries` line up with its items); `cross`
     /// runs the cross-host step of a layered allreduce. The caller completes the handles
     /// with the result.
-    pub(super) fn execute(
+    pub(crate) fn execute(
         &mut self,
         rank: usize,
         members: &[usize],
@@ -177,7 +181,7 @@ impl DeviceState {
     /// submitters' streams are done with them) and `entries` pointing there, for the host
     /// collectives; [`DeviceState::unstage`] copies the results back. `None`: the set runs
     /// on NCCL ([`DeviceState::execute`]).
-    pub(super) fn stage(
+    pub(crate) fn stage(
         &mut self,
         rank: usize,
         members: &[usize],
@@ -203,7 +207,7 @@ impl DeviceState {
 
     /// Copies a staged response's results into the callers' device memory; returns once they
     /// are there.
-    pub(super) fn unstage(&mut self, set_id: u32, staging: Staging) -> Result<()> {
+    pub(crate) fn unstage(&mut self, set_id: u32, staging: Staging) -> Result<()> {
         match self.comms.get(&set_id) {
             Some(Ok(Route::Staged(stager))) => staging.give_back(&stager.device, self.timeout),
             _ => Err(Error::Io(
@@ -412,7 +416,7 @@ impl DeviceState {
     /// may still be sending its last bytes (the socket transport), and a communicator
     /// aborted then fails a peer's last op. Otherwise each is aborted, which needs nothing
     /// from peers that may be gone already.
-    pub(super) fn close(&mut self, healthy: bool) {
+    pub(crate) fn close(&mut self, healthy: bool) {
         for route in self.comms.values_mut().flatten() {
             if let Route::Nccl(c, local) = route {
                 if !healthy {
@@ -454,7 +458,7 @@ fn uuid_text(u: &[u8]) -> String {
 /// Where a submitted op's tensors live, checked locally (errors every rank would hit alike):
 /// all in host memory, or all on one CUDA device, with outputs the caller allocated, for an
 /// op the NCCL path runs ([`check_device_op`]). `n` is the set's size.
-pub(super) fn op_device(spec: &OpSpec, n: usize) -> Result<DeviceKind> {
+pub(crate) fn op_device(spec: &OpSpec, n: usize) -> Result<DeviceKind> {
     let bufs = spec
         .tensors
         .iter()

@@ -30,8 +30,7 @@ use crate::types::{ReduceOp, Reduction};
 
 /// The cross-host step: allreduces a host buffer among the given global ranks as the
 /// reduction says (the engine's host collectives on its transport).
-pub(in crate::engine) type Cross<'a> =
-    &'a mut dyn FnMut(&[usize], &mut [u8], Reduction) -> Result<()>;
+pub(crate) type Cross<'a> = &'a mut dyn FnMut(&[usize], &mut [u8], Reduction) -> Result<()>;
 
 /// A layered set's communicator of this host's members and what its allreduces need.
 pub(super) struct Local {
