@@ -22,7 +22,7 @@ use crate::engine::OpSpec;
 /// the others' segments, reading each input once between them (about twice the tensor per
 /// rank) instead of every rank reading every input (the ranks times the tensor per rank:
 /// 4 MiB per rank for 64 KiB on 64 ranks), for one more meeting.
-const SPLIT_READ_BYTES: usize = 256 << 10;
+pub(super) const SPLIT_READ_BYTES: usize = 256 << 10;
 
 /// Every rank's offer of the slot being reduced, read where it lies: this rank's own input,
 /// each peer's payload in its offer record (lent until this rank publishes its `Done`).

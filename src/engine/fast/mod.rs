@@ -53,8 +53,8 @@
 //! nothing per peer (no pair, no descriptor), so a host of many ranks needs shared-memory
 //! pairs only where the engine's algorithms move data.
 //!
-//! This file holds the slots and the offers, which decide whether an op is fast; [`data`] what
-//! a fast op computes from the offers, [`wait`] how every meeting waits on a peer.
+//! This file holds the slots and the offers, which decide whether an op is fast; `data.rs` what
+//! a fast op computes from the offers, `wait.rs` how every meeting waits on a peer.
 
 mod data;
 mod wait;
