@@ -20,11 +20,9 @@ use crate::types::{DType, ReduceOp};
 /// Elements per stack block in the unaligned and f16/bf16 paths (1 KiB of f32).
 const BLOCK: usize = 256;
 
-/// Plain numeric types that kernels view byte buffers as.
-///
-/// Only implemented (below) for primitive integers and floats: every bit pattern is a valid
-/// value and they have no padding, which is what makes reinterpreting bytes as `[Self]` sound.
-trait Elem: Copy + Default + 'static {
+/// Plain numeric types that kernels view byte buffers as: `Pod` (any bit pattern a valid
+/// value, no padding) is what lets `bytemuck` lend bytes as `[Self]` without a copy.
+trait Elem: bytemuck::Pod + Default {
     /// Reads one element from exactly `size_of::<Self>()` native-endian bytes.
     fn load(b: &[u8]) -> Self;
     /// Writes this element into exactly `size_of::<Self>()` bytes.
@@ -47,21 +45,16 @@ macro_rules! impl_elem {
 }
 impl_elem!(u8, i8, i16, u16, i32, i64, f32, f64);
 
-/// Views `b` as `[T]` when it starts on a `T` boundary.
+/// Views `b` as `[T]` when it starts on a `T` boundary (and is whole elements).
+#[inline]
 fn typed<T: Elem>(b: &[u8]) -> Option<&[T]> {
-    // SAFETY: `T: Elem` is a primitive integer or float: any bit pattern is a valid `T` and it
-    // has no padding, so reading the aligned middle part of `b` as `[T]` is sound. `align_to`
-    // itself guarantees alignment and bounds.
-    let (pre, mid, post) = unsafe { b.align_to::<T>() };
-    (pre.is_empty() && post.is_empty()).then_some(mid)
+    bytemuck::try_cast_slice(b).ok()
 }
 
 /// Mutable form of [`typed`].
+#[inline]
 fn typed_mut<T: Elem>(b: &mut [u8]) -> Option<&mut [T]> {
-    // SAFETY: as in `typed`; additionally every value written through `[T]` is a valid byte
-    // sequence, so the bytes stay initialised.
-    let (pre, mid, post) = unsafe { b.align_to_mut::<T>() };
-    (pre.is_empty() && post.is_empty()).then_some(mid)
+    bytemuck::try_cast_slice_mut(b).ok()
 }
 
 /// Runs `kernel` over `acc`/`src` seen as `[T]` (equal lengths, whole elements).
