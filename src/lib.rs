@@ -29,7 +29,6 @@ pub mod collective;
 pub mod comm;
 pub mod config;
 pub mod control;
-pub mod copy;
 pub mod cpus;
 mod device;
 pub mod engine;

@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use super::{blocks, check_segments, chunk_count, chunk_of, split_blocks, split_pair};
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::{Error, Result};
+use crate::sys::copy::copy;
 use crate::transport::Xfer;
 
 /// Gathers every rank's `input` into `output` in rank order; `byte_counts[r]` is rank r's block

@@ -16,8 +16,8 @@ use super::reduce::{check_reducible, reduce_into, scale};
 use super::reducescatter::{ring_reduce_scatter_and_share, ring_reduce_scatter_and_share_from};
 use super::{even_segments, same_len, split_blocks, with_scratch};
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::{Error, Result};
+use crate::sys::copy::copy;
 use crate::transport::Xfer;
 use crate::types::{DType, ReduceOp, Reduction};
 

@@ -3,8 +3,8 @@
 
 use super::{blocks, split_blocks};
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::Result;
+use crate::sys::copy::copy;
 use crate::transport::Xfer;
 
 /// Sends block `r` of `input` (`send_counts[r]` bytes, blocks in rank order) to rank `r` and

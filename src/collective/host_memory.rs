@@ -11,8 +11,8 @@ use std::ops::Range;
 
 use super::element_chunk;
 use super::reduce::{check_reducible, reduce_into, scale};
-use crate::copy::{copy, extend};
 use crate::error::{Error, Result};
+use crate::sys::copy::{copy, extend};
 use crate::transport::PeersMemory;
 use crate::types::Reduction;
 

@@ -38,8 +38,8 @@ pub mod reducescatter;
 use std::ops::Range;
 
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::{Error, Result};
+use crate::sys::copy::copy;
 use crate::types::{ReduceOp, Reduction};
 
 /// In-place allreduce of `buf`, every element of the result multiplied by `red.factor` (the

@@ -13,8 +13,8 @@
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 
-use crate::copy::copy;
 use crate::error::{Error, Result};
+use crate::sys::copy::copy;
 use crate::types::{DType, ReduceOp};
 
 /// Elements per stack block in the unaligned and f16/bf16 paths (1 KiB of f32).

@@ -8,8 +8,8 @@ use super::{
     with_scratch,
 };
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::{Error, Result};
+use crate::sys::copy::copy;
 use crate::types::{DType, Reduction};
 
 /// Reduces `input` across ranks and writes this rank's segment (`byte_counts[rank]` bytes,

@@ -306,7 +306,7 @@ fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
             let buf = if buf.len() <= SMALL_RESULT_BYTES {
                 let bytes = buf.as_slice();
                 PyByteArray::new_with(py, bytes.len(), |b| {
-                    crate::copy::copy(b, bytes);
+                    crate::sys::copy::copy(b, bytes);
                     Ok(())
                 })?
                 .into_any()

@@ -151,7 +151,7 @@ impl Mapping {
         // SAFETY: the destination range is inside the mapping (asserted) and cannot overlap
         // `src`, a Rust slice outside it; no reference to this range exists (see the type's
         // doc for the peer's side).
-        unsafe { crate::copy::copy_raw(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) };
+        unsafe { super::copy::copy_raw(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) };
     }
 
     /// The `len` bytes at `off`, lent while `self` is: only for bytes the other process
@@ -177,7 +177,7 @@ impl Mapping {
         );
         // SAFETY: as for `write`, with the source inside the mapping and `dst` an exclusive
         // Rust slice outside it.
-        unsafe { crate::copy::copy_raw(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) };
+        unsafe { super::copy::copy_raw(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len()) };
     }
 }
 

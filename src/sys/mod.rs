@@ -6,6 +6,7 @@
 //! `unsafe` elsewhere is no system call: the GPU libraries' FFI (`gpu/`, `backend/`), Python's
 //! buffers (`python/`), and slices over memory these maps hand out.
 
+pub mod copy;
 mod eventfd;
 mod futex;
 mod memory;

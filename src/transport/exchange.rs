@@ -119,7 +119,7 @@ fn check_and_copy_self(rank: usize, size: usize, xfers: &mut [Xfer<'_>]) -> Resu
             Xfer::Recv { .. } => unreachable!(),
         };
         if let Xfer::Recv { buf, .. } = &mut xfers[r] {
-            crate::copy::copy(buf, src);
+            crate::sys::copy::copy(buf, src);
         }
     }
     Ok(())

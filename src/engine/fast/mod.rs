@@ -334,7 +334,7 @@ impl FastPath {
         let copied = offers_a_copy(op);
         // A broadcast's payload is the root's alone; the others offer only the descriptor.
         if copied && (op.kind != OpKind::Broadcast || op.root == self.rank) {
-            crate::copy::extend(&mut sc.own, input.as_slice());
+            crate::sys::copy::extend(&mut sc.own, input.as_slice());
             if matches!(op.kind, OpKind::Allreduce | OpKind::Reducescatter) {
                 scale(dtype, &mut sc.own, op.prescale)?;
             }

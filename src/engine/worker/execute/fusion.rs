@@ -5,8 +5,8 @@
 
 use crate::collective::{self, reduce};
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::Result;
+use crate::sys::copy::copy;
 use crate::types::{DType, ReduceOp, Reduction};
 
 use crate::control::message::Item;

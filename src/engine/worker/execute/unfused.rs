@@ -6,8 +6,8 @@
 
 use crate::collective::{self, reduce, split_rows};
 use crate::comm::Communicator;
-use crate::copy::copy;
 use crate::error::{Error, Result};
+use crate::sys::copy::copy;
 use crate::types::Reduction;
 
 use crate::control::message::Item;

@@ -58,7 +58,7 @@ pub fn extend(dst: &mut Vec<u8>, src: &[u8]) {
 /// # Safety
 /// As `std::ptr::copy_nonoverlapping::<u8>`: `src` readable and `dst` writable for `len`
 /// bytes, the two ranges not overlapping.
-pub unsafe fn copy_raw(src: *const u8, dst: *mut u8, len: usize) {
+pub(super) unsafe fn copy_raw(src: *const u8, dst: *mut u8, len: usize) {
     if !in_slow_band(src, dst, len) {
         // SAFETY: the caller's contract.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
