@@ -20,6 +20,7 @@ use crate::bootstrap::launch::{LaunchInfo, Launcher};
 use crate::config::{Config, VARS};
 use crate::engine::{Engine, SetScope};
 use crate::error::Error;
+use crate::sys::forks;
 use crate::types::{OpKind, ReduceOp};
 
 use errors::to_pyerr;
@@ -40,28 +41,6 @@ static ENGINE: OnceLock<Mutex<Option<Slot>>> = OnceLock::new();
 /// The `log` → Python `logging` bridge, installed once per process at import.
 static LOG_BRIDGE: OnceLock<pyo3_log::ResetHandle> = OnceLock::new();
 static GENERATION: AtomicU64 = AtomicU64::new(0);
-
-/// Forks of this process image so far, counted in every child by a `pthread_atfork` handler:
-/// telling a forked child from the process that ran `init()` without a `getpid` system call
-/// on every op (a tenth of a microsecond each).
-static FORKS: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn count_fork() {
-    // Runs in the child right after fork(): an atomic add is all it may safely do.
-    FORKS.fetch_add(1, Ordering::Relaxed);
-}
-
-/// The fork count (see [`FORKS`]); installs the counting handler on first use.
-fn forks() -> u64 {
-    static HANDLER: std::sync::Once = std::sync::Once::new();
-    HANDLER.call_once(|| {
-        // SAFETY: `count_fork` is an `extern "C"` function with no arguments that lives for
-        // the whole program and only touches an atomic, as a child handler must.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(count_fork)) };
-        assert_eq!(rc, 0, "pthread_atfork failed");
-    });
-    FORKS.load(Ordering::Relaxed)
-}
 
 fn slot() -> &'static Mutex<Option<Slot>> {
     ENGINE.get_or_init(|| Mutex::new(None))

@@ -8,12 +8,16 @@
 
 pub mod copy;
 mod eventfd;
+#[cfg(feature = "python")]
+mod fork;
 mod futex;
 mod memory;
 mod poll;
 mod socket;
 
 pub use eventfd::Waker;
+#[cfg(feature = "python")]
+pub use fork::forks;
 pub use futex::{futex_wait, futex_wake};
 pub use memory::{map_anonymous, unmap, Mapping};
 pub use poll::{poll, poll_fd, wait_readable, PollFd, POLL_IN, POLL_OUT};
