@@ -17,12 +17,12 @@
 //! reduce-scatter's share, then an allgather's whole), and a bound of one peak would unmap the
 //! larger each time the smaller is taken, so every op would map, and fault in, fresh pages.
 
-use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::sys::Pages;
 
 /// Smallest size class; smaller results stay on the C heap (see [`super::TensorBuf::engine`]).
 pub const MIN_CLASS: usize = 64 << 10;
@@ -38,17 +38,11 @@ static POOL: Mutex<Pool> = Mutex::new(Pool::new());
 /// Its bytes are initialized but unspecified (zeros or an earlier buffer's data): callers
 /// overwrite what they read.
 pub struct PageBuf {
-    ptr: NonNull<u8>,
+    /// A size class's mapping, `len` bytes or more; `None` only once it is back in the pool.
+    pages: Option<Pages>,
     len: usize,
-    cap: usize,
     pool: &'static Mutex<Pool>,
 }
-
-// SAFETY: a PageBuf is the only owner of its mapping (like a Vec<u8>); the pool it returns to
-// is behind a mutex.
-unsafe impl Send for PageBuf {}
-// SAFETY: shared access only reads the bytes (`&self` methods); writing needs `&mut self`.
-unsafe impl Sync for PageBuf {}
 
 impl PageBuf {
     /// A buffer of `len` bytes from the process-wide pool.
@@ -57,13 +51,10 @@ impl PageBuf {
     }
 
     fn from_pool(pool: &'static Mutex<Pool>, len: usize) -> Result<PageBuf> {
-        let cap = size_class(len);
-        let addr = pool.lock().take(cap, Instant::now())?;
-        let ptr = NonNull::new(addr as *mut u8).expect("mappings are never at address 0");
+        let pages = pool.lock().take(size_class(len), Instant::now())?;
         Ok(PageBuf {
-            ptr,
+            pages: Some(pages),
             len,
-            cap,
             pool,
         })
     }
@@ -79,30 +70,36 @@ impl PageBuf {
     }
 
     /// Read access.
+    #[inline]
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is `cap >= len` bytes, readable and writable, initialized (zero
-        // pages or earlier writes), and owned by this buffer until it drops.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        match &self.pages {
+            Some(p) => &p.as_slice()[..self.len],
+            None => &[],
+        }
     }
 
     /// Write access.
+    #[inline]
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only live view.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        match &mut self.pages {
+            Some(p) => &mut p.as_mut_slice()[..self.len],
+            None => &mut [],
+        }
     }
 }
 
 impl Drop for PageBuf {
     fn drop(&mut self) {
-        self.pool
-            .lock()
-            .give(self.ptr.as_ptr() as usize, self.cap, Instant::now());
+        if let Some(pages) = self.pages.take() {
+            self.pool.lock().give(pages, Instant::now());
+        }
     }
 }
 
 impl std::fmt::Debug for PageBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PageBuf({} of {} bytes)", self.len, self.cap)
+        let cap = self.pages.as_ref().map_or(0, Pages::len);
+        write!(f, "PageBuf({} of {cap} bytes)", self.len)
     }
 }
 
@@ -114,11 +111,10 @@ pub fn size_class(len: usize) -> usize {
     len.next_multiple_of(step)
 }
 
-/// Free mappings and the bookkeeping that bounds them. Addresses are kept as integers: the
-/// pool only hands them out, it never touches their bytes.
+/// Free mappings and the bookkeeping that bounds them.
 pub struct Pool {
-    /// (address, size) of free mappings, least recently freed first.
-    free: Vec<(usize, usize)>,
+    /// Free mappings, least recently freed first; one dropped from the list is unmapped.
+    free: Vec<Pages>,
     free_bytes: usize,
     live_bytes: usize,
     /// Peak of `live_bytes` in the current window and in the one before.
@@ -160,51 +156,44 @@ impl Pool {
         let limit = self.limit();
         let mut n = 0;
         while n < self.free.len() && self.live_bytes + self.free_bytes > limit {
-            let (addr, cap) = self.free[n];
-            unmap(addr, cap);
-            self.free_bytes -= cap;
+            self.free_bytes -= self.free[n].len();
             n += 1;
         }
         self.free.drain(..n);
     }
 
     /// A mapping of `cap` bytes (a size class): a free one when there is one, else a new one.
-    fn take(&mut self, cap: usize, now: Instant) -> Result<usize> {
+    fn take(&mut self, cap: usize, now: Instant) -> Result<Pages> {
         self.roll(now);
         self.live_bytes += cap;
         self.peak = self.peak.max(self.live_bytes);
-        if let Some(i) = self.free.iter().rposition(|&(_, c)| c == cap) {
-            let (addr, _) = self.free.remove(i);
+        if let Some(i) = self.free.iter().rposition(|p| p.len() == cap) {
+            let pages = self.free.remove(i);
             self.free_bytes -= cap;
-            return Ok(addr);
+            return Ok(pages);
         }
         // A new mapping: make room first, so that what is mapped stays within the limit.
         self.evict();
         map(cap).inspect_err(|_| self.live_bytes -= cap)
     }
 
-    /// Takes back a mapping of `cap` bytes.
-    fn give(&mut self, addr: usize, cap: usize, now: Instant) {
+    /// Takes back a mapping that [`Pool::take`] handed out.
+    fn give(&mut self, pages: Pages, now: Instant) {
         self.roll(now);
+        let cap = pages.len();
         self.live_bytes -= cap;
-        self.free.push((addr, cap));
+        self.free.push(pages);
         self.free_bytes += cap;
         self.evict();
     }
 }
 
-fn map(cap: usize) -> Result<usize> {
-    crate::sys::map_anonymous(cap).map_err(|e| {
+fn map(cap: usize) -> Result<Pages> {
+    Pages::map(cap).map_err(|e| {
         Error::Io(format!(
             "could not map {cap} bytes for an engine buffer: {e}"
         ))
     })
-}
-
-fn unmap(addr: usize, cap: usize) {
-    // SAFETY: `addr` is a mapping of `cap` bytes made by `map` that no PageBuf holds any more
-    // (it was on the free list), so nothing refers to its pages, and it leaves the list now.
-    unsafe { crate::sys::unmap(addr, cap) }
 }
 
 #[cfg(test)]
@@ -250,51 +239,63 @@ mod tests {
         assert_eq!((p.live_bytes, p.free_bytes), (size_class(300_000), 0));
     }
 
+    fn addr(p: &Pages) -> usize {
+        p.as_slice().as_ptr() as usize
+    }
+
+    /// (address, size) of the pool's free mappings, least recently freed first.
+    fn free(p: &Pool) -> Vec<(usize, usize)> {
+        p.free.iter().map(|f| (addr(f), f.len())).collect()
+    }
+
     #[test]
     fn free_memory_is_bounded_by_the_recent_peak_of_live_memory() {
         const MB: usize = 1 << 20;
         let pool = pool();
         let mut p = pool.lock();
         let t0 = Instant::now();
-        let big = p.take(8 * MB, t0).unwrap();
-        p.give(big, 8 * MB, t0);
+        let pages = p.take(8 * MB, t0).unwrap();
+        let big = addr(&pages);
+        p.give(pages, t0);
         assert_eq!((p.free_bytes, p.live_bytes), (8 * MB, 0));
         // A class never live together with it (a reduce-scatter's share, an allgather's
         // whole): both stay mapped, so alternating between them maps nothing new.
-        let mid = p.take(4 * MB, t0).unwrap();
+        let pages = p.take(4 * MB, t0).unwrap();
+        let mid = addr(&pages);
         assert_eq!((p.free_bytes, p.live_bytes), (8 * MB, 4 * MB));
-        p.give(mid, 4 * MB, t0);
-        assert_eq!(p.take(8 * MB, t0).unwrap(), big);
-        p.give(big, 8 * MB, t0);
-        assert_eq!(p.take(4 * MB, t0).unwrap(), mid);
-        p.give(mid, 4 * MB, t0);
-        assert_eq!(p.free, vec![(big, 8 * MB), (mid, 4 * MB)]);
+        p.give(pages, t0);
+        let pages = p.take(8 * MB, t0).unwrap();
+        assert_eq!(addr(&pages), big);
+        p.give(pages, t0);
+        let pages = p.take(4 * MB, t0).unwrap();
+        assert_eq!(addr(&pages), mid);
+        p.give(pages, t0);
+        assert_eq!(free(&p), vec![(big, 8 * MB), (mid, 4 * MB)]);
         // A third class would take the mapped bytes past twice the peak: the least recently
         // freed mapping goes first.
-        let six = p.take(6 * MB, t0).unwrap();
-        assert_eq!(
-            (p.free.clone(), p.live_bytes),
-            (vec![(mid, 4 * MB)], 6 * MB)
-        );
-        p.give(six, 6 * MB, t0);
+        let pages = p.take(6 * MB, t0).unwrap();
+        let six = addr(&pages);
+        assert_eq!((free(&p), p.live_bytes), (vec![(mid, 4 * MB)], 6 * MB));
+        p.give(pages, t0);
         // A window later they are still reused.
         let t1 = t0 + WINDOW + Duration::from_millis(1);
-        assert_eq!(p.take(6 * MB, t1).unwrap(), six);
-        p.give(six, 6 * MB, t1);
+        let pages = p.take(6 * MB, t1).unwrap();
+        assert_eq!(addr(&pages), six);
+        p.give(pages, t1);
         // Once the 8 MB peak is two windows old, only the 6 MB one counts.
         let t2 = t1 + WINDOW + Duration::from_millis(1);
-        let small = p.take(MB, t2).unwrap();
-        p.give(small, MB, t2);
+        let pages = p.take(MB, t2).unwrap();
+        let small = addr(&pages);
+        p.give(pages, t2);
         assert_eq!(p.limit(), 12 * MB);
-        let free = vec![(mid, 4 * MB), (six, 6 * MB), (small, MB)];
-        assert_eq!((p.free.clone(), p.live_bytes), (free, 0));
+        let expect = vec![(mid, 4 * MB), (six, 6 * MB), (small, MB)];
+        assert_eq!((free(&p), p.live_bytes), (expect, 0));
         // After two idle windows only the current window's peak counts.
         let t3 = t2 + 3 * WINDOW;
-        assert_eq!(p.take(MB, t3).unwrap(), small);
-        p.give(small, MB, t3);
+        let pages = p.take(MB, t3).unwrap();
+        assert_eq!(addr(&pages), small);
+        p.give(pages, t3);
         assert_eq!((p.free_bytes, p.limit()), (MB, 2 * MB));
-        while let Some((addr, cap)) = p.free.pop() {
-            unmap(addr, cap);
-        }
+        p.free.clear();
     }
 }

@@ -189,34 +189,67 @@ impl Drop for Mapping {
     }
 }
 
-/// A new private anonymous mapping of `len` bytes, read-write, at an address of the kernel's
-/// choosing; its address. Freed with [`unmap`].
-pub fn map_anonymous(len: usize) -> io::Result<usize> {
-    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
-    // existing memory; the result is checked before use.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(p as usize)
+/// Private anonymous pages, read-write, owned like a `Box<[u8]>` and unmapped on drop: zeros
+/// when first mapped, then whatever was written to them.
+pub struct Pages {
+    ptr: NonNull<u8>,
+    len: usize,
 }
 
-/// Unmaps `len` bytes at `addr`, a mapping [`map_anonymous`] made.
-///
-/// # Safety
-/// Nothing may refer to those pages any more, and they are unmapped once.
-pub unsafe fn unmap(addr: usize, len: usize) {
-    // SAFETY: the caller's promise above.
-    unsafe {
-        libc::munmap(addr as *mut libc::c_void, len);
+// SAFETY: the pages are plain memory that only this value refers to (like a `Box<[u8]>`):
+// moving it to another thread moves the only handle to them.
+unsafe impl Send for Pages {}
+// SAFETY: shared access only reads the bytes (`as_slice`); writing needs `&mut self`.
+unsafe impl Sync for Pages {}
+
+impl Pages {
+    /// `len` bytes (more than 0) of new pages, at an address of the kernel's choosing.
+    pub fn map(len: usize) -> io::Result<Pages> {
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches
+        // no existing memory; the result is checked before use.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast()).expect("mmap returned null without MAP_FIXED");
+        Ok(Pages { ptr, len })
+    }
+
+    /// Bytes mapped.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Read access to every byte.
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` bytes, readable, initialized (zero pages or earlier
+        // writes), and only this value refers to it until it drops.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Write access to every byte.
+    #[inline]
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and writable; `&mut self` makes this the only live view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the range mapped in `map`, once; the slices lent borrow
+        // `self` and so are gone.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }

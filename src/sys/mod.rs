@@ -19,6 +19,6 @@ pub use eventfd::Waker;
 #[cfg(feature = "python")]
 pub use fork::forks;
 pub use futex::{futex_wait, futex_wake};
-pub use memory::{map_anonymous, unmap, Mapping};
+pub use memory::{Mapping, Pages};
 pub use poll::{poll, poll_fd, wait_readable, PollFd, POLL_IN, POLL_OUT};
 pub use socket::{detect_unreachable_peer, interfaces, recv_with_fd, send_nosignal, send_with_fd};
