@@ -1,12 +1,16 @@
 //! Memory maps: anonymous private pages (the engine's buffer pool), and sealed memfd segments
 //! that other processes of the host map as well (shared-memory links, host memory, the fast
-//! path's offer records).
+//! path's offer records). Both lend their bytes as slices, so the layers above need no
+//! `unsafe` to use them.
 
 use std::fs::File;
 use std::io;
+use std::ops::{Deref, DerefMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
+
+use parking_lot::{Mutex, MutexGuard};
 
 fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
     if rc < 0 {
@@ -30,6 +34,8 @@ fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
 pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// Held while [`Mapping::bytes_mut`] lends bytes: one `&mut` into the mapping at a time.
+    loan: Mutex<()>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value (like a `Box<[u8]>`); moving it
@@ -105,6 +111,7 @@ impl Mapping {
         let map = Mapping {
             ptr: NonNull::new(p.cast()).expect("mmap returned null without MAP_FIXED"),
             len,
+            loan: Mutex::new(()),
         };
         if !inherit {
             // A forked child (a data-loader worker) must not inherit a writable view of
@@ -169,6 +176,24 @@ impl Mapping {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
     }
 
+    /// The `len` bytes at `off`, writable while the returned loan lives: the caller's own
+    /// region of a segment (this rank's host memory), which no other process writes, nor reads
+    /// while the caller's protocol says it is being written. A second loan from this mapping
+    /// waits until the first ends, so no two `&mut` overlap.
+    pub fn bytes_mut(&self, off: usize, len: usize) -> BytesMut<'_> {
+        assert!(
+            off <= self.len && len <= self.len - off,
+            "bytes_mut out of range"
+        );
+        let loan = self.loan.lock();
+        // SAFETY: in bounds as asserted, and the mapping lives as long as the borrow of
+        // `self`. `loan` makes this the only `&mut` this mapping lends until it drops; the
+        // other processes keep off the region by its protocol (see the method's doc), and one
+        // that breaks it tears values, and any bit pattern is a valid u8.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) };
+        BytesMut { bytes, _loan: loan }
+    }
+
     /// Copies from the mapping at `off` into `dst`.
     pub fn read(&self, off: usize, dst: &mut [u8]) {
         assert!(
@@ -186,6 +211,28 @@ impl Drop for Mapping {
         // SAFETY: unmaps exactly the range mapped in `map`, once; references handed out by
         // `atomic` borrow `self` and so are gone.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Bytes of a [`Mapping`] lent for writing by [`Mapping::bytes_mut`], until this drops.
+pub struct BytesMut<'a> {
+    bytes: &'a mut [u8],
+    _loan: MutexGuard<'a, ()>,
+}
+
+impl Deref for BytesMut<'_> {
+    type Target = [u8];
+
+    #[inline]
+    fn deref(&self) -> &[u8] {
+        self.bytes
+    }
+}
+
+impl DerefMut for BytesMut<'_> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.bytes
     }
 }
 

@@ -35,8 +35,6 @@ use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
 use super::shm::random_name_with;
 use super::PeersMemory;
 use crate::error::{Error, Result};
@@ -154,7 +152,6 @@ impl Exposed {
             rank,
             len,
             segments,
-            lock: Mutex::new(()),
         })
     }
 
@@ -255,9 +252,6 @@ pub struct HostMemory {
     rank: usize,
     len: usize,
     segments: Vec<Option<Arc<Mapping>>>,
-    /// Serialises [`HostMemory::with_range`] within the process: it hands out `&mut` to
-    /// this rank's bytes.
-    lock: Mutex<()>,
 }
 
 impl HostMemory {
@@ -312,24 +306,20 @@ impl HostMemory {
                 "host memory: not every rank's segment is mapped".into(),
             ));
         }
-        let _only = self.lock.lock();
         let (lo, n) = (range.start, range.len());
+        // The loan serialises `with_range` within the process: it is the one `&mut` to this
+        // rank's bytes. Other ranks only read them meanwhile (the caller's protocol).
+        let mut own = maps[self.rank].bytes_mut(lo, n);
+        // Another rank's bytes are only read here, and the caller's protocol keeps that rank
+        // from writing them meanwhile.
         let others: Vec<&[u8]> = maps
             .iter()
             .enumerate()
             .filter(|&(r, _)| r != self.rank)
-            // SAFETY: `lo + n` is within every segment (checked above; all have `len` bytes)
-            // and the mappings live while `self` does. Another rank's bytes are only read
-            // here, and the caller's protocol keeps that rank from writing them meanwhile; a
-            // broken protocol tears values (any bit pattern is a valid u8), nothing else.
-            .map(|(_, m)| unsafe { std::slice::from_raw_parts(m.as_ptr().add(lo), n) })
+            .map(|(_, m)| m.bytes(lo, n))
             .collect();
-        // SAFETY: in bounds as above; `lock` makes this the only reference this process hands
-        // out to this rank's bytes, and it does not outlive the call. Other ranks only read
-        // them (the caller's protocol), and `others` lies in other mappings.
-        let own = unsafe { std::slice::from_raw_parts_mut(maps[self.rank].as_ptr().add(lo), n) };
         f(
-            own,
+            &mut own,
             &Others {
                 rank: self.rank,
                 others,
