@@ -1,10 +1,13 @@
 //! The operating system, in one place: the system calls std does not wrap — waiting on
 //! descriptors (`poll`), a cross-thread wake-up (`eventfd`), memory maps (anonymous pages,
-//! and sealed memfd segments other processes map too), futexes, descriptor passing, socket
-//! options and this host's interfaces. Each call's `unsafe` sits here beside the reason it is
-//! sound, and the layers above (bootstrap, transport, engine) call safe functions. What is
-//! `unsafe` elsewhere is no system call: the GPU libraries' FFI (`gpu/`, `backend/`), Python's
-//! buffers (`python/`), and slices over memory these maps hand out.
+//! and sealed memfd segments other processes map too), futexes, fork detection, descriptor
+//! passing, socket options and this host's interfaces — and the raw memory behind them: the
+//! maps lend their bytes only as slices, and [`copy`] copies host bytes through raw pointers.
+//! Each `unsafe` sits here beside the reason it is sound, and the layers above (bootstrap,
+//! transport, engine) call safe functions. What is `unsafe` elsewhere is foreign code and
+//! memory this process does not own: the GPU libraries' FFI (`gpu/`, `backend/`), the device
+//! pointers and streams callers hand in (`device/`), the caller's tensors that
+//! `engine/tensor.rs`'s `TensorBuf` borrows, and Python's buffers (`python/tensor.rs`).
 
 pub mod copy;
 mod eventfd;
