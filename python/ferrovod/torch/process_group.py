@@ -127,7 +127,13 @@ class _RecordEnd:
             wait()
         except BaseException:  # noqa: BLE001, S110 - the op's waiter raises it
             pass
-        self._record.__exit__(None, None, None)
+        # On a thread without the profiler's state (this one), __exit__ leaves the record open,
+        # and it ends where it is freed: dropped here, it ends here. Left to the work, it ended
+        # on whichever thread freed the work last, now and then the caller's while its profile
+        # still ran, and torch then saw a record that began and ended on one thread: not async.
+        record, self._record = self._record, None
+        record.__exit__(None, None, None)
+        del record
         self.ended.set()
 
 
