@@ -12,34 +12,29 @@ Each rank prints ``rank <r> OK <checks>`` at the end.
 
 import os
 import sys
+from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workers"))
 
-import ferrovod.torch  # noqa: F401 - registers the backend
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
-CHECKS = 0
+import fvtest as T  # noqa: E402
+import ferrovod.torch  # noqa: E402, F401 - registers the backend
+
 R = dist.ReduceOp
 # PG_DEVICE=cpu runs the same checks on the host (how this worker is checked without a GPU).
 DEV = torch.device(os.environ.get("PG_DEVICE", "cuda:0"))
+CK = T.Checker(0)  # its rank is set once the group has formed
 
 
-def check(ok, what):
-    global CHECKS
-    if not ok:
-        raise AssertionError(f"rank {dist.get_rank()}: {what}")
-    CHECKS += 1
-
-
-def same(got, want, what, tol=0.0):
-    got = got.cpu()
-    want = torch.as_tensor(want).to(got.dtype)
-    check(got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
-    ok = (torch.allclose(got.double(), want.double(), rtol=tol, atol=tol) if tol
-          else torch.equal(got, want))
-    check(ok, f"{what}: got {got.flatten()[:8].tolist()}, want {want.flatten()[:8].tolist()}")
+def same(got, want, what):
+    """``got`` (a tensor anywhere) equals ``want`` within its dtype's tolerance
+    (``fvtest.tol``; exact for integers)."""
+    got = got.detach().cpu().numpy()
+    CK.array(got, np.asarray(want).astype(got.dtype), what)
 
 
 def make(rank, n, dtype, salt):
@@ -64,7 +59,7 @@ def section_collectives():
             for op, want in ops:
                 t = every[r].to(DEV, copy=True)
                 dist.all_reduce(t, op=op)
-                same(t, want, f"all_reduce {op} {dtype} [{size}]", 1e-3)
+                same(t, want, f"all_reduce {op} {dtype} [{size}]")
             root = salt % n
             t = every[r].to(DEV, copy=True)
             dist.broadcast(t, src=root)
@@ -80,7 +75,7 @@ def section_collectives():
             out = torch.empty(size, dtype=dtype, device=DEV)
             dist.reduce_scatter_tensor(out, whole[r].to(DEV, copy=True))
             total = np.stack([x.double().numpy() for x in whole]).sum(0)
-            same(out, total[r * size:(r + 1) * size], f"reduce_scatter_tensor {dtype} [{size}]", 1e-3)
+            same(out, total[r * size:(r + 1) * size], f"reduce_scatter_tensor {dtype} [{size}]")
             # all_to_all_single with uneven splits: rank k sends k + j + 1 elements to rank j.
             sends = [r + j + 1 for j in range(n)]
             mine = make(r, sum(sends), dtype, salt + 2000)
@@ -97,7 +92,7 @@ def section_collectives():
     work = dist.all_reduce(t, async_op=True)
     fut = work.get_future()
     fut.wait()
-    check(work.wait(), "async all_reduce's wait")
+    CK.true(work.wait(), "async all_reduce's wait")
     dist.barrier()
 
 
@@ -145,16 +140,17 @@ def section_ddp():
             ref_opt.step()
             ref_opt.zero_grad()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            same(p.detach(), q.detach().cpu(), f"DDP {kwargs} {name} after 5 steps", 1e-5)
+            same(p.detach(), q.detach().cpu(), f"DDP {kwargs} {name} after 5 steps")
 
 
 def main():
     if DEV.type == "cuda":
         torch.cuda.set_device(DEV)
     dist.init_process_group("ferrovod")
+    CK.rank = dist.get_rank()
     for section in sys.argv[1:] or ["collectives", "ddp"]:
         globals()[f"section_{section}"]()
-    print(f"rank {dist.get_rank()} OK {CHECKS}", flush=True)
+    print(f"rank {dist.get_rank()} OK {CK.count}", flush=True)
     dist.destroy_process_group()
 
 
