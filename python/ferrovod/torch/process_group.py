@@ -155,6 +155,9 @@ def _profiled(title: str, inputs: Callable[..., Sequence[torch.Tensor]]) -> Call
                 record.__exit__(None, None, None)
                 raise
             end = _RecordEnd(work, record)
+            # The completer may end the record before this returns: no reference here may
+            # outlive its own (see _RecordEnd._settle).
+            del record
             if isinstance(work, _Work):
                 # The record ends before wait() returns, as gloo's does: a profiler that stops
                 # right after the wait finds it complete.
