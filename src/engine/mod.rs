@@ -446,6 +446,7 @@ impl ControlPlane for EnginePlane<'_> {
             rank,
             tree: tree.cloned(),
             parent,
+            sets_may_come: config.launch.launcher == crate::config::Launcher::ProcessGroup,
         };
         Coordinator::start(listeners.tcp, listeners.local, cfg)
     }

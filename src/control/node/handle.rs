@@ -49,6 +49,10 @@ pub struct CoordinatorConfig {
     pub tree: Option<ControlTree>,
     /// A relay's way up to its parent's node; `None` for the coordinator (rank 0).
     pub parent: Option<ConnectUp>,
+    /// Ranks may register sets without this one after it has shut down: a job of
+    /// torch.distributed's front end, where `destroy_process_group` is no barrier and
+    /// `new_group` asks no rank outside the group (see `may_stop`).
+    pub sets_may_come: bool,
 }
 
 /// A running coordinator; dropping it (or `stop`) ends the thread.

@@ -324,12 +324,15 @@ impl State {
     /// rank 0 go on among themselves; torch's destroy_process_group is no barrier), so it
     /// serves them while they use it. The root knows when none can: every set, and every one
     /// being registered, has this rank in it (a Horovod-API job's rank 0 that shuts down
-    /// first), and then it stops at once, as its peers' next op fails anyway.
+    /// first), and then it stops at once, as its peers' next op fails anyway. Not in a job
+    /// whose ranks may still register sets without it (`sets_may_come`): there the others'
+    /// next group may be on its way (its members told of this rank's leaving, their ops that
+    /// need it fail at once all the same).
     fn may_stop(&mut self) -> bool {
         let asked = *self.stop_asked.get_or_insert_with(Instant::now);
         let me = self.cfg.rank;
         if let Role::Root(root) = &self.role {
-            if !root.neg.serves_without(me) {
+            if !root.neg.serves_without(me) && !self.cfg.sets_may_come {
                 return true;
             }
         }

@@ -103,10 +103,18 @@ if mode == "mismatch":
         goes_on(f"the {what} refusal")
     dist.destroy_process_group()
 elif mode == "early":
-    rest = dist.new_group(list(range(1, size)))
     if rank == 0:
         dist.destroy_process_group()
     else:
+        # An op of the whole job fails once rank 0 has left (not waiting for it); only then do
+        # the others make their group (torch's new_group asks no rank outside the group), which
+        # rank 0's node must still register for them.
+        try:
+            dist.all_reduce(torch.ones(1 << 20))
+            check(False, "an op of the whole job completed after rank 0 left")
+        except Exception as e:  # noqa: BLE001 - what torch's users catch
+            check("rank 0" in str(e), f"the error does not name rank 0: {e}")
+        rest = dist.new_group(list(range(1, size)))
         others = size - 1
         for i in range(300):
             t = torch.full((5,), float(rank + i))
