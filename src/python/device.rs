@@ -1,12 +1,14 @@
-//! The GPU side of the binding: what the engine does with CUDA tensors here, what it was built
-//! and found with, and the NCCL id exchange of the torch adapter's device path.
+//! The GPU side of the binding: what the engine does with CUDA tensors here, and what it was
+//! built and found with. The engine exchanges NCCL ids itself; the tests' window onto that
+//! exchange (`nccl_unique_id`) is built only with the `testing` feature, not into the wheel.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+#[cfg(feature = "testing")]
+use pyo3::types::PyBytes;
+use pyo3::types::PyDict;
 
 use super::errors::to_pyerr;
-use super::{op, slot, with_engine};
-use crate::bootstrap::tcp_store::TcpStore;
+use super::op;
 use crate::error::Error;
 use crate::types::OpKind;
 
@@ -15,6 +17,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_op_check, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
+    #[cfg(feature = "testing")]
     m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
     Ok(())
 }
@@ -169,7 +172,8 @@ fn gpu_probe(py: Python<'_>, extra_dirs: Vec<String>) -> PyResult<Bound<'_, PyDi
 /// the job's rendezvous store, as the engine does before creating one: the set's first rank
 /// generates it (`ncclGetUniqueId`), the others fetch it. `comm_index` tells apart several
 /// communicators of one set. Needs a usable NCCL (the probe's search, with `extra_dirs`), no
-/// GPU. Returns the id's 128 bytes.
+/// GPU. Returns the id's 128 bytes. For tests: not in the wheel (the `testing` feature).
+#[cfg(feature = "testing")]
 #[pyfunction]
 #[pyo3(signature = (extra_dirs, process_set_id=0, comm_index=0))]
 fn nccl_unique_id(
@@ -178,12 +182,17 @@ fn nccl_unique_id(
     process_set_id: u32,
     comm_index: u32,
 ) -> PyResult<Bound<'_, PyBytes>> {
+    use super::{slot, with_engine};
     use crate::backend::nccl::{unique_id_key, Nccl};
+    use crate::bootstrap::tcp_store::TcpStore;
     let (ranks, rank) = with_engine(|e| Ok((e.process_set(process_set_id), e.topology().rank)))?;
     let (generation, store, timeout) = {
         let guard = slot().lock();
-        let s = guard.as_ref().expect("with_engine found it");
-        (s.generation, s.store.clone(), s.start_timeout)
+        guard
+            .as_ref()
+            .expect("with_engine found it")
+            .exchange
+            .clone()
     };
     let ranks = ranks.ok_or_else(|| {
         to_pyerr(Error::InvalidArgument(format!(

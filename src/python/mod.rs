@@ -29,12 +29,11 @@ struct Slot {
     engine: Engine,
     /// [`forks`] when it started: a different count means this is a forked child.
     forks: u64,
-    /// This `init()`'s number, which keys its rendezvous-store entries.
-    generation: u64,
-    /// The job's rendezvous store (address, secret) and its wait limit, for the NCCL
-    /// unique-id exchange; `None` for a one-rank job without one.
-    store: Option<(String, Vec<u8>)>,
-    start_timeout: std::time::Duration,
+    /// What the tests' view of the NCCL id exchange (`device::nccl_unique_id`) reads: this
+    /// `init()`'s number, which keys its rendezvous-store entries, and the job's rendezvous
+    /// store (address, secret; `None` for a one-rank job without one) with its wait limit.
+    #[cfg(feature = "testing")]
+    exchange: (u64, Option<(String, Vec<u8>)>, std::time::Duration),
 }
 
 static ENGINE: OnceLock<Mutex<Option<Slot>>> = OnceLock::new();
@@ -207,20 +206,22 @@ fn start(
     let engine = py
         .detach(|| Engine::start_over(&config, &process_sets, generation, given.clone()))
         .map_err(to_pyerr)?;
-    let store = match (
-        &given,
-        &config.launch.rendezvous_addr,
-        &config.launch.secret,
-    ) {
-        (None, Some(addr), Some(secret)) => Some((addr.clone(), secret.clone())),
-        _ => None,
-    };
     *slot().lock() = Some(Slot {
         engine,
         forks: forks(),
-        generation,
-        store,
-        start_timeout: config.start_timeout,
+        #[cfg(feature = "testing")]
+        exchange: (
+            generation,
+            match (
+                &given,
+                &config.launch.rendezvous_addr,
+                &config.launch.secret,
+            ) {
+                (None, Some(addr), Some(secret)) => Some((addr.clone(), secret.clone())),
+                _ => None,
+            },
+            config.start_timeout,
+        ),
     });
     Ok(true)
 }

@@ -167,6 +167,14 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
 
     exercise_in_venv(sys.executable, wheel, tmp_path, "%d.%d" % sys.version_info[:2])
 
+    # The tests' hooks (the `testing` cargo feature) are not in what users install.
+    py = tmp_path / "venv" / "bin" / "python"
+    hooks = subprocess.run(
+        [str(py), "-c", "from ferrovod import _core; print([h for h in ('fast_path_stats', "
+                        "'nccl_unique_id') if hasattr(_core, h)])"],
+        capture_output=True, text=True, env=clean_env(tmp_path / "venv"), timeout=60)
+    assert hooks.returncode == 0 and hooks.stdout.strip() == "[]", hooks.stdout + hooks.stderr
+
 
 @pytest.mark.parametrize("version", OTHER_PYTHONS)
 def test_wheel_runs_two_processes_on_python(version: str, tmp_path: Path) -> None:
