@@ -44,7 +44,11 @@ done
 # ferrovod.spark and their tests (a local Ray cluster and a local Spark the tests start; Spark's
 # Java comes from scripts/system_deps.sh). deepmd-kit (its TensorFlow backend imports horovod
 # itself) is for the test of FERROVOD_AS_HOROVOD on a real library; it pins the tensorflow-cpu
-# it was built for, so pip keeps the two in step.
+# it was built for, so pip keeps the two in step. ml_dtypes (bfloat16 for the NumPy workers,
+# and a TensorFlow dependency) stays below 0.7: 0.7.0 registers its NumPy loops in time that
+# grows with the square of their number, and its import took 0.9 s of CPU against 0.12 s for
+# 0.6.0, in every worker of the suite (test_ops, test_errors, test_hostile and test_lifecycle:
+# 179 s of CPU against 86 s; `import tensorflow` 4.4 s against 3.9 s).
 PACKAGES=(
     "pip>=23"
     "maturin>=1.5,<2"
@@ -53,7 +57,7 @@ PACKAGES=(
     "pytest>=7,<9.2"
     "pytest-timeout>=2"
     "pytest-xdist>=3"
-    "ml_dtypes>=0.2"
+    "ml_dtypes>=0.5.1,<0.7"
     "ziglang>=0.11,<1"
     "torch>=2.1"
     "scikit-learn>=1.0"
