@@ -261,6 +261,15 @@ impl Engine {
         })
     }
 
+    /// Ranks may register process sets without this one after it has shut down, as in a job
+    /// that torch.distributed's front end started: that front end has joined this engine,
+    /// and its `destroy_process_group` is no barrier (see [`CoordinatorConfig::sets_may_come`]).
+    pub fn let_sets_come(&self) {
+        if let Some(c) = &self.coordinator {
+            c.let_sets_come();
+        }
+    }
+
     /// This process's place in the job.
     pub fn topology(&self) -> &Topology {
         &self.topology

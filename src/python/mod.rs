@@ -190,6 +190,9 @@ fn start(
                         running.rank, running.size
                     ))));
                 }
+                if given.is_some() {
+                    s.engine.let_sets_come();
+                }
                 return Ok(false);
             }
             // A forked child inherits the parent's slot but not its threads: forget it without

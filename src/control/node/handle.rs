@@ -104,6 +104,13 @@ impl Coordinator {
         self.waker.wake();
     }
 
+    /// From now on ranks may register sets without this one after it has shut down
+    /// ([`CoordinatorConfig::sets_may_come`]): torch.distributed's front end has joined an
+    /// engine that `ferrovod.init()` started.
+    pub fn let_sets_come(&self) {
+        self.state.lock().cfg.sets_may_come = true;
+    }
+
     /// Lets another thread turn the coordinator when it is idle (rank 0's caller waiting for
     /// an op: see `engine::progress`).
     pub fn assist(&self) -> Assist {

@@ -14,6 +14,10 @@ an error that comes is the engine's report, never the timeout.
 - ``early``: rank 0 leaves (destroy_process_group) while the other ranks go on among
   themselves in a group without it: they must finish, since rank 0's engine serves them
   until they have gone (torch's destroy_process_group is no barrier).
+- ``early-attached``: as ``early``, in a job ``ferrovodrun`` started (``<rank> <size> <path>``
+  are then ``- - -``): every rank calls ``ferrovod.init()`` first and
+  ``init_process_group("ferrovod")`` (env://) then joins that engine; rank 0 leaves with
+  ``destroy_process_group`` and ``ferrovod.shutdown()``.
 - ``timeout``: rank 0 alone enters a barrier of a group made with ``timeout=``; it must fail
   once that time has passed (not before), naming the ranks that never came, and the job must
   go on. The ranks also carry ``WORLD_SIZE`` without ``RANK``, as torch's own test harness
@@ -34,7 +38,12 @@ import torch.distributed as dist
 import ferrovod.torch  # noqa: F401 - registers the backend
 from ferrovod.exceptions import MismatchError, RankFailureError
 
-mode, rank, size, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+mode = sys.argv[1]
+if mode == "early-attached":
+    ferrovod.torch.init()
+    rank, size, path = ferrovod.torch.rank(), ferrovod.torch.size(), None
+else:
+    rank, size, path = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 checks = 0
 
 
@@ -57,8 +66,11 @@ def goes_on(after):
 if mode == "timeout":
     os.environ["WORLD_SIZE"] = str(size)
     os.environ.pop("RANK", None)
-dist.init_process_group("ferrovod", init_method=f"file://{path}", rank=rank, world_size=size,
-                        timeout=timedelta(seconds=600))
+if path is None:
+    dist.init_process_group("ferrovod", timeout=timedelta(seconds=600))
+else:
+    dist.init_process_group("ferrovod", init_method=f"file://{path}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=600))
 t = torch.ones(4)
 dist.all_reduce(t)
 check(torch.equal(t, torch.full((4,), float(size))), f"first all_reduce {t}")
@@ -102,9 +114,11 @@ if mode == "mismatch":
             check(what in text, f"rank 0's reason ({what} ...) not given: {text}")
         goes_on(f"the {what} refusal")
     dist.destroy_process_group()
-elif mode == "early":
+elif mode in ("early", "early-attached"):
     if rank == 0:
         dist.destroy_process_group()
+        if mode == "early-attached":
+            ferrovod.torch.shutdown()
     else:
         # An op of the whole job fails once rank 0 has left (not waiting for it); only then do
         # the others make their group (torch's new_group asks no rank outside the group), which

@@ -107,6 +107,17 @@ def test_ranks_go_on_among_themselves_after_rank_0_has_left(tmp_path):
             f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
 
 
+def test_after_rank_0_has_left_the_others_make_a_group_of_an_engine_ferrovod_init_started():
+    """As above, with torch.distributed joining the engine ``ferrovod.init()`` started under
+    ferrovodrun: rank 0's node must serve the group the others make after it shut down, as
+    it does in a job torch.distributed started."""
+    cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "3", sys.executable,
+           str(HERE / "pg_fail_worker.py"), "early-attached"]
+    res = _run(cmd, _env(None, plain=True), 120)
+    found = sorted(int(m.group(1)) for m in re.finditer(r"rank (\d+) OK \d+", res.stdout))
+    assert res.returncode == 0 and found == [0, 1, 2], describe(res)
+
+
 def test_a_group_timeout_fails_a_stalled_op_once_it_has_passed(tmp_path):
     procs, outs = plain_ranks(3, "timeout", tmp_path)
     for r, (p, out) in enumerate(zip(procs, outs)):
