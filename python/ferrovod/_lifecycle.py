@@ -63,14 +63,20 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     if _core.is_initialized():
         return
     given, static = static, _ps._with_communicator_sets(static)
-    # An elastic worker first takes its place in the launcher's newest membership.
-    generation = _elastic.join_next() if _elastic.enabled() else None
-    level, hide_time, my_rank = _core.log_settings()
+    # The environment, read and parsed once: what is looked at here is what the engine uses.
+    settings = _core.read_settings()
+    generation = None
+    if _elastic.enabled(settings):
+        # An elastic worker first takes its place in the launcher's newest membership, which
+        # rewrites this process's topology variables: the engine starts from those.
+        generation = _elastic.join_next(settings)
+        settings = _core.read_settings()
+    level, hide_time, my_rank = settings.log()
     _logging.configure(level, hide_time, f"rank {my_rank}")
-    info = _core.launch_info()
+    info = settings.launch()
     addr, secret = _rendezvous.address_and_secret(comm, info)
     try:
-        _core.init([p.ranks for p in static], dynamic, addr, secret, generation)
+        _core.init(settings, [p.ranks for p in static], dynamic, addr, secret, generation)
     except FerrovodError as e:
         if generation is None or isinstance(e, InvalidArgumentError):
             raise
@@ -101,9 +107,10 @@ def init_over_store(store: Any, rank: int, size: int, timeout_s: float,
     the caller must then leave running."""
     # Torch hands in the rank and size: whatever launcher variables this process has (torch's
     # test harness sets WORLD_SIZE alone) are not read.
-    level, hide_time, _ = _core.log_settings(with_launch=False)
+    settings = _core.read_settings(with_launch=False)
+    level, hide_time, _ = settings.log()
     _logging.configure(level, hide_time, f"rank {rank}")
-    started = bool(_core.init_over_store(store, int(rank), int(size), float(timeout_s),
+    started = bool(_core.init_over_store(settings, store, int(rank), int(size), float(timeout_s),
                                          store_addr, int(generation), op_timeout_s))
     if started:
         global _starts
@@ -128,7 +135,7 @@ def exit_if_parameter_server() -> None:
 
 def _check_rank_list(ranks: Sequence[Any]) -> None:
     """``init(comm=[ranks])``: every launched rank, in order, or a ValueError saying why not."""
-    size = int(_core.launch_info()["size"])
+    size = int(_core.read_settings().launch()["size"])
     try:
         given = [int(r) for r in ranks]
     except (TypeError, ValueError):

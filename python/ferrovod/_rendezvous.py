@@ -8,7 +8,7 @@ a script that calls ``init_process_group`` first), through that group's store. E
 address of its own every other host can reach, a free port and (unless ``FERROVOD_SECRET`` is
 set) a random secret, and every rank gets the same answer — or the same error. Everything else
 about the launch (which launcher, rank, size, the address when the environment gives it) is
-parsed by the engine (``_core.launch_info()``).
+parsed by the engine (``_core.read_settings().launch()``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .exceptions import InvalidArgumentError
 
 def address_and_secret(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
     """The rendezvous address and job secret to start the engine with, given what the engine
-    made of the environment (``_core.launch_info()``): found over MPI or through torchrun's
+    made of the environment (``_core.read_settings().launch()``): found over MPI or through torchrun's
     agent store when the launch needs that, else ``(None, None)`` (the environment's own)."""
     if info["needs_mpi_rendezvous"]:
         return over_mpi(comm, info)

@@ -247,15 +247,20 @@ impl Config {
         Config::from_lookup(|k| std::env::var(k).ok())
     }
 
-    /// Reads the process environment, with the rendezvous address and the job secret replaced
+    /// Reads settings through `get`, with the rendezvous address and the job secret replaced
     /// where given: rank 0 handed them out over MPI, and they are passed in rather than put
-    /// into the environment, which child processes would inherit.
-    pub fn from_env_with(rendezvous_addr: Option<&str>, secret: Option<&[u8]>) -> Result<Config> {
+    /// into the environment, which child processes would inherit. What the launch detection
+    /// derives from them (a derived secret) follows.
+    pub fn from_lookup_with(
+        get: impl Fn(&str) -> Option<String>,
+        rendezvous_addr: Option<&str>,
+        secret: Option<&[u8]>,
+    ) -> Result<Config> {
         let secret_hex = secret.map(secret_to_hex);
         Config::from_lookup(|k| match (k, rendezvous_addr, &secret_hex) {
             ("FERROVOD_RENDEZVOUS_ADDR", Some(addr), _) => Some(addr.to_string()),
             ("FERROVOD_SECRET", _, Some(hex)) => Some(hex.clone()),
-            _ => std::env::var(k).ok(),
+            _ => get(k),
         })
     }
 
@@ -266,6 +271,11 @@ impl Config {
     /// only `FERROVOD_SECRET`'s secret, for the caller to fill in.
     pub fn from_env_without_launch() -> Result<Config> {
         Config::read(|k| std::env::var(k).ok(), false)
+    }
+
+    /// [`Config::from_env_without_launch`] through `get`.
+    pub fn from_lookup_without_launch(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        Config::read(get, false)
     }
 
     /// Reads settings through `get` (tests pass a map).

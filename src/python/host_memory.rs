@@ -10,7 +10,6 @@ use pyo3::types::{PyBytes, PyDict};
 use super::errors::to_pyerr;
 use super::op::{reduce_op, wait_interruptibly};
 use super::with_engine;
-use crate::config::Config;
 use crate::error::Error;
 use crate::transport::host_memory::{Exposed, HostMemory, Segment};
 use crate::types::{DType, ReduceOp, Reduction};
@@ -22,13 +21,10 @@ struct HostExposed {
 }
 
 /// A new segment of `nbytes` zero bytes to share with the other ranks of this host, or `None`
-/// when shared memory is off (`FERROVOD_SHM_DISABLE`).
+/// when the running engine has shared memory off (`FERROVOD_SHM_DISABLE`).
 #[pyfunction]
 fn expose_host_memory(nbytes: usize) -> PyResult<Option<HostExposed>> {
-    if Config::from_env_without_launch()
-        .map_err(to_pyerr)?
-        .shm_disable
-    {
+    if super::shm_disabled()? {
         return Ok(None);
     }
     let inner = Exposed::new(nbytes).map_err(to_pyerr)?;

@@ -6,6 +6,7 @@ mod device;
 mod errors;
 mod host_memory;
 mod op;
+mod settings;
 mod store;
 mod tensor;
 
@@ -14,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 
 use crate::bootstrap::launch::{LaunchInfo, Launcher};
 use crate::config::{Config, VARS};
@@ -24,11 +25,14 @@ use crate::sys::forks;
 use crate::types::{OpKind, ReduceOp};
 
 use errors::to_pyerr;
+use settings::Settings;
 
 struct Slot {
     engine: Engine,
     /// [`forks`] when it started: a different count means this is a forked child.
     forks: u64,
+    /// `FERROVOD_SHM_DISABLE` as this engine was started with (host memory asks).
+    shm_disable: bool,
     /// What the tests' view of the NCCL id exchange (`device::nccl_unique_id`) reads: this
     /// `init()`'s number, which keys its rendezvous-store entries, and the job's rendezvous
     /// store (address, secret; `None` for a one-rank job without one) with its wait limit.
@@ -43,6 +47,21 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 
 fn slot() -> &'static Mutex<Option<Slot>> {
     ENGINE.get_or_init(|| Mutex::new(None))
+}
+
+/// Whether the live engine runs with shared memory off (`FERROVOD_SHM_DISABLE`); fails as
+/// [`with_engine`] does without one.
+fn shm_disabled() -> PyResult<bool> {
+    let live = slot()
+        .lock()
+        .as_ref()
+        .filter(|s| s.forks == forks())
+        .map(|s| s.shm_disable);
+    match live {
+        Some(off) => Ok(off),
+        // with_engine's error: not initialized, or a forked child.
+        None => with_engine(|_| Ok(true)),
+    }
 }
 
 /// Runs `f` with the live engine, or fails as Horovod does before `init()` (and after a fork).
@@ -61,35 +80,28 @@ fn with_engine<T>(f: impl FnOnce(&Engine) -> PyResult<T>) -> PyResult<T> {
     }
 }
 
-/// `(log_level, log_hide_time, rank)` from the environment, so that Python can set up the
-/// `ferrovod` logger before `init()` starts logging; without `with_launch` the launcher's
-/// variables are not read (the rank is then 0), for a job whose rank comes from elsewhere.
+/// Starts the engine (no-op if already running in this process) with `settings`, read with
+/// the launch. `rendezvous_addr` and `secret` replace `FERROVOD_RENDEZVOUS_ADDR` /
+/// `FERROVOD_SECRET` (the MPI exchange's result).
 #[pyfunction]
-#[pyo3(signature = (with_launch=true))]
-fn log_settings(with_launch: bool) -> PyResult<(String, bool, usize)> {
-    let c = if with_launch {
-        Config::from_env()
-    } else {
-        Config::from_env_without_launch()
-    }
-    .map_err(to_pyerr)?;
-    Ok((c.log_level, c.log_hide_time, c.launch.rank))
-}
-
-/// Starts the engine (no-op if already running in this process). `rendezvous_addr` and
-/// `secret` replace `FERROVOD_RENDEZVOUS_ADDR` / `FERROVOD_SECRET` (the MPI exchange's result).
-#[pyfunction]
-#[pyo3(signature = (process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None, generation=None))]
+#[pyo3(signature = (settings, process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None, generation=None))]
 fn init(
     py: Python<'_>,
+    settings: PyRef<'_, Settings>,
     process_sets: Vec<Vec<usize>>,
     dynamic: bool,
     rendezvous_addr: Option<String>,
     secret: Option<Vec<u8>>,
     generation: Option<u64>,
 ) -> PyResult<()> {
-    let mut config =
-        Config::from_env_with(rendezvous_addr.as_deref(), secret.as_deref()).map_err(to_pyerr)?;
+    if !settings.with_launch() {
+        return Err(to_pyerr(Error::InvalidArgument(
+            "init() needs settings read with the launch (read_settings())".into(),
+        )));
+    }
+    let mut config = settings
+        .config_with(rendezvous_addr.as_deref(), secret.as_deref())
+        .map_err(to_pyerr)?;
     config.dynamic_process_sets |= dynamic;
     start(py, config, process_sets, generation, None).map(|_| ())
 }
@@ -107,10 +119,11 @@ fn init(
 /// engine (false: one was running with this rank and size, e.g. after `ferrovod.init()`, and
 /// the caller must not shut it down).
 #[pyfunction]
-#[pyo3(signature = (store, rank, size, timeout_s, store_addr=None, generation=0, op_timeout_s=None))]
+#[pyo3(signature = (settings, store, rank, size, timeout_s, store_addr=None, generation=0, op_timeout_s=None))]
 #[allow(clippy::too_many_arguments)] // torch's creator's arguments, passed through
 fn init_over_store(
     py: Python<'_>,
+    settings: PyRef<'_, Settings>,
     store: Py<PyAny>,
     rank: usize,
     size: usize,
@@ -124,7 +137,14 @@ fn init_over_store(
             "rank {rank} of a job of {size} ranks"
         ))));
     }
-    let mut config = Config::from_env_without_launch().map_err(to_pyerr)?;
+    if settings.with_launch() {
+        return Err(to_pyerr(Error::InvalidArgument(
+            "init_over_store() takes settings read without the launch \
+             (read_settings(with_launch=False)): torch hands in the rank and size"
+                .into(),
+        )));
+    }
+    let mut config = settings.config().clone();
     let secret = config.launch.secret.take();
     config.launch = LaunchInfo {
         launcher: Launcher::ProcessGroup,
@@ -212,6 +232,7 @@ fn start(
     *slot().lock() = Some(Slot {
         engine,
         forks: forks(),
+        shm_disable: config.shm_disable,
         #[cfg(feature = "testing")]
         exchange: (
             generation,
@@ -227,49 +248,6 @@ fn start(
         ),
     });
     Ok(true)
-}
-
-/// What `init()` needs to know before it starts the engine: `{"launcher": name, "rank",
-/// "size", "needs_mpi_rendezvous": bool, "secret_set": bool (FERROVOD_SECRET given),
-/// "iface": FERROVOD_IFACE or None, "agent_store": (torchrun agent store "host:port", key prefix) or None, "start_timeout": seconds}`.
-#[pyfunction]
-fn launch_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let c = Config::from_env().map_err(to_pyerr)?;
-    let l = &c.launch;
-    let d = PyDict::new(py);
-    d.set_item("launcher", l.launcher.name())?;
-    d.set_item("rank", l.rank)?;
-    d.set_item("size", l.size)?;
-    d.set_item("needs_mpi_rendezvous", l.needs_mpi_rendezvous())?;
-    d.set_item("secret_set", l.secret.is_some() && !l.secret_derived)?;
-    d.set_item("iface", c.iface)?;
-    d.set_item("agent_store", l.agent_store.clone())?;
-    d.set_item("start_timeout", c.start_timeout.as_secs_f64())?;
-    Ok(d)
-}
-
-/// An elastic worker's launch settings, as the engine's config reads them (so Python parses
-/// none of them again, with defaults of its own): `{"enabled": bool, "epoch": int,
-/// "local_rank": int, "timeout": seconds, "hostname": str, "rendezvous_addr": str or None,
-/// "secret": bytes or None (only one the launcher gave, never a derived one)}`.
-#[pyfunction]
-fn elastic_settings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let c = Config::from_env().map_err(to_pyerr)?;
-    let e = &c.elastic;
-    let d = PyDict::new(py);
-    d.set_item("enabled", e.enabled)?;
-    d.set_item("epoch", e.epoch)?;
-    d.set_item("local_rank", e.local_rank)?;
-    d.set_item("timeout", e.timeout.as_secs_f64())?;
-    d.set_item("hostname", c.hostname)?;
-    d.set_item("rendezvous_addr", c.launch.rendezvous_addr.clone())?;
-    let given = c
-        .launch
-        .secret
-        .as_deref()
-        .filter(|_| !c.launch.secret_derived);
-    d.set_item("secret", given.map(|s| PyBytes::new(py, s)))?;
-    Ok(d)
 }
 
 /// This host's IPv4 interfaces: `[(name, address, prefix length)]`.
@@ -435,7 +413,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         }
     }
     m.add_function(wrap_pyfunction!(reset_log_cache, m)?)?;
-    m.add_function(wrap_pyfunction!(log_settings, m)?)?;
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -445,8 +422,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     device::register(m)?;
     op::register(m)?;
     store::register(m)?;
-    m.add_function(wrap_pyfunction!(launch_info, m)?)?;
-    m.add_function(wrap_pyfunction!(elastic_settings, m)?)?;
+    settings::register(m)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;

@@ -77,19 +77,20 @@ _WATCH_POLL_S = 0.25
 _TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
 
 
-def _settings() -> Dict[str, Any]:
-    """This worker's launch settings as the engine's config reads them: nothing here parses
-    a variable of the launcher's again, with defaults of its own."""
+def _settings(settings: Optional[Any] = None) -> Dict[str, Any]:
+    """This worker's launch settings as the engine's config reads them (from ``settings``, a
+    ``_core.Settings`` that ``init()`` read, or the environment now): nothing here parses a
+    variable of the launcher's again, with defaults of its own."""
     from .. import _core
 
-    return _core.elastic_settings()
+    return (settings if settings is not None else _core.read_settings()).elastic()
 
 
-def enabled() -> bool:
+def enabled(settings: Optional[Any] = None) -> bool:
     """Whether this process is a worker of an elastic job (``FERROVOD_ELASTIC``, or Horovod's
-    ``HOROVOD_ELASTIC``, as the engine's config reads it): the one check, for the engine's start
-    and the optimizers alike."""
-    return bool(_settings()["enabled"])
+    ``HOROVOD_ELASTIC``, as the engine's config reads it, from ``settings`` when given): the one
+    check, for the engine's start and the optimizers alike."""
+    return bool(_settings(settings)["enabled"])
 
 
 _host_listeners: List[Callable[[int, HostUpdateResult], None]] = []
@@ -127,10 +128,9 @@ def timeout_s(environ: Optional[Dict[str, str]] = None,
 class _Worker:
     """This process's standing in the elastic job."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Dict[str, Any]) -> None:
         from .. import _core
 
-        settings = _settings()
         self.host = str(settings["hostname"])
         self.local_rank = int(settings["local_rank"])  # type: ignore[call-overload]
         # The epoch the launcher started this process for; it joins that one or a newer one.
@@ -248,14 +248,15 @@ class _Worker:
 _worker: Optional[_Worker] = None
 
 
-def join_next() -> int:
+def join_next(settings: Optional[Any] = None) -> int:
     """Waits for the job's next membership and takes this worker's place in it (see the
-    module doc); returns its epoch, the generation to form the job with. Raises
+    module doc); returns its epoch, the generation to form the job with. ``settings``: the
+    ``_core.Settings`` that ``init()`` read (else the environment is read now). Raises
     ``SystemExit(0)`` when the launcher removed this worker, and a ferrovod error when the
     job was stopped or the elastic timeout passed."""
     global _worker
     if _worker is None:
-        _worker = _Worker()
+        _worker = _Worker(_settings(settings))
     return _worker.join_next()
 
 

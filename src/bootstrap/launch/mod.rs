@@ -114,8 +114,8 @@ pub struct LaunchInfo {
 impl LaunchInfo {
     /// Open MPI or Hydra started more than one rank and no rendezvous address was given: the
     /// ranks can only find each other through one exchange over MPI (Python's `init()` does
-    /// it with mpi4py and passes the result back in through
-    /// [`crate::config::Config::from_env_with`]).
+    /// it with mpi4py and passes the result to the binding's `init`, which parses it with the
+    /// environment it read: [`crate::config::Config::from_lookup_with`]).
     pub fn needs_mpi_rendezvous(&self) -> bool {
         matches!(self.launcher, Launcher::OpenMpi | Launcher::Hydra)
             && self.size > 1

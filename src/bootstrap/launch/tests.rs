@@ -460,7 +460,7 @@ fn tf_config_errors_say_what_is_wrong() {
 
 #[test]
 fn overrides_from_the_mpi_exchange_complete_an_mpi_launch() {
-    // What Config::from_env_with layers over the environment.
+    // What Config::from_lookup_with layers over the environment.
     let c = cfg(&[
         ("OMPI_COMM_WORLD_RANK", "2"),
         ("OMPI_COMM_WORLD_SIZE", "3"),
