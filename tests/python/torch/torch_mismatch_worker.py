@@ -1,9 +1,11 @@
 """Ranks that wrap different parameters in DistributedOptimizer get a clear error, not a hang.
 
-usage: torch_mismatch_worker.py KIND   (KIND: extra | shape)
+usage: torch_mismatch_worker.py KIND...   (KIND: extra | shape)
 
-The last rank builds a model that differs (one extra layer, or one layer of another width);
-every rank must raise ValueError naming the difference. Prints ``OK <n_checks>``.
+For each KIND in turn, the last rank builds a model that differs (one extra layer, or one layer
+of another width); every rank must raise ValueError naming the difference, and the job must
+stay usable (an allreduce is checked after each). Prints ``error <kind>: <message>`` for each,
+then ``OK <n_checks>``.
 """
 
 import sys
@@ -19,21 +21,23 @@ import ferrovod.torch as hvd  # noqa: E402
 
 
 def main():
-    kind = sys.argv[1]
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     odd = r == n - 1
-    layers = [torch.nn.Linear(4, 5 if (odd and kind == "shape") else 6)]
-    if odd and kind == "extra":
-        layers.append(torch.nn.Linear(6, 6))
-    model = torch.nn.Sequential(*layers)
     ck = T.Checker(r)
-    e = ck.raises(ValueError, lambda: hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()),
-        "different parameters", contains=("different parameters", f"rank {n - 1}"))
-    print(f"error: {e}", flush=True)
-    # the job is still usable afterwards
-    ck.equal(float(hvd.allreduce(torch.ones(1), op=hvd.Sum)), float(n), "allreduce afterwards")
+    for kind in sys.argv[1:]:
+        layers = [torch.nn.Linear(4, 5 if (odd and kind == "shape") else 6)]
+        if odd and kind == "extra":
+            layers.append(torch.nn.Linear(6, 6))
+        model = torch.nn.Sequential(*layers)
+        e = ck.raises(ValueError, lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters()),
+            f"{kind}: different parameters", contains=("different parameters", f"rank {n - 1}"))
+        print(f"error {kind}: {e}", flush=True)
+        # the job is still usable afterwards
+        ck.equal(float(hvd.allreduce(torch.ones(1), op=hvd.Sum)), float(n),
+                 f"allreduce after the {kind} error")
     hvd.shutdown()
     return ck.count
 
