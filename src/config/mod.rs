@@ -241,6 +241,28 @@ fn auto_or_flag(key: &str, v: &str) -> Result<Option<bool>> {
     }
 }
 
+/// The process environment, read once: every variable whose name and value are UTF-8 (as
+/// `std::env::var` would see them). Settings parsed from one reading agree with each other,
+/// whatever changes the environment meanwhile (the binding's `Settings`).
+#[derive(Debug, Clone, Default)]
+pub struct Environment(std::collections::HashMap<String, String>);
+
+impl Environment {
+    /// Reads the process environment now.
+    pub fn read() -> Environment {
+        Environment(
+            std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                .collect(),
+        )
+    }
+
+    /// The value of `name` in this reading.
+    pub fn get(&self, name: &str) -> Option<String> {
+        self.0.get(name).cloned()
+    }
+}
+
 impl Config {
     /// Reads the process environment.
     pub fn from_env() -> Result<Config> {

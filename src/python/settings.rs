@@ -3,21 +3,19 @@
 //! and hands the same object to `init`, so the variables are read and parsed once, and the
 //! engine starts with exactly what Python looked at.
 
-use std::collections::HashMap;
-
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::errors::to_pyerr;
-use crate::config::Config;
+use crate::config::{Config, Environment};
 use crate::error::Result;
 
 /// The environment of one `init()`, and the settings parsed from it.
 #[pyclass(module = "ferrovod._core", frozen)]
 pub(super) struct Settings {
-    /// Every variable with a UTF-8 name and value, as read once; the rendezvous found over
-    /// MPI is parsed with it (see [`Settings::config_with`]).
-    env: HashMap<String, String>,
+    /// The environment as read once; the rendezvous found over MPI is parsed with it (see
+    /// [`Settings::config_with`]).
+    env: Environment,
     config: Config,
     with_launch: bool,
 }
@@ -30,7 +28,7 @@ impl Settings {
         if (addr, secret) == (None, None) {
             return Ok(self.config.clone());
         }
-        Config::from_lookup_with(|k| self.env.get(k).cloned(), addr, secret)
+        Config::from_lookup_with(|k| self.env.get(k), addr, secret)
     }
 
     /// The parsed settings as they are.
@@ -52,10 +50,8 @@ impl Settings {
 #[pyfunction]
 #[pyo3(signature = (with_launch=true))]
 fn read_settings(with_launch: bool) -> PyResult<Settings> {
-    let env: HashMap<String, String> = std::env::vars_os()
-        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .collect();
-    let get = |k: &str| env.get(k).cloned();
+    let env = Environment::read();
+    let get = |k: &str| env.get(k);
     let config = if with_launch {
         Config::from_lookup(get)
     } else {
