@@ -286,16 +286,11 @@ impl Config {
         })
     }
 
-    /// Reads the process environment's settings but not its launch, for a job whose rank and
-    /// size come from elsewhere (torch.distributed's front end hands them in): a launcher's
-    /// variables there are not this job's, and half of a pair (torch's test harness sets
-    /// `WORLD_SIZE` without `RANK`) must not fail it. `launch` is a one-rank placeholder holding
-    /// only `FERROVOD_SECRET`'s secret, for the caller to fill in.
-    pub fn from_env_without_launch() -> Result<Config> {
-        Config::read(|k| std::env::var(k).ok(), false)
-    }
-
-    /// [`Config::from_env_without_launch`] through `get`.
+    /// Reads settings through `get` but not the launch, for a job whose rank and size come
+    /// from elsewhere (torch.distributed's front end hands them in): a launcher's variables
+    /// there are not this job's, and half of a pair (torch's test harness sets `WORLD_SIZE`
+    /// without `RANK`) must not fail it. `launch` is a one-rank placeholder holding only
+    /// `FERROVOD_SECRET`'s secret, for the caller to fill in.
     pub fn from_lookup_without_launch(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         Config::read(get, false)
     }
@@ -306,7 +301,7 @@ impl Config {
     }
 
     /// Reads settings through `get`; the launch from the launcher's variables when `detect`,
-    /// else the placeholder [`Config::from_env_without_launch`] describes.
+    /// else the placeholder [`Config::from_lookup_without_launch`] describes.
     fn read(get: impl Fn(&str) -> Option<String>, detect: bool) -> Result<Config> {
         let lookup = |name: &str| -> Option<(String, String)> {
             let var = VARS.iter().find(|v| v.name == name);

@@ -182,18 +182,17 @@ fn nccl_unique_id(
     process_set_id: u32,
     comm_index: u32,
 ) -> PyResult<Bound<'_, PyBytes>> {
-    use super::{slot, with_engine};
+    use super::with_slot;
     use crate::backend::nccl::{unique_id_key, Nccl};
     use crate::bootstrap::tcp_store::TcpStore;
-    let (ranks, rank) = with_engine(|e| Ok((e.process_set(process_set_id), e.topology().rank)))?;
-    let (generation, store, timeout) = {
-        let guard = slot().lock();
-        guard
-            .as_ref()
-            .expect("with_engine found it")
-            .exchange
-            .clone()
-    };
+    let (ranks, rank, (generation, store, timeout)) = with_slot(|s| {
+        let e = &s.engine;
+        Ok((
+            e.process_set(process_set_id),
+            e.topology().rank,
+            s.exchange.clone(),
+        ))
+    })?;
     let ranks = ranks.ok_or_else(|| {
         to_pyerr(Error::InvalidArgument(format!(
             "no process set {process_set_id}"

@@ -49,26 +49,21 @@ fn slot() -> &'static Mutex<Option<Slot>> {
     ENGINE.get_or_init(|| Mutex::new(None))
 }
 
-/// Whether the live engine runs with shared memory off (`FERROVOD_SHM_DISABLE`); fails as
-/// [`with_engine`] does without one.
+/// Whether the live engine runs with shared memory off (`FERROVOD_SHM_DISABLE`).
 fn shm_disabled() -> PyResult<bool> {
-    let live = slot()
-        .lock()
-        .as_ref()
-        .filter(|s| s.forks == forks())
-        .map(|s| s.shm_disable);
-    match live {
-        Some(off) => Ok(off),
-        // with_engine's error: not initialized, or a forked child.
-        None => with_engine(|_| Ok(true)),
-    }
+    with_slot(|s| Ok(s.shm_disable))
 }
 
 /// Runs `f` with the live engine, or fails as Horovod does before `init()` (and after a fork).
 fn with_engine<T>(f: impl FnOnce(&Engine) -> PyResult<T>) -> PyResult<T> {
+    with_slot(|s| f(&s.engine))
+}
+
+/// Runs `f` with the live engine's slot, or fails as [`with_engine`] says.
+fn with_slot<T>(f: impl FnOnce(&Slot) -> PyResult<T>) -> PyResult<T> {
     let guard = slot().lock();
     match guard.as_ref() {
-        Some(s) if s.forks == forks() => f(&s.engine),
+        Some(s) if s.forks == forks() => f(s),
         Some(_) => Err(to_pyerr(Error::NotInitialized(
             "ferrovod cannot be used in a process forked after init() (e.g. a data-loader \
              worker); call ferrovod.init() in the child if it needs its own job"

@@ -200,7 +200,7 @@ fn given_secret(lookup: &Lookup<'_>) -> Result<Option<Vec<u8>>> {
 }
 
 /// The launch of a job whose rank and size are handed in rather than read from a launcher's
-/// variables (see `Config::from_env_without_launch`): one rank, and the secret the user set.
+/// variables (see `Config::from_lookup_without_launch`): one rank, and the secret the user set.
 pub fn placeholder(lookup: &Lookup<'_>) -> Result<LaunchInfo> {
     Ok(alone(given_secret(lookup)?))
 }
