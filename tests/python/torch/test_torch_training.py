@@ -57,22 +57,19 @@ def test_digits_example_reaches_95_percent():
         (HERE / "_digits_checkpoint.pt").unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_sharded_through_rings_without_host_memory(n):
-    """With shared memory off the sharded update reduce-scatters and allgathers through the
-    engine (the path ranks on several hosts take); the default runs above share host memory."""
-    res = run_job(n, HERE / "torch_train_worker.py", 60 + n, "sharded", timeout=180,
-                  env={"FERROVOD_SHM_DISABLE": "1"})
-    assert_ok(res, n, min_checks=50)
-
-
-def test_flat_gradients_through_rings_without_host_memory():
+@pytest.mark.parametrize("n,sections", [(2, "sharded"), (3, "optimizer,sharded")])
+def test_flat_and_sharded_through_rings_without_host_memory(n, sections):
     """With shared memory off the flat gradient buffer is reduced by one in-place allreduce
-    through the engine (the path ranks on several hosts take); the default runs above reduce
-    it in host memory."""
-    res = run_job(3, HERE / "torch_train_worker.py", 70, "optimizer", timeout=180,
+    through the engine, and the sharded update reduce-scatters and allgathers through it (the
+    paths ranks on several hosts take); the default runs above share host memory. Both in one
+    job of 3 ranks, with every gradient submitted at step() (FERROVOD_OVERLAP=0), which the
+    flat buffer needs and the sharded update always does."""
+    res = run_job(n, HERE / "torch_train_worker.py", 60 + n, sections, timeout=180,
                   env={"FERROVOD_SHM_DISABLE": "1", "FERROVOD_OVERLAP": "0"})
-    assert_ok(res, 3, min_checks=20)
+    assert_ok(res, n, min_checks=50)
+    for r in range(n):
+        done = [m.group(1) for m in lines_matching(res, r, r"^section (\w+):")]
+        assert done == sections.split(","), f"rank {r} ran sections {done}\n{describe(res)}"
 
 
 @pytest.mark.parametrize("where", ["before_step", "after_reduce"])
