@@ -49,6 +49,11 @@ HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
 REPO = HERE.parent.parent
 
+# Every process the suite starts (pytest's own are started already) runs site/sitecustomize.py,
+# which makes Python's garbage collector run less often while TensorFlow is imported.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(HERE / "site"), os.environ.get("PYTHONPATH")]))
+
 # A launch environment that init() could pick up; tests that want "no launcher at all" drop it.
 LAUNCH_ENV_PREFIXES = ("FERROVOD_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_", "HYDRA_")
 LAUNCH_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
