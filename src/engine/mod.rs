@@ -10,8 +10,8 @@
 mod door;
 mod entry;
 pub mod fast;
+mod flat_step;
 mod handle;
-mod host_reduce;
 mod pool;
 mod progress;
 mod tensor;
@@ -37,8 +37,10 @@ pub use crate::bootstrap::Topology;
 pub use crate::control::message::{DeviceKind, Op, TensorMeta};
 pub use crate::control::names::NameClaim;
 pub use door::{Door, Ran};
+pub use flat_step::{
+    gather_shards_in_host_memory, reduce_shard_in_host_memory, FlatSpec, FlatStep, Route,
+};
 pub use handle::{Handle, Output};
-pub use host_reduce::{gather_shards_in_host_memory, reduce_shard_in_host_memory};
 pub use pool::PageBuf;
 pub use progress::Progress;
 pub use tensor::TensorBuf;

@@ -1,181 +1,164 @@
-//! Host memory for Python (see `transport::host_memory`): segments every rank of a host maps,
-//! which NumPy and torch view without a copy, and the reduce that reads them in place.
+//! A training step's flat buffer for Python (the engine's `FlatStep`): memory the optimizer's
+//! tensors view without a copy, and the calls that reduce it.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::ops::Range;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 
 use super::errors::to_pyerr;
 use super::op::{reduce_op, wait_interruptibly};
 use super::with_engine;
+use crate::engine::{FlatSpec, FlatStep, Route};
 use crate::error::Error;
-use crate::transport::host_memory::{Exposed, HostMemory, Segment};
-use crate::types::{DType, ReduceOp, Reduction};
+use crate::transport::host_memory::Segment;
+use crate::types::DType;
 
-/// This rank's new segment and the socket that hands it to the other ranks, until `share`.
-#[pyclass(module = "ferrovod._core")]
-struct HostExposed {
-    inner: Option<Exposed>,
+/// A step's flat buffer (the engine's `FlatStep`).
+#[pyclass(module = "ferrovod._core", name = "FlatStep", frozen)]
+struct PyFlatStep {
+    inner: FlatStep,
 }
 
-/// A new segment of `nbytes` zero bytes to share with the other ranks of this host, or `None`
-/// when the running engine has shared memory off (`FERROVOD_SHM_DISABLE`).
+/// The flat buffer of `count` elements of dtype code `dtype` for the ranks of process set
+/// `set_id` (`rank` of `size`), named `name`, with the parameters of a sharded update when
+/// `sharded`. A collective over the set unless `alone` (an elastic worker's, made while its
+/// peers are busy), in which the ranks agree whether they share host memory; `None` on every
+/// rank when some rank has no memory for it. The GIL is released meanwhile.
 #[pyfunction]
-fn expose_host_memory(nbytes: usize) -> PyResult<Option<HostExposed>> {
-    if super::shm_disabled()? {
-        return Ok(None);
-    }
-    let inner = Exposed::new(nbytes).map_err(to_pyerr)?;
-    Ok(Some(HostExposed { inner: Some(inner) }))
+#[pyo3(signature = (name, set_id, rank, size, count, dtype, sharded, alone=false))]
+#[allow(clippy::too_many_arguments)] // the Python function's arguments, as it is called
+fn flat_step(
+    py: Python<'_>,
+    name: String,
+    set_id: u32,
+    rank: usize,
+    size: usize,
+    count: usize,
+    dtype: u8,
+    sharded: bool,
+    alone: bool,
+) -> PyResult<Option<PyFlatStep>> {
+    let dtype = DType::from_code(dtype).map_err(to_pyerr)?;
+    let share = !super::shm_disabled()?;
+    let spec = FlatSpec {
+        set_id,
+        rank,
+        size,
+        name,
+        count,
+        dtype,
+        sharded,
+        share,
+        alone,
+    };
+    let door = with_engine(|e| Ok(e.door()))?;
+    let step = wait_interruptibly(py, |stop| door.flat_step(spec, stop))?;
+    Ok(step.map(|inner| PyFlatStep { inner }))
 }
 
 #[pymethods]
-impl HostExposed {
-    /// The bytes the other ranks need to map this segment (exchange them by an allgather).
-    fn address<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let e = self.inner.as_ref().ok_or_else(shared_already)?;
-        Ok(PyBytes::new(py, &e.address()))
+impl PyFlatStep {
+    /// Whether the ranks reduce in the host memory they all map (else through the rings).
+    #[getter]
+    fn shared(&self) -> bool {
+        self.inner.route() == Route::HostMemory
     }
 
-    /// Maps every reachable rank's segment (`addresses` in rank order, `rank` this one's),
-    /// handing this one to every rank that asks; the GIL is released meanwhile. Every rank
-    /// must call it (a collective). Once only.
-    fn share(
-        &mut self,
-        py: Python<'_>,
-        addresses: Vec<Vec<u8>>,
-        rank: usize,
-        timeout_s: f64,
-    ) -> PyResult<PyHostMemory> {
-        let e = self.inner.take().ok_or_else(shared_already)?;
-        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
-        let mem = py
-            .detach(move || e.share(&addresses, rank, timeout))
-            .map_err(to_pyerr)?;
-        Ok(PyHostMemory {
-            inner: Arc::new(mem),
-        })
-    }
-}
-
-fn shared_already() -> PyErr {
-    to_pyerr(Error::InvalidArgument(
-        "this host memory was shared already".into(),
-    ))
-}
-
-/// The segments of the ranks of one host, this rank's among them.
-#[pyclass(module = "ferrovod._core", name = "HostMemory")]
-struct PyHostMemory {
-    inner: Arc<HostMemory>,
-}
-
-#[pymethods]
-impl PyHostMemory {
-    /// Which ranks' segments are mapped here, in rank order.
-    fn mapped(&self) -> Vec<bool> {
-        self.inner.mapped()
+    /// This rank's gradient buffer, for `numpy.asarray` (which keeps it mapped).
+    fn grads(&self) -> HostSegment {
+        let (seg, range) = self.inner.grads();
+        HostSegment { seg, range }
     }
 
-    /// Rank `rank`'s segment, for `numpy.asarray` (which keeps it mapped).
-    fn segment(&self, rank: usize) -> PyResult<HostSegment> {
-        self.inner
-            .segment(rank)
-            .map(|seg| HostSegment { seg })
-            .ok_or_else(|| {
-                to_pyerr(Error::InvalidArgument(format!(
-                    "host memory: rank {rank}'s segment is not mapped here"
-                )))
-            })
-    }
-
-    /// The sharded update's reduction (the engine's `Door::reduce_shard_if_all_ready`): the
-    /// ranks of process set `set_id` agree under `name` whether every one is `ready`, and if
-    /// all are, bytes `shard = (offset, nbytes)` of every rank's segment are reduced into this
-    /// rank's (`reduction = (dtype, op, postscale)`, the engine's codes; Average divides by the
-    /// ranks). Returns the agreement; the GIL is released meanwhile. No rank may write its
-    /// shard until the ranks meet again.
-    fn reduce_shard_if_all_ready(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        set_id: u32,
-        ready: bool,
-        shard: (usize, usize),
-        reduction: (u8, u8, f64),
-    ) -> PyResult<bool> {
-        let (offset, nbytes) = shard;
-        let (dtype, op) = codes(reduction.0, reduction.1)?;
-        let red = Reduction::over(dtype, op, reduction.2, self.inner.mapped().len());
-        let end = offset.checked_add(nbytes).ok_or_else(|| {
-            to_pyerr(Error::InvalidArgument(format!(
-                "host memory: {nbytes} bytes from {offset}"
-            )))
+    /// The parameters a sharded update's model views (on host memory the one copy every rank
+    /// views), for `numpy.asarray`.
+    fn params(&self) -> PyResult<HostSegment> {
+        let (seg, range) = self.inner.params().ok_or_else(|| {
+            to_pyerr(Error::InvalidArgument(
+                "this flat buffer holds no parameters (it was made without sharded)".into(),
+            ))
         })?;
-        let door = with_engine(|e| Ok(e.door()))?;
-        let mem = &self.inner;
-        wait_interruptibly(py, |stop| {
-            door.reduce_shard_if_all_ready(mem, offset..end, red, ready, (set_id, name, stop))
-        })
+        Ok(HostSegment { seg, range })
     }
 
-    /// Reduces the first `nbytes` of every rank's segment (`dtype`, `op` as the engine's
-    /// codes: Sum, or Average dividing by the ranks) times `postscale` into every rank's, the
-    /// ranks of process set `set_id` meeting under `name` (see the engine's
-    /// `Door::allreduce_in_host_memory`); the GIL is released meanwhile. A collective: every
-    /// rank's bytes must be final when it calls.
-    #[allow(clippy::too_many_arguments)] // the Python method's arguments, as it is called
+    /// This rank's shard of either buffer, as (first byte, bytes).
+    fn shard(&self) -> (usize, usize) {
+        let r = self.inner.shard();
+        (r.start, r.len())
+    }
+
+    /// Whether every rank is `ready`; if all are, every rank's gradients, each times
+    /// `prescale`, reduced with `op` (the engine's code: Sum, or Average over the ranks) times
+    /// `postscale` into each rank's. Returns the agreement. A collective; the GIL is released
+    /// meanwhile.
     fn allreduce(
         &self,
         py: Python<'_>,
-        name: &str,
-        set_id: u32,
-        nbytes: usize,
-        dtype: u8,
+        ready: bool,
         op: u8,
+        prescale: f64,
         postscale: f64,
-    ) -> PyResult<()> {
-        let (dtype, op) = codes(dtype, op)?;
-        let red = Reduction::over(dtype, op, postscale, self.inner.mapped().len());
+    ) -> PyResult<bool> {
+        let op = reduce_op(op)?;
         let door = with_engine(|e| Ok(e.door()))?;
-        let mem = &self.inner;
         wait_interruptibly(py, |stop| {
-            door.allreduce_in_host_memory(mem, set_id, name, nbytes, red, stop)
+            self.inner
+                .allreduce(&door, ready, op, (prescale, postscale), stop)
         })
+    }
+
+    /// As `allreduce`, but only this rank's shard of the gradients is reduced: the sharded
+    /// update's reduction. No rank may write its gradients until `publish`.
+    fn reduce_shard(
+        &self,
+        py: Python<'_>,
+        ready: bool,
+        op: u8,
+        prescale: f64,
+        postscale: f64,
+    ) -> PyResult<bool> {
+        let op = reduce_op(op)?;
+        let door = with_engine(|e| Ok(e.door()))?;
+        wait_interruptibly(py, |stop| {
+            self.inner
+                .reduce_shard(&door, ready, op, (prescale, postscale), stop)
+        })
+    }
+
+    /// Makes every rank's writes to its shard of the parameters visible to every rank. A
+    /// collective; the GIL is released meanwhile.
+    fn publish(&self, py: Python<'_>) -> PyResult<()> {
+        let door = with_engine(|e| Ok(e.door()))?;
+        wait_interruptibly(py, |stop| self.inner.publish(&door, stop))
     }
 }
 
-/// A dtype and a reduction from their engine codes, or an error that names the bad one.
-fn codes(dtype: u8, op: u8) -> PyResult<(DType, ReduceOp)> {
-    Ok((DType::from_code(dtype).map_err(to_pyerr)?, reduce_op(op)?))
-}
-
-/// One rank's segment as NumPy sees it: `__array_interface__`, a writable 1-d uint8 view;
-/// NumPy keeps this object, and so the mapping, alive as the array's base.
-#[pyclass(module = "ferrovod._core")]
+/// Bytes of one rank's segment as NumPy sees them: `__array_interface__`, a writable 1-d uint8
+/// view; NumPy keeps this object, and so the mapping, alive as the array's base.
+#[pyclass(module = "ferrovod._core", frozen)]
 struct HostSegment {
     seg: Segment,
+    range: Range<usize>,
 }
 
 #[pymethods]
 impl HostSegment {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        super::op::array_interface(py, self.seg.as_ptr(), self.seg.len())
+        let start = self.seg.as_ptr().wrapping_add(self.range.start);
+        super::op::array_interface(py, start, self.range.len())
     }
 
     fn __len__(&self) -> usize {
-        self.seg.len()
+        self.range.len()
     }
 }
 
 /// Adds this module's classes and functions to `ferrovod._core`.
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<HostExposed>()?;
-    m.add_class::<PyHostMemory>()?;
+    m.add_class::<PyFlatStep>()?;
     m.add_class::<HostSegment>()?;
-    m.add_function(wrap_pyfunction!(expose_host_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(flat_step, m)?)?;
     Ok(())
 }

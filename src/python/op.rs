@@ -22,7 +22,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(allreduce_now, m)?)?;
     m.add_function(wrap_pyfunction!(reject, m)?)?;
-    m.add_function(wrap_pyfunction!(meet, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<OwnedBuffer>()?;
@@ -360,14 +359,6 @@ pub(super) fn wait_interruptibly<T: Send>(
         (_, Some(e)) => Err(e),
         (done, None) => done.map_err(to_pyerr),
     }
-}
-
-/// Returns once every rank of process set `set_id` has called it with `name` (the engine's
-/// meeting, `Door::meet`); the GIL is released meanwhile.
-#[pyfunction]
-fn meet(py: Python<'_>, name: &str, set_id: u32) -> PyResult<()> {
-    let door = with_engine(|e| Ok(e.door()))?;
-    wait_interruptibly(py, |stop| door.meet(set_id, name, stop))
 }
 
 /// Refuses an op on this rank while taking part in its negotiation: the other members of

@@ -155,6 +155,19 @@ impl Exposed {
         })
     }
 
+    /// This segment alone, as rank `rank` of `n` whose other segments are not mapped: memory
+    /// that only collectives through the engine reduce, where the ranks do not share it.
+    pub fn alone(self, rank: usize, n: usize) -> HostMemory {
+        let mut segments = vec![None; n.max(rank + 1)];
+        let len = self.map.len();
+        segments[rank] = Some(self.map);
+        HostMemory {
+            rank,
+            len,
+            segments,
+        }
+    }
+
     /// Hands this segment to each rank of the host that asks for it ([`fetch`]) until
     /// `askers` have had it or `deadline` passes, and returns it. One segment for all ranks
     /// costs each rank one exchange, where [`Exposed::share`] costs each `n - 1`.
@@ -283,6 +296,37 @@ impl HostMemory {
     /// Rank `r`'s segment: its first byte and length, valid while the returned handle lives.
     pub fn segment(&self, r: usize) -> Option<Segment> {
         self.segments.get(r)?.clone().map(|map| Segment { map })
+    }
+
+    /// This rank's segment alone, the others unmapped (see [`Exposed::alone`]).
+    pub fn alone(mut self) -> HostMemory {
+        for (r, seg) in self.segments.iter_mut().enumerate() {
+            if r != self.rank {
+                *seg = None;
+            }
+        }
+        self
+    }
+
+    /// Runs `f` over `range` of this rank's segment (writable), whether or not the others are
+    /// mapped; `InvalidArgument` when the range is outside the segment. As for
+    /// [`HostMemory::with_range`], the caller's protocol keeps other ranks from writing it.
+    pub fn with_own<T>(
+        &self,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> Result<T>,
+    ) -> Result<T> {
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "host memory: bytes {range:?} of a {}-byte segment",
+                self.len
+            )));
+        }
+        let own = self.segments[self.rank]
+            .as_ref()
+            .expect("this rank's own segment is always mapped");
+        let mut bytes = own.bytes_mut(range.start, range.len());
+        f(&mut bytes)
     }
 
     /// Runs `f` over `range` of this rank's segment (writable) and of every other rank's (a
@@ -423,6 +467,35 @@ mod tests {
             .unwrap();
             assert!(m.with_range(4000..4097, |_, _| Ok(())).is_err());
         }
+    }
+
+    #[test]
+    fn a_segment_alone_is_this_ranks_own_bytes_and_nothing_else() {
+        let mut mems = share_among(2, 64).into_iter();
+        let shared = mems.next().unwrap();
+        let alone = shared.alone();
+        assert_eq!(alone.mapped(), vec![true, false]);
+        assert!(alone.segment(1).is_none());
+        assert!(alone.with_range(0..8, |_, _| Ok(())).is_err());
+        alone
+            .with_own(8..16, |own| {
+                own.copy_from_slice(&[5; 8]);
+                Ok(())
+            })
+            .unwrap();
+        alone
+            .with_own(0..16, |own| {
+                assert_eq!(own[..8], [0; 8]);
+                assert_eq!(own[8..], [5; 8]);
+                Ok(())
+            })
+            .unwrap();
+        assert!(alone.with_own(60..65, |_| Ok(())).is_err());
+        let solo = Exposed::new(32).unwrap().alone(2, 3);
+        assert_eq!(solo.mapped(), vec![false, false, true]);
+        assert_eq!(solo.rank(), 2);
+        let len = solo.with_own(0..32, |own| Ok(own.len())).unwrap();
+        assert_eq!(len, 32);
     }
 
     #[test]

@@ -24,31 +24,29 @@ gradients are where the update reads them. A gradient that backward created else
 cache. Any rank with a sparse gradient (without ``sparse_as_dense``) makes every rank take the
 per-bucket path for that step. In paired steps of that MLP (12.6 MB of gradients) a step took
 0.4-1.5 ms less than with 4 MiB buckets. When the ranks share a host, the flat buffer lives in
-host memory they all map and is reduced there, as the sharded optimizer reduces its shards
-(see :class:`ferrovod._host_memory.SharedFlat`).
+host memory they all map and is reduced there, as the sharded optimizer reduces its shards:
+the buffer is the engine's step object (:mod:`ferrovod._host_memory`), which agrees with the
+other ranks that every one is ready, meets them as its memory needs and chooses the route.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 
-from .. import _api, _defaults, _host_memory
+from .. import _host_memory
 from ..elastic import membership as _elastic
-from .._api import Adasum, Average, Sum, allgather_object
+from .._api import Adasum, Average, Sum
 from .._arguments import _instance_number
-from .._groups import split_evenly
-from ..runner.cpus import BIND_VAR, usable_cpu_count
 from ..process_sets import ProcessSet, global_process_set
 from . import ops
+from ._optimizer_setup import (buckets, check_same_parameters, chosen_groups, overlap_wanted,
+                               parameter_names)
 from .compression import Compression, Compressor
-from .sharded import Shards, check_shardable, share_host_memory
+from .sharded import Shards, check_shardable, clear_grads
 
 __all__ = ["DistributedOptimizer"]
 
@@ -69,7 +67,7 @@ class _DistributedMixin:
         self.process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
         all_params = [p for g in self.param_groups for p in g["params"]]  # type: ignore[attr-defined]
-        self._parameter_names = self._names(named_parameters, all_params)
+        self._parameter_names = parameter_names(named_parameters, all_params)
         self._requires_update = [p for p in all_params if p.requires_grad]
         self._allreduce_delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step
                                                            for p in self._requires_update}
@@ -83,17 +81,17 @@ class _DistributedMixin:
         # reduction, which go back to sparse before the update (see _resparsify).
         self._densified: Dict[torch.Tensor, int] = {}
         self._shards: Optional[Shards] = None
-        # The flat gradient buffer in host memory shared with the set (see _share_flat).
-        self._host: Optional[_host_memory.SharedFlat] = None
+        # The engine's step object that holds the flat buffer and reduces it (see _make_flat).
+        self._step: Optional[Any] = None
         if sharded:
             check_shardable(type(self), self._why_not_flat(), overlap)
             overlap = False
-        self.overlap = _overlap_wanted(overlap, self._requires_update)
+        self.overlap = overlap_wanted(overlap, self._requires_update)
         # Buckets made here (groups=None), rather than groups the user chose: a parameter
         # whose gradient turns out sparse leaves its bucket instead of failing the step.
         self._auto_groups = groups is None
         self._setup_groups(groups if groups is not None
-                           else _buckets(self._requires_update, int(bucket_cap_mb * 2**20)))
+                           else buckets(self._requires_update, int(bucket_cap_mb * 2**20)))
         # The flat gradient buffer (see the module doc), its views by parameter, its op's name.
         self._flat: Optional[torch.Tensor] = None
         self._views: Dict[torch.Tensor, torch.Tensor] = {}
@@ -112,14 +110,14 @@ class _DistributedMixin:
             # their state sync: a collective here would never meet its peers. A parameter
             # the ranks disagree on still fails every rank at the first step, by name.
             if not elastic:
-                self._check_same_parameters(
-                    _instance_number("DistributedOptimizer", process_set))
+                check_same_parameters(
+                    [(self._parameter_names[p], tuple(p.shape), str(p.dtype))
+                     for p in self._requires_update],
+                    process_set, _instance_number("DistributedOptimizer", process_set))
             if not self.overlap:
-                self._make_flat()
+                self._make_flat(sharded, elastic)
             if sharded:
                 self._make_shards()
-            elif self._flat is not None and not elastic:
-                self._share_flat()
             self._register_hooks()
 
     @property
@@ -136,44 +134,8 @@ class _DistributedMixin:
 
     # ------------------------------------------------------------------ set-up
 
-    @staticmethod
-    def _names(named: Optional[Sequence[Tuple[str, torch.Tensor]]],
-               all_params: List[torch.Tensor]) -> Dict[torch.Tensor, str]:
-        # Horovod's names: each gradient's allreduce is then ``allreduce.<name>``, and an
-        # unnamed parameter's ``allreduce.allreduce.noname.<i>``, apart from unnamed ops.
-        if named is None:
-            return {p: f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
-        named = list(named)
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-        names = [n for n, _ in named]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. "
-                             f"Found duplicates: {', '.join(dups)}")
-        by_param = {p: n for n, p in named}
-        unnamed = [i for i, p in enumerate(all_params) if p not in by_param]
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters "
-                             f"were not named (optimizer parameter indices {unnamed}). Python "
-                             "object ids: " + ", ".join(str(id(all_params[i])) for i in unnamed))
-        return {p: by_param[p] for p in all_params}
-
     def _setup_groups(self, groups: Any) -> None:
-        if groups is None or groups == 0:
-            return
-        if isinstance(groups, int):
-            if groups < 0:
-                raise ValueError("groups must be a non-negative integer or a list of lists")
-            self._groups = split_evenly(self._requires_update, groups)
-        else:
-            known = set(self._requires_update)
-            self._groups = []
-            for g in groups:
-                g = [p for p in g if p in known]
-                if g:
-                    self._groups.append(g)
+        self._groups = chosen_groups(groups, self._requires_update)
         for i, g in enumerate(self._groups):
             for p in g:
                 if p in self._group_of:
@@ -200,76 +162,50 @@ class _DistributedMixin:
                     f"{bad[:4]}")
         return None
 
-    def _make_flat(self) -> None:
+    def _make_flat(self, sharded: bool, elastic: bool) -> None:
         """Sets up the flat gradient buffer when every gradient can live in it: dense,
         contiguous parameters of one floating dtype on the CPU, no compression (it makes new
-        tensors), Average or Sum. Gradients that exist already move in; the others are
-        adopted by their hooks."""
+        tensors), Average or Sum. The buffer is the engine's step object's (with room for the
+        parameters when ``sharded``), made with the other ranks (one host: in memory they all
+        map) except in an elastic job, whose peers may be busy. Gradients that exist already
+        move in; the others are adopted by their hooks."""
         if self._why_not_flat() is not None:
             return
         params = self._requires_update
-        dtype = params[0].dtype
-        self._flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        self._flat_name = f"flat_grads.{self._parameter_names[params[0]]}"
+        step = _host_memory.flat_step(
+            self._flat_name, sum(p.numel() for p in params),
+            ops._code(params[0], "DistributedOptimizer"), self.process_set,
+            ops._set_rank(self.process_set), ops._set_size(self.process_set), sharded,
+            alone=elastic)
+        if step is None:
+            if sharded:
+                raise ValueError("sharded=True needs the gradients in one flat buffer, and some "
+                                 "rank has no memory for it (its log says why)")
+            return
+        self._step = step
+        self._flat = torch.from_numpy(_host_memory.view(step.grads())).view(params[0].dtype)
         offset = 0
         for p in params:
             self._views[p] = self._flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
             if p.grad is not None:
                 self._adopt(p)
-        self._flat_name = f"flat_grads.{self._parameter_names[params[0]]}"
 
     def _make_shards(self) -> None:
-        """Moves the parameters into one flat buffer and points each parameter group of the
-        wrapped optimizer at this rank's shard of it (see :mod:`ferrovod.torch.sharded`)."""
-        assert self._flat is not None, "check_shardable admits only flat gradients"
+        """Moves the parameters into the step object's parameter buffer (on one host the one
+        copy every rank views) and points each parameter group of the wrapped optimizer at
+        this rank's shard of it (see :mod:`ferrovod.torch.sharded`)."""
+        assert self._step is not None and self._flat is not None, \
+            "check_shardable admits only flat gradients"
         n, rank = ops._set_size(self.process_set), ops._set_rank(self.process_set)
         groups = self.param_groups  # type: ignore[attr-defined]
-        host = share_host_memory(self._flat, self.process_set, n, rank, f"{self._flat_name}.host")
-        if host is not None:
-            self._move_flat(host[1])
-        self._shards = Shards(groups, self._requires_update, self._flat, n, rank,
-                              (host[0], host[2]) if host is not None else None)
-        if host is not None:
-            # Set rank 0 has filled the parameters every rank now views.
-            self._meet(f"{self._flat_name}.filled")
+        flat = torch.from_numpy(_host_memory.view(self._step.params())).view(self._flat.dtype)
+        self._shards = Shards(groups, self._requires_update, self._flat, flat, n, rank)
+        # Each rank wrote its shard of the parameters; once published every rank sees them all.
+        self._step.publish()
         for g, view in zip(groups, self._shards.views):
             g["params"] = [view]
-
-    def _share_flat(self) -> None:
-        """Moves the flat gradient buffer into host memory that every rank of the set maps,
-        when they all can (one host, shared memory allowed): ``step()`` then reduces it there
-        (:meth:`ferrovod._host_memory.SharedFlat.allreduce`: each rank sums its shard straight
-        from the others' buffers and copies theirs back) instead of through the rings. A
-        collective, like the rest of the constructor."""
-        assert self._flat is not None
-        n, rank = ops._set_size(self.process_set), ops._set_rank(self.process_set)
-        flat = self._flat
-        shared = _host_memory.SharedFlat.create(
-            flat.numel(), flat.element_size(), ops._code(flat, "DistributedOptimizer"),
-            f"{self._flat_name}.host", self.process_set, rank, n)
-        if shared is not None:
-            self._move_flat(torch.from_numpy(shared.own).view(flat.dtype))
-            self._host = shared
-
-    def _move_flat(self, flat: torch.Tensor) -> None:
-        """Moves the flat gradient buffer into ``flat`` (same size), with every view and every
-        gradient that lives in it."""
-        assert self._flat is not None
-        old = self._flat.data_ptr()
-        with torch.no_grad():
-            flat.copy_(self._flat)
-        offset = 0
-        for p in self._requires_update:
-            v = flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is not None and not p.grad.is_sparse and p.grad.data_ptr() == (
-                    old + offset * flat.element_size()):
-                p.grad = v
-            self._views[p] = v
-            offset += p.numel()
-        self._flat = flat
-
-    def _meet(self, name: str) -> None:
-        _host_memory.meet(name, self.process_set)
 
     def _stays_sparse(self, grad: Optional[torch.Tensor]) -> bool:
         """Whether ``grad`` is reduced as a sparse gradient (allgathered), not densified."""
@@ -277,7 +213,7 @@ class _DistributedMixin:
 
     def _adopt(self, p: torch.Tensor) -> None:
         """Moves ``p``'s gradient into its view of the flat buffer, unless it is there already
-        or is sparse (then this step takes the per-bucket path, see ``_flat_ready``)."""
+        or is sparse (then this step takes the per-bucket path, see ``_fill_flat``)."""
         g = p.grad
         v = self._views[p]
         if g is None or self._stays_sparse(g):
@@ -290,21 +226,11 @@ class _DistributedMixin:
             v.copy_(g.to_dense() if g.is_sparse else g)
         p.grad = v
 
-    def _flat_ready(self, prescale: float = 1.0) -> bool:
-        """Whether every rank can reduce this step's gradients in the flat buffer; if so, every
+    def _fill_flat(self) -> bool:
+        """Whether this rank can reduce this step's gradients in the flat buffer; if so, every
         gradient is in its view (zeros for a parameter this pass did not reach, as the
-        per-bucket path sends), multiplied by ``prescale``. The ranks agree in a one-element
-        allreduce (min), so that a sparse gradient on one rank sends them all down the
-        per-bucket path together; a rank gathers its gradients before it agrees, so that on
-        return every rank's flat buffer is final (host memory reads them there)."""
-        ok = self._gather_flat(prescale)
-        agreed = _api.allreduce(np.array([int(ok)], dtype=np.int32), op=_api.Min,
-                                name=f"{self._flat_name}.ok", process_set=self.process_set)
-        return bool(int(agreed[0]))
-
-    def _gather_flat(self, prescale: float) -> bool:
-        """This rank's half of :meth:`_flat_ready`, before the ranks agree: whether it can
-        reduce in the flat buffer, and if so every gradient in its view, times ``prescale``."""
+        per-bucket path sends). The step object agrees with the other ranks on it, so that a
+        sparse gradient on one rank sends them all down the per-bucket path together."""
         ok = not any(self._stays_sparse(p.grad) for p in self._requires_update)
         if ok:
             for p in self._requires_update:
@@ -314,37 +240,7 @@ class _DistributedMixin:
                     p.grad = v
                 else:
                     self._adopt(p)
-            if prescale != 1.0:
-                assert self._flat is not None
-                self._flat.mul_(prescale)
         return ok
-
-    def _check_same_parameters(self, instance: int) -> None:
-        """Fails on every rank, naming the difference, when ranks registered different
-        parameters: their allreduces would never match and training would hang."""
-        desc = [(self._parameter_names[p], tuple(p.shape), str(p.dtype))
-                for p in self._requires_update]
-        digest = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), dtype=np.uint8)
-        seen = _api.allgather(digest, name=f"DistributedOptimizer.{instance}.check",
-                              process_set=self.process_set).reshape(-1, 32)
-        if all((row == seen[0]).all() for row in seen):
-            return
-        every = allgather_object(desc, name=f"DistributedOptimizer.{instance}.params",
-                                 process_set=self.process_set)
-        ranks = self.process_set.ranks
-        lines = []
-        for r, d in zip(ranks, every):
-            if d != every[0]:
-                diff = next((i for i, (a, b) in enumerate(zip(every[0], d)) if a != b),
-                            min(len(d), len(every[0])))
-                mine = d[diff] if diff < len(d) else "nothing"
-                first = every[0][diff] if diff < len(every[0]) else "nothing"
-                lines.append(f"rank {r} has {len(d)} parameters, rank {ranks[0]} has "
-                             f"{len(every[0])}; first difference at position {diff}: rank {r} "
-                             f"{mine} vs rank {ranks[0]} {first}")
-        raise ValueError("DistributedOptimizer: ranks registered different parameters (name, "
-                         "shape, dtype), so their gradient allreduces could never match: "
-                         + "; ".join(lines))
 
     def _register_hooks(self) -> None:
         for p in self._requires_update:
@@ -479,18 +375,8 @@ class _DistributedMixin:
             return
         try:
             pre, post = self._scale()
-            # A pre-scale would have to be applied before the agreement, and the agreement can
-            # still send this step down the per-bucket path, which applies it again.
-            host = self._host if pre == 1.0 else None
-            if self._flat is not None and self._flat_ready():
-                if host is not None:
-                    # Every rank's buffer is final: _flat_ready's agreement was the meeting.
-                    host.allreduce(self.op, post)
-                else:
-                    ops.synchronize(ops.allreduce_async_(
-                        self._flat, name=self._flat_name, op=self.op, prescale_factor=pre,
-                        postscale_factor=post, process_set=self.process_set))
-            else:
+            step = self._step
+            if step is None or not step.allreduce(self._fill_flat(), self.op, pre, post):
                 self._reduce_per_bucket()
             # A sharded step updates shards of the flat buffer, which must stay dense.
             if self._shards is None:
@@ -501,27 +387,14 @@ class _DistributedMixin:
 
     def _reduce_shards(self) -> None:
         """Reduces this rank's shard of the flat gradient buffer, which ends averaged (or
-        summed): straight from the other ranks' buffers when they share host memory, else by
-        an in-place reduce-scatter (the rest of the buffer then holds partial sums)."""
-        assert self._shards is not None
+        summed): the step object agrees with the other ranks that every one's gradients are
+        in and reduces the shard (on one host straight from their buffers)."""
+        assert self._step is not None
         try:
             pre, post = self._scale()
-            host = self._shards.host is not None
-            if host:
-                # The engine agrees, and reduces this rank's shard once every rank's gradients
-                # are final (the agreement is the meeting), in one call.
-                agreed = self._shards.reduce_in_host_memory(
-                    self._gather_flat(pre), self.op, post, f"{self._flat_name}.ok",
-                    self.process_set)
-            else:
-                agreed = self._flat_ready()
-            if not agreed:
+            if not self._step.reduce_shard(self._fill_flat(), self.op, pre, post):
                 raise ValueError("sharded=True cannot reduce sparse gradients; pass "
                                  "sparse_as_dense=True")
-            if not host:
-                ops.synchronize(ops._reducescatter_in_place_async(
-                    self._flat, f"{self._flat_name}.shards", self.op, self.process_set, pre,
-                    post))
         finally:
             self._reset_accumulation()
 
@@ -578,14 +451,10 @@ class _DistributedMixin:
             self._synchronized = False
             self._shards.attach_grads()
             loss = super().step(closure)  # type: ignore[misc]
-            if self._shards.host is not None:
-                # One copy of the parameters: once all have met, every shard is updated and
-                # no rank reads another's gradients any more.
-                self._meet(f"{self._flat_name}.params")
-            else:
-                ops.synchronize(ops._allgather_in_place_async(
-                    self._shards.flat, f"{self._flat_name}.params",
-                    process_set=self.process_set))
+            # Every shard is updated: once published, every rank sees every one (and no rank
+            # reads another's gradients any more).
+            assert self._step is not None
+            self._step.publish()
             return loss
         if self._should_synchronize:
             if self._synchronized:
@@ -607,18 +476,7 @@ class _DistributedMixin:
         if self._shards is None:
             return super().zero_grad(*args, **kwargs)  # type: ignore[misc]
         # The wrapped optimizer holds the shards; the model's gradients are cleared here.
-        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-        for p in self._requires_update:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:  # as torch.optim.Optimizer.zero_grad
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
-                else:
-                    p.grad.requires_grad_(False)
-                p.grad.zero_()
+        clear_grads(self._requires_update, kwargs.get("set_to_none", args[0] if args else True))
         return None
 
     def state_dict(self) -> Dict[str, Any]:
@@ -701,10 +559,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     only its shard of the parameters and holds optimizer state for it alone. It needs dense
     CPU parameters of one floating dtype, no compression, Average or Sum, and an elementwise
     optimizer (SGD, Adam, AdamW, ...; refused otherwise). The model's parameters become views
-    of one flat buffer. When every rank of ``process_set`` is on this host, the ranks share
-    memory: each reduces its shard straight from the others' gradient buffers, and the ranks
-    of the host update one copy of the parameters (set rank 0's values at construction; a
-    write into a parameter on one rank is seen by all). Otherwise gradients are
+    of one flat buffer, each shard holding its owner's values at construction (the same on
+    every rank after ``broadcast_parameters``). When every rank of ``process_set`` is on this
+    host, the ranks share memory: each reduces its shard straight from the others' gradient
+    buffers, and the ranks of the host update one copy of the parameters (a write into a
+    parameter on one rank is seen by all). Otherwise gradients are
     reduce-scattered and the parameters allgathered, the bytes of one allreduce. The wrapped
     optimizer's ``param_groups`` hold the shards (hyper-parameters, and schedulers, work as
     before); ``state_dict()`` gathers the unsharded state and must be called on every rank,
@@ -735,47 +594,3 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, groups, sparse_as_dense, process_set, bucket_cap_mb,
                overlap, sharded)
-
-
-def _overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool:
-    """Whether gradients' allreduces overlap backward (see :func:`DistributedOptimizer`)."""
-    if overlap is not None:
-        return bool(overlap)
-    setting = os.environ.get("FERROVOD_OVERLAP", _defaults.default("FERROVOD_OVERLAP")).strip().lower()
-    if setting in ("1", "true", "yes", "on"):
-        return True
-    if setting in ("0", "false", "no", "off"):
-        return False
-    if setting != "auto":
-        raise ValueError(f"FERROVOD_OVERLAP={setting!r}: expected 1, 0 or auto")
-    # In an elastic job, workers that joined later decide under another membership than the
-    # survivors did, and the two paths run different collectives: decide without it.
-    if _elastic.enabled():
-        return True
-    if _api.local_size() < _api.size() or any(p.device.type != "cpu" for p in params):
-        return True
-    cores = usable_cpu_count()
-    if os.environ.get(BIND_VAR) == "1":  # the cores above are this rank's own
-        return torch.get_num_threads() < cores
-    return _api.local_size() * torch.get_num_threads() < cores
-
-
-def _buckets(params: List[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
-    """Consecutive ``params`` in reverse order, grouped up to ``cap`` bytes each; buckets of one
-    parameter are left out (it is reduced on its own). Every rank computes the same buckets:
-    the constructor has checked that they wrap the same parameters."""
-    if cap <= 0:
-        return []
-    out: List[List[torch.Tensor]] = []
-    current: List[torch.Tensor] = []
-    size = 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
-            out.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        out.append(current)
-    return [b for b in out if len(b) > 1]

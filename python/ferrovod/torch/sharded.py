@@ -13,16 +13,18 @@ is what lifts a step past allreduce-then-update.
 **Host memory.** When every rank of the process set is on one host (and shared memory is not
 off), the flat gradient buffer of each rank lives in a segment every other rank maps, and
 the flat parameter buffer is one buffer in set rank 0's segment that every rank's model
-views (:mod:`ferrovod._host_memory`). A step then needs no ring at all: once every rank's
-gradients are final (a one-element allreduce, the ranks' meeting), each rank sums its shard
-straight from its peers' buffers into its own, updates its shard of the one copy of the
-parameters, and meets the others again, after which every rank sees every updated shard and
-none reads another's gradients any more. Each rank reads its shard of every gradient
-buffer once and writes its own: against the reduce-scatter and allgather rings, which copy
-every byte into a shared ring and out again, that is about half the memory traffic. The
-ranks of a host then hold one copy of the parameters: set rank 0's values at construction
-(as after ``broadcast_parameters``), and whatever any rank writes into a parameter, every
-rank sees.
+views: the engine's step object (:mod:`ferrovod._host_memory`) holds both and chooses this
+route. A step then needs no ring at all: once every rank's gradients are final (the object's
+agreement, a one-element allreduce), each rank sums its shard straight from its peers'
+buffers into its own, updates its shard of the one copy of the parameters, and the object
+publishes them (a meeting), after which every rank sees every updated shard and none reads
+another's gradients any more. Each rank reads its shard of every gradient buffer once and
+writes its own: against the reduce-scatter and allgather rings, which copy every byte into a
+shared ring and out again, that is about half the memory traffic. The ranks of a host then
+hold one copy of the parameters, and whatever any rank writes into a parameter, every rank
+sees. On either route each rank writes its shard of the parameters at construction and the
+object publishes them: every rank starts from each shard's owner's values (all the same
+after ``broadcast_parameters``).
 
 The shard of a rank is its rows of the flat buffer under Horovod's reducescatter split; a
 parameter may straddle two shards. This is right for optimizers whose update is elementwise
@@ -37,8 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import _host_memory
-from .._api import _set_id, allgather_object
-from ..process_sets import ProcessSet
+from .._api import allgather_object
 from . import ops
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and
@@ -65,53 +66,33 @@ def check_shardable(cls: type, why_not_flat: Optional[str], overlap: Any) -> Non
         raise ValueError(f"sharded=True needs the gradients in one flat buffer: {why_not_flat}")
 
 
-def share_host_memory(flat: torch.Tensor, process_set: ProcessSet, n: int, rank: int,
-                      name: str) -> Optional[Tuple[Any, torch.Tensor, torch.Tensor]]:
-    """Host memory for the sharded update of the flat gradient buffer ``flat`` (see the module
-    doc), a collective: the memory, this rank's gradient buffer in it and the one parameter
-    buffer, or None on every rank when the ranks cannot share memory."""
-    if n < 2:
-        return None
-    nbytes = flat.numel() * flat.element_size()
-    params_at = -(-nbytes // 4096) * 4096
-    mem = _host_memory.share(params_at + nbytes, name, process_set, rank)
-    if mem is None:
-        return None
-    own = torch.from_numpy(_host_memory.view(mem, rank))
-    lead = torch.from_numpy(_host_memory.view(mem, 0))
-    return (mem, own[:nbytes].view(flat.dtype),
-            lead[params_at:params_at + nbytes].view(flat.dtype))
-
-
 class Shards:
     """The flat parameter buffer, the rank's shard of it per parameter group, and the
     layout that maps shard state to and from the unsharded ``state_dict`` format.
 
-    ``host``: the host memory and the parameter buffer in it from :func:`share_host_memory`
-    (set rank 0 fills it; the caller then lets the ranks meet before anyone reads it)."""
+    ``flat``: the step object's parameter buffer (on one host the one copy every rank views);
+    each rank writes its shard of the parameters there, and the caller publishes them."""
 
     def __init__(self, groups: List[Dict[str, Any]], params: List[torch.Tensor],
-                 grad_flat: torch.Tensor, n: int, rank: int,
-                 host: Optional[Tuple[Any, torch.Tensor]] = None) -> None:
+                 grad_flat: torch.Tensor, flat: torch.Tensor, n: int, rank: int) -> None:
         self.groups_params = [list(g["params"]) for g in groups]
         self.grad_flat = grad_flat
-        self.host = host[0] if host is not None else None
-        self.flat = (host[1] if host is not None
-                     else torch.empty(grad_flat.numel(), dtype=grad_flat.dtype))
-        fill = host is None or rank == 0
+        self.flat = flat
+        total = sum(p.numel() for p in params)
+        lo, count = _host_memory.shard(total, n, rank)
+        hi = lo + count
         offsets: Dict[torch.Tensor, int] = {}
         at = 0
         with torch.no_grad():
             for p in params:
-                if fill:
-                    self.flat[at:at + p.numel()].copy_(p.reshape(-1))
+                # This rank's rows of p, where they fall in its shard.
+                a, b = max(at, lo), min(at + p.numel(), hi)
+                if a < b:
+                    self.flat[a:b].copy_(p.reshape(-1)[a - at:b - at])
                 p.data = self.flat[at:at + p.numel()].view_as(p)
                 offsets[p] = at
                 at += p.numel()
         self.offsets = offsets
-        lo, count = _host_memory.shard(at, n, rank)
-        hi = lo + count
-        self.bytes = (lo * grad_flat.element_size(), count * grad_flat.element_size())
         # Per group: its range of the flat buffer (its parameters that need gradients are
         # consecutive there) and its part of this rank's shard.
         self.ranges: List[Tuple[int, int]] = []
@@ -132,17 +113,6 @@ class Shards:
         optimizer's ``zero_grad`` may have cleared it)."""
         for v, start in zip(self.views, self.starts):
             v.grad = self.grad_flat[start:start + v.numel()]
-
-    def reduce_in_host_memory(self, ready: bool, op: int, postscale: float, name: str,
-                              process_set: ProcessSet) -> bool:
-        """One engine call: the ranks agree under ``name`` whether every one is ``ready`` (its
-        gradients final in its buffer), and if all are, this rank's shard of every rank's
-        gradient buffer is summed into its own (Average divides by the ranks), times
-        ``postscale``. Returns the agreement."""
-        assert self.host is not None
-        reduction = (ops._code(self.grad_flat, "sharded"), int(op), float(postscale))
-        return bool(self.host.reduce_shard_if_all_ready(name, _set_id(process_set), bool(ready),
-                                                        self.bytes, reduction))
 
     # ------------------------------------------------------------------ state_dict
 
@@ -221,6 +191,22 @@ class Shards:
         return {"state": state, "param_groups": groups}
 
 
+def clear_grads(params: List[torch.Tensor], set_to_none: bool) -> None:
+    """Clears the model's gradients as ``torch.optim.Optimizer.zero_grad`` would: the wrapped
+    optimizer of a sharded update holds only the shards, not the model's parameters."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+
+
 def _elementwise(x: Any, shard: torch.Tensor) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape == shard.shape
 
@@ -229,4 +215,4 @@ def _copy(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) else x
 
 
-__all__ = ["ELEMENTWISE", "Shards", "check_shardable", "share_host_memory"]
+__all__ = ["ELEMENTWISE", "Shards", "check_shardable", "clear_grads"]

@@ -212,7 +212,8 @@ def _in_flight_checks(run):
         ck.equal(opt.flat_gradients, mode == "0", f"FERROVOD_OVERLAP={mode}: flat gradients")
         # ranks on one host reduce the flat buffer in shared memory unless it is turned off
         shared = mode == "0" and run.n > 1 and os.environ.get("FERROVOD_SHM_DISABLE") != "1"
-        ck.equal(opt._host is not None, shared, "flat gradients in host memory")
+        ck.equal(opt._step is not None and opt._step.shared, shared,
+                 "flat gradients in host memory")
     ck.raises(AssertionError, opt.zero_grad, "zero_grad with allreduces in flight",
               contains=("zero_grad",))
     e = ck.raises(Exception, lambda: torch.nn.functional.mse_loss(model(x), y).backward(),
@@ -548,7 +549,7 @@ def sec_sharded(run):
         run.close(flat(model), flat(run.reference(make_opt)), f"{name} sharded: equals one "
                   "process on the global batch")
         host = n > 1 and os.environ.get("FERROVOD_SHM_DISABLE") != "1"
-        run.ck.equal(opt._shards.host is not None if n > 1 else False, host,
+        run.ck.equal(opt._step.shared if n > 1 else False, host,
                      f"{name}: one copy of the parameters in host memory")
         if n > 1:
             base = opt._shards.flat
