@@ -333,6 +333,27 @@ impl FlatStep {
         self.shard.clone()
     }
 
+    /// Runs `f` over this rank's gradient buffer (writable): how a Rust caller fills it and
+    /// reads its reduction (Python views the segment instead). The step's protocol decides
+    /// when other ranks read it, as for any writer.
+    pub fn with_grads<T>(&self, f: impl FnOnce(&mut [u8]) -> T) -> Result<T> {
+        self.mem.with_own(0..self.grads, |bytes| Ok(f(bytes)))
+    }
+
+    /// Runs `f` over the parameters of a sharded update as [`FlatStep::params`] says (on the
+    /// host memory route, set rank 0's one copy: read it, and write only this rank's shard).
+    pub fn with_params<T>(&self, f: impl FnOnce(&mut [u8]) -> T) -> Result<T> {
+        let at = self.params_at.ok_or_else(|| {
+            Error::InvalidArgument(format!("{}: made without parameters", self.spec.name))
+        })?;
+        let owner = match self.route {
+            Route::HostMemory => 0,
+            Route::Rings => self.mem.rank(),
+        };
+        self.mem
+            .with_peer(owner, at..at + self.grads, |bytes| Ok(f(bytes)))
+    }
+
     fn own_segment(&self) -> Segment {
         self.mem
             .segment(self.mem.rank())

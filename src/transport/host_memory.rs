@@ -316,16 +316,31 @@ impl HostMemory {
         range: Range<usize>,
         f: impl FnOnce(&mut [u8]) -> Result<T>,
     ) -> Result<T> {
+        self.with_peer(self.rank, range, f)
+    }
+
+    /// Runs `f` over `range` of rank `r`'s segment (writable); `InvalidArgument` when it is not
+    /// mapped here or the range is outside it. Writing another rank's bytes is the caller's
+    /// protocol's business: each rank its own part, with a meeting before anyone reads them
+    /// (the one copy of a sharded update's parameters).
+    pub fn with_peer<T>(
+        &self,
+        r: usize,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> Result<T>,
+    ) -> Result<T> {
         if range.start > range.end || range.end > self.len {
             return Err(Error::InvalidArgument(format!(
                 "host memory: bytes {range:?} of a {}-byte segment",
                 self.len
             )));
         }
-        let own = self.segments[self.rank]
-            .as_ref()
-            .expect("this rank's own segment is always mapped");
-        let mut bytes = own.bytes_mut(range.start, range.len());
+        let Some(Some(map)) = self.segments.get(r) else {
+            return Err(Error::InvalidArgument(format!(
+                "host memory: rank {r}'s segment is not mapped here"
+            )));
+        };
+        let mut bytes = map.bytes_mut(range.start, range.len());
         f(&mut bytes)
     }
 
