@@ -17,7 +17,8 @@
 //!   transports (above both);
 //! - [`bootstrap`] — launch environment, job secret, authenticated connections, rendezvous
 //!   store, host grouping;
-//! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked);
+//! - [`gpu`] — CUDA and NCCL, looked for at run time (nothing is linked): every call into them
+//!   and its `unsafe`, behind safe types, as `sys` is for the operating system;
 //! - [`backend`] — device collectives ([`backend::nccl`]) on the libraries [`gpu`] found;
 //! - cross-cutting: [`types`], [`error`], [`wire`] (the only decoder of network bytes), [`config`],
 //!   `spin` (how every idle wait polls before it blocks), `timeline` (the Chrome-trace writer).

@@ -3,11 +3,11 @@
 //! NCCL inside each host and the host transports across).
 
 use super::layered::{self, Cross};
-use crate::backend::cuda::{DeviceBuf, Stream};
 use crate::backend::nccl::DeviceComm;
 use crate::control::message::Response;
 use crate::engine::{Entry, TensorBuf};
 use crate::error::{Error, Result};
+use crate::gpu::cuda::{DeviceBuf, Stream};
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
 
 /// A fused allreduce's tensors, for the device fusion buffer: their (input, output) pairs and
@@ -74,17 +74,14 @@ pub(super) fn same_reduction(entries: &[Option<Entry>]) -> Result<Option<Fused>>
 /// now: the work they enqueued before the op), and returns it.
 pub(super) fn after_submitters(comm: &mut DeviceComm, entries: &[Option<Entry>]) -> Result<Stream> {
     let stream = comm.stream()?;
-    let mut waited: Vec<usize> = Vec::new();
+    let mut waited: Vec<Stream> = Vec::new();
     for e in entries.iter().flatten() {
         for t in &e.spec.tensors {
-            let (_, s) = t.input.cuda().expect("checked by device_of");
-            if !waited.contains(&s) {
-                // SAFETY: the submitter named this stream of the tensor's device, live until
-                // the op completes (TensorBuf::device's contract).
-                let user = unsafe { Stream::from_raw(s) };
+            let (_, user) = t.input.device_parts().expect("checked by device_of");
+            if !waited.contains(&user) {
                 let ready = comm.record(user)?;
                 comm.stream_wait(stream, &ready)?;
-                waited.push(s);
+                waited.push(user);
             }
         }
     }
@@ -230,12 +227,9 @@ fn gather(
 
 /// The backend's view of a device buffer (host buffers never get here: see `device_of`).
 pub(super) fn device_buf(t: &TensorBuf) -> DeviceBuf {
-    match t {
-        // SAFETY: TensorBuf::device's contract is DeviceBuf::from_raw's: device memory of
-        // `len` bytes, untouched by anything else until the op completes.
-        TensorBuf::Device { ptr, len, .. } => unsafe { DeviceBuf::from_raw(*ptr, *len) },
-        _ => unreachable!("device_of checked that every buffer is device memory"),
-    }
+    t.device_parts()
+        .expect("device_of checked that every buffer is device memory")
+        .0
 }
 
 /// The one CUDA device every tensor (input and output) of the response is on.

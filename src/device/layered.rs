@@ -22,10 +22,10 @@
 //! produced: each segment is reduced at one place per host, then by a host algorithm that
 //! already gives its members identical results, and only copied afterwards.
 
-use crate::backend::cuda::{DeviceBuf, PinnedBuf, Stream};
 use crate::backend::nccl::DeviceComm;
 use crate::collective::hierarchical::Layout;
 use crate::error::Result;
+use crate::gpu::cuda::{DeviceBuf, PinnedBuf, Stream};
 use crate::types::{ReduceOp, Reduction};
 
 /// The cross-host step: allreduces a host buffer among the given global ranks as the

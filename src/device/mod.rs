@@ -56,10 +56,10 @@ pub(crate) use staging::Staging;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::backend::cuda::{cuda_ready, Device, PinnedBuf};
 use crate::backend::nccl::{check_device_op, unique_id_key, DeviceComm, Nccl};
 use crate::collective::hierarchical::Layout;
 use crate::error::{Error, Result};
+use crate::gpu::cuda::{cuda_ready, Device, PinnedBuf};
 use crate::job::StoreLink;
 use crate::types::{OpKind, Reduction};
 
@@ -209,7 +209,7 @@ impl DeviceState {
     /// are there.
     pub(crate) fn unstage(&mut self, set_id: u32, staging: Staging) -> Result<()> {
         match self.comms.get(&set_id) {
-            Some(Ok(Route::Staged(stager))) => staging.give_back(&stager.device, self.timeout),
+            Some(Ok(Route::Staged(stager))) => staging.give_back(stager, self.timeout),
             _ => Err(Error::Io(
                 "internal error: unstaging a set that is not staged".into(),
             )),

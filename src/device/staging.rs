@@ -6,23 +6,18 @@
 use std::time::Duration;
 
 use super::{device_buf, Stager};
-use crate::backend::cuda::{Device, DeviceBuf, PinnedBuf, Stream};
 use crate::engine::{Entry, TensorBuf};
 use crate::error::{Error, Result};
+use crate::gpu::cuda::{Device, DeviceBuf, PinnedBuf, Stream};
 use crate::types::OpKind;
 
 /// A staged response in flight: every tensor's bytes in the set's bounce buffer, where the
 /// host collectives work on them in place, and where each result goes back to.
 pub(crate) struct Staging {
-    /// Per tensor: the result's place in the bounce buffer (offset, bytes), the caller's
-    /// device output, and the submitter's stream the copies are ordered on.
-    results: Vec<(usize, usize, DeviceBuf, usize)>,
-    /// The bounce buffer's start: the entries point into it until the op completes.
-    base: *mut u8,
+    /// Per tensor: the result's place in the set's bounce buffer (offset, bytes), the
+    /// caller's device output, and the submitter's stream the copies are ordered on.
+    results: Vec<(usize, usize, DeviceBuf, Stream)>,
 }
-
-// SAFETY: `base` points into the set's bounce buffer, which only the engine thread touches.
-unsafe impl Send for Staging {}
 
 impl Staging {
     /// Copies every tensor's input into the bounce buffer, each on its submitter's stream
@@ -54,14 +49,12 @@ impl Staging {
             .map(room)
             .sum();
         let bounce = grown(&mut stager.bounce, &stager.device, total)?.as_mut_slice();
-        let base = bounce.as_mut_ptr();
         let mut results = Vec::new();
-        let mut streams: Vec<usize> = Vec::new();
+        let mut streams: Vec<Stream> = Vec::new();
         let mut at = 0;
         for e in entries.iter_mut().flatten() {
             for t in e.spec.tensors.iter_mut() {
-                let (_, s) = t.input.cuda().expect("checked by device_of");
-                let input = device_buf(&t.input);
+                let (input, stream) = t.input.device_parts().expect("checked by device_of");
                 let output = t.output.as_ref().map(device_buf).ok_or_else(|| {
                     Error::InvalidArgument(format!(
                         "CUDA tensor '{}' needs its output allocated by the caller",
@@ -71,9 +64,6 @@ impl Staging {
                 let len = input.len();
                 let step = room(t);
                 let region = &mut bounce[at..at + step];
-                // SAFETY: the submitter named this live stream of the tensor's device
-                // (TensorBuf::device's contract).
-                let stream = unsafe { Stream::from_raw(s) };
                 stager
                     .device
                     .read_async(&input, &mut region[..len], stream)?;
@@ -97,37 +87,38 @@ impl Staging {
                         output.len(),
                     ));
                 }
-                results.push((at + share, output.len(), output, s));
-                if !streams.contains(&s) {
-                    streams.push(s);
+                results.push((at + share, output.len(), output, stream));
+                if !streams.contains(&stream) {
+                    streams.push(stream);
                 }
                 at += step;
             }
         }
-        for s in streams {
-            // SAFETY: as above.
-            let stream = unsafe { Stream::from_raw(s) };
+        for stream in streams {
             stager.device.wait_for(stream, timeout)?;
         }
-        Ok(Staging { results, base })
+        Ok(Staging { results })
     }
 
-    /// Copies the results into the callers' device memory, each on its submitter's stream,
-    /// and waits until they are there.
-    pub(super) fn give_back(self, device: &Device, timeout: Duration) -> Result<()> {
-        let mut streams: Vec<usize> = Vec::new();
-        for &(at, len, ref output, s) in &self.results {
-            // SAFETY: `at..at + len` lies in the bounce buffer `take` laid out.
-            let bytes = unsafe { std::slice::from_raw_parts(self.base.add(at), len) };
-            // SAFETY: as in `take`.
-            device.write_async(bytes, output, unsafe { Stream::from_raw(s) })?;
-            if !streams.contains(&s) {
-                streams.push(s);
+    /// Copies the results from the bounce buffer `take` laid out in `stager` into the callers'
+    /// device memory, each on its submitter's stream, and waits until they are there.
+    pub(super) fn give_back(self, stager: &Stager, timeout: Duration) -> Result<()> {
+        let bounce = stager
+            .bounce
+            .as_ref()
+            .ok_or_else(|| Error::Io("internal error: a staged op without its buffer".into()))?
+            .as_slice();
+        let mut streams: Vec<Stream> = Vec::new();
+        for &(at, len, ref output, stream) in &self.results {
+            stager
+                .device
+                .write_async(&bounce[at..at + len], output, stream)?;
+            if !streams.contains(&stream) {
+                streams.push(stream);
             }
         }
-        for s in streams {
-            // SAFETY: as in `take`.
-            device.wait_for(unsafe { Stream::from_raw(s) }, timeout)?;
+        for stream in streams {
+            stager.device.wait_for(stream, timeout)?;
         }
         Ok(())
     }

@@ -5,6 +5,7 @@
 use std::ptr::NonNull;
 
 use crate::error::Result;
+use crate::gpu::cuda::{DeviceBuf, Stream};
 
 use super::pool::{PageBuf, MIN_CLASS};
 
@@ -71,6 +72,22 @@ impl TensorBuf {
             device,
             stream,
         }
+    }
+
+    /// The device memory and the submitter's stream of a CUDA buffer, as the GPU layer takes
+    /// them; `None` for host memory.
+    pub fn device_parts(&self) -> Option<(DeviceBuf, Stream)> {
+        let TensorBuf::Device {
+            ptr, len, stream, ..
+        } = self
+        else {
+            return None;
+        };
+        // SAFETY: `TensorBuf::device`'s contract is `DeviceBuf::from_raw`'s and
+        // `Stream::from_raw`'s: `len` bytes of the device's memory that nothing else touches
+        // until the op completes, and a live stream of that device.
+        let parts = unsafe { (DeviceBuf::from_raw(*ptr, *len), Stream::from_raw(*stream)) };
+        Some(parts)
     }
 
     /// `(device ordinal, stream)` for CUDA memory, `None` for host memory.

@@ -44,7 +44,7 @@ fn device_path(py: Python<'_>, extra_dirs: Vec<String>) -> (bool, String) {
     }
     let dirs: Vec<std::path::PathBuf> = extra_dirs.into_iter().map(Into::into).collect();
     let answer = py.detach(|| {
-        let devices = crate::backend::cuda::cuda_ready()?;
+        let devices = crate::gpu::cuda::cuda_ready()?;
         let nccl = crate::backend::nccl::Nccl::dispatched(&dirs).map(|nccl| {
             let lib = nccl.library();
             let (a, b, c) = lib.version;

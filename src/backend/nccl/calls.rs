@@ -2,11 +2,9 @@
 //! and unpacked on the communicator's stream), allgather, broadcast, reducescatter and
 //! alltoall (with splits, as grouped point-to-point sends and receives).
 
-use std::ffi::{c_int, c_void};
-
-use super::{byte_len, plan_reduction, too_big, DeviceComm, BYTE};
-use crate::backend::cuda::{DeviceBuf, Stream};
+use super::{byte_len, plan_reduction, too_big, DeviceComm};
 use crate::error::{Error, Result};
+use crate::gpu::cuda::{DeviceBuf, Stream};
 use crate::types::{DType, Reduction};
 
 impl DeviceComm {
@@ -26,11 +24,9 @@ impl DeviceComm {
         recv.fits(bytes, "receive")?;
         let plan = plan_reduction(red.dtype, red.op, prescale, red.factor, self.size)?;
         let (nd, nop) = self.operator(plan)?;
-        let f = self.fns.all_reduce;
-        let comm = self.live()?;
-        // SAFETY: both buffers hold `count` elements (checked; validity is DeviceBuf's
-        // contract), the stream is Stream's contract, the communicator is live.
-        let rc = unsafe { f(send.src(), recv.dst(), count, nd, nop, comm, stream.nccl()) };
+        let rc = self
+            .live()?
+            .all_reduce(send, recv, (count, red.dtype.size()), nd, nop, stream)?;
         self.after_reduction(rc, "ncclAllReduce", plan, nop)
     }
 
@@ -103,12 +99,9 @@ impl DeviceComm {
         stream: Stream,
     ) -> Result<()> {
         let bytes = byte_len(count, dtype.size())?;
-        send.fits(bytes, "send")?;
-        recv.fits(byte_len(bytes, self.size)?, "receive")?;
-        let f = self.fns.all_gather;
-        let comm = self.live()?;
-        // SAFETY: as in allreduce; moved as bytes (any dtype).
-        let rc = unsafe { f(send.src(), recv.dst(), bytes, BYTE, comm, stream.nccl()) };
+        let rc = self
+            .live()?
+            .all_gather(send, recv, (bytes, self.size), stream)?;
         self.settle(rc, "ncclAllGather")
     }
 
@@ -130,24 +123,10 @@ impl DeviceComm {
             )));
         }
         let bytes = byte_len(count, dtype.size())?;
-        if root == self.rank {
-            send.fits(bytes, "send")?;
-        }
-        recv.fits(bytes, "receive")?;
-        let f = self.fns.broadcast;
-        let comm = self.live()?;
-        // SAFETY: as in allgather.
-        let rc = unsafe {
-            f(
-                send.src(),
-                recv.dst(),
-                bytes,
-                BYTE,
-                root as c_int,
-                comm,
-                stream.nccl(),
-            )
-        };
+        let is_root = root == self.rank;
+        let rc = self
+            .live()?
+            .broadcast(send, recv, bytes, (root, is_root), stream)?;
         self.settle(rc, "ncclBroadcast")
     }
 
@@ -167,20 +146,10 @@ impl DeviceComm {
         recv.fits(bytes, "receive")?;
         let plan = plan_reduction(red.dtype, red.op, prescale, red.factor, self.size)?;
         let (nd, nop) = self.operator(plan)?;
-        let f = self.fns.reduce_scatter;
-        let comm = self.live()?;
-        // SAFETY: as in allreduce.
-        let rc = unsafe {
-            f(
-                send.src(),
-                recv.dst(),
-                recv_count,
-                nd,
-                nop,
-                comm,
-                stream.nccl(),
-            )
-        };
+        let shape = (recv_count, red.dtype.size(), self.size);
+        let rc = self
+            .live()?
+            .reduce_scatter(send, recv, shape, nd, nop, stream)?;
         self.after_reduction(rc, "ncclReduceScatter", plan, nop)
     }
 
@@ -228,11 +197,9 @@ impl DeviceComm {
         es: usize,
         stream: Stream,
     ) -> Result<()> {
-        let (fsend, frecv) = (self.fns.send, self.fns.recv);
         let (mut s_off, mut r_off) = (0usize, 0usize);
         for peer in 0..self.size {
             let (sb, rb) = (send_counts[peer] * es, recv_counts[peer] * es);
-            let comm = self.live()?;
             if peer == self.rank {
                 // A copy on the stream: NCCL's send to self costs a proxy round trip.
                 if sb != rb {
@@ -244,31 +211,13 @@ impl DeviceComm {
                 self.device
                     .copy_async(&src, &recv.slice(r_off, rb)?, stream)?;
             } else if sb > 0 {
-                // SAFETY: the block lies inside `send` (the sum was checked); see allreduce.
-                let rc = unsafe {
-                    fsend(
-                        (send.ptr + s_off) as *const c_void,
-                        sb,
-                        BYTE,
-                        peer as c_int,
-                        comm,
-                        stream.nccl(),
-                    )
-                };
+                let block = send.slice(s_off, sb)?;
+                let rc = self.live()?.send(&block, peer, stream)?;
                 self.settle(rc, "ncclSend")?;
             }
             if rb > 0 && peer != self.rank {
-                // SAFETY: the block lies inside `recv` (the sum was checked); see allreduce.
-                let rc = unsafe {
-                    frecv(
-                        (recv.ptr + r_off) as *mut c_void,
-                        rb,
-                        BYTE,
-                        peer as c_int,
-                        comm,
-                        stream.nccl(),
-                    )
-                };
+                let block = recv.slice(r_off, rb)?;
+                let rc = self.live()?.recv(&block, peer, stream)?;
                 self.settle(rc, "ncclRecv")?;
             }
             s_off += sb;

@@ -2,9 +2,10 @@
 //!
 //! Nothing here runs before [`crate::gpu::loader`] has accepted a library: [`Nccl::open`]
 //! takes the probe's answer and opens exactly the file it accepted (checking that it reports
-//! the same version), and [`DeviceComm::init`] asks [`probe_cuda`] before it touches the
-//! driver. Every function is resolved from those handles (see [`crate::backend`] for why not
-//! through cudarc's loader), so a missing or foreign library is an [`Error`], never a panic.
+//! the same version), and [`DeviceComm::init`] asks [`crate::gpu::loader::probe_cuda`] before
+//! it touches the driver. Every function is resolved from those handles (see [`crate::gpu`]
+//! for why not through cudarc's loader), so a missing or foreign library is an [`Error`],
+//! never a panic.
 //!
 //! Communicators are non-blocking (`ncclConfig_t.blocking = 0`): creation and every enqueue
 //! return at once, and the backend polls `ncclCommGetAsyncError` (and, for completion, a CUDA
@@ -21,21 +22,21 @@
 //! 1/n not in it: NCCL divides (`ncclAvg`, or in the pre-multiplication).
 //!
 //! This file holds the communicator's life (creation, streams and events, polling, failure);
-//! `calls.rs` the collectives it enqueues, `library.rs` the functions resolved from NCCL.
+//! `calls.rs` the collectives it enqueues. Every call into NCCL and CUDA goes through the safe
+//! types of [`crate::gpu`] ([`RawComm`], [`Device`]).
 
 mod calls;
-mod library;
 
 use std::ffi::{c_int, c_uint};
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys as nc;
 
-use super::cuda::{Device, DeviceBuf, DeviceMem, Event, OwnedStream, Stream};
 use crate::error::{Error, Result};
+use crate::gpu::cuda::{Device, DeviceBuf, DeviceMem, Event, OwnedStream, Stream};
+pub use crate::gpu::nccl::{unique_id_key, Nccl, UniqueId};
+use crate::gpu::nccl::{RawComm, IN_PROGRESS, SUCCESS};
 use crate::types::{DType, OpKind, ReduceOp, Reduction};
-pub use library::{unique_id_key, Nccl, UniqueId};
-use library::{Comm, CommFns, IN_PROGRESS, SUCCESS, UNDEF};
 
 /// The `ncclDataType_t` a reduction of `dtype` uses.
 pub fn nccl_reduce_dtype(dtype: DType) -> Result<u32> {
@@ -216,7 +217,6 @@ fn plan_reduction(
 /// everywhere, `Send` but not `Sync`.
 pub struct DeviceComm {
     nccl: Nccl,
-    fns: CommFns,
     /// The communicator's own stream ([`DeviceComm::stream`]), created on first use. Declared
     /// before `device`: fields drop in order, and the stream goes before its context.
     stream: Option<OwnedStream>,
@@ -224,8 +224,8 @@ pub struct DeviceComm {
     /// response. Declared before `device`, like `stream`.
     fusion: Option<DeviceMem>,
     device: Device,
-    /// NULL once destroyed or aborted.
-    comm: Comm,
+    /// `None` once destroyed or aborted.
+    comm: Option<RawComm>,
     rank: usize,
     size: usize,
     timeout: Duration,
@@ -235,10 +235,6 @@ pub struct DeviceComm {
     /// Pre-multiplied-sum operators to destroy when the open group ends.
     pending_ops: Vec<c_uint>,
 }
-
-// SAFETY: an NCCL communicator and a CUDA context handle may be used from any thread, one
-// at a time; `DeviceComm` is not `Sync` and every operation takes `&mut self`.
-unsafe impl Send for DeviceComm {}
 
 impl std::fmt::Debug for DeviceComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -269,57 +265,13 @@ impl DeviceComm {
             )));
         }
         let device = Device::open(device)?;
-        let fns = nccl.comm.clone().map_err(Error::InvalidArgument)?;
-        let mut config = nc::ncclConfig_t {
-            size: std::mem::size_of::<nc::ncclConfig_t>(),
-            magic: 0xcafe_beef,
-            // A 2.30 config (these are the 2.30 headers); an older NCCL reads the prefix it
-            // knows (it copies min(size, its sizeof)).
-            version: 23000,
-            blocking: 0,
-            cgaClusterSize: UNDEF,
-            minCTAs: UNDEF,
-            maxCTAs: UNDEF,
-            netName: std::ptr::null(),
-            splitShare: UNDEF,
-            trafficClass: UNDEF,
-            commName: std::ptr::null(),
-            collnetEnable: UNDEF,
-            CTAPolicy: UNDEF,
-            shrinkShare: UNDEF,
-            nvlsCTAs: UNDEF,
-            nChannelsPerNetPeer: UNDEF,
-            nvlinkCentricSched: UNDEF,
-            graphUsageMode: UNDEF,
-            numRmaCtx: UNDEF,
-            maxP2pPeers: UNDEF,
-        };
-        let mut comm: Comm = std::ptr::null_mut();
-        // SAFETY: `comm` and `config` outlive the call; the id is passed by value; the
-        // device's context is current (Device::open).
-        let rc = unsafe {
-            (fns.init_rank_config)(
-                &mut comm,
-                size as c_int,
-                id.to_sys(),
-                rank as c_int,
-                &mut config,
-            )
-        };
-        if rc != SUCCESS && rc != IN_PROGRESS {
-            if !comm.is_null() {
-                // SAFETY: a handle NCCL returned, freed once.
-                unsafe { (fns.abort)(comm) };
-            }
-            return Err(nccl.error(rc, "ncclCommInitRankConfig", comm));
-        }
+        let (rc, comm) = nccl.init_comm(id, rank, size)?;
         let mut c = DeviceComm {
             nccl: nccl.clone(),
-            fns,
             stream: None,
             fusion: None,
             device,
-            comm,
+            comm: Some(comm),
             rank,
             size,
             timeout,
@@ -376,9 +328,7 @@ impl DeviceComm {
     /// Opens an NCCL group: collectives enqueued until the matching [`DeviceComm::group_end`]
     /// launch together (e.g. a fused set of reductions). Groups nest.
     pub fn group_start(&mut self) -> Result<()> {
-        self.live()?;
-        // SAFETY: no arguments; NCCL's group state is per thread.
-        let rc = unsafe { (self.fns.group_start)() };
+        let rc = self.live()?.group_start();
         self.settle(rc, "ncclGroupStart")?;
         self.group_depth += 1;
         Ok(())
@@ -392,9 +342,7 @@ impl DeviceComm {
             ));
         }
         self.group_depth -= 1;
-        self.live()?;
-        // SAFETY: closes the group opened by group_start.
-        let rc = unsafe { (self.fns.group_end)() };
+        let rc = self.live()?.group_end();
         let r = self.settle(rc, "ncclGroupEnd");
         if self.group_depth == 0 {
             for op in std::mem::take(&mut self.pending_ops) {
@@ -426,7 +374,7 @@ impl DeviceComm {
     pub fn check(&mut self) -> Result<()> {
         let state = self.async_state()?;
         if state != SUCCESS && state != IN_PROGRESS {
-            return Err(self.fail(self.nccl.error(state, "asynchronous operation", self.comm)));
+            return Err(self.fail_with(state, "asynchronous operation"));
         }
         Ok(())
     }
@@ -436,22 +384,28 @@ impl DeviceComm {
         self.fail(Error::Shutdown("the NCCL communicator was aborted".into()));
     }
 
-    fn live(&self) -> Result<Comm> {
-        match &self.failed {
-            Some(e) => Err(e.clone()),
-            None => Ok(self.comm),
+    fn live(&self) -> Result<&RawComm> {
+        match (&self.failed, &self.comm) {
+            (Some(e), _) => Err(e.clone()),
+            (None, Some(c)) => Ok(c),
+            (None, None) => Err(Error::Shutdown(
+                "the NCCL communicator was destroyed".into(),
+            )),
         }
     }
 
     fn async_state(&mut self) -> Result<c_int> {
-        let comm = self.live()?;
-        let mut state: c_int = SUCCESS;
-        // SAFETY: a live communicator; writes one int.
-        let rc = unsafe { (self.fns.get_async_error)(comm, &mut state) };
+        let (rc, state) = self.live()?.async_error();
         if rc != SUCCESS {
-            return Err(self.fail(self.nccl.error(rc, "ncclCommGetAsyncError", comm)));
+            return Err(self.fail_with(rc, "ncclCommGetAsyncError"));
         }
         Ok(state)
+    }
+
+    /// Aborts the communicator for NCCL's code `rc` from `what`, with NCCL's words for it.
+    fn fail_with(&mut self, rc: c_int, what: &str) -> Error {
+        let e = self.nccl.error(rc, what, self.comm.as_ref());
+        self.fail(e)
     }
 
     /// Finishes a call on the non-blocking communicator: `IN_PROGRESS` is polled to an end.
@@ -459,7 +413,7 @@ impl DeviceComm {
         match rc {
             SUCCESS => Ok(()),
             IN_PROGRESS => self.poll_until(what, |state| Ok(state == SUCCESS)),
-            _ => Err(self.fail(self.nccl.error(rc, what, self.comm))),
+            _ => Err(self.fail_with(rc, what)),
         }
     }
 
@@ -472,11 +426,11 @@ impl DeviceComm {
     ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(10);
-        let mut spin = crate::spin::Spin::new(super::cuda::SPIN);
+        let mut spin = crate::spin::Spin::new(crate::gpu::cuda::SPIN);
         loop {
             let state = self.async_state()?;
             if state != SUCCESS && state != IN_PROGRESS {
-                return Err(self.fail(self.nccl.error(state, what, self.comm)));
+                return Err(self.fail_with(state, what));
             }
             if done(state)? {
                 return Ok(());
@@ -501,10 +455,8 @@ impl DeviceComm {
 
     /// Aborts the communicator (once) and remembers why; returns the error.
     fn fail(&mut self, e: Error) -> Error {
-        if !self.comm.is_null() {
-            // SAFETY: a live communicator, freed exactly once (comm is nulled).
-            unsafe { (self.fns.abort)(self.comm) };
-            self.comm = std::ptr::null_mut();
+        if let Some(comm) = self.comm.take() {
+            comm.abort();
             self.pending_ops.clear(); // freed with the communicator
         }
         if self.failed.is_none() {
@@ -518,19 +470,7 @@ impl DeviceComm {
         match plan {
             Plan::Builtin { dtype, op } => Ok((dtype, op)),
             Plan::PreMulSum { dtype, mut scalar } => {
-                let comm = self.live()?;
-                let mut op: c_uint = 0;
-                // SAFETY: `scalar` holds the factor in `dtype`'s type and is read during the
-                // call (ncclScalarHostImmediate); `op` receives the new operator.
-                let rc = unsafe {
-                    (self.fns.red_op_create_pre_mul_sum)(
-                        &mut op,
-                        scalar.as_mut_ptr().cast(),
-                        dtype,
-                        nc::ncclScalarResidence_t::ncclScalarHostImmediate as c_uint,
-                        comm,
-                    )
-                };
+                let (rc, op) = self.live()?.pre_mul_sum(&mut scalar, dtype);
                 self.settle(rc, "ncclRedOpCreatePreMulSum")?;
                 Ok((dtype, op))
             }
@@ -553,8 +493,7 @@ impl DeviceComm {
 
     fn destroy_operator(&mut self, op: c_uint) {
         if let Ok(comm) = self.live() {
-            // SAFETY: an operator created on this live communicator, destroyed once.
-            let rc = unsafe { (self.fns.red_op_destroy)(op, comm) };
+            let rc = comm.red_op_destroy(op);
             let _ = self.settle(rc, "ncclRedOpDestroy");
         }
     }
@@ -569,29 +508,23 @@ fn too_big() -> Error {
     Error::InvalidArgument("the collective's byte count overflows".into())
 }
 
-/// Data-movement collectives carry bytes: any dtype (bool and int16 included) moves as
-/// `ncclUint8`.
-const BYTE: c_uint = nc::ncclDataType_t::ncclUint8 as c_uint;
-
 impl Drop for DeviceComm {
     fn drop(&mut self) {
-        if self.comm.is_null() {
+        if self.comm.is_none() {
             return;
         }
         while self.group_depth > 0 {
             let _ = self.group_end();
         }
-        if self.comm.is_null() {
-            return;
-        }
         // Finalize flushes pending work and waits (bounded) for peers; destroy then frees.
         // Anything but a clean finalize aborts instead: a dead peer must not hang the drop.
-        // SAFETY: a live communicator.
-        let rc = unsafe { (self.fns.finalize)(self.comm) };
-        if self.settle(rc, "ncclCommFinalize").is_ok() && !self.comm.is_null() {
-            // SAFETY: finalized and still live; freed once.
-            unsafe { (self.fns.destroy)(self.comm) };
-            self.comm = std::ptr::null_mut();
+        let Some(rc) = self.comm.as_ref().map(RawComm::finalize) else {
+            return;
+        };
+        if self.settle(rc, "ncclCommFinalize").is_ok() {
+            if let Some(comm) = self.comm.take() {
+                comm.destroy();
+            }
         }
     }
 }

@@ -7,9 +7,9 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use cudarc::driver::sys as cu;
 use cudarc::nccl::sys as nc;
 
-use super::{c_text, function, Library};
+use super::loader::{probe_cuda, CudaProbe, Library};
+use super::symbols::c_text;
 use crate::error::{Error, Result};
-use crate::gpu::loader::{probe_cuda, CudaProbe};
 
 /// `CUDA_ERROR_NOT_READY`: an event or stream still has work pending.
 const CUDA_NOT_READY: c_int = 600;
@@ -92,7 +92,7 @@ impl DeviceBuf {
         }
     }
 
-    pub(super) fn fits(&self, bytes: usize, what: &str) -> Result<()> {
+    pub(crate) fn fits(&self, bytes: usize, what: &str) -> Result<()> {
         if bytes > self.bytes {
             return Err(Error::InvalidArgument(format!(
                 "the {what} buffer holds {} bytes, the collective needs {bytes}",
@@ -155,7 +155,7 @@ pub fn cuda_ready() -> Result<usize> {
 /// engine's staging of a process set's CUDA tensors).
 pub struct Device {
     fns: CudaFns,
-    pub(super) ordinal: usize,
+    pub(crate) ordinal: usize,
     device: cu::CUdevice,
     ctx: cu::CUcontext,
 }
@@ -221,7 +221,7 @@ impl Device {
 
     /// Makes this device's context current on the calling thread: NCCL reads the device from
     /// it at creation, and events are created in it.
-    pub(super) fn make_current(&self) -> Result<()> {
+    pub(crate) fn make_current(&self) -> Result<()> {
         // SAFETY: `ctx` is a retained primary context (released only in Drop).
         let rc = unsafe { (self.fns.ctx_set_current)(self.ctx) };
         check_cu(&self.fns, rc, "cuCtxSetCurrent")
@@ -245,7 +245,7 @@ impl Device {
     }
 
     /// Makes `stream` wait on the device (the host does not block) for `event`.
-    pub(super) fn stream_wait(&self, stream: Stream, event: &Event) -> Result<()> {
+    pub(crate) fn stream_wait(&self, stream: Stream, event: &Event) -> Result<()> {
         self.make_current()?;
         // SAFETY: a live event and the caller's stream.
         let rc = unsafe { (self.fns.stream_wait_event)(stream.driver(), event.event, 0) };
@@ -367,7 +367,7 @@ impl Device {
 
     /// A stream of this device's context that does not synchronise with the legacy default
     /// stream (`CU_STREAM_NON_BLOCKING`): work on it is ordered only by the events it waits on.
-    pub(super) fn create_stream(&self) -> Result<OwnedStream> {
+    pub(crate) fn create_stream(&self) -> Result<OwnedStream> {
         self.make_current()?;
         let mut stream: cu::CUstream = std::ptr::null_mut();
         // SAFETY: writes one stream handle; flag 1 = CU_STREAM_NON_BLOCKING.
@@ -382,7 +382,7 @@ impl Device {
 
 impl Device {
     /// `bytes` of this device's memory, for the backend's own use (the fusion buffer).
-    pub(super) fn alloc(&self, bytes: usize) -> Result<DeviceMem> {
+    pub(crate) fn alloc(&self, bytes: usize) -> Result<DeviceMem> {
         self.make_current()?;
         let mut ptr: cu::CUdeviceptr = 0;
         // SAFETY: writes one device pointer; freed in DeviceMem's Drop.
@@ -399,16 +399,20 @@ impl Device {
 
 /// Device memory from [`Device::alloc`]; freed on drop, which must come before the
 /// device's context is released (declare it before the [`Device`]).
-pub(super) struct DeviceMem {
+pub(crate) struct DeviceMem {
     fns: CudaFns,
     ctx: cu::CUcontext,
     ptr: cu::CUdeviceptr,
     len: usize,
 }
 
+// SAFETY: device memory and the context handle it is freed under may be used from any
+// thread; the allocation has one owner, and `DeviceMem` is not `Sync`.
+unsafe impl Send for DeviceMem {}
+
 impl DeviceMem {
     /// The whole allocation, for enqueueing work on it.
-    pub(super) fn buf(&self) -> DeviceBuf {
+    pub(crate) fn buf(&self) -> DeviceBuf {
         DeviceBuf {
             ptr: self.ptr as usize,
             bytes: self.len,
@@ -445,6 +449,12 @@ impl PinnedBuf {
         self.len == 0
     }
 
+    /// The memory, to read on the host.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` bytes allocated by cuMemHostAlloc, owned by this value.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
     /// The memory, to read and write on the host.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `len` bytes allocated by cuMemHostAlloc, owned by this value.
@@ -463,14 +473,18 @@ impl Drop for PinnedBuf {
 }
 
 /// A stream the backend created; destroyed on drop (CUDA releases it once its work is done).
-pub(super) struct OwnedStream {
+pub(crate) struct OwnedStream {
     fns: CudaFns,
     stream: cu::CUstream,
 }
 
+// SAFETY: a CUDA stream handle may be used from any thread; it has one owner, and
+// `OwnedStream` is not `Sync`.
+unsafe impl Send for OwnedStream {}
+
 impl OwnedStream {
     /// The handle, for enqueueing.
-    pub(super) fn handle(&self) -> Stream {
+    pub(crate) fn handle(&self) -> Stream {
         Stream(self.stream as usize)
     }
 }
