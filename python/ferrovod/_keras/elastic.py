@@ -144,19 +144,31 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.epoch`` at the number of epochs done, counted across resets."""
+    """Keeps ``state.epoch`` at the number of epochs done, counted across resets.
+
+    Scripts resume a fit in either of two ways after a reset: ``fit(..., initial_epoch=
+    state.epoch, epochs=EPOCHS)``, where Keras numbers the epochs from ``state.epoch``, or
+    Horovod's ``fit(..., epochs=EPOCHS - state.epoch)``, where it numbers them from 0. The
+    first epoch a fit begins says which: epochs done are counted from it."""
 
     def __init__(self, state: Any) -> None:
         super().__init__()
         self.state = state
         self.initial_epoch = self.state.epoch
+        self._first: Optional[int] = None
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self.initial_epoch = self.state.epoch
+        self._first = None
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self._first is None:
+            self._first = epoch
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        first = epoch if self._first is None else self._first
         # +1: a reset after state.batch went back to 0 must not repeat the finished epoch.
-        self.state.epoch = self.initial_epoch + epoch + 1
+        self.state.epoch = self.initial_epoch + (epoch - first) + 1
 
 
 def _reset() -> None:

@@ -4,10 +4,12 @@ usage: keras_elastic_worker.py SCENARIO HOSTS_FILE
 
 ``model.fit`` with Adam under ``hvd.elastic.run`` and Horovod's three callbacks
 (``CommitStateCallback``, ``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``).
-SCENARIO at global batch ``AT`` of the first membership:
-  add    rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next commit; their
-         Adam has no slots yet, and must get rank 0's
-  kill   the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
+SCENARIO at each worker's batch ``AT``:
+  add       rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next commit;
+            their Adam has no slots yet, and must get rank 0's
+  kill      the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
+  add-kill  both in one job: rank 0 adds the host, and the worker that joined on 127.0.0.1
+            with local rank 1 SIGKILLs itself at its own batch AT
 At the end every rank's weights and optimizer variables must be identical (a new worker with
 zero moments, or a survivor that missed a step, would differ), the epochs all done, and the
 committed count of batches trained exactly EPOCHS * STEPS: the epoch a reset interrupted
@@ -50,7 +52,8 @@ def main():
         def on_train_batch_begin(self, batch, logs=None):
             done[0] += 1
             if done[0] == AT:
-                act(scenario, host, slot_lr, hosts_file)
+                joined = scenario == "add-kill" and host == "127.0.0.1"
+                act("kill" if joined else scenario.split("-")[0], host, slot_lr, hosts_file)
 
     class Count(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

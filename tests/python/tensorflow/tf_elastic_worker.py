@@ -3,9 +3,12 @@
 model and its Adam, committed every 2 steps.
 
 usage: tf_elastic_worker.py SCENARIO HOSTS_FILE
-  add    at step AT rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next
-         commit (their Adam has no slots until the state sync builds them)
-  kill   at step AT the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
+  add       at step AT rank 0 adds host 127.0.0.1 to HOSTS_FILE: two workers join at the next
+            commit (their Adam has no slots until the state sync builds them)
+  kill      at step AT the worker on 127.0.0.1 with local rank 1 SIGKILLs itself
+  add-kill  both in one job: the add at step AT, and at step KILL_AT the worker that joined
+            on 127.0.0.1 with local rank 1 SIGKILLs itself (the survivors go back to the last
+            commit, and its host leaves)
 At the end every rank's weights and optimizer variables must be identical, every step done,
 and the weights equal to a replay in one process of the same global batches in the same order
 (a step lost, repeated, or restored wrongly would differ). Prints ``size S rank R step T`` at
@@ -25,7 +28,7 @@ import ferrovod.tensorflow as hvd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workers"))
 import fvtest as T  # noqa: E402
 
-STEPS, AT = 24, 7
+STEPS, AT, KILL_AT = 24, 7, 15
 
 
 def main():
@@ -67,16 +70,17 @@ def run_steps(state, x, y, step, scenario, hosts_file):
     every 2 steps. Prints ``size S rank R step T`` at each start."""
     host = os.environ["FERROVOD_HOSTNAME"]
     slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
-    acted = [False]
+    plan = {AT: scenario} if scenario != "add-kill" else {AT: "add", KILL_AT: "kill"}
+    acted = set()
 
     @hvd.elastic.run
     def train(state):
         print(f"size {hvd.size()} rank {hvd.rank()} step {state.step}", flush=True)
         r, n = hvd.rank(), hvd.size()
         while state.step < STEPS:
-            if state.step == AT and not acted[0]:
-                acted[0] = True
-                act(scenario, host, slot_lr, hosts_file)
+            if state.step in plan and state.step not in acted:
+                acted.add(state.step)
+                act(plan[state.step], host, slot_lr, hosts_file)
             xb, yb = global_batch(x, y, state.step)
             step(xb[r::n], yb[r::n])
             state.step += 1
@@ -115,10 +119,11 @@ def replay(x, y):
 HOST_UPDATES = T.HostUpdates()
 
 
-def act(scenario, host, slot_lr, hosts_file):
-    if scenario == "kill" and host == "127.0.0.1" and slot_lr == 1:
+def act(what, host, slot_lr, hosts_file):
+    """The membership change ``what`` (``add`` or ``kill``), by the worker it falls to."""
+    if what == "kill" and host == "127.0.0.1" and slot_lr == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    if scenario == "add" and hvd.rank() == 0:
+    if what == "add" and hvd.rank() == 0:
         HOST_UPDATES.expect()
         with open(hosts_file + ".tmp", "w") as f:
             f.write("localhost:2\n127.0.0.1:2\n")
