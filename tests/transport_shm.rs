@@ -101,7 +101,11 @@ fn shm_files() -> Vec<String> {
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.contains("ferrovod"))
+                // ferrovod's own names (`ferrovod-shm...`, `ferrovod-host...`), not every name
+                // that holds the word: Open MPI's `vader_segment.<hostname>...` files hold it
+                // when the suite's operator worlds name their pods ferrovod-..., and one a
+                // killed mpirun left behind would fail this check in every later run.
+                .filter(|n| n.starts_with("ferrovod"))
                 .collect()
         })
         .unwrap_or_default()
