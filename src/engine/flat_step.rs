@@ -51,7 +51,7 @@ pub struct FlatSpec {
     pub rank: usize,
     /// The set's size.
     pub size: usize,
-    /// The object's name: its meetings are this name's (see [`Meeting`]).
+    /// The object's name: its meetings are named after it.
     pub name: String,
     /// Elements of the gradient buffer.
     pub count: usize,
