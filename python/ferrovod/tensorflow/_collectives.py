@@ -11,6 +11,7 @@ import tensorflow as tf
 from .. import _api, _core
 from .. import process_sets as _ps
 from .._api import Average, Sum
+from .._same_lists import differences
 from ..process_sets import ProcessSet, global_process_set
 from ._host_op import (
     TFInvalidArgumentError,
@@ -253,32 +254,13 @@ def _variables_check(arrays: Sequence[np.ndarray], labels: Sequence[str], base: 
                      what: str, process_set: ProcessSet) -> None:
     """Raises on every rank, naming the difference, when the ranks passed different variable
     lists (count, shapes, dtypes): their per-variable broadcasts would never all match."""
-    import hashlib
-
-    desc = [(tuple(a.shape), a.dtype.name) for a in arrays]
-    digest = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), dtype=np.uint8)
-    check = None if base is None else f"{base}.check"
-    seen = _api.allgather(digest, name=check, process_set=process_set).reshape(-1, 32)
-    if all((row == seen[0]).all() for row in seen):
-        return
-    mine = [(lab, s, d) for lab, (s, d) in zip(labels, desc)]
-    every = _api.allgather_object(mine, name=None if base is None else f"{base}.describe",
-                                  process_set=process_set)
-    ranks = process_set.ranks if process_set.process_set_id != 0 else list(range(_api.size()))
-    lines = []
-    for r, d in zip(ranks, every):
-        if [x[1:] for x in d] == [x[1:] for x in every[0]]:
-            continue
-        diff = next((i for i, (a, b) in enumerate(zip(every[0], d)) if a[1:] != b[1:]),
-                    min(len(d), len(every[0])))
-        theirs = d[diff] if diff < len(d) else "nothing"
-        first = every[0][diff] if diff < len(every[0]) else "nothing"
-        lines.append(f"rank {r} has {len(d)} variables, rank {ranks[0]} has {len(every[0])}; "
-                     f"first difference at position {diff}: rank {r} {theirs} vs rank "
-                     f"{ranks[0]} {first}")
-    raise TFInvalidArgumentError(
-        f"{what}: the ranks passed different variables (number, shapes or dtypes), so "
-        "their broadcasts could never match: " + "; ".join(lines))
+    mine = [(lab, tuple(a.shape), a.dtype.name) for lab, a in zip(labels, arrays)]
+    names = (None, None) if base is None else (f"{base}.check", f"{base}.describe")
+    lines = differences(mine, lambda x: x[1:], "variables", names, process_set)
+    if lines:
+        raise TFInvalidArgumentError(
+            f"{what}: the ranks passed different variables (number, shapes or dtypes), so "
+            "their broadcasts could never match: " + "; ".join(lines))
 
 
 def _broadcast_values(values: List[tf.Tensor], labels: List[str], root_rank: int,

@@ -4,17 +4,15 @@ every rank wraps the same parameters."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from .. import _api, _defaults
-from .._api import allgather_object
 from .._groups import split_evenly
 from ..elastic import membership as _elastic
+from .._same_lists import differences
 from ..process_sets import ProcessSet
 from ..runner.cpus import BIND_VAR, usable_cpu_count
 
@@ -62,27 +60,13 @@ def check_same_parameters(desc: List[Tuple[str, Tuple[int, ...], str]],
     """Fails on every rank, naming the difference, when ranks registered different
     parameters (``desc``: each one's name, shape and dtype): their allreduces would never
     match and training would hang. A collective over ``process_set``."""
-    digest = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), dtype=np.uint8)
-    seen = _api.allgather(digest, name=f"DistributedOptimizer.{instance}.check",
-                          process_set=process_set).reshape(-1, 32)
-    if all((row == seen[0]).all() for row in seen):
-        return
-    every = allgather_object(desc, name=f"DistributedOptimizer.{instance}.params",
-                             process_set=process_set)
-    ranks = process_set.ranks
-    lines = []
-    for r, d in zip(ranks, every):
-        if d != every[0]:
-            diff = next((i for i, (a, b) in enumerate(zip(every[0], d)) if a != b),
-                        min(len(d), len(every[0])))
-            mine = d[diff] if diff < len(d) else "nothing"
-            first = every[0][diff] if diff < len(every[0]) else "nothing"
-            lines.append(f"rank {r} has {len(d)} parameters, rank {ranks[0]} has "
-                         f"{len(every[0])}; first difference at position {diff}: rank {r} "
-                         f"{mine} vs rank {ranks[0]} {first}")
-    raise ValueError("DistributedOptimizer: ranks registered different parameters (name, "
-                     "shape, dtype), so their gradient allreduces could never match: "
-                     + "; ".join(lines))
+    base = f"DistributedOptimizer.{instance}"
+    lines = differences(desc, lambda x: x, "parameters", (f"{base}.check", f"{base}.params"),
+                        process_set)
+    if lines:
+        raise ValueError("DistributedOptimizer: ranks registered different parameters (name, "
+                         "shape, dtype), so their gradient allreduces could never match: "
+                         + "; ".join(lines))
 
 
 def overlap_wanted(overlap: Optional[bool], params: List[torch.Tensor]) -> bool:
