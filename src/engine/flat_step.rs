@@ -122,8 +122,9 @@ pub struct FlatStep {
     /// Bytes of the gradient buffer, and where the parameters start (sharded).
     grads: usize,
     params_at: Option<usize>,
-    /// This rank's bytes of either buffer: Horovod's reducescatter split of the elements.
-    shard: Range<usize>,
+    /// Every rank's bytes of either buffer, in set order: Horovod's reducescatter split of
+    /// the elements (made once; the host memory route's allreduce reads them every step).
+    shards: Vec<Range<usize>>,
 }
 
 impl Door {
@@ -150,17 +151,20 @@ impl Door {
             )
             .ok();
         let (rank, size) = (spec.rank, spec.size);
-        let step = |mem: HostMemory, route| {
-            let (lo, count) = split_rows(spec.count, size, rank);
-            let esize = spec.dtype.size();
-            FlatStep {
-                mem,
-                route,
-                grads,
-                params_at,
-                shard: lo * esize..(lo + count) * esize,
-                spec: spec.clone(),
-            }
+        let esize = spec.dtype.size();
+        let shards: Vec<Range<usize>> = (0..size)
+            .map(|q| {
+                let (lo, count) = split_rows(spec.count, size, q);
+                lo * esize..(lo + count) * esize
+            })
+            .collect();
+        let step = |mem: HostMemory, route| FlatStep {
+            mem,
+            route,
+            grads,
+            params_at,
+            shards: shards.clone(),
+            spec: spec.clone(),
         };
         if spec.alone {
             return Ok(exposed.map(|e| step(e.alone(rank, size), Route::Rings)));
@@ -330,7 +334,7 @@ impl FlatStep {
 
     /// This rank's shard of either buffer, in bytes from its start.
     pub fn shard(&self) -> Range<usize> {
-        self.shard.clone()
+        self.shards[self.spec.rank].clone()
     }
 
     /// Runs `f` over this rank's gradient buffer (writable): how a Rust caller fills it and
@@ -386,16 +390,9 @@ impl FlatStep {
             return Ok(true);
         }
         let set = self.spec.set_id;
-        let esize = self.spec.dtype.size();
-        let shards: Vec<Range<usize>> = (0..self.spec.size)
-            .map(|q| {
-                let (lo, count) = split_rows(self.spec.count, self.spec.size, q);
-                lo * esize..(lo + count) * esize
-            })
-            .collect();
-        reduce_shard_in_host_memory(&self.mem, self.shard.clone(), red)?;
+        reduce_shard_in_host_memory(&self.mem, self.shard(), red)?;
         door.meet(set, &self.name(Meeting::Reduced), stop)?;
-        gather_shards_in_host_memory(&self.mem, &shards)?;
+        gather_shards_in_host_memory(&self.mem, &self.shards)?;
         door.meet(set, &self.name(Meeting::Gathered), stop)?;
         Ok(true)
     }
@@ -418,7 +415,7 @@ impl FlatStep {
             return Ok(false);
         }
         if self.in_host_memory(scale.0) {
-            reduce_shard_in_host_memory(&self.mem, self.shard.clone(), red)?;
+            reduce_shard_in_host_memory(&self.mem, self.shard(), red)?;
         } else {
             self.in_place(door, OpKind::Reducescatter, (op, scale), stop)?;
         }
@@ -489,7 +486,7 @@ impl FlatStep {
                 (at..at + self.grads, Meeting::Published)
             }
         };
-        let shard = self.shard.clone();
+        let shard = self.shard();
         let esize = self.spec.dtype.size();
         self.mem.with_own(whole, |bytes| {
             let (all, len) = (bytes.as_mut_ptr(), bytes.len());
