@@ -556,6 +556,10 @@ def _copy_into(outs: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
             at += n
 
 
+#: Every group not yet shut down (see ``ProcessGroup.__init__``).
+_open_groups: "set[ProcessGroup]" = set()
+
+
 class ProcessGroup(_C10dBackend):
     """The backend of a torch.distributed process group whose collectives run on ferrovod's
     engine. torch makes it (``init_process_group("ferrovod")``) and puts it under the group it
@@ -571,10 +575,14 @@ class ProcessGroup(_C10dBackend):
         self._group_id = group_id
         self._set = process_set
         self._owns_engine = owns_engine
-        self._seq = itertools.count()
+        self._seq = 0
         self._barriers = itertools.count()
         self._closed = False
         self._p2p_counts: dict = {}
+        # torch keeps only the C++ half of a backend written in Python. Where it wraps the
+        # backend in its own (TORCH_DISTRIBUTED_DEBUG=DETAIL), nothing else holds this object,
+        # and once it is freed every method torch calls falls through to the base class.
+        _open_groups.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -588,7 +596,14 @@ class ProcessGroup(_C10dBackend):
         """The next op's name: torch issues a group's collectives in one order on every rank."""
         if self._closed:
             raise InvalidArgumentError(f"process group {self._group_id} was shut down")
-        return f"pg{self._group_id}.{next(self._seq)}"
+        self._seq += 1
+        return f"pg{self._group_id}.{self._seq - 1}"
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives the group has issued: the same on every rank between two
+        collectives, which torch's collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)
+        compare across ranks."""
+        return self._seq
 
     def _work(self, handle: int, finish: Callable[[Any], List[torch.Tensor]],
               tensors: Sequence[torch.Tensor]) -> _Work:
@@ -1062,6 +1077,7 @@ class ProcessGroup(_C10dBackend):
             return
         _holds.release()
         self._closed = True
+        _open_groups.discard(self)
         if self._owns_engine:
             _lifecycle.shutdown()
 

@@ -22,6 +22,10 @@ an error that comes is the engine's report, never the timeout.
   once that time has passed (not before), naming the ranks that never came, and the job must
   go on. The ranks also carry ``WORLD_SIZE`` without ``RANK``, as torch's own test harness
   leaves them: torch hands the backend the rank, so no launcher's variables are read.
+- ``detail``: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (the test sets it), torch wraps the
+  backend in its own, which checks every collective across ranks: ops and an object gather on
+  a subgroup must work, a shape mismatch must raise torch's report on every rank, and
+  ``destroy_process_group`` must reach the backend (which then keeps no group open).
 
 Each rank prints ``rank <r> OK <checks>`` when all its checks held.
 """
@@ -158,6 +162,23 @@ elif mode == "timeout":
         # The other ranks wait here, on the job's own group, until rank 0 has had its error.
         goes_on(f"group {i}'s timeout")
     dist.destroy_process_group()
+elif mode == "detail":
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        got = [None, None]
+        dist.all_gather_object(got, {"rank": rank, "text": "x" * (rank + 1)}, group=pair)
+        check(got == [{"rank": 0, "text": "x"}, {"rank": 1, "text": "xx"}], f"objects {got}")
+    try:
+        dist.all_reduce(torch.ones(3 if rank == 0 else 4))
+        check(False, "a shape mismatch raised nothing")
+    except RuntimeError as e:
+        print(f"rank {rank} mismatch: {e}", flush=True)
+        check("mismatch" in str(e).lower(), f"not torch's report of a mismatch: {e}")
+    goes_on("torch's check of a mismatch")
+    from ferrovod.torch import process_group as _pg
+    check(len(_pg._open_groups) == (2 if rank < 2 else 1), f"open groups {_pg._open_groups}")
+    dist.destroy_process_group()
+    check(not _pg._open_groups, f"groups left open: {_pg._open_groups}")
 elif mode == "auth":
     # The job steps (a checked allreduce every 10 ms) while the test attacks rank 0's
     # coordinator from outside, until the test leaves <path>.stop. Rank 0 looks for it and

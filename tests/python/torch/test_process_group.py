@@ -125,6 +125,14 @@ def test_a_group_timeout_fails_a_stalled_op_once_it_has_passed(tmp_path):
             f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
 
 
+def test_torchs_own_collective_checks_wrap_the_backend(tmp_path):
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which users set to find a desynchronised job."""
+    procs, outs = plain_ranks(3, "detail", tmp_path, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and re.search(rf"^rank {r} OK (\d+)$", out, re.M), \
+            f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
+
+
 def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
     n = 3
     procs, outs = plain_ranks(n, "kill", tmp_path)
