@@ -48,7 +48,8 @@ done
 # and a TensorFlow dependency) stays below 0.7: 0.7.0 registers its NumPy loops in time that
 # grows with the square of their number, and its import took 0.9 s of CPU against 0.12 s for
 # 0.6.0, in every worker of the suite (test_ops, test_errors, test_hostile and test_lifecycle:
-# 179 s of CPU against 86 s; `import tensorflow` 4.4 s against 3.9 s).
+# 179 s of CPU against 86 s; `import tensorflow` 4.4 s against 3.9 s). ninja is what torch
+# builds C++ extensions with: the C++ half of backend="ferrovod" (ferrovod/torch/_front.cpp).
 PACKAGES=(
     "pip>=23"
     "maturin>=1.5,<2"
@@ -60,6 +61,7 @@ PACKAGES=(
     "ml_dtypes>=0.5.1,<0.7"
     "ziglang>=0.11,<1"
     "torch>=2.1"
+    "ninja>=1.11"
     "scikit-learn>=1.0"
     "mpi4py>=4,<5"
     "PyYAML>=6"
@@ -126,4 +128,20 @@ if [[ "$BUILD" == 1 ]]; then
     run_quiet "install ferrovod_as_horovod.pth" \
         install -m 644 "$ROOT/python/ferrovod_as_horovod.pth" "$SITE/ferrovod_as_horovod.pth"
     run_quiet "import check" "$VENV/bin/python" -c "import ferrovod._core"
+    # The C++ half of backend="ferrovod", built here (a minute, once per change of its source or
+    # of torch) into the venv's own cache, where the tests find it (tests/python/conftest.py):
+    # no test waits for the compiler, and a fresh clone never finds another clone's build.
+    if ! command -v c++ >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing g++ (what torch builds the backend's C++ half with)"
+        run_quiet "apt-get install g++" env DEBIAN_FRONTEND=noninteractive \
+            bash -c "apt-get update -qq && apt-get install -y -qq --no-install-recommends g++"
+    fi
+    if command -v c++ >/dev/null 2>&1; then
+        echo "setup: building the torch backend's C++ half into $(basename "$VENV")/torch_extensions"
+        run_quiet "build ferrovod/torch/_front.cpp" env TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" \
+            "$VENV/bin/python" -c "from ferrovod.torch import _front; _front._build()"
+    else
+        echo "setup: no C++ compiler: backend='ferrovod' runs without its C++ half here, and" \
+            "the tests of that half skip" >&2
+    fi
 fi

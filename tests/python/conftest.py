@@ -54,6 +54,10 @@ REPO = HERE.parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(HERE / "site"), os.environ.get("PYTHONPATH")]))
 
+# The torch backend's C++ half (ferrovod/torch/_front.cpp), which `make setup` builds into the
+# venv's own cache: no test builds it, and no test finds a build of another clone.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
 # A launch environment that init() could pick up; tests that want "no launcher at all" drop it.
 LAUNCH_ENV_PREFIXES = ("FERROVOD_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_", "HYDRA_")
 LAUNCH_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

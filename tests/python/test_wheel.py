@@ -161,6 +161,8 @@ def test_wheel_is_abi3_manylinux_and_runs_two_processes(tmp_path: Path) -> None:
     assert tags and all(tag.startswith("cp310-abi3-manylinux") for tag in tags), tags
     assert "ferrovod/_core.abi3.so" in names, [n for n in names if n.endswith(".so")]
     assert "ferrovod/__init__.py" in names
+    # The torch backend's C++ half, which torch builds where the wheel is installed.
+    assert "ferrovod/torch/_front.cpp" in names, [n for n in names if "/torch/" in n]
     # At the root, so that pip puts them at the root of site-packages, where .pth files run.
     assert {"ferrovod_as_horovod.pth", "_ferrovod_as_horovod.py"} <= set(names), names
     assert re.search(r"^ferrovodrun\s*=", scripts, flags=re.M), scripts

@@ -32,7 +32,12 @@ A group over some of the job's ranks (``new_group``, ``new_subgroups``, a device
 dimensions) is an engine process set that its members register alone (torch asks only them).
 
 Point-to-point ``send``/``recv`` (and so ``isend``, ``irecv``, ``batch_isend_irecv``): a
-broadcast from the sender in the pair's process set (:class:`_Pairs`).
+broadcast from the sender in the pair's process set (:class:`_Pairs`). A receive from any
+source finds its sender through counts every send leaves in the group's store
+(:class:`_AnySource`, :class:`_Announcer`).
+
+torch holds this backend through its C++ half (:mod:`ferrovod.torch._front`) where that can be
+built, which asks this one's work what torch asks of a C++ backend's.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ from torch._C._profiler import _RecordFunctionFast
 
 from .. import _api, _core, _lifecycle
 from .._api import Average, Max, Min, Product, Sum
-from ..exceptions import InvalidArgumentError
+from ..exceptions import FerrovodTimeoutError, InvalidArgumentError
 from ..process_sets import ProcessSet, global_process_set
+from . import _front
 from . import ops as _ops
 
 #: The backend's name in ``init_process_group``.
@@ -248,6 +254,14 @@ class _Work(dist.Work):
         """Whether the op completed without an error (waits for it)."""
         self._outcome()
         return self._error is None
+
+    def _source_rank(self) -> int:
+        """The group rank a receive from any source received from (waits for it)."""
+        if not isinstance(self._source, _AnySource):
+            raise RuntimeError("sourceRank() may only be called on the work of a receive "
+                               "from any source (recv without src)")
+        self.wait()
+        return self._source.src
 
     def exception(self) -> Optional[BaseException]:
         """The error the op failed with, or None (waits for it)."""
@@ -518,6 +532,73 @@ class _Pairs:
 _pairs = _Pairs()
 
 
+class _AnySource:
+    """A receive from whichever group rank has sent this rank a message of the tag that no
+    receive has taken yet (:meth:`ProcessGroup._sender`, on a thread of its own, so that an
+    ``irecv`` returns at once); then the receive named by that rank, as ``recv(src=...)``."""
+
+    def __init__(self, group: "ProcessGroup", tensor: torch.Tensor, tag: int) -> None:
+        self.src = -1
+        self._inner: Optional[_Work] = None
+        self._error: Optional[BaseException] = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._find, args=(group, tensor, tag), daemon=True,
+                         name="ferrovod-any-source").start()
+
+    def _find(self, group: "ProcessGroup", tensor: torch.Tensor, tag: int) -> None:
+        try:
+            self.src, self._inner = group._receive_from_sender(tensor, tag)
+        except BaseException as e:  # noqa: BLE001 - the op's waiter raises it
+            self._error = e
+        self._ready.set()
+
+    def is_completed(self) -> bool:
+        return self._ready.is_set() and (self._inner is None or self._inner.is_completed())
+
+    def wait(self) -> Any:
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._inner is not None
+        self._inner.wait()
+
+
+class _Announcer:
+    """Counts every message sent in the group's store (``<src>to<dst>.t<tag>``), which a
+    receive from any source reads to learn who has sent. On a thread of its own, so that a
+    send never waits for the store, and summed per key between two visits to it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict = {}
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, store: Any, key: str) -> None:
+        with self._lock:
+            self._due[(store, key)] = self._due.get((store, key), 0) + 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="ferrovod-announcer")
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                self._wake.clear()
+                due, self._due = self._due, {}
+            for (store, key), n in due.items():
+                try:
+                    store.add(key, n)
+                except Exception:  # noqa: BLE001, S110 - a store gone with its job: none wait
+                    pass
+
+
+_announcer = _Announcer()
+
+
 class _Done(dist.Work):
     """Work that has nothing left to do (an op with nothing to send, e.g. an empty list)."""
 
@@ -579,6 +660,8 @@ class ProcessGroup(_C10dBackend):
         self._barriers = itertools.count()
         self._closed = False
         self._p2p_counts: dict = {}
+        # Receives from any source count on their own threads (_AnySource).
+        self._p2p_lock = threading.RLock()
         # torch keeps only the C++ half of a backend written in Python. Where it wraps the
         # backend in its own (TORCH_DISTRIBUTED_DEBUG=DETAIL), nothing else holds this object,
         # and once it is freed every method torch calls falls through to the base class.
@@ -1041,8 +1124,11 @@ class ProcessGroup(_C10dBackend):
             raise InvalidArgumentError(f"rank {self._rank} cannot send to or receive from itself")
         src, dst = (me, other) if sending else (other, me)
         key = (src, dst, int(tag))
-        n = self._p2p_counts.get(key, 0)
-        self._p2p_counts[key] = n + 1
+        with self._p2p_lock:
+            n = self._p2p_counts.get(key, 0)
+            self._p2p_counts[key] = n + 1
+        if sending:
+            _announcer.add(self._store, self._sent_key(src, dst, int(tag)))
         name = f"pg{self._group_id}.p2p.{src}to{dst}.t{tag}.{n}"
         t = tensors[0]
 
@@ -1064,9 +1150,48 @@ class ProcessGroup(_C10dBackend):
         """Receives into ``tensors[0]`` what group rank ``src`` sends."""
         return self._p2p(tensors, src, tag, False)
 
+    @_profiled("recvAnySource", _first)
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> dist.Work:
-        raise NotImplementedError("the ferrovod backend receives from a named rank only "
-                                  "(recv(src=...)); a receive from any source is not supported")
+        """Receives into ``tensors[0]`` from whichever group rank sent first (``recv``
+        without ``src``); the work's ``_source_rank()`` says which."""
+        if self._closed:
+            raise InvalidArgumentError(f"process group {self._group_id} was shut down")
+        if _front.backend_class() is None:
+            raise InvalidArgumentError(
+                "recv() without src needs the backend's C++ half, which could not be built "
+                "here (see the warning above), to say who sent: name the sender (src=...)")
+        t = tensors[0]
+        return _Work(_AnySource(self, t, int(tag)), lambda _: [t], [t.device])
+
+    def _sent_key(self, src: int, dst: int, tag: int) -> str:
+        """The store's count of messages ``src`` sent ``dst`` with ``tag`` in this forming
+        of the job (a store may outlive a job that a new ``init_process_group`` replaces)."""
+        return f"ferrovod/sent/{_forming}/{src}to{dst}.t{tag}"
+
+    def _receive_from_sender(self, tensor: torch.Tensor, tag: int) -> tuple:
+        """(group rank, its receive's work) for the first group rank found to have sent this
+        rank a message of ``tag`` that no receive took yet: the store's counts, read until one
+        is ahead of this rank's, pausing longer each time (up to 50 ms) until the group's
+        timeout. The claim is under the lock a receive from a named rank counts under."""
+        me = self._global(self._rank)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = 0.0005
+        while True:
+            for r in range(self._size):
+                src = self._global(r)
+                if r == self._rank:
+                    continue
+                with self._p2p_lock:
+                    sent = int(self._store.add(self._sent_key(src, me, tag), 0))
+                    if sent > self._p2p_counts.get((src, me, tag), 0):
+                        return r, self._p2p([tensor], r, tag, False)
+            if time.monotonic() > deadline:
+                raise FerrovodTimeoutError(
+                    f"rank {self._rank} of group {self._group_id}: no rank sent a message "
+                    f"with tag {tag} within the group's timeout ({self._timeout}) for "
+                    f"recv() without src")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1112,6 +1237,8 @@ _TORCH_DEFAULT_TIMEOUT: timedelta = dist.constants.default_pg_timeout
 # The default group's timeout when this job's engine was started by it (ops of the job's own
 # set are bounded by it); None when ferrovod.init() started the engine.
 _job_timeout: Optional[timedelta] = None
+#: Which forming of the job over its store this process is in (``_formings``).
+_forming = 0
 
 
 def _formings(store: Any, size: int) -> int:
@@ -1120,10 +1247,11 @@ def _formings(store: Any, size: int) -> int:
     return (int(store.add("ferrovod/formings", 1)) - 1) // size
 
 
-def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:  # noqa: D417
+def _create(opts: Any, backend_options: Any = None) -> Any:  # noqa: D417
     """torch's creator: the default group starts (or joins) the engine over the store torch
-    hands in; other groups are not here yet."""
-    global _job_timeout
+    hands in; other groups are not here yet. torch gets the backend's C++ half over it where
+    that can be built (:mod:`ferrovod.torch._front`)."""
+    global _job_timeout, _forming
     del backend_options
     store, rank, size = opts.store, int(opts.group_rank), int(opts.group_size)
     timeout = opts.timeout if isinstance(opts.timeout, timedelta) else \
@@ -1134,15 +1262,16 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroup:  # noqa: D4
     # torch's default timeout (30 min) leaves the job's ops to the engine's stall limits and
     # small ones on the fast path; a timeout the user chose bounds every op, as gloo's does.
     op_limit = None if timeout == _TORCH_DEFAULT_TIMEOUT else timeout.total_seconds()
+    _forming = _formings(store, size)
     started = _lifecycle.init_over_store(store, rank, size, timeout.total_seconds(),
-                                         _store_address(store), _formings(store, size), op_limit)
+                                         _store_address(store), _forming, op_limit)
     _job_timeout = timeout if started else None
-    return ProcessGroup(store, rank, size, timeout, str(opts.group_id), global_process_set,
-                        owns_engine=started)
+    return _front.wrap(ProcessGroup(store, rank, size, timeout, str(opts.group_id),
+                                    global_process_set, owns_engine=started), rank, size)
 
 
 def _subgroup(store: Any, rank: int, size: int, timeout: timedelta, group_id: str,
-              members: List[int]) -> ProcessGroup:
+              members: List[int]) -> Any:
     """A group over some ranks of the job (``new_group``, ``new_subgroups``, a device mesh's
     dimensions): an engine process set registered by its members alone, since torch asks only
     them; a group over every rank is the job's own set."""
@@ -1159,7 +1288,8 @@ def _subgroup(store: Any, rank: int, size: int, timeout: timedelta, group_id: st
         # The group's ops fail once stalled for its timeout (a set with a limit of its own).
         ps = ProcessSet(members)
         ps.process_set_id = int(_core.add_process_set(members, True, timeout.total_seconds()))
-    return ProcessGroup(store, rank, size, timeout, group_id, ps, owns_engine=False)
+    return _front.wrap(ProcessGroup(store, rank, size, timeout, group_id, ps, owns_engine=False),
+                       rank, size)
 
 
 def register() -> None:

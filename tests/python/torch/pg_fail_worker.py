@@ -25,7 +25,9 @@ an error that comes is the engine's report, never the timeout.
 - ``detail``: under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (the test sets it), torch wraps the
   backend in its own, which checks every collective across ranks: ops and an object gather on
   a subgroup must work, a shape mismatch must raise torch's report on every rank, and
-  ``destroy_process_group`` must reach the backend (which then keeps no group open).
+  ``destroy_process_group`` must reach the backend (which then keeps no group open). With
+  ``EXPECT_FRONT=0`` the backend's C++ half cannot be built (the test gives torch no
+  compiler): the Python half alone must do all that, and refuse ``recv`` without ``src``.
 
 Each rank prints ``rank <r> OK <checks>`` when all its checks held.
 """
@@ -163,6 +165,16 @@ elif mode == "timeout":
         goes_on(f"group {i}'s timeout")
     dist.destroy_process_group()
 elif mode == "detail":
+    from ferrovod.torch import _front
+    expect_front = os.environ["EXPECT_FRONT"] == "1"
+    check((_front.backend_class() is not None) == expect_front,
+          f"the C++ half: {_front.backend_class()}, expected: {expect_front}")
+    if not expect_front and rank == 0:
+        try:
+            dist.recv(torch.empty(1))
+            check(False, "recv without src raised nothing")
+        except Exception as e:  # noqa: BLE001 - what torch's users catch
+            check("src" in str(e) and "C++ half" in str(e), f"not the reason: {e}")
     pair = dist.new_group([0, 1])
     if rank < 2:
         got = [None, None]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ferrovod.torch  # noqa: F401 - registers the backend
+from ferrovod.torch import _front
 
 CHECKS = 0
 R = dist.ReduceOp
@@ -339,8 +340,11 @@ def section_p2p():
     for k in range(3):
         got = torch.empty(1000 + k)
         s = dist.isend(make(r, (1000 + k,), torch.float32, 510 + k), nxt)
-        dist.irecv(got, prv).wait()
+        w = dist.irecv(got, prv)
+        w.wait()
         s.wait()
+        if _front.backend_class() is not None:  # torch asks a backend in Python nothing more
+            check(w.is_completed() and s.is_completed(), f"is_completed after wait, round {k}")
         same(got, make(prv, (1000 + k,), torch.float32, 510 + k), f"isend/irecv ring round {k}")
     # Tags: 0 sends tag 1, then tag 2; 1 receives tag 2 first.
     if r == 0:
@@ -379,6 +383,35 @@ def section_p2p():
             got = torch.empty(k + 2, dtype=torch.int32)
             dist.recv(got, 0)
             same(got, make(k, (k + 2,), torch.int32, 520), f"send/recv 0 -> {k}")
+    # Receives from any source: every other rank sends rank 0 two messages of tag 9 (after a
+    # receive of tag 9 from a named rank that rank 0 posts first), and rank 0 takes them in
+    # whatever order they come, recv and irecv, saying who sent each. They need the backend's
+    # C++ half, which needs a compiler (test_process_group.py checks the refusal without it).
+    if _front.backend_class() is None:
+        pass
+    elif r == 0:
+        named = torch.empty(2)
+        dist.recv(named, n - 1, tag=9)
+        same(named, torch.full((2,), float(n - 1)), "the named receive before the any-source")
+        seen = []
+        for k in range(2 * (n - 1) - 1):
+            got = torch.empty(2)
+            if k % 2:
+                w = dist.irecv(got, tag=9)
+                w.wait()
+                src = w._source_rank()
+            else:
+                src = dist.recv(got, tag=9)
+            check(src in range(1, n), f"any-source receive {k}: from {src}")
+            same(got, torch.full((2,), float(src)), f"any-source receive {k} from {src}")
+            seen.append(src)
+        expected = sorted(k for k in range(1, n) for _ in range(2))
+        expected.remove(n - 1)
+        check(sorted(seen) == expected, f"any-source senders {seen}, not {expected}")
+    else:
+        ws = [dist.isend(torch.full((2,), float(r)), 0, tag=9) for _ in range(2)]
+        for w in ws:
+            w.wait()
     dist.barrier()
 
 

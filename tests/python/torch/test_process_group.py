@@ -12,6 +12,7 @@ collective's shape, dtype, op or root, and a rank killed mid-op: an error naming
 every other rank, never a hang (pg_fail_worker.py)."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,12 +126,22 @@ def test_a_group_timeout_fails_a_stalled_op_once_it_has_passed(tmp_path):
             f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
 
 
-def test_torchs_own_collective_checks_wrap_the_backend(tmp_path):
-    """``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which users set to find a desynchronised job."""
-    procs, outs = plain_ranks(3, "detail", tmp_path, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+@pytest.mark.parametrize("front", [
+    pytest.param(True, id="c++ half", marks=pytest.mark.skipif(
+        not shutil.which("c++"), reason="no C++ compiler to build the backend's C++ half")),
+    pytest.param(False, id="python half alone")])
+def test_torchs_own_collective_checks_wrap_the_backend(front, tmp_path):
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which users set to find a desynchronised job; and
+    the backend where its C++ half cannot be built (a fresh extension cache and no compiler),
+    which must say so once on each rank."""
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "EXPECT_FRONT": int(front)}
+    if not front:
+        env.update(CXX="false", TORCH_EXTENSIONS_DIR=tmp_path / "extensions")
+    procs, outs = plain_ranks(3, "detail", tmp_path, env=env)
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and re.search(rf"^rank {r} OK (\d+)$", out, re.M), \
             f"rank {r} (exit {p.returncode}):\n{out[-4000:]}"
+        assert out.count("could not be built") == (0 if front else 1), out[-4000:]
 
 
 def test_a_killed_rank_fails_the_others_naming_it(tmp_path):
