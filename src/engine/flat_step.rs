@@ -488,20 +488,22 @@ impl FlatStep {
         };
         let shard = self.shard();
         let esize = self.spec.dtype.size();
-        self.mem.with_own(whole, |bytes| {
-            let (all, len) = (bytes.as_mut_ptr(), bytes.len());
-            // SAFETY: every buffer lies in `bytes` (the shard by `split_rows`), this rank's
-            // segment, which the loan of `with_own` keeps mapped and lent to no other caller in
-            // this process until the closure returns; the op is waited for before it does.
-            // Other ranks never map this segment on the rings route.
-            let (input, output, rows) = unsafe {
-                let whole = || TensorBuf::borrowed(all, len);
-                let mine = || TensorBuf::borrowed(all.add(shard.start), shard.len());
-                match kind {
-                    OpKind::Allreduce => (whole(), whole(), self.spec.count),
-                    OpKind::Reducescatter => (whole(), mine(), self.spec.count),
-                    _ => (mine(), whole(), shard.len() / esize),
-                }
+        let seg = self.mem.segment(self.mem.rank()).ok_or_else(|| {
+            Error::Io(format!(
+                "internal error: {}: this rank's segment is not mapped",
+                self.spec.name
+            ))
+        })?;
+        // The loan of `with_own`, held until the op is waited for, keeps every other caller in
+        // this process off these bytes; the buffers keep the segment mapped as long as the
+        // engine holds them. Other ranks never map this segment on the rings route.
+        self.mem.with_own(whole.clone(), |_| {
+            let buf = |range: Range<usize>| TensorBuf::in_segment(seg.clone(), range);
+            let mine = whole.start + shard.start..whole.start + shard.end;
+            let (input, output, rows) = match kind {
+                OpKind::Allreduce => (buf(whole.clone())?, buf(whole)?, self.spec.count),
+                OpKind::Reducescatter => (buf(whole)?, buf(mine)?, self.spec.count),
+                _ => (buf(mine)?, buf(whole)?, shard.len() / esize),
             };
             let spec = OpSpec {
                 set_id: self.spec.set_id,

@@ -2,10 +2,12 @@
 //! the caller (a NumPy array, a torch tensor) through a raw pointer, zero-copy, or the
 //! caller's CUDA device memory, which only the NCCL backend touches.
 
+use std::ops::Range;
 use std::ptr::NonNull;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::cuda::{DeviceBuf, Stream};
+use crate::transport::host_memory::Segment;
 
 use super::pool::{PageBuf, MIN_CLASS};
 
@@ -19,6 +21,15 @@ pub enum TensorBuf {
     Borrowed {
         /// Start of the memory.
         ptr: NonNull<u8>,
+        /// Length in bytes.
+        len: usize,
+    },
+    /// Bytes of a host-memory segment: see [`TensorBuf::in_segment`].
+    Segment {
+        /// The segment, kept mapped while the buffer lives.
+        seg: Segment,
+        /// Offset of the first byte in the segment.
+        at: usize,
         /// Length in bytes.
         len: usize,
     },
@@ -55,6 +66,25 @@ impl TensorBuf {
             // A null pointer only comes with empty tensors; treat them as owned and empty.
             None => TensorBuf::Owned(Vec::new()),
         }
+    }
+
+    /// `range` of a host-memory segment (a [`FlatStep`](super::FlatStep)'s own), which the
+    /// buffer keeps mapped however long the op holds it. `InvalidArgument` when the range is
+    /// outside the segment. Which bytes are written by whom and when is the protocol of the
+    /// segment's user, as for [`HostMemory::with_own`](crate::transport::HostMemory::with_own):
+    /// here, that nothing else in this process touches them while the op runs.
+    pub fn in_segment(seg: Segment, range: Range<usize>) -> Result<TensorBuf> {
+        if range.start > range.end || range.end > seg.len() {
+            return Err(Error::InvalidArgument(format!(
+                "host memory: bytes {range:?} of a {}-byte segment",
+                seg.len()
+            )));
+        }
+        Ok(TensorBuf::Segment {
+            seg,
+            at: range.start,
+            len: range.len(),
+        })
     }
 
     /// Wraps caller memory on CUDA device `device`.
@@ -113,7 +143,9 @@ impl TensorBuf {
         match self {
             TensorBuf::Owned(v) => v.len(),
             TensorBuf::Pages(p) => p.len(),
-            TensorBuf::Borrowed { len, .. } | TensorBuf::Device { len, .. } => *len,
+            TensorBuf::Borrowed { len, .. }
+            | TensorBuf::Segment { len, .. }
+            | TensorBuf::Device { len, .. } => *len,
         }
     }
 
@@ -133,6 +165,11 @@ impl TensorBuf {
             TensorBuf::Borrowed { ptr, len } => unsafe {
                 std::slice::from_raw_parts(ptr.as_ptr(), *len)
             },
+            // SAFETY: `at..at + len` lies in the segment (checked by `in_segment`), which `seg`
+            // keeps mapped; no other view in this process meanwhile (`in_segment`'s protocol).
+            TensorBuf::Segment { seg, at, len } => unsafe {
+                std::slice::from_raw_parts(seg.as_ptr().add(*at), *len)
+            },
         }
     }
 
@@ -146,16 +183,30 @@ impl TensorBuf {
             TensorBuf::Borrowed { ptr, len } => unsafe {
                 std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)
             },
+            // SAFETY: as in `as_slice`; `&mut self` makes this the only live view.
+            TensorBuf::Segment { seg, at, len } => unsafe {
+                std::slice::from_raw_parts_mut(seg.as_ptr().add(*at), *len)
+            },
+        }
+    }
+
+    /// Where a buffer that may share bytes with another lies (first byte, length): memory
+    /// borrowed from the caller or lent from a segment. Engine-owned memory is nobody else's.
+    fn host_range(&self) -> Option<(usize, usize)> {
+        match self {
+            TensorBuf::Borrowed { ptr, len } => Some((ptr.as_ptr() as usize, *len)),
+            TensorBuf::Segment { seg, at, len } => Some((seg.as_ptr() as usize + at, *len)),
+            _ => None,
         }
     }
 
     /// Whether `inner` is host memory lying inside this buffer exactly `offset` bytes from its
     /// start (an in-place allgather's input, a reducescatter's share of its input).
     pub fn contains_at(&self, inner: &TensorBuf, offset: usize) -> bool {
-        match (self, inner) {
-            (TensorBuf::Borrowed { ptr, len }, TensorBuf::Borrowed { ptr: i, len: il }) => {
-                (ptr.as_ptr() as usize).checked_add(offset) == Some(i.as_ptr() as usize)
-                    && offset.checked_add(*il).is_some_and(|end| end <= *len)
+        match (self.host_range(), inner.host_range()) {
+            (Some((at, len)), Some((i, il))) => {
+                at.checked_add(offset) == Some(i)
+                    && offset.checked_add(il).is_some_and(|end| end <= len)
             }
             _ => false,
         }
@@ -163,11 +214,8 @@ impl TensorBuf {
 
     /// Whether two host buffers share any byte.
     pub fn overlaps(&self, other: &TensorBuf) -> bool {
-        match (self, other) {
-            (TensorBuf::Borrowed { ptr: a, len: al }, TensorBuf::Borrowed { ptr: b, len: bl }) => {
-                let (a, b) = (a.as_ptr() as usize, b.as_ptr() as usize);
-                *al > 0 && *bl > 0 && a < b + bl && b < a + al
-            }
+        match (self.host_range(), other.host_range()) {
+            (Some((a, al)), Some((b, bl))) => al > 0 && bl > 0 && a < b + bl && b < a + al,
             _ => false,
         }
     }
@@ -175,9 +223,11 @@ impl TensorBuf {
     /// Whether two buffers are the same memory (an in-place op).
     pub fn same_memory(&self, other: &TensorBuf) -> bool {
         match (self, other) {
-            (TensorBuf::Borrowed { ptr: a, .. }, TensorBuf::Borrowed { ptr: b, .. }) => a == b,
             (TensorBuf::Device { ptr: a, .. }, TensorBuf::Device { ptr: b, .. }) => a == b,
-            _ => false,
+            _ => match (self.host_range(), other.host_range()) {
+                (Some((a, _)), Some((b, _))) => a == b,
+                _ => false,
+            },
         }
     }
 }

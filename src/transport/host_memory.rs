@@ -452,6 +452,24 @@ mod tests {
     }
 
     #[test]
+    fn a_buffer_lent_from_a_segment_stays_inside_it_and_keeps_it_mapped() {
+        use crate::engine::TensorBuf;
+        let mem = share_among(1, 64).pop().unwrap();
+        let seg = mem.segment(0).unwrap();
+        assert!(TensorBuf::in_segment(seg.clone(), 60..65).is_err());
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 9..8;
+        assert!(TensorBuf::in_segment(seg.clone(), backwards).is_err());
+        let whole = TensorBuf::in_segment(seg.clone(), 0..64).unwrap();
+        let mut part = TensorBuf::in_segment(seg, 16..24).unwrap();
+        assert!(whole.contains_at(&part, 16) && !whole.contains_at(&part, 15));
+        assert!(whole.overlaps(&part) && !whole.same_memory(&part));
+        drop(mem); // the buffers alone keep the segment mapped now
+        part.as_mut_slice().copy_from_slice(&[7; 8]);
+        assert_eq!(&whole.as_slice()[15..25], &[0, 7, 7, 7, 7, 7, 7, 7, 7, 0]);
+    }
+
+    #[test]
     fn every_rank_sees_every_segment() {
         let mems = share_among(3, 4096);
         for m in &mems {
