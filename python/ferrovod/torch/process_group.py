@@ -534,8 +534,9 @@ _pairs = _Pairs()
 
 class _AnySource:
     """A receive from whichever group rank has sent this rank a message of the tag that no
-    receive has taken yet (:meth:`ProcessGroup._sender`, on a thread of its own, so that an
-    ``irecv`` returns at once); then the receive named by that rank, as ``recv(src=...)``."""
+    receive has taken yet (:meth:`ProcessGroup._receive_from_sender`, on a thread of its own,
+    so that an ``irecv`` returns at once); then the receive named by that rank, as
+    ``recv(src=...)`` would be."""
 
     def __init__(self, group: "ProcessGroup", tensor: torch.Tensor, tag: int) -> None:
         self.src = -1
@@ -662,9 +663,10 @@ class ProcessGroup(_C10dBackend):
         self._p2p_counts: dict = {}
         # Receives from any source count on their own threads (_AnySource).
         self._p2p_lock = threading.RLock()
-        # torch keeps only the C++ half of a backend written in Python. Where it wraps the
-        # backend in its own (TORCH_DISTRIBUTED_DEBUG=DETAIL), nothing else holds this object,
-        # and once it is freed every method torch calls falls through to the base class.
+        # Without the C++ half (_front), torch holds this object by its C++ base alone. Where
+        # it wraps the backend in its own (TORCH_DISTRIBUTED_DEBUG=DETAIL), nothing else holds
+        # the Python object, and once it is freed every call torch makes falls through to the
+        # base class.
         _open_groups.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
