@@ -128,7 +128,7 @@ if [[ "$BUILD" == 1 ]]; then
     run_quiet "install ferrovod_as_horovod.pth" \
         install -m 644 "$ROOT/python/ferrovod_as_horovod.pth" "$SITE/ferrovod_as_horovod.pth"
     run_quiet "import check" "$VENV/bin/python" -c "import ferrovod._core"
-    # The C++ half of backend="ferrovod", built here (a minute, once per change of its source or
+    # The C++ half of backend="ferrovod", built here (23 s, once per change of its source or
     # of torch) into the venv's own cache, where the tests find it (tests/python/conftest.py):
     # no test waits for the compiler, and a fresh clone never finds another clone's build.
     if ! command -v c++ >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
