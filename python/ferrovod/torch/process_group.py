@@ -679,10 +679,14 @@ class ProcessGroup(_C10dBackend):
 
     def _name(self) -> str:
         """The next op's name: torch issues a group's collectives in one order on every rank."""
-        if self._closed:
-            raise InvalidArgumentError(f"process group {self._group_id} was shut down")
+        self._check_open()
         self._seq += 1
         return f"pg{self._group_id}.{self._seq - 1}"
+
+    def _check_open(self) -> None:
+        """Refuses an op of a group that was shut down."""
+        if self._closed:
+            raise InvalidArgumentError(f"process group {self._group_id} was shut down")
 
     def _get_sequence_number_for_group(self) -> int:
         """How many collectives the group has issued: the same on every rank between two
@@ -1119,8 +1123,7 @@ class ProcessGroup(_C10dBackend):
         the pair's process set, named by the group, the direction, the tag and how many such
         messages came before (each side counts alike, so messages of one tag arrive in order,
         and another tag's may overtake them, as torch allows)."""
-        if self._closed:
-            raise InvalidArgumentError(f"process group {self._group_id} was shut down")
+        self._check_open()
         me, other = self._global(self._rank), self._global(int(peer))
         if me == other:
             raise InvalidArgumentError(f"rank {self._rank} cannot send to or receive from itself")
@@ -1156,8 +1159,7 @@ class ProcessGroup(_C10dBackend):
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> dist.Work:
         """Receives into ``tensors[0]`` from whichever group rank sent first (``recv``
         without ``src``); the work's ``_source_rank()`` says which."""
-        if self._closed:
-            raise InvalidArgumentError(f"process group {self._group_id} was shut down")
+        self._check_open()
         if _front.backend_class() is None:
             raise InvalidArgumentError(
                 "recv() without src needs the backend's C++ half, which could not be built "
@@ -1174,7 +1176,7 @@ class ProcessGroup(_C10dBackend):
         """(group rank, its receive's work) for the first group rank found to have sent this
         rank a message of ``tag`` that no receive took yet: the store's counts, read until one
         is ahead of this rank's, pausing longer each time (up to 50 ms) until the group's
-        timeout. The claim is under the lock a receive from a named rank counts under."""
+        timeout. The claim is made under the lock a receive from a named rank counts under."""
         me = self._global(self._rank)
         deadline = time.monotonic() + self._timeout.total_seconds()
         pause = 0.0005
@@ -1183,8 +1185,11 @@ class ProcessGroup(_C10dBackend):
                 src = self._global(r)
                 if r == self._rank:
                     continue
+                # Read outside the lock (a store round trip that sends and receives on other
+                # threads must not wait for): a count only grows, so one read early can only
+                # miss a message, never claim one that was not sent.
+                sent = int(self._store.add(self._sent_key(src, me, tag), 0))
                 with self._p2p_lock:
-                    sent = int(self._store.add(self._sent_key(src, me, tag), 0))
                     if sent > self._p2p_counts.get((src, me, tag), 0):
                         return r, self._p2p([tensor], r, tag, False)
             if time.monotonic() > deadline:

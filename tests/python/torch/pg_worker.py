@@ -383,13 +383,18 @@ def section_p2p():
             got = torch.empty(k + 2, dtype=torch.int32)
             dist.recv(got, 0)
             same(got, make(k, (k + 2,), torch.int32, 520), f"send/recv 0 -> {k}")
-    # Receives from any source: every other rank sends rank 0 two messages of tag 9 (after a
-    # receive of tag 9 from a named rank that rank 0 posts first), and rank 0 takes them in
-    # whatever order they come, recv and irecv, saying who sent each. They need the backend's
-    # C++ half, which needs a compiler (test_process_group.py checks the refusal without it).
-    if _front.backend_class() is None:
-        pass
-    elif r == 0:
+    # Receives from any source need the backend's C++ half, which needs a compiler
+    # (test_process_group.py checks the refusal without it).
+    if _front.backend_class() is not None:
+        any_source(r, n)
+    dist.barrier()
+
+
+def any_source(r, n):
+    """Every other rank sends rank 0 two messages of tag 9 (after a receive of tag 9 from a
+    named rank that rank 0 posts first), and rank 0 takes them in whatever order they come,
+    recv and irecv, saying who sent each."""
+    if r == 0:
         named = torch.empty(2)
         dist.recv(named, n - 1, tag=9)
         same(named, torch.full((2,), float(n - 1)), "the named receive before the any-source")
@@ -412,7 +417,6 @@ def section_p2p():
         ws = [dist.isend(torch.full((2,), float(r)), 0, tag=9) for _ in range(2)]
         for w in ws:
             w.wait()
-    dist.barrier()
 
 
 def section_objects():
