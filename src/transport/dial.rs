@@ -20,8 +20,10 @@
 //! Two ranks may dial each other at once. Exactly one connection per pair is kept: the
 //! acceptor of rank `a` takes a connection from rank `b` unless `b > a` and `a` has dialled
 //! `b` itself; a dialler refused that way waits for `a`'s connection, which `b`'s acceptor
-//! always takes (it comes from the lower rank). Dialling and deciding share one lock per
-//! rank ([`Claims`]), so a rank never both takes a connection and dials its own.
+//! always takes (it comes from the lower rank), as does a dialler that finds `a` gone once its
+//! acceptor has taken `a`'s connection (`a` may have sent all it had and left before
+//! answering). Dialling and deciding share one lock per rank ([`Claims`]), so a rank never
+//! both takes a connection and dials its own.
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -279,20 +281,37 @@ impl Dialer {
             !c.taken[peer]
         };
         if dial {
-            let made = connect_peer(
-                self.rank,
-                self.size,
-                (peer, self.addrs[peer]),
-                &self.secret,
-                Retry::Never,
-                deadline,
-                &self.stop,
-            )?;
-            if let Some(s) = made {
+            if let Some(s) = self.dial(peer, deadline)? {
                 return finished(self.finish.as_ref(), peer, s, deadline);
             }
         }
-        // The peer's own connection is coming (or came) through the acceptor.
+        self.await_link(peer, start, deadline)
+    }
+
+    /// Dials `peer` for [`Dialer::make`]: the connection, or `None` when the peer's own
+    /// connection is the link (its acceptor declined ours, or it has gone after linking).
+    fn dial(&self, peer: usize, deadline: Instant) -> Result<Option<TcpStream>> {
+        let made = connect_peer(
+            self.rank,
+            self.size,
+            (peer, self.addrs[peer]),
+            &self.secret,
+            Retry::Never,
+            deadline,
+            &self.stop,
+        );
+        match made {
+            // Both sides dialled, and the peer's connection, which our acceptor took while we
+            // dialled, carried all it had for us: it may then have finished its work and
+            // closed its listener before answering ours (reset or refused). Its link, and
+            // what it sent over it, is waiting here.
+            Err(_) if self.claims.lock().expect("claims lock").taken[peer] => Ok(None),
+            made => made,
+        }
+    }
+
+    /// Waits for the link `peer`'s own connection makes through the acceptor.
+    fn await_link(&mut self, peer: usize, start: Instant, deadline: Instant) -> Result<Made> {
         loop {
             match self.next_event(deadline)? {
                 Some(Event::Peer(r, m)) if r == peer => return Ok(m),
@@ -504,12 +523,22 @@ fn connect_peer(
         };
         s.set_nodelay(true)?;
         // From here on the peer is listening; its acceptor answers within the handshake's
-        // deadline, so there is nothing left worth retrying.
-        authenticate(&mut s, secret, true, left)?;
+        // deadline, so there is nothing left worth retrying. A connection dropped meanwhile
+        // is the peer's listener closing: the peer left.
+        let lost = |e: Error| match e {
+            Error::Io(m) => Error::PeerLost {
+                rank: peer,
+                detail: format!(
+                    "its data listener at {addr} dropped rank {rank}'s connection: {m}"
+                ),
+            },
+            e => e,
+        };
+        authenticate(&mut s, secret, true, left).map_err(lost)?;
         let what = format!("waiting for the mesh hello of rank {peer}");
-        write_all_until(&mut s, &encode_hello(rank, peer, size), deadline, &what)?;
+        write_all_until(&mut s, &encode_hello(rank, peer, size), deadline, &what).map_err(lost)?;
         let mut reply = [0u8; HELLO_LEN + 1];
-        read_exact_until(&mut s, &mut reply, deadline, &what)?;
+        read_exact_until(&mut s, &mut reply, deadline, &what).map_err(lost)?;
         let (from, to, their_size) = decode_hello(&reply[..HELLO_LEN])?;
         if from != peer || to != rank || their_size != size {
             return Err(Error::InvalidArgument(format!(
@@ -573,5 +602,50 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         assert!(!is_self_connection(&c));
+    }
+
+    #[test]
+    fn a_peer_gone_after_linking_leaves_its_link_to_a_rank_that_dialled_it_too() {
+        let secret = b"k";
+        let t = Duration::from_secs(10);
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let mut one = Dialer::start(1, 2, &listeners[1], &addrs, secret, t, None).unwrap();
+        // Rank 1 decides to dial rank 0 (it needs the link) ...
+        one.claims.lock().unwrap().dialled[0] = true;
+        // ... while rank 0 links with rank 1 itself, sends what it has for it and leaves.
+        {
+            let mut zero = Dialer::start(0, 2, &listeners[0], &addrs, secret, t, None).unwrap();
+            let Made::Tcp(mut s) = zero.link(1, t).unwrap() else {
+                unreachable!("no finish: TCP")
+            };
+            s.set_nonblocking(false).unwrap();
+            s.write_all(b"from 0").unwrap();
+        }
+        let mut gone = listeners.into_iter();
+        drop(gone.next());
+        let deadline = Instant::now() + t;
+        // Rank 1's dial now meets a closed listener, but rank 0's own connection is the link.
+        assert!(one.dial(0, deadline).unwrap().is_none());
+        let Made::Tcp(mut s) = one.await_link(0, Instant::now(), deadline).unwrap() else {
+            unreachable!("no finish: TCP")
+        };
+        s.set_nonblocking(false).unwrap();
+        let mut got = [0u8; 6];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"from 0");
+
+        // A peer gone without linking is lost, named.
+        let alone = TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addrs = [closed.local_addr().unwrap(), alone.local_addr().unwrap()];
+        drop(closed);
+        let lonely = Dialer::start(1, 2, &alone, &addrs, secret, t, None).unwrap();
+        match lonely.dial(0, Instant::now() + t) {
+            Err(Error::PeerLost { rank: 0, .. }) => {}
+            other => panic!("expected rank 0 lost, got {other:?}"),
+        }
     }
 }
