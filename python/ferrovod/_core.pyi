@@ -43,6 +43,7 @@ def init(
     rendezvous_addr: Optional[str] = ...,
     secret: Optional[bytes] = ...,
     generation: Optional[int] = ...,
+    store_listener: Optional[int] = ...,
 ) -> None: ...
 def init_over_store(
     settings: Settings,

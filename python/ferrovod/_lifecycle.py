@@ -74,9 +74,12 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Union[str, Sequence[
     level, hide_time, my_rank = settings.log()
     _logging.configure(level, hide_time, f"rank {my_rank}")
     info = settings.launch()
-    addr, secret = _rendezvous.address_and_secret(comm, info)
+    found = _rendezvous.find(comm, info)
+    # The engine owns (and closes) the listener from here, whatever happens.
+    listener = found.listener.detach() if found.listener is not None else None
     try:
-        _core.init(settings, [p.ranks for p in static], dynamic, addr, secret, generation)
+        _core.init(settings, [p.ranks for p in static], dynamic, found.addr, found.secret,
+                   generation, listener)
     except FerrovodError as e:
         if generation is None or isinstance(e, InvalidArgumentError):
             raise

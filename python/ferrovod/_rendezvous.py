@@ -1,12 +1,14 @@
 """How the ranks find the rendezvous store when no launcher of ours hands out its address:
-``init()`` asks :func:`address_and_secret` before it starts the engine.
+``init()`` asks :func:`find` before it starts the engine.
 
 Under ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks agree over MPI (mpi4py); under
 torchrun whose agent store the workers may use, through that store; and where torch's
 variables describe the job and its process group is already up (Ray Train's ``TorchTrainer``,
 a script that calls ``init_process_group`` first), through that group's store. Either way rank 0 picks an
-address of its own every other host can reach, a free port and (unless ``FERROVOD_SECRET`` is
-set) a random secret, and every rank gets the same answer — or the same error. Everything else
+address of its own every other host can reach, a port it listens on (kept open and handed to its
+engine, so that nothing can take the port between the answer and the store's start) and (unless
+``FERROVOD_SECRET`` is set) a random secret, and every rank gets the same answer — or the same
+error. Everything else
 about the launch (which launcher, rank, size, the address when the environment gives it) is
 parsed by the engine (``_core.read_settings().launch()``).
 """
@@ -18,16 +20,26 @@ import json
 import os
 import socket
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from . import _core
 from .exceptions import InvalidArgumentError
 
 
-def address_and_secret(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
-    """The rendezvous address and job secret to start the engine with, given what the engine
-    made of the environment (``_core.read_settings().launch()``): found over MPI or through torchrun's
-    agent store when the launch needs that, else ``(None, None)`` (the environment's own)."""
+class Found(NamedTuple):
+    """What ``init()`` starts the engine with: the rendezvous address and the job secret (None:
+    the environment's own), and on rank 0 the socket listening on that address's port, for its
+    engine to serve the rendezvous store on."""
+
+    addr: Optional[str]
+    secret: Optional[bytes]
+    listener: Optional[socket.socket] = None
+
+
+def find(comm: Optional[Any], info: Dict[str, Any]) -> Found:
+    """The rendezvous to start the engine with, given what the engine made of the environment
+    (``_core.read_settings().launch()``): found over MPI or through torchrun's agent store when
+    the launch needs that, else nothing (the environment's own)."""
     if info["needs_mpi_rendezvous"]:
         return over_mpi(comm, info)
     if info["agent_store"] is not None:
@@ -35,7 +47,7 @@ def address_and_secret(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optio
     store = torch_group_store(info)
     if store is not None:
         return through_group_store(store, info)
-    return None, None
+    return Found(None, None)
 
 
 #: How many rendezvous this process made through torch's process group: each ``init()`` takes
@@ -66,9 +78,9 @@ def torch_group_store(info: Dict[str, Any]) -> Optional[Any]:
     return dist.distributed_c10d._get_default_store()
 
 
-def through_group_store(store: Any, info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
+def through_group_store(store: Any, info: Dict[str, Any]) -> Found:
     """The exchange of :func:`through_agent_store`, through the store of torch's process
-    group: rank 0 picks an address and a free port of its own, so ferrovod's store never
+    group: rank 0 listens on an address and a port of its own, so ferrovod's store never
     contends for ``MASTER_PORT``."""
     global _group_rounds
     _group_rounds += 1
@@ -84,16 +96,16 @@ def is_world_comm(comm: Any) -> bool:
     return bool(comm.Get_size() == mpi.COMM_WORLD.Get_size())
 
 
-def over_mpi(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
+def over_mpi(comm: Optional[Any], info: Dict[str, Any]) -> Found:
     """Open MPI / Hydra with no rendezvous address: one exchange over MPI. Every rank
     allgathers its host name and IPv4 interfaces; rank 0 picks an address of its own that every
-    other host can reach (a shared subnet), a free port and, unless ``FERROVOD_SECRET`` is set,
-    a random secret, and broadcasts them. Without mpi4py: ``(None, None)``, and the engine
-    reports that it has no rendezvous address."""
+    other host can reach (a shared subnet), listens on a port there and, unless
+    ``FERROVOD_SECRET`` is set, picks a random secret, and broadcasts them. Without mpi4py:
+    nothing, and the engine reports that it has no rendezvous address."""
     try:
         from mpi4py import MPI
     except ImportError:
-        return None, None
+        return Found(None, None)
     comm = MPI.COMM_WORLD if comm is None else comm
     if comm.Get_size() != info["size"]:
         raise InvalidArgumentError(
@@ -103,12 +115,13 @@ def over_mpi(comm: Optional[Any], info: Dict[str, Any]) -> Tuple[Optional[str], 
     everyone = comm.allgather(host_identity(info))
     root = next((i for i, e in enumerate(everyone) if e[0] == 0), 0)
     reply: Tuple[str, Any, Any] = ("error", "", None)
+    listener = None
     if comm.Get_rank() == root:
-        reply = answer(everyone, root, info)
+        reply, listener = answer(everyone, root, info)
     status, text, secret = comm.bcast(reply, root=root)
     if status != "ok":
         raise InvalidArgumentError(f"finding a rendezvous address over MPI: {text}")
-    return text, secret
+    return Found(text, secret, listener)
 
 
 def host_identity(info: Dict[str, Any]) -> Tuple[int, str, List[Tuple[str, str, int]]]:
@@ -116,33 +129,42 @@ def host_identity(info: Dict[str, Any]) -> Tuple[int, str, List[Tuple[str, str, 
     return (info["rank"], socket.gethostname(), [tuple(i) for i in _core.interfaces()])
 
 
-def answer(everyone: List[Any], root: int, info: Dict[str, Any]) -> Tuple[str, Any, Any]:
-    """Rank 0's answer: ("ok", "ip:port", secret or None) or ("error", message, None).
+def answer(everyone: List[Any], root: int,
+           info: Dict[str, Any]) -> Tuple[Tuple[str, Any, Any], Optional[socket.socket]]:
+    """Rank 0's answer, ("ok", "ip:port", secret or None) or ("error", message, None), and the
+    socket listening on that port for the store rank 0's engine serves there: a port closed
+    here and bound again by the engine could be taken meanwhile (another rank's connection
+    picks its source port from the same range).
 
     Whatever goes wrong here must reach every rank as an answer, or they would wait forever.
     """
+    listener = None
     try:
         ip = rendezvous_ip(everyone, root, info["iface"])
-        with socket.socket() as s:
-            s.bind(("0.0.0.0", 0))
-            port = s.getsockname()[1]
-        return ("ok", f"{ip}:{port}", None if info["secret_set"] else os.urandom(32))
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        return ("ok", f"{ip}:{port}", None if info["secret_set"] else os.urandom(32)), listener
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by the caller
-        return ("error", f"{e}", None)
+        if listener is not None:
+            listener.close()
+        return ("error", f"{e}", None), None
 
 
-def through_agent_store(info: Dict[str, Any]) -> Tuple[Optional[str], Optional[bytes]]:
+def through_agent_store(info: Dict[str, Any]) -> Found:
     """Under torchrun: the same exchange as over MPI, through torchrun's own store (which its
     workers may use, ``TORCHELASTIC_USE_AGENT_STORE=True``). Rank 0 picks a free port instead
     of assuming ``MASTER_PORT``+1 is free — with torchrun's default, a random ``MASTER_PORT``,
-    that port may belong to anything. Without torch importable: ``(None, None)``, and the
-    engine uses ``MASTER_PORT``+1."""
+    that port may belong to anything. Without torch importable: nothing, and the engine uses
+    ``MASTER_PORT``+1."""
     try:
         import datetime
 
         from torch.distributed import TCPStore
     except ImportError:
-        return None, None
+        return Found(None, None)
     endpoint, prefix = info["agent_store"]
     host, port = endpoint.rsplit(":", 1)
     timeout = datetime.timedelta(seconds=float(info["start_timeout"]))
@@ -160,24 +182,27 @@ def through_agent_store(info: Dict[str, Any]) -> Tuple[Optional[str], Optional[b
                     f"torchrun's store at {endpoint}")
 
 
-def exchange(store: Any, prefix: str, info: Dict[str, Any], what: str) -> Tuple[str, Optional[bytes]]:
+def exchange(store: Any, prefix: str, info: Dict[str, Any], what: str) -> Found:
     """Every rank puts its host identity under ``prefix`` in a torch store; rank 0 answers
     (:func:`answer`) under the same prefix, and every rank returns that answer."""
+    listener = None
     try:
         me = host_identity(info)
         store.set(f"{prefix}host/{info['rank']}", json.dumps(me))
         if info["rank"] == 0:
             everyone = [json.loads(store.get(f"{prefix}host/{r}")) for r in range(info["size"])]
-            status, text, secret = answer(everyone, 0, info)
+            (status, text, secret), listener = answer(everyone, 0, info)
             store.set(f"{prefix}reply", json.dumps([status, text, secret.hex() if secret else None]))
         status, text, secret_hex = json.loads(store.get(f"{prefix}reply"))
     except (RuntimeError, OSError, ValueError) as e:
+        if listener is not None:
+            listener.close()
         raise InvalidArgumentError(
             f"finding a rendezvous address through {what}: {e}. Set "
             "FERROVOD_RENDEZVOUS_ADDR=<rank 0's host>:<free port> on every rank instead") from None
     if status != "ok":
         raise InvalidArgumentError(f"finding a rendezvous address through {what}: {text}")
-    return text, bytes.fromhex(secret_hex) if secret_hex else None
+    return Found(text, bytes.fromhex(secret_hex) if secret_hex else None, listener)
 
 
 def rendezvous_ip(everyone: List[Any], root: int, iface: Optional[str]) -> str:

@@ -98,6 +98,11 @@ impl TcpStoreServer {
     pub fn start(bind: SocketAddr, secret: Vec<u8>) -> Result<TcpStoreServer> {
         let listener = TcpListener::bind(bind)
             .map_err(|e| Error::Io(format!("rendezvous store: binding {bind}: {e}")))?;
+        Self::serve(listener, secret)
+    }
+
+    /// Starts serving, on `listener`, clients that know `secret`.
+    pub fn serve(listener: TcpListener, secret: Vec<u8>) -> Result<TcpStoreServer> {
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
         let (wake_rx, wake) = UnixStream::pair()?;

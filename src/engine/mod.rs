@@ -153,23 +153,23 @@ impl Engine {
     /// `generation` counts this process's `init()` calls, so a re-init after `shutdown()`
     /// uses fresh rendezvous keys.
     pub fn start(config: &Config, process_sets: &[Vec<usize>], generation: u64) -> Result<Engine> {
-        Engine::start_over(config, process_sets, generation, None)
+        Engine::start_as(
+            config,
+            Membership {
+                process_sets,
+                generation,
+                store: None,
+                store_listener: None,
+            },
+        )
     }
 
-    /// [`Engine::start`], forming over `store` when one is given instead of the rendezvous
-    /// store the launch environment names (torch.distributed's front end hands in the store
-    /// torch gave its backend; [`Membership::store`]).
-    pub fn start_over(
-        config: &Config,
-        process_sets: &[Vec<usize>],
-        generation: u64,
-        store: Option<Arc<dyn crate::bootstrap::Store>>,
-    ) -> Result<Engine> {
-        let membership = Membership {
-            process_sets,
-            generation,
-            store: store.as_ref(),
-        };
+    /// [`Engine::start`] with all of what the forming takes beyond `config`: a store to form
+    /// over instead of the rendezvous store the launch environment names (torch.distributed's
+    /// front end hands in the store torch gave its backend; [`Membership::store`]), or the
+    /// listener rank 0 serves that store on.
+    pub fn start_as(config: &Config, membership: Membership<'_>) -> Result<Engine> {
+        let (process_sets, generation) = (membership.process_sets, membership.generation);
         let mut plane = EnginePlane {
             config,
             process_sets,

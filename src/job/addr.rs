@@ -22,14 +22,23 @@ pub(super) fn host_ip(hostname: &str) -> IpAddr {
 }
 
 /// Starts the rendezvous store on rank 0 at the port of `addr`, on every interface (other
-/// ranks reach it through whatever `addr`'s host name resolves to on their side).
-pub(super) fn host_store(addr: &str, secret: &[u8]) -> Result<TcpStoreServer> {
+/// ranks reach it through whatever `addr`'s host name resolves to on their side): on
+/// `listener` when the process already holds that port (the rendezvous answer that handed the
+/// port out kept it), else bound now.
+pub(super) fn host_store(
+    addr: &str,
+    secret: &[u8],
+    listener: Option<&TcpListener>,
+) -> Result<TcpStoreServer> {
     let port = addr
         .rsplit_once(':')
         .and_then(|(_, p)| p.parse::<u16>().ok())
         .ok_or_else(|| {
             Error::InvalidArgument(format!("rendezvous address {addr:?} has no port"))
         })?;
+    if let Some(l) = listener.filter(|l| l.local_addr().is_ok_and(|a| a.port() == port)) {
+        return TcpStoreServer::serve(l.try_clone()?, secret.to_vec());
+    }
     TcpStoreServer::start(SocketAddr::from(([0, 0, 0, 0], port)), secret.to_vec()).map_err(|e| {
         Error::InvalidArgument(format!(
             "rank 0 cannot serve the rendezvous store on port {port} ({e}); pick a free port \
@@ -130,6 +139,26 @@ mod tests {
         assert!(
             e.contains("nosuch0") && e.contains("hostA") && e.contains(&lo.name),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn the_store_serves_on_the_listener_that_holds_its_port() {
+        // Held here all along: a store that bound the port itself would fail.
+        let held = TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = held.local_addr().unwrap().port();
+        let server = host_store(&format!("127.0.0.1:{port}"), b"k", Some(&held)).unwrap();
+        assert_eq!(server.local_addr().port(), port);
+        let store = crate::bootstrap::tcp_store::TcpStore::connect(
+            format!("127.0.0.1:{port}"),
+            b"k",
+            std::time::Duration::from_secs(10),
+        )
+        .unwrap();
+        crate::bootstrap::Store::set(&store, "a", b"1").unwrap();
+        assert_eq!(
+            crate::bootstrap::Store::get(&store, "a", std::time::Duration::from_secs(10)).unwrap(),
+            b"1"
         );
     }
 }

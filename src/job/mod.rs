@@ -69,6 +69,9 @@ pub struct Membership<'a> {
     /// `rendezvous_addr`, when set, is only where the store lives (the address to listen on is
     /// the one that reaches it).
     pub store: Option<&'a Arc<dyn Store>>,
+    /// Where rank 0 serves the rendezvous store when it hosts it: the listener the address
+    /// exchange opened on the port it handed out (see [`crate::sys::tcp_listener_from_fd`]).
+    pub store_listener: Option<&'a std::net::TcpListener>,
 }
 
 /// The sockets the coordinator accepts control connections on.
@@ -268,7 +271,9 @@ pub fn form<P: ControlPlane>(
     // Without ferrovodrun (and without a store handed in), rank 0 serves the rendezvous store
     // itself.
     let store_server = match (&launch.rendezvous_addr, launch.rank0_hosts_store, rank) {
-        (Some(addr), true, 0) if given.is_none() => Some(host_store(addr, &secret)?),
+        (Some(addr), true, 0) if given.is_none() => {
+            Some(host_store(addr, &secret, membership.store_listener)?)
+        }
         _ => None,
     };
 

@@ -21,6 +21,7 @@ use crate::bootstrap::launch::{LaunchInfo, Launcher};
 use crate::config::{Config, VARS};
 use crate::engine::{Engine, SetScope};
 use crate::error::Error;
+use crate::job::Membership;
 use crate::sys::forks;
 use crate::types::{OpKind, ReduceOp};
 
@@ -77,9 +78,12 @@ fn with_slot<T>(f: impl FnOnce(&Slot) -> PyResult<T>) -> PyResult<T> {
 
 /// Starts the engine (no-op if already running in this process) with `settings`, read with
 /// the launch. `rendezvous_addr` and `secret` replace `FERROVOD_RENDEZVOUS_ADDR` /
-/// `FERROVOD_SECRET` (the MPI exchange's result).
+/// `FERROVOD_SECRET` (the MPI exchange's result). `store_listener` is the descriptor of a
+/// listening TCP socket on the port of `rendezvous_addr`, which the engine takes over (closes)
+/// and, as rank 0, serves the rendezvous store on.
 #[pyfunction]
-#[pyo3(signature = (settings, process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None, generation=None))]
+#[pyo3(signature = (settings, process_sets=Vec::new(), dynamic=false, rendezvous_addr=None, secret=None, generation=None, store_listener=None))]
+#[allow(clippy::too_many_arguments)] // Python's keyword arguments, passed through
 fn init(
     py: Python<'_>,
     settings: PyRef<'_, Settings>,
@@ -88,7 +92,13 @@ fn init(
     rendezvous_addr: Option<String>,
     secret: Option<Vec<u8>>,
     generation: Option<u64>,
+    store_listener: Option<i32>,
 ) -> PyResult<()> {
+    // Owned first, so that it is closed whatever happens next.
+    let listener = store_listener
+        .map(crate::sys::tcp_listener_from_fd)
+        .transpose()
+        .map_err(to_pyerr)?;
     if !settings.with_launch() {
         return Err(to_pyerr(Error::InvalidArgument(
             "init() needs settings read with the launch (read_settings())".into(),
@@ -98,7 +108,15 @@ fn init(
         .config_with(rendezvous_addr.as_deref(), secret.as_deref())
         .map_err(to_pyerr)?;
     config.dynamic_process_sets |= dynamic;
-    start(py, config, process_sets, generation, None).map(|_| ())
+    start(
+        py,
+        config,
+        process_sets,
+        generation,
+        None,
+        listener.as_ref(),
+    )
+    .map(|_| ())
 }
 
 /// Starts the engine for torch.distributed's front end (`init_process_group(backend=
@@ -161,7 +179,7 @@ fn init_over_store(
     }
     config.dynamic_process_sets = true;
     let given: Arc<dyn crate::bootstrap::Store> = Arc::new(store::TorchStore::new(store));
-    start(py, config, Vec::new(), Some(generation), Some(given))
+    start(py, config, Vec::new(), Some(generation), Some(given), None)
 }
 
 /// `t` seconds as a duration, or an error unless it is a positive number.
@@ -173,13 +191,15 @@ fn positive_seconds(t: f64) -> PyResult<std::time::Duration> {
 }
 
 /// Starts the engine with `config` unless one runs (a no-op then: false), with the slot's
-/// bookkeeping; `given` is a store to form over instead of the rendezvous store.
+/// bookkeeping; `given` is a store to form over instead of the rendezvous store, and
+/// `store_listener` where rank 0 serves that one ([`Membership`]).
 fn start(
     py: Python<'_>,
     config: Config,
     process_sets: Vec<Vec<usize>>,
     generation: Option<u64>,
     given: Option<Arc<dyn crate::bootstrap::Store>>,
+    store_listener: Option<&std::net::TcpListener>,
 ) -> PyResult<bool> {
     // One init at a time, but the engine slot stays free while the rendezvous runs (up to the
     // start timeout): a thread blocked on the slot holds the GIL, which the starting engine's
@@ -222,7 +242,17 @@ fn start(
         None => GENERATION.fetch_add(1, Ordering::AcqRel),
     };
     let engine = py
-        .detach(|| Engine::start_over(&config, &process_sets, generation, given.clone()))
+        .detach(|| {
+            Engine::start_as(
+                &config,
+                Membership {
+                    process_sets: &process_sets,
+                    generation,
+                    store: given.as_ref(),
+                    store_listener,
+                },
+            )
+        })
         .map_err(to_pyerr)?;
     *slot().lock() = Some(Slot {
         engine,

@@ -24,4 +24,6 @@ pub use fork::forks;
 pub use futex::{futex_wait, futex_wake};
 pub use memory::{Mapping, Pages};
 pub use poll::{poll, poll_fd, wait_readable, PollFd, POLL_IN, POLL_OUT};
+#[cfg(feature = "python")]
+pub use socket::tcp_listener_from_fd;
 pub use socket::{detect_unreachable_peer, interfaces, recv_with_fd, send_nosignal, send_with_fd};

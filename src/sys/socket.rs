@@ -147,6 +147,40 @@ pub fn detect_unreachable_peer(fd: RawFd, timeout: Duration) -> Result<()> {
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms as libc::c_int)
 }
 
+/// Takes over `fd`, a listening TCP socket another part of this process opened and handed
+/// over (Python's rendezvous answer keeps the port it hands out bound, and listening, until
+/// the engine serves on it: a port closed and bound again later could be taken meanwhile).
+/// Errors, leaving `fd` alone, unless it is an open, listening stream socket.
+#[cfg(feature = "python")]
+pub fn tcp_listener_from_fd(fd: RawFd) -> Result<std::net::TcpListener> {
+    let int_option = |name: libc::c_int| -> Option<libc::c_int> {
+        let mut value: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: passes a live local c_int and its exact size, which getsockopt writes
+        // within; a closed or non-socket fd is reported through the return value.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                name,
+                (&mut value as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0).then_some(value)
+    };
+    let listening = int_option(libc::SO_ACCEPTCONN) == Some(1)
+        && int_option(libc::SO_TYPE) == Some(libc::SOCK_STREAM);
+    if fd < 0 || !listening {
+        return Err(Error::InvalidArgument(format!(
+            "descriptor {fd} is not a listening TCP socket"
+        )));
+    }
+    // SAFETY: `fd` is an open socket (getsockopt succeeded on it) whose ownership the caller
+    // hands over (Python detached it from its socket object), so it gets exactly one owner.
+    Ok(unsafe { std::net::TcpListener::from_raw_fd(fd) })
+}
+
 /// One IPv4 address of a network interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Interface {
@@ -222,5 +256,20 @@ mod tests {
             all.iter().all(|i| i.prefix <= 32 && !i.name.is_empty()),
             "{all:?}"
         );
+    }
+
+    #[test]
+    #[cfg(feature = "python")]
+    fn only_a_listening_tcp_socket_is_taken_over() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let taken = tcp_listener_from_fd(std::os::fd::IntoRawFd::into_raw_fd(l)).unwrap();
+        assert_eq!(taken.local_addr().unwrap(), at);
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let connected = std::net::TcpStream::connect(at).unwrap();
+        for fd in [udp.as_raw_fd(), connected.as_raw_fd(), -1] {
+            let e = tcp_listener_from_fd(fd).unwrap_err().to_string();
+            assert!(e.contains("not a listening TCP socket"), "{e}");
+        }
     }
 }

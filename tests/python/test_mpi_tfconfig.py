@@ -219,3 +219,25 @@ def test_rank0_picks_an_address_every_host_can_reach():
         assert f"{host} (" in text and addr in text, text
     with pytest.raises(InvalidArgumentError, match=r"FERROVOD_IFACE=ib0: .* on host h3 \(lo 127"):
         _rendezvous_ip([h0, (4, "h3", [lo, ("eth0", "10.3.0.1", 24)])], 0, "ib0")
+
+
+def test_rank0_holds_the_port_it_hands_out_until_its_engine_serves_there():
+    import socket
+
+    from ferrovod import _rendezvous
+
+    lo = ("lo", "127.0.0.1", 8)
+    (status, addr, secret), listener = _rendezvous.answer(
+        [(0, "h0", [lo]), (1, "h0", [lo])], 0, {"iface": None, "secret_set": False})
+    try:
+        assert status == "ok" and len(secret) == 32 and listener is not None, (status, addr)
+        host, port = addr.rsplit(":", 1)
+        # No other socket can take the port between the answer and the engine's start ...
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind((host, int(port)))
+        # ... and a rank that connects before the store runs waits in the backlog.
+        with socket.create_connection((host, int(port)), timeout=10):
+            pass
+    finally:
+        if listener is not None:
+            listener.close()
