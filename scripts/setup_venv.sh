@@ -136,12 +136,16 @@ if [[ "$BUILD" == 1 ]]; then
         run_quiet "apt-get install g++" env DEBIAN_FRONTEND=noninteractive \
             bash -c "apt-get update -qq && apt-get install -y -qq --no-install-recommends g++"
     fi
-    if command -v c++ >/dev/null 2>&1; then
+    # It also needs this Python's headers (a Debian Python without its -dev package has none).
+    HEADERS="$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")"
+    if command -v c++ >/dev/null 2>&1 && [[ -f "$HEADERS/Python.h" ]]; then
         echo "setup: building the torch backend's C++ half into $(basename "$VENV")/torch_extensions"
         run_quiet "build ferrovod/torch/_front.cpp" env TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" \
             "$VENV/bin/python" -c "from ferrovod.torch import _front; _front._build()"
     else
-        echo "setup: no C++ compiler: backend='ferrovod' runs without its C++ half here, and" \
+        missing="a C++ compiler"
+        command -v c++ >/dev/null 2>&1 && missing="Python's headers ($HEADERS/Python.h)"
+        echo "setup: no $missing: backend='ferrovod' runs without its C++ half here, and" \
             "the tests of that half skip" >&2
     fi
 fi

@@ -212,3 +212,18 @@ def java_missing() -> Optional[str]:
         return f"Spark needs Java, and no java is installed ({INSTALL})"
     err = _try([java, "-version"])
     return f"Spark needs Java, and it does not run ({err})" if err else None
+
+
+@functools.lru_cache(maxsize=None)
+def cxx_half_missing() -> Optional[str]:
+    """Why torch cannot build the backend's C++ half here (``ferrovod/torch/_front.cpp``), or
+    None: it needs a C++ compiler and this Python's headers, as ``make setup`` says when it
+    skips the build."""
+    if shutil.which("c++") is None:
+        return "no C++ compiler to build the backend's C++ half"
+    import sysconfig
+
+    headers = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(headers, "Python.h")):
+        return f"no Python.h in {headers} to build the backend's C++ half"
+    return None

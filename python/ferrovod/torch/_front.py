@@ -62,7 +62,7 @@ def backend_class() -> Optional[Any]:
                     f"ferrovod: the C++ half of backend='ferrovod' could not be built against "
                     f"torch {torch.__version__} ({type(e).__name__}: {str(e)[:500]}); the "
                     f"backend runs without it: Work.is_completed() stays False and recv() "
-                    f"needs src. It needs a C++ compiler and ninja (pip install ninja).",
+                    f"needs src. It needs a C++ compiler, Python's headers and ninja (pip install ninja).",
                     RuntimeWarning, stacklevel=3)
         return _built
 

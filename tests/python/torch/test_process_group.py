@@ -12,13 +12,13 @@ collective's shape, dtype, op or root, and a rank killed mid-op: an error naming
 every other rank, never a hang (pg_fail_worker.py)."""
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from capabilities import cxx_half_missing
 from conftest import _env, _run, describe
 
 pytestmark = pytest.mark.usefixtures("ferrovod_importable")
@@ -128,7 +128,7 @@ def test_a_group_timeout_fails_a_stalled_op_once_it_has_passed(tmp_path):
 
 @pytest.mark.parametrize("front", [
     pytest.param(True, id="c++ half", marks=pytest.mark.skipif(
-        not shutil.which("c++"), reason="no C++ compiler to build the backend's C++ half")),
+        cxx_half_missing() is not None, reason=str(cxx_half_missing()))),
     pytest.param(False, id="python half alone")])
 def test_torchs_own_collective_checks_wrap_the_backend(front, tmp_path):
     """``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which users set to find a desynchronised job; and
