@@ -74,10 +74,12 @@ fn finished(
 }
 
 /// What reaches the owner of a [`Dialer`]: a link made by its acceptor or by its start-up
-/// connector, or why the connector gave up.
+/// connector, why the connector gave up, or a peer whose connection the acceptor took lost
+/// while its link was being finished (so that nobody waits for that link until a timeout).
 pub(super) enum Event {
     Peer(usize, Made),
     Failed(Error),
+    Lost(usize, Error),
 }
 
 /// Who dialled whom, and whose connection was taken, for the verdicts (see the module doc).
@@ -99,8 +101,8 @@ pub(super) struct Dialer {
     /// Rung after each event; readable while events may wait.
     bell: UnixStream,
     ringer: Arc<UnixStream>,
-    /// Links made but not asked for yet.
-    arrived: HashMap<usize, Made>,
+    /// Links made (or lost in the making) but not asked for yet.
+    arrived: HashMap<usize, Result<Made>>,
     stop: Arc<AtomicBool>,
     /// Written on drop, so the acceptor leaves its poll at once.
     stop_bell: UnixStream,
@@ -243,13 +245,13 @@ impl Dialer {
         }
     }
 
-    /// Keeps a link the owner has no place for yet.
-    pub(super) fn keep(&mut self, peer: usize, m: Made) {
+    /// Keeps a link the owner has no place for yet (or why it was lost).
+    pub(super) fn keep(&mut self, peer: usize, m: Result<Made>) {
         self.arrived.insert(peer, m);
     }
 
     /// Takes the link to `peer` that arrived, if one did.
-    fn take(&mut self, peer: usize) -> Option<Made> {
+    fn take(&mut self, peer: usize) -> Option<Result<Made>> {
         self.arrived.remove(&peer)
     }
 
@@ -270,8 +272,8 @@ impl Dialer {
 
     fn make(&mut self, peer: usize, start: Instant, deadline: Instant) -> Result<Made> {
         self.drain();
-        if let Some(s) = self.take(peer) {
-            return Ok(s);
+        if let Some(m) = self.take(peer) {
+            return m;
         }
         let dial = {
             let mut c = self.claims.lock().expect("claims lock");
@@ -315,7 +317,9 @@ impl Dialer {
         loop {
             match self.next_event(deadline)? {
                 Some(Event::Peer(r, m)) if r == peer => return Ok(m),
-                Some(Event::Peer(r, m)) => self.keep(r, m),
+                Some(Event::Lost(r, e)) if r == peer => return Err(e),
+                Some(Event::Peer(r, m)) => self.keep(r, Ok(m)),
+                Some(Event::Lost(r, e)) => self.keep(r, Err(e)),
                 Some(Event::Failed(e)) => return Err(e),
                 None => {
                     return Err(Error::Timeout {
@@ -333,8 +337,10 @@ impl Dialer {
     /// Moves every link the acceptor made into `arrived`.
     fn drain(&mut self) {
         while let Ok(ev) = self.rx.try_recv() {
-            if let Event::Peer(r, s) = ev {
-                self.arrived.insert(r, s);
+            match ev {
+                Event::Peer(r, m) => self.keep(r, Ok(m)),
+                Event::Lost(r, e) => self.keep(r, Err(e)),
+                Event::Failed(_) => {}
             }
         }
     }
@@ -402,24 +408,25 @@ impl Acceptor {
             take
         };
         let from_addr = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
-        let made = accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide)
-            .and_then(|from| {
-                from.map(|from| Ok((from, finished(self.finish.as_ref(), from, s, deadline)?)))
-                    .transpose()
-            });
-        match made {
-            Ok(Some((from, m))) => {
-                if !self.stop.load(Ordering::Relaxed) && self.tx.send(Event::Peer(from, m)).is_ok()
-                {
-                    ring(&self.ringer);
-                }
+        let event = match accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide)
+        {
+            Ok(Some(from)) => match finished(self.finish.as_ref(), from, s, deadline) {
+                Ok(m) => Event::Peer(from, m),
+                // Taken, so the owner may already wait for this very link.
+                Err(e) => Event::Lost(from, e),
+            },
+            Ok(None) => return,
+            Err(e) => {
+                log::warn!(
+                    target: crate::LOG_TARGET,
+                    "rank {} dropped a data connection from {from_addr}: {e}",
+                    self.rank,
+                );
+                return;
             }
-            Ok(None) => {}
-            Err(e) => log::warn!(
-                target: crate::LOG_TARGET,
-                "rank {} dropped a data connection from {from_addr}: {e}",
-                self.rank,
-            ),
+        };
+        if !self.stop.load(Ordering::Relaxed) && self.tx.send(event).is_ok() {
+            ring(&self.ringer);
         }
     }
 }
@@ -602,6 +609,34 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         assert!(!is_self_connection(&c));
+    }
+
+    #[test]
+    fn a_link_lost_while_being_finished_fails_its_waiter_at_once() {
+        let secret = b"k";
+        let t = Duration::from_secs(30);
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        // Rank 1 finishes every link as a shared-memory set-up that meets a vanished peer.
+        let finish: Finish = Arc::new(|peer, _s, _deadline| {
+            Err(Error::PeerLost {
+                rank: peer,
+                detail: "while setting up shared memory: connection closed".into(),
+            })
+        });
+        let mut one = Dialer::start(1, 2, &listeners[1], &addrs, secret, t, Some(finish)).unwrap();
+        let mut zero = Dialer::start(0, 2, &listeners[0], &addrs, secret, t, None).unwrap();
+        zero.link(1, t).unwrap();
+        // Rank 1's acceptor took rank 0's connection, so rank 1 waits for that link: the loss
+        // reaches it at once, not after the link's timeout.
+        let begun = Instant::now();
+        match one.link(0, t).err() {
+            Some(Error::PeerLost { rank: 0, detail }) => assert!(detail.contains("shared memory")),
+            other => panic!("expected rank 0 lost, got {other:?}"),
+        }
+        assert!(begun.elapsed() < t / 2, "waited {:?}", begun.elapsed());
     }
 
     #[test]

@@ -142,7 +142,9 @@ impl TcpTransport {
                         }
                     }
                     // A peer that already uses the link it needs with us.
-                    Some(Event::Peer(r, m)) => d.keep(r, m),
+                    Some(Event::Peer(r, m)) => d.keep(r, Ok(m)),
+                    Some(Event::Lost(r, e)) if now(r) => return Err(e),
+                    Some(Event::Lost(r, e)) => d.keep(r, Err(e)),
                     Some(Event::Failed(e)) => return Err(e),
                     None => {
                         let absent: Vec<String> = (0..size)
