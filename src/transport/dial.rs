@@ -74,12 +74,11 @@ fn finished(
 }
 
 /// What reaches the owner of a [`Dialer`]: a link made by its acceptor or by its start-up
-/// connector, why the connector gave up, or a peer whose connection the acceptor took lost
-/// while its link was being finished (so that nobody waits for that link until a timeout).
+/// connector (or, for a connection the acceptor took, why finishing it failed, so that nobody
+/// waits for that link until a timeout), or why the connector gave up.
 pub(super) enum Event {
-    Peer(usize, Made),
+    Peer(usize, Result<Made>),
     Failed(Error),
-    Lost(usize, Error),
 }
 
 /// Who dialled whom, and whose connection was taken, for the verdicts (see the module doc).
@@ -211,7 +210,7 @@ impl Dialer {
                             .transpose()
                     });
                     let ev = match made {
-                        Ok(Some(m)) => Event::Peer(peer, m),
+                        Ok(Some(m)) => Event::Peer(peer, Ok(m)),
                         Ok(None) => Event::Failed(Error::Io(format!(
                             "rank {peer} refused rank {rank}'s data connection at start"
                         ))),
@@ -316,10 +315,8 @@ impl Dialer {
     fn await_link(&mut self, peer: usize, start: Instant, deadline: Instant) -> Result<Made> {
         loop {
             match self.next_event(deadline)? {
-                Some(Event::Peer(r, m)) if r == peer => return Ok(m),
-                Some(Event::Lost(r, e)) if r == peer => return Err(e),
-                Some(Event::Peer(r, m)) => self.keep(r, Ok(m)),
-                Some(Event::Lost(r, e)) => self.keep(r, Err(e)),
+                Some(Event::Peer(r, m)) if r == peer => return m,
+                Some(Event::Peer(r, m)) => self.keep(r, m),
                 Some(Event::Failed(e)) => return Err(e),
                 None => {
                     return Err(Error::Timeout {
@@ -337,10 +334,8 @@ impl Dialer {
     /// Moves every link the acceptor made into `arrived`.
     fn drain(&mut self) {
         while let Ok(ev) = self.rx.try_recv() {
-            match ev {
-                Event::Peer(r, m) => self.keep(r, Ok(m)),
-                Event::Lost(r, e) => self.keep(r, Err(e)),
-                Event::Failed(_) => {}
+            if let Event::Peer(r, m) = ev {
+                self.keep(r, m);
             }
         }
     }
@@ -410,11 +405,8 @@ impl Acceptor {
         let from_addr = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
         let event = match accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide)
         {
-            Ok(Some(from)) => match finished(self.finish.as_ref(), from, s, deadline) {
-                Ok(m) => Event::Peer(from, m),
-                // Taken, so the owner may already wait for this very link.
-                Err(e) => Event::Lost(from, e),
-            },
+            // Taken, so the owner may already wait for this very link, failed or not.
+            Ok(Some(from)) => Event::Peer(from, finished(self.finish.as_ref(), from, s, deadline)),
             Ok(None) => return,
             Err(e) => {
                 log::warn!(
@@ -611,14 +603,20 @@ mod tests {
         assert!(!is_self_connection(&c));
     }
 
+    /// Two ranks' data listeners on loopback, and their addresses.
+    fn two_listeners() -> (Vec<TcpListener>, Vec<SocketAddr>) {
+        let listeners: Vec<TcpListener> = (0..2)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        (listeners, addrs)
+    }
+
     #[test]
     fn a_link_lost_while_being_finished_fails_its_waiter_at_once() {
         let secret = b"k";
         let t = Duration::from_secs(30);
-        let listeners: Vec<TcpListener> = (0..2)
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let (listeners, addrs) = two_listeners();
         // Rank 1 finishes every link as a shared-memory set-up that meets a vanished peer.
         let finish: Finish = Arc::new(|peer, _s, _deadline| {
             Err(Error::PeerLost {
@@ -643,10 +641,7 @@ mod tests {
     fn a_peer_gone_after_linking_leaves_its_link_to_a_rank_that_dialled_it_too() {
         let secret = b"k";
         let t = Duration::from_secs(10);
-        let listeners: Vec<TcpListener> = (0..2)
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let (listeners, addrs) = two_listeners();
         let mut one = Dialer::start(1, 2, &listeners[1], &addrs, secret, t, None).unwrap();
         // Rank 1 decides to dial rank 0 (it needs the link) ...
         one.claims.lock().unwrap().dialled[0] = true;

@@ -136,15 +136,14 @@ impl TcpTransport {
                 match d.next_event(deadline)? {
                     // A repeated rank means its dialler gave up on a first attempt after we
                     // took it: the newer connection is the live one.
-                    Some(Event::Peer(r, Made::Tcp(s))) if now(r) => {
+                    Some(Event::Peer(r, Ok(Made::Tcp(s)))) if now(r) => {
                         if peers[r].replace(s).is_none() {
                             missing -= 1;
                         }
                     }
+                    Some(Event::Peer(r, Err(e))) if now(r) => return Err(e),
                     // A peer that already uses the link it needs with us.
-                    Some(Event::Peer(r, m)) => d.keep(r, Ok(m)),
-                    Some(Event::Lost(r, e)) if now(r) => return Err(e),
-                    Some(Event::Lost(r, e)) => d.keep(r, Err(e)),
+                    Some(Event::Peer(r, m)) => d.keep(r, m),
                     Some(Event::Failed(e)) => return Err(e),
                     None => {
                         let absent: Vec<String> = (0..size)
