@@ -4,13 +4,13 @@
 Under ``mpirun`` without ``FERROVOD_RENDEZVOUS_ADDR`` the ranks agree over MPI (mpi4py); under
 torchrun whose agent store the workers may use, through that store; and where torch's
 variables describe the job and its process group is already up (Ray Train's ``TorchTrainer``,
-a script that calls ``init_process_group`` first), through that group's store. Either way rank 0 picks an
-address of its own every other host can reach, a port it listens on (kept open and handed to its
-engine, so that nothing can take the port between the answer and the store's start) and (unless
-``FERROVOD_SECRET`` is set) a random secret, and every rank gets the same answer — or the same
-error. Everything else
-about the launch (which launcher, rank, size, the address when the environment gives it) is
-parsed by the engine (``_core.read_settings().launch()``).
+a script that calls ``init_process_group`` first), through that group's store. Either way rank 0
+picks an address of its own every other host can reach, a port it listens on (kept open and
+handed to its engine, so that nothing can take the port between the answer and the store's
+start) and (unless ``FERROVOD_SECRET`` is set) a random secret, and every rank gets the same
+answer — or the same error. Everything else about the launch (which launcher, rank, size, the
+address when the environment gives it) is parsed by the engine
+(``_core.read_settings().launch()``).
 """
 
 from __future__ import annotations
