@@ -17,10 +17,11 @@ BENCH_ARGS ?=
 # binary) + 7 s of tests. Use CARGO_TEST_FLAGS=--release to compare again as tests grow.
 CARGO_TEST_FLAGS ?=
 # Two xdist workers on the 2-core VM: the suite is bound by CPU (starting TensorFlow costs a
-# process 4.4 s of it, torch 1.7 s), so a third worker, tried to fill the waits on Ray's and
-# Spark's daemons, made it slower: pytest 1134 s with -n 3 against 1087 s with -n 2, clean
-# clones, one run each. FERROVOD_TEST_CPU_LOG=<file> records each test's CPU time.
-PYTEST_FLAGS ?= -q -x --timeout=300 -n 2 --dist loadgroup
+# process 4 s of it, torch 1.8 s), so a third worker, tried to fill the waits on Ray's and
+# Spark's daemons, gained nothing: pytest 864 s with -n 3 (the cores 98 % busy) against 860-878 s
+# with -n 2, one checkout, one sitting. FERROVOD_TEST_CPU_LOG=<file> records each test's CPU
+# time. -rs prints why each skipped test was skipped.
+PYTEST_FLAGS ?= -q -x -rs --timeout=300 -n 2 --dist loadgroup
 
 export VENV
 

@@ -232,7 +232,10 @@ def test_the_reset_limit_error_is_horovods_message(tmp_path):
     script.chmod(0o755)
     grow = (f"import time; open({str(hosts)!r}, 'a').write('127.0.0.1:1\\n') "
             "if fv.rank() == 0 else None; time.sleep(600)")
-    with mock.patch("ferrovod.runner.elastic.driver.DISCOVER_HOSTS_FREQUENCY_SECS", 0.05):
+    # The workers sleep outside any collective, so they never read the abort: the driver's
+    # grace for them to raise it would only be waited out before they are stopped.
+    with mock.patch("ferrovod.runner.elastic.driver.DISCOVER_HOSTS_FREQUENCY_SECS", 0.05), \
+            mock.patch("ferrovod.runner.elastic.driver.ABORT_GRACE_S", 0.5):
         exc, took, output = _in_process(["-np", "2", "--min-np", "2", "--reset-limit", "0",
                                          "--host-discovery-script", str(script),
                                          *_worker(grow)], "_run_elastic")
