@@ -212,8 +212,13 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """Reduces ``tensor`` across ranks (default: Average) into a new tensor of the same dtype
     and device. Differentiable. ``compression`` compresses before and decompresses after."""
     compressed, cctx = compression.compress(tensor)
-    out = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
-                                 postscale_factor, process_set)
+    if torch.is_grad_enabled() and compressed.requires_grad:
+        out = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
+                                     postscale_factor, process_set)
+    else:
+        # Nothing to differentiate: the autograd function's frames would only cost time.
+        out = ops._allreduce_blocking(compressed, False, average, name, op, prescale_factor,
+                                      postscale_factor, process_set)
     return compression.decompress(out, cctx)
 
 
