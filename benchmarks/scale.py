@@ -18,6 +18,17 @@ and ferrovod's time over Open MPI's (below 1: ferrovod is faster)::
 ``horovod`` is Horovod 0.28.1's ``horovod.torch`` (``hvd.allreduce_``) under ``mpirun``, its MPI
 controller, from the venv ``scripts/install_horovod.sh`` builds (``--horovod-python``).
 
+Across hosts (run as root: it builds network namespaces with ``tests/python/netns.py``)::
+
+    python benchmarks/scale.py --hosts 2 --ranks 2,8      # 2 x 1 and 2 x 4
+    python benchmarks/scale.py --hosts 4 --ranks 4,32     # 4 x 1 and 4 x 8
+
+``--hosts K`` puts each N's ranks on K simulated hosts, N/K on each, joined over TCP on their
+``eth0`` veths; both stacks are started on the first host, as their users start them:
+``ferrovodrun -H h1:N/K,... --network-interfaces eth0`` and ``mpirun -H h1:N/K,...`` with
+``--mca mpi_yield_when_idle 1`` (without it Open MPI busy-polls whenever a host has more ranks
+than cores) and its TCP and out-of-band traffic on ``eth0``, ssh on the hosts' port 2222.
+
 With more ranks than cores every job is oversubscribed, as in a pod whose CPU limit is below
 its ranks' threads; ``nproc`` is printed with the table. Needs ``ferrovodrun`` (this
 environment's), and for the Open MPI column ``mpirun`` and mpi4py.
@@ -32,8 +43,13 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+from netns import Cluster, missing_tools  # noqa: E402
 
 SIZES = {"4 B": 1, "64 KiB": 16384}  # float32 elements
 TAG = "SCALE_RESULT "
@@ -162,25 +178,40 @@ def worker(stack: str, iters: int) -> None:
         fv.shutdown()
 
 
-def _command(stack: str, n: int, iters: int, horovod_python: str = "") -> List[str]:
+def _command(stack: str, n: int, iters: int, horovod_python: str = "",
+             cluster: "Optional[Cluster]" = None) -> List[str]:
     python = horovod_python if stack == "horovod" else sys.executable
     me = [python, os.path.abspath(__file__), "--worker", stack, "--iters", str(iters)]
+    hosts: List[str] = []
+    if cluster is not None:
+        names = list(cluster.hosts)
+        hosts = ["-H", ",".join(f"{h}:{n // len(names)}" for h in names)]
     if stack == "ferrovod":
         run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
-        return [run, "-np", str(n)] + me
+        if cluster is None:
+            return [run, "-np", str(n)] + me
+        return cluster.command(names[0], [
+            run, "-np", str(n), *hosts, "-p", "2222", "-i", str(cluster.key),
+            "--network-interfaces", "eth0", *me])
     extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + me
+    if cluster is None:
+        return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + me
+    return cluster.command(names[0], [
+        "mpirun", "-np", str(n), *hosts, *extra, "--bind-to", "none",
+        "--mca", "plm_rsh_args", " ".join(cluster.ssh_args()),
+        "--mca", "mpi_yield_when_idle", "1", "--mca", "btl_tcp_if_include", "eth0",
+        "--mca", "oob_tcp_if_include", "eth0", "-x", "PATH", "-x", "PYTHONPATH", *me])
 
 
-def _run(stack: str, n: int, iters: int, timeout: float,
-         horovod_python: str = "") -> Optional[Dict[str, float]]:
+def _run(stack: str, n: int, iters: int, timeout: float, horovod_python: str = "",
+         cluster: "Optional[Cluster]" = None) -> Optional[Dict[str, float]]:
     env = dict(os.environ)
     # mpirun's workers must not take ferrovod's job for theirs, nor the other way round.
-    for k in [k for k in env if k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))]:
+    for k in [k for k in env if k.startswith(("FERROVOD_", "HOROVOD_", "OMPI_", "PMI"))]:
         env.pop(k)
     start = time.perf_counter()
     try:
-        p = subprocess.run(_command(stack, n, iters, horovod_python), env=env,
+        p = subprocess.run(_command(stack, n, iters, horovod_python, cluster), env=env,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"  {stack} -np {n}: timed out after {timeout:.0f} s", file=sys.stderr)
@@ -198,6 +229,23 @@ def _run(stack: str, n: int, iters: int, timeout: float,
 
 
 def driver(args: argparse.Namespace) -> None:
+    if not args.hosts:
+        _measure(args, None)
+        return
+    if os.geteuid() != 0 or missing_tools() is not None:
+        raise SystemExit(f"scale: --hosts needs root and {missing_tools() or 'namespaces'}")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if any(n % args.hosts for n in ranks):
+        raise SystemExit(f"scale: every number of ranks must be a multiple of --hosts {args.hosts}")
+    workdir = Path(tempfile.mkdtemp(prefix="fv-scale-"))
+    try:
+        with Cluster([f"h{i + 1}" for i in range(args.hosts)], workdir) as cluster:
+            _measure(args, cluster)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, cluster: "Optional[Cluster]") -> None:
     stacks = args.stacks.split(",")
     if "mpi" in stacks and shutil.which("mpirun") is None:
         print("scale: no mpirun here; timing ferrovod alone", file=sys.stderr)
@@ -213,14 +261,16 @@ def driver(args: argparse.Namespace) -> None:
             iters = max(20, args.ops // n)
             order = stacks if rnd % 2 == 0 else stacks[::-1]
             for stack in order:
-                r = _run(stack, n, iters, args.timeout, args.horovod_python)
+                r = _run(stack, n, iters, args.timeout, args.horovod_python, cluster)
                 if r is not None:
                     got.setdefault((stack, n), []).append(r)
                     print(f"  round {rnd + 1}: {stack:8s} -np {n:3d}: 4 B {r['4 B']:9.1f} us, "
                           f"64 KiB {r['64 KiB']:9.1f} us", file=sys.stderr, flush=True)
-    print(f"\nallreduce, us per op (best of {args.rounds} rounds; nproc {os.cpu_count()}); "
-          "ratio = ferrovod / Open MPI\n")
-    head = ["ranks"]
+    where = (f"{len(cluster.hosts)} hosts over TCP (network namespaces)" if cluster
+             else "one host")
+    print(f"\nallreduce, us per op (best of {args.rounds} rounds; {where}; nproc "
+          f"{os.cpu_count()}); ratio = ferrovod / Open MPI\n")
+    head = ["ranks" if cluster is None else "ranks (hosts x ranks)"]
     for label in SIZES:
         head += [f"ferrovod {label}", f"Open MPI {label}", "ratio"]
     hvd = "horovod" in stacks
@@ -239,7 +289,7 @@ def driver(args: argparse.Namespace) -> None:
         return "-" if x is None else format(x, spec)
 
     for n in ranks:
-        row = [str(n)]
+        row = [str(n) if cluster is None else f"{n} ({len(cluster.hosts)} x {n // len(cluster.hosts)})"]
         for label in SIZES:
             f, m = best("ferrovod", n, label), best("mpi", n, label)
             row += [fmt(f), fmt(m), fmt(f / m if f and m else None, ".2f")]
@@ -268,6 +318,8 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=4000,
                    help="ops per timed loop at 1 rank; a loop at N ranks runs ops/N (at least 20)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="simulated hosts (network namespaces, as root) to spread the ranks over")
     p.add_argument("--worker", choices=("ferrovod", "mpi", "horovod"), help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=100, help=argparse.SUPPRESS)
     args = p.parse_args()
