@@ -207,7 +207,7 @@ def _run(stack: str, n: int, iters: int, timeout: float, horovod_python: str = "
          cluster: "Optional[Cluster]" = None) -> Optional[Dict[str, float]]:
     env = dict(os.environ)
     # mpirun's workers must not take ferrovod's job for theirs, nor the other way round.
-    for k in [k for k in env if k.startswith(("FERROVOD_", "HOROVOD_", "OMPI_", "PMI"))]:
+    for k in [k for k in env if k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))]:
         env.pop(k)
     start = time.perf_counter()
     try:
