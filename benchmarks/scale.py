@@ -4,10 +4,11 @@ For each number of ranks N, the driver starts the same worker script as a ferrov
 (``ferrovodrun -np N``) and as an Open MPI job (``mpirun --oversubscribe -np N``, mpi4py's
 ``Allreduce`` in place), alternating the two over several rounds in one sitting (these VMs have
 short windows in which everything is several times slower, so a stack measured only once may
-have met one). Each worker times a loop of 4-byte and of 64 KiB float32 sum allreduces (the
-slowest rank's mean per op, best of 3 loops), and reports the CPU time (every thread of the
-process) and the context switches a rank spent per 4-byte op in that loop (the mean of the
-ranks), how many file descriptors and threads its process holds and how long ``init`` took. The table shows, per N, each stack's best round,
+have met one). Each worker times loops of float32 sum allreduces of each size (``--sizes``:
+4 B and 64 KiB unless given, e.g. ``--sizes 1MiB,64MiB``; a large op's loops last about a
+second): the slowest rank's mean per op, best of 3 loops. It reports the CPU time (every thread
+of the process) and the context switches a rank spent per op of the first size in that loop
+(the mean of the ranks), how many file descriptors and threads its process holds and how long ``init`` took. The table shows, per N, each stack's best round,
 and ferrovod's time over Open MPI's (below 1: ferrovod is faster)::
 
     python benchmarks/scale.py                      # N = 2 4 8 16 32, 3 rounds
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -51,7 +53,7 @@ from typing import Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
 from netns import Cluster, missing_tools  # noqa: E402
 
-SIZES = {"4 B": 1, "64 KiB": 16384}  # float32 elements
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
 TAG = "SCALE_RESULT "
 WARM_S = 0.2  # seconds of the op before timing it
 LOOP_S = 0.02  # seconds a timed loop lasts at least
@@ -79,7 +81,19 @@ def _switches() -> int:
     return total
 
 
-def worker(stack: str, iters: int) -> None:
+def parse_sizes(text: str) -> Dict[str, int]:
+    """``"4B,64KiB,1MiB"`` as ``{"4 B": 1, "64 KiB": 16384, "1 MiB": 262144}`` (float32
+    elements per label)."""
+    sizes = {}
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(B|KiB|MiB)\s*", item)
+        if not m or int(m.group(1)) * _UNITS[m.group(2)] % 4:
+            raise SystemExit(f"scale: bad size {item!r} (e.g. 4B, 64KiB, 1MiB: whole float32s)")
+        sizes[f"{m.group(1)} {m.group(2)}"] = int(m.group(1)) * _UNITS[m.group(2)] // 4
+    return sizes
+
+
+def worker(stack: str, iters: int, sizes: Dict[str, int]) -> None:
     """One rank: time the allreduces, print rank 0's summary line."""
     import numpy as np
 
@@ -132,7 +146,7 @@ def worker(stack: str, iters: int) -> None:
 
     init_s = slowest(time.perf_counter() - t0)
     result: Dict[str, object] = {"ranks": size, "init_s": init_s}
-    for label, n in SIZES.items():
+    for label, n in sizes.items():
         buf = np.ones(n, dtype=np.float32)
         # Warm up for WARM_S: right after init the ranks' shares of the cores are uneven (the
         # ones that slept in init are owed CPU), which for the first tens of milliseconds
@@ -145,7 +159,8 @@ def worker(stack: str, iters: int) -> None:
         per_op = slowest((time.perf_counter() - pace) / 10)
         for _ in range(int(WARM_S / per_op)):
             allreduce(buf)
-        loop = max(iters, int(LOOP_S / per_op))
+        # Large ops: a loop of about a second, not iters of them.
+        loop = max(min(iters, int(1.0 / per_op) + 1), int(LOOP_S / per_op))
         best = float("inf")
         for _ in range(3):
             buf[:] = 1.0
@@ -179,9 +194,10 @@ def worker(stack: str, iters: int) -> None:
 
 
 def _command(stack: str, n: int, iters: int, horovod_python: str = "",
-             cluster: "Optional[Cluster]" = None) -> List[str]:
+             cluster: "Optional[Cluster]" = None, sizes: str = "4B,64KiB") -> List[str]:
     python = horovod_python if stack == "horovod" else sys.executable
-    me = [python, os.path.abspath(__file__), "--worker", stack, "--iters", str(iters)]
+    me = [python, os.path.abspath(__file__), "--worker", stack, "--iters", str(iters),
+          "--sizes", sizes]
     hosts: List[str] = []
     if cluster is not None:
         names = list(cluster.hosts)
@@ -204,14 +220,15 @@ def _command(stack: str, n: int, iters: int, horovod_python: str = "",
 
 
 def _run(stack: str, n: int, iters: int, timeout: float, horovod_python: str = "",
-         cluster: "Optional[Cluster]" = None) -> Optional[Dict[str, float]]:
+         cluster: "Optional[Cluster]" = None,
+         sizes: str = "4B,64KiB") -> Optional[Dict[str, float]]:
     env = dict(os.environ)
     # mpirun's workers must not take ferrovod's job for theirs, nor the other way round.
     for k in [k for k in env if k.startswith(("FERROVOD_RANK", "OMPI_", "PMI"))]:
         env.pop(k)
     start = time.perf_counter()
     try:
-        p = subprocess.run(_command(stack, n, iters, horovod_python, cluster), env=env,
+        p = subprocess.run(_command(stack, n, iters, horovod_python, cluster, sizes), env=env,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"  {stack} -np {n}: timed out after {timeout:.0f} s", file=sys.stderr)
@@ -246,6 +263,8 @@ def driver(args: argparse.Namespace) -> None:
 
 
 def _measure(args: argparse.Namespace, cluster: "Optional[Cluster]") -> None:
+    labels = list(parse_sizes(args.sizes))
+    first = labels[0]  # the size whose CPU and switches per op the table shows
     stacks = args.stacks.split(",")
     if "mpi" in stacks and shutil.which("mpirun") is None:
         print("scale: no mpirun here; timing ferrovod alone", file=sys.stderr)
@@ -261,22 +280,23 @@ def _measure(args: argparse.Namespace, cluster: "Optional[Cluster]") -> None:
             iters = max(20, args.ops // n)
             order = stacks if rnd % 2 == 0 else stacks[::-1]
             for stack in order:
-                r = _run(stack, n, iters, args.timeout, args.horovod_python, cluster)
+                r = _run(stack, n, iters, args.timeout, args.horovod_python, cluster, args.sizes)
                 if r is not None:
                     got.setdefault((stack, n), []).append(r)
-                    print(f"  round {rnd + 1}: {stack:8s} -np {n:3d}: 4 B {r['4 B']:9.1f} us, "
-                          f"64 KiB {r['64 KiB']:9.1f} us", file=sys.stderr, flush=True)
+                    times = ", ".join(f"{label} {r[label]:9.1f} us" for label in labels)
+                    print(f"  round {rnd + 1}: {stack:8s} -np {n:3d}: {times}", file=sys.stderr,
+                          flush=True)
     where = (f"{len(cluster.hosts)} hosts over TCP (network namespaces)" if cluster
              else "one host")
     print(f"\nallreduce, us per op (best of {args.rounds} rounds; {where}; nproc "
           f"{os.cpu_count()}); ratio = ferrovod / Open MPI\n")
     head = ["ranks" if cluster is None else "ranks (hosts x ranks)"]
-    for label in SIZES:
+    for label in labels:
         head += [f"ferrovod {label}", f"Open MPI {label}", "ratio"]
     hvd = "horovod" in stacks
     if hvd:
-        head += [f"Horovod {label}" for label in SIZES]
-    head += ["CPU us per rank, 4 B (fv/MPI)", "switches per rank, 4 B (fv/MPI)",
+        head += [f"Horovod {label}" for label in labels]
+    head += [f"CPU us per rank, {first} (fv/MPI)", f"switches per rank, {first} (fv/MPI)",
              "fds (fv/MPI)", "threads (fv/MPI)", "init s (fv/MPI)", "job s (fv/MPI)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -290,12 +310,12 @@ def _measure(args: argparse.Namespace, cluster: "Optional[Cluster]") -> None:
 
     for n in ranks:
         row = [str(n) if cluster is None else f"{n} ({len(cluster.hosts)} x {n // len(cluster.hosts)})"]
-        for label in SIZES:
+        for label in labels:
             f, m = best("ferrovod", n, label), best("mpi", n, label)
             row += [fmt(f), fmt(m), fmt(f / m if f and m else None, ".2f")]
         if hvd:
-            row += [fmt(best("horovod", n, label)) for label in SIZES]
-        for key, spec, pick in (("cpu 4 B", ".1f", min), ("switches 4 B", ".2f", min),
+            row += [fmt(best("horovod", n, label)) for label in labels]
+        for key, spec, pick in ((f"cpu {first}", ".1f", min), (f"switches {first}", ".2f", min),
                                 ("fds_max", ".0f", statistics.median),
                                 ("threads_max", ".0f", statistics.median),
                                 ("init_s", ".2f", statistics.median),
@@ -318,13 +338,15 @@ def main() -> None:
     p.add_argument("--ops", type=int, default=4000,
                    help="ops per timed loop at 1 rank; a loop at N ranks runs ops/N (at least 20)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    p.add_argument("--sizes", default="4B,64KiB",
+                   help="comma-separated allreduce sizes (B, KiB or MiB of float32), e.g. 1MiB,64MiB")
     p.add_argument("--hosts", type=int, default=0,
                    help="simulated hosts (network namespaces, as root) to spread the ranks over")
     p.add_argument("--worker", choices=("ferrovod", "mpi", "horovod"), help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=100, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.iters)
+        worker(args.worker, args.iters, parse_sizes(args.sizes))
     else:
         driver(args)
 
