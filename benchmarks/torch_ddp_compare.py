@@ -11,13 +11,16 @@ Run under the launcher, e.g.::
     # many small tensors (202): buckets against one allreduce per gradient
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --depth 100 --width 128
     ferrovodrun -np 2 python benchmarks/torch_ddp_compare.py --depth 100 --width 128 --fv-bucket-mb 0
+    # one rank on each of two hosts; gloo told the interface, as its users tell it
+    ferrovodrun -np 2 -H h1:1,h2:1 --network-interfaces eth0 -x GLOO_SOCKET_IFNAME=eth0 \
+        python benchmarks/torch_ddp_compare.py --rounds 4
 
 Both paths train their own copy of the same model (same initial weights, same per-rank
 synthetic batches, SGD with momentum): ferrovod averages gradients with
 ``ferrovod.torch.DistributedOptimizer`` (each gradient's allreduce is submitted from a
 post-accumulate-grad hook during backward), torch with ``DistributedDataParallel`` over a gloo
-process group set up on loopback (rank 0 picks a free port and shares it with
-``broadcast_object``). A "ddp-fv" row trains DDP as
+process group that meets at a ``TCPStore`` rank 0 opens (its address shared with
+``broadcast_object``; across hosts give gloo its interface, ``-x GLOO_SOCKET_IFNAME=eth0``). A "ddp-fv" row trains DDP as
 torch users write it over a group of the backend ``"ferrovod"`` (``dist.new_group(backend=
 "ferrovod")`` beside the gloo default group, running on the job ferrovod already formed): the
 same DDP, buckets and all, with only the backend changed. The paths are timed in alternating rounds, the order flipping each round,
@@ -116,15 +119,22 @@ def build_model(kind: str, width: int, depth: int) -> Tuple[nn.Module, Tuple[int
 
 
 def init_gloo(rank: int, size: int) -> None:
-    """torch.distributed over gloo on loopback, on a port rank 0 picks and broadcasts."""
-    port = 0
+    """torch.distributed over gloo, meeting at a TCPStore that rank 0 opens on a port of its
+    own choosing (it holds the port from the start) at its host's name, which rank 0 sends the
+    others: loopback when every rank is on one host, else the name the other hosts reach it by
+    (gloo then connects on the interface GLOO_SOCKET_IFNAME names, as its users set it)."""
+    one_host = hvd.local_size() == hvd.size()
+    host = "127.0.0.1" if one_host else socket.gethostname()
+    store = None
     if rank == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    port = hvd.broadcast_object(port, root_rank=0, name="ddp_compare.port")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+        store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
+    port = hvd.broadcast_object(store.port if store else 0, root_rank=0, name="ddp_compare.port")
+    if store is None:
+        host = hvd.broadcast_object(None, root_rank=0, name="ddp_compare.host")
+        store = dist.TCPStore(host, port, size, is_master=False)
+    else:
+        hvd.broadcast_object(host, root_rank=0, name="ddp_compare.host")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
 
 
 def make_batches(shape: Tuple[int, ...], batch: int, count: int,
