@@ -3,7 +3,7 @@
 //! (hidden from its documentation), and kept here so that no production module carries a
 //! hook for its tests.
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::thread;
 use std::time::Duration;
 
@@ -15,13 +15,9 @@ use crate::transport::{Transport, Xfer};
 /// How long a loopback mesh waits for a peer.
 const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// `connect(mesh)` for each of `n` ranks on a thread of its own, every rank's [`Mesh`] with its
-/// own listener on 127.0.0.1; the transports in rank order.
-fn on_every_rank<T: Send>(
-    n: usize,
-    secret: &[u8],
-    connect: impl Fn(&Mesh<'_>) -> Result<T> + Sync,
-) -> Result<Vec<T>> {
+/// `n` ranks' data listeners on 127.0.0.1 (each on a port of its own choosing), and their
+/// addresses, in rank order.
+pub fn loopback_listeners(n: usize) -> std::io::Result<(Vec<TcpListener>, Vec<SocketAddr>)> {
     let listeners = (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
         .collect::<std::io::Result<Vec<_>>>()?;
@@ -29,6 +25,17 @@ fn on_every_rank<T: Send>(
         .iter()
         .map(TcpListener::local_addr)
         .collect::<std::io::Result<Vec<_>>>()?;
+    Ok((listeners, addrs))
+}
+
+/// `connect(mesh)` for each of `n` ranks on a thread of its own, every rank's [`Mesh`] with its
+/// own listener on 127.0.0.1; the transports in rank order.
+fn on_every_rank<T: Send>(
+    n: usize,
+    secret: &[u8],
+    connect: impl Fn(&Mesh<'_>) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let (listeners, addrs) = loopback_listeners(n)?;
     thread::scope(|scope| {
         let handles: Vec<_> = listeners
             .iter()

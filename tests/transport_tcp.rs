@@ -65,14 +65,6 @@ fn ring_step(t: &mut TcpTransport, len: usize) -> Vec<u8> {
     recv
 }
 
-fn bind_n(n: usize) -> (Vec<TcpListener>, Vec<SocketAddr>) {
-    let ls: Vec<_> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    let addrs = ls.iter().map(|l| l.local_addr().unwrap()).collect();
-    (ls, addrs)
-}
-
 #[test]
 fn ring_small_sizes_on_1_to_5_ranks() {
     for n in 1..=5 {
@@ -429,7 +421,7 @@ fn invalid_transfers_are_rejected() {
 
 #[test]
 fn size_one_needs_no_peer() {
-    let (ls, addrs) = bind_n(1);
+    let (ls, addrs) = _core::testing::loopback_listeners(1).unwrap();
     let mut t = TcpTransport::connect_mesh(&Mesh {
         rank: 0,
         size: 1,
@@ -501,7 +493,7 @@ fn late_peer_is_waited_for() {
 
 #[test]
 fn wrong_secret_is_rejected_on_both_sides() {
-    let (ls, addrs) = bind_n(2);
+    let (ls, addrs) = _core::testing::loopback_listeners(2).unwrap();
     let res: Vec<_> = thread::scope(|s| {
         let hs: Vec<_> = ls
             .iter()
@@ -530,7 +522,7 @@ fn wrong_secret_is_rejected_on_both_sides() {
 
 #[test]
 fn strangers_do_not_take_a_slot() {
-    let (ls, addrs) = bind_n(3);
+    let (ls, addrs) = _core::testing::loopback_listeners(3).unwrap();
     // Before the mesh starts, every listener gets a garbage sender, a silent connection and a
     // client with the wrong secret.
     let mut keep = Vec::new();
@@ -585,7 +577,7 @@ fn strangers_do_not_take_a_slot() {
 #[test]
 fn misplaced_address_is_reported() {
     // Rank 2 is told that rank 0 lives at rank 1's address.
-    let (ls, addrs) = bind_n(3);
+    let (ls, addrs) = _core::testing::loopback_listeners(3).unwrap();
     let wrong = vec![addrs[1], addrs[0], addrs[2]];
     let res = thread::scope(|s| {
         let h: Vec<_> = ls
@@ -615,7 +607,7 @@ fn misplaced_address_is_reported() {
 
 /// `n` transports over 127.0.0.1 that link only when a transfer needs it.
 fn lazy_mesh(n: usize) -> (Vec<TcpTransport>, Vec<TcpListener>) {
-    let (ls, addrs) = bind_n(n);
+    let (ls, addrs) = _core::testing::loopback_listeners(n).unwrap();
     let ts = thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {

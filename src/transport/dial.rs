@@ -603,20 +603,11 @@ mod tests {
         assert!(!is_self_connection(&c));
     }
 
-    /// Two ranks' data listeners on loopback, and their addresses.
-    fn two_listeners() -> (Vec<TcpListener>, Vec<SocketAddr>) {
-        let listeners: Vec<TcpListener> = (0..2)
-            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let addrs = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-        (listeners, addrs)
-    }
-
     #[test]
     fn a_link_lost_while_being_finished_fails_its_waiter_at_once() {
         let secret = b"k";
         let t = Duration::from_secs(30);
-        let (listeners, addrs) = two_listeners();
+        let (listeners, addrs) = crate::testing::loopback_listeners(2).unwrap();
         // Rank 1 finishes every link as a shared-memory set-up that meets a vanished peer.
         let finish: Finish = Arc::new(|peer, _s, _deadline| {
             Err(Error::PeerLost {
@@ -641,7 +632,7 @@ mod tests {
     fn a_peer_gone_after_linking_leaves_its_link_to_a_rank_that_dialled_it_too() {
         let secret = b"k";
         let t = Duration::from_secs(10);
-        let (listeners, addrs) = two_listeners();
+        let (listeners, addrs) = crate::testing::loopback_listeners(2).unwrap();
         let mut one = Dialer::start(1, 2, &listeners[1], &addrs, secret, t, None).unwrap();
         // Rank 1 decides to dial rank 0 (it needs the link) ...
         one.claims.lock().unwrap().dialled[0] = true;
