@@ -20,11 +20,12 @@ synthetic batches, SGD with momentum): ferrovod averages gradients with
 ``ferrovod.torch.DistributedOptimizer`` (each gradient's allreduce is submitted from a
 post-accumulate-grad hook during backward), torch with ``DistributedDataParallel`` over a gloo
 process group that meets at a ``TCPStore`` rank 0 opens (its address shared with
-``broadcast_object``; across hosts give gloo its interface, ``-x GLOO_SOCKET_IFNAME=eth0``). A "ddp-fv" row trains DDP as
-torch users write it over a group of the backend ``"ferrovod"`` (``dist.new_group(backend=
-"ferrovod")`` beside the gloo default group, running on the job ferrovod already formed): the
-same DDP, buckets and all, with only the backend changed. The paths are timed in alternating rounds, the order flipping each round,
-after an untimed warm-up round of each, so that drift of the machine (2-4x between runs on
+``broadcast_object``; across hosts give gloo its interface, ``-x GLOO_SOCKET_IFNAME=eth0``).
+A "ddp-fv" row trains DDP as torch users write it over a group of the backend ``"ferrovod"``
+(``dist.new_group(backend="ferrovod")`` beside the gloo default group, running on the job
+ferrovod already formed): the same DDP, buckets and all, with only the backend changed. The
+paths are timed in alternating rounds, the order flipping each round, after an untimed warm-up
+round of each, so that drift of the machine (2-4x between runs on
 these VMs) hits both alike; each round is bracketed by the same gloo barrier. The table shows
 the median over rounds of the global samples/s and the ratio ferrovod / DDP (> 1: ferrovod is
 faster), plus the throughput of one process training alone (the other ranks idle in a
@@ -123,17 +124,14 @@ def init_gloo(rank: int, size: int) -> None:
     own choosing (it holds the port from the start) at its host's name, which rank 0 sends the
     others: loopback when every rank is on one host, else the name the other hosts reach it by
     (gloo then connects on the interface GLOO_SOCKET_IFNAME names, as its users set it)."""
-    one_host = hvd.local_size() == hvd.size()
-    host = "127.0.0.1" if one_host else socket.gethostname()
     store = None
     if rank == 0:
+        host = "127.0.0.1" if hvd.local_size() == hvd.size() else socket.gethostname()
         store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
-    port = hvd.broadcast_object(store.port if store else 0, root_rank=0, name="ddp_compare.port")
+    host, port = hvd.broadcast_object((host, store.port) if store else None, root_rank=0,
+                                      name="ddp_compare.store")
     if store is None:
-        host = hvd.broadcast_object(None, root_rank=0, name="ddp_compare.host")
         store = dist.TCPStore(host, port, size, is_master=False)
-    else:
-        hvd.broadcast_object(host, root_rank=0, name="ddp_compare.host")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
 
 

@@ -272,12 +272,11 @@ def _numpy_view(tensor: Any) -> Optional[np.ndarray]:
 
 def _allreduce_blocking(tensor: torch.Tensor, inplace: bool, average: Optional[bool],
                         name: Optional[str], op: Optional[int], prescale_factor: float,
-                        postscale_factor: float, process_set: ProcessSet,
-                        named: bool = False) -> torch.Tensor:
+                        postscale_factor: float, process_set: ProcessSet) -> torch.Tensor:
     """A one-tensor allreduce waited for at once, so a small one on one host may take the
-    engine's fast path (no negotiation through the coordinator). ``named``: ``name`` is
-    already the op's (see :func:`_op_name`)."""
-    name = name if named and name is not None else _op_name("allreduce", name)
+    engine's fast path (no negotiation through the coordinator). ``name`` is the caller's
+    (see :func:`_op_name`)."""
+    name = _op_name("allreduce", name)
     # A contiguous CPU tensor of the global set: one waiting call into the engine through a
     # NumPy view of its memory (and of a new output's), as ferrovod.allreduce_ makes. The
     # general path's frames cost a small op 14 us against 3 on 2 ranks of one host; the
