@@ -1,4 +1,4 @@
-"""Allreduce latency against the number of ranks on one host, ferrovod beside Open MPI.
+"""Allreduce latency by number of ranks, on one host or across hosts, beside Open MPI.
 
 For each number of ranks N, the driver starts the same worker script as a ferrovod job
 (``ferrovodrun -np N``) and as an Open MPI job (``mpirun --oversubscribe -np N``, mpi4py's
@@ -8,8 +8,9 @@ have met one). Each worker times loops of float32 sum allreduces of each size (`
 4 B and 64 KiB unless given, e.g. ``--sizes 1MiB,64MiB``; a large op's loops last about a
 second): the slowest rank's mean per op, best of 3 loops. It reports the CPU time (every thread
 of the process) and the context switches a rank spent per op of the first size in that loop
-(the mean of the ranks), how many file descriptors and threads its process holds and how long ``init`` took. The table shows, per N, each stack's best round,
-and ferrovod's time over Open MPI's (below 1: ferrovod is faster)::
+(the mean of the ranks), how many file descriptors and threads its process holds and how long
+``init`` took. The table shows, per N, each stack's best round, and ferrovod's time over Open
+MPI's (below 1: ferrovod is faster)::
 
     python benchmarks/scale.py                      # N = 2 4 8 16 32, 3 rounds
     python benchmarks/scale.py --ranks 4,8 --rounds 5
@@ -27,8 +28,9 @@ Across hosts (run as root: it builds network namespaces with ``tests/python/netn
 ``--hosts K`` puts each N's ranks on K simulated hosts, N/K on each, joined over TCP on their
 ``eth0`` veths; both stacks are started on the first host, as their users start them:
 ``ferrovodrun -H h1:N/K,... --network-interfaces eth0`` and ``mpirun -H h1:N/K,...`` with
-``--mca mpi_yield_when_idle 1`` (without it Open MPI busy-polls whenever a host has more ranks
-than cores) and its TCP and out-of-band traffic on ``eth0``, ssh on the hosts' port 2222.
+netns.py's ``Cluster.mpirun_args()``: ``--mca mpi_yield_when_idle 1`` (without it Open MPI
+busy-polls whenever a host has more ranks than cores) and its TCP and out-of-band traffic on
+``eth0``, ssh on the hosts' port 2222.
 
 With more ranks than cores every job is oversubscribed, as in a pod whose CPU limit is below
 its ranks' threads; ``nproc`` is printed with the table. Needs ``ferrovodrun`` (this
@@ -213,10 +215,8 @@ def _command(stack: str, n: int, iters: int, horovod_python: str = "",
     if cluster is None:
         return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra + me
     return cluster.command(names[0], [
-        "mpirun", "-np", str(n), *hosts, *extra, "--bind-to", "none",
-        "--mca", "plm_rsh_args", " ".join(cluster.ssh_args()),
-        "--mca", "mpi_yield_when_idle", "1", "--mca", "btl_tcp_if_include", "eth0",
-        "--mca", "oob_tcp_if_include", "eth0", "-x", "PATH", "-x", "PYTHONPATH", *me])
+        "mpirun", "-np", str(n), *hosts, *extra, "--bind-to", "none", *cluster.mpirun_args(),
+        "-x", "PATH", "-x", "PYTHONPATH", *me])
 
 
 def _run(stack: str, n: int, iters: int, timeout: float, horovod_python: str = "",

@@ -96,14 +96,9 @@ def command(stack: str, worker: List[str], n: int, iters: int, cluster=None,
         mpirun = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)] + extra
         if cluster is None:
             return mpirun + worker + [str(iters)]
-        # Over ssh to the hosts' sshd (port 2222), TCP between hosts on their eth0, shared
-        # memory within. -H h:k tells Open MPI each host has k cores, so without
-        # mpi_yield_when_idle its ranks busy-poll on hosts with fewer cores than ranks (0.2 s
-        # per op at 8 ranks on 2 cores): its users set it there.
+        # TCP between hosts, shared memory within, as Open MPI's users run it on such hosts.
         return cluster.command("h0", mpirun + [
-            "-H", hosts, "-mca", "plm_rsh_args", " ".join(cluster.ssh_args()),
-            "-mca", "pml", "ob1", "-mca", "btl", "^openib", "-mca", "mpi_yield_when_idle", "1",
-            "-mca", "btl_tcp_if_include", "eth0", "-mca", "oob_tcp_if_include", "eth0",
+            "-H", hosts, *cluster.mpirun_args(), "-mca", "pml", "ob1", "-mca", "btl", "^openib",
         ] + worker + [str(iters)])
     run = shutil.which("ferrovodrun", path=os.path.dirname(sys.executable)) or "ferrovodrun"
     args = worker + [str(iters)] + (["kill"] if kill else [])
