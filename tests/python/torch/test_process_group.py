@@ -206,29 +206,25 @@ def test_strangers_at_the_jobs_coordinator_are_dropped_and_the_job_goes_on(tmp_p
     assert "no FERROVOD_SECRET" in outs[0].read_text(), "rank 0 did not say where the secret is"
 
 
-@pytest.mark.parametrize("how", ["tcp", "store"])
-def test_a_job_meets_over_tcp_or_a_store_the_user_made(how, tmp_path):
-    """``init_method="tcp://..."`` and ``store=``: the store is this test's, on a port it bound
-    itself (port 0) and holds, so no port is chosen here and bound later by a rank. For
-    tcp:// the ranks are told it is hosted for them, as torchrun's agent tells its workers."""
+def test_a_job_meets_by_the_backends_name_over_a_file_tcp_or_a_store_the_user_made(tmp_path):
+    """Each rank names the backend without importing ferrovod: torch finds it through the
+    package's entry point (Ray Train's TorchConfig(backend="ferrovod") and scripts that only
+    change the backend's name). The job meets three ways in turn, in the same processes:
+    ``init_method="file://..."``, ``init_method="tcp://..."`` and ``store=``. The TCP store
+    is this test's, on a port it bound itself (port 0) and holds, so no port is chosen here
+    and bound later by a rank; for tcp:// the ranks are told it is hosted for them, as
+    torchrun's agent tells its workers."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-    env = None
-    if how == "tcp":
-        env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(store.port)}
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port)}
+    ways = ["file", f"tcp:{store.port}", f"store:{store.port}"]
     procs, outs = plain_ranks(3, None, tmp_path, worker="pg_entry_worker.py",
-                              extra=[f"{how}:{store.port}"], env=env)
+                              extra=[",".join(ways)], env=env)
     for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"rank {r} OK" in out, f"rank {r}:\n{out[-4000:]}"
-
-
-def test_naming_the_backend_is_enough_without_importing_ferrovod(tmp_path):
-    """torch finds the backend through the package's entry point (Ray Train's
-    TorchConfig(backend="ferrovod") and scripts that only change the backend's name)."""
-    procs, outs = plain_ranks(2, None, tmp_path, worker="pg_entry_worker.py")
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"rank {r} OK" in out, f"rank {r}:\n{out[-4000:]}"
+        met = re.findall(rf"^rank {r} met over (\S+)$", out, re.M)
+        assert p.returncode == 0 and met == ways and f"rank {r} OK 12" in out, \
+            f"rank {r}:\n{out[-4000:]}"
