@@ -50,9 +50,17 @@ WORKERS = HERE / "workers"
 REPO = HERE.parent.parent
 
 # Every process the suite starts (pytest's own are started already) runs site/sitecustomize.py,
-# which makes Python's garbage collector run less often while TensorFlow is imported.
+# which makes Python's garbage collector run less often while TensorFlow is imported and
+# skips its walks over live objects at exit.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(HERE / "site"), os.environ.get("PYTHONPATH")]))
+
+# Two jobs share the machine's cores at once (pytest-xdist), so a one-rank job's thread pool,
+# which ferrovodrun sizes to every core as it should for a user's machine, has a core only
+# half the time. OpenMP's idle threads wait without spinning (OMP_WAIT_POLICY=PASSIVE): MXNet's
+# spun out 26 core-seconds of examples/mxnet_digits.py on one rank beside another job, 10
+# without the spin. Thread counts and what the launcher sets are left as they are.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The torch backend's C++ half (ferrovod/torch/_front.cpp), which `make setup` builds into the
 # venv's own cache: no test builds it, and no test finds a build of another clone.
