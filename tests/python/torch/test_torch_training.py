@@ -24,7 +24,7 @@ def test_training_matches_single_process(n):
         env, expect = None, sections
     else:
         env = {"OVERLAP_MODES": "1,0"}
-        expect = [f"{s}@{m}" for m in "10" for s in sections] + ["psets@0"]
+        expect = [f"{s}@{m}" for m in "10" for s in sections] + ["psets@1", "psets@0"]
     res = run_job(n, HERE / "torch_train_worker.py", 40 + n, timeout=180, env=env)
     assert_ok(res, n, min_checks=50, same_count=False)
     for r in range(n):

@@ -656,15 +656,16 @@ def main():
     seed = int(sys.argv[1])
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SECTIONS)
     # OVERLAP_MODES=1,0: the sections once per FERROVOD_OVERLAP value (read when an optimizer
-    # is made), in one job, each section's line naming the mode; psets once, after every
-    # pass: a set's ops leave the unnamed ops' counters of its members ahead of the others'
-    # (as in Horovod), so only named or set-wide ops may follow it.
+    # is made), in one job, each section's line naming the mode; psets after all the others,
+    # once per mode too: a set's unnamed ops leave its members' counters of unnamed ops ahead
+    # of the other ranks' (as in Horovod), so no unnamed op of the whole job may follow it,
+    # and psets itself has none.
     modes = [m for m in os.environ.get("OVERLAP_MODES", "").split(",") if m]
     hvd.init(process_sets=[PAIR] if _size_hint() >= 2 else None)
     run = Run(seed)
     passes = [(m, [x for x in only if x != "psets"]) for m in modes] or [(None, only)]
-    if modes and "psets" in only:
-        passes.append((modes[-1], ["psets"]))
+    if "psets" in only:
+        passes += [(m, ["psets"]) for m in modes]
     for mode, names in passes:
         if mode is not None:
             os.environ["FERROVOD_OVERLAP"] = mode
