@@ -1,8 +1,13 @@
 """Elastic training through the real launcher: ``localhost`` and ``127.0.0.1`` are two hosts
 of 2 slots each, listed by a discovery script that reads a file the test (or the job) edits.
-Each run trains with ``ferrovod.torch.elastic`` and checks, in elastic_worker.py, that every
-sample of every epoch was trained exactly once, that every rank holds the same weights, and
-that they equal a one-process replay of the same global batches."""
+Each run that recovers or resizes trains with ``ferrovod.torch.elastic`` and checks, in
+elastic_worker.py, that every sample of every epoch was trained exactly once, that every rank
+holds the same weights, and that they equal a one-process replay of the same global batches.
+The runs that hold the launcher's driver to its limits (a reset limit, too few hosts, every
+worker failing, fixed hosts without a script) run the framework-free worker
+(workers/elastic_numpy_worker.py): they go through the same ``ferrovod.elastic.run`` that
+``ferrovod.torch.elastic`` re-exports, without starting torch in each of their workers (about 3
+core-seconds each on the 2-core VM, most of such a job's CPU)."""
 
 import json
 import os
@@ -24,6 +29,19 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "elastic_worker.py"
 EXAMPLE = HERE.parent.parent.parent / "examples" / "elastic" / "pytorch_digits_elastic.py"
 BOTH = "localhost:2\n127.0.0.1:2\n"
+NUMPY_WORKER = HERE.parent / "workers" / "elastic_numpy_worker.py"
+
+
+def numpy_worker(scenario):
+    """The framework-free elastic worker: ``kill`` (127.0.0.1's second worker SIGKILLs
+    itself at step 5) or ``all`` (every worker raises there)."""
+    return [sys.executable, str(NUMPY_WORKER), scenario]
+
+
+def done_sizes(res):
+    """The job size each rank that finished reports (``DONE size S ...``)."""
+    return sorted(int(m.group(1)) for r in res.ranks
+                  for m in lines_matching(res, r, r"^DONE size (\d+) counted 20 "))
 
 
 def elastic_job(tmp_path, hosts, np_, scenario="none", flags=(), timeout=120, env=None,
@@ -96,7 +114,8 @@ def test_a_host_removed_by_discovery_leaves_at_the_next_commit(tmp_path):
 
 def test_below_min_np_every_process_fails_within_the_elastic_timeout(tmp_path):
     t0 = time.monotonic()
-    res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "3", "--elastic-timeout", "4"])
+    res = elastic_job(tmp_path, BOTH, 4, flags=["--min-np", "3", "--elastic-timeout", "4"],
+                      worker=numpy_worker("kill"))
     took = time.monotonic() - t0
     assert res.returncode != 0, describe(res)
     assert "for at least 3 slots (--min-np); 2 available" in res.stderr, describe(res)
@@ -109,7 +128,8 @@ def test_every_worker_failing_ends_the_job_at_once(tmp_path):
     """No survivor holds the committed state, so there is nothing to recover: the job ends
     with the first failure instead of waiting the elastic timeout for hosts (Horovod too)."""
     t0 = time.monotonic()
-    res = elastic_job(tmp_path, BOTH, 4, "all", ["--min-np", "2", "--elastic-timeout", "120"])
+    res = elastic_job(tmp_path, BOTH, 4, flags=["--min-np", "2", "--elastic-timeout", "120"],
+                      worker=numpy_worker("all"))
     took = time.monotonic() - t0
     assert res.returncode != 0, describe(res)
     assert "every worker has failed; no survivor holds the committed state" in res.stderr, \
@@ -121,7 +141,8 @@ def test_every_worker_failing_ends_the_job_at_once(tmp_path):
 
 
 def test_the_reset_limit_stops_the_job(tmp_path):
-    res = elastic_job(tmp_path, BOTH, 4, "kill", ["--min-np", "2", "--reset-limit", "0"])
+    res = elastic_job(tmp_path, BOTH, 4, flags=["--min-np", "2", "--reset-limit", "0"],
+                      worker=numpy_worker("kill"))
     assert res.returncode != 0, describe(res)
     assert "exceeded limit: 0" in res.stderr, describe(res)
     for r in (0, 1):
@@ -129,14 +150,11 @@ def test_the_reset_limit_stops_the_job(tmp_path):
 
 
 def test_without_a_script_the_fixed_hosts_give_fault_tolerance(tmp_path):
-    hosts_file = tmp_path / "hosts"
-    hosts_file.write_text(BOTH)
     cmd = [sys.executable, "-m", "ferrovod.runner.launch", "-np", "4", "--min-np", "2",
-           "-H", "localhost:2,127.0.0.1:2", sys.executable, str(WORKER), "kill",
-           str(hosts_file), str(tmp_path)]
+           "-H", "localhost:2,127.0.0.1:2", *numpy_worker("kill")]
     res = _run(cmd, _env(None), 120)
     assert res.returncode == 0, describe(res)
-    assert result(tmp_path)["size"] == 2
+    assert done_sizes(res) == [2, 2], describe(res)
 
 
 def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
@@ -294,8 +312,8 @@ def test_output_files_are_named_by_worker(tmp_path):
 
 def test_framework_free_object_state_recovers(tmp_path):
     """``ferrovod.elastic.run`` and ``ObjectState`` over ferrovod's own collectives."""
-    worker = [sys.executable, str(HERE.parent / "workers" / "elastic_numpy_worker.py")]
-    res = elastic_job(tmp_path, BOTH, 4, flags=["--min-np", "2"], worker=worker, timeout=90)
+    res = elastic_job(tmp_path, BOTH, 4, flags=["--min-np", "2"], worker=numpy_worker("kill"),
+                      timeout=90)
     assert res.returncode == 0, describe(res)
     done = [m for r in res.ranks for m in lines_matching(res, r, r"^DONE size 2 counted 20 sizes (.*)")]
     assert len(done) == 2, describe(res)

@@ -3,11 +3,14 @@ steps, committed every 2; at step 5 the worker of host 127.0.0.1 with local rank
 itself. The survivors restore the last commit and finish: every rank must end with exactly 20
 steps counted (none lost, none counted twice) and agree on the values.
 
-usage: elastic_numpy_worker.py
+usage: elastic_numpy_worker.py [SCENARIO]
+  kill   as above (the default)
+  all    every worker raises an exception at step 5 instead
 """
 
 import os
 import signal
+import sys
 
 import numpy as np
 
@@ -17,6 +20,7 @@ STEPS, AT = 20, 5
 
 
 def main():
+    scenario = sys.argv[1] if len(sys.argv) > 1 else "kill"
     fv.init()
     host = os.environ["FERROVOD_HOSTNAME"]
     slot_lr = int(os.environ["FERROVOD_ELASTIC_LOCAL_RANK"])
@@ -25,6 +29,8 @@ def main():
     @fv.elastic.run
     def train(state):
         while state.step < STEPS:
+            if state.step == AT and scenario == "all":
+                raise RuntimeError("every worker's own error, mid-run")
             if state.step == AT and host == "127.0.0.1" and slot_lr == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             n = fv.allreduce(np.ones(1), op=fv.Sum, name="elastic.step")
