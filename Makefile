@@ -13,10 +13,10 @@ NP ?= 2
 # Extra arguments for the benchmark, e.g. make bench BENCH_ARGS="--ops allreduce --max-size 16M"
 BENCH_ARGS ?=
 # cargo test profile: Cargo.toml's [profile.test] (debug, line tables only). Measured on the
-# 2-core VM from an empty target dir: debug with full debug info, 38 s (88 core-s) to build +
-# 85 s of tests, and 72 core-s to build with line tables only; at opt-level 1, 89 s to build +
-# 28 s of tests; a release build (thin LTO on every test binary) costs more again. Use
-# CARGO_TEST_FLAGS=--release to compare again as tests grow.
+# 2-core VM from an empty target dir: debug with full debug info, 38 s to build + 85 s of
+# tests (line tables only take a fifth off the build's CPU: 72 against 88 core-s, side by
+# side); at opt-level 1, 89 s to build + 28 s of tests; a release build (thin LTO on every
+# test binary) costs more again. Use CARGO_TEST_FLAGS=--release to compare again as tests grow.
 CARGO_TEST_FLAGS ?=
 # Two xdist workers on the 2-core VM: the suite is bound by CPU (starting TensorFlow costs a
 # process 4 s of it, torch 1.8 s), so a third worker, tried to fill the waits on Ray's and
