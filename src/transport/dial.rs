@@ -34,6 +34,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::messenger::Messenger;
 use super::shm::ShmLink;
 use crate::bootstrap::auth::authenticate;
 use crate::bootstrap::net::{read_exact_until, write_all_until};
@@ -42,6 +43,8 @@ use crate::sys::{poll, poll_fd, POLL_IN};
 use crate::wire::{Reader, Writer};
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"FVM1");
+/// The hello of a connection that carries point-to-point messages ([`super::messenger`]).
+const MESSAGES_MAGIC: u32 = u32::from_le_bytes(*b"FVP1");
 const HELLO_LEN: usize = 16;
 
 /// A link made: the connection itself, or the shared-memory link set up over it.
@@ -106,6 +109,8 @@ pub(super) struct Dialer {
     /// Written on drop, so the acceptor leaves its poll at once.
     stop_bell: UnixStream,
     acceptor: Option<thread::JoinHandle<()>>,
+    /// Where the acceptor hands the connections that carry point-to-point messages.
+    messenger: Messenger,
 }
 
 impl std::fmt::Debug for Dialer {
@@ -137,11 +142,13 @@ impl Dialer {
         ringer.set_nonblocking(true)?;
         let (stop_bell, stop_rx) = UnixStream::pair()?;
         let (tx, rx) = mpsc::channel();
+        let (addrs, secret): (Arc<[SocketAddr]>, Arc<[u8]>) = (Arc::from(addrs), Arc::from(secret));
+        let messenger = Messenger::new(rank, size, addrs.clone(), secret.clone(), timeout)?;
         let mut d = Dialer {
             rank,
             size,
-            addrs: Arc::from(addrs),
-            secret: Arc::from(secret),
+            addrs,
+            secret,
             finish,
             claims: Arc::new(Mutex::new(Claims {
                 dialled: vec![false; size],
@@ -155,6 +162,7 @@ impl Dialer {
             stop: Arc::new(AtomicBool::new(false)),
             stop_bell,
             acceptor: None,
+            messenger,
         };
         let acceptor = Acceptor {
             rank,
@@ -166,6 +174,7 @@ impl Dialer {
             ringer: d.ringer.clone(),
             stop: d.stop.clone(),
             timeout,
+            messenger: d.messenger.clone(),
         };
         let handle = thread::Builder::new()
             .name(format!("ferrovod-accept-{rank}"))
@@ -197,6 +206,7 @@ impl Dialer {
                 for peer in peers {
                     claims.lock().expect("claims lock").dialled[peer] = true;
                     let made = connect_peer(
+                        HELLO_MAGIC,
                         rank,
                         size,
                         (peer, addrs[peer]),
@@ -242,6 +252,11 @@ impl Dialer {
             let mut sink = [0u8; 64];
             while matches!((&self.bell).read(&mut sink), Ok(n) if n > 0) {}
         }
+    }
+
+    /// This rank's point-to-point messenger, which the acceptor feeds.
+    pub(super) fn messenger(&self) -> Messenger {
+        self.messenger.clone()
     }
 
     /// Keeps a link the owner has no place for yet (or why it was lost).
@@ -293,6 +308,7 @@ impl Dialer {
     /// connection is the link (its acceptor declined ours, or it has gone after linking).
     fn dial(&self, peer: usize, deadline: Instant) -> Result<Option<TcpStream>> {
         let made = connect_peer(
+            HELLO_MAGIC,
             self.rank,
             self.size,
             (peer, self.addrs[peer]),
@@ -362,6 +378,7 @@ struct Acceptor {
     ringer: Arc<UnixStream>,
     stop: Arc<AtomicBool>,
     timeout: Duration,
+    messenger: Messenger,
 }
 
 impl Acceptor {
@@ -406,8 +423,14 @@ impl Acceptor {
         let event = match accept_peer(&mut s, self.rank, self.size, &self.secret, deadline, decide)
         {
             // Taken, so the owner may already wait for this very link, failed or not.
-            Ok(Some(from)) => Event::Peer(from, finished(self.finish.as_ref(), from, s, deadline)),
-            Ok(None) => return,
+            Ok(Accepted::Link(from)) => {
+                Event::Peer(from, finished(self.finish.as_ref(), from, s, deadline))
+            }
+            Ok(Accepted::Messages(from)) => {
+                self.messenger.incoming(from, s);
+                return;
+            }
+            Ok(Accepted::Declined) => return,
             Err(e) => {
                 log::warn!(
                     target: crate::LOG_TARGET,
@@ -429,22 +452,28 @@ fn ring(mut ringer: &UnixStream) {
     let _ = ringer.write(&[1]);
 }
 
-fn encode_hello(from: usize, to: usize, size: usize) -> Vec<u8> {
+fn encode_hello(magic: u32, from: usize, to: usize, size: usize) -> Vec<u8> {
     let mut w = Writer::new();
-    w.u32(HELLO_MAGIC)
+    w.u32(magic)
         .u32(from as u32)
         .u32(to as u32)
         .u32(size as u32);
     w.finish()
 }
 
-/// (from, to, size) of a hello.
-fn decode_hello(bytes: &[u8]) -> Result<(usize, usize, usize)> {
+/// (magic, from, to, size) of a hello: a data link's or a messages connection's.
+fn decode_hello(bytes: &[u8]) -> Result<(u32, usize, usize, usize)> {
     let mut r = Reader::new(bytes);
-    if r.u32()? != HELLO_MAGIC {
+    let magic = r.u32()?;
+    if magic != HELLO_MAGIC && magic != MESSAGES_MAGIC {
         return Err(Error::Decode("bad mesh hello".into()));
     }
-    let hello = (r.u32()? as usize, r.u32()? as usize, r.u32()? as usize);
+    let hello = (
+        magic,
+        r.u32()? as usize,
+        r.u32()? as usize,
+        r.u32()? as usize,
+    );
     r.finish()?;
     Ok(hello)
 }
@@ -462,6 +491,7 @@ enum Retry {
 /// Connects to `peer`, listening at `addr`; `None` when its acceptor declined the link
 /// because `peer` dials this rank itself (see the module doc).
 fn connect_peer(
+    magic: u32,
     rank: usize,
     size: usize,
     (peer, addr): (usize, SocketAddr),
@@ -535,11 +565,17 @@ fn connect_peer(
         };
         authenticate(&mut s, secret, true, left).map_err(lost)?;
         let what = format!("waiting for the mesh hello of rank {peer}");
-        write_all_until(&mut s, &encode_hello(rank, peer, size), deadline, &what).map_err(lost)?;
+        write_all_until(
+            &mut s,
+            &encode_hello(magic, rank, peer, size),
+            deadline,
+            &what,
+        )
+        .map_err(lost)?;
         let mut reply = [0u8; HELLO_LEN + 1];
         read_exact_until(&mut s, &mut reply, deadline, &what).map_err(lost)?;
-        let (from, to, their_size) = decode_hello(&reply[..HELLO_LEN])?;
-        if from != peer || to != rank || their_size != size {
+        let (their_magic, from, to, their_size) = decode_hello(&reply[..HELLO_LEN])?;
+        if their_magic != magic || from != peer || to != rank || their_size != size {
             return Err(Error::InvalidArgument(format!(
                 "the process at {addr} is rank {from} of {their_size}, but rank {rank} of \
                  {size} expected rank {peer} there"
@@ -554,8 +590,18 @@ pub(super) fn is_self_connection(s: &TcpStream) -> bool {
     matches!((s.local_addr(), s.peer_addr()), (Ok(l), Ok(p)) if l == p)
 }
 
-/// Authenticates an accepted connection, reads its hello and answers it with `take`'s
-/// verdict on the dialler's rank; returns that rank when the link is taken.
+/// What an accepted connection is for.
+enum Accepted {
+    /// The data link with this rank.
+    Link(usize),
+    /// This rank's messages from that rank (always taken: one per direction, no tie-break).
+    Messages(usize),
+    /// A data link the dialler's own connection stands in for.
+    Declined,
+}
+
+/// Authenticates an accepted connection, reads its hello and answers it: a data link with
+/// `take`'s verdict on the dialler's rank, a messages connection always.
 fn accept_peer(
     s: &mut TcpStream,
     rank: usize,
@@ -563,17 +609,18 @@ fn accept_peer(
     secret: &[u8],
     deadline: Instant,
     take: impl FnOnce(usize) -> bool,
-) -> Result<Option<usize>> {
+) -> Result<Accepted> {
     s.set_nodelay(true)?;
     let left = deadline.saturating_duration_since(Instant::now());
     authenticate(s, secret, false, left)?;
     let mut hello = [0u8; HELLO_LEN];
     read_exact_until(s, &mut hello, deadline, "waiting for a mesh hello")?;
-    let (from, to, their_size) = decode_hello(&hello)?;
+    let (magic, from, to, their_size) = decode_hello(&hello)?;
     let valid = to == rank && their_size == size && from != rank && from < size;
-    let taken = valid && take(from);
+    let messages = magic == MESSAGES_MAGIC;
+    let taken = valid && (messages || take(from));
     // Answer even a hello we reject, so the dialler can say precisely what is misconfigured.
-    let mut reply = encode_hello(rank, from, size);
+    let mut reply = encode_hello(magic, rank, from, size);
     reply.push(u8::from(taken));
     write_all_until(s, &reply, deadline, "answering a mesh hello")?;
     if !valid {
@@ -581,7 +628,39 @@ fn accept_peer(
             "rank {from} of {their_size} connected to rank {rank} of {size} expecting rank {to}"
         )));
     }
-    Ok(taken.then_some(from))
+    Ok(match (taken, messages) {
+        (false, _) => Accepted::Declined,
+        (true, false) => Accepted::Link(from),
+        (true, true) => Accepted::Messages(from),
+    })
+}
+
+/// This rank's connection for its messages to `peer`, listening at `addr` (see
+/// [`super::messenger`]): authenticated and introduced as the data links are. Every rank
+/// listens before any op, so a refusal means the peer is gone.
+pub(super) fn connect_messages(
+    rank: usize,
+    size: usize,
+    peer: usize,
+    addr: SocketAddr,
+    secret: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let never = AtomicBool::new(false);
+    let made = connect_peer(
+        MESSAGES_MAGIC,
+        rank,
+        size,
+        (peer, addr),
+        secret,
+        Retry::Never,
+        deadline,
+        &never,
+    )?;
+    made.ok_or_else(|| Error::PeerLost {
+        rank: peer,
+        detail: format!("it refused rank {rank}'s point-to-point connection"),
+    })
 }
 
 #[cfg(test)]

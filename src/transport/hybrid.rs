@@ -149,6 +149,12 @@ impl HybridTransport {
         })
     }
 
+    /// This rank's point-to-point messenger (`None` in a job of one rank), whose connections
+    /// the mesh's listener takes (see [`super::messenger`]).
+    pub fn messenger(&self) -> Option<super::messenger::Messenger> {
+        self.dialer.as_ref().map(|d| d.messenger())
+    }
+
     /// The peers this rank has a link with (either kind), ascending.
     pub fn linked_peers(&self) -> Vec<usize> {
         (0..self.size)

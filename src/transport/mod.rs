@@ -22,6 +22,7 @@ mod dial;
 mod exchange;
 pub mod host_memory;
 pub mod hybrid;
+pub mod messenger;
 pub mod offers;
 pub mod shm;
 pub mod tcp;

@@ -1,0 +1,212 @@
+//! Point-to-point messages between two ranks (torch.distributed's `send` and `recv`), apart
+//! from the collectives: nothing is negotiated with the coordinator and no process set is
+//! made for the pair, so a message costs its two ranks alone, whatever the job's size.
+//!
+//! - **Connections.** A rank sends to a peer over a connection of its own to that peer,
+//!   made on its first message to it: the data listener's acceptor ([`super::dial`]) takes
+//!   it after the same authentication as a data link, told apart by its hello, and hands it to
+//!   the receiver's messenger. One connection per direction: neither side waits for the
+//!   other's to exist, and no tie-break is needed.
+//! - **Matching.** Each message carries the name both sides gave it (torch's front end names
+//!   the n-th message of a tag between two ranks alike on both), its byte length and a
+//!   description of its tensor (dtype and shape). A receive takes the message of its name from
+//!   its peer: straight into the receive's memory when the receive was posted first, else from
+//!   a buffer the message waited in.
+//! - **Agreement on both sides.** The receiver answers every message once a receive has taken
+//!   it: accepted, or the text of a disagreement (length, dtype or shape), with which both
+//!   sides fail. So a send completes when its receive has taken it (as gloo's does), and a
+//!   mismatch fails the sender too, naming both ranks.
+//! - **Failure.** A connection that closes fails every message in flight on it and every
+//!   receive waiting for that peer (`PeerLost`, naming it); every message has a deadline (the
+//!   caller's timeout); [`Messenger::fail`] fails everything at once, as the engine does when
+//!   the job fails.
+//!
+//! One service thread per rank, started by the first message either way, moves every
+//! message's bytes on non-blocking sockets and sleeps in `poll` when nothing moves; the
+//! callers never touch a socket.
+
+mod frame;
+mod service;
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use service::{Cmd, Service};
+
+/// Memory a message is sent from or received into, valid until the message completes.
+pub trait Payload: Send {
+    /// The bytes sent.
+    fn bytes(&self) -> &[u8];
+    /// Where received bytes go.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+/// Called once with a message's outcome, on the messenger's thread.
+pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// One message to send or receive.
+pub struct Message {
+    /// The global rank sent to or received from.
+    pub peer: usize,
+    /// The name both sides give the message.
+    pub name: String,
+    /// What the tensor is (dtype and shape): the two sides' must be equal.
+    pub desc: String,
+    /// The bytes (a receive's are overwritten).
+    pub payload: Box<dyn Payload>,
+    /// How long the message may wait for its other side.
+    pub timeout: Duration,
+    /// Told the outcome.
+    pub done: Done,
+}
+
+/// This rank's messenger (see the module doc): a cheap clone.
+#[derive(Clone)]
+pub struct Messenger {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    rank: usize,
+    size: usize,
+    tx: mpsc::Sender<Cmd>,
+    ringer: Arc<UnixStream>,
+    /// What the service thread takes when it starts (the first message starts it).
+    unstarted: Mutex<Option<Service>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Messenger {
+    /// The messenger of rank `rank` of `size`, whose peers listen at `addrs` and prove
+    /// `secret`; `handshake` bounds making a connection. Starts no thread yet.
+    pub(super) fn new(
+        rank: usize,
+        size: usize,
+        addrs: Arc<[SocketAddr]>,
+        secret: Arc<[u8]>,
+        handshake: Duration,
+    ) -> Result<Messenger> {
+        let (bell, ringer) = UnixStream::pair()?;
+        bell.set_nonblocking(true)?;
+        ringer.set_nonblocking(true)?;
+        let ringer = Arc::new(ringer);
+        let (tx, rx) = mpsc::channel();
+        let service = Service::new(
+            rank,
+            size,
+            addrs,
+            secret,
+            handshake,
+            (tx.clone(), rx),
+            (bell, ringer.clone()),
+        );
+        Ok(Messenger {
+            inner: Arc::new(Inner {
+                rank,
+                size,
+                tx,
+                ringer,
+                unstarted: Mutex::new(Some(service)),
+                thread: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Sends `m`; `m.done` is told once the peer's receive has taken it (or why not).
+    pub fn send(&self, m: Message) {
+        self.post(m, true);
+    }
+
+    /// Receives `m` from `m.peer` into its payload; `m.done` is told once it has arrived.
+    pub fn recv(&self, m: Message) {
+        self.post(m, false);
+    }
+
+    fn post(&self, m: Message, sending: bool) {
+        let (rank, size) = (self.inner.rank, self.inner.size);
+        if m.peer >= size || m.peer == rank {
+            let why = format!(
+                "rank {rank} cannot {} '{}' {} rank {} (the job has ranks 0 to {})",
+                if sending { "send" } else { "receive" },
+                m.name,
+                if sending { "to" } else { "from" },
+                m.peer,
+                size - 1
+            );
+            (m.done)(Err(Error::InvalidArgument(why)));
+            return;
+        }
+        self.command(if sending { Cmd::Send(m) } else { Cmd::Recv(m) });
+    }
+
+    /// Fails every message in flight and every later one with `err` (the job has failed),
+    /// and closes this rank's connections so that its peers' messages fail too.
+    pub fn fail(&self, err: Error) {
+        if self.inner.thread.lock().is_some() {
+            self.command(Cmd::Fail(err));
+        } else if let Some(s) = self.inner.unstarted.lock().as_mut() {
+            s.fail_unstarted(err);
+        }
+    }
+
+    /// A connection a peer made to send to this rank (from the acceptor).
+    pub(super) fn incoming(&self, peer: usize, stream: TcpStream) {
+        self.command(Cmd::Incoming(peer, stream));
+    }
+
+    fn command(&self, cmd: Cmd) {
+        if let Err(e) = self.start() {
+            cmd.refuse(e);
+            return;
+        }
+        if let Err(mpsc::SendError(cmd)) = self.inner.tx.send(cmd) {
+            cmd.refuse(Error::Shutdown(
+                "the point-to-point service has stopped".into(),
+            ));
+            return;
+        }
+        ring(&self.inner.ringer);
+    }
+
+    fn start(&self) -> Result<()> {
+        let mut thread = self.inner.thread.lock();
+        if thread.is_some() {
+            return Ok(());
+        }
+        let Some(service) = self.inner.unstarted.lock().take() else {
+            return Err(Error::Shutdown(
+                "the point-to-point service has stopped".into(),
+            ));
+        };
+        let spawned = std::thread::Builder::new()
+            .name(format!("ferrovod-p2p-{}", self.inner.rank))
+            .spawn(move || service.run())?;
+        *thread = Some(spawned);
+        Ok(())
+    }
+}
+
+impl Drop for Inner {
+    /// The last clone gone (the engine and the acceptor both let go): the service stops,
+    /// failing what is still in flight.
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.get_mut().take() {
+            let _ = self.tx.send(Cmd::Stop);
+            ring(&self.ringer);
+            let _ = t.join();
+        }
+    }
+}
+
+/// Wakes the service thread. A full socket buffer already guarantees a wake-up, so a failed
+/// write loses nothing.
+fn ring(mut ringer: &UnixStream) {
+    use std::io::Write;
+    let _ = ringer.write(&[1]);
+}

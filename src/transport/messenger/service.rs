@@ -1,0 +1,738 @@
+//! The messenger's thread: every connection's bytes, the matching of messages with receives,
+//! and their deadlines (see the module above).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use super::frame::{read_ack, read_header, Ack, Header};
+use super::{ring, Message, Payload};
+use crate::error::{Error, Result};
+use crate::sys::{poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
+
+/// What callers and helper threads tell the service.
+pub(super) enum Cmd {
+    Send(Message),
+    Recv(Message),
+    /// A peer's connection to send to this rank, from the acceptor.
+    Incoming(usize, TcpStream),
+    /// This rank's connection to send to a peer, made (or not) on a thread of its own.
+    Dialed(usize, Result<TcpStream>),
+    Fail(Error),
+    Stop,
+}
+
+impl Cmd {
+    /// Fails what the command carries, which the service will never see.
+    pub(super) fn refuse(self, err: Error) {
+        if let Cmd::Send(m) | Cmd::Recv(m) = self {
+            drop(m.payload);
+            (m.done)(Err(err));
+        }
+    }
+}
+
+/// A message waiting for its other side or moving.
+struct Pending {
+    name: String,
+    desc: String,
+    payload: Box<dyn Payload>,
+    deadline: Instant,
+    timeout: Duration,
+    done: super::Done,
+}
+
+impl Pending {
+    fn of(m: Message) -> (usize, Pending) {
+        let deadline = Instant::now()
+            .checked_add(m.timeout)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+        let p = Pending {
+            name: m.name,
+            desc: m.desc,
+            payload: m.payload,
+            deadline,
+            timeout: m.timeout,
+            done: m.done,
+        };
+        (m.peer, p)
+    }
+
+    /// Tells the caller; the payload is let go of first (the caller's memory is its own
+    /// again once told).
+    fn finish(self, result: Result<()>) {
+        drop(self.payload);
+        (self.done)(result);
+    }
+}
+
+/// A message that arrived before its receive.
+struct Arrived {
+    seq: u64,
+    desc: String,
+    data: Vec<u8>,
+}
+
+/// This rank's connection to send to one peer.
+#[derive(Default)]
+struct Out {
+    /// `None` while it is being made.
+    stream: Option<TcpStream>,
+    next_seq: u64,
+    queue: VecDeque<(u64, Pending)>,
+    /// The message being written: its header, and how many of header and payload bytes went.
+    current: Option<(u64, Pending, Vec<u8>, usize)>,
+    /// Written, waiting for the receiver's answer.
+    sent: HashMap<u64, Pending>,
+    rbuf: Vec<u8>,
+}
+
+/// Where the payload of the message being read goes.
+enum Into {
+    Posted(Pending),
+    Buffer(String, Vec<u8>),
+    /// A receive refused it (and was failed): its bytes are read and dropped.
+    Discard,
+}
+
+struct Reading {
+    seq: u64,
+    name: String,
+    len: usize,
+    got: usize,
+    into: Into,
+}
+
+/// A peer's connection to send to this rank.
+struct In {
+    stream: TcpStream,
+    rbuf: Vec<u8>,
+    reading: Option<Reading>,
+    /// Answers not written yet.
+    wbuf: Vec<u8>,
+}
+
+/// Read size when no payload has its own memory to read into.
+const CHUNK: usize = 64 * 1024;
+
+pub(super) struct Service {
+    rank: usize,
+    size: usize,
+    addrs: Arc<[SocketAddr]>,
+    secret: Arc<[u8]>,
+    handshake: Duration,
+    tx: mpsc::Sender<Cmd>,
+    rx: mpsc::Receiver<Cmd>,
+    bell: UnixStream,
+    ringer: Arc<UnixStream>,
+    outs: HashMap<usize, Out>,
+    ins: HashMap<usize, In>,
+    posted: HashMap<(usize, String), VecDeque<Pending>>,
+    arrived: HashMap<(usize, String), VecDeque<Arrived>>,
+    /// Peers whose connection closed, and how.
+    gone: HashMap<usize, Error>,
+    failed: Option<Error>,
+}
+
+impl Service {
+    pub(super) fn new(
+        rank: usize,
+        size: usize,
+        addrs: Arc<[SocketAddr]>,
+        secret: Arc<[u8]>,
+        handshake: Duration,
+        (tx, rx): (mpsc::Sender<Cmd>, mpsc::Receiver<Cmd>),
+        (bell, ringer): (UnixStream, Arc<UnixStream>),
+    ) -> Service {
+        Service {
+            rank,
+            size,
+            addrs,
+            secret,
+            handshake,
+            tx,
+            rx,
+            bell,
+            ringer,
+            outs: HashMap::new(),
+            ins: HashMap::new(),
+            posted: HashMap::new(),
+            arrived: HashMap::new(),
+            gone: HashMap::new(),
+            failed: None,
+        }
+    }
+
+    /// Records a failure before any message started the thread: every message fails with it.
+    pub(super) fn fail_unstarted(&mut self, err: Error) {
+        self.failed.get_or_insert(err);
+    }
+
+    pub(super) fn run(mut self) {
+        let mut fds: Vec<PollFd> = Vec::new();
+        let mut who: Vec<(bool, usize)> = Vec::new();
+        loop {
+            while let Ok(cmd) = self.rx.try_recv() {
+                if !self.command(cmd) {
+                    self.fail_everything(Error::Shutdown(
+                        "ferrovod was shut down on this rank".into(),
+                    ));
+                    return;
+                }
+            }
+            self.progress();
+            let now = Instant::now();
+            self.expire(now);
+            fds.clear();
+            who.clear();
+            fds.push(poll_fd(&self.bell, POLL_IN));
+            for (&peer, o) in &self.outs {
+                if let Some(s) = &o.stream {
+                    let busy = o.current.is_some() || !o.queue.is_empty();
+                    fds.push(poll_fd(s, POLL_IN | if busy { POLL_OUT } else { 0 }));
+                    who.push((true, peer));
+                }
+            }
+            for (&peer, i) in &self.ins {
+                let busy = !i.wbuf.is_empty();
+                fds.push(poll_fd(
+                    &i.stream,
+                    POLL_IN | if busy { POLL_OUT } else { 0 },
+                ));
+                who.push((false, peer));
+            }
+            let wait = self
+                .next_deadline()
+                .map(|d| d.saturating_duration_since(now));
+            if poll(&mut fds, wait).is_err() {
+                continue;
+            }
+            let mut sink = [0u8; 64];
+            while matches!((&self.bell).read(&mut sink), Ok(n) if n > 0) {}
+        }
+    }
+
+    /// Carries out one command; false to stop.
+    fn command(&mut self, cmd: Cmd) -> bool {
+        match cmd {
+            Cmd::Send(m) => self.post_send(m),
+            Cmd::Recv(m) => self.post_recv(m),
+            Cmd::Incoming(peer, stream) => {
+                if self.failed.is_none() && stream.set_nonblocking(true).is_ok() {
+                    let _ = stream.set_nodelay(true);
+                    self.ins.insert(
+                        peer,
+                        In {
+                            stream,
+                            rbuf: Vec::new(),
+                            reading: None,
+                            wbuf: Vec::new(),
+                        },
+                    );
+                }
+            }
+            Cmd::Dialed(peer, made) => {
+                let made = made.and_then(|s| {
+                    s.set_nonblocking(true)?;
+                    s.set_nodelay(true)?;
+                    Ok(s)
+                });
+                match (made, self.outs.get_mut(&peer)) {
+                    (Ok(s), Some(o)) => o.stream = Some(s),
+                    (Err(e), Some(_)) => self.lose(peer, e),
+                    (_, None) => {}
+                }
+            }
+            Cmd::Fail(err) => {
+                self.failed.get_or_insert(err.clone());
+                self.fail_everything(err);
+            }
+            Cmd::Stop => return false,
+        }
+        true
+    }
+
+    fn post_send(&mut self, m: Message) {
+        let (peer, p) = Pending::of(m);
+        if let Some(e) = self.failed.as_ref().or(self.gone.get(&peer)) {
+            p.finish(Err(e.clone()));
+            return;
+        }
+        let o = self.outs.entry(peer).or_insert_with(|| {
+            let (rank, size, handshake) = (self.rank, self.size, self.handshake);
+            let (addr, secret) = (self.addrs[peer], self.secret.clone());
+            let (tx, ringer) = (self.tx.clone(), self.ringer.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("ferrovod-p2p-dial-{rank}"))
+                .spawn(move || {
+                    let deadline = Instant::now() + handshake;
+                    let made = crate::transport::dial::connect_messages(
+                        rank, size, peer, addr, &secret, deadline,
+                    );
+                    if tx.send(Cmd::Dialed(peer, made)).is_ok() {
+                        ring(&ringer);
+                    }
+                });
+            if let Err(e) = spawned {
+                let _ = self.tx.send(Cmd::Dialed(peer, Err(e.into())));
+            }
+            Out::default()
+        });
+        let seq = o.next_seq;
+        o.next_seq += 1;
+        o.queue.push_back((seq, p));
+    }
+
+    fn post_recv(&mut self, m: Message) {
+        let (peer, mut p) = Pending::of(m);
+        if let Some(e) = &self.failed {
+            p.finish(Err(e.clone()));
+            return;
+        }
+        let key = (peer, p.name.clone());
+        if let Some(a) = self.arrived.get_mut(&key).and_then(VecDeque::pop_front) {
+            if self.arrived.get(&key).is_some_and(VecDeque::is_empty) {
+                self.arrived.remove(&key);
+            }
+            let verdict = self.disagreement(peer, &a.desc, a.data.len(), &p);
+            if verdict.is_none() {
+                p.payload.bytes_mut().copy_from_slice(&a.data);
+            }
+            if let Some(i) = self.ins.get_mut(&peer) {
+                i.wbuf.extend(
+                    Ack {
+                        seq: a.seq,
+                        error: verdict.clone(),
+                    }
+                    .encode(),
+                );
+            }
+            p.finish(verdict.map_or(Ok(()), |message| mismatch(&key.1, message)));
+            return;
+        }
+        if let Some(e) = self.gone.get(&peer) {
+            p.finish(Err(e.clone()));
+            return;
+        }
+        self.posted.entry(key).or_default().push_back(p);
+    }
+
+    /// Why a message from `peer` described as `desc`, of `len` bytes, cannot go into
+    /// receive `p` (the text both sides fail with), or `None`.
+    fn disagreement(&self, peer: usize, desc: &str, len: usize, p: &Pending) -> Option<String> {
+        let mine = p.payload.bytes().len();
+        (desc != p.desc || len != mine).then(|| {
+            format!(
+                "point-to-point message '{}': rank {peer} sends {desc} ({len} bytes) but rank {} \
+                 receives into {} ({mine} bytes)",
+                p.name, self.rank, p.desc
+            )
+        })
+    }
+
+    /// Moves whatever bytes can move on every connection.
+    fn progress(&mut self) {
+        let outs: Vec<usize> = self.outs.keys().copied().collect();
+        for peer in outs {
+            let Some(mut o) = self.outs.remove(&peer) else {
+                continue;
+            };
+            match progress_out(&mut o, peer) {
+                Ok(()) => drop(self.outs.insert(peer, o)),
+                Err(e) => {
+                    self.outs.insert(peer, o);
+                    self.lose(peer, e);
+                }
+            }
+        }
+        let ins: Vec<usize> = self.ins.keys().copied().collect();
+        for peer in ins {
+            let Some(mut i) = self.ins.remove(&peer) else {
+                continue;
+            };
+            match self.progress_in(&mut i, peer) {
+                Ok(()) => drop(self.ins.insert(peer, i)),
+                Err(e) => {
+                    self.ins.insert(peer, i);
+                    self.lose(peer, e);
+                }
+            }
+        }
+    }
+
+    /// Writes this rank's answers to `peer` and reads its messages.
+    fn progress_in(&mut self, i: &mut In, peer: usize) -> Result<()> {
+        while !i.wbuf.is_empty() {
+            match (&i.stream).write(&i.wbuf) {
+                Ok(0) => return Err(closed(peer)),
+                Ok(n) => drop(i.wbuf.drain(..n)),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::from_peer_io(peer, &e)),
+            }
+        }
+        loop {
+            if let Some(r) = &mut i.reading {
+                let n = {
+                    let mut scratch = [0u8; 4096];
+                    let target: &mut [u8] = match &mut r.into {
+                        Into::Posted(p) => &mut p.payload.bytes_mut()[r.got..r.len],
+                        Into::Buffer(_, v) => &mut v[r.got..r.len],
+                        Into::Discard => {
+                            let n = (r.len - r.got).min(scratch.len());
+                            &mut scratch[..n]
+                        }
+                    };
+                    match read_some(&i.stream, target, peer)? {
+                        Some(n) => n,
+                        None => return Ok(()),
+                    }
+                };
+                r.got += n;
+                if r.got == r.len {
+                    let r = i.reading.take().expect("reading");
+                    self.arrive(i, peer, r);
+                }
+                continue;
+            }
+            let have = i.rbuf.len();
+            i.rbuf.resize(have + CHUNK, 0);
+            let got = read_some(&i.stream, &mut i.rbuf[have..], peer);
+            let n = match got {
+                Ok(Some(n)) => n,
+                Ok(None) => 0,
+                Err(e) => {
+                    i.rbuf.truncate(have);
+                    return Err(e);
+                }
+            };
+            i.rbuf.truncate(have + n);
+            self.parse(i, peer)?;
+            if n == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Starts the messages whose headers lie in `i.rbuf`, with the payload bytes after them.
+    fn parse(&mut self, i: &mut In, peer: usize) -> Result<()> {
+        while i.reading.is_none() {
+            let Some((h, used)) = read_header(&i.rbuf)? else {
+                return Ok(());
+            };
+            i.rbuf.drain(..used);
+            let mut r = self.start_reading(i, peer, h);
+            let take = (r.len - r.got).min(i.rbuf.len());
+            match &mut r.into {
+                Into::Posted(p) => p.payload.bytes_mut()[..take].copy_from_slice(&i.rbuf[..take]),
+                Into::Buffer(_, v) => v[..take].copy_from_slice(&i.rbuf[..take]),
+                Into::Discard => {}
+            }
+            i.rbuf.drain(..take);
+            r.got = take;
+            if r.got == r.len {
+                self.arrive(i, peer, r);
+            } else {
+                i.reading = Some(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the payload of message `h` from `peer` goes: the receive posted for it, or a
+    /// buffer until one is.
+    fn start_reading(&mut self, i: &mut In, peer: usize, h: Header) -> Reading {
+        let len = h.len as usize;
+        let key = (peer, h.name);
+        let posted = self.posted.get_mut(&key).and_then(VecDeque::pop_front);
+        if self.posted.get(&key).is_some_and(VecDeque::is_empty) {
+            self.posted.remove(&key);
+        }
+        let into = match posted {
+            None => Into::Buffer(h.desc, vec![0u8; len]),
+            Some(p) => match self.disagreement(peer, &h.desc, len, &p) {
+                None => Into::Posted(p),
+                Some(message) => {
+                    i.wbuf.extend(
+                        Ack {
+                            seq: h.seq,
+                            error: Some(message.clone()),
+                        }
+                        .encode(),
+                    );
+                    p.finish(mismatch(&key.1, message));
+                    Into::Discard
+                }
+            },
+        };
+        Reading {
+            seq: h.seq,
+            name: key.1,
+            len,
+            got: 0,
+            into,
+        }
+    }
+
+    /// A message's last byte arrived.
+    fn arrive(&mut self, i: &mut In, peer: usize, r: Reading) {
+        match r.into {
+            Into::Posted(p) => {
+                i.wbuf.extend(
+                    Ack {
+                        seq: r.seq,
+                        error: None,
+                    }
+                    .encode(),
+                );
+                p.finish(Ok(()));
+            }
+            Into::Buffer(desc, data) => {
+                self.arrived
+                    .entry((peer, r.name))
+                    .or_default()
+                    .push_back(Arrived {
+                        seq: r.seq,
+                        desc,
+                        data,
+                    })
+            }
+            Into::Discard => {}
+        }
+    }
+
+    /// `peer`'s connection (either way) closed or failed with `err`: every message with it
+    /// in flight, and every receive from it, fails, as does every later one.
+    fn lose(&mut self, peer: usize, err: Error) {
+        self.gone.entry(peer).or_insert_with(|| err.clone());
+        if let Some(o) = self.outs.remove(&peer) {
+            fail_out(o, &err);
+        }
+        if let Some(i) = self.ins.remove(&peer) {
+            if let Some(Reading {
+                into: Into::Posted(p),
+                ..
+            }) = i.reading
+            {
+                p.finish(Err(err.clone()));
+            }
+        }
+        let keys: Vec<_> = self
+            .posted
+            .keys()
+            .filter(|k| k.0 == peer)
+            .cloned()
+            .collect();
+        for k in keys {
+            for p in self.posted.remove(&k).unwrap_or_default() {
+                p.finish(Err(err.clone()));
+            }
+        }
+    }
+
+    fn fail_everything(&mut self, err: Error) {
+        for (_, o) in self.outs.drain() {
+            fail_out(o, &err);
+        }
+        for (_, i) in self.ins.drain() {
+            if let Some(Reading {
+                into: Into::Posted(p),
+                ..
+            }) = i.reading
+            {
+                p.finish(Err(err.clone()));
+            }
+        }
+        for (_, ps) in self.posted.drain() {
+            for p in ps {
+                p.finish(Err(err.clone()));
+            }
+        }
+        self.arrived.clear();
+    }
+
+    /// Fails the messages whose deadline passed.
+    fn expire(&mut self, now: Instant) {
+        let rank = self.rank;
+        let late = |p: &Pending| p.deadline <= now;
+        let timeout = |p: &Pending, what: String| Error::Timeout {
+            what,
+            after: p.timeout,
+        };
+        for ((peer, name), ps) in self.posted.iter_mut() {
+            while ps.front().is_some_and(late) {
+                let p = ps.pop_front().expect("front");
+                let e = timeout(
+                    &p,
+                    format!("rank {rank} receiving '{name}' from rank {peer}"),
+                );
+                p.finish(Err(e));
+            }
+        }
+        self.posted.retain(|_, ps| !ps.is_empty());
+        let mut broken = Vec::new();
+        for (&peer, o) in self.outs.iter_mut() {
+            let what = |p: &Pending| {
+                format!(
+                    "rank {rank} sending '{}' to rank {peer}: no receive of rank {peer} took it",
+                    p.name
+                )
+            };
+            let (keep, gone): (VecDeque<_>, VecDeque<_>) =
+                o.queue.drain(..).partition(|(_, p)| !late(p));
+            o.queue = keep;
+            for (_, p) in gone {
+                let e = timeout(&p, what(&p));
+                p.finish(Err(e));
+            }
+            let seqs: Vec<u64> = o
+                .sent
+                .iter()
+                .filter(|(_, p)| late(p))
+                .map(|(s, _)| *s)
+                .collect();
+            for s in seqs {
+                let p = o.sent.remove(&s).expect("sent");
+                let e = timeout(&p, what(&p));
+                p.finish(Err(e));
+            }
+            // A message cut off half-written leaves the connection unusable: it closes.
+            if o.current.as_ref().is_some_and(|c| late(&c.1)) {
+                let e = timeout(
+                    &o.current.as_ref().expect("current").1,
+                    what(&o.current.as_ref().expect("current").1),
+                );
+                broken.push((peer, e));
+            }
+        }
+        for (peer, e) in broken {
+            if let Some(o) = self.outs.remove(&peer) {
+                fail_out(o, &e);
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let posted = self.posted.values().flatten().map(|p| p.deadline);
+        let outs = self.outs.values().flat_map(|o| {
+            let queued = o.queue.iter().map(|(_, p)| p.deadline);
+            let current = o.current.iter().map(|c| c.1.deadline);
+            let sent = o.sent.values().map(|p| p.deadline);
+            queued.chain(current).chain(sent)
+        });
+        posted.chain(outs).min()
+    }
+}
+
+/// Writes the messages queued to `peer` and reads its answers.
+fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
+    let Some(stream) = &o.stream else {
+        return Ok(());
+    };
+    let mut stream: &TcpStream = stream;
+    loop {
+        if o.current.is_none() {
+            let Some((seq, p)) = o.queue.pop_front() else {
+                break;
+            };
+            let header = Header {
+                seq,
+                len: p.payload.bytes().len() as u64,
+                name: p.name.clone(),
+                desc: p.desc.clone(),
+            }
+            .encode();
+            o.current = Some((seq, p, header, 0));
+        }
+        let (_, p, header, at) = o.current.as_mut().expect("current");
+        let payload = p.payload.bytes();
+        let total = header.len() + payload.len();
+        while *at < total {
+            let bytes = if *at < header.len() {
+                &header[*at..]
+            } else {
+                &payload[*at - header.len()..]
+            };
+            match stream.write(bytes) {
+                Ok(0) => return Err(closed(peer)),
+                Ok(n) => *at += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::from_peer_io(peer, &e)),
+            }
+        }
+        if *at < total {
+            break;
+        }
+        let (seq, p, _, _) = o.current.take().expect("current");
+        o.sent.insert(seq, p);
+    }
+    loop {
+        let have = o.rbuf.len();
+        o.rbuf.resize(have + 4096, 0);
+        let got = read_some(stream, &mut o.rbuf[have..], peer);
+        let n = match got {
+            Ok(n) => n.unwrap_or(0),
+            Err(e) => {
+                o.rbuf.truncate(have);
+                return Err(e);
+            }
+        };
+        o.rbuf.truncate(have + n);
+        while let Some((ack, used)) = read_ack(&o.rbuf)? {
+            o.rbuf.drain(..used);
+            if let Some(p) = o.sent.remove(&ack.seq) {
+                let name = p.name.clone();
+                p.finish(ack.error.map_or(Ok(()), |m| mismatch(&name, m)));
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// Reads what is there: `None` when nothing is (a closed connection is an error).
+fn read_some(mut stream: &TcpStream, buf: &mut [u8], peer: usize) -> Result<Option<usize>> {
+    if buf.is_empty() {
+        return Ok(Some(0));
+    }
+    loop {
+        return match stream.read(buf) {
+            Ok(0) => Err(closed(peer)),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => Err(Error::from_peer_io(peer, &e)),
+        };
+    }
+}
+
+fn closed(peer: usize) -> Error {
+    Error::PeerLost {
+        rank: peer,
+        detail: "its point-to-point connection closed".into(),
+    }
+}
+
+fn mismatch(name: &str, message: String) -> Result<()> {
+    Err(Error::Mismatch {
+        name: name.to_string(),
+        message,
+    })
+}
+
+fn fail_out(o: Out, err: &Error) {
+    for (_, p) in o.queue {
+        p.finish(Err(err.clone()));
+    }
+    if let Some((_, p, _, _)) = o.current {
+        p.finish(Err(err.clone()));
+    }
+    for (_, p) in o.sent {
+        p.finish(Err(err.clone()));
+    }
+}
