@@ -207,8 +207,7 @@ impl Dialer {
                     claims.lock().expect("claims lock").dialled[peer] = true;
                     let made = connect_peer(
                         HELLO_MAGIC,
-                        rank,
-                        size,
+                        (rank, size),
                         (peer, addrs[peer]),
                         &secret,
                         Retry::Until(start),
@@ -309,8 +308,7 @@ impl Dialer {
     fn dial(&self, peer: usize, deadline: Instant) -> Result<Option<TcpStream>> {
         let made = connect_peer(
             HELLO_MAGIC,
-            self.rank,
-            self.size,
+            (self.rank, self.size),
             (peer, self.addrs[peer]),
             &self.secret,
             Retry::Never,
@@ -492,8 +490,7 @@ enum Retry {
 /// because `peer` dials this rank itself (see the module doc).
 fn connect_peer(
     magic: u32,
-    rank: usize,
-    size: usize,
+    (rank, size): (usize, usize),
     (peer, addr): (usize, SocketAddr),
     secret: &[u8],
     retry: Retry,
@@ -649,8 +646,7 @@ pub(super) fn connect_messages(
     let never = AtomicBool::new(false);
     let made = connect_peer(
         MESSAGES_MAGIC,
-        rank,
-        size,
+        (rank, size),
         (peer, addr),
         secret,
         Retry::Never,
