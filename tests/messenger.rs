@@ -151,6 +151,19 @@ fn messages_arrive_whichever_side_comes_first_in_any_order_of_names() {
         assert_eq!(r.wait().unwrap(), pattern(len, seed ^ 0x55));
         s.wait().unwrap();
     }
+    // A receive posted while its message's payload is still arriving (a large message,
+    // received as soon as it is sent: its header usually comes first, alone).
+    for k in 0..3u8 {
+        let big = pattern(32 << 20, k);
+        let s = send(&ms[2], 1, &format!("big{k}"), big.clone());
+        assert!(
+            recv(&ms[1], 2, &format!("big{k}"), big.len())
+                .wait()
+                .unwrap()
+                == big
+        );
+        s.wait().unwrap();
+    }
     // Several in flight each way, received in another order than sent.
     let sends: Vec<_> = (0..6)
         .map(|i| send(&ms[2], 1, &format!("t{}", i % 3), pattern(100 + i, i as u8)))

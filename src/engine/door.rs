@@ -8,15 +8,17 @@
 //! offer holding it, not the engine, so other threads (and `shutdown`) are never held up.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::transport::messenger::{Message, Payload};
 use crate::types::OpKind;
 
 use super::fast::Outcome;
 use super::handle::{Handle, Output};
 use super::progress::Progress;
 use super::tensor::TensorBuf;
-use super::{Command, OpSpec, Shared};
+use super::{Command, OpSpec, Shared, TensorSpec};
 use crate::control::names::NameClaim;
 
 /// What became of an op given to [`Door::run`].
@@ -97,6 +99,54 @@ impl Door {
         }))
     }
 
+    /// Sends `t`'s tensor to `t.peer`: a point-to-point message, which takes no part in the
+    /// collectives' negotiation (see [`crate::transport::messenger`]). The handle completes
+    /// once the peer's receive has taken it, or with why not (the receive disagreed, the peer
+    /// left, the timeout passed, the job failed).
+    pub fn send(&self, t: Transfer) -> Result<Handle> {
+        self.transfer(t, true)
+    }
+
+    /// Receives `t.peer`'s message of `t.name` into `t`'s tensor; the handle completes once
+    /// it has arrived, or with why not.
+    pub fn recv(&self, t: Transfer) -> Result<Handle> {
+        self.transfer(t, false)
+    }
+
+    fn transfer(&self, t: Transfer, sending: bool) -> Result<Handle> {
+        let Some(messenger) = &self.shared.messenger else {
+            return Err(Error::InvalidArgument(format!(
+                "'{}': a job of one rank has no other rank to message",
+                t.name
+            )));
+        };
+        if t.tensor.input.cuda().is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "'{}': point-to-point messages carry host memory; the adapter stages device \
+                 tensors through it",
+                t.name
+            )));
+        }
+        let meta = &t.tensor.meta;
+        let desc = format!("{} {:?}", meta.dtype.name(), meta.shape);
+        let h = Handle::new();
+        let done = h.clone();
+        let m = Message {
+            peer: t.peer,
+            name: t.name,
+            desc,
+            payload: Box::new(t.tensor.input),
+            timeout: t.timeout,
+            done: Box::new(move |r| done.complete(r.map(|()| Output::default()))),
+        };
+        if sending {
+            messenger.send(m);
+        } else {
+            messenger.recv(m);
+        }
+        Ok(h)
+    }
+
     /// Claims the name of `op` until the claim drops or moves into its handle (see
     /// [`crate::control::names`]).
     fn claim(&self, op: &OpSpec) -> Result<NameClaim> {
@@ -136,6 +186,28 @@ impl Door {
         {
             self.shared.waker.wake();
         }
+    }
+}
+
+/// One point-to-point message ([`Door::send`], [`Door::recv`]).
+pub struct Transfer {
+    /// The global rank it goes to or comes from.
+    pub peer: usize,
+    /// The name both sides give it.
+    pub name: String,
+    /// The tensor sent from, or received into, `input` (host memory).
+    pub tensor: TensorSpec,
+    /// How long it may wait for its other side.
+    pub timeout: Duration,
+}
+
+impl Payload for TensorBuf {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
     }
 }
 

@@ -36,7 +36,7 @@ use crate::job::{self, ControlPlane, CoordinatorAddr, CoordinatorListeners, Job,
 pub use crate::bootstrap::Topology;
 pub use crate::control::message::{DeviceKind, Op, TensorMeta};
 pub use crate::control::names::NameClaim;
-pub use door::{Door, Ran};
+pub use door::{Door, Ran, Transfer};
 pub use flat_step::{
     gather_shards_in_host_memory, reduce_shard_in_host_memory, FlatSpec, FlatStep, Route,
 };
@@ -54,6 +54,7 @@ use crate::control::message::{self, FromCoordinator, ToCoordinator};
 use crate::control::node::{Coordinator, CoordinatorConfig};
 use crate::control::{lease, names};
 use crate::sys::Waker;
+use crate::transport::messenger::Messenger;
 
 /// One tensor of a submitted op.
 pub struct TensorSpec {
@@ -121,6 +122,8 @@ pub(crate) struct Shared {
     fast: Arc<fast::FastPath>,
     /// Names of this rank's ops in flight.
     in_flight: Arc<names::InFlight>,
+    /// Point-to-point messages ([`Door::send`], [`Door::recv`]); `None` in a job of one rank.
+    messenger: Option<Messenger>,
 }
 
 /// The pending answer to a process-set change.
@@ -178,6 +181,7 @@ impl Engine {
             topology,
             hosts,
             transport,
+            messenger,
             store,
             cpu_share,
             offer_records,
@@ -228,6 +232,7 @@ impl Engine {
             sets: Mutex::new(sets.clone()),
             fast,
             in_flight: Arc::default(),
+            messenger,
         });
         let w = worker::Worker::new(
             config,
@@ -393,6 +398,11 @@ impl Engine {
     /// other ranks, threads are joined.
     pub fn shutdown(&mut self) {
         self.shared.fast.close();
+        if let Some(m) = &self.shared.messenger {
+            m.fail(Error::Shutdown(
+                "ferrovod was shut down on this rank".into(),
+            ));
+        }
         if self.thread.is_some() {
             self.push(Command::Shutdown);
             if let Some(t) = self.thread.take() {

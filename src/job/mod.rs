@@ -44,6 +44,7 @@ use crate::bootstrap::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::transport::hybrid::HybridTransport;
+use crate::transport::messenger::Messenger;
 use crate::transport::offers::OfferRecords;
 
 mod addr;
@@ -150,6 +151,9 @@ pub struct Job<P: ControlPlane> {
     pub hosts: Vec<u32>,
     /// Data links to every other rank: shared memory on this host, TCP otherwise.
     pub transport: HybridTransport,
+    /// Point-to-point messages with any other rank, over connections of their own (`None` in
+    /// a job of one rank).
+    pub messenger: Option<Messenger>,
     /// How to reach the rendezvous store after forming (the device path exchanges NCCL ids
     /// through it); `None` for a one-rank job without one.
     pub store: Option<StoreLink>,
@@ -372,6 +376,7 @@ pub fn form<P: ControlPlane>(
     Ok(Job {
         topology,
         hosts: host_indices(&hosts),
+        messenger: transport.messenger(),
         transport,
         store,
         cpu_share,

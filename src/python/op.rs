@@ -23,6 +23,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(allreduce_now, m)?)?;
     m.add_function(wrap_pyfunction!(reject, m)?)?;
     m.add_function(wrap_pyfunction!(join, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer, m)?)?;
     m.add_class::<CoreHandle>()?;
     m.add_class::<OwnedBuffer>()?;
     Ok(())
@@ -458,6 +459,37 @@ fn join() -> PyResult<CoreHandle> {
         Ok(CoreHandle {
             handle: e.join(),
             progress: e.progress(),
+        })
+    })
+}
+
+/// A point-to-point message of one tensor, described as [`run`]'s tuples are: sent to global
+/// rank `peer` (`sending`) or received from it into the tensor, under `name`, waiting at
+/// most `timeout` seconds for the other side (see [`crate::engine::Door::send`]). Its handle
+/// completes once the message has been taken (a send) or has arrived (a receive).
+#[pyfunction]
+fn transfer(
+    sending: bool,
+    tensor: PyTensor,
+    peer: usize,
+    name: String,
+    timeout: f64,
+) -> PyResult<CoreHandle> {
+    let spec = tensor::spec_from_py(tensor, None)?;
+    let timeout = std::time::Duration::try_from_secs_f64(timeout.max(0.0))
+        .unwrap_or(std::time::Duration::MAX);
+    with_engine(|e| {
+        let door = e.door();
+        let t = crate::engine::Transfer {
+            peer,
+            name,
+            tensor: spec,
+            timeout,
+        };
+        let handle = if sending { door.send(t) } else { door.recv(t) };
+        Ok(CoreHandle {
+            handle: handle.map_err(to_pyerr)?,
+            progress: door.progress(),
         })
     })
 }

@@ -31,10 +31,11 @@ What each ``ProcessGroup`` method maps to:
 A group over some of the job's ranks (``new_group``, ``new_subgroups``, a device mesh's
 dimensions) is an engine process set that its members register alone (torch asks only them).
 
-Point-to-point ``send``/``recv`` (and so ``isend``, ``irecv``, ``batch_isend_irecv``): a
-broadcast from the sender in the pair's process set (:class:`_Pairs`). A receive from any
-source finds its sender through counts every send leaves in the group's store
-(:class:`_AnySource`, :class:`_Announcer`).
+Point-to-point ``send``/``recv`` (and so ``isend``, ``irecv``, ``batch_isend_irecv``): the
+engine's point-to-point messages (``ferrovod.torch.ops._transfer_async``), which take no part
+in the collectives' negotiation: a connection per direction between the two ranks, no process
+set, a send done once its receive has taken it. A receive from any source finds its sender
+through counts every send leaves in the group's store (:class:`_AnySource`, :class:`_Announcer`).
 
 torch holds this backend through its C++ half (:mod:`ferrovod.torch._front`) where that can be
 built, which asks this one's work what torch asks of a C++ backend's.
@@ -189,11 +190,10 @@ class _Work(dist.Work):
     where torch wants them), ``get_future()`` gives a future completed with the op's outputs,
     as torch's own backends' work does. An op is finished once, by whichever asks first.
 
-    ``source`` is the engine handle the work waits on, another work whose completion this one
-    finishes (an op made of two steps), or a point-to-point op whose submission may wait for
-    its pair's process set (:class:`_Pairs`)."""
+    ``source`` is the engine handle the work waits on, or another work whose completion this
+    one finishes (an op made of two steps)."""
 
-    def __init__(self, source: Union[int, "_Work", "_Deferred", "_Called", "_Held"],
+    def __init__(self, source: Union[int, "_Work", "_Called", "_Held"],
                  finish: Callable[[Any], List[torch.Tensor]],
                  devices: Iterable[torch.device]) -> None:
         super().__init__()
@@ -285,29 +285,6 @@ class _Work(dist.Work):
             else:
                 _completer.add(self)
         return self._future
-
-
-class _Deferred:
-    """A point-to-point op's engine handle, which comes once its pair's process set exists
-    (at once when it does already)."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._handle: Optional[int] = None
-        self._error: Optional[BaseException] = None
-
-    def submitted(self, handle: Optional[int], error: Optional[BaseException] = None) -> None:
-        self._handle, self._error = handle, error
-        self._ready.set()
-
-    def is_completed(self) -> bool:
-        return self._ready.is_set() and (self._handle is None or _ops.poll(self._handle))
-
-    def wait(self) -> Any:
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return _ops.synchronize(self._handle)
 
 
 class _Held:
@@ -468,68 +445,6 @@ class _Called:
 
     def is_completed(self) -> bool:
         return self._done
-
-
-class _Pairs:
-    """The engine process sets of the pairs of ranks that exchange point-to-point messages.
-    A pair's set is registered by its two members alone the first time either sends to the
-    other, on a thread of its own, so that ``isend`` never waits for the peer (which may be
-    busy elsewhere until it posts its ``irecv``); the pair's ops wait for the set in order, then
-    go to the engine."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sets: dict = {}
-        self._waiting: dict = {}
-        # The engine the sets were registered with (ferrovod.init() may start another).
-        self._engine = _lifecycle.starts()
-
-    def submit(self, pair: tuple, op: Callable[[ProcessSet], int], deferred: _Deferred) -> None:
-        with self._lock:
-            if self._engine != _lifecycle.starts():
-                self._sets.clear()
-                self._engine = _lifecycle.starts()
-            ps = self._sets.get(pair)
-            if ps is None:
-                queue_ = self._waiting.get(pair)
-                if queue_ is not None:
-                    queue_.append((op, deferred))
-                    return
-                self._waiting[pair] = [(op, deferred)]
-                threading.Thread(target=self._register, args=(pair,), daemon=True,
-                                 name=f"ferrovod-pair-{pair[0]}-{pair[1]}").start()
-                return
-        self._run(ps, op, deferred)
-
-    @staticmethod
-    def _run(ps: Optional[ProcessSet], op: Callable[[ProcessSet], int], deferred: _Deferred,
-             error: Optional[BaseException] = None) -> None:
-        if error is not None or ps is None:
-            deferred.submitted(None, error)
-            return
-        try:
-            deferred.submitted(op(ps))
-        except BaseException as e:  # noqa: BLE001 - the op's waiter raises it
-            deferred.submitted(None, e)
-
-    def _register(self, pair: tuple) -> None:
-        ps: Optional[ProcessSet] = None
-        error: Optional[BaseException] = None
-        try:
-            ps = ProcessSet(list(pair))
-            ps.process_set_id = int(_core.add_process_set(list(pair), True))
-        except BaseException as e:  # noqa: BLE001 - every op of the pair raises it
-            ps, error = None, e
-        with self._lock:
-            waiting = self._waiting.pop(pair, [])
-            if ps is not None:
-                self._sets[pair] = ps
-            # Submitted under the lock, so that a later op of the pair cannot overtake them.
-            for op, deferred in waiting:
-                self._run(ps, op, deferred, error)
-
-
-_pairs = _Pairs()
 
 
 class _AnySource:
@@ -1119,8 +1034,8 @@ class ProcessGroup(_C10dBackend):
     # ------------------------------------------------------------------ point to point
 
     def _p2p(self, tensors: List[torch.Tensor], peer: int, tag: int, sending: bool) -> dist.Work:
-        """A message between this rank and group rank ``peer``: a broadcast from the sender in
-        the pair's process set, named by the group, the direction, the tag and how many such
+        """A message between this rank and group rank ``peer``: one of the engine's
+        point-to-point messages, named by the group, the direction, the tag and how many such
         messages came before (each side counts alike, so messages of one tag arrive in order,
         and another tag's may overtake them, as torch allows)."""
         self._check_open()
@@ -1136,13 +1051,8 @@ class ProcessGroup(_C10dBackend):
             _announcer.add(self._store, self._sent_key(src, dst, int(tag)))
         name = f"pg{self._group_id}.p2p.{src}to{dst}.t{tag}.{n}"
         t = tensors[0]
-
-        def op(ps: ProcessSet) -> int:
-            return _ops._broadcast_async(t, src, name, ps, True)
-
-        deferred = _Deferred()
-        _pairs.submit((min(me, other), max(me, other)), op, deferred)
-        return _Work(deferred, lambda _: [t], [t.device])
+        handle = _ops._transfer_async(t, other, name, sending, self._timeout.total_seconds())
+        return _Work(handle, lambda _: [t], [t.device])
 
     @_profiled("send", _first)
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> dist.Work:

@@ -83,6 +83,9 @@ impl Worker {
             // and asks the engine, which names the rank that really died, instead of
             // blaming this one when its links close.
             self.shared.fast.fail(err.clone());
+            if let Some(m) = &self.shared.messenger {
+                m.fail(err.clone());
+            }
             self.transport.abort();
             self.failed = Some(err.clone());
         }

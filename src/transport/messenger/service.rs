@@ -287,7 +287,7 @@ impl Service {
     }
 
     fn post_recv(&mut self, m: Message) {
-        let (peer, mut p) = Pending::of(m);
+        let (peer, p) = Pending::of(m);
         if let Some(e) = &self.failed {
             p.finish(Err(e.clone()));
             return;
@@ -297,20 +297,11 @@ impl Service {
             if self.arrived.get(&key).is_some_and(VecDeque::is_empty) {
                 self.arrived.remove(&key);
             }
-            let verdict = self.disagreement(peer, &a.desc, a.data.len(), &p);
-            if verdict.is_none() {
-                p.payload.bytes_mut().copy_from_slice(&a.data);
-            }
+            let (ack, p, result) = self.deliver(peer, a, p);
             if let Some(i) = self.ins.get_mut(&peer) {
-                i.wbuf.extend(
-                    Ack {
-                        seq: a.seq,
-                        error: verdict.clone(),
-                    }
-                    .encode(),
-                );
+                answer(i, ack);
             }
-            p.finish(verdict.map_or(Ok(()), |message| mismatch(&key.1, message)));
+            p.finish(result);
             return;
         }
         if let Some(e) = self.gone.get(&peer) {
@@ -318,6 +309,22 @@ impl Service {
             return;
         }
         self.posted.entry(key).or_default().push_back(p);
+    }
+
+    /// Hands a message that waited in a buffer to its receive: the answer to send back, and
+    /// the receive with its outcome, to be told once the answer is on its way.
+    fn deliver(&self, peer: usize, a: Arrived, mut p: Pending) -> (Vec<u8>, Pending, Result<()>) {
+        let verdict = self.disagreement(peer, &a.desc, a.data.len(), &p);
+        if verdict.is_none() {
+            p.payload.bytes_mut().copy_from_slice(&a.data);
+        }
+        let ack = Ack {
+            seq: a.seq,
+            error: verdict.clone(),
+        }
+        .encode();
+        let result = verdict.map_or(Ok(()), |message| mismatch(&p.name, message));
+        (ack, p, result)
     }
 
     /// Why a message from `peer` described as `desc`, of `len` bytes, cannot go into
@@ -456,13 +463,11 @@ impl Service {
             Some(p) => match self.disagreement(peer, &h.desc, len, &p) {
                 None => Into::Posted(p),
                 Some(message) => {
-                    i.wbuf.extend(
-                        Ack {
-                            seq: h.seq,
-                            error: Some(message.clone()),
-                        }
-                        .encode(),
-                    );
+                    let ack = Ack {
+                        seq: h.seq,
+                        error: Some(message.clone()),
+                    };
+                    answer(i, ack.encode());
                     p.finish(mismatch(&key.1, message));
                     Into::Discard
                 }
@@ -481,24 +486,32 @@ impl Service {
     fn arrive(&mut self, i: &mut In, peer: usize, r: Reading) {
         match r.into {
             Into::Posted(p) => {
-                i.wbuf.extend(
-                    Ack {
-                        seq: r.seq,
-                        error: None,
-                    }
-                    .encode(),
-                );
+                let ack = Ack {
+                    seq: r.seq,
+                    error: None,
+                };
+                answer(i, ack.encode());
                 p.finish(Ok(()));
             }
             Into::Buffer(desc, data) => {
-                self.arrived
-                    .entry((peer, r.name))
-                    .or_default()
-                    .push_back(Arrived {
-                        seq: r.seq,
-                        desc,
-                        data,
-                    })
+                let a = Arrived {
+                    seq: r.seq,
+                    desc,
+                    data,
+                };
+                // A receive posted while the payload was still arriving takes it now.
+                let key = (peer, r.name);
+                match self.posted.get_mut(&key).and_then(VecDeque::pop_front) {
+                    Some(p) => {
+                        if self.posted.get(&key).is_some_and(VecDeque::is_empty) {
+                            self.posted.remove(&key);
+                        }
+                        let (ack, p, result) = self.deliver(peer, a, p);
+                        answer(i, ack);
+                        p.finish(result);
+                    }
+                    None => self.arrived.entry(key).or_default().push_back(a),
+                }
             }
             Into::Discard => {}
         }
@@ -537,7 +550,8 @@ impl Service {
         for (_, o) in self.outs.drain() {
             fail_out(o, &err);
         }
-        for (_, i) in self.ins.drain() {
+        for (_, mut i) in self.ins.drain() {
+            flush(&mut i);
             if let Some(Reading {
                 into: Into::Posted(p),
                 ..
@@ -691,6 +705,25 @@ fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
         }
         if n == 0 {
             return Ok(());
+        }
+    }
+}
+
+/// Queues an answer to `i`'s sender and writes what it can at once, before the receive is
+/// told: a receiver that goes on to shut down must not take the sender's answer with it.
+fn answer(i: &mut In, ack: Vec<u8>) {
+    i.wbuf.extend(ack);
+    flush(i);
+}
+
+/// Writes what it can of `i`'s answers without waiting; a failure shows on the next read.
+fn flush(i: &mut In) {
+    while !i.wbuf.is_empty() {
+        match (&i.stream).write(&i.wbuf) {
+            Ok(0) => return,
+            Ok(n) => drop(i.wbuf.drain(..n)),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return,
         }
     }
 }

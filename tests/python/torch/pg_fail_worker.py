@@ -3,7 +3,8 @@ test_process_group.py). Started as a plain process: ``pg_fail_worker.py <mode> <
 <file store path>``, joining through ``init_method="file://..."`` with a 600 s timeout, so that
 an error that comes is the engine's report, never the timeout.
 
-- ``mismatch``: ranks disagree on a collective's shape, then dtype, then reduce op; every rank
+- ``mismatch``: ranks disagree on a collective's shape, then dtype, then reduce op, and a send and its
+  receive on shape and dtype; every rank
   must get an error naming the ranks, and the job must go on (the next op is checked). Then
   rank 0 alone gives arguments its op cannot take (a reduce-scatter's size, all-to-all splits):
   every rank must fail with rank 0's reason.
@@ -102,6 +103,28 @@ if mode == "mismatch":
             check(any(f"{r}" in text for r in range(1, size)),
                   f"{what}: ranks {others} not named: {text}")
         goes_on(f"the {what} mismatch")
+    # A message whose receive disagrees with it fails on both sides, naming both; the pair's
+    # next message goes through.
+    for what, shape, dtype in (("shape", (5,), torch.float32), ("dtype", (4,), torch.int32)):
+        try:
+            if rank == 0:
+                dist.send(torch.ones(4), 1)
+            elif rank == 1:
+                dist.recv(torch.empty(shape, dtype=dtype), 0)
+            if rank < 2:
+                check(False, f"a point-to-point {what} mismatch raised nothing")
+        except MismatchError as e:
+            text = str(e)
+            print(f"rank {rank} point-to-point {what}: {text}", flush=True)
+            check("rank 0 sends float32 [4]" in text and "rank 1 receives into" in text,
+                  f"point-to-point {what}: both ranks not named: {text}")
+        if rank == 0:
+            dist.send(torch.arange(3.0), 1)
+        elif rank == 1:
+            got = torch.empty(3)
+            dist.recv(got, 0)
+            check(torch.equal(got, torch.arange(3.0)), f"the message after the {what} mismatch")
+        goes_on(f"the point-to-point {what} mismatch")
     # Arguments only rank 0 gets wrong: refused on rank 0, failed on every rank with its reason.
     refusals = [
         ("rank 0 gives", lambda: dist.reduce_scatter_tensor(
@@ -209,6 +232,8 @@ elif mode == "auth":
     dist.destroy_process_group()
 elif mode == "kill":
     victim = size - 1
+    # A receive from the victim, posted before it dies, fails naming it.
+    pending = dist.irecv(torch.empty(3), victim) if rank == 0 else None
     dist.barrier()
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -219,6 +244,13 @@ elif mode == "kill":
     except RankFailureError as e:
         print(f"rank {rank} error: {e}", flush=True)
         check(f"rank {victim}" in str(e), f"the dead rank is not named: {e}")
+    if pending is not None:
+        try:
+            pending.wait()
+            check(False, "a receive from a dead rank completed")
+        except RankFailureError as e:
+            print(f"rank {rank} receive error: {e}", flush=True)
+            check(f"rank {victim}" in str(e), f"the receive's error does not name it: {e}")
     # A survivor that left now would be a second lost rank to those still waiting for their
     # error (rank 0 holds the coordinator): each stays until every survivor has had its own.
     open(f"{path}.seen.{rank}", "w").close()
