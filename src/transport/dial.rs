@@ -143,7 +143,14 @@ impl Dialer {
         let (stop_bell, stop_rx) = UnixStream::pair()?;
         let (tx, rx) = mpsc::channel();
         let (addrs, secret): (Arc<[SocketAddr]>, Arc<[u8]>) = (Arc::from(addrs), Arc::from(secret));
-        let messenger = Messenger::new(rank, size, addrs.clone(), secret.clone(), timeout)?;
+        let messenger = Messenger::new(
+            rank,
+            size,
+            addrs.clone(),
+            secret.clone(),
+            timeout,
+            finish.clone(),
+        )?;
         let mut d = Dialer {
             rank,
             size,
@@ -425,7 +432,8 @@ impl Acceptor {
                 Event::Peer(from, finished(self.finish.as_ref(), from, s, deadline))
             }
             Ok(Accepted::Messages(from)) => {
-                self.messenger.incoming(from, s);
+                let made = finished(self.finish.as_ref(), from, s, deadline);
+                self.messenger.incoming(from, made);
                 return;
             }
             Ok(Accepted::Declined) => return,
@@ -633,16 +641,16 @@ fn accept_peer(
 }
 
 /// This rank's connection for its messages to `peer`, listening at `addr` (see
-/// [`super::messenger`]): authenticated and introduced as the data links are. Every rank
-/// listens before any op, so a refusal means the peer is gone.
+/// [`super::messenger`]): authenticated and introduced as the data links are, then what
+/// `finish` makes of it (shared memory with a peer on this host). Every rank listens before
+/// any op, so a refusal means the peer is gone.
 pub(super) fn connect_messages(
-    rank: usize,
-    size: usize,
-    peer: usize,
-    addr: SocketAddr,
+    (rank, size): (usize, usize),
+    (peer, addr): (usize, SocketAddr),
     secret: &[u8],
+    finish: Option<&Finish>,
     deadline: Instant,
-) -> Result<TcpStream> {
+) -> Result<Made> {
     let never = AtomicBool::new(false);
     let made = connect_peer(
         MESSAGES_MAGIC,
@@ -653,10 +661,11 @@ pub(super) fn connect_messages(
         deadline,
         &never,
     )?;
-    made.ok_or_else(|| Error::PeerLost {
+    let s = made.ok_or_else(|| Error::PeerLost {
         rank: peer,
         detail: format!("it refused rank {rank}'s point-to-point connection"),
-    })
+    })?;
+    finished(finish, peer, s, deadline)
 }
 
 #[cfg(test)]

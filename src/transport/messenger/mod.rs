@@ -25,10 +25,11 @@
 //! message's bytes on non-blocking sockets and sleeps in `poll` when nothing moves; the
 //! callers never touch a socket.
 
+mod conn;
 mod frame;
 mod service;
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -37,7 +38,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use service::{Cmd, Service};
+use service::{Cmd, Reach, Service};
 
 /// Memory a message is sent from or received into, valid until the message completes.
 pub trait Payload: Send {
@@ -84,28 +85,30 @@ struct Inner {
 
 impl Messenger {
     /// The messenger of rank `rank` of `size`, whose peers listen at `addrs` and prove
-    /// `secret`; `handshake` bounds making a connection. Starts no thread yet.
+    /// `secret`; `handshake` bounds making a connection, and `finish` says what it becomes (shared
+    /// memory with a peer on this host, as for the data links). Starts no thread yet.
     pub(super) fn new(
         rank: usize,
         size: usize,
         addrs: Arc<[SocketAddr]>,
         secret: Arc<[u8]>,
         handshake: Duration,
+        finish: Option<super::dial::Finish>,
     ) -> Result<Messenger> {
         let (bell, ringer) = UnixStream::pair()?;
         bell.set_nonblocking(true)?;
         ringer.set_nonblocking(true)?;
         let ringer = Arc::new(ringer);
         let (tx, rx) = mpsc::channel();
-        let service = Service::new(
+        let reach = Reach {
             rank,
             size,
             addrs,
             secret,
             handshake,
-            (tx.clone(), rx),
-            (bell, ringer.clone()),
-        );
+            finish,
+        };
+        let service = Service::new(reach, (tx.clone(), rx), (bell, ringer.clone()));
         Ok(Messenger {
             inner: Arc::new(Inner {
                 rank,
@@ -156,8 +159,8 @@ impl Messenger {
     }
 
     /// A connection a peer made to send to this rank (from the acceptor).
-    pub(super) fn incoming(&self, peer: usize, stream: TcpStream) {
-        self.command(Cmd::Incoming(peer, stream));
+    pub(super) fn incoming(&self, peer: usize, made: Result<super::dial::Made>) {
+        self.command(Cmd::Incoming(peer, made));
     }
 
     fn command(&self, cmd: Cmd) {

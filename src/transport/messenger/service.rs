@@ -2,25 +2,27 @@
 //! and their deadlines (see the module above).
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Read;
+use std::net::SocketAddr;
 use std::os::unix::net::UnixStream;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use super::super::dial::{Finish, Made};
+use super::conn::Conn;
 use super::frame::{read_ack, read_header, Ack, Header};
 use super::{ring, Message, Payload};
 use crate::error::{Error, Result};
-use crate::sys::{poll, poll_fd, PollFd, POLL_IN, POLL_OUT};
+use crate::sys::{poll, poll_fd, PollFd, POLL_IN};
 
 /// What callers and helper threads tell the service.
 pub(super) enum Cmd {
     Send(Message),
     Recv(Message),
     /// A peer's connection to send to this rank, from the acceptor.
-    Incoming(usize, TcpStream),
+    Incoming(usize, Result<Made>),
     /// This rank's connection to send to a peer, made (or not) on a thread of its own.
-    Dialed(usize, Result<TcpStream>),
+    Dialed(usize, Result<Made>),
     Fail(Error),
     Stop,
 }
@@ -80,7 +82,7 @@ struct Arrived {
 #[derive(Default)]
 struct Out {
     /// `None` while it is being made.
-    stream: Option<TcpStream>,
+    conn: Option<Conn>,
     next_seq: u64,
     queue: VecDeque<(u64, Pending)>,
     /// The message being written: its header, and how many of header and payload bytes went.
@@ -108,7 +110,7 @@ struct Reading {
 
 /// A peer's connection to send to this rank.
 struct In {
-    stream: TcpStream,
+    conn: Conn,
     rbuf: Vec<u8>,
     reading: Option<Reading>,
     /// Answers not written yet.
@@ -118,12 +120,22 @@ struct In {
 /// Read size when no payload has its own memory to read into.
 const CHUNK: usize = 64 * 1024;
 
+/// How this rank reaches its peers: who it is, where they listen, the job's secret, how long
+/// making a connection may take, and what a new connection becomes (shared memory with a peer
+/// on this host), as for the data links.
+#[derive(Clone)]
+pub(super) struct Reach {
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    pub(super) addrs: Arc<[SocketAddr]>,
+    pub(super) secret: Arc<[u8]>,
+    pub(super) handshake: Duration,
+    pub(super) finish: Option<Finish>,
+}
+
 pub(super) struct Service {
     rank: usize,
-    size: usize,
-    addrs: Arc<[SocketAddr]>,
-    secret: Arc<[u8]>,
-    handshake: Duration,
+    reach: Reach,
     tx: mpsc::Sender<Cmd>,
     rx: mpsc::Receiver<Cmd>,
     bell: UnixStream,
@@ -139,20 +151,13 @@ pub(super) struct Service {
 
 impl Service {
     pub(super) fn new(
-        rank: usize,
-        size: usize,
-        addrs: Arc<[SocketAddr]>,
-        secret: Arc<[u8]>,
-        handshake: Duration,
+        reach: Reach,
         (tx, rx): (mpsc::Sender<Cmd>, mpsc::Receiver<Cmd>),
         (bell, ringer): (UnixStream, Arc<UnixStream>),
     ) -> Service {
         Service {
-            rank,
-            size,
-            addrs,
-            secret,
-            handshake,
+            rank: reach.rank,
+            reach,
             tx,
             rx,
             bell,
@@ -189,26 +194,37 @@ impl Service {
             fds.clear();
             who.clear();
             fds.push(poll_fd(&self.bell, POLL_IN));
+            let mut ready = false;
             for (&peer, o) in &self.outs {
-                if let Some(s) = &o.stream {
-                    let busy = o.current.is_some() || !o.queue.is_empty();
-                    fds.push(poll_fd(s, POLL_IN | if busy { POLL_OUT } else { 0 }));
+                if let Some(c) = &o.conn {
+                    let (fd, now) = c.sleep_on(o.current.is_some() || !o.queue.is_empty());
+                    fds.push(fd);
+                    ready |= now;
                     who.push((true, peer));
                 }
             }
             for (&peer, i) in &self.ins {
-                let busy = !i.wbuf.is_empty();
-                fds.push(poll_fd(
-                    &i.stream,
-                    POLL_IN | if busy { POLL_OUT } else { 0 },
-                ));
+                let (fd, now) = i.conn.sleep_on(!i.wbuf.is_empty());
+                fds.push(fd);
+                ready |= now;
                 who.push((false, peer));
             }
-            let wait = self
-                .next_deadline()
-                .map(|d| d.saturating_duration_since(now));
-            if poll(&mut fds, wait).is_err() {
-                continue;
+            let wait = match ready {
+                true => Some(Duration::ZERO),
+                false => self
+                    .next_deadline()
+                    .map(|d| d.saturating_duration_since(now)),
+            };
+            let polled = poll(&mut fds, wait);
+            for (fd, &(out, peer)) in fds[1..].iter().zip(&who) {
+                let revents = if polled.is_ok() { fd.revents } else { 0 };
+                let conn = match out {
+                    true => self.outs.get_mut(&peer).and_then(|o| o.conn.as_mut()),
+                    false => self.ins.get_mut(&peer).map(|i| &mut i.conn),
+                };
+                if let Some(c) = conn {
+                    c.woke(revents);
+                }
             }
             let mut sink = [0u8; 64];
             while matches!((&self.bell).read(&mut sink), Ok(n) if n > 0) {}
@@ -220,32 +236,38 @@ impl Service {
         match cmd {
             Cmd::Send(m) => self.post_send(m),
             Cmd::Recv(m) => self.post_recv(m),
-            Cmd::Incoming(peer, stream) => {
-                if self.failed.is_none() && stream.set_nonblocking(true).is_ok() {
-                    let _ = stream.set_nodelay(true);
-                    self.ins.insert(
-                        peer,
-                        In {
-                            stream,
-                            rbuf: Vec::new(),
-                            reading: None,
-                            wbuf: Vec::new(),
-                        },
+            Cmd::Incoming(peer, made) => match (&self.failed, made.and_then(Conn::new)) {
+                (None, Ok(conn)) => {
+                    log::debug!(
+                        target: crate::LOG_TARGET,
+                        "rank {}: point-to-point messages from rank {peer} over {}",
+                        self.rank,
+                        conn.kind()
                     );
+                    let i = In {
+                        conn,
+                        rbuf: Vec::new(),
+                        reading: None,
+                        wbuf: Vec::new(),
+                    };
+                    self.ins.insert(peer, i);
                 }
-            }
-            Cmd::Dialed(peer, made) => {
-                let made = made.and_then(|s| {
-                    s.set_nonblocking(true)?;
-                    s.set_nodelay(true)?;
-                    Ok(s)
-                });
-                match (made, self.outs.get_mut(&peer)) {
-                    (Ok(s), Some(o)) => o.stream = Some(s),
-                    (Err(e), Some(_)) => self.lose(peer, e),
-                    (_, None) => {}
+                (_, Err(e)) => self.lose(peer, e),
+                (Some(_), Ok(_)) => {}
+            },
+            Cmd::Dialed(peer, made) => match (made.and_then(Conn::new), self.outs.get_mut(&peer)) {
+                (Ok(c), Some(o)) => {
+                    log::debug!(
+                        target: crate::LOG_TARGET,
+                        "rank {}: point-to-point messages to rank {peer} over {}",
+                        self.rank,
+                        c.kind()
+                    );
+                    o.conn = Some(c);
                 }
-            }
+                (Err(e), Some(_)) => self.lose(peer, e),
+                (_, None) => {}
+            },
             Cmd::Fail(err) => {
                 self.failed.get_or_insert(err.clone());
                 self.fail_everything(err);
@@ -262,15 +284,19 @@ impl Service {
             return;
         }
         let o = self.outs.entry(peer).or_insert_with(|| {
-            let (rank, size, handshake) = (self.rank, self.size, self.handshake);
-            let (addr, secret) = (self.addrs[peer], self.secret.clone());
+            let reach = self.reach.clone();
+            let rank = reach.rank;
             let (tx, ringer) = (self.tx.clone(), self.ringer.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("ferrovod-p2p-dial-{rank}"))
                 .spawn(move || {
-                    let deadline = Instant::now() + handshake;
+                    let deadline = Instant::now() + reach.handshake;
                     let made = crate::transport::dial::connect_messages(
-                        rank, size, peer, addr, &secret, deadline,
+                        (rank, reach.size),
+                        (peer, reach.addrs[peer]),
+                        &reach.secret,
+                        reach.finish.as_ref(),
+                        deadline,
                     );
                     if tx.send(Cmd::Dialed(peer, made)).is_ok() {
                         ring(&ringer);
@@ -373,12 +399,9 @@ impl Service {
     /// Writes this rank's answers to `peer` and reads its messages.
     fn progress_in(&mut self, i: &mut In, peer: usize) -> Result<()> {
         while !i.wbuf.is_empty() {
-            match (&i.stream).write(&i.wbuf) {
-                Ok(0) => return Err(closed(peer)),
-                Ok(n) => drop(i.wbuf.drain(..n)),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::from_peer_io(peer, &e)),
+            match i.conn.write_some(&i.wbuf, peer)? {
+                Some(n) => drop(i.wbuf.drain(..n)),
+                None => break,
             }
         }
         loop {
@@ -393,7 +416,7 @@ impl Service {
                             &mut scratch[..n]
                         }
                     };
-                    match read_some(&i.stream, target, peer)? {
+                    match i.conn.read_some(target, peer)? {
                         Some(n) => n,
                         None => return Ok(()),
                     }
@@ -407,7 +430,7 @@ impl Service {
             }
             let have = i.rbuf.len();
             i.rbuf.resize(have + CHUNK, 0);
-            let got = read_some(&i.stream, &mut i.rbuf[have..], peer);
+            let got = i.conn.read_some(&mut i.rbuf[have..], peer);
             let n = match got {
                 Ok(Some(n)) => n,
                 Ok(None) => 0,
@@ -643,10 +666,9 @@ impl Service {
 
 /// Writes the messages queued to `peer` and reads its answers.
 fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
-    let Some(stream) = &o.stream else {
+    let Some(conn) = &mut o.conn else {
         return Ok(());
     };
-    let mut stream: &TcpStream = stream;
     loop {
         if o.current.is_none() {
             let Some((seq, p)) = o.queue.pop_front() else {
@@ -670,12 +692,9 @@ fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
             } else {
                 &payload[*at - header.len()..]
             };
-            match stream.write(bytes) {
-                Ok(0) => return Err(closed(peer)),
-                Ok(n) => *at += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::from_peer_io(peer, &e)),
+            match conn.write_some(bytes, peer)? {
+                Some(n) => *at += n,
+                None => break,
             }
         }
         if *at < total {
@@ -687,7 +706,7 @@ fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
     loop {
         let have = o.rbuf.len();
         o.rbuf.resize(have + 4096, 0);
-        let got = read_some(stream, &mut o.rbuf[have..], peer);
+        let got = conn.read_some(&mut o.rbuf[have..], peer);
         let n = match got {
             Ok(n) => n.unwrap_or(0),
             Err(e) => {
@@ -719,35 +738,10 @@ fn answer(i: &mut In, ack: Vec<u8>) {
 /// Writes what it can of `i`'s answers without waiting; a failure shows on the next read.
 fn flush(i: &mut In) {
     while !i.wbuf.is_empty() {
-        match (&i.stream).write(&i.wbuf) {
-            Ok(0) => return,
-            Ok(n) => drop(i.wbuf.drain(..n)),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(_) => return,
+        match i.conn.write_some(&i.wbuf, usize::MAX) {
+            Ok(Some(n)) => drop(i.wbuf.drain(..n)),
+            _ => return,
         }
-    }
-}
-
-/// Reads what is there: `None` when nothing is (a closed connection is an error).
-fn read_some(mut stream: &TcpStream, buf: &mut [u8], peer: usize) -> Result<Option<usize>> {
-    if buf.is_empty() {
-        return Ok(Some(0));
-    }
-    loop {
-        return match stream.read(buf) {
-            Ok(0) => Err(closed(peer)),
-            Ok(n) => Ok(Some(n)),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(None),
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => Err(Error::from_peer_io(peer, &e)),
-        };
-    }
-}
-
-fn closed(peer: usize) -> Error {
-    Error::PeerLost {
-        rank: peer,
-        detail: "its point-to-point connection closed".into(),
     }
 }
 
