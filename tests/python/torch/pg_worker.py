@@ -336,16 +336,17 @@ def section_p2p():
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         same(got, make(prv, (6, 3), dtype, 501), f"batch_isend_irecv ring {dtype}")
-    # Ring with plain isend/irecv, several rounds.
-    for k in range(3):
-        got = torch.empty(1000 + k)
-        s = dist.isend(make(r, (1000 + k,), torch.float32, 510 + k), nxt)
+    # Ring with plain isend/irecv, several rounds; the last one of an odd size larger than a
+    # shared-memory ring (1 MiB), so that it wraps and waits for its reader.
+    for k, size in enumerate((1000, 1001, 1002, (1 << 20) + 3)):
+        got = torch.empty(size)
+        s = dist.isend(make(r, (size,), torch.float32, 510 + k), nxt)
         w = dist.irecv(got, prv)
         w.wait()
         s.wait()
         if _front.backend_class() is not None:  # torch asks a backend in Python nothing more
             check(w.is_completed() and s.is_completed(), f"is_completed after wait, round {k}")
-        same(got, make(prv, (1000 + k,), torch.float32, 510 + k), f"isend/irecv ring round {k}")
+        same(got, make(prv, (size,), torch.float32, 510 + k), f"isend/irecv ring round {k}")
     # Tags: 0 sends tag 1, then tag 2; 1 receives tag 2 first.
     if r == 0:
         a = dist.isend(torch.full((3,), 1.0), 1, tag=1)
