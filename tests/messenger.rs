@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use _core::error::Error;
 use _core::testing::hybrid_unlinked;
 use _core::transport::hybrid::ShmOptions;
-use _core::transport::messenger::{Message, Messenger, Payload};
+use _core::transport::messenger::{Message, Messenger, Payload, ANY_PEER};
 
 const SECRET: &[u8] = b"messenger-test";
 const LONG: Duration = Duration::from_secs(60);
@@ -38,16 +38,25 @@ impl Drop for Buf {
 
 /// A message's outcome, and for a receive the bytes it received.
 struct Pending {
-    outcome: mpsc::Receiver<Result<(), Error>>,
+    outcome: mpsc::Receiver<Result<usize, Error>>,
     bytes: mpsc::Receiver<Vec<u8>>,
 }
 
 impl Pending {
     fn wait(&self) -> Result<Vec<u8>, Error> {
-        self.outcome
+        Ok(self.wait_from()?.1)
+    }
+
+    /// The peer the message went to or came from, and the bytes.
+    fn wait_from(&self) -> Result<(usize, Vec<u8>), Error> {
+        let peer = self
+            .outcome
             .recv_timeout(LONG)
             .expect("an outcome in time")?;
-        Ok(self.bytes.recv_timeout(LONG).expect("the payload back"))
+        Ok((
+            peer,
+            self.bytes.recv_timeout(LONG).expect("the payload back"),
+        ))
     }
 }
 
@@ -188,6 +197,56 @@ fn messages_arrive_whichever_side_comes_first_in_any_order_of_names() {
     for s in sends {
         s.wait().unwrap();
     }
+}
+
+#[test]
+fn a_receive_from_any_rank_takes_the_first_message_of_its_name_and_says_whose() {
+    let (_ts, ms) = three();
+    // Posted first: the first message of the name from either rank, each taken once.
+    let any: Vec<_> = (0..2).map(|_| recv(&ms[0], ANY_PEER, "any", 2)).collect();
+    let s1 = send(&ms[1], 0, "any", vec![1, 1]);
+    let s2 = send(&ms[2], 0, "any", vec![2, 2]);
+    let mut got: Vec<_> = any.iter().map(|r| r.wait_from().unwrap()).collect();
+    got.sort();
+    assert_eq!(got, vec![(1, vec![1, 1]), (2, vec![2, 2])]);
+    assert_eq!(
+        (s1.wait_from().unwrap().0, s2.wait_from().unwrap().0),
+        (0, 0)
+    );
+    // Arrived first: taken in the order they arrived, after a receive that names its peer.
+    let s2 = send(&ms[2], 0, "late", vec![2]);
+    let sync = send(&ms[2], 0, "sync", vec![0]);
+    recv(&ms[0], 2, "sync", 1).wait().unwrap();
+    let s1 = send(&ms[1], 0, "late", vec![1]);
+    let sync1 = send(&ms[1], 0, "sync", vec![0]);
+    recv(&ms[0], 1, "sync", 1).wait().unwrap();
+    assert_eq!(
+        recv(&ms[0], ANY_PEER, "late", 1).wait_from().unwrap(),
+        (2, vec![2])
+    );
+    assert_eq!(
+        recv(&ms[0], ANY_PEER, "late", 1).wait_from().unwrap(),
+        (1, vec![1])
+    );
+    for s in [s1, s2, sync, sync1] {
+        s.wait().unwrap();
+    }
+    // Nobody sends: a timeout that says so; a send cannot go to any rank.
+    let r = post(
+        &ms[1],
+        false,
+        ANY_PEER,
+        "none",
+        "uint8 [1]",
+        vec![0],
+        Duration::from_millis(100),
+    );
+    let e = r.wait().unwrap_err();
+    assert!(e.to_string().contains("from any rank"), "{e}");
+    assert!(matches!(
+        send(&ms[1], ANY_PEER, "x", vec![0]).wait(),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::transport::messenger::{Message, Payload};
+use crate::transport::messenger::{Message, Payload, ANY_PEER};
 use crate::types::OpKind;
 
 use super::fast::Outcome;
@@ -107,8 +107,9 @@ impl Door {
         self.transfer(t, true)
     }
 
-    /// Receives `t.peer`'s message of `t.name` into `t`'s tensor; the handle completes once
-    /// it has arrived, or with why not.
+    /// Receives `t.peer`'s message of `t.name` (with no peer, the first of that name from any
+    /// rank) into `t`'s tensor; the handle completes once it has arrived, its output's
+    /// `source` saying who sent it, or with why not.
     pub fn recv(&self, t: Transfer) -> Result<Handle> {
         self.transfer(t, false)
     }
@@ -131,13 +132,28 @@ impl Door {
         let desc = format!("{} {:?}", meta.dtype.name(), meta.shape);
         let h = Handle::new();
         let done = h.clone();
+        let peer = match t.peer {
+            Some(p) => p,
+            None if !sending => ANY_PEER,
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "'{}': a send names the rank it goes to",
+                    t.name
+                )))
+            }
+        };
         let m = Message {
-            peer: t.peer,
+            peer,
             name: t.name,
             desc,
             payload: Box::new(t.tensor.input),
             timeout: t.timeout,
-            done: Box::new(move |r| done.complete(r.map(|()| Output::default()))),
+            done: Box::new(move |r| {
+                done.complete(r.map(|peer| Output {
+                    source: Some(peer),
+                    ..Output::default()
+                }))
+            }),
         };
         if sending {
             messenger.send(m);
@@ -191,8 +207,8 @@ impl Door {
 
 /// One point-to-point message ([`Door::send`], [`Door::recv`]).
 pub struct Transfer {
-    /// The global rank it goes to or comes from.
-    pub peer: usize,
+    /// The global rank it goes to or comes from (`None`: a receive from any rank).
+    pub peer: Option<usize>,
     /// The name both sides give it.
     pub name: String,
     /// The tensor sent from, or received into, `input` (host memory).

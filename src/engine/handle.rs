@@ -23,6 +23,8 @@ pub struct Output {
     pub received_splits: Vec<usize>,
     /// Join: the last rank to join.
     pub last_joined: Option<usize>,
+    /// A point-to-point message: the rank it went to or came from.
+    pub source: Option<usize>,
 }
 
 struct State {

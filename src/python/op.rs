@@ -284,11 +284,14 @@ impl<'a, 'py> Items<'a, 'py> {
 /// copy up to about here; a 256 KiB allgather on one rank took 29.8 µs copied, 22 µs not.
 const SMALL_RESULT_BYTES: usize = 64 << 10;
 
-/// An op's result as Python gets it: `(outputs, received_splits, last_joined)`, where
+/// An op's result as Python gets it: `(outputs, received_splits, rank)` (`rank`: the last
+/// rank to join, or a point-to-point message's peer), where
 /// `outputs` is a tuple of `(buffer, shape)`, one for each result the engine allocated — a
 /// `bytearray` for a small one, else an [`OwnedBuffer`].
 fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
-    if out.tensors.is_empty() && out.received_splits.is_empty() && out.last_joined.is_none() {
+    // The third element: the rank the op reports (the last to join, a message's peer).
+    let named = out.last_joined.or(out.source);
+    if out.tensors.is_empty() && out.received_splits.is_empty() && named.is_none() {
         // Most waiting calls write into the caller's memory: one shared `((), (), None)`
         // spares them building what no one reads.
         static NOTHING: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -323,7 +326,7 @@ fn result(py: Python<'_>, out: Output) -> PyResult<Bound<'_, PyAny>> {
     } else {
         out.received_splits.into_pyobject(py)?.into_any()
     };
-    Ok((PyTuple::new(py, outputs)?, received, out.last_joined)
+    Ok((PyTuple::new(py, outputs)?, received, named)
         .into_pyobject(py)?
         .into_any())
 }
@@ -464,14 +467,15 @@ fn join() -> PyResult<CoreHandle> {
 }
 
 /// A point-to-point message of one tensor, described as [`run`]'s tuples are: sent to global
-/// rank `peer` (`sending`) or received from it into the tensor, under `name`, waiting at
-/// most `timeout` seconds for the other side (see [`crate::engine::Door::send`]). Its handle
-/// completes once the message has been taken (a send) or has arrived (a receive).
+/// rank `peer` (`sending`) or received from it into the tensor (`None`: from any rank), under
+/// `name`, waiting at most `timeout` seconds for the other side (see
+/// [`crate::engine::Door::send`]). Its handle completes once the message has been taken (a
+/// send) or has arrived (a receive); its result's third element is the peer.
 #[pyfunction]
 fn transfer(
     sending: bool,
     tensor: PyTensor,
-    peer: usize,
+    peer: Option<usize>,
     name: String,
     timeout: f64,
 ) -> PyResult<CoreHandle> {

@@ -400,21 +400,24 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 # ----------------------------------------------------------------------------- messages
 
 
-def _transfer_async(tensor: torch.Tensor, peer: int, name: str, sending: bool,
+def _transfer_async(tensor: torch.Tensor, peer: Optional[int], name: str, sending: bool,
                     timeout: float) -> Handle:
     """A point-to-point message (torch.distributed's ``send``/``recv``): ``tensor`` sent to
-    global rank ``peer``, or received from it into ``tensor``, under ``name``, waiting at most
-    ``timeout`` seconds for the other side. The engine's messages carry host memory, so a
-    tensor elsewhere (CUDA) or not contiguous goes through a host copy. A send completes once
-    the receive has taken it; a disagreement in dtype, shape or size fails both sides."""
+    global rank ``peer``, or received from it into ``tensor`` (``peer=None``: the first message
+    of ``name`` from any rank), under ``name``, waiting at most ``timeout`` seconds for the
+    other side. The engine's messages carry host memory, so a tensor elsewhere (CUDA) or not
+    contiguous goes through a host copy. A send completes once the receive has taken it; a
+    disagreement in dtype, shape or size fails both sides. :func:`synchronize` returns the
+    peer's global rank (for a receive from any rank, the sender's)."""
     kind_name = "send" if sending else "recv"
     h, copied = _host(tensor, kind_name)
-    core = _core.transfer(sending, _desc(h, None, kind_name), int(peer), name, float(timeout))
+    core = _core.transfer(sending, _desc(h, None, kind_name),
+                          None if peer is None else int(peer), name, float(timeout))
 
-    def finish(_: Any) -> torch.Tensor:
+    def finish(raw: Any) -> int:
         if copied and not sending:
             _copy_back(tensor, h)
-        return tensor
+        return int(raw[2])
 
     return _api._register(core, finish, [tensor, h])
 

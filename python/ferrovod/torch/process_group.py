@@ -34,8 +34,8 @@ dimensions) is an engine process set that its members register alone (torch asks
 Point-to-point ``send``/``recv`` (and so ``isend``, ``irecv``, ``batch_isend_irecv``): the
 engine's point-to-point messages (``ferrovod.torch.ops._transfer_async``), which take no part
 in the collectives' negotiation: a connection per direction between the two ranks, no process
-set, a send done once its receive has taken it. A receive from any source finds its sender
-through counts every send leaves in the group's store (:class:`_AnySource`, :class:`_Announcer`).
+set, a send done once its receive has taken it. A receive from any source is the engine's too:
+it takes the first message of its tag to arrive from any rank (:class:`_FromAnyRank`).
 
 torch holds this backend through its C++ half (:mod:`ferrovod.torch._front`) where that can be
 built, which asks this one's work what torch asks of a C++ backend's.
@@ -59,7 +59,7 @@ from torch._C._profiler import _RecordFunctionFast
 
 from .. import _api, _core, _lifecycle
 from .._api import Average, Max, Min, Product, Sum
-from ..exceptions import FerrovodTimeoutError, InvalidArgumentError
+from ..exceptions import InvalidArgumentError
 from ..process_sets import ProcessSet, global_process_set
 from . import _front
 from . import ops as _ops
@@ -256,12 +256,10 @@ class _Work(dist.Work):
         return self._error is None
 
     def _source_rank(self) -> int:
-        """The group rank a receive from any source received from (waits for it)."""
-        if not isinstance(self._source, _AnySource):
-            raise RuntimeError("sourceRank() may only be called on the work of a receive "
-                               "from any source (recv without src)")
-        self.wait()
-        return self._source.src
+        """The group rank a receive from any source received from: only such a receive's
+        work (:class:`_FromAnyRank`) knows."""
+        raise RuntimeError("sourceRank() may only be called on the work of a receive "
+                           "from any source (recv without src)")
 
     def exception(self) -> Optional[BaseException]:
         """The error the op failed with, or None (waits for it)."""
@@ -447,72 +445,25 @@ class _Called:
         return self._done
 
 
-class _AnySource:
-    """A receive from whichever group rank has sent this rank a message of the tag that no
-    receive has taken yet (:meth:`ProcessGroup._receive_from_sender`, on a thread of its own,
-    so that an ``irecv`` returns at once); then the receive named by that rank, as
-    ``recv(src=...)`` would be."""
+class _FromAnyRank(_Work):
+    """The work of a receive from any rank (``recv`` without ``src``): the engine's receive
+    takes the first message of its tag to arrive from any rank of the group, and
+    ``_source_rank()`` says whose it took."""
 
-    def __init__(self, group: "ProcessGroup", tensor: torch.Tensor, tag: int) -> None:
-        self.src = -1
-        self._inner: Optional[_Work] = None
-        self._error: Optional[BaseException] = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._find, args=(group, tensor, tag), daemon=True,
-                         name="ferrovod-any-source").start()
+    def __init__(self, group: "ProcessGroup", handle: int, tensor: torch.Tensor) -> None:
+        self._group = group
+        self._tensor = tensor
+        self._sender = -1
+        super().__init__(handle, self._took, [tensor.device])
 
-    def _find(self, group: "ProcessGroup", tensor: torch.Tensor, tag: int) -> None:
-        try:
-            self.src, self._inner = group._receive_from_sender(tensor, tag)
-        except BaseException as e:  # noqa: BLE001 - the op's waiter raises it
-            self._error = e
-        self._ready.set()
+    def _took(self, sender: int) -> List[torch.Tensor]:
+        self._sender = sender
+        return [self._tensor]
 
-    def is_completed(self) -> bool:
-        return self._ready.is_set() and (self._inner is None or self._inner.is_completed())
-
-    def wait(self) -> Any:
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._inner is not None
-        self._inner.wait()
-
-
-class _Announcer:
-    """Counts every message sent in the group's store (``<src>to<dst>.t<tag>``), which a
-    receive from any source reads to learn who has sent. On a thread of its own, so that a
-    send never waits for the store, and summed per key between two visits to it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._due: dict = {}
-        self._wake = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def add(self, store: Any, key: str) -> None:
-        with self._lock:
-            self._due[(store, key)] = self._due.get((store, key), 0) + 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="ferrovod-announcer")
-                self._thread.start()
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            with self._lock:
-                self._wake.clear()
-                due, self._due = self._due, {}
-            for (store, key), n in due.items():
-                try:
-                    store.add(key, n)
-                except Exception:  # noqa: BLE001, S110 - a store gone with its job: none wait
-                    pass
-
-
-_announcer = _Announcer()
+    def _source_rank(self) -> int:
+        """The group rank whose message the receive took (waits for it)."""
+        self.wait()
+        return self._group._group_rank(self._sender)
 
 
 class _Done(dist.Work):
@@ -575,9 +526,6 @@ class ProcessGroup(_C10dBackend):
         self._seq = 0
         self._barriers = itertools.count()
         self._closed = False
-        self._p2p_counts: dict = {}
-        # Receives from any source count on their own threads (_AnySource).
-        self._p2p_lock = threading.RLock()
         # Without the C++ half (_front), torch holds this object by its C++ base alone. Where
         # it wraps the backend in its own (TORCH_DISTRIBUTED_DEBUG=DETAIL), nothing else holds
         # the Python object, and once it is freed every call torch makes falls through to the
@@ -1035,24 +983,29 @@ class ProcessGroup(_C10dBackend):
 
     def _p2p(self, tensors: List[torch.Tensor], peer: int, tag: int, sending: bool) -> dist.Work:
         """A message between this rank and group rank ``peer``: one of the engine's
-        point-to-point messages, named by the group, the direction, the tag and how many such
-        messages came before (each side counts alike, so messages of one tag arrive in order,
-        and another tag's may overtake them, as torch allows)."""
+        point-to-point messages, named by the group and the tag. Messages between two ranks
+        arrive in the order sent, and the n-th receive of a name takes the n-th message, so
+        messages of one tag keep their order and another tag's may overtake them, as torch
+        allows."""
         self._check_open()
         me, other = self._global(self._rank), self._global(int(peer))
         if me == other:
             raise InvalidArgumentError(f"rank {self._rank} cannot send to or receive from itself")
-        src, dst = (me, other) if sending else (other, me)
-        key = (src, dst, int(tag))
-        with self._p2p_lock:
-            n = self._p2p_counts.get(key, 0)
-            self._p2p_counts[key] = n + 1
-        if sending:
-            _announcer.add(self._store, self._sent_key(src, dst, int(tag)))
-        name = f"pg{self._group_id}.p2p.{src}to{dst}.t{tag}.{n}"
         t = tensors[0]
-        handle = _ops._transfer_async(t, other, name, sending, self._timeout.total_seconds())
+        handle = _ops._transfer_async(t, other, self._channel(tag), sending,
+                                      self._timeout.total_seconds())
         return _Work(handle, lambda _: [t], [t.device])
+
+    def _channel(self, tag: int) -> str:
+        """The name of this group's messages of ``tag``."""
+        return f"pg{self._group_id}.p2p.t{int(tag)}"
+
+    def _group_rank(self, global_rank: int) -> int:
+        """This group's rank of the job's rank ``global_rank`` (the inverse of ``_global``)."""
+        ranks = self._set.ranks
+        if self._set is global_process_set or not ranks:
+            return global_rank
+        return list(ranks).index(global_rank)
 
     @_profiled("send", _first)
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int) -> dist.Work:
@@ -1067,48 +1020,17 @@ class ProcessGroup(_C10dBackend):
 
     @_profiled("recvAnySource", _first)
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int) -> dist.Work:
-        """Receives into ``tensors[0]`` from whichever group rank sent first (``recv``
-        without ``src``); the work's ``_source_rank()`` says which."""
+        """Receives into ``tensors[0]`` the first message of ``tag`` to arrive from any group
+        rank (``recv`` without ``src``); the work's ``_source_rank()`` says whose."""
         self._check_open()
         if _front.backend_class() is None:
             raise InvalidArgumentError(
                 "recv() without src needs the backend's C++ half, which could not be built "
                 "here (see the warning above), to say who sent: name the sender (src=...)")
         t = tensors[0]
-        return _Work(_AnySource(self, t, int(tag)), lambda _: [t], [t.device])
-
-    def _sent_key(self, src: int, dst: int, tag: int) -> str:
-        """The store's count of messages ``src`` sent ``dst`` with ``tag`` in this forming
-        of the job (a store may outlive a job that a new ``init_process_group`` replaces)."""
-        return f"ferrovod/sent/{_forming}/{src}to{dst}.t{tag}"
-
-    def _receive_from_sender(self, tensor: torch.Tensor, tag: int) -> tuple:
-        """(group rank, its receive's work) for the first group rank found to have sent this
-        rank a message of ``tag`` that no receive took yet: the store's counts, read until one
-        is ahead of this rank's, pausing longer each time (up to 50 ms) until the group's
-        timeout. The claim is made under the lock a receive from a named rank counts under."""
-        me = self._global(self._rank)
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        pause = 0.0005
-        while True:
-            for r in range(self._size):
-                src = self._global(r)
-                if r == self._rank:
-                    continue
-                # Read outside the lock (a store round trip that sends and receives on other
-                # threads must not wait for): a count only grows, so one read early can only
-                # miss a message, never claim one that was not sent.
-                sent = int(self._store.add(self._sent_key(src, me, tag), 0))
-                with self._p2p_lock:
-                    if sent > self._p2p_counts.get((src, me, tag), 0):
-                        return r, self._p2p([tensor], r, tag, False)
-            if time.monotonic() > deadline:
-                raise FerrovodTimeoutError(
-                    f"rank {self._rank} of group {self._group_id}: no rank sent a message "
-                    f"with tag {tag} within the group's timeout ({self._timeout}) for "
-                    f"recv() without src")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        handle = _ops._transfer_async(t, None, self._channel(tag), False,
+                                      self._timeout.total_seconds())
+        return _FromAnyRank(self, handle, t)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -8,10 +8,12 @@
 //!   the receiver's messenger. One connection per direction: neither side waits for the
 //!   other's to exist, and no tie-break is needed.
 //! - **Matching.** Each message carries the name both sides gave it (torch's front end names
-//!   the n-th message of a tag between two ranks alike on both), its byte length and a
-//!   description of its tensor (dtype and shape). A receive takes the message of its name from
-//!   its peer: straight into the receive's memory when the receive was posted first, else from
-//!   a buffer the message waited in.
+//!   a group's tag), its byte length and a description of its tensor (dtype and shape). A
+//!   receive takes the first message of its name from its peer (messages on one connection
+//!   arrive in the order sent, so the n-th receive of a name takes the n-th message), or,
+//!   from any rank, the first of its name to arrive from any peer: straight into the
+//!   receive's memory when the receive was posted first, else from a buffer the message
+//!   waited in. A receive that names its peer is served before one from any rank.
 //! - **Agreement on both sides.** The receiver answers every message once a receive has taken
 //!   it: accepted, or the text of a disagreement (length, dtype or shape), with which both
 //!   sides fail. So a send completes when its receive has taken it (as gloo's does), and a
@@ -48,12 +50,16 @@ pub trait Payload: Send {
     fn bytes_mut(&mut self) -> &mut [u8];
 }
 
-/// Called once with a message's outcome, on the messenger's thread.
-pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+/// Called once with a message's outcome, on the messenger's thread: the peer it went to or
+/// came from (for a receive from any rank, the one whose message it took), or why it failed.
+pub type Done = Box<dyn FnOnce(Result<usize>) + Send>;
+
+/// A receive's peer that takes the first message of its name from whichever rank sent one.
+pub const ANY_PEER: usize = usize::MAX;
 
 /// One message to send or receive.
 pub struct Message {
-    /// The global rank sent to or received from.
+    /// The global rank sent to or received from ([`ANY_PEER`] for a receive from any rank).
     pub peer: usize,
     /// The name both sides give the message.
     pub name: String,
@@ -133,7 +139,8 @@ impl Messenger {
 
     fn post(&self, m: Message, sending: bool) {
         let (rank, size) = (self.inner.rank, self.inner.size);
-        if m.peer >= size || m.peer == rank {
+        let anyone = !sending && m.peer == ANY_PEER;
+        if !anyone && (m.peer >= size || m.peer == rank) {
             let why = format!(
                 "rank {rank} cannot {} '{}' {} rank {} (the job has ranks 0 to {})",
                 if sending { "send" } else { "receive" },

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::super::dial::{Finish, Made};
 use super::conn::Conn;
 use super::frame::{read_ack, read_header, Ack, Header};
-use super::{ring, Message, Payload};
+use super::{ring, Message, Payload, ANY_PEER};
 use crate::error::{Error, Result};
 use crate::sys::{poll, poll_fd, PollFd, POLL_IN};
 
@@ -39,6 +39,8 @@ impl Cmd {
 
 /// A message waiting for its other side or moving.
 struct Pending {
+    /// The peer: the one named, or for a receive from any rank the one whose message it took.
+    peer: usize,
     name: String,
     desc: String,
     payload: Box<dyn Payload>,
@@ -53,6 +55,7 @@ impl Pending {
             .checked_add(m.timeout)
             .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
         let p = Pending {
+            peer: m.peer,
             name: m.name,
             desc: m.desc,
             payload: m.payload,
@@ -63,16 +66,19 @@ impl Pending {
         (m.peer, p)
     }
 
-    /// Tells the caller; the payload is let go of first (the caller's memory is its own
-    /// again once told).
+    /// Tells the caller (with the peer, on success); the payload is let go of first (the
+    /// caller's memory is its own again once told).
     fn finish(self, result: Result<()>) {
+        let peer = self.peer;
         drop(self.payload);
-        (self.done)(result);
+        (self.done)(result.map(|()| peer));
     }
 }
 
 /// A message that arrived before its receive.
 struct Arrived {
+    /// When it arrived among this rank's messages: a receive from any rank takes the first.
+    order: u64,
     seq: u64,
     desc: String,
     data: Vec<u8>,
@@ -143,7 +149,10 @@ pub(super) struct Service {
     outs: HashMap<usize, Out>,
     ins: HashMap<usize, In>,
     posted: HashMap<(usize, String), VecDeque<Pending>>,
+    /// Receives from any rank, by name.
+    posted_any: HashMap<String, VecDeque<Pending>>,
     arrived: HashMap<(usize, String), VecDeque<Arrived>>,
+    arrivals: u64,
     /// Peers whose connection closed, and how.
     gone: HashMap<usize, Error>,
     failed: Option<Error>,
@@ -165,7 +174,9 @@ impl Service {
             outs: HashMap::new(),
             ins: HashMap::new(),
             posted: HashMap::new(),
+            posted_any: HashMap::new(),
             arrived: HashMap::new(),
+            arrivals: 0,
             gone: HashMap::new(),
             failed: None,
         }
@@ -318,16 +329,27 @@ impl Service {
             p.finish(Err(e.clone()));
             return;
         }
+        if peer == ANY_PEER {
+            // The first message of the name to arrive, from whichever rank.
+            let first = self
+                .arrived
+                .iter()
+                .filter(|((_, name), q)| *name == p.name && !q.is_empty())
+                .min_by_key(|(_, q)| q[0].order)
+                .map(|(k, _)| k.0);
+            match first {
+                Some(from) => self.take_arrived(from, p),
+                None => self
+                    .posted_any
+                    .entry(p.name.clone())
+                    .or_default()
+                    .push_back(p),
+            }
+            return;
+        }
         let key = (peer, p.name.clone());
-        if let Some(a) = self.arrived.get_mut(&key).and_then(VecDeque::pop_front) {
-            if self.arrived.get(&key).is_some_and(VecDeque::is_empty) {
-                self.arrived.remove(&key);
-            }
-            let (ack, p, result) = self.deliver(peer, a, p);
-            if let Some(i) = self.ins.get_mut(&peer) {
-                answer(i, ack);
-            }
-            p.finish(result);
+        if self.arrived.get(&key).is_some_and(|q| !q.is_empty()) {
+            self.take_arrived(peer, p);
             return;
         }
         if let Some(e) = self.gone.get(&peer) {
@@ -335,6 +357,43 @@ impl Service {
             return;
         }
         self.posted.entry(key).or_default().push_back(p);
+    }
+
+    /// Receive `p` takes the first message of its name that arrived from `peer`.
+    fn take_arrived(&mut self, peer: usize, mut p: Pending) {
+        let key = (peer, p.name.clone());
+        if let Some(a) = self.arrived.get_mut(&key).and_then(VecDeque::pop_front) {
+            if self.arrived.get(&key).is_some_and(VecDeque::is_empty) {
+                self.arrived.remove(&key);
+            }
+            p.peer = peer;
+            let (ack, p, result) = self.deliver(peer, a, p);
+            if let Some(i) = self.ins.get_mut(&peer) {
+                answer(i, ack);
+            }
+            p.finish(result);
+        }
+    }
+
+    /// The receive posted for message `name` from `peer`: one that named it, else one from
+    /// any rank (which then has its peer).
+    fn take_posted(&mut self, peer: usize, name: &str) -> Option<Pending> {
+        let key = (peer, name.to_string());
+        if let Some(p) = self.posted.get_mut(&key).and_then(VecDeque::pop_front) {
+            if self.posted.get(&key).is_some_and(VecDeque::is_empty) {
+                self.posted.remove(&key);
+            }
+            return Some(p);
+        }
+        let mut p = self
+            .posted_any
+            .get_mut(name)
+            .and_then(VecDeque::pop_front)?;
+        if self.posted_any.get(name).is_some_and(VecDeque::is_empty) {
+            self.posted_any.remove(name);
+        }
+        p.peer = peer;
+        Some(p)
     }
 
     /// Hands a message that waited in a buffer to its receive: the answer to send back, and
@@ -476,11 +535,8 @@ impl Service {
     /// buffer until one is.
     fn start_reading(&mut self, i: &mut In, peer: usize, h: Header) -> Reading {
         let len = h.len as usize;
+        let posted = self.take_posted(peer, &h.name);
         let key = (peer, h.name);
-        let posted = self.posted.get_mut(&key).and_then(VecDeque::pop_front);
-        if self.posted.get(&key).is_some_and(VecDeque::is_empty) {
-            self.posted.remove(&key);
-        }
         let into = match posted {
             None => Into::Buffer(h.desc, vec![0u8; len]),
             Some(p) => match self.disagreement(peer, &h.desc, len, &p) {
@@ -517,23 +573,21 @@ impl Service {
                 p.finish(Ok(()));
             }
             Into::Buffer(desc, data) => {
+                self.arrivals += 1;
                 let a = Arrived {
+                    order: self.arrivals,
                     seq: r.seq,
                     desc,
                     data,
                 };
                 // A receive posted while the payload was still arriving takes it now.
-                let key = (peer, r.name);
-                match self.posted.get_mut(&key).and_then(VecDeque::pop_front) {
+                match self.take_posted(peer, &r.name) {
                     Some(p) => {
-                        if self.posted.get(&key).is_some_and(VecDeque::is_empty) {
-                            self.posted.remove(&key);
-                        }
                         let (ack, p, result) = self.deliver(peer, a, p);
                         answer(i, ack);
                         p.finish(result);
                     }
-                    None => self.arrived.entry(key).or_default().push_back(a),
+                    None => self.arrived.entry((peer, r.name)).or_default().push_back(a),
                 }
             }
             Into::Discard => {}
@@ -583,7 +637,14 @@ impl Service {
                 p.finish(Err(err.clone()));
             }
         }
-        for (_, ps) in self.posted.drain() {
+        let any = self.posted_any.drain().map(|(_, ps)| ps);
+        for ps in self
+            .posted
+            .drain()
+            .map(|(_, ps)| ps)
+            .chain(any)
+            .collect::<Vec<_>>()
+        {
             for p in ps {
                 p.finish(Err(err.clone()));
             }
@@ -610,6 +671,14 @@ impl Service {
             }
         }
         self.posted.retain(|_, ps| !ps.is_empty());
+        for (name, ps) in self.posted_any.iter_mut() {
+            while ps.front().is_some_and(late) {
+                let p = ps.pop_front().expect("front");
+                let e = timeout(&p, format!("rank {rank} receiving '{name}' from any rank"));
+                p.finish(Err(e));
+            }
+        }
+        self.posted_any.retain(|_, ps| !ps.is_empty());
         let mut broken = Vec::new();
         for (&peer, o) in self.outs.iter_mut() {
             let what = |p: &Pending| {
@@ -653,7 +722,13 @@ impl Service {
     }
 
     fn next_deadline(&self) -> Option<Instant> {
-        let posted = self.posted.values().flatten().map(|p| p.deadline);
+        let any = self.posted_any.values().flatten();
+        let posted = self
+            .posted
+            .values()
+            .flatten()
+            .chain(any)
+            .map(|p| p.deadline);
         let outs = self.outs.values().flat_map(|o| {
             let queued = o.queue.iter().map(|(_, p)| p.deadline);
             let current = o.current.iter().map(|c| c.1.deadline);

@@ -145,7 +145,7 @@ pub(super) fn alltoall(
     Ok(Output {
         tensors,
         received_splits: recv_rows,
-        last_joined: None,
+        ..Output::default()
     })
 }
 
