@@ -29,6 +29,7 @@
 
 mod conn;
 mod frame;
+mod held;
 mod service;
 
 use std::net::SocketAddr;

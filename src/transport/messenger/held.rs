@@ -1,0 +1,199 @@
+//! What the messenger holds of each message and connection, and the bytes of a connection
+//! that sends: its queued messages written, the receiver's answers read (see the module above).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::conn::Conn;
+use super::frame::{read_ack, Header};
+use super::{Message, Payload};
+use crate::error::{Error, Result};
+
+/// A message waiting for its other side or moving.
+pub(super) struct Pending {
+    /// The peer: the one named, or for a receive from any rank the one whose message it took.
+    pub(super) peer: usize,
+    pub(super) name: String,
+    pub(super) desc: String,
+    pub(super) payload: Box<dyn Payload>,
+    pub(super) deadline: Instant,
+    pub(super) timeout: Duration,
+    pub(super) done: super::Done,
+}
+
+impl Pending {
+    pub(super) fn of(m: Message) -> (usize, Pending) {
+        let deadline = Instant::now()
+            .checked_add(m.timeout)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+        let p = Pending {
+            peer: m.peer,
+            name: m.name,
+            desc: m.desc,
+            payload: m.payload,
+            deadline,
+            timeout: m.timeout,
+            done: m.done,
+        };
+        (m.peer, p)
+    }
+
+    /// Tells the caller (with the peer, on success); the payload is let go of first (the
+    /// caller's memory is its own again once told).
+    pub(super) fn finish(self, result: Result<()>) {
+        let peer = self.peer;
+        drop(self.payload);
+        (self.done)(result.map(|()| peer));
+    }
+}
+
+/// A message that arrived before its receive.
+pub(super) struct Arrived {
+    /// When it arrived among this rank's messages: a receive from any rank takes the first.
+    pub(super) order: u64,
+    pub(super) seq: u64,
+    pub(super) desc: String,
+    pub(super) data: Vec<u8>,
+}
+
+/// This rank's connection to send to one peer.
+#[derive(Default)]
+pub(super) struct Out {
+    /// `None` while it is being made.
+    pub(super) conn: Option<Conn>,
+    pub(super) next_seq: u64,
+    pub(super) queue: VecDeque<(u64, Pending)>,
+    /// The message being written: its header, and how many of header and payload bytes went.
+    pub(super) current: Option<(u64, Pending, Vec<u8>, usize)>,
+    /// Written, waiting for the receiver's answer.
+    pub(super) sent: HashMap<u64, Pending>,
+    pub(super) rbuf: Vec<u8>,
+}
+
+/// Where the payload of the message being read goes.
+pub(super) enum Into {
+    Posted(Pending),
+    Buffer(String, Vec<u8>),
+    /// A receive refused it (and was failed): its bytes are read and dropped.
+    Discard,
+}
+
+pub(super) struct Reading {
+    pub(super) seq: u64,
+    pub(super) name: String,
+    pub(super) len: usize,
+    pub(super) got: usize,
+    pub(super) into: Into,
+}
+
+/// A peer's connection to send to this rank.
+pub(super) struct In {
+    pub(super) conn: Conn,
+    pub(super) rbuf: Vec<u8>,
+    pub(super) reading: Option<Reading>,
+    /// Answers not written yet.
+    pub(super) wbuf: Vec<u8>,
+}
+
+/// Read size when no payload has its own memory to read into.
+pub(super) const CHUNK: usize = 64 * 1024;
+
+/// Writes the messages queued to `peer` and reads its answers.
+pub(super) fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
+    let Some(conn) = &mut o.conn else {
+        return Ok(());
+    };
+    loop {
+        if o.current.is_none() {
+            let Some((seq, p)) = o.queue.pop_front() else {
+                break;
+            };
+            let header = Header {
+                seq,
+                len: p.payload.bytes().len() as u64,
+                name: p.name.clone(),
+                desc: p.desc.clone(),
+            }
+            .encode();
+            o.current = Some((seq, p, header, 0));
+        }
+        let (_, p, header, at) = o.current.as_mut().expect("current");
+        let payload = p.payload.bytes();
+        let total = header.len() + payload.len();
+        while *at < total {
+            let bytes = if *at < header.len() {
+                &header[*at..]
+            } else {
+                &payload[*at - header.len()..]
+            };
+            match conn.write_some(bytes, peer)? {
+                Some(n) => *at += n,
+                None => break,
+            }
+        }
+        if *at < total {
+            break;
+        }
+        let (seq, p, _, _) = o.current.take().expect("current");
+        o.sent.insert(seq, p);
+    }
+    loop {
+        let have = o.rbuf.len();
+        o.rbuf.resize(have + 4096, 0);
+        let got = conn.read_some(&mut o.rbuf[have..], peer);
+        let n = match got {
+            Ok(n) => n.unwrap_or(0),
+            Err(e) => {
+                o.rbuf.truncate(have);
+                return Err(e);
+            }
+        };
+        o.rbuf.truncate(have + n);
+        while let Some((ack, used)) = read_ack(&o.rbuf)? {
+            o.rbuf.drain(..used);
+            if let Some(p) = o.sent.remove(&ack.seq) {
+                let name = p.name.clone();
+                p.finish(ack.error.map_or(Ok(()), |m| mismatch(&name, m)));
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// Queues an answer to `i`'s sender and writes what it can at once, before the receive is
+/// told: a receiver that goes on to shut down must not take the sender's answer with it.
+pub(super) fn answer(i: &mut In, ack: Vec<u8>) {
+    i.wbuf.extend(ack);
+    flush(i);
+}
+
+/// Writes what it can of `i`'s answers without waiting; a failure shows on the next read.
+pub(super) fn flush(i: &mut In) {
+    while !i.wbuf.is_empty() {
+        match i.conn.write_some(&i.wbuf, usize::MAX) {
+            Ok(Some(n)) => drop(i.wbuf.drain(..n)),
+            _ => return,
+        }
+    }
+}
+
+pub(super) fn mismatch(name: &str, message: String) -> Result<()> {
+    Err(Error::Mismatch {
+        name: name.to_string(),
+        message,
+    })
+}
+
+pub(super) fn fail_out(o: Out, err: &Error) {
+    for (_, p) in o.queue {
+        p.finish(Err(err.clone()));
+    }
+    if let Some((_, p, _, _)) = o.current {
+        p.finish(Err(err.clone()));
+    }
+    for (_, p) in o.sent {
+        p.finish(Err(err.clone()));
+    }
+}
