@@ -128,10 +128,6 @@ impl Door {
                 t.name
             )));
         }
-        let meta = &t.tensor.meta;
-        let desc = format!("{} {:?}", meta.dtype.name(), meta.shape);
-        let h = Handle::new();
-        let done = h.clone();
         let peer = match t.peer {
             Some(p) => p,
             None if !sending => ANY_PEER,
@@ -142,6 +138,10 @@ impl Door {
                 )))
             }
         };
+        let meta = &t.tensor.meta;
+        let desc = format!("{} {:?}", meta.dtype.name(), meta.shape);
+        let h = Handle::new();
+        let done = h.clone();
         let m = Message {
             peer,
             name: t.name,

@@ -225,12 +225,6 @@ impl TcpTransport {
 
     /// Takes the mesh apart for a transport that routes some peers elsewhere
     /// ([`super::hybrid::HybridTransport`]): (rank, size, per-peer streams, spin, aborted).
-    /// This rank's point-to-point messenger (`None` in a job of one rank), whose connections
-    /// the mesh's listener takes (see [`super::messenger`]).
-    pub fn messenger(&self) -> Option<super::messenger::Messenger> {
-        self.dialer.as_ref().map(|d| d.messenger())
-    }
-
     pub(super) fn into_parts(self) -> Parts {
         Parts {
             rank: self.rank,
