@@ -72,6 +72,16 @@ impl Conn {
         }
     }
 
+    /// Appends what is there to `buf`, reading at most `chunk` bytes: how many (0: none yet).
+    pub(super) fn fill(&mut self, buf: &mut Vec<u8>, chunk: usize, peer: usize) -> Result<usize> {
+        let have = buf.len();
+        buf.resize(have + chunk, 0);
+        let got = self.read_some(&mut buf[have..], peer);
+        let n = got.as_ref().map_or(0, |n| n.unwrap_or(0));
+        buf.truncate(have + n);
+        got.map(|_| n)
+    }
+
     /// Before the service sleeps: the descriptor to wait on, and whether bytes could move
     /// already (then it must not sleep). A shared-memory link is armed here, so that its peer
     /// rings its doorbell from now on; `woke` disarms it.

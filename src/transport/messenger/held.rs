@@ -2,6 +2,7 @@
 //! that sends: its queued messages written, the receiver's answers read (see the module above).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use super::conn::Conn;
@@ -138,17 +139,7 @@ pub(super) fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
         o.sent.insert(seq, p);
     }
     loop {
-        let have = o.rbuf.len();
-        o.rbuf.resize(have + 4096, 0);
-        let got = conn.read_some(&mut o.rbuf[have..], peer);
-        let n = match got {
-            Ok(n) => n.unwrap_or(0),
-            Err(e) => {
-                o.rbuf.truncate(have);
-                return Err(e);
-            }
-        };
-        o.rbuf.truncate(have + n);
+        let n = conn.fill(&mut o.rbuf, 4096, peer)?;
         while let Some((ack, used)) = read_ack(&o.rbuf)? {
             o.rbuf.drain(..used);
             if let Some(p) = o.sent.remove(&ack.seq) {
@@ -163,20 +154,22 @@ pub(super) fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
 }
 
 /// Queues an answer to `i`'s sender and writes what it can at once, before the receive is
-/// told: a receiver that goes on to shut down must not take the sender's answer with it.
-pub(super) fn answer(i: &mut In, ack: Vec<u8>) {
+/// told: a receiver that goes on to shut down must not take the sender's answer with it. A
+/// failure to write shows on the connection's next turn.
+pub(super) fn answer(i: &mut In, peer: usize, ack: Vec<u8>) {
     i.wbuf.extend(ack);
-    flush(i);
+    let _ = flush(i, peer);
 }
 
-/// Writes what it can of `i`'s answers without waiting; a failure shows on the next read.
-pub(super) fn flush(i: &mut In) {
+/// Writes what it can of `i`'s answers to `peer` without waiting.
+pub(super) fn flush(i: &mut In, peer: usize) -> Result<()> {
     while !i.wbuf.is_empty() {
-        match i.conn.write_some(&i.wbuf, usize::MAX) {
-            Ok(Some(n)) => drop(i.wbuf.drain(..n)),
-            _ => return,
+        match i.conn.write_some(&i.wbuf, peer)? {
+            Some(n) => drop(i.wbuf.drain(..n)),
+            None => break,
         }
     }
+    Ok(())
 }
 
 pub(super) fn mismatch(name: &str, message: String) -> Result<()> {
@@ -184,6 +177,27 @@ pub(super) fn mismatch(name: &str, message: String) -> Result<()> {
         name: name.to_string(),
         message,
     })
+}
+
+/// The first value queued under `key`, the queue dropped once empty.
+pub(super) fn take_first<K: Hash + Eq, V>(map: &mut HashMap<K, VecDeque<V>>, key: &K) -> Option<V> {
+    let q = map.get_mut(key)?;
+    let v = q.pop_front();
+    if q.is_empty() {
+        map.remove(key);
+    }
+    v
+}
+
+/// Fails the receive a closing connection was reading into, if any.
+pub(super) fn fail_in(i: In, err: &Error) {
+    if let Some(Reading {
+        into: Into::Posted(p),
+        ..
+    }) = i.reading
+    {
+        p.finish(Err(err.clone()));
+    }
 }
 
 pub(super) fn fail_out(o: Out, err: &Error) {

@@ -33,7 +33,6 @@ mod held;
 mod service;
 
 use std::net::SocketAddr;
-use std::os::unix::net::UnixStream;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -41,6 +40,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::sys::Waker;
 use service::{Cmd, Reach, Service};
 
 /// Memory a message is sent from or received into, valid until the message completes.
@@ -84,7 +84,8 @@ struct Inner {
     rank: usize,
     size: usize,
     tx: mpsc::Sender<Cmd>,
-    ringer: Arc<UnixStream>,
+    /// Wakes the service thread for a command.
+    waker: Arc<Waker>,
     /// What the service thread takes when it starts (the first message starts it).
     unstarted: Mutex<Option<Service>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -102,10 +103,7 @@ impl Messenger {
         handshake: Duration,
         finish: Option<super::dial::Finish>,
     ) -> Result<Messenger> {
-        let (bell, ringer) = UnixStream::pair()?;
-        bell.set_nonblocking(true)?;
-        ringer.set_nonblocking(true)?;
-        let ringer = Arc::new(ringer);
+        let waker = Arc::new(Waker::new()?);
         let (tx, rx) = mpsc::channel();
         let reach = Reach {
             rank,
@@ -115,13 +113,13 @@ impl Messenger {
             handshake,
             finish,
         };
-        let service = Service::new(reach, (tx.clone(), rx), (bell, ringer.clone()));
+        let service = Service::new(reach, (tx.clone(), rx), waker.clone());
         Ok(Messenger {
             inner: Arc::new(Inner {
                 rank,
                 size,
                 tx,
-                ringer,
+                waker,
                 unstarted: Mutex::new(Some(service)),
                 thread: Mutex::new(None),
             }),
@@ -159,11 +157,17 @@ impl Messenger {
     /// Fails every message in flight and every later one with `err` (the job has failed),
     /// and closes this rank's connections so that its peers' messages fail too.
     pub fn fail(&self, err: Error) {
-        if self.inner.thread.lock().is_some() {
-            self.command(Cmd::Fail(err));
-        } else if let Some(s) = self.inner.unstarted.lock().as_mut() {
-            s.fail_unstarted(err);
+        // Under the lock `start` takes first, so that the service cannot start in between
+        // and miss the failure.
+        let thread = self.inner.thread.lock();
+        if thread.is_none() {
+            if let Some(s) = self.inner.unstarted.lock().as_mut() {
+                s.fail_unstarted(err);
+                return;
+            }
         }
+        drop(thread);
+        self.command(Cmd::Fail(err));
     }
 
     /// A connection a peer made to send to this rank (from the acceptor).
@@ -182,7 +186,7 @@ impl Messenger {
             ));
             return;
         }
-        ring(&self.inner.ringer);
+        self.inner.waker.wake();
     }
 
     fn start(&self) -> Result<()> {
@@ -209,15 +213,8 @@ impl Drop for Inner {
     fn drop(&mut self) {
         if let Some(t) = self.thread.get_mut().take() {
             let _ = self.tx.send(Cmd::Stop);
-            ring(&self.ringer);
+            self.waker.wake();
             let _ = t.join();
         }
     }
-}
-
-/// Wakes the service thread. A full socket buffer already guarantees a wake-up, so a failed
-/// write loses nothing.
-fn ring(mut ringer: &UnixStream) {
-    use std::io::Write;
-    let _ = ringer.write(&[1]);
 }

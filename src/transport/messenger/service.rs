@@ -2,9 +2,7 @@
 //! and their deadlines (see the module above).
 
 use std::collections::{HashMap, VecDeque};
-use std::io::Read;
 use std::net::SocketAddr;
-use std::os::unix::net::UnixStream;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -12,12 +10,12 @@ use super::super::dial::{Finish, Made};
 use super::conn::Conn;
 use super::frame::{read_header, Ack, Header};
 use super::held::{
-    answer, fail_out, flush, mismatch, progress_out, Arrived, In, Into, Out, Pending, Reading,
-    CHUNK,
+    answer, fail_in, fail_out, flush, mismatch, progress_out, take_first, Arrived, In, Into, Out,
+    Pending, Reading, CHUNK,
 };
-use super::{ring, Message, ANY_PEER};
+use super::{Message, ANY_PEER};
 use crate::error::{Error, Result};
-use crate::sys::{poll, poll_fd, PollFd, POLL_IN};
+use crate::sys::{poll, poll_fd, PollFd, Waker, POLL_IN};
 
 /// What callers and helper threads tell the service.
 pub(super) enum Cmd {
@@ -59,8 +57,8 @@ pub(super) struct Service {
     reach: Reach,
     tx: mpsc::Sender<Cmd>,
     rx: mpsc::Receiver<Cmd>,
-    bell: UnixStream,
-    ringer: Arc<UnixStream>,
+    /// Rung by every command.
+    waker: Arc<Waker>,
     outs: HashMap<usize, Out>,
     ins: HashMap<usize, In>,
     posted: HashMap<(usize, String), VecDeque<Pending>>,
@@ -77,15 +75,14 @@ impl Service {
     pub(super) fn new(
         reach: Reach,
         (tx, rx): (mpsc::Sender<Cmd>, mpsc::Receiver<Cmd>),
-        (bell, ringer): (UnixStream, Arc<UnixStream>),
+        waker: Arc<Waker>,
     ) -> Service {
         Service {
             rank: reach.rank,
             reach,
             tx,
             rx,
-            bell,
-            ringer,
+            waker,
             outs: HashMap::new(),
             ins: HashMap::new(),
             posted: HashMap::new(),
@@ -119,7 +116,7 @@ impl Service {
             self.expire(now);
             fds.clear();
             who.clear();
-            fds.push(poll_fd(&self.bell, POLL_IN));
+            fds.push(poll_fd(&self.waker.fd(), POLL_IN));
             let mut ready = false;
             for (&peer, o) in &self.outs {
                 if let Some(c) = &o.conn {
@@ -152,8 +149,7 @@ impl Service {
                     c.woke(revents);
                 }
             }
-            let mut sink = [0u8; 64];
-            while matches!((&self.bell).read(&mut sink), Ok(n) if n > 0) {}
+            self.waker.clear();
         }
     }
 
@@ -212,7 +208,7 @@ impl Service {
         let o = self.outs.entry(peer).or_insert_with(|| {
             let reach = self.reach.clone();
             let rank = reach.rank;
-            let (tx, ringer) = (self.tx.clone(), self.ringer.clone());
+            let (tx, waker) = (self.tx.clone(), self.waker.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("ferrovod-p2p-dial-{rank}"))
                 .spawn(move || {
@@ -225,7 +221,7 @@ impl Service {
                         deadline,
                     );
                     if tx.send(Cmd::Dialed(peer, made)).is_ok() {
-                        ring(&ringer);
+                        waker.wake();
                     }
                 });
             if let Err(e) = spawned {
@@ -276,15 +272,11 @@ impl Service {
 
     /// Receive `p` takes the first message of its name that arrived from `peer`.
     fn take_arrived(&mut self, peer: usize, mut p: Pending) {
-        let key = (peer, p.name.clone());
-        if let Some(a) = self.arrived.get_mut(&key).and_then(VecDeque::pop_front) {
-            if self.arrived.get(&key).is_some_and(VecDeque::is_empty) {
-                self.arrived.remove(&key);
-            }
+        if let Some(a) = take_first(&mut self.arrived, &(peer, p.name.clone())) {
             p.peer = peer;
             let (ack, p, result) = self.deliver(peer, a, p);
             if let Some(i) = self.ins.get_mut(&peer) {
-                answer(i, ack);
+                answer(i, peer, ack);
             }
             p.finish(result);
         }
@@ -293,20 +285,10 @@ impl Service {
     /// The receive posted for message `name` from `peer`: one that named it, else one from
     /// any rank (which then has its peer).
     fn take_posted(&mut self, peer: usize, name: &str) -> Option<Pending> {
-        let key = (peer, name.to_string());
-        if let Some(p) = self.posted.get_mut(&key).and_then(VecDeque::pop_front) {
-            if self.posted.get(&key).is_some_and(VecDeque::is_empty) {
-                self.posted.remove(&key);
-            }
+        if let Some(p) = take_first(&mut self.posted, &(peer, name.to_string())) {
             return Some(p);
         }
-        let mut p = self
-            .posted_any
-            .get_mut(name)
-            .and_then(VecDeque::pop_front)?;
-        if self.posted_any.get(name).is_some_and(VecDeque::is_empty) {
-            self.posted_any.remove(name);
-        }
+        let mut p = take_first(&mut self.posted_any, &name.to_string())?;
         p.peer = peer;
         Some(p)
     }
@@ -342,18 +324,13 @@ impl Service {
 
     /// Moves whatever bytes can move on every connection.
     fn progress(&mut self) {
-        let outs: Vec<usize> = self.outs.keys().copied().collect();
-        for peer in outs {
-            let Some(mut o) = self.outs.remove(&peer) else {
-                continue;
-            };
-            match progress_out(&mut o, peer) {
-                Ok(()) => drop(self.outs.insert(peer, o)),
-                Err(e) => {
-                    self.outs.insert(peer, o);
-                    self.lose(peer, e);
-                }
-            }
+        let failed: Vec<_> = self
+            .outs
+            .iter_mut()
+            .filter_map(|(&peer, o)| progress_out(o, peer).err().map(|e| (peer, e)))
+            .collect();
+        for (peer, e) in failed {
+            self.lose(peer, e);
         }
         let ins: Vec<usize> = self.ins.keys().copied().collect();
         for peer in ins {
@@ -372,12 +349,7 @@ impl Service {
 
     /// Writes this rank's answers to `peer` and reads its messages.
     fn progress_in(&mut self, i: &mut In, peer: usize) -> Result<()> {
-        while !i.wbuf.is_empty() {
-            match i.conn.write_some(&i.wbuf, peer)? {
-                Some(n) => drop(i.wbuf.drain(..n)),
-                None => break,
-            }
-        }
+        flush(i, peer)?;
         loop {
             if let Some(r) = &mut i.reading {
                 let n = {
@@ -402,18 +374,7 @@ impl Service {
                 }
                 continue;
             }
-            let have = i.rbuf.len();
-            i.rbuf.resize(have + CHUNK, 0);
-            let got = i.conn.read_some(&mut i.rbuf[have..], peer);
-            let n = match got {
-                Ok(Some(n)) => n,
-                Ok(None) => 0,
-                Err(e) => {
-                    i.rbuf.truncate(have);
-                    return Err(e);
-                }
-            };
-            i.rbuf.truncate(have + n);
+            let n = i.conn.fill(&mut i.rbuf, CHUNK, peer)?;
             self.parse(i, peer)?;
             if n == 0 {
                 return Ok(());
@@ -461,7 +422,7 @@ impl Service {
                         seq: h.seq,
                         error: Some(message.clone()),
                     };
-                    answer(i, ack.encode());
+                    answer(i, peer, ack.encode());
                     p.finish(mismatch(&key.1, message));
                     Into::Discard
                 }
@@ -484,7 +445,7 @@ impl Service {
                     seq: r.seq,
                     error: None,
                 };
-                answer(i, ack.encode());
+                answer(i, peer, ack.encode());
                 p.finish(Ok(()));
             }
             Into::Buffer(desc, data) => {
@@ -499,7 +460,7 @@ impl Service {
                 match self.take_posted(peer, &r.name) {
                     Some(p) => {
                         let (ack, p, result) = self.deliver(peer, a, p);
-                        answer(i, ack);
+                        answer(i, peer, ack);
                         p.finish(result);
                     }
                     None => self.arrived.entry((peer, r.name)).or_default().push_back(a),
@@ -517,13 +478,7 @@ impl Service {
             fail_out(o, &err);
         }
         if let Some(i) = self.ins.remove(&peer) {
-            if let Some(Reading {
-                into: Into::Posted(p),
-                ..
-            }) = i.reading
-            {
-                p.finish(Err(err.clone()));
-            }
+            fail_in(i, &err);
         }
         let keys: Vec<_> = self
             .posted
@@ -542,15 +497,10 @@ impl Service {
         for (_, o) in self.outs.drain() {
             fail_out(o, &err);
         }
-        for (_, mut i) in self.ins.drain() {
-            flush(&mut i);
-            if let Some(Reading {
-                into: Into::Posted(p),
-                ..
-            }) = i.reading
-            {
-                p.finish(Err(err.clone()));
-            }
+        for (peer, mut i) in self.ins.drain() {
+            // Answers written so far still reach their senders.
+            let _ = flush(&mut i, peer);
+            fail_in(i, &err);
         }
         let any = self.posted_any.drain().map(|(_, ps)| ps);
         for ps in self
@@ -621,12 +571,8 @@ impl Service {
                 p.finish(Err(e));
             }
             // A message cut off half-written leaves the connection unusable: it closes.
-            if o.current.as_ref().is_some_and(|c| late(&c.1)) {
-                let e = timeout(
-                    &o.current.as_ref().expect("current").1,
-                    what(&o.current.as_ref().expect("current").1),
-                );
-                broken.push((peer, e));
+            if let Some((_, p, _, _)) = o.current.as_ref().filter(|c| late(&c.1)) {
+                broken.push((peer, timeout(p, what(p))));
             }
         }
         for (peer, e) in broken {
