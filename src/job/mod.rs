@@ -376,7 +376,7 @@ pub fn form<P: ControlPlane>(
     Ok(Job {
         topology,
         hosts: host_indices(&hosts),
-        messenger: transport.messenger(),
+        messenger: transport.messenger().inspect(|m| m.set_spin(config.spin)),
         transport,
         store,
         cpu_share,

@@ -112,6 +112,7 @@ impl Messenger {
             secret,
             handshake,
             finish,
+            spin: super::tcp::DEFAULT_SPIN,
         };
         let service = Service::new(reach, (tx.clone(), rx), waker.clone());
         Ok(Messenger {
@@ -152,6 +153,14 @@ impl Messenger {
             return;
         }
         self.command(if sending { Cmd::Send(m) } else { Cmd::Recv(m) });
+    }
+
+    /// Sets how long the messenger's thread polls before it sleeps (the job's
+    /// `FERROVOD_SPIN_US`); it takes effect when the first message starts the thread.
+    pub fn set_spin(&self, spin: Duration) {
+        if let Some(s) = self.inner.unstarted.lock().as_mut() {
+            s.set_spin(spin);
+        }
     }
 
     /// Fails every message in flight and every later one with `err` (the job has failed),
