@@ -22,7 +22,8 @@ CARGO_TEST_FLAGS ?=
 # process 4 s of it, torch 1.8 s), so a third worker, tried to fill the waits on Ray's and
 # Spark's daemons, gained nothing: pytest 864 s with -n 3 (the cores 98 % busy) against 860-878 s
 # with -n 2, one checkout, one sitting. FERROVOD_TEST_CPU_LOG=<file> records each test's CPU
-# time. -rs prints why each skipped test was skipped.
+# time, start and worker; scripts/test_time.py says from it where the suite's time goes.
+# -rs prints why each skipped test was skipped.
 PYTEST_FLAGS ?= -q -x -rs --timeout=300 -n 2 --dist loadgroup
 
 export VENV

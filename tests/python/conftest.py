@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-# FERROVOD_TEST_CPU_LOG=<file>: each test appends "<cpu s> <wall s> <node id>", the CPU time of
+# FERROVOD_TEST_CPU_LOG=<file>: each test appends "<cpu s> <wall s> <start> <worker> <node id>"
+# (start: Unix time; worker: pytest-xdist's name for the process that ran it), the CPU time of
 # this pytest process and of every process it waited for during the test (the ranks, through
 # their launcher): where the suite's time goes on a machine with few cores, which --durations
 # (wall time, shared with the tests running beside it) cannot tell.
@@ -40,10 +41,12 @@ def pytest_runtest_protocol(item, nextitem):
     if not _CPU_LOG:
         yield
         return
-    cpu, wall = _cpu_seconds(), time.monotonic()
+    cpu, wall, start = _cpu_seconds(), time.monotonic(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(_CPU_LOG, "a") as log:
-        log.write(f"{_cpu_seconds() - cpu:.2f} {time.monotonic() - wall:.2f} {item.nodeid}\n")
+        log.write(f"{_cpu_seconds() - cpu:.2f} {time.monotonic() - wall:.2f} {start:.2f} "
+                  f"{worker} {item.nodeid}\n")
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
