@@ -16,7 +16,7 @@ hosts) is counted where they are reaped, or not at all.
 import argparse
 import collections
 import sys
-from typing import Dict, List, NamedTuple
+from typing import Callable, Dict, List, NamedTuple
 
 
 class Test(NamedTuple):
@@ -40,6 +40,14 @@ def read(path: str) -> List[Test]:
     return tests
 
 
+def grouped(tests: List[Test], key: Callable[[Test], str]) -> Dict[str, List[Test]]:
+    """``tests`` by ``key``, each group in the log's order."""
+    groups: Dict[str, List[Test]] = collections.defaultdict(list)
+    for t in tests:
+        groups[key(t)].append(t)
+    return groups
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("log", help="the file FERROVOD_TEST_CPU_LOG named")
@@ -53,19 +61,15 @@ def main() -> None:
 
     print(f"{len(tests)} tests, {end - t0:.0f} s from the first test's start to the last's end, "
           f"{sum(t.cpu for t in tests):.0f} CPU s\n")
-    print(f"{'worker':<8} {'first start s':>13} {'last end s':>10} {'in tests s':>10} {'idle at end s':>13}")
-    workers: Dict[str, List[Test]] = collections.defaultdict(list)
-    for t in tests:
-        workers[t.worker].append(t)
-    for w, ts in sorted(workers.items()):
+    print(f"{'worker':<8} {'first start s':>13} {'last end s':>10} {'in tests s':>10} "
+          f"{'idle at end s':>13}")
+    for w, ts in sorted(grouped(tests, lambda t: t.worker).items()):
         last = max(t.start + t.wall for t in ts)
         print(f"{w:<8} {min(t.start for t in ts) - t0:>13.0f} {last - t0:>10.0f} "
               f"{sum(t.wall for t in ts):>10.0f} {end - last:>13.0f}")
 
     print(f"\n{'CPU s':>7} {'wall s':>7} {'tests':>5}  module")
-    modules: Dict[str, List[Test]] = collections.defaultdict(list)
-    for t in tests:
-        modules[t.node.split("::")[0]].append(t)
+    modules = grouped(tests, lambda t: t.node.split("::")[0])
     for m, ts in sorted(modules.items(), key=lambda kv: -sum(t.cpu for t in kv[1])):
         print(f"{sum(t.cpu for t in ts):>7.1f} {sum(t.wall for t in ts):>7.1f} {len(ts):>5}  {m}")
 
