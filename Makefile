@@ -32,7 +32,7 @@ export VENV
 
 help:
 	@echo "make demo    train a CNN on the digits dataset with 2 processes (sets everything up first)"
-	@echo "make test    fmt, clippy, cargo test, pytest: what CI runs"
+	@echo "make test    fmt, clippy, the Rust tests, pytest: what CI runs"
 	@echo "make setup   create $(VENV) and build the extension into it"
 	@echo "make build   rebuild the extension into $(VENV)"
 	@echo "make lint    cargo fmt --check and clippy"
