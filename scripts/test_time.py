@@ -1,8 +1,8 @@
 """Where the test suite's time goes, from the log of a run made with
 ``FERROVOD_TEST_CPU_LOG=<file>`` (tests/python/conftest.py writes a line per test):
 
-    FERROVOD_TEST_CPU_LOG=/tmp/cpu.log make test
-    python scripts/test_time.py /tmp/cpu.log [--top 25]
+    FERROVOD_TEST_CPU_LOG=$PWD/cpu.log make test
+    python scripts/test_time.py cpu.log [--top 25]
 
 Prints, per pytest-xdist worker, when it started and ended its last test and how long it ran
 tests (the gap at the end is the other worker's tail, when one core has nothing to run); per
