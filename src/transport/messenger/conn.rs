@@ -93,17 +93,9 @@ impl Conn {
             }
             Conn::Shm(link) => {
                 link.arm();
-                (poll_fd(link.doorbell(), POLL_IN), self.ready(writing))
+                let ready = link.ready(false) || (writing && link.ready(true));
+                (poll_fd(link.doorbell(), POLL_IN), ready)
             }
-        }
-    }
-
-    /// Whether bytes could move now on a shared-memory link (a TCP connection's readiness is
-    /// `poll`'s to tell).
-    pub(super) fn ready(&self, writing: bool) -> bool {
-        match self {
-            Conn::Tcp(_) => false,
-            Conn::Shm(link) => link.ready(false) || (writing && link.ready(true)),
         }
     }
 
