@@ -247,12 +247,14 @@ pub fn scaled_and_after(
     cases: &[(DType, ReduceOp, usize, f64)],
 ) -> Vec<(Vec<u8>, Vec<u8>)> {
     let (n, r) = (c.size(), c.rank());
-    let mut last: Option<((DType, ReduceOp, usize), Vec<u8>, Vec<u8>)> = None;
+    // (dtype, op, count), this rank's input, its unscaled allreduce.
+    type Shared = ((DType, ReduceOp, usize), Vec<u8>, Vec<u8>);
+    let mut last: Option<Shared> = None;
     cases
         .iter()
         .map(|&(dtype, op, count, factor)| {
             let key = (dtype, op, count);
-            if last.as_ref().is_none_or(|(k, _, _)| *k != key) {
+            if !matches!(&last, Some((k, _, _)) if *k == key) {
                 let vals: Vec<V> = (0..count).map(|i| input(dtype, op, r, i, n)).collect();
                 let input = encode(dtype, &vals);
                 let mut reduced = input.clone();
