@@ -334,3 +334,123 @@ fn nobody_answering_is_a_timeout_and_the_job_failing_fails_everything() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+/// Larger than the messenger's eager limit (256 KiB): announced, its payload sent only once a
+/// receive has taken it.
+const LARGE: usize = 1 << 20;
+
+#[test]
+fn a_large_message_waits_at_its_sender_for_its_receive_and_others_overtake_it() {
+    let (_ts, ms) = three();
+    for (from, to) in [(0, 1), (2, 0)] {
+        // Nobody receives the large one yet: a small message sent after it is received, and
+        // the large send is still waiting.
+        let big = send(&ms[from], to, "big", pattern(LARGE, 1));
+        let small = send(&ms[from], to, "small", vec![7; 3]);
+        assert_eq!(recv(&ms[to], from, "small", 3).wait().unwrap(), vec![7; 3]);
+        small.wait().unwrap();
+        assert!(big.outcome.try_recv().is_err(), "sent before its receive");
+        assert_eq!(
+            recv(&ms[to], from, "big", LARGE).wait().unwrap(),
+            pattern(LARGE, 1)
+        );
+        assert_eq!(big.wait_from().unwrap().0, to);
+        // One name, large and small in turn, whichever side comes first: the n-th receive
+        // takes the n-th message.
+        let sends = [
+            send(&ms[from], to, "mixed", pattern(LARGE + 1, 2)),
+            send(&ms[from], to, "mixed", pattern(5, 3)),
+            send(&ms[from], to, "mixed", pattern(LARGE - 1, 4)),
+        ];
+        let first = recv(&ms[to], from, "mixed", LARGE + 1);
+        let rest = [
+            recv(&ms[to], from, "mixed", 5),
+            recv(&ms[to], from, "mixed", LARGE - 1),
+        ];
+        assert_eq!(first.wait().unwrap(), pattern(LARGE + 1, 2));
+        assert_eq!(rest[0].wait().unwrap(), pattern(5, 3));
+        assert_eq!(rest[1].wait().unwrap(), pattern(LARGE - 1, 4));
+        for s in sends {
+            s.wait().unwrap();
+        }
+    }
+    // From any rank: announced messages of two ranks, each taken once.
+    let sends = [
+        send(&ms[1], 0, "anybig", pattern(LARGE, 5)),
+        send(&ms[2], 0, "anybig", pattern(LARGE, 6)),
+    ];
+    let mut got: Vec<_> = (0..2)
+        .map(|_| {
+            post(
+                &ms[0],
+                false,
+                ANY_PEER,
+                "anybig",
+                &format!("uint8 [{LARGE}]"),
+                vec![0; LARGE],
+                LONG,
+            )
+        })
+        .map(|r| r.wait_from().unwrap())
+        .collect();
+    got.sort();
+    assert_eq!(got, vec![(1, pattern(LARGE, 5)), (2, pattern(LARGE, 6))]);
+    for s in sends {
+        s.wait().unwrap();
+    }
+}
+
+#[test]
+fn a_large_message_that_disagrees_or_is_given_up_fails_both_sides_and_the_connection_goes_on() {
+    let (_ts, ms) = three();
+    // Announced, then a receive of another length: both fail, naming both ranks.
+    let s = send(&ms[0], 2, "m", vec![1; LARGE]);
+    let r = recv(&ms[2], 0, "m", LARGE / 2);
+    for e in [s.wait().unwrap_err(), r.wait().unwrap_err()] {
+        match e {
+            Error::Mismatch { message, .. } => {
+                assert!(
+                    message.contains(&format!("rank 0 sends uint8 [{LARGE}]")),
+                    "{message}"
+                );
+                assert!(message.contains("rank 2 receives into"), "{message}");
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+    // The sender gives up on one nobody received: a receive that takes it later fails at its
+    // own deadline, saying the payload did not come, and later messages still arrive.
+    let short = Duration::from_millis(200);
+    let s = post(
+        &ms[1],
+        true,
+        0,
+        "late",
+        &format!("uint8 [{LARGE}]"),
+        vec![3; LARGE],
+        short,
+    );
+    assert!(matches!(s.wait(), Err(Error::Timeout { .. })));
+    let r = post(
+        &ms[0],
+        false,
+        1,
+        "late",
+        &format!("uint8 [{LARGE}]"),
+        vec![0; LARGE],
+        short,
+    );
+    let e = r.wait().unwrap_err();
+    assert!(
+        matches!(e, Error::Timeout { .. }) && e.to_string().contains("did not come"),
+        "{e}"
+    );
+    for (from, to) in [(0, 2), (1, 0)] {
+        let s = send(&ms[from], to, "after", pattern(LARGE, 9));
+        assert_eq!(
+            recv(&ms[to], from, "after", LARGE).wait().unwrap(),
+            pattern(LARGE, 9)
+        );
+        s.wait().unwrap();
+    }
+}

@@ -1,12 +1,13 @@
 //! What the messenger holds of each message and connection, and the bytes of a connection
-//! that sends: its queued messages written, the receiver's answers read (see the module above).
+//! that sends: its queued messages written (a large one announced, its payload written once
+//! the receiver clears it), the receiver's answers read (see the module above).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
 use super::conn::Conn;
-use super::frame::{read_ack, Header};
+use super::frame::{self, read_to_sender, Header, ToSender};
 use super::{Message, Payload};
 use crate::error::{Error, Result};
 
@@ -48,13 +49,22 @@ impl Pending {
     }
 }
 
+/// Payloads of more bytes than this are announced and wait at their sender until a receive
+/// takes them, then go straight into its memory: a receiver holds at most this much of each
+/// message nobody has received yet, and a large payload is never copied out of a buffer. A
+/// smaller one follows its header at once (eager), which spares it the clearance's round
+/// trip: 64 KiB costs about that round trip on loopback.
+pub(super) const EAGER_BYTES: usize = 256 * 1024;
+
 /// A message that arrived before its receive.
 pub(super) struct Arrived {
     /// When it arrived among this rank's messages: a receive from any rank takes the first.
     pub(super) order: u64,
     pub(super) seq: u64,
     pub(super) desc: String,
-    pub(super) data: Vec<u8>,
+    pub(super) len: usize,
+    /// The payload; `None` for a message announced, whose payload its sender still holds.
+    pub(super) data: Option<Vec<u8>>,
 }
 
 /// This rank's connection to send to one peer.
@@ -64,11 +74,31 @@ pub(super) struct Out {
     pub(super) conn: Option<Conn>,
     pub(super) next_seq: u64,
     pub(super) queue: VecDeque<(u64, Pending)>,
-    /// The message being written: its header, and how many of header and payload bytes went.
-    pub(super) current: Option<(u64, Pending, Vec<u8>, usize)>,
+    /// Announced messages whose receive cleared them: their payloads go before the queue.
+    pub(super) cleared: VecDeque<(u64, Pending)>,
+    /// What is being written: a message's header, then its payload unless it was announced;
+    /// or a cleared payload's frame, then the payload.
+    pub(super) current: Option<Writing>,
     /// Written, waiting for the receiver's answer.
     pub(super) sent: HashMap<u64, Pending>,
     pub(super) rbuf: Vec<u8>,
+}
+
+/// A frame being written, and the payload after it (unless `payload` is false).
+pub(super) struct Writing {
+    pub(super) seq: u64,
+    pub(super) p: Pending,
+    pub(super) frame: Vec<u8>,
+    pub(super) payload: bool,
+    /// Bytes of frame and payload written.
+    pub(super) at: usize,
+}
+
+impl Out {
+    /// Whether bytes wait to be written.
+    pub(super) fn writing(&self) -> bool {
+        self.current.is_some() || !self.queue.is_empty() || !self.cleared.is_empty()
+    }
 }
 
 /// Where the payload of the message being read goes.
@@ -94,60 +124,98 @@ pub(super) struct In {
     pub(super) reading: Option<Reading>,
     /// Answers not written yet.
     pub(super) wbuf: Vec<u8>,
+    /// Receives that took an announced message and cleared it, by its seq: its payload comes
+    /// straight into them.
+    pub(super) cleared: HashMap<u64, Pending>,
 }
 
 /// Read size when no payload has its own memory to read into.
 pub(super) const CHUNK: usize = 64 * 1024;
 
-/// Writes the messages queued to `peer` and reads its answers.
+/// Writes the messages queued to `peer` (cleared payloads first) and reads its answers.
 pub(super) fn progress_out(o: &mut Out, peer: usize) -> Result<()> {
     let Some(conn) = &mut o.conn else {
         return Ok(());
     };
     loop {
-        if o.current.is_none() {
-            let Some((seq, p)) = o.queue.pop_front() else {
+        loop {
+            if o.current.is_none() {
+                o.current = if let Some((seq, p)) = o.cleared.pop_front() {
+                    let frame = frame::data(seq, p.payload.bytes().len() as u64);
+                    Some(Writing {
+                        seq,
+                        p,
+                        frame,
+                        payload: true,
+                        at: 0,
+                    })
+                } else if let Some((seq, p)) = o.queue.pop_front() {
+                    let len = p.payload.bytes().len();
+                    let header = Header {
+                        seq,
+                        len: len as u64,
+                        name: p.name.clone(),
+                        desc: p.desc.clone(),
+                        announced: len > EAGER_BYTES,
+                    };
+                    Some(Writing {
+                        seq,
+                        frame: header.encode(),
+                        payload: !header.announced,
+                        p,
+                        at: 0,
+                    })
+                } else {
+                    break;
+                };
+            }
+            let w = o.current.as_mut().expect("current");
+            let payload = if w.payload { w.p.payload.bytes() } else { &[] };
+            let total = w.frame.len() + payload.len();
+            while w.at < total {
+                let bytes = if w.at < w.frame.len() {
+                    &w.frame[w.at..]
+                } else {
+                    &payload[w.at - w.frame.len()..]
+                };
+                match conn.write_some(bytes, peer)? {
+                    Some(n) => w.at += n,
+                    None => break,
+                }
+            }
+            if w.at < total {
                 break;
-            };
-            let header = Header {
-                seq,
-                len: p.payload.bytes().len() as u64,
-                name: p.name.clone(),
-                desc: p.desc.clone(),
             }
-            .encode();
-            o.current = Some((seq, p, header, 0));
+            let w = o.current.take().expect("current");
+            o.sent.insert(w.seq, w.p);
         }
-        let (_, p, header, at) = o.current.as_mut().expect("current");
-        let payload = p.payload.bytes();
-        let total = header.len() + payload.len();
-        while *at < total {
-            let bytes = if *at < header.len() {
-                &header[*at..]
-            } else {
-                &payload[*at - header.len()..]
-            };
-            match conn.write_some(bytes, peer)? {
-                Some(n) => *at += n,
-                None => break,
+        let mut cleared = false;
+        loop {
+            let n = conn.fill(&mut o.rbuf, 4096, peer)?;
+            while let Some((answer, used)) = read_to_sender(&o.rbuf)? {
+                o.rbuf.drain(..used);
+                match answer {
+                    ToSender::Ack(ack) => {
+                        if let Some(p) = o.sent.remove(&ack.seq) {
+                            let name = p.name.clone();
+                            p.finish(ack.error.map_or(Ok(()), |m| mismatch(&name, m)));
+                        }
+                    }
+                    // A message given up on (its deadline passed) is not written: its receive
+                    // fails at its own deadline.
+                    ToSender::Clear(seq) => {
+                        if let Some(p) = o.sent.remove(&seq) {
+                            o.cleared.push_back((seq, p));
+                            cleared = true;
+                        }
+                    }
+                }
             }
-        }
-        if *at < total {
-            break;
-        }
-        let (seq, p, _, _) = o.current.take().expect("current");
-        o.sent.insert(seq, p);
-    }
-    loop {
-        let n = conn.fill(&mut o.rbuf, 4096, peer)?;
-        while let Some((ack, used)) = read_ack(&o.rbuf)? {
-            o.rbuf.drain(..used);
-            if let Some(p) = o.sent.remove(&ack.seq) {
-                let name = p.name.clone();
-                p.finish(ack.error.map_or(Ok(()), |m| mismatch(&name, m)));
+            if n == 0 {
+                break;
             }
         }
-        if n == 0 {
+        if !cleared {
             return Ok(());
         }
     }
@@ -189,7 +257,8 @@ pub(super) fn take_first<K: Hash + Eq, V>(map: &mut HashMap<K, VecDeque<V>>, key
     v
 }
 
-/// Fails the receive a closing connection was reading into, if any.
+/// Fails the receive a closing connection was reading into, if any, and those that cleared a
+/// message whose payload will now never come.
 pub(super) fn fail_in(i: In, err: &Error) {
     if let Some(Reading {
         into: Into::Posted(p),
@@ -198,14 +267,17 @@ pub(super) fn fail_in(i: In, err: &Error) {
     {
         p.finish(Err(err.clone()));
     }
+    for (_, p) in i.cleared {
+        p.finish(Err(err.clone()));
+    }
 }
 
 pub(super) fn fail_out(o: Out, err: &Error) {
-    for (_, p) in o.queue {
+    for (_, p) in o.queue.into_iter().chain(o.cleared) {
         p.finish(Err(err.clone()));
     }
-    if let Some((_, p, _, _)) = o.current {
-        p.finish(Err(err.clone()));
+    if let Some(w) = o.current {
+        w.p.finish(Err(err.clone()));
     }
     for (_, p) in o.sent {
         p.finish(Err(err.clone()));

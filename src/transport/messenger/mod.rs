@@ -14,6 +14,11 @@
 //!   from any rank, the first of its name to arrive from any peer: straight into the
 //!   receive's memory when the receive was posted first, else from a buffer the message
 //!   waited in. A receive that names its peer is served before one from any rank.
+//! - **Large messages wait for their receive.** A payload of more than
+//!   [`held::EAGER_BYTES`] does not follow its header: the header announces it, the receive
+//!   that takes it clears it, and then the payload comes straight into the receive's memory.
+//!   So a receiver never holds more than that of a message nobody has received, and messages
+//!   sent after a large one overtake it while it waits.
 //! - **Agreement on both sides.** The receiver answers every message once a receive has taken
 //!   it: accepted, or the text of a disagreement (length, dtype or shape), with which both
 //!   sides fail. So a send completes when its receive has taken it (as gloo's does), and a

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::super::dial::{Finish, Made};
 use super::conn::Conn;
-use super::frame::{read_header, Ack, Header};
+use super::frame::{self, read_to_receiver, Ack, Header, ToReceiver};
 use super::held::{
     answer, fail_in, fail_out, flush, mismatch, progress_out, take_first, Arrived, In, Into, Out,
     Pending, Reading, CHUNK,
@@ -127,7 +127,7 @@ impl Service {
             let mut ready = false;
             for (&peer, o) in &self.outs {
                 if let Some(c) = &o.conn {
-                    let (fd, now) = c.sleep_on(o.current.is_some() || !o.queue.is_empty());
+                    let (fd, now) = c.sleep_on(o.writing());
                     fds.push(fd);
                     ready |= now;
                     who.push((true, peer));
@@ -198,6 +198,7 @@ impl Service {
                         rbuf: Vec::new(),
                         reading: None,
                         wbuf: Vec::new(),
+                        cleared: HashMap::new(),
                     };
                     self.ins.insert(peer, i);
                 }
@@ -299,14 +300,30 @@ impl Service {
 
     /// Receive `p` takes the first message of its name that arrived from `peer`.
     fn take_arrived(&mut self, peer: usize, mut p: Pending) {
-        if let Some(a) = take_first(&mut self.arrived, &(peer, p.name.clone())) {
-            p.peer = peer;
-            let (ack, p, result) = self.deliver(peer, a, p);
-            if let Some(i) = self.ins.get_mut(&peer) {
-                answer(i, peer, ack);
+        let Some(a) = take_first(&mut self.arrived, &(peer, p.name.clone())) else {
+            return;
+        };
+        p.peer = peer;
+        if a.data.is_none() {
+            // Announced: its payload comes once cleared, over a connection still there.
+            match self.ins.get_mut(&peer) {
+                Some(i) => clear(self.rank, i, peer, (a.seq, &a.desc, a.len), p),
+                None => {
+                    let e = self
+                        .gone
+                        .get(&peer)
+                        .cloned()
+                        .unwrap_or_else(|| super::conn::closed(peer));
+                    p.finish(Err(e));
+                }
             }
-            p.finish(result);
+            return;
         }
+        let (ack, p, result) = self.deliver(peer, a, p);
+        if let Some(i) = self.ins.get_mut(&peer) {
+            answer(i, peer, ack);
+        }
+        p.finish(result);
     }
 
     /// The receive posted for message `name` from `peer`: one that named it, else one from
@@ -323,9 +340,9 @@ impl Service {
     /// Hands a message that waited in a buffer to its receive: the answer to send back, and
     /// the receive with its outcome, to be told once the answer is on its way.
     fn deliver(&self, peer: usize, a: Arrived, mut p: Pending) -> (Vec<u8>, Pending, Result<()>) {
-        let verdict = self.disagreement(peer, &a.desc, a.data.len(), &p);
-        if verdict.is_none() {
-            p.payload.bytes_mut().copy_from_slice(&a.data);
+        let verdict = disagreement(self.rank, peer, &a.desc, a.len, &p);
+        if let (None, Some(data)) = (&verdict, &a.data) {
+            p.payload.bytes_mut().copy_from_slice(data);
         }
         let ack = Ack {
             seq: a.seq,
@@ -334,19 +351,6 @@ impl Service {
         .encode();
         let result = verdict.map_or(Ok(()), |message| mismatch(&p.name, message));
         (ack, p, result)
-    }
-
-    /// Why a message from `peer` described as `desc`, of `len` bytes, cannot go into
-    /// receive `p` (the text both sides fail with), or `None`.
-    fn disagreement(&self, peer: usize, desc: &str, len: usize, p: &Pending) -> Option<String> {
-        let mine = p.payload.bytes().len();
-        (desc != p.desc || len != mine).then(|| {
-            format!(
-                "point-to-point message '{}': rank {peer} sends {desc} ({len} bytes) but rank {} \
-                 receives into {} ({mine} bytes)",
-                p.name, self.rank, p.desc
-            )
-        })
     }
 
     /// Moves whatever bytes can move on every connection.
@@ -409,14 +413,22 @@ impl Service {
         }
     }
 
-    /// Starts the messages whose headers lie in `i.rbuf`, with the payload bytes after them.
+    /// Starts the messages and payloads whose frames lie in `i.rbuf`, with the payload bytes
+    /// after them.
     fn parse(&mut self, i: &mut In, peer: usize) -> Result<()> {
         while i.reading.is_none() {
-            let Some((h, used)) = read_header(&i.rbuf)? else {
+            let Some((frame, used)) = read_to_receiver(&i.rbuf)? else {
                 return Ok(());
             };
             i.rbuf.drain(..used);
-            let mut r = self.start_reading(i, peer, h);
+            let mut r = match frame {
+                ToReceiver::Header(h) if h.announced => {
+                    self.announced(i, peer, h);
+                    continue;
+                }
+                ToReceiver::Header(h) => self.start_reading(i, peer, h),
+                ToReceiver::Data { seq, len } => cleared_payload(i, seq, len as usize)?,
+            };
             let take = (r.len - r.got).min(i.rbuf.len());
             match &mut r.into {
                 Into::Posted(p) => p.payload.bytes_mut()[..take].copy_from_slice(&i.rbuf[..take]),
@@ -442,7 +454,7 @@ impl Service {
         let key = (peer, h.name);
         let into = match posted {
             None => Into::Buffer(h.desc, vec![0u8; len]),
-            Some(p) => match self.disagreement(peer, &h.desc, len, &p) {
+            Some(p) => match disagreement(self.rank, peer, &h.desc, len, &p) {
                 None => Into::Posted(p),
                 Some(message) => {
                     let ack = Ack {
@@ -464,6 +476,26 @@ impl Service {
         }
     }
 
+    /// Announced message `h` from `peer` (its payload still at the sender): cleared for the
+    /// receive posted for it, or kept until one is.
+    fn announced(&mut self, i: &mut In, peer: usize, h: Header) {
+        let len = h.len as usize;
+        match self.take_posted(peer, &h.name) {
+            Some(p) => clear(self.rank, i, peer, (h.seq, &h.desc, len), p),
+            None => {
+                self.arrivals += 1;
+                let a = Arrived {
+                    order: self.arrivals,
+                    seq: h.seq,
+                    desc: h.desc,
+                    len,
+                    data: None,
+                };
+                self.arrived.entry((peer, h.name)).or_default().push_back(a);
+            }
+        }
+    }
+
     /// A message's last byte arrived.
     fn arrive(&mut self, i: &mut In, peer: usize, r: Reading) {
         match r.into {
@@ -481,7 +513,8 @@ impl Service {
                     order: self.arrivals,
                     seq: r.seq,
                     desc,
-                    data,
+                    len: data.len(),
+                    data: Some(data),
                 };
                 // A receive posted while the payload was still arriving takes it now.
                 match self.take_posted(peer, &r.name) {
@@ -571,6 +604,25 @@ impl Service {
             }
         }
         self.posted_any.retain(|_, ps| !ps.is_empty());
+        // A receive that cleared a message whose payload has not come (its sender gave up on
+        // it, or is slow): the payload is dropped if it comes later.
+        for (&peer, i) in self.ins.iter_mut() {
+            let seqs: Vec<u64> = i
+                .cleared
+                .iter()
+                .filter(|(_, p)| late(p))
+                .map(|(s, _)| *s)
+                .collect();
+            for s in seqs {
+                let p = i.cleared.remove(&s).expect("cleared");
+                let what = format!(
+                    "rank {rank} receiving '{}' from rank {peer}: its payload did not come",
+                    p.name
+                );
+                let e = timeout(&p, what);
+                p.finish(Err(e));
+            }
+        }
         let mut broken = Vec::new();
         for (&peer, o) in self.outs.iter_mut() {
             let what = |p: &Pending| {
@@ -598,8 +650,8 @@ impl Service {
                 p.finish(Err(e));
             }
             // A message cut off half-written leaves the connection unusable: it closes.
-            if let Some((_, p, _, _)) = o.current.as_ref().filter(|c| late(&c.1)) {
-                broken.push((peer, timeout(p, what(p))));
+            if let Some(w) = o.current.as_ref().filter(|w| late(&w.p)) {
+                broken.push((peer, timeout(&w.p, what(&w.p))));
             }
         }
         for (peer, e) in broken {
@@ -611,18 +663,78 @@ impl Service {
 
     fn next_deadline(&self) -> Option<Instant> {
         let any = self.posted_any.values().flatten();
+        let cleared = self.ins.values().flat_map(|i| i.cleared.values());
         let posted = self
             .posted
             .values()
             .flatten()
             .chain(any)
+            .chain(cleared)
             .map(|p| p.deadline);
         let outs = self.outs.values().flat_map(|o| {
             let queued = o.queue.iter().map(|(_, p)| p.deadline);
-            let current = o.current.iter().map(|c| c.1.deadline);
+            let current = o.current.iter().map(|w| w.p.deadline);
             let sent = o.sent.values().map(|p| p.deadline);
             queued.chain(current).chain(sent)
         });
         posted.chain(outs).min()
     }
+}
+
+/// Where the payload of announced message `seq` (`len` bytes) goes: straight into the receive
+/// that cleared it, or nowhere when that receive has given up meanwhile.
+fn cleared_payload(i: &mut In, seq: u64, len: usize) -> Result<Reading> {
+    let into = match i.cleared.remove(&seq) {
+        Some(p) if p.payload.bytes().len() == len => Into::Posted(p),
+        Some(p) => {
+            return Err(Error::Decode(format!(
+                "the payload of point-to-point message '{}' has {len} bytes where {} were \
+                 announced",
+                p.name,
+                p.payload.bytes().len()
+            )))
+        }
+        None => Into::Discard,
+    };
+    Ok(Reading {
+        seq,
+        name: String::new(),
+        len,
+        got: 0,
+        into,
+    })
+}
+
+/// Receive `p` of rank `rank` takes announced message `seq` (`desc`, `len` bytes) from
+/// `peer`: cleared, its payload to come straight into the receive, or both sides failed on a
+/// disagreement.
+fn clear(rank: usize, i: &mut In, peer: usize, (seq, desc, len): (u64, &str, usize), p: Pending) {
+    match disagreement(rank, peer, desc, len, &p) {
+        None => {
+            answer(i, peer, frame::clear(seq));
+            i.cleared.insert(seq, p);
+        }
+        Some(message) => {
+            let ack = Ack {
+                seq,
+                error: Some(message.clone()),
+            };
+            answer(i, peer, ack.encode());
+            let name = p.name.clone();
+            p.finish(mismatch(&name, message));
+        }
+    }
+}
+
+/// Why a message from `peer` described as `desc`, of `len` bytes, cannot go into
+/// receive `p` (the text both sides fail with), or `None`.
+fn disagreement(rank: usize, peer: usize, desc: &str, len: usize, p: &Pending) -> Option<String> {
+    let mine = p.payload.bytes().len();
+    (desc != p.desc || len != mine).then(|| {
+        format!(
+            "point-to-point message '{}': rank {peer} sends {desc} ({len} bytes) but rank {} \
+             receives into {} ({mine} bytes)",
+            p.name, rank, p.desc
+        )
+    })
 }
