@@ -3,6 +3,7 @@
 Run as root from the repository root (it builds network namespaces)::
 
     .venv/bin/python benchmarks/multihost_link.py --rate 1gbit --ranks-per-host 1,2 --compare torch
+    .venv/bin/python benchmarks/multihost_link.py --rate 10gbit --compare mpi4py --sizes 1M,64M
 
 What it does:
 
@@ -14,8 +15,12 @@ What it does:
    printed as the measured raw link rate beside TCP's ceiling at the link's MTU.
 3. For each ranks-per-host ``k`` starts ``benchmarks/collectives.py --ops allreduce`` with
    ``ferrovodrun -H h1:k,h2:k`` from ``h1`` (optionally ``--compare torch``: gloo in the same
-   job) and prints one table: size, ranks, ferrovod's bus bandwidth, torch's, and ferrovod's as a
-   percentage of the configured rate and of the measured raw TCP rate. ``--env K=V``
+   job) and prints one table: size, ranks, ferrovod's bus bandwidth, the peer's, and each one's
+   as a percentage of the configured rate (ferrovod's of the measured raw TCP rate too). With
+   ``--compare mpi4py`` the job is Open MPI's instead: ``mpirun -H h1:k,h2:k`` with the flags
+   its users give it on such hosts (``Cluster.mpirun_args()``: its TCP on ``eth0``, ranks that
+   yield when idle), and collectives.py times mpi4py's in-place ``Allreduce`` beside ferrovod's
+   in the same job, which finds its peers over MPI. ``--env K=V``
    (repeatable) reaches every worker, e.g. to compare ``FERROVOD_HIERARCHICAL_ALLREDUCE=0``/``1``.
 
 Bus bandwidth follows nccl-tests (see ``benchmarks/collectives.py``): for a ring allreduce each
@@ -231,7 +236,8 @@ class Row:
     ranks: int
     per_host: int
     fv_seconds: Optional[float]
-    torch_seconds: Optional[float] = None
+    # The peer's (--compare): gloo's or mpi4py's.
+    peer_seconds: Optional[float] = None
 
     def busbw(self, seconds: Optional[float]) -> Optional[float]:
         """Bus bandwidth in bytes per second of a ring allreduce taking ``seconds``."""
@@ -251,12 +257,14 @@ class JobResult:
     seconds: float = 0.0
 
 
-# collectives.py's table row from rank 0: op, size (number and unit), iters, fv µs, fv busbw,
-# then per peer µs and busbw, then the ratios. "WRONG" replaces the µs of a wrong result.
-ROW = re.compile(r"^\[0\]<stdout>:\s*allreduce\s+(\d+) (B|KiB|MiB|GiB)\s+\d+\s+(.*)$")
+# collectives.py's table row from rank 0 (ferrovodrun tags it "[0]<stdout>:", Open MPI's
+# --tag-output "[1,0]<stdout>:"): op, size (number and unit), iters, fv µs, fv busbw, then per
+# peer µs and busbw, then the ratios. "WRONG" replaces the µs of a wrong result.
+RANK0 = re.compile(r"^\[(?:\d+,)?0\]<stdout>:")
+ROW = re.compile(RANK0.pattern + r"\s*allreduce\s+(\d+) (B|KiB|MiB|GiB)\s+\d+\s+(.*)$")
 
 
-def parse_row(line: str, ranks: int, per_host: int, compare_torch: bool) -> Optional[Row]:
+def parse_row(line: str, ranks: int, per_host: int, compare: bool) -> Optional[Row]:
     """A Row from one line of the job's output, or None when it is not a table row."""
     match = ROW.match(line.strip())
     if not match:
@@ -267,8 +275,8 @@ def parse_row(line: str, ranks: int, per_host: int, compare_torch: bool) -> Opti
         return None if cell == "WRONG" else float(cell) * 1e-6
 
     row = Row(size_bytes(match.group(1), match.group(2)), ranks, per_host, seconds(cells[0]))
-    if compare_torch and len(cells) >= 3:
-        row.torch_seconds = seconds(cells[2])
+    if compare and len(cells) >= 3:
+        row.peer_seconds = seconds(cells[2])
     return row
 
 
@@ -281,7 +289,8 @@ def clean_env() -> Dict[str, str]:
 
 
 def run_job(cluster: Cluster, per_host: int, args: argparse.Namespace) -> JobResult:
-    """One ferrovodrun job of collectives.py across both hosts, started on h1."""
+    """One job of collectives.py across both hosts, started on h1: by ferrovodrun, or by
+    Open MPI's mpirun for ``--compare mpi4py``."""
     ranks = per_host * len(HOSTS)
     xflags: List[str] = []
     # gloo takes its address from this interface on every host, as ferrovod does from
@@ -294,10 +303,18 @@ def run_job(cluster: Cluster, per_host: int, args: argparse.Namespace) -> JobRes
         bench += ["--iters", str(args.iters)]
     if args.compare:
         bench += ["--compare", args.compare]
-    argv = [PY, "-m", "ferrovod.runner.launch", "-np", str(ranks),
-            "-H", ",".join(f"{h}:{per_host}" for h in HOSTS),
-            "-p", "2222", "-i", str(cluster.key), "--network-interfaces", "eth0",
-            *xflags, *bench]  # fmt: skip
+    hosts = ",".join(f"{h}:{per_host}" for h in HOSTS)
+    if args.compare == "mpi4py":
+        # ferrovod's address on every host from the interface Open MPI is told to use, as
+        # ferrovodrun's --network-interfaces gives it.
+        xflags += ["-x", "FERROVOD_IFACE=eth0", "-x", "PATH"]
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        argv = ["mpirun", "-np", str(ranks), "-H", hosts, *root, "--bind-to", "none",
+                "--tag-output", *cluster.mpirun_args(), *xflags, *bench]  # fmt: skip
+    else:
+        argv = [PY, "-m", "ferrovod.runner.launch", "-np", str(ranks), "-H", hosts,
+                "-p", "2222", "-i", str(cluster.key), "--network-interfaces", "eth0",
+                *xflags, *bench]  # fmt: skip
     result = JobResult(per_host, -1)
     start = time.monotonic()
     proc = cluster.popen(HOSTS[0], argv, env=clean_env(), stdout=subprocess.PIPE,
@@ -311,11 +328,11 @@ def run_job(cluster: Cluster, per_host: int, args: argparse.Namespace) -> JobRes
         for line in proc.stdout:
             line = line.rstrip("\n")
             result.output.append(line)
-            row = parse_row(line, ranks, per_host, "torch" in args.compare)
+            row = parse_row(line, ranks, per_host, bool(args.compare))
             if row is not None:
                 result.rows.append(row)
-            if line.startswith("[0]<stdout>:") and (row is not None or "#" in line
-                                                    or "---" in line or " op " in line):
+            if RANK0.match(line) and (row is not None or "#" in line or "---" in line
+                                      or " op " in line):
                 print(f"  [{per_host}/host] {line.split(':', 1)[1]}", flush=True)
         result.returncode = proc.wait()
     finally:
@@ -349,26 +366,27 @@ def fmt_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def print_table(rows: Sequence[Row], rate_bits: float, tcp_bits: float,
-                compare_torch: bool) -> None:
-    """The combined table: busbw in MB/s (10^6 bytes) and ferrovod's as % of both rates."""
+def print_table(rows: Sequence[Row], rate_bits: float, tcp_bits: float, peer: str) -> None:
+    """The combined table: busbw in MB/s (10^6 bytes) and ferrovod's as % of both rates, with
+    the peer's (``peer``: its name, or empty for none) and its ratio to ferrovod's."""
     headers = ["size", "ranks", "fv busbw MB/s"]
-    if compare_torch:
-        headers += ["torch busbw MB/s"]
+    if peer:
+        headers += [f"{peer} busbw MB/s"]
     headers += ["fv % of rate", "fv % of TCP"]
-    if compare_torch:
-        headers += ["torch % of rate"]
+    if peer:
+        headers += [f"{peer} % of rate", f"fv / {peer}"]
     body = []
     for row in rows:
-        fv, torch = row.busbw(row.fv_seconds), row.busbw(row.torch_seconds)
+        fv, other = row.busbw(row.fv_seconds), row.busbw(row.peer_seconds)
         cells = [fmt_size(row.nbytes), f"{row.ranks} ({row.per_host}/host)",
                  "WRONG" if fv is None else f"{fv / 1e6:.1f}"]
-        if compare_torch:
-            cells.append("WRONG" if torch is None else f"{torch / 1e6:.1f}")
+        if peer:
+            cells.append("WRONG" if other is None else f"{other / 1e6:.1f}")
         cells += ["-" if fv is None else f"{fv * 8 / rate_bits * 100:.1f}",
                   "-" if fv is None else f"{fv * 8 / tcp_bits * 100:.1f}"]
-        if compare_torch:
-            cells.append("-" if torch is None else f"{torch * 8 / rate_bits * 100:.1f}")
+        if peer:
+            cells.append("-" if other is None else f"{other * 8 / rate_bits * 100:.1f}")
+            cells.append("-" if fv is None or not other else f"{fv / other:.2f}")
         body.append(cells)
     widths = [max(len(c) for c in column) for column in zip(headers, *body)]
 
@@ -399,7 +417,9 @@ def main() -> int:
                         help="comma-separated sizes instead of powers of 4 up to --max-size")
     parser.add_argument("--iters", type=int, default=0,
                         help="timed calls for small sizes (collectives.py's default if unset)")
-    parser.add_argument("--compare", default="", help="'torch': time gloo in the same jobs")
+    parser.add_argument("--compare", default="",
+                        help="'torch': time gloo in the same ferrovodrun jobs; 'mpi4py': run "
+                             "the jobs with Open MPI's mpirun and time its Allreduce beside")
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="variable for every worker (repeatable), e.g. "
                              "FERROVOD_HIERARCHICAL_ALLREDUCE=1")
@@ -422,8 +442,11 @@ def main() -> int:
     for kv in args.env:
         if "=" not in kv or not kv.split("=", 1)[0]:
             parser.error(f"--env {kv!r}: expected NAME=VALUE")
-    if args.compare not in ("", "torch"):
-        parser.error("--compare: only 'torch' is supported across hosts")
+    if args.compare not in ("", "torch", "mpi4py"):
+        parser.error("--compare: 'torch' or 'mpi4py' across hosts")
+    if args.compare == "mpi4py" and shutil.which("mpirun") is None:
+        print("multihost_link: --compare mpi4py needs Open MPI's mpirun", file=sys.stderr)
+        return 2
     if args.probe_seconds <= PROBE_SKIP_SECONDS:
         parser.error(f"--probe-seconds must exceed {PROBE_SKIP_SECONDS}")
 
@@ -487,7 +510,8 @@ def main() -> int:
         rows: List[Row] = []
         failed = 0
         for per_host in per_host_list:
-            print(f"# job: ferrovodrun -H {h1}:{per_host},{h2}:{per_host} collectives.py "
+            launcher = "mpirun" if args.compare == "mpi4py" else "ferrovodrun"
+            print(f"# job: {launcher} -H {h1}:{per_host},{h2}:{per_host} collectives.py "
                   f"--ops allreduce{' --compare ' + args.compare if args.compare else ''}"
                   + "".join(f" [env {kv}]" for kv in args.env), flush=True)
             before = qdisc_counters(cluster)
@@ -511,7 +535,7 @@ def main() -> int:
         print(f"# allreduce float32 across 2 hosts, link {mbit(rate_bits)} "
               f"({rate_bits / 8e6:.1f} MB/s) per direction, measured raw TCP {mbit(tcp_bits)}"
               + "".join(f", {kv}" for kv in args.env))
-        print_table(rows, rate_bits, tcp_bits, "torch" in args.compare)
+        print_table(rows, rate_bits, tcp_bits, {"torch": "gloo"}.get(args.compare, args.compare))
         largest = max((r.nbytes for r in rows), default=0)
         for row in rows:
             bw = row.busbw(row.fv_seconds)
