@@ -607,14 +607,7 @@ impl Service {
         // A receive that cleared a message whose payload has not come (its sender gave up on
         // it, or is slow): the payload is dropped if it comes later.
         for (&peer, i) in self.ins.iter_mut() {
-            let seqs: Vec<u64> = i
-                .cleared
-                .iter()
-                .filter(|(_, p)| late(p))
-                .map(|(s, _)| *s)
-                .collect();
-            for s in seqs {
-                let p = i.cleared.remove(&s).expect("cleared");
+            for p in remove_late(&mut i.cleared, now) {
                 let what = format!(
                     "rank {rank} receiving '{}' from rank {peer}: its payload did not come",
                     p.name
@@ -638,14 +631,7 @@ impl Service {
                 let e = timeout(&p, what(&p));
                 p.finish(Err(e));
             }
-            let seqs: Vec<u64> = o
-                .sent
-                .iter()
-                .filter(|(_, p)| late(p))
-                .map(|(s, _)| *s)
-                .collect();
-            for s in seqs {
-                let p = o.sent.remove(&s).expect("sent");
+            for p in remove_late(&mut o.sent, now) {
                 let e = timeout(&p, what(&p));
                 p.finish(Err(e));
             }
@@ -679,6 +665,16 @@ impl Service {
         });
         posted.chain(outs).min()
     }
+}
+
+/// The messages of `map` whose deadline has passed at `now`, taken out of it.
+fn remove_late(map: &mut HashMap<u64, Pending>, now: Instant) -> Vec<Pending> {
+    let seqs: Vec<u64> = map
+        .iter()
+        .filter(|(_, p)| p.deadline <= now)
+        .map(|(s, _)| *s)
+        .collect();
+    seqs.iter().filter_map(|s| map.remove(s)).collect()
 }
 
 /// Where the payload of announced message `seq` (`len` bytes) goes: straight into the receive
