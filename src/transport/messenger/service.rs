@@ -451,25 +451,19 @@ impl Service {
     fn start_reading(&mut self, i: &mut In, peer: usize, h: Header) -> Reading {
         let len = h.len as usize;
         let posted = self.take_posted(peer, &h.name);
-        let key = (peer, h.name);
         let into = match posted {
             None => Into::Buffer(h.desc, vec![0u8; len]),
             Some(p) => match disagreement(self.rank, peer, &h.desc, len, &p) {
                 None => Into::Posted(p),
                 Some(message) => {
-                    let ack = Ack {
-                        seq: h.seq,
-                        error: Some(message.clone()),
-                    };
-                    answer(i, peer, ack.encode());
-                    p.finish(mismatch(&key.1, message));
+                    refuse(i, peer, h.seq, p, message);
                     Into::Discard
                 }
             },
         };
         Reading {
             seq: h.seq,
-            name: key.1,
+            name: h.name,
             len,
             got: 0,
             into,
@@ -710,16 +704,20 @@ fn clear(rank: usize, i: &mut In, peer: usize, (seq, desc, len): (u64, &str, usi
             answer(i, peer, frame::clear(seq));
             i.cleared.insert(seq, p);
         }
-        Some(message) => {
-            let ack = Ack {
-                seq,
-                error: Some(message.clone()),
-            };
-            answer(i, peer, ack.encode());
-            let name = p.name.clone();
-            p.finish(mismatch(&name, message));
-        }
+        Some(message) => refuse(i, peer, seq, p, message),
     }
+}
+
+/// Fails receive `p`, which message `seq` from `peer` cannot go into (`message` says why), and
+/// answers the sender with the same text, with which it fails too.
+fn refuse(i: &mut In, peer: usize, seq: u64, p: Pending, message: String) {
+    let ack = Ack {
+        seq,
+        error: Some(message.clone()),
+    };
+    answer(i, peer, ack.encode());
+    let name = p.name.clone();
+    p.finish(mismatch(&name, message));
 }
 
 /// Why a message from `peer` described as `desc`, of `len` bytes, cannot go into
