@@ -156,3 +156,103 @@ fn split_allreduces_sum_every_segment_and_run_ahead_safely() {
     });
     assert!(results.iter().all(|&s| s == (300, 0)), "{results:?}");
 }
+
+#[test]
+fn one_rank_per_host_agrees_across_hosts_and_falls_back_when_ranks_differ() {
+    // Three ranks, each on a host of its own: blocking allreduces agree over the fast path's
+    // connections. Every tenth op rank 0 has an engine op in flight, so it declines, and the
+    // others' offers are answered with its decline; every 25th op rank 2 offers another shape,
+    // so no rank's offer is fast and the engine reports the difference on every rank.
+    const N: usize = 3;
+    let results = common::jobs::job_one_per_host(N, SECRET, |rank, e| {
+        let (mut done, mut declined, mut refused) = (0u64, 0u64, 0u64);
+        for i in 0..400usize {
+            let len = 1 + (i * 5) % 19;
+            let data: Vec<f32> = (0..len).map(|k| (rank * 100 + i + k) as f32).collect();
+            let expect: Vec<f32> = (0..len)
+                .map(|k| (0..N).map(|r| (r * 100 + i + k) as f32).sum())
+                .collect();
+            if i % 25 == 24 {
+                let mut mine = data.clone();
+                if rank == 2 {
+                    mine.push(0.0);
+                }
+                let len_mine = mine.len();
+                let r = e
+                    .run(op(&format!("odd{i}"), &mine), Some(&|| false))
+                    .expect("run");
+                let Ran::Queued(h, o) = r else {
+                    panic!("rank {rank} op {i}: shapes differ, yet it was reduced")
+                };
+                assert_eq!(o, Outcome::Declined, "rank {rank} op {i} ({len_mine})");
+                let Some(Err(err)) = h.wait(Duration::ZERO) else {
+                    panic!("rank {rank} op {i}: shapes differ, yet the engine reduced them")
+                };
+                assert!(err.to_string().contains("odd"), "rank {rank} op {i}: {err}");
+                refused += 1;
+                continue;
+            }
+            if i % 10 == 9 {
+                let x = op(&format!("x{i}"), &data);
+                if rank == 0 {
+                    let hx = e.submit(x).unwrap();
+                    let (o, got) = blocking(e, op(&format!("y{i}"), &data));
+                    assert_eq!((o, &got), (Outcome::Ineligible, &expect), "op {i}");
+                    hx.wait(Duration::ZERO).unwrap().unwrap();
+                } else {
+                    let (o, got) = blocking(e, op(&format!("y{i}"), &data));
+                    assert_eq!(
+                        (o, &got),
+                        (Outcome::Declined, &expect),
+                        "rank {rank} op {i}"
+                    );
+                    e.submit(x).unwrap().wait(Duration::ZERO).unwrap().unwrap();
+                    declined += 1;
+                }
+                continue;
+            }
+            let (o, got) = blocking(e, op(&format!("a{}", i % 3), &data));
+            assert_eq!(o, Outcome::Done, "rank {rank} op {i}");
+            assert_eq!(got, expect, "rank {rank} op {i}");
+            done += 1;
+        }
+        (done, declined, refused, e.fast_path().stats())
+    });
+    for (rank, (done, declined, refused, (taken, not_taken))) in results.into_iter().enumerate() {
+        assert_eq!(done, taken, "rank {rank}");
+        // 16 ops of two shapes (i % 25 == 24), 32 met rank 0's engine op (i % 10 == 9, less
+        // the 8 of those that are also of two shapes).
+        assert_eq!(done, 400 - 16 - 32, "rank {rank}");
+        assert_eq!(refused, 16, "rank {rank}");
+        assert_eq!(not_taken, declined + refused, "rank {rank}");
+    }
+}
+
+#[test]
+fn a_rank_that_closes_turns_the_fast_path_off_across_hosts() {
+    // Rank 1 joins after the first ops: its closed post makes the others' offers decline, and
+    // every later op goes through the engine, with the joined rank's part as Horovod's join
+    // gives it (nothing), on every rank alike.
+    let results = common::jobs::job_one_per_host(2, SECRET, |rank, e| {
+        for i in 0..20usize {
+            let (o, got) = blocking(e, op("warm", &[rank as f32 + 1.0, i as f32]));
+            assert_eq!(
+                (o, got),
+                (Outcome::Done, vec![3.0, 2.0 * i as f32]),
+                "rank {rank}"
+            );
+        }
+        if rank == 1 {
+            e.join().wait(Duration::ZERO).unwrap().unwrap();
+            return (e.fast_path().stats(), e.fast_path().max_bytes());
+        }
+        let (o, got) = blocking(e, op("after", &[5.0, 6.0]));
+        assert_ne!(o, Outcome::Done, "an offer met a rank that joined");
+        assert_eq!(got, vec![5.0, 6.0]);
+        e.join().wait(Duration::ZERO).unwrap().unwrap();
+        (e.fast_path().stats(), e.fast_path().max_bytes())
+    });
+    assert_eq!(results[1].0, (20, 0), "{results:?}");
+    assert_eq!(results[0].0 .0, 20, "{results:?}");
+    assert!(results.iter().all(|r| r.1 == 0), "{results:?}");
+}

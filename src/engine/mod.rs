@@ -198,10 +198,20 @@ impl Engine {
             if crowded { "yield the core between polls, crowded" } else { "spin, then block" },
             config.yield_when_idle.map_or("auto", |y| if y { "1" } else { "0" })
         );
+        // A job of one rank per host agrees on its small ops across hosts over connections of
+        // their own (every rank decides alike, from the same host table).
+        let one_per_host = (2..=fast::MAX_ACROSS_RANKS).contains(&size)
+            && hosts.iter().collect::<std::collections::HashSet<_>>().len() == size;
+        let fast_links = if one_per_host {
+            transport.fast_links()
+        } else {
+            None
+        };
         let fast = Arc::new(fast::FastPath::new(
             rank,
             size,
             offer_records,
+            fast_links.clone(),
             // A fast op cannot be given up on one rank alone (a peer may be reading its
             // offer), so a job that asks for stalled ops to fail keeps every op in the engine.
             if config.stall_shutdown.is_some() {
@@ -234,6 +244,15 @@ impl Engine {
             in_flight: Arc::default(),
             messenger,
         });
+        if let Some(links) = &fast_links {
+            // The engine thread watches the peers' connections as they come.
+            let weak = Arc::downgrade(&shared);
+            links.set_on_arrival(Box::new(move || {
+                if let Some(shared) = weak.upgrade() {
+                    shared.waker.wake();
+                }
+            }));
+        }
         let w = worker::Worker::new(
             config,
             rank,

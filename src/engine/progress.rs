@@ -34,6 +34,10 @@ use crate::sys::wait_readable;
 /// below what a person pressing Ctrl-C notices.
 pub const STOP_CHECK: Duration = Duration::from_millis(50);
 
+/// How soon the idle engine thread looks again at the fast path's connections across hosts
+/// while a caller of this rank offers (see [`run`]).
+const OFFER_RECHECK: Duration = Duration::from_millis(1);
+
 /// The worker, shared by the engine thread and waiting callers. `None` once it has shut
 /// down: the engine thread drops it then, so its sockets and mappings go at shutdown even
 /// while Python still holds handles.
@@ -99,6 +103,9 @@ impl Progress {
             if let Some(result) = handle.wait_for(STOP_CHECK) {
                 return result;
             }
+            // Peers' offers across hosts of slots this rank declined are answered while it
+            // waits, should its engine thread be busy (see `engine::fast`).
+            self.shared.fast.service();
             if stop() {
                 return Some(Err(Error::Interrupted("waiting for an op".into())));
             }
@@ -189,7 +196,16 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
             }
             Step::Idle => {}
         }
-        let (fds, timeout) = (worker.idle_fds(), worker.idle_timeout());
+        let (mut fds, mut timeout) = (worker.idle_fds(), worker.idle_timeout());
+        // The fast path's connections across hosts: a peer's offer of a slot this rank declined
+        // is answered from here. Not while a caller offers or has just taken a slot (it reads
+        // them, and sleeps on them): then look again within a millisecond.
+        let fast_fds = fds.len();
+        if shared.fast.offering(OFFER_RECHECK) {
+            timeout = timeout.min(OFFER_RECHECK);
+        } else {
+            fds.extend(shared.fast.link_fds());
+        }
         if !idle.over() {
             drop(guard);
             // A contended yield ends the spin: the next turn arms and blocks.
@@ -213,9 +229,12 @@ fn run(slot: &Slot, shared: &Shared, spin: Duration) {
         let woke = wait_readable(&fds, timeout).unwrap_or_default();
         shared.polling.store(false, Ordering::Relaxed);
         shared.waker.clear();
+        if woke.iter().any(|&i| i >= fast_fds) {
+            shared.fast.service();
+        }
         // Disarm at once if we can, or the coordinator rings for every message while a caller
         // turns the worker; otherwise on the next turn.
-        let rang = woke.iter().any(|&i| i > 0);
+        let rang = woke.iter().any(|&i| i > 0 && i < fast_fds);
         match slot.try_lock() {
             Some(mut g) => {
                 if let Some(w) = g.as_mut() {

@@ -34,6 +34,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::fast_links::FastLinks;
 use super::messenger::Messenger;
 use super::shm::ShmLink;
 use crate::bootstrap::auth::authenticate;
@@ -45,6 +46,9 @@ use crate::wire::{Reader, Writer};
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"FVM1");
 /// The hello of a connection that carries point-to-point messages ([`super::messenger`]).
 const MESSAGES_MAGIC: u32 = u32::from_le_bytes(*b"FVP1");
+/// The hello of a connection that carries the fast path's posts across hosts
+/// ([`super::fast_links`]).
+const FAST_MAGIC: u32 = u32::from_le_bytes(*b"FVF1");
 const HELLO_LEN: usize = 16;
 
 /// A link made: the connection itself, or the shared-memory link set up over it.
@@ -111,6 +115,8 @@ pub(super) struct Dialer {
     acceptor: Option<thread::JoinHandle<()>>,
     /// Where the acceptor hands the connections that carry point-to-point messages.
     messenger: Messenger,
+    /// Where it hands those that carry the fast path's posts.
+    fast: FastLinks,
 }
 
 impl std::fmt::Debug for Dialer {
@@ -151,6 +157,7 @@ impl Dialer {
             timeout,
             finish.clone(),
         )?;
+        let fast = FastLinks::new(rank, size, addrs.clone(), secret.clone(), timeout);
         let mut d = Dialer {
             rank,
             size,
@@ -170,6 +177,7 @@ impl Dialer {
             stop_bell,
             acceptor: None,
             messenger,
+            fast,
         };
         let acceptor = Acceptor {
             rank,
@@ -182,6 +190,7 @@ impl Dialer {
             stop: d.stop.clone(),
             timeout,
             messenger: d.messenger.clone(),
+            fast: d.fast.clone(),
         };
         let handle = thread::Builder::new()
             .name(format!("ferrovod-accept-{rank}"))
@@ -261,6 +270,10 @@ impl Dialer {
     }
 
     /// This rank's point-to-point messenger, which the acceptor feeds.
+    pub(super) fn fast_links(&self) -> FastLinks {
+        self.fast.clone()
+    }
+
     pub(super) fn messenger(&self) -> Messenger {
         self.messenger.clone()
     }
@@ -384,6 +397,7 @@ struct Acceptor {
     stop: Arc<AtomicBool>,
     timeout: Duration,
     messenger: Messenger,
+    fast: FastLinks,
 }
 
 impl Acceptor {
@@ -436,6 +450,10 @@ impl Acceptor {
                 self.messenger.incoming(from, made);
                 return;
             }
+            Ok(Accepted::Fast(from)) => {
+                self.fast.arrived(from, s);
+                return;
+            }
             Ok(Accepted::Declined) => return,
             Err(e) => {
                 log::warn!(
@@ -471,7 +489,7 @@ fn encode_hello(magic: u32, from: usize, to: usize, size: usize) -> Vec<u8> {
 fn decode_hello(bytes: &[u8]) -> Result<(u32, usize, usize, usize)> {
     let mut r = Reader::new(bytes);
     let magic = r.u32()?;
-    if magic != HELLO_MAGIC && magic != MESSAGES_MAGIC {
+    if ![HELLO_MAGIC, MESSAGES_MAGIC, FAST_MAGIC].contains(&magic) {
         return Err(Error::Decode("bad mesh hello".into()));
     }
     let hello = (
@@ -601,6 +619,8 @@ enum Accepted {
     Link(usize),
     /// This rank's messages from that rank (always taken: one per direction, no tie-break).
     Messages(usize),
+    /// That rank's fast-path posts to this rank (likewise).
+    Fast(usize),
     /// A data link the dialler's own connection stands in for.
     Declined,
 }
@@ -622,8 +642,8 @@ fn accept_peer(
     read_exact_until(s, &mut hello, deadline, "waiting for a mesh hello")?;
     let (magic, from, to, their_size) = decode_hello(&hello)?;
     let valid = to == rank && their_size == size && from != rank && from < size;
-    let messages = magic == MESSAGES_MAGIC;
-    let taken = valid && (messages || take(from));
+    let one_way = magic != HELLO_MAGIC;
+    let taken = valid && (one_way || take(from));
     // Answer even a hello we reject, so the dialler can say precisely what is misconfigured.
     let mut reply = encode_hello(magic, rank, from, size);
     reply.push(u8::from(taken));
@@ -633,17 +653,17 @@ fn accept_peer(
             "rank {from} of {their_size} connected to rank {rank} of {size} expecting rank {to}"
         )));
     }
-    Ok(match (taken, messages) {
+    Ok(match (taken, magic) {
         (false, _) => Accepted::Declined,
-        (true, false) => Accepted::Link(from),
-        (true, true) => Accepted::Messages(from),
+        (true, MESSAGES_MAGIC) => Accepted::Messages(from),
+        (true, FAST_MAGIC) => Accepted::Fast(from),
+        (true, _) => Accepted::Link(from),
     })
 }
 
 /// This rank's connection for its messages to `peer`, listening at `addr` (see
-/// [`super::messenger`]): authenticated and introduced as the data links are, then what
-/// `finish` makes of it (shared memory with a peer on this host). Every rank listens before
-/// any op, so a refusal means the peer is gone.
+/// [`super::messenger`]), then what `finish` makes of it (shared memory with a peer on this
+/// host).
 pub(super) fn connect_messages(
     (rank, size): (usize, usize),
     (peer, addr): (usize, SocketAddr),
@@ -651,9 +671,34 @@ pub(super) fn connect_messages(
     finish: Option<&Finish>,
     deadline: Instant,
 ) -> Result<Made> {
+    let s = connect_one_way(MESSAGES_MAGIC, (rank, size), (peer, addr), secret, deadline)?;
+    finished(finish, peer, s, deadline)
+}
+
+/// This rank's connection for its fast-path posts to `peer`, listening at `addr` (see
+/// [`super::fast_links`]): always TCP.
+pub(super) fn connect_fast(
+    (rank, size): (usize, usize),
+    (peer, addr): (usize, SocketAddr),
+    secret: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream> {
+    connect_one_way(FAST_MAGIC, (rank, size), (peer, addr), secret, deadline)
+}
+
+/// A connection of one direction (messages or fast-path posts, by `magic`), authenticated and
+/// introduced as the data links are. Every rank listens before any op, so a refusal means the
+/// peer is gone.
+fn connect_one_way(
+    magic: u32,
+    (rank, size): (usize, usize),
+    (peer, addr): (usize, SocketAddr),
+    secret: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream> {
     let never = AtomicBool::new(false);
     let made = connect_peer(
-        MESSAGES_MAGIC,
+        magic,
         (rank, size),
         (peer, addr),
         secret,
@@ -661,11 +706,10 @@ pub(super) fn connect_messages(
         deadline,
         &never,
     )?;
-    let s = made.ok_or_else(|| Error::PeerLost {
+    made.ok_or_else(|| Error::PeerLost {
         rank: peer,
-        detail: format!("it refused rank {rank}'s point-to-point connection"),
-    })?;
-    finished(finish, peer, s, deadline)
+        detail: format!("it refused a connection of rank {rank}"),
+    })
 }
 
 #[cfg(test)]

@@ -155,6 +155,11 @@ impl HybridTransport {
         self.dialer.as_ref().map(|d| d.messenger())
     }
 
+    /// The connections of the fast path across hosts (`None` in a job of one rank).
+    pub fn fast_links(&self) -> Option<super::fast_links::FastLinks> {
+        self.dialer.as_ref().map(|d| d.fast_links())
+    }
+
     /// The peers this rank has a link with (either kind), ascending.
     pub fn linked_peers(&self) -> Vec<usize> {
         (0..self.size)

@@ -20,6 +20,7 @@
 
 mod dial;
 mod exchange;
+pub mod fast_links;
 pub mod host_memory;
 pub mod hybrid;
 pub mod messenger;

@@ -63,15 +63,45 @@ pub fn job_with<R: Send>(
     extra: &[(&'static str, &str)],
     f: impl Fn(usize, &mut Engine) -> R + Sync,
 ) -> Vec<R> {
+    job_each(n, sets, secret, |_| extra.to_vec(), f)
+}
+
+/// [`job`] with each rank on a host of its own (`host<rank>`).
+pub fn job_one_per_host<R: Send>(
+    n: usize,
+    secret: &[u8],
+    f: impl Fn(usize, &mut Engine) -> R + Sync,
+) -> Vec<R> {
+    const NAMES: [&str; 8] = [
+        "host0", "host1", "host2", "host3", "host4", "host5", "host6", "host7",
+    ];
+    job_each(
+        n,
+        &[],
+        secret,
+        |rank| vec![("FERROVOD_HOSTNAME", NAMES[rank])],
+        f,
+    )
+}
+
+/// [`job`] with configuration variables of each rank's own.
+pub fn job_each<'a, R: Send>(
+    n: usize,
+    sets: &[Vec<usize>],
+    secret: &[u8],
+    extra: impl Fn(usize) -> Vec<(&'static str, &'a str)> + Sync,
+    f: impl Fn(usize, &mut Engine) -> R + Sync,
+) -> Vec<R> {
     let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), secret.to_vec()).unwrap();
     let addr = server.local_addr();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|rank| {
-                let f = &f;
+                let (f, extra) = (&f, &extra);
                 s.spawn(move || {
+                    let vars = extra(rank);
                     let mut engine =
-                        Engine::start(&config_with(rank, n, addr, secret, extra), sets, 0).unwrap();
+                        Engine::start(&config_with(rank, n, addr, secret, &vars), sets, 0).unwrap();
                     let r = f(rank, &mut engine);
                     engine.shutdown();
                     r

@@ -258,6 +258,44 @@ def test_hierarchical_allreduce_across_hosts(cluster):
     assert all(1.47 < x < 1.6 for x in ratios["off"]), ratios
 
 
+def test_blocking_allreduces_agree_across_hosts_without_the_coordinator(cluster):
+    """One rank on each of 3 hosts: blocking allreduces of five dtypes, four lengths and four
+    reductions, named and in place, against NumPy on every rank, bitwise equal across ranks,
+    taken by the fast path across hosts (the worker reads its testing counter). With the
+    fast path off, the same job goes through the engine and agrees just as well."""
+    for label, extra in (("on", {}), ("off", {"FERROVOD_FAST_PATH_BYTES": "0"})):
+        res = cluster.run("h0", [*LAUNCH, "-np", "3", "-H", "h0:1,h1:1,h2:1",
+                                 *ssh_flags(cluster), PY, str(WORKERS / "across_worker.py")],
+                          timeout=120, env=clean_env(**extra))
+        assert res.returncode == 0, f"{label}: {describe(res)}"
+        assert ok_ranks(res.stdout) == {0, 1, 2}, f"{label}: {describe(res)}"
+        if label == "off":
+            continue
+        taken = [line for line in res.stdout.splitlines() if "<stdout>:FAST " in line]
+        assert len(taken) == 3, describe(res)
+
+
+def test_a_rank_killed_during_blocking_allreduces_across_hosts_is_named(cluster):
+    """One rank on each of 3 hosts in a loop of blocking allreduces (the fast path across
+    hosts): rank 1 SIGKILLs itself, and every survivor's allreduce raises RankFailureError
+    naming rank 1, found by the failure, not a timeout (errors_worker.py's kill case)."""
+    marker = f"fvkill-{time.time_ns()}"
+    res = cluster.run("h0", [*LAUNCH, "-np", "3", "-H", "h0:1,h1:1,h2:1", *ssh_flags(cluster),
+                             PY, str(WORKERS / "errors_worker.py"), "kill", marker, "40"],
+                      timeout=120, env=clean_env(FERROVOD_TIMEOUT_SECONDS="30"))
+    assert res.returncode != 0, f"the launcher must fail when a rank was killed\n{describe(res)}"
+    for r in (0, 2):
+        got = [line for line in res.stdout.splitlines()
+               if line.startswith(f"[{r}]<stdout>:RANKFAIL ")]
+        assert got, f"rank {r} did not report RankFailureError\n{describe(res)}"
+        fields = dict(kv.split("=", 1) for kv in got[0].split(" msg=")[0].split()[1:])
+        assert fields["rank_attr"] == "1", got[0]
+        # Half of the 30 s op timeout: a loaded machine does not reach it by chance.
+        assert float(fields["elapsed"]) < 15, got[0]
+        print(got[0])
+    assert cluster.leftovers(marker, within=15) == {}
+
+
 # -- other launchers -------------------------------------------------------------------------
 
 

@@ -56,8 +56,11 @@
 //! This file holds the slots and the offers, which decide whether an op is fast; `data.rs` what
 //! a fast op computes from the offers, `wait.rs` how every meeting waits on a peer.
 
+mod across;
 mod data;
 mod wait;
+
+pub(crate) use across::MAX_RANKS as MAX_ACROSS_RANKS;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -67,6 +70,7 @@ use parking_lot::Mutex;
 
 use crate::collective::reduce::{check_reducible, scale};
 use crate::error::{Error, Result};
+use crate::transport::fast_links::{FastLinks, PostKind};
 use crate::transport::offers::{BoardWord, OfferRecords, OFFER_DATA_BYTES, OFFER_DESC_BYTES};
 use crate::types::{OpKind, ReduceOp};
 
@@ -91,6 +95,8 @@ struct State {
     last_offer: [u64; 2],
     /// A fast op of this rank is between its offer and its `Done`.
     busy: bool,
+    /// The slot of that op, across hosts (its peers' offers of it are not to be answered).
+    offering: Option<u64>,
     closed: bool,
 }
 
@@ -108,8 +114,16 @@ pub struct FastPath {
     /// Every rank's board and offer records (`None` with one rank, where the ranks span hosts,
     /// or where they could not be mapped: this rank then only ever declines).
     records: Option<OfferRecords>,
-    /// Whether `records` reach every other rank (or there is none).
+    /// The connections of the fast path across hosts, in a job of one rank per host
+    /// ([`across`]); such a job has no `records`.
+    across: Option<FastLinks>,
+    /// Whether `records` (or `across`) reach every other rank (or there is none).
     complete: bool,
+    /// Offers read across hosts may need an answer (see [`FastPath::answer_soon`]).
+    answer_due: AtomicBool,
+    /// When a caller last took a slot across hosts, in microseconds from `born`.
+    last_slot_us: AtomicU64,
+    born: std::time::Instant,
     max_bytes: usize,
     spin: Duration,
     stall: Option<Duration>,
@@ -118,6 +132,8 @@ pub struct FastPath {
     /// A timeline is being written: ops go through the engine so that they appear in it.
     timeline: AtomicBool,
     closing: AtomicBool,
+    /// This rank takes no more slots (it closed, or a peer across hosts did).
+    off: AtomicBool,
     /// The engine's failure: every later op gets it, as through the engine.
     failed: Mutex<Option<Error>>,
     /// Ops reduced here, and offers that went to the engine after all.
@@ -138,28 +154,37 @@ impl std::fmt::Debug for FastPath {
 }
 
 impl FastPath {
-    /// `records`: every rank's board and offer records; `max_bytes` 0 turns offering off (the
-    /// rank still posts its slots, so that peers never wait on it).
+    /// `records`: every rank's board and offer records; `across`: in a job of one rank per
+    /// host instead, the connections with every other rank; `max_bytes` 0 turns offering off
+    /// (the rank still takes its slots, and answers, so that peers never wait on it).
     pub(crate) fn new(
         rank: usize,
         size: usize,
         records: Option<OfferRecords>,
+        across: Option<FastLinks>,
         max_bytes: usize,
         spin: Duration,
         stall: Option<Duration>,
     ) -> FastPath {
-        let complete = size == 1 || records.as_ref().is_some_and(|r| r.size() == size);
+        let complete = size == 1
+            || records.as_ref().is_some_and(|r| r.size() == size)
+            || across.as_ref().is_some_and(|l| l.size() == size);
         FastPath {
             rank,
             size,
             records,
+            across,
             complete,
+            answer_due: AtomicBool::new(false),
+            last_slot_us: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             max_bytes: max_bytes.min(OFFER_DATA_BYTES),
             spin,
             stall,
             outstanding: Arc::new(AtomicUsize::new(0)),
             timeline: AtomicBool::new(false),
             closing: AtomicBool::new(false),
+            off: AtomicBool::new(false),
             failed: Mutex::new(None),
             taken: AtomicU64::new(0),
             declined: AtomicU64::new(0),
@@ -167,6 +192,7 @@ impl FastPath {
                 posted: 0,
                 last_offer: [0; 2],
                 busy: false,
+                offering: None,
                 closed: false,
             }),
             scratch: Mutex::new(Scratch {
@@ -226,12 +252,26 @@ impl FastPath {
         }
         drop(st);
         self.ring();
+        // Offers of this slot already read are answered now; those still on their way, when
+        // they are read.
+        if let Some(links) = &self.across {
+            self.took_slot();
+            self.answer_soon(links);
+        }
     }
 
     /// Never offers again and lets peers stop waiting on this rank (join, shutdown). A fast
     /// op of this rank still waiting fails with `Shutdown`.
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::Release);
+        self.stop_taking_part();
+    }
+
+    /// Takes no more slots and offers no more: what [`FastPath::close`] does beyond failing
+    /// this rank's waits, and all a rank does when a peer across hosts has closed (no slot
+    /// could be fast again, but this rank's own offer still waiting is answered as usual).
+    fn stop_taking_part(&self) {
+        self.off.store(true, Ordering::Release);
         let mut st = self.state.lock();
         if st.closed {
             return;
@@ -240,6 +280,16 @@ impl FastPath {
         self.publish(BoardWord::Posted, u64::MAX);
         if !st.busy {
             self.publish(BoardWord::Done, u64::MAX);
+        }
+        if let Some(links) = &self.across {
+            // Best effort, to the peers this rank has posted to (a peer that is gone learns
+            // nothing, and needs nothing); others that offer later are answered so when their
+            // offer is read ([`FastPath::answer`]).
+            for r in self.peers() {
+                if links.connected(r) {
+                    let _ = links.post(r, PostKind::Closed, st.posted, &[], &[], None);
+                }
+            }
         }
         drop(st);
         self.ring();
@@ -252,14 +302,24 @@ impl FastPath {
         self.close();
     }
 
-    /// Whether the path takes ops at all: every rank on this host, a size limit, no timeline.
+    /// Whether the path takes ops at all: every rank on this host (or one rank on each host),
+    /// a size limit, no timeline, not closed.
     fn on(&self) -> bool {
-        self.complete && self.max_bytes > 0 && !self.timeline.load(Ordering::Relaxed)
+        self.complete
+            && self.max_bytes > 0
+            && !self.timeline.load(Ordering::Relaxed)
+            && !self.off.load(Ordering::Relaxed)
     }
 
     /// The tensor of `op` if it is an op the fast path takes.
     fn eligible<'a>(&self, op: &'a OpSpec) -> Option<&'a TensorBuf> {
         if !self.on() || op.set_id != 0 || op.tensors.len() != 1 {
+            return None;
+        }
+        // Across hosts only allreduces, the small op a training step waits on.
+        if self.across.is_some()
+            && (op.kind != OpKind::Allreduce || op.tensors[0].meta.nbytes() > across::MAX_BYTES)
+        {
             return None;
         }
         let t = &op.tensors[0];
@@ -287,12 +347,17 @@ impl FastPath {
     }
 
     /// The largest tensor, in bytes, that an op offered now could take this path with; 0
-    /// when the path is off (ranks on several hosts, a timeline written, stalled ops failed,
-    /// this rank closed). A front end that may hold an op back until it is waited for, to
-    /// offer it then, asks this first.
+    /// when the path is off (several ranks on some host of a job that spans hosts, a timeline
+    /// written, stalled ops failed, this rank closed). Across hosts only allreduces of at most
+    /// 16 KiB are taken. A front end that may hold an op back until it is waited for, to offer
+    /// it then, asks this first.
     pub fn max_bytes(&self) -> usize {
         if self.on() && !self.closing.load(Ordering::Relaxed) {
-            self.max_bytes
+            if self.across.is_some() {
+                self.max_bytes.min(across::MAX_BYTES)
+            } else {
+                self.max_bytes
+            }
         } else {
             0
         }
@@ -338,6 +403,9 @@ impl FastPath {
             if matches!(op.kind, OpKind::Allreduce | OpKind::Reducescatter) {
                 scale(dtype, &mut sc.own, op.prescale)?;
             }
+        }
+        if let Some(links) = &self.across {
+            return self.offer_across(links, op, sc, stop);
         }
         let payload = if copied {
             &sc.own[..]
