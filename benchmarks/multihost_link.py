@@ -402,6 +402,20 @@ def print_table(rows: Sequence[Row], rate_bits: float, tcp_bits: float, peer: st
 # -- main ------------------------------------------------------------------------------------
 
 
+def start_hosts(workdir: Path, who: str) -> Optional[Cluster]:
+    """``HOSTS`` built in ``workdir``, or None when they cannot be (why printed, as ``who``;
+    what was made of them removed)."""
+    cluster = Cluster(list(HOSTS), workdir)
+    try:
+        cluster.__enter__()
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        print(f"{who}: cannot build the hosts: {detail}", file=sys.stderr)
+        cluster.close()
+        return None
+    return cluster
+
+
 def _terminate(signum: int, frame: Optional[FrameType]) -> None:
     # SIGTERM (e.g. from a CI timeout) takes the same clean-up path as Ctrl-C.
     raise KeyboardInterrupt
@@ -465,12 +479,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="fv-link-"))
     cluster: Optional[Cluster] = None
     try:
-        cluster = Cluster(list(HOSTS), workdir)
-        try:
-            cluster.__enter__()
-        except (RuntimeError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", None) or exc
-            print(f"multihost_link: cannot build the hosts: {detail}", file=sys.stderr)
+        cluster = start_hosts(workdir, "multihost_link")
+        if cluster is None:
             return 1
         print(f"# hosts {', '.join(f'{h.name} {h.ip}' for h in cluster.hosts.values())}; "
               f"tbf rate {rate_bits}bit burst {burst} latency {latency} on each host's eth0")

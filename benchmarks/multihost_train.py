@@ -81,12 +81,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="fv-train-"))
     cluster: Optional[Cluster] = None
     try:
-        cluster = Cluster(list(HOSTS), workdir)
-        try:
-            cluster.__enter__()
-        except (RuntimeError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", None) or exc
-            print(f"multihost_train: cannot build the hosts: {detail}", file=sys.stderr)
+        cluster = link.start_hosts(workdir, "multihost_train")
+        if cluster is None:
             return 1
         if rate_bits is None:
             print(f"# hosts {', '.join(f'{h.name} {h.ip}' for h in cluster.hosts.values())}; "

@@ -240,18 +240,7 @@ impl FastPath {
                 Duration::from_millis(1)
             };
             let _ = wait_readable(&fds, slice);
-            if let Some(stall) = self.stall {
-                if !warned && start.elapsed() > stall {
-                    warned = true;
-                    log::warn!(
-                        target: crate::LOG_TARGET,
-                        "rank {}: allreduce '{name}' has waited {:.0} s for rank {r} to \
-                         submit its next op (ranks must submit the same ops)",
-                        self.rank,
-                        start.elapsed().as_secs_f64(),
-                    );
-                }
-            }
+            self.warn_if_stalled(&mut warned, start, name, r);
         }
     }
 

@@ -78,18 +78,31 @@ impl FastPath {
                     "ferrovod shut down while allreduce '{name}' waited for rank {peer}"
                 )));
             }
-            if let Some(stall) = self.stall {
-                if !warned && start.elapsed() > stall {
-                    warned = true;
-                    log::warn!(
-                        target: crate::LOG_TARGET,
-                        "rank {}: allreduce '{name}' has waited {:.0} s for rank {peer} to \
-                         submit its next op (ranks must submit the same ops)",
-                        self.rank,
-                        start.elapsed().as_secs_f64(),
-                    );
-                }
-            }
+            self.warn_if_stalled(&mut warned, start, name, peer);
+        }
+    }
+
+    /// Logs once (`warned`) that an op named `name` has waited on rank `peer` since `start`
+    /// for longer than the stall-check time.
+    pub(super) fn warn_if_stalled(
+        &self,
+        warned: &mut bool,
+        start: Instant,
+        name: &str,
+        peer: usize,
+    ) {
+        let Some(stall) = self.stall else {
+            return;
+        };
+        if !*warned && start.elapsed() > stall {
+            *warned = true;
+            log::warn!(
+                target: crate::LOG_TARGET,
+                "rank {}: allreduce '{name}' has waited {:.0} s for rank {peer} to submit its \
+                 next op (ranks must submit the same ops)",
+                self.rank,
+                start.elapsed().as_secs_f64(),
+            );
         }
     }
 }
