@@ -8,6 +8,8 @@
 //! - [`host_memory`]: not a link but memory of each rank that the other ranks of its host map,
 //!   for algorithms that read their peers' buffers where they lie; [`offers`] lays the fast
 //!   path's records out in such segments.
+//! - [`fast_links`]: the fast path's connections across hosts, one per direction and pair,
+//!   beside the data links.
 //!
 //! Algorithms over links see a [`Transport`]; algorithms over peers' memory ([`host_memory`]'s
 //! segments, the fast path's offers among them) see a [`PeersMemory`].
