@@ -102,7 +102,7 @@ struct Inner {
     out: Mutex<Vec<Option<TcpStream>>>,
     inbound: Mutex<Inbound>,
     /// Connections the acceptor took, until the next pump moves them in.
-    arrived: Mutex<Vec<Option<TcpStream>>>,
+    arrived: Arc<Mutex<Vec<Option<TcpStream>>>>,
     /// Rung when a connection arrives, so that the engine thread adds it to what it watches.
     on_arrival: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// The descriptors of every peer's connection that came and has not ended: what the
@@ -124,6 +124,8 @@ pub struct Inbound {
     peers: Vec<Peer>,
     /// [`Inner::watch`], from which a connection that ends is taken.
     watch: Arc<Mutex<Vec<RawFd>>>,
+    /// [`Inner::arrived`], which every pump first moves in.
+    arrived: Arc<Mutex<Vec<Option<TcpStream>>>>,
     /// Posts parsed so far (a reader that pumped while it wrote looks again).
     received: u64,
 }
@@ -137,6 +139,7 @@ impl FastLinks {
         timeout: Duration,
     ) -> FastLinks {
         let watch = Arc::new(Mutex::new(Vec::new()));
+        let arrived = Arc::new(Mutex::new((0..size).map(|_| None).collect()));
         FastLinks(Arc::new(Inner {
             rank,
             size,
@@ -149,8 +152,9 @@ impl FastLinks {
                 peers: (0..size).map(|_| Peer::default()).collect(),
                 received: 0,
                 watch: watch.clone(),
+                arrived: Arc::clone(&arrived),
             }),
-            arrived: Mutex::new((0..size).map(|_| None).collect()),
+            arrived,
             on_arrival: Mutex::new(None),
             watch,
         }))
@@ -261,30 +265,32 @@ impl FastLinks {
     pub fn try_inbound(&self) -> Option<MutexGuard<'_, Inbound>> {
         self.0.inbound.try_lock()
     }
+}
 
-    /// Moves the connections the acceptor took into `inbound`.
-    pub fn adopt(&self, inbound: &mut Inbound) {
-        let mut arrived = self.0.arrived.lock();
+impl Inbound {
+    /// Moves in the connections the acceptor took since the last pump.
+    fn adopt(&mut self) {
+        let mut arrived = self.arrived.lock();
         for (peer, slot) in arrived.iter_mut().enumerate() {
             if let Some(s) = slot.take() {
                 // A connection made again (after a failed one) replaces the old one.
-                if let Some(old) = &inbound.peers[peer].stream {
+                if let Some(old) = &self.peers[peer].stream {
                     let fd = old.as_raw_fd();
-                    self.0.watch.lock().retain(|&w| w != fd);
+                    self.watch.lock().retain(|&w| w != fd);
                 }
-                inbound.peers[peer] = Peer {
+                self.peers[peer] = Peer {
                     stream: Some(s),
                     ..Peer::default()
                 };
             }
         }
     }
-}
 
-impl Inbound {
-    /// Reads what every peer's connection holds and parses it into posts. A connection that
-    /// ended marks its peer [`Inbound::gone`]; a post that does not parse is an error.
+    /// Reads what every peer's connection holds (those the acceptor took since the last pump
+    /// included) and parses it into posts. A connection that ended marks its peer
+    /// [`Inbound::gone`]; a post that does not parse is an error.
     pub fn pump(&mut self) -> Result<()> {
+        self.adopt();
         for (r, p) in self.peers.iter_mut().enumerate() {
             if r == self.rank || p.eof {
                 continue;

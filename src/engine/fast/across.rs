@@ -110,11 +110,7 @@ impl FastPath {
             st.offering = None;
         }
         self.took_slot();
-        match result {
-            Ok(Outcome::Done) => self.taken.fetch_add(1, Ordering::Relaxed),
-            _ => self.declined.fetch_add(1, Ordering::Relaxed),
-        };
-        result
+        self.count(result)
     }
 
     fn exchange_across(
@@ -128,7 +124,6 @@ impl FastPath {
         {
             // Posted while reading: peers post their offers to this rank at the same time.
             let mut inbound = links.inbound();
-            links.adopt(&mut inbound);
             for r in self.peers() {
                 links.post(
                     r,
@@ -193,7 +188,6 @@ impl FastPath {
             let closing = self.closing.load(Ordering::Acquire);
             let seen = {
                 let mut inbound = links.inbound();
-                links.adopt(&mut inbound);
                 let pumped = inbound.pump();
                 self.answer(links, &mut inbound);
                 pumped.map(|()| match inbound.take(r, slot) {
@@ -291,7 +285,6 @@ impl FastPath {
             return;
         }
         if let Some(mut inbound) = links.try_inbound() {
-            links.adopt(&mut inbound);
             // A post that does not parse is the offer's to report, when it waits on that peer.
             let _ = inbound.pump();
             self.answer(links, &mut inbound);

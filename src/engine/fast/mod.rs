@@ -441,6 +441,11 @@ impl FastPath {
         self.publish(BoardWord::Done, done);
         drop(st);
         self.ring();
+        self.count(result)
+    }
+
+    /// Counts an offer's outcome in [`FastPath::stats`] and hands it back.
+    fn count(&self, result: Result<Outcome>) -> Result<Outcome> {
         match result {
             Ok(Outcome::Done) => self.taken.fetch_add(1, Ordering::Relaxed),
             _ => self.declined.fetch_add(1, Ordering::Relaxed),
